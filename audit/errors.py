@@ -1,0 +1,25 @@
+"""Errors that reach the user: each message names what went wrong and how to fix it.
+
+The CLI prints a :class:`GiaError` as one line (no traceback); Python users can catch the
+specific subclasses.
+"""
+
+
+class GiaError(Exception):
+    """Base class of every error the toolkit raises on purpose."""
+
+
+class ConfigError(GiaError, ValueError):
+    """A bad name, parameter or option (unknown defense, ratio out of range, ...)."""
+
+
+class DataError(GiaError):
+    """A data set that is missing, truncated or in the wrong format."""
+
+
+class DefenseError(GiaError):
+    """A defense that raised, returned the wrong number / shapes of tensors, or NaN."""
+
+
+class NotApplicable(GiaError):
+    """An attack that cannot run on this observation (e.g. analytic inversion, no FC bias)."""
