@@ -1,0 +1,32 @@
+# Two entry points; each builds the virtual environment first when it is missing.
+#   make demo   - a real audit of a built-in defense on the embedded data (a few minutes, 2 CPU cores)
+#   make test   - the test suite
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+OUT ?= audit-out
+
+.PHONY: demo test venv weights bench clean
+
+$(VENV)/.installed: setup.cfg setup.py
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --upgrade pip
+	$(PY) -m pip install -e ".[test]"
+	touch $@
+
+venv: $(VENV)/.installed
+
+weights: venv
+	$(VENV)/bin/gia-audit weights lpips
+
+demo: venv
+	$(VENV)/bin/gia-audit audit --out $(OUT)
+
+test: venv
+	$(PY) -m pytest -q -n 2 --dist loadfile
+
+bench: venv
+	$(PY) bench/bench_attack.py
+
+clean:
+	rm -rf $(OUT) .pytest_cache
