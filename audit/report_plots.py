@@ -1,0 +1,52 @@
+"""Matplotlib figures of the report (rendered off-screen to PNG bytes)."""
+from __future__ import annotations
+
+import io
+from typing import Any, Dict
+
+
+def psnr_vs_step_png(data: Dict[str, Any]) -> bytes:
+    """Mean PSNR per attack against the training step, the worst case over attacks, and the
+    verdict thresholds; the x axis is symmetric-log so step 0 and step 100 both show."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    steps = [s["step"] for s in data["steps"]]
+    fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=110)
+    try:
+        for attack in data["attacks"]:
+            aid = attack["id"]
+            ys = [s["attacks"].get(aid, {}).get("psnr") for s in data["steps"]]
+            pts = [(x, y) for x, y in zip(steps, ys) if y is not None]
+            if pts:
+                style = "--" if attack.get("kind") == "adaptive" else "-"
+                ax.plot(*zip(*pts), style, marker="o", ms=4, lw=1.2, label=aid)
+        worst = [(x, s["worst_case"]["psnr"]) for x, s in zip(steps, data["steps"])
+                 if s["worst_case"]["psnr"] is not None]
+        if worst:
+            ax.plot(*zip(*worst), color="black", lw=2.4, alpha=0.55, label="worst case")
+        thr = data["thresholds"]
+        ax.axhline(thr["leak_psnr"], color="tab:red", ls=":", lw=1)
+        ax.axhline(thr["private_psnr"], color="tab:green", ls=":", lw=1)
+        ax.text(1.0, thr["leak_psnr"], f" leaks >= {thr['leak_psnr']:g} dB", color="tab:red",
+                transform=ax.get_yaxis_transform(), va="bottom", ha="right", fontsize=8)
+        ax.text(1.0, thr["private_psnr"], f" private <= {thr['private_psnr']:g} dB", color="tab:green",
+                transform=ax.get_yaxis_transform(), va="top", ha="right", fontsize=8)
+        ax.set_xscale("symlog", linthresh=1)
+        if steps:
+            ax.set_xticks(steps)
+            ax.set_xticklabels([str(s) for s in steps])
+        ax.set_xlabel("training step of the audited checkpoint")
+        ax.set_ylabel("PSNR (dB), mean over private images")
+        ax.set_title(f"{data['defense']['name']}: reconstruction quality over training", fontsize=10)
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8, loc="best")
+        fig.tight_layout()
+        buf = io.BytesIO()
+        fig.savefig(buf, format="png")
+        return buf.getvalue()
+    finally:
+        plt.close(fig)

@@ -1,0 +1,131 @@
+"""The risk report and the result store, on a hand-made store with known numbers (fast:
+no attack runs here; tests/test_audit.py covers the end-to-end audit)."""
+import json
+import math
+import re
+
+import pytest
+import torch
+
+from audit.errors import ConfigError
+from audit.report import AuditReport, render
+from audit.report_risk import PARTIAL, PRIVATE, RECOVERED, Thresholds, default_delta
+from audit.results import ResultStore, settings_key
+
+ATTACKS = [
+    {"id": "ig", "name": "ig", "kind": "base", "settings": {}, "reason": "baseline"},
+    {"id": "mask-replay", "name": "mask-replay", "kind": "adaptive", "settings": {}, "reason": "sparse"},
+]
+# (step, attack, image) -> (psnr, ssim, l2)
+NUMBERS = {
+    (0, "ig", 0): (24.0, 0.7, 2.0), (0, "ig", 1): (21.0, 0.6, 3.0),
+    (0, "mask-replay", 0): (30.0, 0.9, 1.0), (0, "mask-replay", 1): (19.0, 0.4, 6.0),
+    (5, "ig", 0): (12.0, 0.1, 9.0), (5, "ig", 1): (11.0, 0.1, 9.5),
+    (5, "mask-replay", 0): (17.0, 0.3, 6.0), (5, "mask-replay", 1): (13.0, 0.2, 8.0),
+}
+
+
+def _store(root, numbers=NUMBERS, steps=(0, 5), failing=()):
+    store = ResultStore.create(root, {"defense": "prune", "seed": 0})
+    store.update_manifest(
+        run_key=store.key, status="complete", defense={"name": "prune", "params": {"ratio": 0.9}},
+        attacks=ATTACKS, steps=list(steps), images=2, settings={"images": 2, "steps": list(steps)},
+        threat_model={"labels_shared": False}, plan={"traits": {"sparse": True}},
+        utility={"accuracy_defended": 0.5, "accuracy_undefended": 0.6},
+        thresholds=Thresholds().as_dict(),
+        risk_delta={"delta": 5.0, "description": "l2 over 3x16x16 pixels"})
+    gen = torch.Generator().manual_seed(0)
+    for i in range(2):
+        store.save_original(i, torch.rand(1, 3, 16, 16, generator=gen))
+    for (step, attack, image), (psnr, ssim, l2) in numbers.items():
+        store.save_result({"step": step, "attack_id": attack, "attack": attack, "image": image,
+                           "status": "ok", "metrics": {"psnr": psnr, "ssim": ssim, "lpips": None,
+                                                       "label_acc": 1.0, "l2": [l2]},
+                           "unavailable": {"lpips": "no pretrained weights"}},
+                          torch.rand(1, 3, 16, 16, generator=gen))
+    for step, attack, image in failing:
+        store.save_result({"step": step, "attack_id": attack, "attack": attack, "image": image,
+                           "status": "error", "defense": "prune", "reason": "DefenseError: boom"})
+    return store
+
+
+def test_worst_case_risk_and_verdict_follow_the_stated_definitions(tmp_path):
+    report = AuditReport.from_store(_store(tmp_path))
+    s0, s5 = report.step(0), report.step(5)
+    # per image, the most leaking attack; then the mean over images
+    assert s0["worst_case"]["psnr"] == pytest.approx((30.0 + 21.0) / 2)
+    assert s0["worst_case"]["ssim"] == pytest.approx((0.9 + 0.6) / 2)
+    assert [e["best_attack"] for e in s0["worst_case"]["per_image"]] == ["mask-replay", "ig"]
+    assert s0["attacks"]["ig"]["psnr"] == pytest.approx(22.5)
+    # risk: the strongest single attack's fraction within delta = 5 (ig: 2/2, mask: 1/2)
+    assert s0["risk"]["strongest_attack"] == "ig" and s0["risk"]["success"] == 1.0
+    assert s0["risk"]["bayes_risk"] == 0.0
+    assert s5["risk"]["success"] == 0.0 and s5["risk"]["strongest_attack"] == "mask-replay"
+    # verdicts: both images recovered at step 0; at step 5 one partial (17 dB), one private (13 dB)
+    assert s0["verdict"]["label"] == RECOVERED and s0["verdict"]["recovered"] == 2
+    assert s5["verdict"]["label"] == PARTIAL
+    assert (s5["verdict"]["partially"], s5["verdict"]["not_recovered"]) == (1, 1)
+    assert report.verdict == RECOVERED and report.data["verdict"]["leaking_steps"] == [0]
+    assert report.psnr(5, "ig") == pytest.approx(11.5)
+
+
+def test_thresholds_classify_at_the_stated_boundaries():
+    t = Thresholds()
+    assert t.classify(20.0, 0.1) == RECOVERED
+    assert t.classify(10.0, 0.5) == RECOVERED
+    assert t.classify(15.0, 0.49) == PRIVATE
+    assert t.classify(15.1, 0.2) == PARTIAL
+    assert "20 dB" in t.describe() and "0.5" in t.describe()
+    assert default_delta(3 * 16 * 16) == pytest.approx(0.1 * math.sqrt(768))
+
+
+def test_written_report_is_complete_self_contained_and_nan_free(tmp_path):
+    _store(tmp_path)
+    report = render(tmp_path)
+    for name in ("report.json", "report.md", "report.html", "psnr_vs_step.png"):
+        assert (tmp_path / name).stat().st_size > 0
+
+    def no_nan(token):
+        raise AssertionError(f"{token} in report.json")
+
+    data = json.loads((tmp_path / "report.json").read_text(), parse_constant=no_nan)
+    assert data["verdict"]["label"] == "leaks" and len(data["results"]) == 8
+    assert data["thresholds"]["leak_psnr"] == 20.0 and data["risk_delta"]["delta"] == 5.0
+    html = (tmp_path / "report.html").read_text()
+    sources = re.findall(r'src="([^"]*)"', html)
+    # plot + 2 originals x 2 steps + 8 reconstructions, all embedded
+    assert len(sources) == 1 + 4 + 8 and all(s.startswith("data:image/png;base64,") for s in sources)
+    text = re.sub(r"data:image/png;base64,[A-Za-z0-9+/=]+", "", html)
+    assert not re.search(r"\bnan\b", text, re.IGNORECASE)
+    md = (tmp_path / "report.md").read_text()
+    assert "| 0 | 25.50 |" in md  # worst-case PSNR of step 0
+    assert "LPIPS unavailable: no pretrained weights" in md
+    assert (tmp_path / "report.md").read_text().count("n/a") >= 4
+
+
+def test_failures_and_pending_work_are_reported_not_hidden(tmp_path):
+    numbers = {k: v for k, v in NUMBERS.items() if k[0] == 0}
+    store = _store(tmp_path, numbers, steps=(0, 5, 20), failing=[(5, "ig", 0)])
+    report = AuditReport.from_store(store)
+    assert report.data["progress"] == {"done": 5, "total": 12}
+    assert report.step(5)["attacks"]["ig"]["status"] == "error"
+    assert report.step(20)["attacks"]["ig"]["status"] == "pending"
+    assert report.step(20)["verdict"]["images"] == 0
+    assert report.failures == [{"step": 5, "attack": "ig", "image": 0, "defense": "prune",
+                                "error": "DefenseError: boom"}]
+    md = report.to_markdown()
+    assert "## Failures" in md and "DefenseError: boom" in md
+
+
+def test_store_keys_resume_and_errors(tmp_path):
+    a = settings_key({"seed": 0, "defense": "prune"})
+    assert a == settings_key({"defense": "prune", "seed": 0})
+    assert a != settings_key({"defense": "prune", "seed": 1})
+    store = _store(tmp_path)
+    assert store.has(0, "ig", 1) and not store.has(20, "ig", 0)
+    assert ResultStore.open_latest(tmp_path).key == store.key
+    assert not list(tmp_path.rglob("*.tmp"))  # atomic writes leave nothing behind
+    with pytest.raises(ConfigError, match="holds no audit"):
+        ResultStore.open_latest(tmp_path / "empty")
+    with pytest.raises(ConfigError, match="not found"):
+        ResultStore.open_latest(tmp_path, "deadbeef")
