@@ -179,57 +179,50 @@ def _uint8_images(arr: np.ndarray) -> Tensor:
 
 
 # --------------------------------------------------------------------------- embedded data
-# (class name, scikit-image sample that ships inside the wheel -- no pooch download needed --,
-#  fraction of the centred square kept: the retina's fundus is a disc on black)
+# (class name, picture in scikit-image's data folder -- shipped inside the wheel, no pooch
+#  download -- and the fraction of the centred square kept: the retina's fundus is a disc)
 EMBEDDED_SOURCES: List[Tuple[str, str, float]] = [
-    ("astronaut", "astronaut", 1.0),
-    ("cat", "chelsea", 1.0),
-    ("coffee", "coffee", 1.0),
-    ("galaxies", "hubble_deep_field", 1.0),
-    ("tissue", "immunohistochemistry", 1.0),
-    ("retina", "retina", 0.7),
-    ("rocket", "rocket", 1.0),
-    ("motorcycle", "stereo_motorcycle", 1.0),
-    ("photographer", "camera", 1.0),
-    ("grass", "grass", 1.0),
+    ("astronaut", "astronaut.png", 1.0),
+    ("cat", "chelsea.png", 1.0),
+    ("coffee", "coffee.png", 1.0),
+    ("galaxies", "hubble_deep_field.jpg", 1.0),
+    ("tissue", "ihc.png", 1.0),
+    ("retina", "retina.jpg", 0.7),
+    ("rocket", "rocket.jpg", 1.0),
+    ("motorcycle", "motorcycle_left.png", 1.0),
+    ("photographer", "camera.png", 1.0),
+    ("grass", "grass.png", 1.0),
 ]
 
 
-def _skimage_sample(name: str) -> np.ndarray:
+def skimage_picture(filename: str):
+    """A picture bundled with scikit-image, as an RGB PIL image (read directly, no imageio)."""
     import skimage.data
+    from PIL import Image
 
-    arr = getattr(skimage.data, name)()
-    return arr[0] if isinstance(arr, tuple) else arr  # stereo pairs: the left image
+    path = Path(skimage.data.__file__).parent / filename
+    try:
+        with Image.open(path) as img:
+            return img.convert("RGB")
+    except (OSError, ValueError) as err:
+        raise DataError(f"the embedded data set needs {path}, bundled with scikit-image, which failed "
+                        f"to load ({err}); reinstall scikit-image >= 0.22") from None
 
 
 @functools.lru_cache(maxsize=8)
 def _embedded_tiles(size: int, grid: int, test_rows: int) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """Cut every source into a ``grid x grid`` mosaic of non-overlapping ``size`` crops; the
     bottom ``test_rows`` rows of tiles form the test split (disjoint regions)."""
-    from PIL import Image
-
-    train_x, train_y, test_x, test_y = [], [], [], []
-    for label, (cls, sample, keep) in enumerate(EMBEDDED_SOURCES):
-        try:
-            arr = _skimage_sample(sample)
-        except Exception as err:  # a sample missing from this scikit-image install
-            import skimage
-
-            raise DataError(
-                f"the embedded data set needs scikit-image's bundled sample {sample!r} "
-                f"(in {Path(skimage.__file__).parent / 'data'}), which failed to load ({err}); "
-                "reinstall scikit-image >= 0.22"
-            ) from None
-        img = Image.fromarray(np.asarray(arr, dtype=np.uint8)).convert("RGB")
-        big = _pil_to_tensor(_pil_square(img, size * grid, keep))  # (3, S, S)
-        tiles = big.unfold(1, size, size).unfold(2, size, size)  # (3, grid, grid, size, size)
-        tiles = tiles.permute(1, 2, 0, 3, 4)  # (row, col, 3, size, size)
-        cut = grid - test_rows
-        train_x.append(tiles[:cut].reshape(-1, 3, size, size))
-        test_x.append(tiles[cut:].reshape(-1, 3, size, size))
-        train_y.append(torch.full((cut * grid,), label, dtype=torch.long))
-        test_y.append(torch.full((test_rows * grid,), label, dtype=torch.long))
-    return torch.cat(train_x), torch.cat(train_y), torch.cat(test_x), torch.cat(test_y)
+    cut = grid - test_rows
+    train, test = [], []
+    for _, filename, keep in EMBEDDED_SOURCES:
+        pic = np.asarray(_pil_square(skimage_picture(filename), size * grid, keep), dtype=np.uint8)
+        tiles = pic.reshape(grid, size, grid, size, 3).transpose(0, 2, 4, 1, 3)  # row, col, C, y, x
+        train.append(tiles[:cut].reshape(-1, 3, size, size))
+        test.append(tiles[cut:].reshape(-1, 3, size, size))
+    classes = torch.arange(len(EMBEDDED_SOURCES))
+    return (_uint8_images(np.concatenate(train)), classes.repeat_interleave(cut * grid),
+            _uint8_images(np.concatenate(test)), classes.repeat_interleave(test_rows * grid))
 
 
 def _embedded(name: str, size: int, grid: int, channels: int) -> Dataset:
