@@ -65,9 +65,9 @@ def candidate_paths() -> List[Path]:
     return [default_path(), hub_checkpoints() / TORCHVISION_FILE]
 
 
-def find_weights() -> Optional[Path]:
-    """The first candidate file that exists (not yet validated), or ``None``."""
-    return next((p for p in candidate_paths() if p.is_file()), None)
+def installed_paths() -> List[Path]:
+    """The candidate files that exist (not yet validated)."""
+    return [p for p in candidate_paths() if p.is_file()]
 
 
 # --------------------------------------------------------------------------- what
@@ -120,9 +120,7 @@ def load_features(path: Path) -> Dict[str, Tensor]:
 def weights_available() -> Tuple[bool, str]:
     """``(True, path)`` when a valid backbone file is installed, else ``(False, reason)``."""
     problems = []
-    for path in candidate_paths():
-        if not path.is_file():
-            continue
+    for path in installed_paths():
         try:
             load_features(path)
             return True, str(path)

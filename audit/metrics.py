@@ -145,22 +145,25 @@ def ssim(a: Tensor, b: Tensor) -> Tensor:
     return torch.tensor(vals, dtype=torch.float64)
 
 
-_LPIPS_CACHE: Dict[Tuple[str, float, str], nn.Module] = {}
+_LPIPS_CACHE: Dict[Tuple[str, int, str], nn.Module] = {}
 
 
 def lpips_model(device: torch.device | str = "cpu") -> nn.Module:
     """The LPIPS (AlexNet) model on ``device``, cached; raises :class:`MetricUnavailable` with
-    the reason when the ImageNet backbone weights are not installed. Never downloads."""
-    path = lpips_weights.find_weights()
-    if path is None:
-        raise MetricUnavailable(lpips_weights.weights_available()[1])
-    key = (str(path), path.stat().st_mtime, str(torch.device(device)))
-    if key not in _LPIPS_CACHE:
-        try:
-            _LPIPS_CACHE[key] = lpips_weights.load_lpips(path, device)
-        except (DataError, ImportError) as err:
-            raise MetricUnavailable(f"LPIPS unavailable: {err}") from None
-    return _LPIPS_CACHE[key]
+    the reason when no valid ImageNet backbone is installed. Never downloads."""
+    problems = []
+    for path in lpips_weights.installed_paths():
+        key = (str(path), path.stat().st_mtime_ns, str(torch.device(device)))
+        if key not in _LPIPS_CACHE:
+            try:
+                _LPIPS_CACHE[key] = lpips_weights.load_lpips(path, device)
+            except DataError as err:
+                problems.append(str(err))
+                continue
+            except ImportError as err:
+                raise MetricUnavailable(f"LPIPS needs the lpips package ({err}); pip install lpips") from None
+        return _LPIPS_CACHE[key]
+    raise MetricUnavailable("; ".join(problems) or lpips_weights.weights_available()[1])
 
 
 def lpips_distance(a: Tensor, b: Tensor) -> Tensor:
