@@ -96,5 +96,68 @@ def weights_lpips_cmd(path, source, force, seed, device):
         click.echo(f"not the default location: export {ENV_VAR}={out}")
 
 
+@main.command("audit")
+@click.option("--defense", default=None,
+              help="built-in defense name (`gia-audit list defenses`), or package.module:attr of your "
+                   "defended-gradient callable  [default: soteria]")
+@click.option("--defense-arg", multiple=True, metavar="NAME=VALUE", help="defense parameter (repeatable)")
+@click.option("--model", default=None, help="model name (`gia-audit list models`)  [default: convnet]")
+@click.option("--model-arg", multiple=True, metavar="NAME=VALUE", help="model parameter (repeatable)")
+@click.option("--dataset", default=None, help="data set name (`gia-audit list datasets`)  [default: embedded]")
+@click.option("--data-path", default=None, help="local path of the data set (cifar10, mnist, folder)")
+@click.option("--image-size", default=None, type=int, help="image side in pixels  [default: 16]")
+@click.option("--steps", default=None, help="audited training steps, e.g. 0,1,5,20  [default: 0,1,5,20]")
+@click.option("--attacks", default=None, help="'auto' (base + the planner's adaptive attacks) or names, "
+                                                 "e.g. ig,mask-replay  [default: auto]")
+@click.option("--images", default=None, type=int, help="private batches attacked per step  [default: 4]")
+@click.option("--batch-size", default=None, type=int, help="images per private batch  [default: 1]")
+@click.option("--budget", default=None, type=int, help="iterations per attack  [default: 200]")
+@click.option("--share-labels", is_flag=True, default=None, help="the protocol shares the labels")
+@click.option("--lr", default=None, type=float, help="FL server learning rate  [default: 0.1]")
+@click.option("--train-batch-size", default=None, type=int, help="client batch size in training  [default: 8]")
+@click.option("--clients", default=None, type=int, help="FL clients with their own data splits  [default: 1]")
+@click.option("--local-steps", default=None, type=int, help="FedAvg local steps  [default: 1 = FedSGD]")
+@click.option("--local-lr", default=None, type=float, help="FedAvg local learning rate  [default: --lr]")
+@click.option("--delta", default=None, type=float,
+              help="l2 radius of the risk ball  [default: RMSE 0.1 x sqrt(pixels), i.e. 20 dB]")
+@click.option("--no-utility", "utility", flag_value=False, default=None, help="skip the utility measurement")
+@click.option("--quiet", is_flag=True, help="no progress bar")
+@click.option("--out", default=None, type=click.Path(file_okay=False),
+              help="output folder (results, report.json/.md/.html)  [default: audit-out]")
+@common_options
+@friendly_errors
+def audit_cmd(defense, defense_arg, model, model_arg, dataset, data_path, image_size, steps, attacks, images,
+              batch_size, budget, share_labels, lr, train_batch_size, clients, local_steps, local_lr, delta,
+              utility, quiet, out, seed, device):
+    """Audit a defense: attack it at several training steps and write the risk report."""
+    from audit.engine import run
+    from audit.registry import parse_kv_args
+
+    options = dict(defense=defense, model=model, data=dataset, image_size=image_size, steps=steps,
+                   attacks=attacks, images=images, batch_size=batch_size, budget=budget,
+                   share_labels=share_labels, lr=lr, train_batch_size=train_batch_size, clients=clients,
+                   local_steps=local_steps, local_lr=local_lr, delta=delta, utility=utility, out=out,
+                   defense_args=parse_kv_args(defense_arg) or None, model_args=parse_kv_args(model_arg) or None,
+                   data_args={"path": data_path} if data_path else None)
+    report = run(**{k: v for k, v in options.items() if v is not None}, seed=seed,
+                 device=resolve_device(device), progress=not quiet)
+    click.echo(report.summary())
+    click.echo(f"report: {report.out / 'report.html'} (also report.md, report.json, psnr_vs_step.png)")
+
+
+@main.command("report")
+@click.argument("directory", type=click.Path(exists=True, file_okay=False))
+@click.option("--run", "run_key", default=None, help="run key under DIRECTORY/runs (default: the latest)")
+@common_options
+@friendly_errors
+def report_cmd(directory, run_key, seed, device):
+    """Re-render the report of a finished (or interrupted) audit from its stored results."""
+    from audit.report import render
+
+    report = render(directory, run_key)
+    click.echo(report.summary())
+    click.echo(f"report: {report.out / 'report.html'} (also report.md, report.json, psnr_vs_step.png)")
+
+
 if __name__ == "__main__":
     main()

@@ -41,7 +41,7 @@ def attack_cell(summary: Dict[str, Any]) -> str:
 
 def verdict_text(verdict: Dict[str, Any]) -> str:
     if not verdict.get("images"):
-        return "pending"
+        return "unavailable (no reconstruction)"
     return (f"{verdict['label']} ({verdict['recovered']} recovered, {verdict['partially']} partially, "
             f"{verdict['not_recovered']} not recovered of {verdict['images']})")
 
@@ -59,3 +59,12 @@ def kv_rows(obj: Any, prefix: str = ""):
             yield from kv_rows(v, f"{prefix}{k}.")
     else:
         yield prefix.rstrip("."), obj
+
+
+def plan_traits(plan: Dict[str, Any]) -> Dict[str, Any]:
+    """The probed traits worth reading (the per-layer probe table stays in report.json)."""
+    traits = dict(plan.get("traits") or {})
+    traits.pop("layers", None)
+    if "unavailable" in plan:
+        traits["planner"] = plan["unavailable"]
+    return traits

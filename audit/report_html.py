@@ -6,7 +6,7 @@ from html import escape
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from .report_format import (COLUMNS, attack_cell, fmt, kv_rows, risk_text, unavailable_notes,
+from .report_format import (COLUMNS, attack_cell, fmt, kv_rows, plan_traits, risk_text, unavailable_notes,
                             verdict_text)
 from .report_images import file_data_uri
 
@@ -92,7 +92,7 @@ def _kv(obj: Any) -> str:
 def _attacks(data: Dict[str, Any]) -> str:
     rows = [[a["id"], a.get("kind", ""), json.dumps(a.get("settings", {})), a.get("reason", "")]
             for a in data["attacks"]]
-    traits = data["plan"].get("traits")
+    traits = plan_traits(data["plan"])
     extra = f"<h3>Defense traits found by probing</h3>{_kv(traits)}" if traits else ""
     return _table(["attack", "kind", "settings", "reason"], rows) + extra
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 from typing import Any, Dict, List
 
-from .report_format import (COLUMNS, attack_cell, fmt, kv_rows, risk_text, unavailable_notes,
+from .report_format import (COLUMNS, attack_cell, fmt, kv_rows, plan_traits, risk_text, unavailable_notes,
                             verdict_text)
 
 
@@ -60,7 +60,7 @@ def _threat_section(data: Dict[str, Any]) -> List[str]:
     rows = [[a["id"], a.get("kind", ""), json.dumps(a.get("settings", {})), a.get("reason", "")]
             for a in data["attacks"]]
     lines += _table(["attack", "kind", "settings", "reason"], rows)
-    traits = data["plan"].get("traits")
+    traits = plan_traits(data["plan"])
     if traits:
         lines += ["", "Defense traits found by probing:", ""]
         lines += [f"- {k}: {v}" for k, v in kv_rows(traits)]

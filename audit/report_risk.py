@@ -10,6 +10,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence
 METRICS = {"psnr": True, "ssim": True, "lpips": False, "label_acc": True}
 
 RECOVERED, PARTIAL, PRIVATE = "leaks", "partially", "no recovered image"
+UNAVAILABLE = "unavailable"  # no attack produced a reconstruction to judge
 
 
 @dataclass(frozen=True)
@@ -105,6 +106,8 @@ def worst_case(by_attack: Dict[str, List[Dict[str, Any]]], thresholds: Threshold
     per_image = []
     for image in images:
         rows = [r for recs in by_attack.values() for r in recs if r["image"] == image and r["status"] == "ok"]
+        if not rows:  # every attack failed or did not apply: nothing to judge this image by
+            continue
         entry: Dict[str, Any] = {"image": image}
         for name, higher in METRICS.items():
             entry[name] = _best([r["metrics"].get(name) for r in rows], higher)
@@ -121,7 +124,9 @@ def worst_case(by_attack: Dict[str, List[Dict[str, Any]]], thresholds: Threshold
 def step_verdict(per_image: List[Dict[str, Any]]) -> Dict[str, Any]:
     counts = {c: sum(e["class"] == c for e in per_image) for c in (RECOVERED, PARTIAL, PRIVATE)}
     n = len(per_image)
-    if counts[RECOVERED]:
+    if not n:
+        label = UNAVAILABLE
+    elif counts[RECOVERED]:
         label = RECOVERED
     elif counts[PARTIAL]:
         label = PARTIAL
@@ -161,7 +166,7 @@ def overall_verdict(steps: List[Dict[str, Any]]) -> Dict[str, Any]:
     order = {RECOVERED: 2, PARTIAL: 1, PRIVATE: 0}
     judged = [s for s in steps if s["verdict"]["images"]]
     if not judged:
-        return {"label": "unavailable", "reason": "no attack finished"}
+        return {"label": UNAVAILABLE, "reason": "no attack produced a reconstruction"}
     worst = max(judged, key=lambda s: (order[s["verdict"]["label"]], s["worst_case"]["psnr"] or -math.inf))
     leaking = [s["step"] for s in judged if s["verdict"]["label"] == RECOVERED]
     return {"label": worst["verdict"]["label"], "worst_step": worst["step"],

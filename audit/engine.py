@@ -1,0 +1,619 @@
+"""The audit engine: train with the *defended* updates, capture checkpoints, attack the
+audited client's private batches at each checkpoint with the base and adaptive attacks,
+score, store every finished (step, attack, image) result, and render the report.
+
+``run(...)`` is ``audit.run``; ``gia-audit audit`` calls it. Private data = the data set's
+*test* split; the FL clients train on the *train* split (disjoint), which is also the only
+data learned attacks may use.
+"""
+from __future__ import annotations
+
+import copy
+import hashlib
+import inspect
+import math
+import platform
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+from torch import nn
+
+from .errors import ConfigError, DefenseError, GiaError
+from .report import AuditReport
+from .report_risk import Thresholds, default_delta
+from .results import ResultStore
+
+DEFAULT_DEFENSE = "soteria"
+DEFAULT_DEFENSE_ARGS: Dict[str, Any] = {}
+DEFAULT_STEPS = (0, 1, 5, 20)
+BASE_ATTACKS = ("ig",)
+
+
+# --------------------------------------------------------------------------- settings
+@dataclass
+class FLSettings:
+    """How the model is trained between audited checkpoints (see :func:`audit.fl.train`)."""
+
+    lr: float = 0.1
+    batch_size: int = 8
+    clients: int = 1
+    local_steps: int = 1
+    local_lr: Optional[float] = None
+
+
+@dataclass
+class AttackSpec:
+    """One attack of the audit: registry name, settings, why it runs, base or adaptive."""
+
+    name: str
+    settings: Dict[str, Any] = field(default_factory=dict)
+    reason: str = ""
+    kind: str = "base"
+
+    @property
+    def id(self) -> str:
+        if not self.settings:
+            return self.name
+        return f"{self.name}-{_short_hash(self.settings)}"
+
+    def as_dict(self) -> Dict[str, Any]:
+        return {"id": self.id, **asdict(self)}
+
+
+def _short_hash(obj: Any) -> str:
+    return hashlib.sha256(repr(sorted(obj.items()) if isinstance(obj, dict) else obj).encode()).hexdigest()[:6]
+
+
+def derive_seed(seed: int, *parts: Any) -> int:
+    """A stable per-task seed (same run settings -> same numbers, independent of order)."""
+    blob = repr((int(seed),) + parts).encode()
+    return int.from_bytes(hashlib.sha256(blob).digest()[:4], "little") & 0x7FFFFFFF
+
+
+def _parse_steps(steps: Union[str, Sequence[int]]) -> List[int]:
+    if isinstance(steps, str):
+        steps = [s for s in steps.replace(" ", "").split(",") if s]
+    try:
+        out = sorted({int(s) for s in steps})
+    except (TypeError, ValueError):
+        raise ConfigError(f"steps must be training steps like 0,1,5,20, got {steps!r}") from None
+    if not out or out[0] < 0:
+        raise ConfigError(f"steps must be a non-empty list of steps >= 0, got {steps!r}")
+    return out
+
+
+def _positive(name: str, value: Any, kind=int) -> Any:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0 or (
+            kind is int and not float(value).is_integer()):
+        raise ConfigError(f"{name} must be a positive {'integer' if kind is int else 'number'}, got {value!r}")
+    return kind(value)
+
+
+# --------------------------------------------------------------------------- identities
+def _callable_identity(fn: Any) -> Dict[str, Any]:
+    """What makes a user callable's results distinct: its qualified name and source hash."""
+    target = getattr(fn, "fn", fn)
+    ident = {"callable": f"{getattr(target, '__module__', '?')}:{getattr(target, '__qualname__', type(target).__name__)}"}
+    try:
+        ident["source_sha256"] = hashlib.sha256(inspect.getsource(target).encode()).hexdigest()[:16]
+    except (OSError, TypeError):
+        pass
+    return ident
+
+
+def defense_identity(defense, spec: Any) -> Dict[str, Any]:
+    """Name, parameters and (for user code) the source hash of the audited defense."""
+    ident: Dict[str, Any] = {"name": getattr(defense, "name", "defense"),
+                             "spec": spec if isinstance(spec, str) else type(spec).__name__}
+    try:
+        ident["params"] = {k: repr(v) if not isinstance(v, (int, float, str, bool, type(None))) else v
+                           for k, v in defense.params().items()}
+    except Exception as err:  # a user's Defense subclass with a broken params()
+        ident["params"] = {"unavailable": f"{type(err).__name__}: {err}"}
+    if not isinstance(spec, str) or ":" in spec:
+        ident.update(_callable_identity(defense))
+    ident["stochastic"] = bool(getattr(defense, "stochastic", False))
+    return ident
+
+
+def model_identity(model: Any, model_args: Dict[str, Any]) -> Dict[str, Any]:
+    if isinstance(model, str):
+        return {"name": model, "args": model_args}
+    digest = hashlib.sha256()
+    for name, tensor in model.state_dict().items():
+        digest.update(name.encode())
+        digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+    return {"name": type(model).__name__, "architecture_sha256": hashlib.sha256(repr(model).encode()).hexdigest()[:16],
+            "state_sha256": digest.hexdigest()[:16]}
+
+
+def versions() -> Dict[str, str]:
+    import numpy
+
+    from . import __version__
+
+    return {"gia_audit": __version__, "python": platform.python_version(), "torch": torch.__version__,
+            "numpy": numpy.__version__, "platform": platform.platform()}
+
+
+# --------------------------------------------------------------------------- the audit
+class Audit:
+    """One audit: resolve the settings, plan, train, attack, score, store, report.
+
+    Use :func:`run`; the class exists so each phase is a small method.
+    """
+
+    def __init__(self, *, defense, defense_args, model, model_args, data, data_args, image_size,
+                 steps, attacks, images, batch_size, budget, seed, out, share_labels, fl: FLSettings,
+                 utility: bool, thresholds: Thresholds, delta: Optional[float], device, progress: bool):
+        self.device = _device(device)
+        self.seed = int(seed)
+        self.steps = _parse_steps(steps)
+        self.images = _positive("images", images)
+        self.batch_size = _positive("batch_size", batch_size)
+        self.budget = _positive("budget", budget)
+        self.fl = fl
+        self.share_labels = bool(share_labels)
+        self.measure_utility = bool(utility)
+        self.thresholds = thresholds
+        self.progress = progress
+        self.out = Path(out)
+        self.dataset = _load_data(data, image_size, data_args or {})
+        self.defense_spec = defense
+        self.defense = _resolve_defense(defense, defense_args or {})
+        self.model_spec, self.model_args = model, dict(model_args or {})
+        # architectural defenses (PRECODE) change the client model once, before training
+        self.model = _wrap_model(self.defense, _build_model(model, self.model_args, self.dataset, self.seed)
+                                 .to(self.device), self.seed)
+        self.numel = int(math.prod(self.dataset.input_shape))
+        self.delta = float(delta) if delta is not None else default_delta(self.numel)
+        self.requested_attacks = attacks
+        self.private = _private_batches(self.dataset, self.images, self.batch_size, self.seed)
+
+    # ------------------------------------------------------------------ settings & identity
+    def key_settings(self) -> Dict[str, Any]:
+        """Every setting that changes a number. Steps, the image count and the attack list
+        are left out on purpose: adding a step, an image or an attack reuses the rest."""
+        return {
+            "defense": defense_identity(self.defense, self.defense_spec),
+            "model": model_identity(self.model_spec, self.model_args),
+            "data": {"name": self.dataset.name, "input_shape": list(self.dataset.input_shape)},
+            "fl": asdict(self.fl), "batch_size": self.batch_size, "budget": self.budget,
+            "seed": self.seed, "share_labels": self.share_labels, "device": self.device.type,
+        }
+
+    def settings(self) -> Dict[str, Any]:
+        return {**self.key_settings(), "steps": self.steps, "images": self.images,
+                "attacks": self.requested_attacks if isinstance(self.requested_attacks, str)
+                else list(self.requested_attacks), "utility": self.measure_utility,
+                "risk_delta": self.delta}
+
+    # ------------------------------------------------------------------ phases
+    def plan(self) -> Tuple[List[AttackSpec], Dict[str, Any]]:
+        """The attacks to run (base + the planner's adaptive ones) and the plan for the report."""
+        try:
+            plan = _plan(self.defense, copy.deepcopy(self.model), self.dataset, self.seed, self.device)
+            plan_dict = plan.to_dict() if plan is not None else {"unavailable": "planner not installed"}
+        except GiaError as err:  # e.g. the defense fails on the planner's probe batch
+            plan, plan_dict = None, {"unavailable": f"probing the defense failed: {type(err).__name__}: {err}"}
+        proposed = [] if plan is None else [
+            AttackSpec(a.name, dict(a.settings), a.reason, "adaptive" if a.adaptive else "base")
+            for a in plan.attacks]
+        if isinstance(self.requested_attacks, str) and self.requested_attacks == "auto":
+            specs = [AttackSpec(n, {}, "base attack: always run") for n in BASE_ATTACKS
+                     if n not in {p.name for p in proposed}] + proposed
+        else:
+            names = _attack_names(self.requested_attacks)
+            by_name = {p.name: p for p in proposed}
+            specs = [by_name.get(n) or AttackSpec(n, {}, "requested by the user", "base") for n in names]
+        _check_attacks(specs)
+        return specs, plan_dict
+
+    def threat_model(self, specs: Sequence[AttackSpec]) -> Dict[str, Any]:
+        """What the attacker was given; from a real observation of step 0, image 0."""
+        x, y = self.private[0]
+        try:
+            obs = self.observe(self.model, x, y, self.steps[0], 0)
+            declared = obs.threat_model()
+        except GiaError as err:
+            declared = {"unavailable": f"the defense failed on the first observation: {err}"}
+        return {
+            **declared,
+            "private_data": f"{self.dataset.name} test split: {self.images} private batch(es) of "
+                            f"{self.batch_size} image(s) of the audited client, never given to the attacker",
+            "training_data": f"{self.dataset.name} train split ({len(self.dataset.train_labels)} images), "
+                             f"split between {self.fl.clients} client(s); disjoint from the private test split",
+            "attacker_auxiliary_data": f"only the {self.dataset.name} train split may be used by learned attacks",
+            "attacks_run": [s.id for s in specs],
+        }
+
+    def observe(self, model: nn.Module, images, labels, step: int, image: int):
+        from .observe import observe
+
+        local_lr = self.fl.local_lr if self.fl.local_lr is not None else self.fl.lr
+        return observe(model, images, labels, self.defense, share_labels=self.share_labels,
+                       local_steps=self.fl.local_steps, local_lr=local_lr, step=step,
+                       seed=derive_seed(self.seed, "defense", step, image))
+
+    def utility(self) -> Dict[str, Any]:
+        """Accuracy after training with the defense against training without it."""
+        if not self.measure_utility:
+            return {"unavailable": "utility measurement was switched off (utility=False)"}
+        try:
+            return _measure_utility(self)
+        except GiaError as err:
+            return {"unavailable": f"{type(err).__name__}: {err}"}
+
+    def checkpoints(self, store: ResultStore, needed: Sequence[int]) -> Tuple[Dict[int, Any], Optional[Dict[str, Any]]]:
+        """Model states at the ``needed`` steps: from the store, else by FL training with the
+        defended updates. A defense that fails during training is recorded in the manifest
+        and the steps before the failure are still audited."""
+        states = {s: store.load_checkpoint(s) for s in needed}
+        missing = [s for s, st in states.items() if st is None]
+        failure = None
+        if missing:
+            captured, failure = _train(self, max(missing), set(missing))
+            for step, state in captured.items():
+                store.save_checkpoint(step, state)
+                states[step] = state
+        return {s: st for s, st in states.items() if st is not None}, failure
+
+    def attack_one(self, spec: AttackSpec, obs, images, labels, step: int, image: int) -> Tuple[Dict[str, Any], Optional[torch.Tensor]]:
+        """Run one attack on one observation and score it; failures become records."""
+        from attacks import ATTACKS
+
+        from .errors import NotApplicable
+
+        record = self._record(spec, step, image)
+        start = time.perf_counter()
+        try:
+            attack = ATTACKS.build(spec.name, **spec.settings)
+            rec = attack.reconstruct(obs, self.budget, record["seed"])
+        except NotApplicable as err:
+            return {**record, "status": "not_applicable", "reason": str(err)}, None
+        except Exception as err:  # an attack, or a defense inside an adaptive attack, failed
+            return self._failed(record, err, step), None
+        record["time_s"] = round(time.perf_counter() - start, 3)
+        if not rec.applicable:
+            return {**record, "status": "not_applicable", "reason": rec.reason}, None
+        if rec.inputs is None or not torch.isfinite(rec.inputs).all():
+            return {**record, "status": "error", "reason": f"attack {spec.id!r} returned no finite images"}, None
+        metrics, unavailable, aligned = _score(rec, images, labels)
+        record.update(status="ok", metrics=metrics, unavailable=unavailable, trace=_trace_summary(rec.trace))
+        return record, aligned
+
+    def _record(self, spec: AttackSpec, step: int, image: int) -> Dict[str, Any]:
+        return {"step": step, "attack_id": spec.id, "attack": spec.name, "image": image,
+                "settings": spec.settings, "seed": derive_seed(self.seed, "attack", step, spec.id, image),
+                "defense": self.defense.name, "budget": self.budget}
+
+    def _failed(self, record: Dict[str, Any], err: BaseException, step: int) -> Dict[str, Any]:
+        kind = "defense" if isinstance(err, DefenseError) else "attack"
+        reason = f"{type(err).__name__}: {err}"
+        if kind == "defense" and self.defense.name not in reason:
+            reason = f"defense {self.defense.name!r} at step {step}: {reason}"
+        return {**record, "status": "error", "failed": kind, "reason": reason}
+
+    # ------------------------------------------------------------------ the whole audit
+    def run(self) -> AuditReport:
+        started = time.perf_counter()
+        store = ResultStore.create(self.out, self.key_settings())
+        manifest = store.load_manifest()
+        specs, plan = self.plan()
+        store.update_manifest(
+            run_key=store.key, status="running", settings=self.settings(), steps=self.steps,
+            images=self.images, attacks=[s.as_dict() for s in specs], plan=plan,
+            defense=defense_identity(self.defense, self.defense_spec),
+            threat_model=self.threat_model(specs), thresholds=self.thresholds.as_dict(),
+            risk_delta={"delta": self.delta, "description": _delta_description(self.delta, self.dataset)},
+            data=_data_description(self.dataset, self.private),
+            seeds={"seed": self.seed, "model_init": self.seed, "private_batches": self.seed,
+                   "per_task": "derive_seed(seed, kind, step, attack, image) (sha256)"},
+            versions=versions(), failures=[])
+        for i, (x, _) in enumerate(self.private):
+            store.save_original(i, x)
+        if "utility" not in manifest:
+            store.update_manifest(utility=self.utility())
+        try:
+            self._attack_all(store, specs)
+            status = "complete"
+        except KeyboardInterrupt:
+            store.update_manifest(status="interrupted")
+            AuditReport.from_store(store).write(self.out)
+            raise
+        store.update_manifest(status=status, timing={"last_invocation_s": round(time.perf_counter() - started, 1)})
+        report = AuditReport.from_store(store)
+        report.write(self.out)
+        return report
+
+    def _attack_all(self, store: ResultStore, specs: Sequence[AttackSpec]) -> None:
+        pending = [(s, i, a) for s in self.steps for i in range(self.images) for a in specs
+                   if not store.has(s, a.id, i)]
+        total = len(self.steps) * self.images * len(specs)
+        if not pending:
+            return
+        states, failure = self.checkpoints(store, sorted({s for s, _, _ in pending}))
+        if failure is not None:
+            store.update_manifest(failures=[failure])
+        bar = _progress(total, total - len(pending), self.progress)
+        try:
+            for step in sorted({s for s, _, _ in pending}):
+                for image in sorted({i for s, i, _ in pending if s == step}):
+                    todo = [a for s, i, a in pending if s == step and i == image]
+                    self._attack_batch(store, states.get(step), failure, todo, step, image, bar)
+        finally:
+            bar.close()
+
+    def _attack_batch(self, store, state, failure, specs, step, image, bar) -> None:
+        x, y = self.private[image]
+        obs, error = None, None
+        if state is None:
+            error = failure["error"] if failure else "no checkpoint for this step"
+        else:
+            model = copy.deepcopy(self.model)
+            model.load_state_dict(state)
+            try:
+                obs = self.observe(model, x, y, step, image)
+            except GiaError as err:
+                error = f"{type(err).__name__}: {err}"
+        for spec in specs:
+            bar.set_postfix_str(f"step {step} {spec.id} image {image}")
+            if obs is None:
+                store.save_result({**self._record(spec, step, image), "status": "error", "failed": "defense",
+                                   "reason": error})
+            else:
+                record, images = self.attack_one(spec, obs, x, y, step, image)
+                store.save_result(record, images)
+            bar.update(1)
+
+
+# --------------------------------------------------------------------------- composition helpers
+def _device(device) -> torch.device:
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as err:
+        raise ConfigError(f"device {device!r} is not a torch device ({err}); use cpu or cuda") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device cuda was given but no CUDA device is available; use device='cpu'")
+    return dev
+
+
+def _load_data(data, image_size: int, data_args: Dict[str, Any]):
+    from .data import Dataset, load_dataset
+
+    if isinstance(data, Dataset):
+        return data
+    if not isinstance(data, str):
+        raise ConfigError(f"data must be a data set name (see `gia-audit list datasets`) or an "
+                          f"audit.data.Dataset, got {type(data).__name__}")
+    return load_dataset(data, size=image_size, **data_args)
+
+
+def _resolve_defense(spec, args: Dict[str, Any]):
+    from defenses import resolve_defense
+
+    return resolve_defense(spec, args)
+
+
+def _build_model(model, model_args: Dict[str, Any], dataset, seed: int) -> nn.Module:
+    from .models import build_model
+
+    if isinstance(model, nn.Module):
+        if model_args:
+            raise ConfigError("model_args apply to a model name, not to a built model")
+        return copy.deepcopy(model)
+    if not isinstance(model, str):
+        raise ConfigError(f"model must be a registered name (see `gia-audit list models`) or an "
+                          f"nn.Module taking images in [0, 1], got {type(model).__name__}")
+    return build_model(model, dataset.input_shape, dataset.num_classes, mean=dataset.mean,
+                       std=dataset.std, seed=seed, **model_args)
+
+
+def _wrap_model(defense, model: nn.Module, seed: int) -> nn.Module:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        try:
+            wrapped = defense.wrap_model(model)
+        except GiaError:
+            raise
+        except Exception as err:
+            raise DefenseError(f"defense {defense.name!r}: wrap_model raised {type(err).__name__}: {err}") from err
+    if not isinstance(wrapped, nn.Module):
+        raise DefenseError(f"defense {defense.name!r}: wrap_model returned {type(wrapped).__name__}, not an nn.Module")
+    return wrapped
+
+
+def _private_batches(dataset, images: int, batch_size: int, seed: int):
+    """The audited client's private batches: a seeded draw from the test split. Batch ``i``
+    does not depend on ``images``, so adding images keeps the earlier ones."""
+    need = images * batch_size
+    available = len(dataset.test_labels)
+    if need > available:
+        raise ConfigError(f"images x batch_size = {need} private images, but the {dataset.name} test "
+                          f"split has {available}; lower images or batch_size")
+    order = torch.randperm(available, generator=torch.Generator().manual_seed(derive_seed(seed, "private")))
+    return [(dataset.test_images[idx].clone(), dataset.test_labels[idx].clone())
+            for idx in order[:need].view(images, batch_size)]
+
+
+def _plan(defense, model, dataset, seed: int, device):
+    try:
+        from adaptive.plan import plan
+    except ImportError:
+        return None
+    return plan(defense, model, dataset.input_shape, dataset.num_classes, seed=seed, device=device)
+
+
+def _attack_names(attacks) -> List[str]:
+    if isinstance(attacks, str):
+        attacks = [a for a in attacks.replace(" ", "").split(",") if a]
+    names = [str(a) for a in attacks]
+    if not names:
+        raise ConfigError("attacks must be 'auto' or a non-empty list of attack names (see `gia-audit list attacks`)")
+    return list(dict.fromkeys(names))
+
+
+def _check_attacks(specs: Sequence[AttackSpec]) -> None:
+    from attacks import ATTACKS
+
+    for spec in specs:
+        ATTACKS.get(spec.name)  # an unknown name raises ConfigError listing the valid ones
+
+
+def _train(audit: "Audit", last_step: int, wanted: set) -> Tuple[Dict[int, Dict[str, torch.Tensor]], Optional[Dict[str, Any]]]:
+    """FL training with the defended updates up to ``last_step``; the states at ``wanted``
+    steps, and the failure (defense name, step, error) if the defense broke training."""
+    from .fl import train
+
+    model = copy.deepcopy(audit.model)
+    captured = {0: _state(model)} if 0 in wanted else {}
+    done = {"step": 0}
+
+    def capture(step: int, current: nn.Module) -> None:
+        done["step"] = step
+        if step in wanted:
+            captured[step] = _state(current)
+
+    if last_step == 0:
+        return captured, None
+    try:
+        train(model, audit.dataset, audit.defense, last_step, lr=audit.fl.lr, batch_size=audit.fl.batch_size,
+              clients=audit.fl.clients, local_steps=audit.fl.local_steps, local_lr=audit.fl.local_lr,
+              seed=audit.seed, device=audit.device, callback=capture)
+    except GiaError as err:  # the defense failed on the model of step done["step"]
+        failed = done["step"]
+        return captured, {"phase": "training", "step": failed, "defense": audit.defense.name,
+                          "error": f"FL training stopped at step {failed} (no later checkpoint): "
+                                   f"{type(err).__name__}: {err}"}
+    return captured, None
+
+
+def _state(model: nn.Module) -> Dict[str, torch.Tensor]:
+    return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+
+
+def _measure_utility(audit: "Audit") -> Dict[str, Any]:
+    from .utility import measure_utility
+
+    return measure_utility(audit.defense, model=audit.model, dataset=audit.dataset, seed=audit.seed,
+                           device=audit.device)
+
+
+PSNR_CAP = 200.0  # an exact reconstruction (MSE 0, PSNR inf) is reported as this many dB
+
+
+def _score(rec, images: torch.Tensor, labels: torch.Tensor):
+    """Metrics of a reconstruction (JSON-able), why any is missing, and the reconstruction
+    reordered to match the private batch (for the report's grids)."""
+    from .metrics import score
+
+    result = score(rec.inputs, rec.labels, images.to(rec.inputs.device), labels.to(rec.inputs.device))
+    names = {"psnr": "psnr", "ssim": "ssim", "lpips": "lpips", "label_acc": "label_accuracy", "mse": "mse"}
+    metrics, unavailable = {}, {}
+    for ours, theirs in names.items():
+        value = result[theirs]
+        metrics[ours] = value.value
+        if value.unavailable:
+            unavailable[ours] = value.unavailable
+    if metrics["psnr"] is not None:
+        per_image = [min(p, PSNR_CAP) for p in result["psnr"].per_image]
+        metrics["psnr"] = sum(per_image) / len(per_image)
+        metrics["psnr_per_image"] = per_image
+    if result["mse"].per_image is not None:
+        numel = images[0].numel()
+        metrics["l2"] = [math.sqrt(m * numel) for m in result["mse"].per_image]
+    if result["ssim"].per_image is not None:
+        metrics["ssim_per_image"] = list(result["ssim"].per_image)
+    aligned = None
+    if result["assignment"] is not None:
+        aligned = rec.inputs.detach()[torch.as_tensor(result["assignment"], device=rec.inputs.device)].clamp(0, 1)
+    return metrics, unavailable, aligned
+
+
+def _trace_summary(trace: Dict[str, Any]) -> Dict[str, Any]:
+    """The small, JSON-able part of an attack's trace (losses are summarised, not stored)."""
+    out: Dict[str, Any] = {}
+    for key, value in (trace or {}).items():
+        if isinstance(value, (int, float, str, bool)) or value is None:
+            out[key] = value
+        elif isinstance(value, (list, tuple)) and value and all(isinstance(v, (int, float)) for v in value):
+            out[f"{key}_first"], out[f"{key}_last"], out[f"{key}_len"] = value[0], value[-1], len(value)
+        elif isinstance(value, dict) and len(value) <= 12:
+            out[key] = {k: v for k, v in value.items() if isinstance(v, (int, float, str, bool)) or v is None}
+    return out
+
+
+def _delta_description(delta: float, dataset) -> str:
+    c, h, w = dataset.input_shape
+    rmse = delta / math.sqrt(c * h * w)
+    psnr = -20 * math.log10(rmse) if rmse > 0 else float("inf")
+    return (f"l2 norm over the {c}x{h}x{w} pixels of an image in [0, 1]; = per-pixel RMSE {rmse:.3g}, "
+            f"i.e. PSNR {psnr:.1f} dB")
+
+
+def _data_description(dataset, private) -> Dict[str, Any]:
+    return {"name": dataset.name, "input_shape": list(dataset.input_shape), "classes": dataset.num_classes,
+            "train_images": len(dataset.train_labels), "test_images": len(dataset.test_labels),
+            "private_labels": [y.tolist() for _, y in private],
+            "splits": "FL clients train on the train split; the private batches come from the disjoint test split"}
+
+
+def _progress(total: int, initial: int, enabled: bool):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, initial=initial, desc="audit (step x attack x image)", unit="result",
+                disable=not enabled, dynamic_ncols=True)
+
+
+# --------------------------------------------------------------------------- public entry point
+def run(
+    defense: Any = DEFAULT_DEFENSE,
+    model: Union[str, nn.Module] = "convnet",
+    data: Any = "embedded",
+    steps: Union[str, Sequence[int]] = DEFAULT_STEPS,
+    attacks: Union[str, Sequence[str]] = "auto",
+    images: int = 4,
+    budget: int = 200,
+    seed: int = 0,
+    out: Union[str, Path] = "audit-out",
+    *,
+    defense_args: Optional[Dict[str, Any]] = None,
+    model_args: Optional[Dict[str, Any]] = None,
+    data_args: Optional[Dict[str, Any]] = None,
+    image_size: int = 16,
+    batch_size: int = 1,
+    share_labels: bool = False,
+    lr: float = 0.1,
+    train_batch_size: int = 8,
+    clients: int = 1,
+    local_steps: int = 1,
+    local_lr: Optional[float] = None,
+    utility: bool = True,
+    thresholds: Optional[Thresholds] = None,
+    delta: Optional[float] = None,
+    device: Union[str, torch.device] = "cpu",
+    progress: bool = True,
+) -> AuditReport:
+    """Audit a defense: how much of the audited client's private data leaks, per training step.
+
+    ``defense``: a built-in name (``defense_args`` are its parameters), a ``Defense`` object,
+    any ``defense(model, inputs, labels, *, loss_fn, generator) -> list[Tensor]`` callable,
+    or ``"package.module:attr"``. ``steps``: audited training steps (the model is trained
+    between them with the defended updates: FedSGD, or FedAvg with ``local_steps`` /
+    ``local_lr``, over ``clients`` clients). ``attacks``: ``"auto"`` (base attacks plus the
+    planner's adaptive attacks) or a list of names. ``images``: private batches of
+    ``batch_size`` images. ``budget``: iterations per attack. Results are stored under
+    ``out`` as they finish (a rerun resumes); the report is written there and returned.
+    """
+    fl = FLSettings(lr=_positive("lr", lr, float), batch_size=_positive("train_batch_size", train_batch_size),
+                    clients=_positive("clients", clients), local_steps=_positive("local_steps", local_steps),
+                    local_lr=None if local_lr is None else _positive("local_lr", local_lr, float))
+    audit = Audit(defense=defense, defense_args=defense_args, model=model, model_args=model_args, data=data,
+                  data_args=data_args, image_size=image_size, steps=steps, attacks=attacks, images=images,
+                  batch_size=batch_size, budget=budget, seed=seed, out=out, share_labels=share_labels, fl=fl,
+                  utility=utility, thresholds=thresholds or Thresholds(), delta=delta, device=device,
+                  progress=progress)
+    return audit.run()

@@ -1,0 +1,129 @@
+"""End-to-end audits on tiny budgets: a small MLP on 16x16 embedded images, where the
+analytic attack is exact for batch 1 and one optimisation attack runs a few iterations."""
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+import audit
+import cli
+from audit.engine import Audit
+from audit.types import clean_gradients
+
+TINY = dict(model="mlp", model_args={"hidden": 32}, image_size=16, budget=5, utility=False, progress=False)
+
+
+def noisy_defense(model, inputs, labels, *, loss_fn, generator):
+    """A user's defense: the clean gradient plus Gaussian noise of std 0.01 (seeded)."""
+    grads = clean_gradients(model, inputs, labels, loss_fn)
+    return [g + 0.01 * torch.randn(g.shape, generator=generator, device=g.device) for g in grads]
+
+
+def breaks_in_training(model, inputs, labels, *, loss_fn, generator):
+    """Works on the private batch (1 image) and the planner's probes, raises on the FL
+    training batches (4 images in these tests)."""
+    if inputs.shape[0] == 4:
+        raise RuntimeError("cannot handle a batch of 4")
+    return clean_gradients(model, inputs, labels, loss_fn)
+
+
+def nan_on_private(model, inputs, labels, *, loss_fn, generator):
+    """Returns NaN for batch-1 inputs (the private batches of these tests)."""
+    grads = clean_gradients(model, inputs, labels, loss_fn)
+    return [g * float("nan") for g in grads] if inputs.shape[0] == 1 else grads
+
+
+def test_audit_of_none_reports_leakage_at_step_0(tmp_path):
+    report = audit.run(defense="none", steps=[0], attacks="auto", images=1, out=tmp_path, **TINY)
+    ids = [a["id"] for a in report.data["attacks"]]
+    assert "ig" in ids and "analytic" in ids  # base attack + the planner's pick for an MLP
+    step0 = report.step(0)
+    assert step0["attacks"]["analytic"]["psnr"] > 60  # exact up to float error
+    assert step0["verdict"]["label"] == "leaks" and report.verdict == "leaks"
+    assert step0["risk"]["success"] == 1.0 and step0["risk"]["strongest_attack"] == "analytic"
+    data = json.loads((tmp_path / "report.json").read_text())
+    assert data["threat_model"]["labels_shared"] is False
+    assert "disjoint" in data["threat_model"]["training_data"]
+    assert data["plan"]["traits"]["analytic_layers"]
+    assert all((tmp_path / f).is_file() for f in ("report.md", "report.html", "psnr_vs_step.png"))
+
+
+def test_custom_callable_from_python(tmp_path):
+    report = audit.run(defense=noisy_defense, steps=[0, 1], attacks=["analytic"], images=1, out=tmp_path, **TINY)
+    assert report.data["defense"]["name"] == "noisy_defense"
+    assert report.data["defense"]["callable"].endswith(":noisy_defense")
+    assert [s["step"] for s in report.steps] == [0, 1] and not report.failures
+    # the noise really reaches the shared gradient: analytic inversion is no longer exact
+    assert 0 < report.psnr(0, "analytic") < 60
+
+
+def test_custom_callable_through_module_attr_on_the_cli(tmp_path):
+    runner = CliRunner()
+    args = ["audit", "--model", "mlp", "--model-arg", "hidden=32", "--steps", "0", "--images", "1",
+            "--attacks", "analytic", "--budget", "5", "--no-utility", "--quiet", "--out", str(tmp_path)]
+    result = runner.invoke(cli.main, args + ["--defense", f"{__name__}:noisy_defense"])
+    assert result.exit_code == 0, result.output
+    assert "verdict:" in result.output
+    data = json.loads((tmp_path / "report.json").read_text())
+    assert data["defense"]["name"] == "noisy_defense" and data["results"][0]["status"] == "ok"
+    rerender = runner.invoke(cli.main, ["report", str(tmp_path)])
+    assert rerender.exit_code == 0 and "step     0" in rerender.output
+    bad = runner.invoke(cli.main, args + ["--defense", "no_such_pkg.mod:fn"])
+    assert bad.exit_code == 2 and "cannot import module 'no_such_pkg.mod'" in bad.output
+    missing = runner.invoke(cli.main, args + ["--defense", f"{__name__}:no_such_defense"])
+    assert missing.exit_code == 2 and "has no attribute 'no_such_defense'" in missing.output
+
+
+def test_rerun_resumes_and_changed_settings_start_fresh(tmp_path, monkeypatch):
+    kwargs = dict(defense="none", steps=[0], attacks=["analytic", "ig"], out=tmp_path, **TINY)
+    first = audit.run(images=1, **kwargs)
+    calls = []
+    original = Audit.attack_one
+
+    def counting(self, spec, obs, images, labels, step, image):
+        calls.append((step, spec.id, image))
+        return original(self, spec, obs, images, labels, step, image)
+
+    monkeypatch.setattr(Audit, "attack_one", counting)
+    again = audit.run(images=1, **kwargs)
+    assert calls == [] and again.data["results"] == first.data["results"]
+    more = audit.run(images=2, **kwargs)  # one more private image: only it is attacked
+    assert sorted(calls) == [(0, "analytic", 1), (0, "ig", 1)]
+    assert more.data["progress"] == {"done": 4, "total": 4}
+    assert more.data["results"][0] == first.data["results"][0]
+    audit.run(images=1, **{**kwargs, "budget": 6})  # a changed setting: a fresh run, nothing reused
+    assert len(calls) == 4 and len(list((tmp_path / "runs").iterdir())) == 2
+
+
+def test_defense_failing_in_training_is_reported_and_earlier_steps_audited(tmp_path):
+    report = audit.run(defense=breaks_in_training, steps=[0, 2], attacks=["analytic"], images=1,
+                       train_batch_size=4, out=tmp_path, **TINY)
+    assert report.step(0)["attacks"]["analytic"]["status"] == "ok"
+    assert report.step(2)["attacks"]["analytic"]["status"] == "error"
+    (training,) = [f for f in report.failures if f.get("phase") == "training"]
+    assert training["step"] == 0 and training["defense"] == "breaks_in_training"
+    assert "cannot handle a batch of 4" in training["error"]
+    assert "breaks_in_training" in (tmp_path / "report.md").read_text()
+
+
+def test_defense_returning_nan_is_reported_not_crashed_on(tmp_path):
+    report = audit.run(defense=nan_on_private, steps=[0], attacks=["analytic", "ig"], images=1,
+                       out=tmp_path, **TINY)
+    assert report.data["status"] == "complete" and report.verdict == "unavailable"
+    failures = report.failures
+    assert {f["attack"] for f in failures} == {"analytic", "ig"} and all(f["step"] == 0 for f in failures)
+    assert all("nan_on_private" in f["error"] and "NaN" in f["error"] for f in failures)
+    assert "probing the defense failed" in report.data["plan"]["unavailable"]
+    assert "nan_on_private" in (tmp_path / "report.html").read_text()
+
+
+def test_bad_options_name_the_fix(tmp_path):
+    from audit.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="steps"):
+        audit.run(defense="none", steps="0,x", out=tmp_path, **TINY)
+    with pytest.raises(ConfigError, match="unknown attack 'nope'"):
+        audit.run(defense="none", steps=[0], attacks=["nope"], out=tmp_path, **TINY)
+    with pytest.raises(ConfigError, match="test split has"):
+        audit.run(defense="none", steps=[0], images=10_000, out=tmp_path, **TINY)
