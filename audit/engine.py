@@ -202,21 +202,21 @@ class Audit:
         proposed = [] if plan is None else [
             AttackSpec(a.name, dict(a.settings), a.reason, "adaptive" if a.adaptive else "base")
             for a in plan.attacks]
-        if isinstance(self.requested_attacks, str) and self.requested_attacks == "auto":
-            specs = [AttackSpec(n, {}, "base attack: always run") for n in BASE_ATTACKS
-                     if n not in {p.name for p in proposed}] + proposed
-        else:
-            names = _attack_names(self.requested_attacks)
-            by_name = {p.name: p for p in proposed}
-            specs = [by_name.get(n) or AttackSpec(n, {}, "requested by the user", "base") for n in names]
-        _check_attacks(specs)
-        return specs, plan_dict
+        auto = [AttackSpec(n, {}, "base attack: always run") for n in BASE_ATTACKS
+                if n not in {p.name for p in proposed}] + proposed
+        by_name = {p.name: p for p in proposed}
+        specs: Dict[str, AttackSpec] = {}
+        for name in _attack_names(self.requested_attacks):  # "auto" may be combined with names
+            for spec in auto if name == "auto" else [by_name.get(name) or AttackSpec(name, {}, "requested by the user")]:
+                specs.setdefault(spec.id, spec)
+        _check_attacks(specs.values())
+        return list(specs.values()), plan_dict
 
     def threat_model(self, specs: Sequence[AttackSpec]) -> Dict[str, Any]:
         """What the attacker was given; from a real observation of step 0, image 0."""
         x, y = self.private[0]
         try:
-            obs = self.observe(self.model, x, y, self.steps[0], 0)
+            obs = self.observe(self.model, x, y, 0, 0)
             declared = obs.threat_model()
         except GiaError as err:
             declared = {"unavailable": f"the defense failed on the first observation: {err}"}
@@ -312,7 +312,10 @@ class Audit:
             data=_data_description(self.dataset, self.private),
             seeds={"seed": self.seed, "model_init": self.seed, "private_batches": self.seed,
                    "per_task": "derive_seed(seed, kind, step, attack, image) (sha256)"},
-            versions=versions(), failures=[])
+            versions=versions(), failures=manifest.get("failures", []),
+            metric_notes=[f"PSNR per image on [0, 1]; an exact reconstruction (infinite PSNR) counts as {PSNR_CAP:g} dB",
+                          "batch reconstructions are matched to the private images by an optimal assignment on MSE",
+                          "label accuracy: the fraction of private labels recovered (as a multiset)"])
         for i, (x, _) in enumerate(self.private):
             store.save_original(i, x)
         if "utility" not in manifest:
@@ -336,8 +339,9 @@ class Audit:
         if not pending:
             return
         states, failure = self.checkpoints(store, sorted({s for s, _, _ in pending}))
-        if failure is not None:
-            store.update_manifest(failures=[failure])
+        known = store.load_manifest().get("failures", [])
+        if failure is not None and failure not in known:
+            store.update_manifest(failures=known + [failure])
         bar = _progress(total, total - len(pending), self.progress)
         try:
             for step in sorted({s for s, _, _ in pending}):
@@ -452,7 +456,8 @@ def _attack_names(attacks) -> List[str]:
         attacks = [a for a in attacks.replace(" ", "").split(",") if a]
     names = [str(a) for a in attacks]
     if not names:
-        raise ConfigError("attacks must be 'auto' or a non-empty list of attack names (see `gia-audit list attacks`)")
+        raise ConfigError("attacks must be 'auto', a non-empty list of attack names (see `gia-audit list "
+                          "attacks`), or both, e.g. 'auto,dlg'")
     return list(dict.fromkeys(names))
 
 

@@ -57,6 +57,7 @@ def build_report(manifest: Dict[str, Any], records: List[Dict[str, Any]]) -> Dic
         "attacks": manifest["attacks"],
         "thresholds": thresholds.as_dict(),
         "risk_delta": manifest["risk_delta"],
+        "metric_notes": manifest.get("metric_notes", []),
         "utility": manifest.get("utility", {}),
         "data": manifest.get("data", {}),
         "settings": manifest.get("settings", {}),

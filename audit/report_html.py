@@ -112,6 +112,7 @@ def render_html(data: Dict[str, Any], run_dir: Optional[Path]) -> str:
     verdict = data["verdict"]
     delta = data["risk_delta"]
     worst = (f" &mdash; worst at step {verdict['worst_step']}" if verdict.get("worst_step") is not None else "")
+    notes = "".join(f"<li>{escape(n)}</li>" for n in data.get("metric_notes", []))
     grids = "".join(f"<h3>step {s['step']}</h3>{_grid(data, s, run_dir)}" for s in data["steps"])
     body = f"""
 <h1>{escape(data['title'])}</h1>
@@ -127,7 +128,7 @@ def render_html(data: Dict[str, Any], run_dir: Optional[Path]) -> str:
 <li><b>Worst case</b>: per private image, the most leaking attack for each metric; averaged over images.</li>
 <li><b>Within delta</b> (the Bayes paper's empirical adversarial risk): the fraction of private images the
 strongest attack reconstructs within l2 distance delta = {delta['delta']:.3f} ({escape(delta['description'])});
-the paper's risk R = 1 - this fraction.</li></ul>
+the paper's risk R = 1 - this fraction.</li>{notes}</ul>
 <h2>Threat model (what the attacker was given)</h2>{_kv(data['threat_model'])}
 <h2>Attacks and why they were chosen</h2>{_attacks(data)}
 <h2>Utility (defense against no defense)</h2>{_kv(data['utility'])}

@@ -50,7 +50,7 @@ def _definitions(data: Dict[str, Any]) -> List[str]:
         f"- **Within delta** (the Bayes paper's empirical adversarial risk): the fraction of private "
         f"images the strongest attack reconstructs within l2 distance delta = {delta['delta']:.3f} "
         f"({delta['description']}); the paper's risk R = 1 - this fraction.",
-    ]
+    ] + [f"- {note}" for note in data.get("metric_notes", [])]
 
 
 def _threat_section(data: Dict[str, Any]) -> List[str]:

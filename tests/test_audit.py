@@ -127,3 +127,25 @@ def test_bad_options_name_the_fix(tmp_path):
         audit.run(defense="none", steps=[0], attacks=["nope"], out=tmp_path, **TINY)
     with pytest.raises(ConfigError, match="test split has"):
         audit.run(defense="none", steps=[0], images=10_000, out=tmp_path, **TINY)
+
+
+def test_ctrl_c_keeps_finished_results_and_the_rerun_completes(tmp_path, monkeypatch):
+    kwargs = dict(defense="none", steps=[0, 1], attacks=["analytic"], images=1, out=tmp_path, **TINY)
+    original = Audit.attack_one
+    calls = []
+
+    def interrupted_second(self, spec, obs, images, labels, step, image):
+        calls.append(step)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return original(self, spec, obs, images, labels, step, image)
+
+    monkeypatch.setattr(Audit, "attack_one", interrupted_second)
+    with pytest.raises(KeyboardInterrupt):
+        audit.run(**kwargs)
+    partial = json.loads((tmp_path / "report.json").read_text())
+    assert partial["status"] == "interrupted" and partial["progress"] == {"done": 1, "total": 2}
+    monkeypatch.setattr(Audit, "attack_one", original)
+    report = audit.run(**kwargs)
+    assert report.data["status"] == "complete" and report.data["progress"]["done"] == 2
+    assert report.data["results"][0] == partial["results"][0]
