@@ -194,6 +194,9 @@ class Observation:
     data_mean: Optional[Tuple[float, ...]] = None  # informational: normalisation in the model
     data_std: Optional[Tuple[float, ...]] = None
     extra: Dict[str, Any] = field(default_factory=dict)  # declared extras (e.g. aux data)
+    # the mode the client ran the model in: "train" (BatchNorm uses batch statistics, as FL
+    # clients train) or "eval" (BatchNorm uses the running statistics in the model's buffers)
+    client_mode: str = "train"
 
     @property
     def labels_shared(self) -> bool:
@@ -218,6 +221,7 @@ class Observation:
             "defense_mechanism_known": self.defense is not None,
             "defense_randomness_known": False,
             "training_step": self.step,
+            "client_mode": self.client_mode,
             "extras": sorted(self.extra),
         }
 

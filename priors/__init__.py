@@ -1,1 +1,13 @@
-"""priors"""
+"""Image priors for optimisation attacks.
+
+Each prior is ``prior(x, context) -> scalar`` for one restart (see :mod:`priors.base`);
+build them by name from :data:`PRIORS` (``PRIORS.build("tv", kind="isotropic")``).
+"""
+from .base import PRIORS, Prior, PriorContext
+from .batchnorm import BatchNormStatistics
+from .group import GroupConsistency
+from .pixel import ImageL2, PixelRange
+from .smoothness import TotalVariation
+
+__all__ = ["PRIORS", "Prior", "PriorContext", "TotalVariation", "ImageL2", "PixelRange",
+           "BatchNormStatistics", "GroupConsistency"]

@@ -1,0 +1,95 @@
+"""Analytic inversion of the input of a fully connected layer with a bias (batch 1).
+
+For ``y = W z + b``: ``dL/dW[i, :] = dL/db[i] * z``, so ``z = dW[i] / db[i]`` for any row with
+``db[i] != 0`` (the row with the largest ``|db[i]|`` is the best conditioned). This also
+holds for a FedAvg update of one image (every local step sees the same ``z``). When the
+first parameterised layer of the model is such a Linear layer (an MLP: only ``Normalize``
+/ ``Flatten`` before it) ``z`` is the image; otherwise the attack is not applicable for
+image recovery and says which layer's input it could recover instead.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Tuple
+
+import torch
+from torch import Tensor, nn
+
+from audit.models import Normalize
+from audit.types import Observation, Reconstruction, trainable_names
+
+from .labels import infer_labels
+
+_INVERTIBLE = (Normalize, nn.Flatten, nn.Identity)
+
+
+def leaf_layers(model: nn.Module, prefix: str = "") -> List[Tuple[str, nn.Module]]:
+    """The layers of (nested) ``nn.Sequential`` models in execution order, with their names."""
+    if not isinstance(model, nn.Sequential):
+        return [(prefix, model)]
+    out = []
+    for name, child in model.named_children():
+        out += leaf_layers(child, f"{prefix}.{name}" if prefix else name)
+    return out
+
+
+def _first_biased_linear(layers) -> Optional[Tuple[int, str, nn.Linear]]:
+    for i, (name, layer) in enumerate(layers):
+        if isinstance(layer, nn.Linear) and layer.bias is not None:
+            return i, name, layer
+    return None
+
+
+def invert_linear_input(observation: Observation, layer: str) -> Tuple[Tensor, int, float]:
+    """``(z, row, |db[row]|)``: the recovered input of the Linear layer named ``layer``."""
+    names = trainable_names(observation.model)
+    try:
+        dw = observation.gradients[names.index(f"{layer}.weight")]
+        db = observation.gradients[names.index(f"{layer}.bias")]
+    except ValueError:
+        raise ValueError(f"layer {layer!r} has no trainable weight and bias") from None
+    row = int(torch.argmax(db.abs()))
+    return dw[row] / db[row], row, float(db[row].abs())
+
+
+class AnalyticInversion:
+    """Exact first-layer inversion (no optimisation; ``budget`` is unused)."""
+
+    name = "analytic"
+
+    def reconstruct(self, observation: Observation, budget: Optional[int] = None, seed: int = 0,
+                    progress=None) -> Reconstruction:
+        layers = leaf_layers(observation.model)
+        found = _first_biased_linear(layers)
+        if found is None:
+            return Reconstruction.not_applicable("the model has no fully connected layer with a bias")
+        index, name, linear = found
+        blockers = [(n, layer) for n, layer in layers[:index] if not isinstance(layer, _INVERTIBLE)]
+        if blockers:
+            first = blockers[0]
+            return Reconstruction.not_applicable(
+                f"analytic inversion recovers the input of the first fully connected layer with a bias "
+                f"({name!r}, {linear.in_features} features), but layer {first[0]!r} "
+                f"({type(first[1]).__name__}) comes before it: those are features, not the image "
+                "(use invert_linear_input for them, or an optimisation attack for the image)",
+                feature_layer=name, feature_count=linear.in_features)
+        if observation.batch_size != 1:
+            return Reconstruction.not_applicable(
+                f"analytic inversion is exact for one image; the batch has {observation.batch_size}")
+        if name + ".bias" not in trainable_names(observation.model):
+            return Reconstruction.not_applicable(f"the bias of {name!r} is frozen, its gradient is not shared")
+        z, row, strength = invert_linear_input(observation, name)
+        if strength == 0.0:
+            return Reconstruction.not_applicable(f"the bias gradient of {name!r} is zero: nothing to divide by")
+        x = z.detach()
+        for _, layer in reversed(layers[:index]):  # undo Normalize; Flatten becomes the final reshape
+            if isinstance(layer, Normalize):
+                x = x.view(-1, *observation.input_shape) * layer.std + layer.mean
+        x = x.reshape(1, *observation.input_shape)
+        labels = infer_labels(observation, seed=seed)
+        note = "" if observation.defense is None else \
+            f"; gradients were defended by {observation.defense.name!r}: exact only if the first layer is untouched"
+        return Reconstruction(x.clamp(0, 1), labels.labels, {
+            "attack": self.name, "layer": name, "row": row, "bias_gradient": strength,
+            "raw_range": [float(x.min()), float(x.max())], "labels": labels.info(),
+            "note": "x = dW[row] / db[row], row = argmax |db|" + note,
+        })

@@ -1,0 +1,279 @@
+"""The composable optimisation attack: objective + priors + initialisation + box +
+optimiser + restarts, all restarts run as one batched computation.
+
+Per restart ``r`` the attack minimises::
+
+    objective(simulator(image(z_r), labels_r), observation.gradients) + sum_k w_k prior_k(image(z_r))
+
+Batched execution: the per-restart function (simulator with ``torch.func.grad`` inside,
+objective, priors) is ``torch.func.vmap``-ed over the restart dimension and the gradient
+w.r.t. all restarts' variables is one ``torch.autograd`` backward pass. Sequential
+execution loops over restarts with ``torch.autograd`` only; it is chosen automatically
+when the simulator says it cannot be vmapped or when the first batched evaluation fails
+(the reason is logged in ``trace["execution"]``). The best restart is the one with the
+lowest final attack loss (objective + priors): the ground truth is never looked at.
+
+BatchNorm: the observation declares ``client_mode``; the simulator runs a private copy of
+the model in that mode (train: batch statistics, running buffers dropped on the copy),
+so the observation's model is never mutated.
+"""
+from __future__ import annotations
+
+import copy
+import time
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+from torch import Tensor
+
+from audit.errors import ConfigError, GiaError, NotApplicable
+from audit.types import Observation, Reconstruction, trainable_parameters
+from priors import PRIORS, Prior, PriorContext
+
+from .labels import LABEL_STRATEGIES, plan_labels
+from .objectives import Objective, build_objective
+from .optimizers import OPTIMIZERS
+from .search_space import BOXES, INITS, Box
+from .simulator import GradientSimulator, SimContext
+
+Progress = Callable[[int, int, float], None]
+EXECUTIONS = ("auto", "batched", "sequential")
+
+
+def validate_observation(observation: Observation) -> None:
+    """Raise a :class:`ConfigError` naming the fix when an observation is inconsistent."""
+    params = trainable_parameters(observation.model)
+    grads = observation.gradients
+    if len(grads) != len(params):
+        raise ConfigError(f"observation has {len(grads)} gradient tensors for {len(params)} trainable "
+                          "parameters of its model; share one tensor per parameter")
+    for i, (g, p) in enumerate(zip(grads, params)):
+        if tuple(g.shape) != tuple(p.shape):
+            raise ConfigError(f"observation gradient {i} has shape {tuple(g.shape)}, parameter {tuple(p.shape)}")
+        if g.device != p.device:
+            raise ConfigError(f"observation gradient {i} is on {g.device}, the model on {p.device}; "
+                              "move both to one device")
+    if len(observation.input_shape) != 3 or observation.batch_size < 1:
+        raise ConfigError(f"observation input_shape must be (C, H, W) and batch_size >= 1, got "
+                          f"{observation.input_shape}, {observation.batch_size}")
+    if observation.labels is not None and tuple(observation.labels.shape) != (observation.batch_size,):
+        raise ConfigError(f"observation labels must have shape ({observation.batch_size},)")
+
+
+def _build_prior(spec) -> Prior:
+    if isinstance(spec, str):
+        return PRIORS.build(spec)
+    if callable(spec):
+        return spec
+    raise ConfigError(f"a prior must be one of {PRIORS.names()} or a callable prior(x, context)")
+
+
+class OptimizationAttack:
+    """An optimisation-based gradient inversion attack (see the module docstring).
+
+    ``priors`` is a list of ``(prior, weight)`` (prior: a :data:`priors.PRIORS` name or a
+    callable ``prior(x, context)``); ``init`` / ``box`` / ``optimizer`` are registry names
+    or objects; ``label_strategy`` is ``infer`` / ``shared`` / ``optimize`` / a label method;
+    ``execution`` is ``auto`` / ``batched`` / ``sequential``.
+    """
+
+    def __init__(
+        self,
+        objective: Union[str, Objective, Callable] = "cosine",
+        priors: Sequence[Tuple[Any, float]] = (),
+        *,
+        init: Union[str, Callable] = "uniform",
+        box: Union[str, Box] = "clamp",
+        optimizer: Any = "adam",
+        iterations: int = 1000,
+        restarts: int = 1,
+        label_strategy: str = "infer",
+        simulator: Optional[GradientSimulator] = None,
+        execution: str = "auto",
+        name: str = "optimization",
+        settings: Optional[Dict[str, Any]] = None,
+    ):
+        if restarts < 1 or iterations < 0:
+            raise ConfigError(f"restarts must be >= 1 and iterations >= 0, got {restarts}, {iterations}")
+        if execution not in EXECUTIONS:
+            raise ConfigError(f"execution must be one of {EXECUTIONS}, got {execution!r}")
+        if label_strategy not in LABEL_STRATEGIES:
+            raise ConfigError(f"unknown label strategy {label_strategy!r}; valid: {', '.join(LABEL_STRATEGIES)}")
+        self.objective = build_objective(objective)
+        self.priors: List[Tuple[str, Prior, float]] = []
+        for spec, weight in priors:
+            prior = _build_prior(spec)
+            key = getattr(prior, "name", "prior")
+            while key == "match" or any(key == k for k, _, _ in self.priors):
+                key += "'"
+            self.priors.append((key, prior, float(weight)))
+        self.init = INITS.get(init) if isinstance(init, str) else init
+        self.init_name = init if isinstance(init, str) else getattr(init, "__name__", "custom")
+        self.box = BOXES.build(box) if isinstance(box, str) else box
+        self.optimizer = OPTIMIZERS.build(optimizer) if isinstance(optimizer, str) else optimizer
+        self.iterations, self.restarts = int(iterations), int(restarts)
+        self.label_strategy = label_strategy
+        self.simulator = simulator if simulator is not None else GradientSimulator()
+        self.execution = execution
+        self.name = name
+        self.settings = dict(settings or {})
+
+    def describe(self) -> Dict[str, Any]:
+        """The attack's composition, for traces and reports."""
+        return {
+            "objective": repr(self.objective),
+            "priors": {k: w for k, _, w in self.priors},
+            "init": self.init_name, "box": self.box.name,
+            **self.optimizer.settings(),
+            "iterations": self.iterations, "restarts": self.restarts,
+            "labels": self.label_strategy, "simulator": self.simulator.describe(),
+            **self.settings,
+        }
+
+    def reconstruct(self, observation: Observation, budget: Optional[int] = None, seed: int = 0,
+                    progress: Optional[Progress] = None) -> Reconstruction:
+        """Run the attack; ``budget`` overrides the number of iterations."""
+        validate_observation(observation)
+        iterations = self.iterations if budget is None else int(budget)
+        if iterations < 0:
+            raise ConfigError(f"budget must be >= 0 iterations, got {budget}")
+        device = observation.device
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            torch.manual_seed(int(seed))
+            return _Run(self, observation, int(seed)).execute(iterations, progress)
+
+
+class _Run:
+    """The state of one ``reconstruct`` call."""
+
+    def __init__(self, attack: OptimizationAttack, observation: Observation, seed: int):
+        self.attack, self.obs = attack, observation
+        self.device = observation.device
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.target = [g.detach() for g in observation.gradients]
+        self.objective = attack.objective.bind(observation)
+        self.simulator = attack.simulator
+        self.replica = self.simulator.prepare(observation)
+        for key, prior, _ in attack.priors:
+            if "bn_stats" in getattr(prior, "requires", ()) and self.replica.bn_running is None:
+                raise NotApplicable(f"prior {key!r} needs BatchNorm layers with running statistics; the "
+                                    "observation's model has none (set its weight to 0)")
+        self.labels = plan_labels(attack.label_strategy, observation, seed)
+        needs_bn = any("bn_stats" in getattr(p, "requires", ()) for _, p, _ in attack.priors)
+        self.sim_ctx = SimContext(observation, generator=self.generator, capture_features=needs_bn)
+        self.box = attack.box
+        self.iteration = 0
+        self.needs_group_mean = any("group_mean" in getattr(p, "requires", ()) for _, p, _ in attack.priors)
+        if attack.execution == "sequential":
+            self.batched, self.execution = False, "sequential (requested)"
+        elif not self.simulator.batchable:
+            if attack.execution == "batched":
+                raise ConfigError(f"simulator {self.simulator.describe()} cannot be vmapped; "
+                                  "use execution='auto' or 'sequential'")
+            self.batched, self.execution = False, f"sequential ({self.simulator.describe()} is not vmappable)"
+        elif attack.restarts == 1 and attack.execution == "auto":
+            self.batched, self.execution = False, "single restart (eager autograd, no vmap overhead)"
+        else:
+            self.batched, self.execution = True, f"batched (vmap over {attack.restarts} restarts)"
+        self.evaluations = 0
+
+    # -- the attack loss
+    def restart_terms(self, z: Tensor, y: Optional[Tensor], group_mean: Optional[Tensor],
+                      functional: bool) -> Dict[str, Tensor]:
+        """Objective and prior values of one restart (runs under vmap when batched)."""
+        image = self.box.image(z)
+        grads, feats = self.simulator(self.replica, image, self.labels.targets(y), functional=functional,
+                                      context=self.sim_ctx)
+        terms = {"match": self.objective(grads, self.target)}
+        ctx = PriorContext(self.iteration, feats, self.replica.bn_running, group_mean, self.obs)
+        for key, prior, _ in self.attack.priors:
+            terms[key] = prior(image, ctx)
+        return terms
+
+    def all_terms(self, variables: List[Tensor]) -> Dict[str, Tensor]:
+        z = variables[0]
+        y = variables[1] if len(variables) > 1 else None
+        group_mean = self.box.image(z).mean(0).detach() if self.needs_group_mean else None
+        if self.batched:
+            try:
+                return self._batched_terms(z, y, group_mean)
+            except GiaError:
+                raise
+            except Exception as err:  # not vmappable: fall back once, at the first evaluation
+                if self.evaluations > 0 or self.attack.execution == "batched":
+                    raise
+                self.batched = False
+                self.execution = f"sequential (vmap failed: {type(err).__name__}: {str(err)[:200]})"
+        per_restart = [self.restart_terms(z[r], None if y is None else y[r], group_mean, functional=False)
+                       for r in range(z.shape[0])]
+        return {k: torch.stack([torch.as_tensor(t[k], device=z.device) for t in per_restart])
+                for k in per_restart[0]}
+
+    def _batched_terms(self, z, y, group_mean):
+        if y is None:
+            fn = lambda zr: self.restart_terms(zr, None, group_mean, functional=True)  # noqa: E731
+            return torch.func.vmap(fn, randomness="different")(z)
+        fn = lambda zr, yr: self.restart_terms(zr, yr, group_mean, functional=True)  # noqa: E731
+        return torch.func.vmap(fn, randomness="different")(z, y)
+
+    def total(self, terms: Dict[str, Tensor]) -> Tensor:
+        loss = terms["match"]
+        for key, _, weight in self.attack.priors:
+            if weight != 0.0:
+                loss = loss + weight * terms[key]
+        return loss
+
+    def closure(self, variables: List[Tensor]) -> Tuple[Tensor, List[Tensor]]:
+        """Per-restart loss and its gradient w.r.t. every restart's variables."""
+        leaves = [v.detach().requires_grad_(True) for v in variables]
+        loss = self.total(self.all_terms(leaves))
+        grads = torch.autograd.grad(loss.sum(), leaves, allow_unused=True)
+        self.evaluations += 1
+        return loss.detach(), [torch.zeros_like(v) if g is None else g for v, g in zip(leaves, grads)]
+
+    # -- the optimisation loop
+    def initial_variables(self) -> List[Tensor]:
+        shape = (self.attack.restarts, self.obs.batch_size, *self.obs.input_shape)
+        z = self.box.variable(self.attack.init(shape, self.generator, self.device))
+        variables = [z.detach().clone()]
+        if self.labels.shape is not None:
+            variables.append(torch.randn((self.attack.restarts, *self.labels.shape), generator=self.generator,
+                                         device=self.device))
+        return variables
+
+    def execute(self, iterations: int, progress: Optional[Progress]) -> Reconstruction:
+        start = time.perf_counter()
+        variables = self.initial_variables()
+        optimizer = copy.deepcopy(self.attack.optimizer)
+        optimizer.start(variables, iterations)
+        history = []
+        for it in range(iterations):
+            self.iteration = self.sim_ctx.iteration = it
+            loss = optimizer.step(variables, self.closure, it)
+            self.box.project_(variables[0])
+            history.append(loss)
+            if progress is not None:
+                progress(it + 1, iterations, float(torch.nan_to_num(loss, nan=float("inf")).min()))
+        self.iteration = iterations
+        leaves = [v.detach().requires_grad_(True) for v in variables]
+        terms = {k: v.detach() for k, v in self.all_terms(leaves).items()}
+        final = torch.nan_to_num(self.total(terms), nan=float("inf"))
+        best = int(torch.argmin(final))
+        images = self.box.image(variables[0][best]).detach().clamp(0, 1)
+        labels = self.labels.final(variables[1][best] if len(variables) > 1 else None)
+        trace = {
+            "attack": self.attack.name,
+            "settings": self.attack.describe(),
+            "execution": self.execution,
+            "iterations": iterations,
+            "evaluations": self.evaluations,
+            "restarts": self.attack.restarts,
+            "chosen_restart": best,
+            "selection": "lowest final attack loss (objective + weighted priors); ground truth unused",
+            "final_losses": final.tolist(),
+            "final_terms": {k: float(v[best]) for k, v in terms.items()},
+            "loss_history": torch.stack(history).T.tolist() if history else [[] for _ in range(len(final))],
+            "labels": self.labels.info,
+            "time_s": time.perf_counter() - start,
+        }
+        return Reconstruction(images, labels, trace)

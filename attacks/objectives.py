@@ -1,0 +1,227 @@
+"""What an optimisation attack matches: gradient distances and log-likelihoods.
+
+An objective is an object with ``__call__(dummy_grads, target_grads) -> scalar`` (lists of
+tensors, one per trainable parameter; lower is better) and ``bind(observation) ->
+objective`` (called once per attack run; the default returns the objective itself).
+Objectives must be pure torch so they run under ``torch.func.vmap`` (one restart at a time).
+
+Registry :data:`OBJECTIVES`: ``l2``, ``l1``, ``cosine`` (per-layer ``weights`` and
+``masks``), ``gaussian(sigma)``, ``laplacian(b)`` (negative log-likelihoods of the shared
+gradient under additive noise) and ``defense`` (``-observation.defense.log_prob``).
+"""
+from __future__ import annotations
+
+import copy
+from typing import Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from audit.errors import ConfigError, NotApplicable
+from audit.registry import Registry
+from audit.types import Observation
+
+OBJECTIVES = Registry("objective")
+
+
+class Objective:
+    """Base class: ``__call__(dummy_grads, target_grads) -> scalar`` and ``bind(observation)``."""
+
+    name = "objective"
+
+    def bind(self, observation: Observation) -> "Objective":
+        return self
+
+    def __call__(self, dummy_grads: Sequence[Tensor], target_grads: Sequence[Tensor]) -> Tensor:
+        raise TypeError(f"{type(self).__name__} must implement __call__")
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+class GradientDistance(Objective):
+    """Sum over layers of ``w_l * d(m_l * g_l, m_l * t_l)``; ``weights`` / ``masks`` are
+    sequences aligned with the gradient list (``None`` entries mean 1 / no mask).
+    A weight of 0 drops a layer (e.g. the layer a defense perturbs)."""
+
+    def __init__(self, weights: Optional[Sequence[Optional[float]]] = None,
+                 masks: Optional[Sequence[Optional[Tensor]]] = None):
+        self.weights = None if weights is None else list(weights)
+        self.masks = None if masks is None else list(masks)
+
+    def bind(self, observation: Observation) -> "GradientDistance":
+        n = len(observation.gradients)
+        for what, seq in (("weights", self.weights), ("masks", self.masks)):
+            if seq is not None and len(seq) != n:
+                raise ConfigError(f"objective {self.name!r}: {len(seq)} per-layer {what} for {n} "
+                                  "gradient tensors; give one entry per trainable parameter (None = default)")
+        if self.weights is not None and all(w == 0 for w in self.weights if w is not None) \
+                and None not in self.weights:
+            raise ConfigError(f"objective {self.name!r}: every per-layer weight is 0, nothing is matched")
+        bound = copy.copy(self)
+        if self.masks is not None:
+            for i, (m, g) in enumerate(zip(self.masks, observation.gradients)):
+                if m is not None and tuple(m.shape) != tuple(g.shape):
+                    raise ConfigError(f"objective {self.name!r}: mask {i} has shape {tuple(m.shape)}, "
+                                      f"the gradient {tuple(g.shape)}")
+            bound.masks = [None if m is None else torch.as_tensor(m).to(g.device)
+                           for m, g in zip(self.masks, observation.gradients)]
+        return bound
+
+    def _layers(self, dummy, target):
+        """``(weight, masked dummy, masked target)`` per layer with non-zero weight."""
+        for i, (g, t) in enumerate(zip(dummy, target)):
+            w = 1.0 if self.weights is None or self.weights[i] is None else float(self.weights[i])
+            if w == 0.0:
+                continue
+            m = None if self.masks is None else self.masks[i]
+            if m is not None:
+                m = m.to(g.dtype)
+                g, t = g * m, t * m
+            yield w, g, t
+
+    def __call__(self, dummy_grads, target_grads):
+        return sum(w * self.layer_distance(g, t) for w, g, t in self._layers(dummy_grads, target_grads))
+
+    def layer_distance(self, g: Tensor, t: Tensor) -> Tensor:
+        raise TypeError(f"{type(self).__name__} must implement layer_distance")
+
+    def __repr__(self) -> str:
+        parts = []
+        if self.weights is not None:
+            parts.append(f"weights={self.weights}")
+        if self.masks is not None:
+            parts.append("masks=[...]")
+        return f"{self.name}({', '.join(parts)})"
+
+
+class L2Distance(GradientDistance):
+    """Squared Euclidean distance (DLG, GradInversion)."""
+
+    name = "l2"
+
+    def layer_distance(self, g, t):
+        return (g - t).pow(2).sum()
+
+
+class L1Distance(GradientDistance):
+    """Absolute distance (Laplacian noise)."""
+
+    name = "l1"
+
+    def layer_distance(self, g, t):
+        return (g - t).abs().sum()
+
+
+class CosineDistance(GradientDistance):
+    """``1 - <g, t> / (|g| |t|)`` over all (weighted, masked) layers at once (Inverting Gradients)."""
+
+    name = "cosine"
+
+    def __call__(self, dummy_grads, target_grads):
+        dot = gg = tt = 0.0
+        for w, g, t in self._layers(dummy_grads, target_grads):
+            dot = dot + w * (g * t).sum()
+            gg = gg + w * g.pow(2).sum()
+            tt = tt + w * t.pow(2).sum()
+        return 1.0 - dot / (torch.sqrt(gg) * torch.sqrt(tt) + 1e-12)
+
+
+class ScaledDistance(Objective):
+    """``scale * distance``: the negative log-likelihood of i.i.d. additive noise, up to a constant."""
+
+    def __init__(self, name: str, distance: GradientDistance, scale: float):
+        self.name, self.distance, self.scale = name, distance, float(scale)
+
+    def bind(self, observation):
+        return ScaledDistance(self.name, self.distance.bind(observation), self.scale)
+
+    def __call__(self, dummy_grads, target_grads):
+        return self.scale * self.distance(dummy_grads, target_grads)
+
+    def __repr__(self) -> str:
+        return f"{self.name}(scale={self.scale:g})"
+
+
+class DefenseLikelihood(Objective):
+    """``-observation.defense.log_prob(shared=target, clean=dummy)`` (the Bayes adversary)."""
+
+    name = "defense"
+
+    def bind(self, observation):
+        log_prob = getattr(observation.defense, "log_prob", None)
+        if log_prob is None:
+            who = "no defense" if observation.defense is None else f"defense {observation.defense.name!r}"
+            raise NotApplicable(f"objective 'defense' needs the defense's log_prob(shared, clean); {who} "
+                                "has none. Use gaussian(sigma=...), laplacian(b=...) or l2")
+        return _BoundLikelihood(log_prob)
+
+
+class _BoundLikelihood(Objective):
+    name = "defense"
+
+    def __init__(self, log_prob):
+        self.log_prob = log_prob
+
+    def __call__(self, dummy_grads, target_grads):
+        return -self.log_prob(list(target_grads), list(dummy_grads))
+
+
+def _positive(name: str, value: float) -> float:
+    if not value > 0:
+        raise ConfigError(f"{name} must be > 0, got {value}")
+    return float(value)
+
+
+@OBJECTIVES.register("l2", "squared L2 gradient distance (per-layer weights / masks)")
+def l2(weights=None, masks=None) -> Objective:
+    return L2Distance(weights, masks)
+
+
+@OBJECTIVES.register("l1", "L1 gradient distance (per-layer weights / masks)")
+def l1(weights=None, masks=None) -> Objective:
+    return L1Distance(weights, masks)
+
+
+@OBJECTIVES.register("cosine", "1 - cosine similarity over all layers (per-layer weights / masks)")
+def cosine(weights=None, masks=None) -> Objective:
+    return CosineDistance(weights, masks)
+
+
+@OBJECTIVES.register("gaussian", "-log N(shared; dummy, sigma^2): sum (g - t)^2 / (2 sigma^2)")
+def gaussian(sigma: float = 0.1, weights=None, masks=None) -> Objective:
+    sigma = _positive("gaussian sigma", sigma)
+    return ScaledDistance(f"gaussian(sigma={sigma:g})", L2Distance(weights, masks), 0.5 / sigma ** 2)
+
+
+@OBJECTIVES.register("laplacian", "-log Laplace(shared; dummy, b): sum |g - t| / b")
+def laplacian(b: float = 0.1, weights=None, masks=None) -> Objective:
+    b = _positive("laplacian b", b)
+    return ScaledDistance(f"laplacian(b={b:g})", L1Distance(weights, masks), 1.0 / b)
+
+
+@OBJECTIVES.register("defense", "-log p(shared | dummy) from the observation's defense.log_prob")
+def defense_likelihood() -> Objective:
+    return DefenseLikelihood()
+
+
+def build_objective(spec, **settings) -> Objective:
+    """An :class:`Objective` from a registered name (with settings) or an object / callable."""
+    if isinstance(spec, str):
+        return OBJECTIVES.build(spec, **settings)
+    if settings:
+        raise ConfigError(f"objective settings {sorted(settings)} only apply to a registered objective name")
+    if isinstance(spec, Objective):
+        return spec
+    if callable(spec):
+        return _CallableObjective(spec)
+    raise ConfigError(f"objective must be one of {OBJECTIVES.names()} or a callable, got {type(spec).__name__}")
+
+
+class _CallableObjective(Objective):
+    def __init__(self, fn):
+        self.fn = fn
+        self.name = getattr(fn, "__name__", "custom")
+
+    def __call__(self, dummy_grads, target_grads):
+        return self.fn(dummy_grads, target_grads)

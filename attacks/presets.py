@@ -1,0 +1,123 @@
+"""Named attacks (:data:`ATTACKS`): small settings dictionaries composed by one function.
+
+Every optimisation preset accepts every knob of :data:`KNOBS` as a keyword, so
+``ATTACKS.build("ig", restarts=4, tv=1e-3)`` or ``ATTACKS.build("dlg", tv=1e-4)`` compose
+freely; an unknown keyword raises a ConfigError listing the valid ones. ``budget`` passed
+to ``reconstruct`` overrides ``iterations``.
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable, Dict
+
+from audit.errors import ConfigError
+from audit.registry import Registry
+from priors import PRIORS
+
+from .analytic import AnalyticInversion
+from .engine import OptimizationAttack
+from .objectives import OBJECTIVES
+from .optimizers import OPTIMIZERS
+
+ATTACKS = Registry("attack")
+
+#: every setting of an optimisation attack, with its default and meaning
+KNOBS: Dict[str, tuple] = {
+    "objective": ("cosine", "gradient distance / likelihood: l2, l1, cosine, gaussian, laplacian, defense"),
+    "sigma": (None, "noise std of the gaussian objective"),
+    "b": (None, "noise scale of the laplacian objective"),
+    "weights": (None, "per-layer objective weights (one per gradient tensor; 0 drops a layer)"),
+    "masks": (None, "per-layer objective masks (tensors shaped like the gradients)"),
+    "tv": (0.0, "total-variation weight"),
+    "tv_kind": ("anisotropic", "anisotropic or isotropic TV"),
+    "l2": (0.0, "image-L2 weight"),
+    "bn": (0.0, "BatchNorm-statistics weight (DeepInversion)"),
+    "group": (0.0, "group-consistency weight (needs restarts > 1)"),
+    "group_start": (0, "iteration from which group consistency is on"),
+    "pixel_range": (0.0, "penalty weight on pixels outside [0, 1]"),
+    "optimizer": ("adam", "adam or lbfgs"),
+    "lr": (0.1, "learning rate (step size for lbfgs)"),
+    "schedule": ("step", "lr schedule: step, cosine, exp, constant"),
+    "signed": (False, "adam on signed gradients"),
+    "init": ("uniform", "dummy initialisation: uniform, randn, gray"),
+    "box": ("clamp", "clamp, sigmoid or none"),
+    "labels": ("infer", "infer, shared, optimize (DLG), idlg, counts"),
+    "iterations": (1000, "optimisation iterations (the default budget)"),
+    "restarts": (1, "independent restarts, batched; the lowest final loss wins"),
+    "simulator": (None, "a GradientSimulator (default: clean gradient, FedAvg unrolled)"),
+    "execution": ("auto", "auto, batched or sequential"),
+}
+
+_OBJECTIVE_KNOBS = ("sigma", "b", "weights", "masks")
+
+
+def compose(name: str, **s: Any) -> OptimizationAttack:
+    """Build an :class:`OptimizationAttack` from a full set of :data:`KNOBS`."""
+    accepted = inspect.signature(OBJECTIVES.get(s["objective"])).parameters if isinstance(s["objective"], str) else {}
+    objective_args = {}
+    for knob in _OBJECTIVE_KNOBS:
+        if s[knob] is None:
+            continue
+        if knob not in accepted:
+            raise ConfigError(f"attack {name!r}: {knob}= does not apply to objective {s['objective']!r}")
+        objective_args[knob] = s[knob]
+    objective = OBJECTIVES.build(s["objective"], **objective_args) if isinstance(s["objective"], str) \
+        else s["objective"]
+    priors = [(PRIORS.build(key, **args), s[weight]) for weight, key, args in (
+        ("tv", "tv", {"kind": s["tv_kind"]}), ("l2", "l2", {}), ("bn", "bn", {}),
+        ("group", "group", {"start": s["group_start"]}), ("pixel_range", "range", {}),
+    ) if s[weight]]
+    if s["optimizer"] == "adam":
+        optimizer = OPTIMIZERS.build("adam", lr=s["lr"], schedule=s["schedule"], signed=s["signed"])
+    elif s["signed"]:
+        raise ConfigError(f"attack {name!r}: signed=true applies to the adam optimizer only")
+    else:
+        optimizer = OPTIMIZERS.build(s["optimizer"], lr=s["lr"], schedule=s["schedule"])
+    return OptimizationAttack(
+        objective, priors, init=s["init"], box=s["box"], optimizer=optimizer, iterations=s["iterations"],
+        restarts=s["restarts"], label_strategy=s["labels"], simulator=s["simulator"], execution=s["execution"],
+        name=name,
+    )
+
+
+def register_preset(name: str, description: str, **defaults: Any) -> Callable[..., OptimizationAttack]:
+    """Register a preset: :data:`KNOBS` defaults overridden by ``defaults``."""
+    unknown = set(defaults) - set(KNOBS)
+    if unknown:
+        raise ConfigError(f"preset {name!r}: unknown settings {sorted(unknown)}")
+    settings = {k: defaults.get(k, default) for k, (default, _) in KNOBS.items()}
+
+    def factory(**overrides: Any) -> OptimizationAttack:
+        return compose(name, **{**settings, **overrides})
+
+    factory.__signature__ = inspect.Signature(
+        [inspect.Parameter(k, inspect.Parameter.KEYWORD_ONLY, default=v) for k, v in settings.items()])
+    factory.__name__ = name.replace("-", "_")
+    factory.__doc__ = description
+    factory.defaults = dict(settings)
+    ATTACKS.add(name, factory, description)
+    return factory
+
+
+register_preset("dlg", "DLG: L2 gradient matching, L-BFGS, labels optimised jointly",
+                objective="l2", optimizer="lbfgs", lr=1.0, schedule="constant", box="none", init="uniform",
+                labels="optimize", iterations=300)
+register_preset("idlg", "iDLG: DLG with the label inferred from the last-layer gradient",
+                objective="l2", optimizer="lbfgs", lr=1.0, schedule="constant", box="none", init="uniform",
+                labels="infer", iterations=300)
+register_preset("ig", "Inverting Gradients: cosine + TV, signed Adam 0.1 with step decay, [0,1] box",
+                objective="cosine", tv=1e-2, optimizer="adam", lr=0.1, schedule="step", signed=True,
+                box="clamp", init="uniform", iterations=1000)
+register_preset("gi", "GradInversion: L2 + TV + image L2 + BN statistics + group consistency, 4 restarts",
+                objective="l2", tv=1e-4, l2=1e-6, bn=1e-2, group=1e-2, group_start=100, optimizer="adam",
+                lr=0.1, schedule="step", box="clamp", init="uniform", restarts=4, iterations=1000)
+for _kind, _objective in (("l2", "l2"), ("l1", "l1"), ("cos", "cosine")):
+    register_preset(f"bayes-{_kind}", f"the Bayes paper's {_objective} baseline: {_objective} + anisotropic TV, "
+                    "Adam with exponential decay, 200 iterations",
+                    objective=_objective, tv=1e-2, optimizer="adam", lr=0.1, schedule="exp", box="clamp",
+                    init="uniform", iterations=200)
+
+
+@ATTACKS.register("analytic", "analytic inversion of the first fully connected layer's input (batch 1, MLPs)")
+def analytic() -> AnalyticInversion:
+    return AnalyticInversion()

@@ -1,0 +1,245 @@
+"""The shared-gradient simulator: dummy data -> what the client would have shared.
+
+This is THE extension point of adaptive attacks. The default :class:`GradientSimulator`
+returns the clean gradient of the observation's model (FedAvg: it unrolls ``local_steps``
+differentiable local updates and returns the accumulated update in the units of
+``observation.gradients``), then applies its ``transforms`` one after another. An adaptive
+attack either
+
+* appends a transform ``t(grads, context) -> grads`` (mask replay, layer dropping, a
+  differentiable re-implementation of the defense, ...), or
+* subclasses :class:`GradientSimulator` and overrides :meth:`client_gradients`
+  (e.g. :class:`DefenseSimulator` runs the defense callable itself).
+
+Two execution paths share this code. ``functional=True`` differentiates with
+``torch.func.grad`` and is called under ``torch.func.vmap`` over the restart dimension
+(batched restarts); ``functional=False`` uses ``torch.autograd.grad(create_graph=True)``
+for one restart at a time (the sequential fallback for code that cannot be vmapped).
+A simulator or transform that cannot run under vmap sets ``vmappable = False``.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call, replace_all_batch_norm_modules_
+
+from audit.errors import ConfigError, NotApplicable
+from audit.observe import local_batches
+from audit.registry import Registry
+from audit.types import Observation
+
+SIMULATORS = Registry("simulator")
+
+GradTransform = Callable[[List[Tensor], "SimContext"], Sequence[Tensor]]
+_NORM_TYPES = (nn.modules.batchnorm._BatchNorm,)
+
+
+@dataclass
+class SimContext:
+    """What a transform may use: the observation, a seeded generator, the iteration.
+    ``capture_features``: record BatchNorm input statistics (set when a prior needs them)."""
+
+    observation: Observation
+    generator: Optional[torch.Generator] = None
+    iteration: int = 0
+    capture_features: bool = True
+    extra: Dict[str, Any] = field(default_factory=dict)
+
+
+class ClientReplica:
+    """A private copy of the observation's model set up as the client ran it.
+
+    ``mode`` is ``observation.client_mode``: in ``"train"`` mode BatchNorm uses batch
+    statistics and (on the copy only) its running statistics are dropped, because
+    vmap cannot update them in place; in ``"eval"`` mode the copied buffers are used as is.
+    The observation's model is never mutated. Forward pre-hooks on every BatchNorm layer
+    record the mean / variance of its input (for the BN-statistics prior).
+    """
+
+    def __init__(self, observation: Observation):
+        mode = observation.client_mode
+        if mode not in ("train", "eval"):
+            raise ConfigError(f"observation.client_mode must be 'train' or 'eval', got {mode!r}")
+        self.observation = observation
+        self.loss_fn = observation.loss_fn
+        self.bn_running = _running_stats(observation.model)
+        model = copy.deepcopy(observation.model)
+        model.train(mode == "train")
+        if mode == "train":
+            replace_all_batch_norm_modules_(model)
+        self.model = model
+        named = dict(model.named_parameters())
+        self.names = [n for n, p in named.items() if p.requires_grad]
+        self.params: Dict[str, Tensor] = {n: named[n].detach() for n in self.names}
+        self.frozen: Dict[str, Tensor] = {
+            **{n: p.detach() for n, p in named.items() if not p.requires_grad},
+            **dict(model.named_buffers()),
+        }
+        self._eager_params: Optional[Dict[str, Tensor]] = None
+        self._capture: Optional[List[Tuple[Tensor, Tensor]]] = None
+        self.norm_layers = [m for m in model.modules() if isinstance(m, _NORM_TYPES)]
+        for m in self.norm_layers:
+            m.register_forward_pre_hook(self._record_input_stats)
+
+    # -- parameters for the two execution paths
+    @property
+    def eager_params(self) -> Dict[str, Tensor]:
+        """Leaf copies of the parameters that require grad (for torch.autograd)."""
+        if self._eager_params is None:
+            self._eager_params = {n: p.clone().requires_grad_(True) for n, p in self.params.items()}
+        return self._eager_params
+
+    def forward(self, params: Dict[str, Tensor], x: Tensor) -> Tensor:
+        return functional_call(self.model, (params, self.frozen), (x,), strict=False)
+
+    # -- feature capture
+    def _record_input_stats(self, module, inputs):
+        if self._capture is not None:
+            x = inputs[0]
+            dims = [0] + list(range(2, x.dim()))
+            self._capture.append((x.mean(dims), x.var(dims, unbiased=False)))
+
+    @contextlib.contextmanager
+    def capturing(self, enabled: bool = True) -> Iterator[List[Tuple[Tensor, Tensor]]]:
+        """Collect ``(mean, var)`` of every BatchNorm input during the block."""
+        saved, out = self._capture, []
+        self._capture = out if enabled else None
+        try:
+            yield out
+        finally:
+            self._capture = saved
+
+
+def _running_stats(model: nn.Module) -> Optional[List[Tuple[Tensor, Tensor]]]:
+    stats = []
+    for m in model.modules():
+        if isinstance(m, _NORM_TYPES):
+            if m.running_mean is None or m.running_var is None:
+                return None
+            stats.append((m.running_mean.detach().clone(), m.running_var.detach().clone()))
+    return stats or None
+
+
+def param_grads(
+    replica: ClientReplica, params: Dict[str, Tensor], x: Tensor, y: Tensor, *,
+    functional: bool, capture: bool = False, create_graph: bool = True,
+) -> Tuple[Dict[str, Tensor], List[Tuple[Tensor, Tensor]]]:
+    """Gradient of the client's loss w.r.t. ``params`` at ``(x, y)`` (+ captured BN input stats).
+
+    ``functional`` selects ``torch.func.grad`` (vmappable) or ``torch.autograd.grad``.
+    """
+
+    def loss_of(p):
+        with replica.capturing(capture) as feats:
+            loss = replica.loss_fn(replica.forward(p, x), y)
+        return loss, list(feats)
+
+    if functional:
+        return torch.func.grad(loss_of, has_aux=True)(params)
+    loss, feats = loss_of(params)
+    grads = torch.autograd.grad(loss, list(params.values()), create_graph=create_graph, allow_unused=True)
+    return {n: torch.zeros_like(p) if g is None else g for (n, p), g in zip(params.items(), grads)}, feats
+
+
+def client_update(
+    step_grads: Callable[[Dict[str, Tensor], Tensor, Tensor, int], Dict[str, Tensor]],
+    params: Dict[str, Tensor], x: Tensor, y: Tensor, *,
+    steps: int = 1, lr: float = 0.0, batch_size: Optional[int] = None,
+) -> List[Tensor]:
+    """Unroll ``steps`` local SGD steps; return the accumulated gradient ``(theta_0 - theta_K) / lr``.
+
+    ``step_grads(params, xb, yb, k)`` gives the gradient of step ``k``; mini-batches follow
+    :func:`audit.observe.local_batches`. Differentiable when ``step_grads`` is.
+    """
+    if steps > 1 and lr <= 0:
+        raise ConfigError(f"{steps} local steps need a positive local learning rate, got {lr}")
+    total: Optional[Dict[str, Tensor]] = None
+    for k, rows in enumerate(local_batches(x.shape[0], batch_size, steps)):
+        g = step_grads(params, x[rows], y[rows], k)
+        total = g if total is None else {n: total[n] + g[n] for n in total}
+        if k < steps - 1:
+            params = {n: params[n] - lr * g[n] for n in params}
+    return list(total.values())
+
+
+class GradientSimulator:
+    """Dummy ``(x, y)`` -> the gradients the client would have shared (see module docstring).
+
+    ``transforms`` are applied in order to the clean (FedAvg-accumulated) gradient; each is
+    ``t(grads: list[Tensor], context: SimContext) -> list[Tensor]`` and should be pure torch
+    so it runs under vmap (otherwise give it ``vmappable = False``).
+    """
+
+    vmappable = True
+
+    def __init__(self, transforms: Sequence[GradTransform] = ()):
+        self.transforms = list(transforms)
+
+    @property
+    def batchable(self) -> bool:
+        """True when the whole chain can run under ``torch.func.vmap``."""
+        return self.vmappable and all(getattr(t, "vmappable", True) for t in self.transforms)
+
+    def prepare(self, observation: Observation) -> ClientReplica:
+        return ClientReplica(observation)
+
+    def client_gradients(self, replica: ClientReplica, x: Tensor, y: Tensor, *, functional: bool,
+                         context: SimContext) -> Tuple[List[Tensor], Dict[str, Any]]:
+        """The clean shared gradient (FedAvg-unrolled) and the features of the first step."""
+        obs = replica.observation
+        feats: Dict[str, Any] = {}
+        params = replica.params if functional else replica.eager_params
+
+        def step(p, xb, yb, k):
+            g, bn = param_grads(replica, p, xb, yb, functional=functional,
+                                capture=k == 0 and context.capture_features)
+            if k == 0:
+                feats["bn"] = bn
+            return g
+
+        grads = client_update(step, params, x, y, steps=obs.local_steps, lr=obs.local_lr,
+                              batch_size=obs.local_batch_size)
+        return grads, feats
+
+    def __call__(self, replica: ClientReplica, x: Tensor, y: Tensor, *, functional: bool,
+                 context: SimContext) -> Tuple[List[Tensor], Dict[str, Any]]:
+        grads, feats = self.client_gradients(replica, x, y, functional=functional, context=context)
+        for transform in self.transforms:
+            grads = list(transform(grads, context))
+        return grads, feats
+
+    def describe(self) -> str:
+        names = [getattr(t, "__name__", type(t).__name__) for t in self.transforms]
+        return type(self).__name__ + (f"[{' -> '.join(names)}]" if names else "")
+
+
+class DefenseSimulator(GradientSimulator):
+    """Runs the observation's defense callable on the dummy data (white-box, adaptive).
+
+    The defense computes its gradient with ``torch.autograd`` itself, so this path is never
+    vmapped (sequential restarts); its randomness comes from ``context.generator``.
+    Single local step only.
+    """
+
+    vmappable = False
+
+    def client_gradients(self, replica, x, y, *, functional, context):
+        obs = replica.observation
+        if obs.defense is None:
+            raise NotApplicable("the 'defense' simulator needs observation.defense (white-box "
+                                "access to the mechanism); use the default 'clean' simulator")
+        if obs.local_steps != 1:
+            raise NotApplicable("the 'defense' simulator runs one defended gradient; the "
+                                f"observation has {obs.local_steps} local steps")
+        with replica.capturing(context.capture_features) as bn:
+            grads = obs.defense(replica.model, x, y, loss_fn=replica.loss_fn, generator=context.generator)
+        return list(grads), {"bn": list(bn)}
+
+
+SIMULATORS.add("clean", GradientSimulator, "clean gradient of the observation's model (FedAvg unrolled)")
+SIMULATORS.add("defense", DefenseSimulator, "the dummy data goes through the observation's defense callable")

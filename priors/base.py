@@ -1,0 +1,52 @@
+"""The prior interface shared by every image prior.
+
+A prior is called once per restart: ``prior(x, context) -> scalar`` with ``x`` the dummy
+batch ``(B, C, H, W)`` in image space and ``context`` a :class:`PriorContext`. It must be
+pure torch (it runs under ``torch.func.vmap`` over restarts). A prior that needs side
+information names it in ``requires``: ``"bn_stats"`` (the observation model's BatchNorm
+running statistics; checked before the attack starts) or ``"group_mean"`` (the engine then
+fills ``context.group_mean``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, FrozenSet, List, Optional, Tuple
+
+from torch import Tensor
+
+from audit.registry import Registry
+
+PRIORS = Registry("prior")
+
+
+@dataclass
+class PriorContext:
+    """Per-evaluation information a prior may use.
+
+    * ``iteration`` -- the optimiser step (group consistency switches on at a step);
+    * ``features`` -- computed on this restart's dummy batch by the simulator, e.g.
+      ``features["bn"]``: ``[(mean, var), ...]`` of every BatchNorm input, in module order;
+    * ``bn_running`` -- the observation model's BatchNorm running ``(mean, var)`` (or None);
+    * ``group_mean`` -- the mean image batch over all restarts, detached (or None);
+    * ``observation`` -- the observation (read-only).
+    """
+
+    iteration: int = 0
+    features: Dict[str, Any] = field(default_factory=dict)
+    bn_running: Optional[List[Tuple[Tensor, Tensor]]] = None
+    group_mean: Optional[Tensor] = None
+    observation: Any = None
+
+
+class Prior:
+    """Base class: a named image prior; lower is more plausible."""
+
+    name = "prior"
+    requires: FrozenSet[str] = frozenset()
+
+    def __call__(self, x: Tensor, context: PriorContext) -> Tensor:
+        raise TypeError(f"{type(self).__name__} must implement __call__")
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in vars(self).items())
+        return f"{self.name}({args})"
