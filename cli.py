@@ -159,5 +159,33 @@ def report_cmd(directory, run_key, seed, device):
     click.echo(f"report: {report.out / 'report.html'} (also report.md, report.json, psnr_vs_step.png)")
 
 
+@main.command("train-generator")
+@click.option("--data", "dataset", default="embedded", show_default=True,
+              help="data set whose *train* split trains the generator (the audit's private images come from the test split)")
+@click.option("--data-path", default=None, help="local path of the data set (cifar10, mnist, folder)")
+@click.option("--size", default=32, show_default=True, type=int, help="image side (8, 16, 32, 64)")
+@click.option("--steps", default=2000, show_default=True, type=int, help="GAN training steps")
+@click.option("--batch-size", default=64, show_default=True, type=int)
+@click.option("--lr", default=2e-4, show_default=True, type=float, help="Adam learning rate (both networks)")
+@click.option("--latent-dim", default=32, show_default=True, type=int)
+@click.option("--width", default=32, show_default=True, type=int, help="DCGAN channel width")
+@click.option("--unconditional", is_flag=True, help="ignore the class labels (default: class-conditional)")
+@click.option("--out", default="generator.pt", show_default=True, type=click.Path(dir_okay=False),
+              help="checkpoint to write (weights + settings + training data description)")
+@common_options
+@friendly_errors
+def train_generator_cmd(dataset, data_path, size, steps, batch_size, lr, latent_dim, width, unconditional,
+                        out, seed, device):
+    """Train the DCGAN image prior of GGL / GIAS / GIFD on auxiliary data and save it."""
+    from generators import GeneratorRecipe, train_generator
+
+    recipe = GeneratorRecipe(dataset=dataset, data_path=data_path, size=size, conditional=not unconditional,
+                             latent_dim=latent_dim, width=width, steps=steps, batch_size=batch_size, lr=lr,
+                             seed=seed)
+    gen = train_generator(recipe, out=out, device=resolve_device(device))
+    click.echo(f"saved {out}: {tuple(gen.image_shape)} images, latent {gen.latent_dim}, "
+               f"{gen.num_classes or 'no'} classes, trained on {dataset}/train")
+
+
 if __name__ == "__main__":
     main()

@@ -1,1 +1,22 @@
-"""generators"""
+"""Generative models used as image priors (GGL, GIAS, GIFD, the ``generator`` prior).
+
+* :class:`ImageGenerator` -- the interface (latent [+ label] -> image in [0, 1], with
+  intermediate features); :func:`as_generator` adapts any ``nn.Module`` with ``latent_dim``.
+* ``dcgan`` (:data:`GENERATORS`) -- a small DCGAN trainable on a CPU in minutes.
+* :func:`train_generator` -- train it on the *train* split of a data set (disjoint from the
+  audited test images); :func:`default_generator` -- the same, cached under
+  ``$GIA_AUDIT_CACHE``; :func:`save_generator` / :func:`load_generator` -- checkpoints
+  (``module:attr`` factory for a user's generator).
+"""
+from .auxiliary import GeneratorRecipe, cache_dir, default_generator, default_recipe, train_generator
+from .base import ImageGenerator, ModuleGenerator, as_generator, check_compatible
+from .checkpoint import load_generator, read_checkpoint, resolve_factory, save_generator
+from .dcgan import GENERATORS, DCGANDiscriminator, DCGANGenerator, build_generator
+from .training import TrainHistory, TrainSettings, train_gan
+
+__all__ = [
+    "GENERATORS", "DCGANDiscriminator", "DCGANGenerator", "GeneratorRecipe", "ImageGenerator",
+    "ModuleGenerator", "TrainHistory", "TrainSettings", "as_generator", "build_generator", "cache_dir",
+    "check_compatible", "default_generator", "default_recipe", "load_generator", "read_checkpoint",
+    "resolve_factory", "save_generator", "train_gan", "train_generator",
+]
