@@ -196,9 +196,9 @@ class Audit:
         """The attacks to run (base + the planner's adaptive ones) and the plan for the report."""
         try:
             plan = _plan(self.defense, copy.deepcopy(self.model), self.dataset, self.seed, self.device)
-            plan_dict = plan.to_dict() if plan is not None else {"unavailable": "planner not installed"}
+            plan_dict = plan.to_dict() if plan is not None else {"error": "the planner (adaptive.plan) is not installed"}
         except GiaError as err:  # e.g. the defense fails on the planner's probe batch
-            plan, plan_dict = None, {"unavailable": f"probing the defense failed: {type(err).__name__}: {err}"}
+            plan, plan_dict = None, {"error": f"probing the defense failed: {type(err).__name__}: {err}"}
         proposed = [] if plan is None else [
             AttackSpec(a.name, dict(a.settings), a.reason, "adaptive" if a.adaptive else "base")
             for a in plan.attacks]
@@ -244,6 +244,8 @@ class Audit:
             return {"unavailable": "utility measurement was switched off (utility=False)"}
         try:
             return _measure_utility(self)
+        except ImportError as err:
+            return {"unavailable": f"the utility module is not installed ({err})"}
         except GiaError as err:
             return {"unavailable": f"{type(err).__name__}: {err}"}
 

@@ -65,6 +65,9 @@ def plan_traits(plan: Dict[str, Any]) -> Dict[str, Any]:
     """The probed traits worth reading (the per-layer probe table stays in report.json)."""
     traits = dict(plan.get("traits") or {})
     traits.pop("layers", None)
-    if "unavailable" in plan:
-        traits["planner"] = plan["unavailable"]
+    if plan.get("error"):
+        traits["planner"] = plan["error"]
+    missing = [a.get("name", "?") for a in plan.get("unavailable") or []]
+    if missing:
+        traits["proposed but not installed"] = ", ".join(missing)
     return traits

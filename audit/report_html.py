@@ -53,7 +53,7 @@ def _grid(data: Dict[str, Any], step: Dict[str, Any], run_dir: Optional[Path]) -
                 row.append('<span class="muted">pending</span>')
             elif rec["status"] != "ok":
                 row.append(f'<span class="muted" title="{escape(rec.get("reason", ""))}">'
-                           f'{escape(rec["status"])}</span>')
+                           f'{escape(rec["status"].replace("_", " "))}</span>')
             else:
                 caption = f"{fmt('psnr', rec['metrics'].get('psnr'))} dB"
                 row.append(_img(run_dir, rec.get("png"), f"{attack['id']} image {i}") + f"<br>{caption}")

@@ -114,7 +114,7 @@ def test_defense_returning_nan_is_reported_not_crashed_on(tmp_path):
     failures = report.failures
     assert {f["attack"] for f in failures} == {"analytic", "ig"} and all(f["step"] == 0 for f in failures)
     assert all("nan_on_private" in f["error"] and "NaN" in f["error"] for f in failures)
-    assert "probing the defense failed" in report.data["plan"]["unavailable"]
+    assert "probing the defense failed" in report.data["plan"]["error"]
     assert "nan_on_private" in (tmp_path / "report.html").read_text()
 
 
