@@ -1,0 +1,170 @@
+"""Planner rules: each maps :class:`~adaptive.traits.DefenseTraits` to the attacks that
+exploit them, with the reason in words. Rules are registered, not chained: adding one is
+one decorated function.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List
+
+from audit.registry import Registry
+
+from .traits import DefenseTraits
+
+RULES = Registry("planner rule")
+
+HEAVY_SPARSITY = 0.85  # beyond this, gradient matching has too little left to match
+EOT_SAMPLES = 8
+
+
+@dataclass
+class PlannedAttack:
+    """An attack the planner proposes: registry name, settings for it, and why."""
+
+    name: str
+    settings: Dict[str, Any] = field(default_factory=dict)
+    reason: str = ""
+    adaptive: bool = True  # False for the naive baseline the adaptive attacks are compared with
+
+
+Rule = Callable[[DefenseTraits], List[PlannedAttack]]
+
+
+def _pct(x: float) -> str:
+    return f"{x:.0%}"
+
+
+@RULES.register("baseline", "the naive attack the defense was designed against")
+def baseline(t: DefenseTraits) -> List[PlannedAttack]:
+    why = ("no perturbation detected: the clean gradient is shared" if t.identity
+           else "naive baseline: plain gradient matching, for comparison with the adaptive attacks")
+    return [PlannedAttack("ig", {}, why, adaptive=False)]
+
+
+@RULES.register("analytic", "batch-1 linear gradients still rank-1: closed-form inversion")
+def analytic(t: DefenseTraits) -> List[PlannedAttack]:
+    if not t.analytic_layers:
+        return []
+    return [PlannedAttack("analytic", {}, (
+        f"linear-layer gradients stay exactly rank-1 consistent (dW = db x^T) in "
+        f"{len(t.analytic_layers)} layer(s): the layer input is recovered in closed form "
+        "for batch 1 when the audited model starts with a linear layer"))]
+
+
+@RULES.register("through-defense", "pass the dummy gradient through the defense (replay / EOT)")
+def through_defense(t: DefenseTraits) -> List[PlannedAttack]:
+    if t.identity or t.architectural or not t.differentiable:
+        return []
+    if t.stochastic:
+        return [PlannedAttack("through-defense", {"eot_samples": EOT_SAMPLES}, (
+            f"stochastic and differentiable: EOT, the dummy gradient goes through the defense "
+            f"with {EOT_SAMPLES} samples of its randomness per step, averaged in the loss"))]
+    return [PlannedAttack("through-defense", {"eot_samples": 1}, (
+        "deterministic and differentiable: replay the defense on the dummy gradient, so both "
+        "sides of the matching loss are defended the same way"))]
+
+
+@RULES.register("mask-replay", "read the pruning mask from the observed zeros")
+def mask_replay(t: DefenseTraits) -> List[PlannedAttack]:
+    if not t.sparse:
+        return []
+    return [PlannedAttack("mask-replay", {}, (
+        f"sparse: {_pct(t.sparsity)} extra exact zeros in the changed layers; the mask is read "
+        "from the zeros of the observed gradient and applied to the dummy gradient"))]
+
+
+@RULES.register("layer-drop", "drop the perturbed layers from the matching objective")
+def layer_drop(t: DefenseTraits) -> List[PlannedAttack]:
+    if not t.few_layers_changed or t.sparse and not t.one_layer_changed:
+        return []
+    which = "one layer" if t.one_layer_changed else f"{len(t.changed_layers)} of {len(t.layers)} tensors"
+    return [PlannedAttack("layer-drop", {"layers": "auto"}, (
+        f"only {which} differ from the clean gradient ({', '.join(t.changed_layers[:4])}); the "
+        "others are exact: drop the defended layer from the objective (detected on the "
+        "audited model from the observation, or each candidate tried and the best kept)"))]
+
+
+@RULES.register("censor-invariants", "match the per-layer norms and orthogonality CENSOR keeps")
+def censor_invariants(t: DefenseTraits) -> List[PlannedAttack]:
+    if not (t.norm_preserving and t.orthogonal):
+        return []
+    return [PlannedAttack("censor-invariants", {}, (
+        "every changed layer keeps its clean norm exactly and is orthogonal to the clean "
+        "gradient: match ||grad_l(x')|| = ||shared_l|| and penalise <grad_l(x'), shared_l>"))]
+
+
+@RULES.register("svd-subspace", "match only the transmitted low-rank subspace")
+def svd_subspace(t: DefenseTraits) -> List[PlannedAttack]:
+    if not t.low_rank:
+        return []
+    return [PlannedAttack("svd-subspace", {}, (
+        f"rank reduced in {len(t.rank_reduced_layers)} layer(s): project the dummy gradient on the "
+        "transmitted row/column subspaces before matching (batch-1 linear gradients are rank 1, "
+        "so truncation leaves them intact)"))]
+
+
+@RULES.register("precode-latent", "architectural bottleneck: analytic recovery + latent variable")
+def precode_latent(t: DefenseTraits) -> List[PlannedAttack]:
+    if not t.architectural:
+        return []
+    return [PlannedAttack("precode-latent", {}, (
+        "wrap_model changes the client model (variational bottleneck): recover the bottleneck "
+        "input analytically from the encoder's gradients and optimise the bottleneck draw "
+        "jointly with the dummy input"))]
+
+
+@RULES.register("noise-likelihood", "match with the noise's own log-likelihood (L2 / L1)")
+def noise_likelihood(t: DefenseTraits) -> List[PlannedAttack]:
+    preset = {"gaussian": "bayes-l2", "laplace": "bayes-l1"}.get(t.noise_family or "")
+    if not (t.stochastic and preset):
+        return []
+    return [PlannedAttack(preset, {}, (
+        f"the random part looks {t.noise_family} (std ~{t.noise_std:.3g}): its log-likelihood "
+        f"is the matching loss"))]
+
+
+@RULES.register("bayes-optimal", "the Bayes adversary, for a known likelihood or randomness")
+def bayes_optimal(t: DefenseTraits) -> List[PlannedAttack]:
+    if not (t.has_log_prob or t.stochastic and not t.architectural):
+        return []
+    why = ("the defense declares log_prob(shared | clean): the exact likelihood is the objective"
+           if t.has_log_prob else
+           "stochastic defense: Monte Carlo estimate of the likelihood over its randomness")
+    return [PlannedAttack("bayes-optimal", {}, why)]
+
+
+@RULES.register("learned-inverter", "train an inverter where gradient matching has nothing to hold")
+def learned_inverter(t: DefenseTraits) -> List[PlannedAttack]:
+    causes = []
+    if t.sign_only:
+        causes.append("only signs are shared")
+    elif t.quantized:
+        causes.append("values are quantized")
+    if t.sparse and t.sparsity >= HEAVY_SPARSITY:
+        causes.append(f"{_pct(t.sparsity)} of the entries are pruned")
+    if t.low_rank:
+        causes.append("gradients are truncated to low rank")
+    if not t.differentiable and not t.identity:
+        causes.append("the defense passes no usable gradient back to the inputs")
+    if not causes:
+        return []
+    return [PlannedAttack("learned-inverter", {}, (
+        "gradient matching is crippled (" + "; ".join(causes) + "): learn the map from defended "
+        "gradients to images on surrogate data"))]
+
+
+@RULES.register("input-transform", "the shared gradient belongs to a transformed input")
+def input_transform(t: DefenseTraits) -> List[PlannedAttack]:
+    if not t.input_transform:
+        return []
+    return [PlannedAttack("ig", {}, (
+        f"input transform ({t.input_transform_source}): the gradient is that of the transformed "
+        "image, which plain matching recovers early in training"), adaptive=False)]
+
+
+@RULES.register("rescaled", "clipping only rescales: cosine matching is invariant")
+def rescaled(t: DefenseTraits) -> List[PlannedAttack]:
+    if not t.rescaled or t.stochastic:
+        return []
+    return [PlannedAttack("ig", {}, "only the norm changes (clipping): cosine matching ignores it",
+                          adaptive=False)]

@@ -1,0 +1,129 @@
+"""The planner probes a defense as a black box and identifies its traits (issue 6, part 7)."""
+import pytest
+import torch
+
+from adaptive.plan import plan
+from adaptive.probe import probe_defense
+from audit.errors import DefenseError
+from audit.types import clean_gradients, gradient_transform
+from defenses.registry import DEFENSES, build_defense
+
+# defense spec -> (traits that must be on, traits that must be off)
+BUILTIN = {
+    "none": ({"identity", "differentiable", "analytic_linear"},
+             {"stochastic", "sparse", "low_rank", "architectural"}),
+    "gaussian": ({"stochastic", "differentiable", "has_log_prob"},
+                 {"sparse", "orthogonal", "norm_preserving", "identity"}),
+    "laplacian": ({"stochastic", "has_log_prob"}, {"sparse", "identity"}),
+    "prune": ({"sparse", "differentiable"}, {"stochastic", "one_layer_changed", "low_rank"}),
+    "soft-prune": ({"stochastic", "has_log_prob"}, {"identity"}),
+    "quantize": ({"quantized"}, {"stochastic", "sign_only", "sparse"}),
+    "clip": ({"rescaled"}, {"stochastic", "identity"}),
+    "dp-sgd": ({"stochastic"}, {"sparse", "has_log_prob"}),
+    "soteria": ({"one_layer_changed", "sparse"}, {"stochastic", "architectural"}),
+    "precode": ({"architectural", "stochastic", "analytic_linear"}, {"one_layer_changed"}),
+    "ats": ({"input_transform", "stochastic"}, {"architectural", "sparse"}),
+    "censor": ({"orthogonal", "norm_preserving", "stochastic"}, {"sparse", "low_rank"}),
+    "svdefense": ({"low_rank"}, {"stochastic", "sparse"}),
+    "refiner": ({"input_transform", "stochastic"}, {"architectural", "one_layer_changed"}),
+}
+# settings that keep a probe fast on CPU (the refiner's default evaluation network trains);
+# a large eps keeps the refiner's projection inactive, so its gradient is exactly that of
+# the refined data (with the default eps it is projected back towards the clean gradient)
+FAST = {
+    "refiner": lambda: {"iota": 2, "eps": 10.0,
+                        "evaluator": torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(192, 1))},
+}
+
+
+def _flags(defense, **kw):
+    return probe_defense(defense, seed=0, **kw).flags()
+
+
+@pytest.mark.parametrize("name", sorted(BUILTIN))
+def test_planner_identifies_each_builtin_defense(name):
+    if name not in DEFENSES:
+        pytest.skip(f"defense {name!r} is not registered in this checkout")
+    on, off = BUILTIN[name]
+    flags = _flags(build_defense(name, **FAST.get(name, dict)()))
+    assert {k for k in on if not flags[k]} == set(), flags
+    assert {k for k in off if flags[k]} == set(), flags
+
+
+def test_noise_scale_and_family_are_estimated():
+    g = probe_defense(build_defense("gaussian", sigma=0.05), seed=1)
+    assert g.noise_family == "gaussian" and abs(g.noise_std - 0.05) < 0.05 * 0.05
+    lap = probe_defense(build_defense("laplacian", sigma=0.05), seed=1)
+    assert lap.noise_family == "laplace"
+    assert abs(lap.noise_std - 0.05 * 2 ** 0.5) < 0.1 * 0.05 * 2 ** 0.5  # Laplace std = b sqrt(2)
+
+
+def test_soteria_changes_exactly_its_defended_layer():
+    t = probe_defense(build_defense("soteria", ratio=0.5, layer="last"), seed=0)
+    assert t.changed_layers == ["10.weight"]
+    assert t.layer("10.weight").zero_frac_defended == 0.5  # 16 of 32 input features pruned
+
+
+def test_plain_user_callable_that_prunes_is_planned_from_probing_alone():
+    def my_prune(model, inputs, labels, *, loss_fn, generator):
+        grads = clean_gradients(model, inputs, labels, loss_fn)
+        return [g * (g.abs() >= g.abs().flatten().quantile(0.8)) for g in grads]
+
+    p = plan(my_prune)
+    flags = p.traits.flags()
+    assert flags["sparse"] and not flags["stochastic"] and flags["differentiable"]
+    assert all(0.78 < p.traits.layer(n).zero_frac_defended <= 0.8 for n in ("2.weight", "8.weight"))
+    assert p.traits.declared_stochastic is None and not p.traits.has_log_prob
+    assert p.names()[0] == "ig"
+    mask = next(a for a in p.attacks + p.unavailable if a.name == "mask-replay")
+    assert "zeros" in mask.reason
+
+
+def test_plain_callable_that_transforms_inputs_is_detected_by_consistency():
+    def flip(model, inputs, labels, *, loss_fn, generator):
+        return clean_gradients(model, inputs.flip(-1), labels, loss_fn)
+
+    t = probe_defense(flip, seed=0)
+    assert t.input_transform and t.input_transform_source.startswith("probed")
+    assert not t.stochastic and t.changed_layers
+
+
+def test_orthogonal_norm_preserving_callable_gets_invariant_matching():
+    @gradient_transform(stochastic=True)
+    def rotate(grads, generator=None):
+        out = []
+        for g in grads:
+            r = torch.randn(g.shape, generator=generator)
+            o = r - (r * g).sum() / (g * g).sum() * g
+            out.append(o * g.norm() / o.norm())
+        return out
+
+    p = plan(rotate)
+    assert p.traits.orthogonal and p.traits.norm_preserving and p.traits.stochastic
+    proposed = {a.name: a for a in p.attacks + p.unavailable}
+    assert "censor-invariants" in proposed
+    assert proposed["through-defense"].settings["eot_samples"] > 1
+
+
+def test_global_randomness_is_flagged_and_broken_defenses_are_named():
+    @gradient_transform(stochastic=True)
+    def global_noise(grads):
+        return [g + 0.01 * torch.randn(g.shape) for g in grads]
+
+    t = probe_defense(global_noise, seed=0)
+    assert t.stochastic and not t.reproducible
+    assert any("global randomness" in n for n in t.notes)
+
+    def wrong(model, inputs, labels, *, loss_fn, generator):
+        return clean_gradients(model, inputs, labels, loss_fn)[:-1]
+
+    with pytest.raises(DefenseError, match="wrong"):
+        plan(wrong)
+
+
+def test_plan_reasons_appear_in_the_summary():
+    p = plan(build_defense("prune", ratio=0.9))
+    text = "\n".join(p.summary())
+    assert "sparse" in text and "mask" in text
+    assert all(a.reason for a in p.attacks)
+    assert p.to_dict()["traits"]["flags"]["sparse"] is True
