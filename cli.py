@@ -187,5 +187,46 @@ def train_generator_cmd(dataset, data_path, size, steps, batch_size, lr, latent_
                f"{gen.num_classes or 'no'} classes, trained on {dataset}/train")
 
 
+@main.command("attack")
+@click.option("--attack", "attack_name", default="ig", show_default=True, help="attack name (`gia-audit list attacks`)")
+@click.option("--attack-arg", multiple=True, metavar="NAME=VALUE", help="attack setting, e.g. tv=1e-3 (repeatable)")
+@click.option("--model", default="convnet", show_default=True, help="model name (`gia-audit list models`)")
+@click.option("--model-arg", multiple=True, metavar="NAME=VALUE", help="model parameter (repeatable)")
+@click.option("--dataset", default="embedded", show_default=True, help="data set (`gia-audit list datasets`)")
+@click.option("--data-path", default=None, help="local path of the data set (cifar10, mnist, folder)")
+@click.option("--size", default=32, show_default=True, type=int, help="image side in pixels")
+@click.option("--index", default=0, show_default=True, type=int, help="first training image of the private batch")
+@click.option("--image", default=None, type=click.Path(exists=True, dir_okay=False), help="attack this image file instead")
+@click.option("--label", default=0, show_default=True, type=int, help="the class the client trains --image with")
+@click.option("--batch", default=1, show_default=True, type=int, help="private batch size")
+@click.option("--budget", default=None, type=int, help="iterations  [default: the attack's own]")
+@click.option("--restarts", default=None, type=int, help="restarts, run batched  [default: the attack's own]")
+@click.option("--defense", default=None, help="defense name or package.module:attr  [default: none]")
+@click.option("--defense-arg", multiple=True, metavar="NAME=VALUE", help="defense parameter (repeatable)")
+@click.option("--share-labels", is_flag=True, help="the protocol shares the labels")
+@click.option("--client-mode", type=click.Choice(["train", "eval"]), default="train", show_default=True,
+              help="mode the client runs the model in (BatchNorm batch vs running statistics)")
+@click.option("--local-steps", default=1, show_default=True, type=int, help="FedAvg local steps")
+@click.option("--local-lr", default=0.1, show_default=True, type=float, help="FedAvg local learning rate")
+@click.option("--quiet", is_flag=True, help="no progress bar")
+@click.option("--out", default="out", show_default=True, type=click.Path(file_okay=False), help="output folder")
+@common_options
+@friendly_errors
+def attack_cmd(attack_name, attack_arg, model, model_arg, dataset, data_path, size, index, image, label, batch,
+               budget, restarts, defense, defense_arg, share_labels, client_mode, local_steps, local_lr, quiet,
+               out, seed, device):
+    """Attack one private batch; write original/reconstruction PNGs and metrics.json to --out."""
+    from attacks.run import run_attack
+    from audit.registry import parse_kv_args
+
+    metrics = run_attack(
+        attack_name, model=model, dataset=dataset, data_path=data_path, size=size, index=index, image=image,
+        label=label, batch=batch, budget=budget, restarts=restarts, attack_args=parse_kv_args(attack_arg),
+        model_args=parse_kv_args(model_arg), defense=defense, defense_args=parse_kv_args(defense_arg),
+        share_labels=share_labels, client_mode=client_mode, local_steps=local_steps, local_lr=local_lr,
+        out=out, seed=seed, device=resolve_device(device), progress=not quiet)
+    click.echo(metrics["summary"])
+
+
 if __name__ == "__main__":
     main()

@@ -19,6 +19,7 @@ so the observation's model is never mutated.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
@@ -30,7 +31,7 @@ from audit.errors import ConfigError, GiaError, NotApplicable
 from audit.types import Observation, Reconstruction, trainable_parameters
 from priors import PRIORS, Prior, PriorContext
 
-from .labels import LABEL_STRATEGIES, plan_labels
+from .labels import LABEL_STRATEGIES, LabelPlan, plan_labels
 from .objectives import Objective, build_objective
 from .optimizers import OPTIMIZERS
 from .search_space import BOXES, INITS, Box
@@ -58,6 +59,14 @@ def validate_observation(observation: Observation) -> None:
                           f"{observation.input_shape}, {observation.batch_size}")
     if observation.labels is not None and tuple(observation.labels.shape) != (observation.batch_size,):
         raise ConfigError(f"observation labels must have shape ({observation.batch_size},)")
+
+
+@contextlib.contextmanager
+def _seeded(device: torch.device, seed: int):
+    """Seed torch's global RNG for the block (vmap randomness) without leaking the state."""
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(int(seed))
+        yield
 
 
 def _build_prior(spec) -> Prior:
@@ -137,16 +146,35 @@ class OptimizationAttack:
         iterations = self.iterations if budget is None else int(budget)
         if iterations < 0:
             raise ConfigError(f"budget must be >= 0 iterations, got {budget}")
-        device = observation.device
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            torch.manual_seed(int(seed))
+        with _seeded(observation.device, seed):
             return _Run(self, observation, int(seed)).execute(iterations, progress)
+
+
+    def evaluate(self, observation: Observation, images: Tensor, labels: Optional[Tensor] = None,
+                 seed: int = 0, iteration: int = 0) -> Dict[str, Any]:
+        """The attack loss at given images ``(R, B, C, H, W)`` (or one batch ``(B, C, H, W)``):
+        ``{"loss": (R,), "terms": {name: (R,)}, "grad": d loss / d images}``; e.g. the loss at
+        the ground truth, to tell an optimisation failure from an ambiguous objective.
+        ``grad`` is taken w.r.t. the optimised variable (the images for the clamp / none
+        boxes). ``labels`` replaces the attack's own label handling."""
+        validate_observation(observation)
+        images = images.to(observation.device)
+        if images.dim() == 4:
+            images = images.unsqueeze(0)
+        with _seeded(observation.device, seed), torch.enable_grad():
+            run = _Run(self, observation, int(seed), labels)
+            run.iteration = run.sim_ctx.iteration = iteration
+            if run.labels.shape is not None:
+                raise ConfigError("evaluate() needs labels when the attack optimises them (labels='optimize')")
+            loss, terms, (grad,) = run.evaluate([self.box.variable(images)])
+        return {"loss": loss, "terms": terms, "grad": grad, "execution": run.execution}
 
 
 class _Run:
     """The state of one ``reconstruct`` call."""
 
-    def __init__(self, attack: OptimizationAttack, observation: Observation, seed: int):
+    def __init__(self, attack: OptimizationAttack, observation: Observation, seed: int,
+                 labels: Optional[Tensor] = None):
         self.attack, self.obs = attack, observation
         self.device = observation.device
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
@@ -158,10 +186,13 @@ class _Run:
             if "bn_stats" in getattr(prior, "requires", ()) and self.replica.bn_running is None:
                 raise NotApplicable(f"prior {key!r} needs BatchNorm layers with running statistics; the "
                                     "observation's model has none (set its weight to 0)")
-        self.labels = plan_labels(attack.label_strategy, observation, seed)
+        self.labels = plan_labels(attack.label_strategy, observation, seed) if labels is None else \
+            LabelPlan(labels.to(self.device).long(), None, {"method": "given", "note": "labels given to evaluate()"})
         needs_bn = any("bn_stats" in getattr(p, "requires", ()) for _, p, _ in attack.priors)
         self.sim_ctx = SimContext(observation, generator=self.generator, capture_features=needs_bn)
         self.box = attack.box
+        if hasattr(self.box, "bind"):  # a box that needs the run, e.g. a generator's latent space
+            self.box = self.box.bind(observation, self.labels, self.generator)
         self.iteration = 0
         self.needs_group_mean = any("group_mean" in getattr(p, "requires", ()) for _, p, _ in attack.priors)
         if attack.execution == "sequential":
@@ -190,13 +221,13 @@ class _Run:
             terms[key] = prior(image, ctx)
         return terms
 
-    def all_terms(self, variables: List[Tensor]) -> Dict[str, Tensor]:
-        z = variables[0]
-        y = variables[1] if len(variables) > 1 else None
-        group_mean = self.box.image(z).mean(0).detach() if self.needs_group_mean else None
+    def evaluate(self, variables: List[Tensor]) -> Tuple[Tensor, Dict[str, Tensor], List[Tensor]]:
+        """Per-restart loss ``(R,)``, terms ``{name: (R,)}`` and gradients w.r.t. ``variables``."""
         if self.batched:
             try:
-                return self._batched_terms(z, y, group_mean)
+                out = self._batched(variables)
+                self.evaluations += 1
+                return out
             except GiaError:
                 raise
             except Exception as err:  # not vmappable: fall back once, at the first evaluation
@@ -204,17 +235,43 @@ class _Run:
                     raise
                 self.batched = False
                 self.execution = f"sequential (vmap failed: {type(err).__name__}: {str(err)[:200]})"
-        per_restart = [self.restart_terms(z[r], None if y is None else y[r], group_mean, functional=False)
-                       for r in range(z.shape[0])]
-        return {k: torch.stack([torch.as_tensor(t[k], device=z.device) for t in per_restart])
-                for k in per_restart[0]}
+        out = self._sequential(variables)
+        self.evaluations += 1
+        return out
 
-    def _batched_terms(self, z, y, group_mean):
-        if y is None:
-            fn = lambda zr: self.restart_terms(zr, None, group_mean, functional=True)  # noqa: E731
-            return torch.func.vmap(fn, randomness="different")(z)
-        fn = lambda zr, yr: self.restart_terms(zr, yr, group_mean, functional=True)  # noqa: E731
-        return torch.func.vmap(fn, randomness="different")(z, y)
+    def _group_mean(self, z: Tensor) -> Optional[Tensor]:
+        return self.box.image(z).mean(0).detach() if self.needs_group_mean else None
+
+    def _batched(self, variables):
+        """``vmap(grad_and_value(per-restart loss))``: fully functional. (Eager autograd through
+        a vmapped ``torch.func.grad`` gives wrong input gradients for train-mode BatchNorm in
+        torch 2.x; the fully functional composition matches finite differences.)"""
+        group_mean = self._group_mean(variables[0])
+
+        def loss_of(*per_restart):
+            z, y = per_restart[0], per_restart[1] if len(per_restart) > 1 else None
+            terms = self.restart_terms(z, y, group_mean, functional=True)
+            return self.total(terms), terms
+
+        step = torch.func.grad_and_value(loss_of, argnums=tuple(range(len(variables))), has_aux=True)
+        grads, (loss, terms) = torch.func.vmap(step, randomness="different")(*[v.detach() for v in variables])
+        return loss.detach(), {k: v.detach() for k, v in terms.items()}, [g.detach() for g in grads]
+
+    def _sequential(self, variables):
+        """One restart at a time with ``torch.autograd`` (no torch.func transforms)."""
+        group_mean = self._group_mean(variables[0])
+        losses, all_terms, grads = [], [], [[] for _ in variables]
+        for r in range(variables[0].shape[0]):
+            leaves = [v[r].detach().clone().requires_grad_(True) for v in variables]
+            terms = self.restart_terms(leaves[0], leaves[1] if len(leaves) > 1 else None, group_mean,
+                                       functional=False)
+            loss = self.total(terms)
+            for store, leaf, g in zip(grads, leaves, torch.autograd.grad(loss, leaves, allow_unused=True)):
+                store.append(torch.zeros_like(leaf) if g is None else g)
+            losses.append(loss.detach())
+            all_terms.append({k: torch.as_tensor(v).detach() for k, v in terms.items()})
+        terms = {k: torch.stack([t[k] for t in all_terms]) for k in all_terms[0]}
+        return torch.stack(losses), terms, [torch.stack(g) for g in grads]
 
     def total(self, terms: Dict[str, Tensor]) -> Tensor:
         loss = terms["match"]
@@ -225,11 +282,8 @@ class _Run:
 
     def closure(self, variables: List[Tensor]) -> Tuple[Tensor, List[Tensor]]:
         """Per-restart loss and its gradient w.r.t. every restart's variables."""
-        leaves = [v.detach().requires_grad_(True) for v in variables]
-        loss = self.total(self.all_terms(leaves))
-        grads = torch.autograd.grad(loss.sum(), leaves, allow_unused=True)
-        self.evaluations += 1
-        return loss.detach(), [torch.zeros_like(v) if g is None else g for v, g in zip(leaves, grads)]
+        loss, _, grads = self.evaluate(variables)
+        return loss, grads
 
     # -- the optimisation loop
     def initial_variables(self) -> List[Tensor]:
@@ -255,9 +309,8 @@ class _Run:
             if progress is not None:
                 progress(it + 1, iterations, float(torch.nan_to_num(loss, nan=float("inf")).min()))
         self.iteration = iterations
-        leaves = [v.detach().requires_grad_(True) for v in variables]
-        terms = {k: v.detach() for k, v in self.all_terms(leaves).items()}
-        final = torch.nan_to_num(self.total(terms), nan=float("inf"))
+        final, terms, _ = self.evaluate(variables)
+        final = torch.nan_to_num(final, nan=float("inf"))
         best = int(torch.argmin(final))
         images = self.box.image(variables[0][best]).detach().clamp(0, 1)
         labels = self.labels.final(variables[1][best] if len(variables) > 1 else None)

@@ -92,7 +92,7 @@ class GradientDistance(Objective):
             parts.append(f"weights={self.weights}")
         if self.masks is not None:
             parts.append("masks=[...]")
-        return f"{self.name}({', '.join(parts)})"
+        return f"{self.name}({', '.join(parts)})" if parts else self.name
 
 
 class L2Distance(GradientDistance):
@@ -140,7 +140,7 @@ class ScaledDistance(Objective):
         return self.scale * self.distance(dummy_grads, target_grads)
 
     def __repr__(self) -> str:
-        return f"{self.name}(scale={self.scale:g})"
+        return self.name
 
 
 class DefenseLikelihood(Objective):

@@ -106,7 +106,7 @@ register_preset("idlg", "iDLG: DLG with the label inferred from the last-layer g
                 objective="l2", optimizer="lbfgs", lr=1.0, schedule="constant", box="none", init="uniform",
                 labels="infer", iterations=300)
 register_preset("ig", "Inverting Gradients: cosine + TV, signed Adam 0.1 with step decay, [0,1] box",
-                objective="cosine", tv=1e-2, optimizer="adam", lr=0.1, schedule="step", signed=True,
+                objective="cosine", tv=5e-2, optimizer="adam", lr=0.1, schedule="step", signed=True,
                 box="clamp", init="uniform", iterations=1000)
 register_preset("gi", "GradInversion: L2 + TV + image L2 + BN statistics + group consistency, 4 restarts",
                 objective="l2", tv=1e-4, l2=1e-6, bn=1e-2, group=1e-2, group_start=100, optimizer="adam",
