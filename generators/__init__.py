@@ -6,17 +6,21 @@
 * :func:`train_generator` -- train it on the *train* split of a data set (disjoint from the
   audited test images); :func:`default_generator` -- the same, cached under
   ``$GIA_AUDIT_CACHE``; :func:`save_generator` / :func:`load_generator` -- checkpoints
-  (``module:attr`` factory for a user's generator).
+  (``module:attr`` factory for a user's generator);
+* :func:`resolve_generator` / :func:`condition_labels` -- the attacker's frozen generator
+  and the classes it is conditioned on.
 """
 from .auxiliary import GeneratorRecipe, cache_dir, default_generator, default_recipe, train_generator
 from .base import ImageGenerator, ModuleGenerator, as_generator, check_compatible
 from .checkpoint import load_generator, read_checkpoint, resolve_factory, save_generator
 from .dcgan import GENERATORS, DCGANDiscriminator, DCGANGenerator, build_generator
+from .resolve import CONDITIONS, condition_labels, generate, generator_info, resolve_generator
 from .training import TrainHistory, TrainSettings, train_gan
 
 __all__ = [
-    "GENERATORS", "DCGANDiscriminator", "DCGANGenerator", "GeneratorRecipe", "ImageGenerator",
+    "CONDITIONS", "GENERATORS", "DCGANDiscriminator", "DCGANGenerator", "GeneratorRecipe", "ImageGenerator",
     "ModuleGenerator", "TrainHistory", "TrainSettings", "as_generator", "build_generator", "cache_dir",
-    "check_compatible", "default_generator", "default_recipe", "load_generator", "read_checkpoint",
-    "resolve_factory", "save_generator", "train_gan", "train_generator",
+    "check_compatible", "condition_labels", "default_generator", "default_recipe", "generate",
+    "generator_info", "load_generator", "read_checkpoint", "resolve_factory", "resolve_generator",
+    "save_generator", "train_gan", "train_generator",
 ]

@@ -1,0 +1,26 @@
+"""Generative-prior attacks: GGL (nevergrad latent search), GIAS (latent then generator
+parameters) and GIFD (intermediate features, l1-ball projection); and the ``generator``
+search space for the optimisation engine (``ATTACKS.build("ig", box="generator")``).
+
+The attacker's generator defaults to a DCGAN trained on the embedded data's *train* split
+(disjoint from the audited test images), cached under ``$GIA_AUDIT_CACHE``; pass
+``generator=PATH`` (a ``gia-audit train-generator`` checkpoint) or
+``generator_factory=package.module:attr`` (+ ``generator=`` weights) for another one.
+"""
+from priors.generator import BoundGeneratorBox, GeneratorBox
+
+from ..presets import ATTACKS
+from ..search_space import BOXES
+from .common import GenerativeAttack, GenerativeSetup, Scorer, adam_search, latent_kl, search_latents
+from .ggl import GGL, nevergrad_optimizer
+from .gias import GIAS
+from .gifd import GIFD, project_l1_ball
+
+ATTACKS.add("ggl", GGL, "GGL: nevergrad (CMA-ES) latent search of a generator, L2 matching + KL latent prior")
+ATTACKS.add("gias", GIAS, "GIAS: latent search, then per-image generator-parameter search")
+ATTACKS.add("gifd", GIFD, "GIFD: latent then intermediate-feature search with l1-ball projection, best layer")
+BOXES.add("generator", GeneratorBox, "latent space of a generator: image = G(z, inferred labels)")
+
+__all__ = ["GGL", "GIAS", "GIFD", "GenerativeAttack", "GenerativeSetup", "Scorer", "GeneratorBox",
+           "BoundGeneratorBox", "adam_search", "latent_kl", "nevergrad_optimizer", "project_l1_ball",
+           "search_latents"]
