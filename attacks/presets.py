@@ -109,7 +109,7 @@ register_preset("ig", "Inverting Gradients: cosine + TV, signed Adam 0.1 with st
                 objective="cosine", tv=5e-2, optimizer="adam", lr=0.1, schedule="step", signed=True,
                 box="clamp", init="uniform", iterations=1000)
 register_preset("gi", "GradInversion: L2 + TV + image L2 + BN statistics + group consistency, 4 restarts",
-                objective="l2", tv=1e-4, l2=1e-6, bn=1e-2, group=1e-2, group_start=100, optimizer="adam",
+                objective="l2", tv=5e-2, l2=1e-4, bn=1e-2, group=1e-2, group_start=100, optimizer="adam",
                 lr=0.1, schedule="step", box="clamp", init="uniform", restarts=4, iterations=1000)
 for _kind, _objective in (("l2", "l2"), ("l1", "l1"), ("cos", "cosine")):
     register_preset(f"bayes-{_kind}", f"the Bayes paper's {_objective} baseline: {_objective} + anisotropic TV, "

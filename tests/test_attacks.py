@@ -294,3 +294,20 @@ def test_cli_attack_writes_images_and_metrics(tmp_path):
 
     bad = CliRunner().invoke(main, ["attack", "--attack", "ig", "--attack-arg", "tvv=1", "--out", str(out)])
     assert bad.exit_code == 2 and "valid parameters" in bad.output and "Traceback" not in bad.output
+
+
+def test_cli_attack_on_an_image_file(tmp_path, data16):
+    from PIL import Image
+
+    from cli import main
+
+    path = tmp_path / "private.png"
+    Image.fromarray((data16.train_images[3].permute(1, 2, 0).numpy() * 255).round().astype("uint8")).save(path)
+    out = tmp_path / "img"
+    result = CliRunner().invoke(main, ["attack", "--attack", "analytic", "--model", "mlp", "--model-arg",
+                                       "hidden=32", "--size", "16", "--image", str(path), "--label", "4",
+                                       "--quiet", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["scores"]["psnr"]["value"] > 40  # 8-bit PNG, exact inversion
+    assert metrics["recovered_labels"] == [4] and metrics["image"] == str(path)
