@@ -97,8 +97,11 @@ def test_same_seed_same_reconstruction(gen, case):
 
 def test_ggl_optimizer_is_selectable_and_finishes_cleanly(gen, case):
     threads = threading.active_count()
-    rec = ATTACKS.build("ggl", generator=gen, optimizer="OnePlusOne", batch=4).reconstruct(case[-1], budget=12)
+    calls = []
+    rec = ATTACKS.build("ggl", generator=gen, optimizer="OnePlusOne", batch=4).reconstruct(
+        case[-1], budget=12, progress=lambda done, total, loss: calls.append((done, total)))
     assert rec.trace["optimizer"] == "OnePlusOne" and rec.trace["evaluations"] == 12
+    assert calls == [(4, 12), (8, 12), (12, 12)]
     assert threading.active_count() == threads
     with pytest.raises(ConfigError, match="nevergrad"):
         ATTACKS.build("ggl", generator=gen, optimizer="NoSuchOpt").reconstruct(case[-1], budget=4)

@@ -31,6 +31,7 @@ from ..objectives import build_objective
 from ..simulator import SIMULATORS, DefenseSimulator, GradientSimulator, SimContext
 
 GeneratorSpec = Union[None, str, nn.Module]
+Progress = Callable[[int, int, float], None]  # (done, total, best loss so far)
 
 
 def latent_kl(z: Tensor) -> Tensor:
@@ -124,6 +125,15 @@ class GenerativeSetup:
     cond: Optional[Tensor]
     scorer: Scorer
     info: Dict[str, Any] = field(default_factory=dict)
+    progress: Optional[Progress] = None
+    budget: int = 0
+    done: int = 0
+
+    def tick(self, steps: int, loss: float) -> None:
+        """Report ``steps`` more units of work (iterations / evaluations) to ``progress``."""
+        self.done += steps
+        if self.progress is not None:
+            self.progress(min(self.done, self.budget), self.budget, loss)
 
     @classmethod
     def build(cls, attack: "GenerativeAttack", observation: Observation, seed: int) -> "GenerativeSetup":
@@ -175,8 +185,10 @@ class GenerativeAttack:
         return {k: (v if isinstance(v, (int, float, str, bool, type(None), tuple, list)) else type(v).__name__)
                 for k, v in vars(self).items() if not k.startswith("_")}
 
-    def reconstruct(self, observation: Observation, budget: Optional[int] = None, seed: int = 0) -> Reconstruction:
-        """Reconstruct the private batch; ``budget`` overrides the attack's default amount of work."""
+    def reconstruct(self, observation: Observation, budget: Optional[int] = None, seed: int = 0,
+                    progress: Optional[Progress] = None) -> Reconstruction:
+        """Reconstruct the private batch; ``budget`` overrides the attack's default amount of
+        work; ``progress(done, total, loss)`` is called as the work goes on."""
         budget = self.budget if budget is None else int(budget)
         if budget < 1:
             raise ConfigError(f"{self.name}: budget must be >= 1, got {budget}")
@@ -185,6 +197,7 @@ class GenerativeAttack:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             torch.manual_seed(int(seed))
             setup = GenerativeSetup.build(self, observation, seed)
+            setup.progress, setup.budget = progress, budget
             images, trace = self.run(setup, budget)
         return setup.result(images, {"attack": self.name, "settings": self.settings(), "budget": budget, **trace},
                             start)
@@ -196,10 +209,12 @@ class GenerativeAttack:
 # --------------------------------------------------------------------------- gradient-based search
 def adam_search(variables: List[Tensor], loss_fn: Callable[[List[Tensor]], Tensor], iterations: int,
                 lrs: Sequence[float], project: Optional[Callable[[List[Tensor]], None]] = None,
+                on_step: Optional[Callable[[int, float], None]] = None,
                 ) -> Tuple[List[Tensor], Tensor, List[List[float]]]:
     """Minimise ``loss_fn(variables) -> (R,)`` (independent restarts) with Adam, one learning
-    rate per variable; ``project`` is applied in place after each step. Returns the best
-    iterate of every restart, its loss, and the loss history (restart-major)."""
+    rate per variable; ``project`` is applied in place after each step; ``on_step(1, best
+    loss)`` after each step. Returns the best iterate of every restart, its loss, and the
+    loss history (restart-major)."""
     leaves = [v.detach().clone().requires_grad_(True) for v in variables]
     opt = torch.optim.Adam([{"params": [v], "lr": lr} for v, lr in zip(leaves, lrs)])
     best = [v.detach().clone() for v in leaves]
@@ -219,6 +234,8 @@ def adam_search(variables: List[Tensor], loss_fn: Callable[[List[Tensor]], Tenso
         if project is not None:
             with torch.no_grad():
                 project(leaves)
+        if on_step is not None:
+            on_step(1, float(best_loss.min()))
     final = torch.nan_to_num(loss_fn(leaves).detach(), nan=float("inf")) if iterations else None
     if final is not None:
         improved = final < best_loss
@@ -240,7 +257,8 @@ def search_latents(setup: GenerativeSetup, steps: int, restarts: int, lr: float,
         loss, _ = setup.scorer(generate(gen, variables[0], cond))
         return loss + kl * latent_kl(variables[0]) if kl else loss
 
-    best, best_loss, history = adam_search([setup.sample_latents(restarts)], loss_fn, steps, [lr])
+    best, best_loss, history = adam_search([setup.sample_latents(restarts)], loss_fn, steps, [lr],
+                                           on_step=setup.tick)
     chosen = int(torch.argmin(best_loss))
     z = best[0] if keep_all else best[0][chosen:chosen + 1]
     return z, {"iterations": steps, "restarts": restarts, "chosen_restart": chosen,

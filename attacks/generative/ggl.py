@@ -70,6 +70,7 @@ class GGL(GenerativeAttack):
                 best_loss, best_z = float(loss[i]), z[i].clone()
             history.append(best_loss)
             done += len(asked)
+            setup.tick(len(asked), best_loss)
         with torch.no_grad():
             images = generate(gen, best_z.unsqueeze(0), setup.cond)[0]
         trace = {"optimizer": self.optimizer, "final_loss": best_loss, "loss_history": history,

@@ -78,7 +78,7 @@ class GIAS(GenerativeAttack):
 
         start = [z] + [base[n].expand(b, *base[n].shape).clone() for n in names]
         lrs = [self.lr_latent] + [self.lr_params] * len(names)
-        best, best_loss, history = adam_search(start, loss_fn, steps, lrs)
+        best, best_loss, history = adam_search(start, loss_fn, steps, lrs, on_step=setup.tick)
         with torch.no_grad():
             images = images_of(best)
         drift = sum(float((v - base[n]).pow(2).sum()) for n, v in zip(names, best[1:])) ** 0.5

@@ -117,7 +117,8 @@ class GIFD(GenerativeAttack):
             delta = variables[0]
             delta.copy_(project_l1_ball(delta.reshape(r * b, -1), radius).reshape(delta.shape))
 
-        best, best_loss, history = adam_search([torch.zeros_like(h0)], loss_fn, steps, [self.lr_features], project)
+        best, best_loss, history = adam_search([torch.zeros_like(h0)], loss_fn, steps, [self.lr_features], project,
+                                               on_step=setup.tick)
         deviation = best[0].reshape(r * b, -1).abs().sum(1) / radius.clamp_min(1e-12)
         stage = {"layer": layer, "iterations": steps, "final_losses": best_loss.tolist(),
                  "loss_history": history, "feature_shape": list(h0.shape[2:]),
