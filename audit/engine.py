@@ -55,16 +55,11 @@ class AttackSpec:
 
     @property
     def id(self) -> str:
-        if not self.settings:
-            return self.name
-        return f"{self.name}-{_short_hash(self.settings)}"
+        """The attack's name in the report; its settings are checked on resume instead."""
+        return self.name
 
     def as_dict(self) -> Dict[str, Any]:
         return {"id": self.id, **asdict(self)}
-
-
-def _short_hash(obj: Any) -> str:
-    return hashlib.sha256(repr(sorted(obj.items()) if isinstance(obj, dict) else obj).encode()).hexdigest()[:6]
 
 
 def derive_seed(seed: int, *parts: Any) -> int:
@@ -336,7 +331,7 @@ class Audit:
 
     def _attack_all(self, store: ResultStore, specs: Sequence[AttackSpec]) -> None:
         pending = [(s, i, a) for s in self.steps for i in range(self.images) for a in specs
-                   if not store.has(s, a.id, i)]
+                   if not store.has(s, a.id, i, settings=a.settings)]
         total = len(self.steps) * self.images * len(specs)
         if not pending:
             return

@@ -149,8 +149,13 @@ class ResultStore:
     def result_path(self, step: int, attack_id: str, image: int, suffix: str = ".json") -> Path:
         return self.dir / "results" / (result_id(step, attack_id, image) + suffix)
 
-    def has(self, step: int, attack_id: str, image: int) -> bool:
-        return self.result_path(step, attack_id, image).is_file()
+    def has(self, step: int, attack_id: str, image: int, settings: Optional[Dict[str, Any]] = None) -> bool:
+        """Whether this result is finished; with ``settings``, only if it was computed with
+        exactly those attack settings (a changed attack is redone, not reused)."""
+        path = self.result_path(step, attack_id, image)
+        if not path.is_file():
+            return False
+        return settings is None or read_json(path).get("settings") == to_jsonable(settings)
 
     def save_result(self, record: Dict[str, Any], reconstruction: Optional[torch.Tensor] = None) -> Path:
         """Write one finished result (and its reconstruction PNG) atomically.
