@@ -15,14 +15,15 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
-from audit.errors import ConfigError, GiaError, NotApplicable
+from audit.errors import ConfigError, GiaError
 from audit.types import Observation, Reconstruction
 from generators import CONDITIONS, ImageGenerator, condition_labels, generate, generator_info, resolve_generator
+from generators.resolve import GeneratorSpec
 from priors import PRIORS, PriorContext
 
 from ..engine import validate_observation
@@ -30,7 +31,6 @@ from ..labels import LABEL_STRATEGIES, plan_labels
 from ..objectives import build_objective
 from ..simulator import SIMULATORS, DefenseSimulator, GradientSimulator, SimContext
 
-GeneratorSpec = Union[None, str, nn.Module]
 Progress = Callable[[int, int, float], None]  # (done, total, best loss so far)
 
 
