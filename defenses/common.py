@@ -1,0 +1,137 @@
+"""Helpers shared by the defenses: generator-aware sampling, parameter checks, flattening,
+side-effect-free forward passes and per-example gradients."""
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Iterator, List, Optional, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from audit.errors import ConfigError
+from audit.types import LossFn, clean_gradients, default_loss_fn
+
+
+# --------------------------------------------------------------------------- randomness
+def resolve_generator(generator: Optional[torch.Generator], device) -> torch.Generator:
+    """``generator`` itself, or a fresh default-seeded generator on ``device`` when None."""
+    if generator is not None:
+        return generator
+    return torch.Generator(device=torch.device(device))
+
+
+def randn(shape, *, generator: Optional[torch.Generator], device, dtype=torch.float32) -> Tensor:
+    """Standard normal samples drawn from ``generator`` (any device) and moved to ``device``."""
+    gen = resolve_generator(generator, device)
+    return torch.randn(tuple(shape), generator=gen, device=gen.device, dtype=dtype).to(device)
+
+
+def rand(shape, *, generator: Optional[torch.Generator], device, dtype=torch.float32) -> Tensor:
+    """Uniform [0, 1) samples drawn from ``generator`` (any device) and moved to ``device``."""
+    gen = resolve_generator(generator, device)
+    return torch.rand(tuple(shape), generator=gen, device=gen.device, dtype=dtype).to(device)
+
+
+def randint(high: int, shape, *, generator: Optional[torch.Generator], device) -> Tensor:
+    gen = resolve_generator(generator, device)
+    return torch.randint(high, tuple(shape), generator=gen, device=gen.device).to(device)
+
+
+# --------------------------------------------------------------------------- parameter checks
+def check_range(defense: str, name: str, value, low=None, high=None, *, low_open=False,
+                high_open=False, integer=False):
+    """Return ``value`` (as float / int) or raise ConfigError naming the valid range."""
+    lo_br, hi_br = ("(" if low_open else "["), (")" if high_open else "]")
+    valid = f"{lo_br}{'-inf' if low is None else low}, {'inf' if high is None else high}{hi_br}"
+    kind = "an integer" if integer else "a number"
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (
+        integer and not float(value).is_integer()
+    ):
+        raise ConfigError(f"{defense}: {name} must be {kind} in {valid}, got {value!r}")
+    v = float(value)
+    bad = (
+        math.isnan(v)
+        or (low is not None and (v < low or (low_open and v == low)))
+        or (high is not None and (v > high or (high_open and v == high)))
+    )
+    if bad:
+        raise ConfigError(f"{defense}: {name} must be in {valid}, got {value!r}")
+    return int(v) if integer else v
+
+
+def check_choice(defense: str, name: str, value, choices: Sequence[str]) -> str:
+    if value not in choices:
+        raise ConfigError(
+            f"{defense}: {name} must be one of {', '.join(map(repr, choices))}, got {value!r}"
+        )
+    return value
+
+
+# --------------------------------------------------------------------------- flattening
+def flatten(tensors: Sequence[Tensor]) -> Tensor:
+    """Concatenate tensors into one vector."""
+    return torch.cat([t.reshape(-1) for t in tensors])
+
+
+def unflatten(vector: Tensor, like: Sequence[Tensor]) -> List[Tensor]:
+    """Split a vector back into tensors shaped like ``like``."""
+    out, start = [], 0
+    for t in like:
+        out.append(vector[start:start + t.numel()].view_as(t))
+        start += t.numel()
+    return out
+
+
+def global_norm(tensors: Sequence[Tensor]) -> Tensor:
+    return torch.sqrt(sum((t.double() ** 2).sum() for t in tensors)).to(tensors[0].dtype)
+
+
+# --------------------------------------------------------------------------- model state
+@contextlib.contextmanager
+def preserved_buffers(model: nn.Module) -> Iterator[nn.Module]:
+    """Run extra forward passes without side effects on buffers (BatchNorm running stats).
+
+    Only buffers that changed are written back, so constant buffers saved for a backward
+    pass (e.g. the normalisation statistics) keep their autograd version."""
+    saved = [(b, b.detach().clone()) for b in model.buffers()]
+    try:
+        yield model
+    finally:
+        with torch.no_grad():
+            for buf, value in saved:
+                if not torch.equal(buf, value):
+                    buf.copy_(value)
+
+
+@contextlib.contextmanager
+def eval_mode(model: nn.Module) -> Iterator[nn.Module]:
+    """Temporarily switch ``model`` to eval mode (restores each module's flag)."""
+    flags = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        yield model
+    finally:
+        for m, flag in flags:
+            m.train(flag)
+
+
+def model_device(model: nn.Module) -> torch.device:
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+# --------------------------------------------------------------------------- gradients
+def per_example_gradients(
+    model: nn.Module, inputs: Tensor, labels: Tensor, loss_fn: LossFn = default_loss_fn
+) -> List[List[Tensor]]:
+    """One clean gradient per example (``[example][parameter]``), without touching buffers.
+
+    Stays differentiable w.r.t. ``inputs`` when ``inputs.requires_grad``.
+    """
+    with preserved_buffers(model):
+        return [
+            clean_gradients(model, inputs[i:i + 1], labels[i:i + 1], loss_fn)
+            for i in range(inputs.shape[0])
+        ]

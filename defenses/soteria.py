@@ -1,0 +1,99 @@
+"""Soteria (Sun et al., CVPR 2021): prune the input representation of one defended layer.
+
+For each input feature ``f`` of the defended ``nn.Linear`` the score
+``sum_b ||d r_bf / d x_b|| / |r_bf|`` is computed; the ``ratio`` fraction of features with the
+smallest score is pruned, i.e. the matching columns of the layer's weight gradient are
+zeroed. Every other gradient tensor (bias included) is shared unchanged.
+"""
+from __future__ import annotations
+
+from typing import List, Tuple
+
+import torch
+from torch import Tensor, nn
+
+from audit.errors import ConfigError
+from audit.models import last_linear
+from audit.types import Defense, clean_gradients, default_loss_fn, trainable_parameters
+
+from .common import check_range, preserved_buffers
+from .registry import DEFENSES
+
+
+def _linear_layers(model: nn.Module) -> List[Tuple[str, nn.Linear]]:
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+
+
+@DEFENSES.register("soteria", "Prune `ratio` (0.8) of the defended linear layer's input features; only its gradient changes")
+class Soteria(Defense):
+    """``layer``: ``"last"`` (default), ``"largest"`` (most weights, the Bayes paper's choice)
+    or a module name from ``model.named_modules()`` (for the built models, its index)."""
+
+    name = "soteria"
+    stochastic = False
+
+    def __init__(self, ratio: float = 0.8, layer="last", chunk: int = 256):
+        self.ratio = check_range(self.name, "ratio", ratio, 0, 1, high_open=True)
+        self.layer = str(layer)
+        self.chunk = check_range(self.name, "chunk", chunk, 1, None, integer=True)
+
+    def defended_layer(self, model: nn.Module) -> Tuple[str, nn.Linear]:
+        linears = _linear_layers(model)
+        if not linears:
+            raise ConfigError(f"soteria: {type(model).__name__} has no nn.Linear layer to defend")
+        if self.layer == "last":
+            return last_linear(model)
+        if self.layer == "largest":
+            return max(linears, key=lambda nm: nm[1].weight.numel())
+        for n, m in linears:
+            if n == self.layer:
+                return n, m
+        raise ConfigError(
+            f"soteria: layer={self.layer!r} is not an nn.Linear of the model; valid: last, largest, "
+            + ", ".join(n for n, _ in linears)
+        )
+
+    def defended_parameters(self, model: nn.Module) -> List[int]:
+        """Indices (into the trainable parameter list) of the gradients Soteria changes."""
+        _, layer = self.defended_layer(model)
+        return [i for i, p in enumerate(trainable_parameters(model)) if p is layer.weight]
+
+    def feature_mask(self, model: nn.Module, inputs: Tensor) -> Tensor:
+        """Boolean keep-mask over the defended layer's input features (a constant)."""
+        _, layer = self.defended_layer(model)
+        captured = {}
+        hook = layer.register_forward_hook(lambda mod, inp, out: captured.setdefault("r", inp[0]))
+        x = inputs.detach().requires_grad_(True)
+        try:
+            with torch.enable_grad(), preserved_buffers(model):
+                model(x)
+        finally:
+            hook.remove()
+        r = captured["r"]
+        if r.dim() != 2:
+            raise ConfigError(f"soteria: the defended layer's input must be (batch, features), got {tuple(r.shape)}")
+        n_feat = r.shape[1]
+        sensitivity = []
+        for start in range(0, n_feat, self.chunk):
+            idx = torch.arange(start, min(n_feat, start + self.chunk), device=r.device)
+            seeds = torch.zeros(len(idx), *r.shape, device=r.device, dtype=r.dtype)
+            seeds[torch.arange(len(idx)), :, idx] = 1.0
+            (jac,) = torch.autograd.grad(r, x, seeds, retain_graph=True, is_grads_batched=True)
+            sensitivity.append(jac.flatten(2).norm(dim=2))  # (chunk, batch)
+        dr_dx = torch.cat(sensitivity).T  # (batch, features)
+        score = (dr_dx / (r.detach().abs() + 1e-12)).sum(0)
+        keep = n_feat - int(round(self.ratio * n_feat))
+        mask = torch.zeros(n_feat, dtype=torch.bool, device=r.device)
+        if keep > 0:
+            mask[torch.topk(score, keep).indices] = True
+        return mask
+
+    def __call__(self, model, inputs, labels, *, loss_fn=default_loss_fn, generator=None):
+        mask = self.feature_mask(model, inputs)
+        grads = clean_gradients(model, inputs, labels, loss_fn)
+        defended = self.defended_parameters(model)
+        if not defended:
+            raise ConfigError("soteria: the defended layer's weight is frozen; defend a trainable layer")
+        idx = defended[0]
+        grads[idx] = grads[idx] * mask.to(grads[idx].dtype)
+        return grads
