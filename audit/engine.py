@@ -143,7 +143,8 @@ class Audit:
 
     def __init__(self, *, defense, defense_args, model, model_args, data, data_args, image_size,
                  steps, attacks, images, batch_size, budget, seed, out, share_labels, fl: FLSettings,
-                 utility: bool, thresholds: Thresholds, delta: Optional[float], device, progress: bool):
+                 utility: bool, utility_steps: int, thresholds: Thresholds, delta: Optional[float], device,
+                 progress: bool):
         self.device = _device(device)
         self.seed = int(seed)
         self.steps = _parse_steps(steps)
@@ -153,6 +154,7 @@ class Audit:
         self.fl = fl
         self.share_labels = bool(share_labels)
         self.measure_utility = bool(utility)
+        self.utility_steps = _positive("utility_steps", utility_steps)
         self.thresholds = thresholds
         self.progress = progress
         self.out = Path(out)
@@ -184,6 +186,7 @@ class Audit:
         return {**self.key_settings(), "steps": self.steps, "images": self.images,
                 "attacks": self.requested_attacks if isinstance(self.requested_attacks, str)
                 else list(self.requested_attacks), "utility": self.measure_utility,
+                "utility_steps": self.utility_steps,
                 "risk_delta": self.delta}
 
     # ------------------------------------------------------------------ phases
@@ -315,8 +318,9 @@ class Audit:
                           "label accuracy: the fraction of private labels recovered (as a multiset)"])
         for i, (x, _) in enumerate(self.private):
             store.save_original(i, x)
-        if "utility" not in manifest:
-            store.update_manifest(utility=self.utility())
+        cached = manifest.get("utility_for")
+        if cached != [self.measure_utility, self.utility_steps]:
+            store.update_manifest(utility=self.utility(), utility_for=[self.measure_utility, self.utility_steps])
         try:
             self._attack_all(store, specs)
             status = "complete"
@@ -498,10 +502,22 @@ def _state(model: nn.Module) -> Dict[str, torch.Tensor]:
 
 
 def _measure_utility(audit: "Audit") -> Dict[str, Any]:
+    """Test accuracy after ``utility_steps`` FL rounds with the defense and without it, with
+    the audit's model, data and FL settings."""
     from .utility import measure_utility
 
-    return measure_utility(audit.defense, model=audit.model, dataset=audit.dataset, seed=audit.seed,
-                           device=audit.device)
+    if not isinstance(audit.model_spec, str):
+        return {"unavailable": "utility is measured on a registered model name; a custom nn.Module "
+                               "cannot be rebuilt from scratch for the undefended run"}
+    if audit.model_args:
+        return {"unavailable": "audit.utility.measure_utility builds models by name without model arguments "
+                               f"({audit.model_args}); rerun without model_args to measure utility"}
+    if audit.fl.local_lr is not None:
+        return {"unavailable": "utility measurement supports FedSGD / FedAvg with the server lr only "
+                               "(local_lr was given)"}
+    return measure_utility(audit.defense, model=audit.model_spec, dataset=audit.dataset, steps=audit.utility_steps,
+                           lr=audit.fl.lr, batch_size=audit.fl.batch_size, clients=audit.fl.clients,
+                           local_steps=audit.fl.local_steps, seed=audit.seed, device=audit.device)
 
 
 PSNR_CAP = 200.0  # an exact reconstruction (MSE 0, PSNR inf) is reported as this many dB
@@ -594,6 +610,7 @@ def run(
     local_steps: int = 1,
     local_lr: Optional[float] = None,
     utility: bool = True,
+    utility_steps: int = 100,
     thresholds: Optional[Thresholds] = None,
     delta: Optional[float] = None,
     device: Union[str, torch.device] = "cpu",
@@ -607,8 +624,10 @@ def run(
     between them with the defended updates: FedSGD, or FedAvg with ``local_steps`` /
     ``local_lr``, over ``clients`` clients). ``attacks``: ``"auto"`` (base attacks plus the
     planner's adaptive attacks) or a list of names. ``images``: private batches of
-    ``batch_size`` images. ``budget``: iterations per attack. Results are stored under
-    ``out`` as they finish (a rerun resumes); the report is written there and returned.
+    ``batch_size`` images. ``budget``: iterations per attack. ``utility``: also train
+    ``utility_steps`` rounds with and without the defense and compare test accuracy.
+    Results are stored under ``out`` as they finish (a rerun resumes); the report is
+    written there and returned.
     """
     fl = FLSettings(lr=_positive("lr", lr, float), batch_size=_positive("train_batch_size", train_batch_size),
                     clients=_positive("clients", clients), local_steps=_positive("local_steps", local_steps),
@@ -616,6 +635,7 @@ def run(
     audit = Audit(defense=defense, defense_args=defense_args, model=model, model_args=model_args, data=data,
                   data_args=data_args, image_size=image_size, steps=steps, attacks=attacks, images=images,
                   batch_size=batch_size, budget=budget, seed=seed, out=out, share_labels=share_labels, fl=fl,
-                  utility=utility, thresholds=thresholds or Thresholds(), delta=delta, device=device,
+                  utility=utility, utility_steps=utility_steps, thresholds=thresholds or Thresholds(),
+                  delta=delta, device=device,
                   progress=progress)
     return audit.run()

@@ -71,3 +71,19 @@ def plan_traits(plan: Dict[str, Any]) -> Dict[str, Any]:
     if missing:
         traits["proposed but not installed"] = ", ".join(missing)
     return traits
+
+
+def utility_rows(utility: Dict[str, Any]):
+    """``[quantity, with the defense, without it]`` rows, or ``None`` with the reason why not."""
+    if not utility or utility.get("unavailable"):
+        return None, (utility or {}).get("unavailable", "not measured")
+
+    def num(v: Any, spec: str) -> str:
+        return UNAVAILABLE if not isinstance(v, (int, float)) else format(v, spec)
+
+    rows = [["test accuracy", num(utility.get("accuracy"), ".1%"), num(utility.get("baseline_accuracy"), ".1%")],
+            ["final training loss", num(utility.get("final_loss"), ".3f"), num(utility.get("baseline_final_loss"), ".3f")],
+            ["training time (s)", num(utility.get("seconds"), ".1f"), num(utility.get("baseline_seconds"), ".1f")]]
+    setting = ", ".join(f"{k} {v}" for k, v in (utility.get("setting") or {}).items())
+    note = f"relative accuracy (defended / undefended): {num(utility.get('relative'), '.2f')}"
+    return rows, note + (f"; trained with {setting}" if setting else "")

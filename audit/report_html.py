@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from .report_format import (COLUMNS, attack_cell, fmt, kv_rows, plan_traits, risk_text, unavailable_notes,
-                            verdict_text)
+                            utility_rows, verdict_text)
 from .report_images import file_data_uri
 
 CSS = """
@@ -97,6 +97,13 @@ def _attacks(data: Dict[str, Any]) -> str:
     return _table(["attack", "kind", "settings", "reason"], rows) + extra
 
 
+def _utility(data: Dict[str, Any]) -> str:
+    rows, note = utility_rows(data["utility"])
+    if rows is None:
+        return f"<p>unavailable: {escape(note)}</p>"
+    return _table(["", "with the defense", "without"], rows) + f"<p>{escape(note)}</p>"
+
+
 def _failures(data: Dict[str, Any]) -> str:
     if not data["failures"]:
         return "<p>none</p>"
@@ -131,7 +138,7 @@ strongest attack reconstructs within l2 distance delta = {delta['delta']:.3f} ({
 the paper's risk R = 1 - this fraction.</li>{notes}</ul>
 <h2>Threat model (what the attacker was given)</h2>{_kv(data['threat_model'])}
 <h2>Attacks and why they were chosen</h2>{_attacks(data)}
-<h2>Utility (defense against no defense)</h2>{_kv(data['utility'])}
+<h2>Utility (defense against no defense)</h2>{_utility(data)}
 <h2>Failures</h2>{_failures(data)}
 <h2>Settings, seeds and versions</h2>
 <h3>defense</h3>{_kv(data['defense'])}<h3>data</h3>{_kv(data['data'])}

@@ -5,7 +5,7 @@ import json
 from typing import Any, Dict, List
 
 from .report_format import (COLUMNS, attack_cell, fmt, kv_rows, plan_traits, risk_text, unavailable_notes,
-                            verdict_text)
+                            utility_rows, verdict_text)
 
 
 def _table(header: List[str], rows: List[List[Any]]) -> List[str]:
@@ -68,11 +68,11 @@ def _threat_section(data: Dict[str, Any]) -> List[str]:
 
 
 def _utility_section(data: Dict[str, Any]) -> List[str]:
-    utility = data["utility"]
+    rows, note = utility_rows(data["utility"])
     lines = ["## Utility (defense against no defense)", ""]
-    if not utility:
-        return lines + ["not measured"]
-    return lines + [f"- **{k}**: {v}" for k, v in kv_rows(utility)]
+    if rows is None:
+        return lines + [f"unavailable: {note}"]
+    return lines + _table(["", "with the defense", "without"], rows) + ["", note]
 
 
 def _failure_section(data: Dict[str, Any]) -> List[str]:

@@ -58,6 +58,19 @@ def test_custom_callable_from_python(tmp_path):
     assert 0 < report.psnr(0, "analytic") < 60
 
 
+def test_utility_compares_training_with_and_without_the_defense(tmp_path):
+    settings = {**TINY, "model": "lenet", "model_args": None, "utility": True, "utility_steps": 3}
+    report = audit.run(defense=noisy_defense, steps=[0], attacks=["analytic"], images=1, out=tmp_path, **settings)
+    utility = report.data["utility"]
+    assert utility["setting"]["steps"] == 3 and 0 <= utility["accuracy"] <= 1
+    assert utility["final_loss"] != utility["baseline_final_loss"]  # the noise changed training
+    md = (tmp_path / "report.md").read_text()
+    assert "| test accuracy |" in md and "relative accuracy (defended / undefended)" in md
+    with_args = audit.run(defense=noisy_defense, steps=[0], attacks=["analytic"], images=1,
+                          out=tmp_path / "args", **{**settings, "model_args": {"width": 4}})
+    assert "model arguments" in with_args.data["utility"]["unavailable"]
+
+
 def test_custom_callable_through_module_attr_on_the_cli(tmp_path):
     runner = CliRunner()
     args = ["audit", "--model", "mlp", "--model-arg", "hidden=32", "--steps", "0", "--images", "1",
