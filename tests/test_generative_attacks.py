@@ -194,3 +194,14 @@ def test_user_generator_without_blocks(case):
     rec = ATTACKS.build("gifd", generator=_FlatGenerator()).reconstruct(case[-1], budget=4)
     assert rec.trace["searched_layers"] == [0] and "latent search only" in rec.trace["note"]
     assert rec.trace["conditioning"] == "unconditional generator"
+
+
+def test_batches_reconstruct_every_image(gen, case):
+    model = case[0]
+    data = load_dataset("embedded", size=16)
+    x, y = data.test_images[[3, 90]], data.test_labels[[3, 90]]
+    obs = observe(model, x, y, share_labels=True)
+    for name, budget, kw in (("ggl", 8, {"batch": 4}), ("gias", 4, {"restarts": 2}), ("gifd", 3, {"restarts": 2})):
+        out = ATTACKS.build(name, generator=gen, **kw).reconstruct(obs, budget=budget, seed=0)
+        assert out.inputs.shape == (2, 3, 16, 16) and out.labels.tolist() == y.tolist(), name
+        assert out.trace["labels"]["method"] == "shared"

@@ -66,7 +66,7 @@ class GGL(GenerativeAttack):
             for cand, value in zip(asked, loss.tolist()):
                 opt.tell(cand, value)
             i = int(torch.argmin(loss))
-            if float(loss[i]) < best_loss:
+            if best_z is None or float(loss[i]) < best_loss:
                 best_loss, best_z = float(loss[i]), z[i].clone()
             history.append(best_loss)
             done += len(asked)
