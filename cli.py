@@ -228,5 +228,29 @@ def attack_cmd(attack_name, attack_arg, model, model_arg, dataset, data_path, si
     click.echo(metrics["summary"])
 
 
+@main.command("utility")
+@click.option("--defense", "defenses", multiple=True, required=True,
+              help="defense name (repeatable), 'all', or package.module:attr")
+@click.option("--defense-arg", "defense_args", multiple=True, help="defense parameter k=v (repeatable)")
+@click.option("--model", default="cnn", show_default=True, help="model name (gia-audit list models)")
+@click.option("--dataset", default="embedded", show_default=True, help="data set name")
+@click.option("--size", default=32, show_default=True, type=int, help="image size in pixels")
+@click.option("--steps", default=300, show_default=True, type=int, help="training rounds")
+@click.option("--lr", default=0.05, show_default=True, type=float, help="server learning rate")
+@click.option("--batch-size", default=16, show_default=True, type=int, help="client batch size")
+@click.option("--clients", default=1, show_default=True, type=int, help="clients per round")
+@click.option("--local-steps", default=1, show_default=True, type=int, help="FedAvg local steps")
+@common_options
+@friendly_errors
+def utility_cmd(defenses, defense_args, model, dataset, size, steps, lr, batch_size, clients, local_steps,
+                seed, device):
+    """Test accuracy after training with the defended updates, next to the undefended run."""
+    from audit.utility import utility_report
+
+    click.echo(utility_report(defenses, defense_args, model=model, dataset=dataset, size=size, steps=steps,
+                              lr=lr, batch_size=batch_size, clients=clients, local_steps=local_steps,
+                              seed=seed, device=resolve_device(device)))
+
+
 if __name__ == "__main__":
     main()

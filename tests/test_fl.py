@@ -1,0 +1,150 @@
+"""Federated training with defended updates, and the utility measurement."""
+import copy
+from types import SimpleNamespace
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from audit.errors import ConfigError, DataError
+from audit.fl import client_splits, evaluate, train
+from audit.models import build_model
+from audit.types import clean_gradients, trainable_parameters
+from audit.utility import format_utility_table, measure_utility, utility_report
+from defenses import build_defense
+from defenses.precode import bottlenecks
+
+SHAPE = (3, 8, 8)
+
+
+def synthetic(n_train=96, n_test=64, classes=4, seed=0):
+    """A learnable Dataset-like object: each class is a colour / brightness pattern plus noise."""
+    gen = torch.Generator().manual_seed(seed)
+    protos = torch.rand(classes, *SHAPE, generator=gen)
+
+    def split(n):
+        labels = torch.arange(n) % classes
+        noise = 0.15 * torch.randn(n, *SHAPE, generator=gen)
+        return (protos[labels] + noise).clamp(0, 1), labels
+
+    (xtr, ytr), (xte, yte) = split(n_train), split(n_test)
+    return SimpleNamespace(name="synthetic", train_images=xtr, train_labels=ytr, test_images=xte, test_labels=yte,
+                           input_shape=SHAPE, num_classes=classes, mean=(0.5,) * 3, std=(0.25,) * 3)
+
+
+def mlp(seed=0):
+    return build_model("mlp", SHAPE, 4, hidden=(32,), seed=seed)
+
+
+def test_fedsgd_with_full_batches_is_gradient_descent():
+    data = synthetic(n_train=24)
+    model, reference = mlp(), mlp()
+    history = train(model, data, "none", 3, lr=0.1, batch_size=24, seed=0)
+    for _ in range(3):
+        grads = clean_gradients(reference, data.train_images, data.train_labels)
+        with torch.no_grad():
+            for p, g in zip(trainable_parameters(reference), grads):
+                p -= 0.1 * g
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert torch.allclose(p, q, atol=1e-6)
+    assert len(history.losses) == 3 and history.losses[0] > history.losses[-1]
+
+
+def test_fedavg_averages_the_clients_local_training():
+    data = synthetic(n_train=24)
+    model, start = mlp(), mlp()
+    train(model, data, "none", 1, lr=1.0, batch_size=12, clients=2, local_steps=2, local_lr=0.2, seed=3)
+    splits = client_splits(24, 2, torch.Generator().manual_seed(3))
+    finals = []
+    for split in splits:
+        client = copy.deepcopy(start)
+        for _ in range(2):
+            grads = clean_gradients(client, data.train_images[split], data.train_labels[split])
+            with torch.no_grad():
+                for p, g in zip(client.parameters(), grads):
+                    p -= 0.2 * g
+        finals.append(list(client.parameters()))
+    for i, p in enumerate(model.parameters()):
+        assert torch.allclose(p, (finals[0][i] + finals[1][i]) / 2, atol=1e-6)
+
+
+def test_client_splits_are_disjoint_and_cover_the_data():
+    splits = client_splits(10, 3, torch.Generator().manual_seed(0))
+    assert sorted(torch.cat(splits).tolist()) == list(range(10)) and [len(s) for s in splits] == [4, 3, 3]
+    with pytest.raises(ConfigError, match=r"clients must be in \[1, 10\]"):
+        client_splits(10, 11, torch.Generator())
+
+
+def test_training_learns_is_seeded_and_calls_back():
+    data = synthetic()
+    seen = []
+    history = train(mlp(), data, "gaussian", 40, lr=0.2, batch_size=8, clients=2, seed=1,
+                    callback=lambda step, model: seen.append(step))
+    assert seen == list(range(41))
+    assert evaluate(history.model, data.test_images, data.test_labels) >= 0.9
+    again = train(mlp(), data, "gaussian", 40, lr=0.2, batch_size=8, clients=2, seed=1)
+    other = train(mlp(), data, "gaussian", 40, lr=0.2, batch_size=8, clients=2, seed=2)
+    assert again.losses == history.losses and other.losses != history.losses
+
+
+def test_precode_wrapped_model_trains():
+    data = synthetic()
+    model = mlp()
+    history = train(model, data, build_defense("precode", latent=16), 60, lr=0.2, batch_size=8, seed=0)
+    assert history.model is model and len(bottlenecks(model)) == 1
+    assert sum(history.losses[-10:]) < 0.5 * sum(history.losses[:10])
+    assert evaluate(model, data.test_images, data.test_labels) >= 0.9
+
+
+def test_evaluate_counts_correct_predictions():
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(2, 2, bias=False))
+    with torch.no_grad():
+        model[1].weight.copy_(torch.eye(2))
+    images = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 0.0], [0.0, 1.0]]).view(4, 2, 1, 1)
+    assert evaluate(model, images, torch.tensor([0, 1, 1, 1])) == 0.75
+    assert model.training
+
+
+def test_bad_training_arguments():
+    with pytest.raises(DataError, match="load_dataset"):
+        train(mlp(), object(), "none", 1, lr=0.1, batch_size=4)
+    with pytest.raises(ConfigError, match="lr > 0"):
+        train(mlp(), synthetic(), "none", 1, lr=-0.1, batch_size=4)
+    with pytest.raises(ConfigError, match="Valid defenses"):
+        train(mlp(), synthetic(), "nope", 1, lr=0.1, batch_size=4)
+
+
+def test_utility_measures_the_defense_against_the_undefended_run():
+    data = synthetic()
+    small = dict(model_args={"hidden": (32,)}, lr=0.2, batch_size=8)
+    result = measure_utility("prune", "mlp", data, 30, defense_params={"ratio": 0.5}, **small)
+    assert result["defense"] == "prune" and result["params"]["ratio"] == 0.5
+    assert result["baseline_accuracy"] >= 0.9
+    assert result["relative"] == pytest.approx(result["accuracy"] / result["baseline_accuracy"])
+    # clipping every update to a negligible norm stops training: the untrained accuracy is measured
+    destroyed = measure_utility("clip", "mlp", data, 30, defense_params={"bound": 1e-6}, **small)
+    untrained = build_model("mlp", SHAPE, 4, mean=data.mean, std=data.std, seed=0, hidden=(32,))
+    assert destroyed["accuracy"] == evaluate(untrained, data.test_images, data.test_labels)
+    assert destroyed["accuracy"] <= destroyed["baseline_accuracy"] - 0.4
+
+    def nan_after_a_while(model, inputs, labels, *, loss_fn, generator):
+        return [torch.full_like(p, float("nan")) for p in trainable_parameters(model)]
+
+    failed = measure_utility(nan_after_a_while, "mlp", data, 5, **small)
+    assert failed["accuracy"] is None and "NaN" in failed["error"] and failed["relative"] is None
+    table = format_utility_table([result, destroyed, failed])
+    assert "prune" in table and "bound=1e-06" in table and "n/a: training failed" in table
+    with pytest.raises(ConfigError, match="single --defense"):
+        utility_report(["prune", "clip"], ["ratio=0.5"], dataset=data)
+
+
+def test_utility_cli_prints_the_table():
+    from cli import main
+
+    runner = CliRunner()
+    result = runner.invoke(main, ["utility", "--defense", "clip", "--defense-arg", "bound=0.5", "--model", "mlp",
+                                  "--size", "8", "--steps", "3", "--batch-size", "4"])
+    assert result.exit_code == 0, result.output
+    assert "clip" in result.output and "bound=0.5" in result.output and "undefended" in result.output
+    bad = runner.invoke(main, ["utility", "--defense", "prune", "--defense-arg", "ratio=1.5", "--steps", "1"])
+    assert bad.exit_code == 2 and "ratio must be in [0, 1)" in bad.output
