@@ -6,6 +6,11 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+# Under pytest-xdist each worker gets one thread: two workers with torch's default thread
+# count oversubscribe a 2-core machine badly (GAN training ran ~30x slower).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+
 
 @pytest.fixture(autouse=True)
 def _deterministic():
