@@ -1,0 +1,97 @@
+"""On-disk cache of trained inverters, keyed by what determines the training.
+
+The key hashes the model architecture *and* its parameters/buffers at the audited step, the
+defense (name + settings), the observation's declared metadata, the auxiliary data and the
+inverter's settings; so one inverter is trained per (architecture, defense, training step,
+settings) and reused by the CLI and the audit. Directory: ``$GIA_AUDIT_CACHE`` or
+``~/.cache/gia-audit``.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any, Dict, Iterable, Optional
+
+import torch
+from torch import Tensor, nn
+
+from audit.errors import ConfigError
+
+CACHE_ENV = "GIA_AUDIT_CACHE"
+FORMAT_VERSION = 1
+
+
+def cache_root(cache_dir: Optional[str | os.PathLike] = None) -> Path:
+    """The cache directory: the argument, else ``$GIA_AUDIT_CACHE``, else ``~/.cache/gia-audit``."""
+    if cache_dir is not None:
+        return Path(cache_dir)
+    env = os.environ.get(CACHE_ENV)
+    return Path(env) if env else Path.home() / ".cache" / "gia-audit"
+
+
+def hash_tensors(tensors: Iterable[Tensor], digest=None) -> str:
+    """SHA-256 over shapes, dtypes and values (on the CPU, so the device does not matter)."""
+    digest = digest or hashlib.sha256()
+    for t in tensors:
+        t = t.detach().to("cpu").contiguous()
+        digest.update(f"{tuple(t.shape)}{t.dtype}".encode())
+        digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return digest.hexdigest()
+
+
+def model_fingerprint(model: nn.Module) -> Dict[str, str]:
+    """``{"architecture": hash of the module tree, "state": hash of parameters and buffers}``."""
+    arch = hashlib.sha256(repr(model).encode()).hexdigest()
+    state = hash_tensors(t for _, t in sorted(model.state_dict().items()))
+    return {"architecture": arch, "state": state}
+
+
+def defense_fingerprint(defense: Any) -> str:
+    """A stable description of the defense: its name and settings (``none`` without one)."""
+    if defense is None:
+        return "none"
+    params = defense.params() if hasattr(defense, "params") else {}
+    return f"{getattr(defense, 'name', type(defense).__name__)}:{_stable_json(params)}"
+
+
+def cache_key(parts: Dict[str, Any]) -> str:
+    """The hex key of a dict of JSON-able parts."""
+    payload = _stable_json({"format": FORMAT_VERSION, **parts})
+    return hashlib.sha256(payload.encode()).hexdigest()[:40]
+
+
+def _stable_json(obj: Any) -> str:
+    return json.dumps(obj, sort_keys=True, default=repr)
+
+
+def cache_path(key: str, cache_dir: Optional[str | os.PathLike] = None) -> Path:
+    return cache_root(cache_dir) / "learned-inverter" / f"{key}.pt"
+
+
+def load_entry(path: Path) -> Optional[Dict[str, Any]]:
+    """A cached entry, or ``None`` when there is none (or it is unreadable / another format)."""
+    if not path.is_file():
+        return None
+    try:
+        entry = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception:  # a truncated or foreign file is a cache miss, it gets rewritten
+        return None
+    if not isinstance(entry, dict) or entry.get("format") != FORMAT_VERSION:
+        return None
+    return entry
+
+
+def save_entry(path: Path, entry: Dict[str, Any]) -> None:
+    """Write atomically (temp file + rename) so concurrent runs never read half a file."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        torch.save({"format": FORMAT_VERSION, **entry}, tmp)
+        os.replace(tmp, path)
+    except OSError as err:
+        raise ConfigError(
+            f"cannot write the learned-inverter cache at {path} ({err}); "
+            f"set {CACHE_ENV} to a writable directory"
+        ) from None
