@@ -14,13 +14,13 @@ Usage::
     python bench/bench_attack.py --model convnet --size 32 --restarts 4 --iterations 30
     python bench/bench_attack.py --model resnet18 --threads 2 --device cuda
 
-Run on purpose, not in CI. Times are medians of ``--repeats`` runs (ms per iteration).
+Run on purpose, not in CI. Times are the best of ``--repeats`` runs (ms per iteration; the
+minimum is the least disturbed by other processes on a shared machine).
 """
 from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 
@@ -38,50 +38,50 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_training_step(model, x, y, device, steps: int) -> float:
-    """Median seconds of one forward + backward + SGD update on the client's batch."""
+def training_step_block(model, x, y, device, steps: int):
+    """A timer of ``steps`` client training steps (forward + backward + SGD update)."""
     model = model.train()
     opt = torch.optim.SGD(model.parameters(), lr=0.0)  # lr 0 keeps the model unchanged
-    times = []
-    for i in range(steps + 3):
+
+    def block() -> float:
         _sync(device)
         start = time.perf_counter()
-        opt.zero_grad()
-        torch.nn.functional.cross_entropy(model(x), y).backward()
-        opt.step()
+        for _ in range(steps):
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
         _sync(device)
-        if i >= 3:  # warm-up
-            times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        return (time.perf_counter() - start) / steps
+
+    return block
 
 
-def time_attack(obs, attack: str, iterations: int, repeats: int, device, **settings) -> float:
-    """Median seconds per iteration of ``reconstruct`` (setup and final selection amortised)."""
+def attack_block(obs, attack: str, iterations: int, device, runs: int = 1, **settings):
+    """A timer of ``runs`` reconstructions of ``iterations`` each, one after another."""
     runner = ATTACKS.build(attack, **settings)
-    runner.reconstruct(obs, 2, 0)  # warm-up (torch.func's first call imports torch._dynamo)
-    times = []
-    for r in range(repeats):
+    seeds = iter(range(10 ** 6))
+
+    def block() -> float:
         _sync(device)
         start = time.perf_counter()
-        runner.reconstruct(obs, iterations, r)
+        for _ in range(runs):
+            runner.reconstruct(obs, iterations, next(seeds))
         _sync(device)
-        times.append((time.perf_counter() - start) / iterations)
-    return statistics.median(times)
+        return (time.perf_counter() - start) / iterations
+
+    return block
 
 
-def time_one_after_another(obs, attack: str, restarts: int, iterations: int, repeats: int, device) -> float:
-    """``restarts`` single-restart attacks run one after another (the reference tools' way)."""
-    runner = ATTACKS.build(attack, restarts=1)
-    runner.reconstruct(obs, 2, 0)
-    times = []
-    for r in range(repeats):
-        _sync(device)
-        start = time.perf_counter()
-        for k in range(restarts):
-            runner.reconstruct(obs, iterations, 1000 * r + k)
-        _sync(device)
-        times.append((time.perf_counter() - start) / iterations)
-    return statistics.median(times)
+def best_of(timers: dict, repeats: int) -> dict:
+    """Warm every timer up, then run them round-robin ``repeats`` times; keep each minimum
+    (interleaving spreads the load of other processes evenly over the measurements)."""
+    for timer in timers.values():
+        timer()  # warm-up (torch.func's first call imports torch._dynamo)
+    times = {name: [] for name in timers}
+    for _ in range(repeats):
+        for name, timer in timers.items():
+            times[name].append(timer())
+    return {name: min(values) for name, values in times.items()}
 
 
 def main(argv=None) -> dict:
@@ -109,20 +109,19 @@ def main(argv=None) -> dict:
     obs = observe(model, x, y, client_mode=args.client_mode)
 
     r, it, rep = args.restarts, args.iterations, args.repeats
-    rows = {
-        "training step (fwd+bwd+SGD)": time_training_step(model, x, y, device, 10 * rep),
-        "1 restart (eager)": time_attack(obs, args.attack, it, rep, device, restarts=1),
-        "1 restart (vmap)": time_attack(obs, args.attack, it, rep, device, restarts=1, execution="batched"),
-        f"{r} restarts batched (vmap)": time_attack(obs, args.attack, it, rep, device, restarts=r),
-        f"{r} restarts, loop inside each iteration": time_attack(
-            obs, args.attack, it, rep, device, restarts=r, execution="sequential"),
-        f"{r} single-restart attacks one after another": time_one_after_another(
-            obs, args.attack, r, it, rep, device),
-    }
+    rows = best_of({
+        "training step (fwd+bwd+SGD)": training_step_block(model, x, y, device, it),
+        "1 restart (eager)": attack_block(obs, args.attack, it, device, restarts=1),
+        "1 restart (vmap)": attack_block(obs, args.attack, it, device, restarts=1, execution="batched"),
+        f"{r} restarts batched (vmap)": attack_block(obs, args.attack, it, device, restarts=r),
+        f"{r} restarts, loop inside each iteration": attack_block(
+            obs, args.attack, it, device, restarts=r, execution="sequential"),
+        f"{r} single-restart attacks one after another": attack_block(obs, args.attack, it, device, runs=r),
+    }, rep)
     floor = rows["training step (fwd+bwd+SGD)"]
     one = rows["1 restart (eager)"]
     print(f"{args.attack} on {args.model} {args.size}x{args.size}, batch {args.batch}, {args.client_mode} mode, "
-          f"{args.threads} thread(s), {device}; {it} iterations x {rep} repeats (median)")
+          f"{args.threads} thread(s), {device}; {it} iterations x {rep} repeats (best of repeats)")
     print(f"| {'measurement':<46} | ms / iteration | x training step | x 1 restart |")
     print(f"|{'-' * 48}|---------------:|----------------:|------------:|")
     for name, seconds in rows.items():
