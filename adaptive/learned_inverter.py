@@ -27,7 +27,10 @@ from audit.types import Observation, Reconstruction
 
 from .inverter_cache import (cache_key, cache_path, defense_fingerprint, hash_tensors, load_entry,
                              model_fingerprint, save_entry)
-from .inverter_data import auxiliary_data, defended_features, pair_indices
+from .inverter_data import auxiliary_data
+# a module import (not names): attacks/__init__ imports this module, and inverter_pairs
+# (which imports attacks) may still be initialising when we get here
+from . import inverter_pairs
 from .inverter_net import InverterNet, init_inverter, train_inverter
 from .inverter_sketch import GradientSketch, flatten_gradients
 
@@ -46,7 +49,7 @@ class InverterSettings:
     lr: float = 1e-3
     train_seed: int = 0  # pairs, defense randomness, network init and mini-batches
     aux_dataset: str = "embedded"  # default auxiliary data (its train split)
-    aux_limit: Optional[int] = None  # use at most this many auxiliary images
+    aux_limit: Optional[int] = 4096  # at most this many auxiliary images (a seeded random subset)
 
     def __post_init__(self):
         for name in ("sketch_dim", "sketch_hashes", "hidden", "depth", "pairs", "batch_size"):
@@ -69,7 +72,7 @@ class TrainedInverter:
     @torch.no_grad()
     def invert(self, gradients) -> torch.Tensor:
         """Images ``(B, C, H, W)`` in [0, 1] from one shared gradient (per-parameter tensors)."""
-        features = self.sketch(flatten_gradients([g.detach() for g in gradients])).unsqueeze(0)
+        features = self.sketch(flatten_gradients([g.detach().float() for g in gradients])).unsqueeze(0)
         return self.net(features)[0]
 
 
@@ -102,7 +105,7 @@ class LearnedInverter:
         if steps < 0:
             raise ConfigError(f"learned-inverter: budget (training steps) must be >= 0, got {steps}")
         s = self.settings
-        images, labels, source = auxiliary_data(observation, s.aux_dataset, s.aux_limit)
+        images, labels, source = auxiliary_data(observation, s.aux_dataset, s.aux_limit, s.train_seed)
         key_parts = self._key_parts(observation, images, labels, steps)
         key = cache_key(key_parts)
         path = cache_path(key, self.cache_dir)
@@ -143,13 +146,14 @@ class LearnedInverter:
         s = self.settings
         cpu_gen = torch.Generator().manual_seed(s.train_seed)
         defense_gen = torch.Generator(device=observation.device).manual_seed(s.train_seed)
-        index = pair_indices(len(images), s.pairs, observation.batch_size, cpu_gen)
-        features = defended_features(observation, images, labels, index, sketch, defense_gen, self.progress)
+        index = inverter_pairs.pair_indices(len(images), s.pairs, observation.batch_size, cpu_gen)
+        info: Dict[str, Any] = {}
+        features = inverter_pairs.defended_features(observation, images, labels, index, sketch, defense_gen, self.progress, info)
         targets = images[index.to(images.device)]  # (P, B, C, H, W)
         net.fit_scaler(features)
         losses = train_inverter(net, features, targets, steps, batch_size=s.batch_size, lr=s.lr,
                                 generator=cpu_gen, progress=self.progress)
-        return {"pairs": len(index), "aux_images": len(images),
+        return {**info, "pairs": len(index), "aux_images": len(images),
                 "final_train_mse": losses[-1] if losses else None,
                 "train_loss_first_last": [losses[0], losses[-1]] if losses else []}
 

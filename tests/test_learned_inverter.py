@@ -6,6 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from adaptive.inverter_pairs import defended_features, pair_indices
 from adaptive.inverter_sketch import GradientSketch
 from adaptive.learned_inverter import LearnedInverter, applies
 from attacks import ATTACKS
@@ -14,6 +15,7 @@ from audit.errors import ConfigError, DataError
 from audit.metrics import psnr
 from audit.models import build_model
 from audit.observe import observe
+from audit.types import FunctionDefense
 from defenses import build_defense
 
 SMALL = dict(pairs=64, hidden=32, batch_size=16, progress=False)
@@ -136,3 +138,21 @@ def test_applies_to_every_perturbing_defense():
     ok, why = applies(SimpleNamespace(**flags))
     assert ok and "signs" in why
     assert not applies(SimpleNamespace(**{**flags, "identity": True}))[0]
+
+
+def test_batched_pairs_match_the_client_round(lenet, data):
+    """The vmapped path for gradient-transform defenses gives the client's own numbers."""
+    x, y = _held_out(data, 0)
+    defense = build_defense("soft-prune", sigma=0.01)
+    images, labels = data.train_images[:40], data.train_labels[:40]
+    index = pair_indices(40, 12, 2, torch.Generator().manual_seed(0))
+    sketch = GradientSketch(sum(p.numel() for p in lenet.parameters()), 512)
+    made = {}
+    for how, d in (("batched", defense), ("client", FunctionDefense(defense))):
+        info = {}
+        obs = observe(lenet, torch.cat([x, x]), torch.cat([y, y]), d)
+        made[how] = defended_features(obs, images, labels, index, sketch, torch.Generator().manual_seed(5),
+                                      progress=False, info=info)
+        made[how + " path"] = info["pairs_path"]
+    assert made["batched path"].startswith("batched") and made["client path"].startswith("per batch")
+    assert torch.allclose(made["batched"], made["client"], rtol=1e-4, atol=1e-6)
