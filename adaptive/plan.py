@@ -9,7 +9,7 @@ from torch import nn
 from audit.types import default_loss_fn
 
 from .probe import probe_defense
-from .rules import RULES, PlannedAttack
+from .rules import ORDER, RULES, PlannedAttack
 from .traits import DefenseTraits
 
 
@@ -69,8 +69,10 @@ def _installed_attacks() -> Optional[set]:
 def plan_from_traits(traits: DefenseTraits) -> Plan:
     """Apply every registered rule; keep the attacks that are installed."""
     proposals = [p for name in RULES.names() for p in RULES.get(name)(traits)]
-    # the baselines first, then the adaptive attacks (rules in name order)
-    ordered = [p for p in proposals if not p.adaptive] + [p for p in proposals if p.adaptive]
+    # the baselines first, then the adaptive attacks, most defense-specific first
+    rank = {name: i for i, name in enumerate(ORDER)}
+    ordered = [p for p in proposals if not p.adaptive] + sorted(
+        (p for p in proposals if p.adaptive), key=lambda p: rank.get(p.name, len(rank)))
     merged = _merge(ordered)
     installed = _installed_attacks()
     if installed is None:

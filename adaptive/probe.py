@@ -375,3 +375,18 @@ def _weighted_mean(values: Sequence[float], weights: Sequence[int]) -> float:
 def _rel(a: Tensor, b: Tensor) -> float:
     a, b = a.detach().double(), b.detach().double()
     return float((a - b).norm() / b.norm().clamp_min(1e-30)) if b.norm() > 0 else float(a.norm())
+
+
+def changed_parameters(defense: Callable, model: nn.Module, input_shape: Tuple[int, int, int],
+                       num_classes: int, *, batch_size: int = 1, seed: int = 0,
+                       loss_fn=default_loss_fn) -> List[int]:
+    """Indices of the trainable parameters whose gradient ``defense`` changes, measured on a
+    copy of ``model`` with a random batch (white-box: the mechanism is known, not the data)."""
+    model = copy.deepcopy(model)
+    device = next(model.parameters()).device
+    gen = _generator(seed, device)
+    x = torch.rand(batch_size, *input_shape, generator=gen, device=device)
+    y = torch.randint(0, num_classes, (batch_size,), generator=gen, device=device)
+    clean = [g.detach() for g in clean_gradients(copy.deepcopy(model), x, y, loss_fn)]
+    shared = call_defense(defense, model, x, y, generator=_generator(seed + 1, device), loss_fn=loss_fn)
+    return [i for i, (d, c) in enumerate(zip(shared, clean)) if _rel(d.detach(), c) > CHANGE_TOL]

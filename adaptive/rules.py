@@ -13,8 +13,10 @@ from .traits import DefenseTraits
 
 RULES = Registry("planner rule")
 
-HEAVY_SPARSITY = 0.85  # beyond this, gradient matching has too little left to match
 EOT_SAMPLES = 8
+#: the order attacks are listed in a plan: the most defense-specific first
+ORDER = ("precode-latent", "svd-subspace", "mask-replay", "layer-drop", "censor-invariants", "analytic",
+         "through-defense", "bayes-l2", "bayes-l1", "bayes-optimal", "learned-inverter")
 
 
 @dataclass
@@ -55,13 +57,15 @@ def analytic(t: DefenseTraits) -> List[PlannedAttack]:
 def through_defense(t: DefenseTraits) -> List[PlannedAttack]:
     if t.identity or t.architectural or not t.differentiable:
         return []
-    if t.stochastic:
-        return [PlannedAttack("through-defense", {"eot_samples": EOT_SAMPLES}, (
-            f"stochastic and differentiable: EOT, the dummy gradient goes through the defense "
-            f"with {EOT_SAMPLES} samples of its randomness per step, averaged in the loss"))]
-    return [PlannedAttack("through-defense", {"eot_samples": 1}, (
-        "deterministic and differentiable: replay the defense on the dummy gradient, so both "
-        "sides of the matching loss are defended the same way"))]
+    if not t.stochastic:
+        return [PlannedAttack("through-defense", {"samples": 1}, (
+            "deterministic and differentiable: replay the defense on the dummy gradient, so both "
+            "sides of the matching loss are defended the same way"))]
+    if t.noise_family and not (t.sparse or t.orthogonal or t.quantized or t.input_transform):
+        return []  # additive noise: EOT only adds variance; the likelihood rule covers it
+    return [PlannedAttack("through-defense", {"samples": EOT_SAMPLES}, (
+        f"stochastic and differentiable: EOT, the dummy gradient goes through the defense "
+        f"with {EOT_SAMPLES} samples of its randomness per step, averaged in the loss"))]
 
 
 @RULES.register("mask-replay", "read the pruning mask from the observed zeros")
@@ -123,34 +127,27 @@ def noise_likelihood(t: DefenseTraits) -> List[PlannedAttack]:
         f"is the matching loss"))]
 
 
+def _offered(module: str, name: str, t: DefenseTraits) -> List[PlannedAttack]:
+    """Ask an attack module's own ``applies(traits) -> (bool, reason)`` (imported lazily:
+    the attack modules import the engine, which imports this package)."""
+    import importlib
+
+    try:
+        applies = importlib.import_module(module).applies
+    except (ImportError, AttributeError):
+        return []
+    ok, reason = applies(t)
+    return [PlannedAttack(name, {}, reason)] if ok else []
+
+
 @RULES.register("bayes-optimal", "the Bayes adversary, for a known likelihood or randomness")
 def bayes_optimal(t: DefenseTraits) -> List[PlannedAttack]:
-    if not (t.has_log_prob or t.stochastic and not t.architectural):
-        return []
-    why = ("the defense declares log_prob(shared | clean): the exact likelihood is the objective"
-           if t.has_log_prob else
-           "stochastic defense: Monte Carlo estimate of the likelihood over its randomness")
-    return [PlannedAttack("bayes-optimal", {}, why)]
+    return _offered("adaptive.bayes_optimal", "bayes-optimal", t)
 
 
 @RULES.register("learned-inverter", "train an inverter where gradient matching has nothing to hold")
 def learned_inverter(t: DefenseTraits) -> List[PlannedAttack]:
-    causes = []
-    if t.sign_only:
-        causes.append("only signs are shared")
-    elif t.quantized:
-        causes.append("values are quantized")
-    if t.sparse and t.sparsity >= HEAVY_SPARSITY:
-        causes.append(f"{_pct(t.sparsity)} of the entries are pruned")
-    if t.low_rank:
-        causes.append("gradients are truncated to low rank")
-    if not t.differentiable and not t.identity:
-        causes.append("the defense passes no usable gradient back to the inputs")
-    if not causes:
-        return []
-    return [PlannedAttack("learned-inverter", {}, (
-        "gradient matching is crippled (" + "; ".join(causes) + "): learn the map from defended "
-        "gradients to images on surrogate data"))]
+    return _offered("adaptive.learned_inverter", "learned-inverter", t)
 
 
 @RULES.register("input-transform", "the shared gradient belongs to a transformed input")

@@ -29,4 +29,5 @@ __all__ = [
 # attacks implemented in adaptive/ on top of this engine register themselves in ATTACKS on import
 import adaptive.bayes_optimal  # noqa: E402,F401
 import adaptive.learned_inverter  # noqa: E402,F401
+import adaptive.catalog  # noqa: E402,F401  (through-defense, mask-replay, layer-drop, ...)
 from . import generative  # noqa: E402,F401  (GGL, GIAS, GIFD and the "generator" box)

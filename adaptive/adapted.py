@@ -1,0 +1,77 @@
+"""Adaptive attacks composed from the attack engine.
+
+An :class:`AdaptedAttack` is an engine preset (``ig`` by default) whose settings are
+adapted to each observation: a subclass's :meth:`AdaptedAttack.adapt` returns the knobs it
+changes (the shared-gradient simulator, per-layer objective weights / masks, the
+objective, the initialisation) and notes for the trace. Everything else (priors,
+optimiser, restarts, labels) is the engine's, so an adaptive attack and the naive preset
+it adapts differ only in what is matched.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, Optional, Tuple
+
+from attacks.engine import OptimizationAttack, Progress
+from attacks.presets import ATTACKS, KNOBS, compose
+from audit.errors import ConfigError
+from audit.types import Observation, Reconstruction
+
+
+@dataclass
+class Adaptation:
+    """What an adaptive attack changes for one observation."""
+
+    knobs: Dict[str, Any] = field(default_factory=dict)
+    notes: Dict[str, Any] = field(default_factory=dict)
+    skip: Optional[str] = None  # a reason when the attack does not apply
+
+
+class AdaptedAttack:
+    """``reconstruct(observation, budget, seed)``: the ``base`` preset with :meth:`adapt`'s
+    knobs; ``knobs`` are any :data:`attacks.presets.KNOBS` (e.g. ``tv=``, ``restarts=``)."""
+
+    name = "adapted"
+    #: knobs the adaptation sets itself; a user may not override them
+    owns: Tuple[str, ...] = ()
+
+    def __init__(self, base: str = "ig", **knobs: Any):
+        defaults = getattr(ATTACKS.get(base), "defaults", None)
+        if defaults is None:
+            raise ConfigError(f"{self.name}: base {base!r} is not an optimisation preset; use one of "
+                              "dlg, idlg, ig, gi, bayes-l2, bayes-l1, bayes-cos")
+        unknown = sorted(set(knobs) - set(KNOBS))
+        if unknown:
+            raise ConfigError(f"{self.name}: unknown settings {unknown}; valid: {', '.join(sorted(KNOBS))}")
+        clash = sorted(set(knobs) & set(self.owns))
+        if clash:
+            raise ConfigError(f"{self.name} sets {clash} itself from the observation; leave them out")
+        self.base, self.knobs = base, dict(knobs)
+        self.settings = {**defaults, **knobs}
+
+    @property
+    def iterations(self) -> int:
+        return int(self.settings["iterations"])
+
+    def adapt(self, observation: Observation) -> Adaptation:
+        """The knobs for this observation (subclasses)."""
+        return Adaptation()
+
+    def compose(self, observation: Observation, adaptation: Optional[Adaptation] = None) -> OptimizationAttack:
+        adaptation = adaptation or self.adapt(observation)
+        return compose(self.name, **{**self.settings, **adaptation.knobs})
+
+    def reconstruct(self, observation: Observation, budget: Optional[int] = None, seed: int = 0,
+                    progress: Optional[Progress] = None) -> Reconstruction:
+        adaptation = self.adapt(observation)
+        if adaptation.skip:
+            return Reconstruction.not_applicable(f"{self.name}: {adaptation.skip}", **adaptation.notes)
+        rec = self.compose(observation, adaptation).reconstruct(observation, budget, seed, progress)
+        rec.trace["adaptive"] = {"attack": self.name, "base": self.base, **adaptation.notes}
+        return rec
+
+
+def register(cls, description: str):
+    """Register an :class:`AdaptedAttack` subclass in :data:`attacks.ATTACKS` under its name."""
+    ATTACKS.add(cls.name, cls, description)
+    return cls

@@ -1,0 +1,109 @@
+"""Attacks that change which parts of the gradient are matched.
+
+* ``mask-replay`` -- the pruning mask is read from the exact zeros of the observed gradient
+  and applied to the dummy gradient (magnitude pruning, Soteria's masked layer, DGP).
+* ``layer-drop`` -- the layers a defense perturbs get weight 0 in the objective (Soteria).
+  ``layers="auto"``: with white-box access the defense is run on the observation's model
+  with a random batch and the layers it changes are dropped; without it every weight
+  tensor is tried in turn and the run with the lowest final matching loss is kept.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence, Union
+
+from attacks.engine import Progress
+from audit.errors import ConfigError
+from audit.types import Observation, Reconstruction, trainable_names
+
+from .adapted import Adaptation, AdaptedAttack, register
+from .probe import changed_parameters
+
+
+class MaskReplay(AdaptedAttack):
+    """Match only where the observed gradient is non-zero (the mask the defense applied)."""
+
+    name = "mask-replay"
+    owns = ("masks",)
+
+    def adapt(self, observation: Observation) -> Adaptation:
+        masks = [(g != 0) if bool((g == 0).any()) else None for g in observation.gradients]
+        if all(m is None for m in masks):
+            return Adaptation(skip="the observed gradient has no exact zeros: there is no mask to replay")
+        names = trainable_names(observation.model)
+        kept = {n: round(float(m.float().mean()), 4) for n, m in zip(names, masks) if m is not None}
+        return Adaptation({"masks": masks}, {"kept_fraction": kept})
+
+
+class LayerDrop(AdaptedAttack):
+    """Drop the defended layers from the objective (per-layer weight 0)."""
+
+    name = "layer-drop"
+    owns = ("weights",)
+
+    def __init__(self, layers: Union[str, Sequence[Union[int, str]]] = "auto", base: str = "ig", **knobs):
+        super().__init__(base, **knobs)
+        if isinstance(layers, str) and layers not in ("auto", "search"):
+            layers = [layers]
+        self.layers = layers
+
+    def _indices(self, observation: Observation) -> Optional[List[int]]:
+        """The tensors to drop; None means "search over every weight tensor"."""
+        names = trainable_names(observation.model)
+        if self.layers == "search" or (self.layers == "auto" and observation.defense is None):
+            return None
+        if self.layers == "auto":
+            return changed_parameters(observation.defense, observation.model, observation.input_shape,
+                                      observation.num_classes, batch_size=observation.batch_size,
+                                      loss_fn=observation.loss_fn)
+        out = []
+        for layer in self.layers:
+            if isinstance(layer, int) and 0 <= layer < len(names):
+                out.append(layer)
+            elif layer in names:
+                out.append(names.index(layer))
+            else:
+                raise ConfigError(f"layer-drop: {layer!r} is not a trainable tensor of the model; "
+                                  f"valid: {', '.join(names)} (or their indices)")
+        return out
+
+    @staticmethod
+    def _weights(n: int, drop: Sequence[int]) -> List[Optional[float]]:
+        return [0.0 if i in drop else None for i in range(n)]
+
+    def adapt(self, observation: Observation) -> Adaptation:
+        names = trainable_names(observation.model)
+        drop = self._indices(observation)
+        if drop is None:
+            return Adaptation(notes={"mode": "search"})
+        if not drop:
+            return Adaptation(skip="the defense changes no layer's gradient on this model: nothing to drop")
+        if len(drop) == len(names):
+            return Adaptation(skip="the defense changes every layer: dropping them leaves nothing to match")
+        return Adaptation({"weights": self._weights(len(names), drop)},
+                          {"dropped": [names[i] for i in drop],
+                           "detected": "given" if isinstance(self.layers, (list, tuple)) else
+                           "probed the known defense on the observation's model"})
+
+    def reconstruct(self, observation: Observation, budget: Optional[int] = None, seed: int = 0,
+                    progress: Optional[Progress] = None) -> Reconstruction:
+        adaptation = self.adapt(observation)
+        if adaptation.notes.get("mode") != "search":
+            return super().reconstruct(observation, budget, seed, progress)
+        names = trainable_names(observation.model)
+        candidates = [i for i, g in enumerate(observation.gradients) if g.dim() >= 2]
+        best, losses = None, {}
+        for i in candidates:
+            knobs = {"weights": self._weights(len(names), [i])}
+            rec = self.compose(observation, Adaptation(knobs)).reconstruct(observation, budget, seed, progress)
+            losses[names[i]] = float(rec.trace["final_terms"]["match"])
+            if best is None or losses[names[i]] < losses[best[0]]:
+                best = (names[i], rec)
+        rec = best[1]
+        rec.trace["adaptive"] = {"attack": self.name, "base": self.base, "mode": "search",
+                                 "dropped": [best[0]], "match_loss_per_candidate": losses,
+                                 "selection": "lowest final matching loss (the attack's own objective)"}
+        return rec
+
+
+register(MaskReplay, "prune-mask replay: match only where the observed gradient is non-zero")
+register(LayerDrop, "drop the defended layers from the objective (detected, given, or searched)")

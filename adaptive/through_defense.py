@@ -1,0 +1,143 @@
+"""Through-the-defense matching: the dummy gradient goes through the defense before it is
+compared with the observation. Deterministic defense: replay. Stochastic defense: EOT,
+``samples`` draws of the defense's randomness per evaluation, averaged in the loss.
+
+Works for any differentiable defended-gradient callable. For a gradient-only defense
+(clean gradient then ``transform``; noise, pruning, quantisation, SVDefense, user
+``@gradient_transform`` functions) the dummy's clean gradient is computed once per
+evaluation and only the cheap ``transform`` is sampled ``samples`` times; any other
+callable runs ``samples`` times.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Tuple
+
+import torch
+from torch import Tensor
+
+from attacks.objectives import OBJECTIVES, Objective
+from attacks.simulator import ClientReplica, DefenseSimulator, GradientSimulator, SimContext
+from audit.errors import ConfigError
+from audit.types import Defense, Observation
+
+from .adapted import Adaptation, AdaptedAttack, register
+
+
+def is_gradient_only(defense: Any) -> bool:
+    """True when the defense is ``transform(clean gradient)`` (no own ``__call__`` or input
+    transform), so its randomness can be sampled without recomputing the gradient."""
+    kind = type(defense)
+    return (isinstance(defense, Defense) and kind.__call__ is Defense.__call__
+            and kind.transform_inputs is Defense.transform_inputs)
+
+
+class DefenseTransform:
+    """Simulator transform ``grads -> defense.transform(grads)`` (white-box replay)."""
+
+    def __init__(self, defense: Defense):
+        self.defense = defense
+        self.vmappable = not getattr(defense, "stochastic", True)
+        self.__name__ = f"{getattr(defense, 'name', 'defense')}.transform"
+
+    def __call__(self, grads: List[Tensor], context: SimContext) -> List[Tensor]:
+        return list(self.defense.transform(list(grads), generator=context.generator,
+                                           model=context.observation.model))
+
+
+class EOTSimulator(GradientSimulator):
+    """``samples`` defended gradients of the same dummy batch, stacked ``(samples, *shape)``
+    per parameter (:class:`SampleAverage` averages the objective over them)."""
+
+    vmappable = False
+
+    def __init__(self, samples: int):
+        super().__init__()
+        if samples < 1:
+            raise ConfigError(f"EOT needs samples >= 1, got {samples}")
+        self.samples = int(samples)
+        self._callable = DefenseSimulator()
+
+    def client_gradients(self, replica: ClientReplica, x: Tensor, y: Tensor, *, functional: bool,
+                         context: SimContext) -> Tuple[List[Tensor], Dict[str, Any]]:
+        defense = replica.observation.defense
+        if is_gradient_only(defense):
+            clean, feats = super().client_gradients(replica, x, y, functional=functional, context=context)
+            transform = DefenseTransform(defense)
+            draws = [transform(clean, context) for _ in range(self.samples)]
+        else:
+            feats = {}
+            draws = []
+            for _ in range(self.samples):
+                grads, feats = self._callable.client_gradients(replica, x, y, functional=functional,
+                                                               context=context)
+                draws.append(grads)
+        return [torch.stack(layer) for layer in zip(*draws)], feats
+
+    def describe(self) -> str:
+        return f"EOTSimulator(samples={self.samples})"
+
+
+class SampleAverage(Objective):
+    """``mean_k inner(draw_k, target)`` over gradients stacked ``(samples, *shape)``."""
+
+    def __init__(self, inner: Objective):
+        self.inner = inner
+        self.name = f"eot-mean[{inner!r}]"
+
+    def bind(self, observation: Observation) -> "SampleAverage":
+        return SampleAverage(self.inner.bind(observation))
+
+    def __call__(self, dummy_grads, target_grads):
+        draws = list(zip(*[g.unbind(0) for g in dummy_grads]))  # unbind: one cheap backward
+        return sum(self.inner(list(d), target_grads) for d in draws) / len(draws)
+
+
+def _applicability(observation: Observation) -> str:
+    if observation.defense is None:
+        return "needs white-box access to the defense (observation.defense is None)"
+    if observation.local_steps != 1:
+        return (f"the defense is applied per local step; the observation has {observation.local_steps} "
+                "local steps (attack a single-step observation)")
+    return ""
+
+
+class ThroughDefense(AdaptedAttack):
+    """Replay (``samples=1``, deterministic defenses) or EOT over the defense's randomness.
+    ``samples="auto"``: 1 for a deterministic defense, :attr:`EOT_SAMPLES` otherwise."""
+
+    name = "through-defense"
+    owns = ("simulator",)
+    EOT_SAMPLES = 8
+
+    def __init__(self, samples="auto", base: str = "ig", **knobs):
+        super().__init__(base, **knobs)
+        if samples != "auto" and (not isinstance(samples, int) or samples < 1):
+            raise ConfigError(f"through-defense: samples must be 'auto' or an integer >= 1, got {samples!r}")
+        self.samples = samples
+
+    def adapt(self, observation: Observation) -> Adaptation:
+        why_not = _applicability(observation)
+        if why_not:
+            return Adaptation(skip=why_not)
+        defense = observation.defense
+        samples = self.samples
+        if samples == "auto":
+            samples = self.EOT_SAMPLES if getattr(defense, "stochastic", True) else 1
+        gradient_only = is_gradient_only(defense)
+        notes = {"defense": getattr(defense, "name", "defense"), "samples": samples,
+                 "mode": "replay" if samples == 1 else f"EOT over {samples} draws per evaluation",
+                 "path": "clean gradient once, defense.transform sampled" if gradient_only
+                 else "defense callable run per draw"}
+        if samples == 1:
+            simulator = GradientSimulator([DefenseTransform(defense)]) if gradient_only else DefenseSimulator()
+            return Adaptation({"simulator": simulator}, notes)
+        objective = self.settings["objective"]
+        if isinstance(objective, str):
+            args = {k: self.settings[k] for k in ("sigma", "b", "weights", "masks") if self.settings[k] is not None}
+            objective = OBJECTIVES.build(objective, **args)
+        knobs = {"simulator": EOTSimulator(samples), "objective": SampleAverage(objective),
+                 "sigma": None, "b": None, "weights": None, "masks": None}
+        return Adaptation(knobs, notes)
+
+
+register(ThroughDefense, "match through the defense: replay (deterministic) or EOT over its randomness (stochastic)")
