@@ -1,7 +1,7 @@
 """The inversion network (sketched gradient -> images) and its training loop."""
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -53,11 +53,13 @@ def train_inverter(
     lr: float,
     generator: torch.Generator,
     progress: bool = True,
+    callback: Optional[Callable[[int, int, float], None]] = None,
     desc: str = "learned-inverter: training",
 ) -> List[float]:
     """Adam on the pixel MSE for ``steps`` mini-batches; returns the per-step losses.
 
     ``generator`` (on the CPU) draws the mini-batches, so the run is reproducible.
+    ``progress`` shows a tqdm bar; ``callback(done, steps, loss)`` is called after each step.
     """
     opt = torch.optim.Adam(net.parameters(), lr=lr, foreach=True)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(steps, 1))
@@ -67,7 +69,7 @@ def train_inverter(
     order = torch.randperm(n, generator=generator)
     cursor = 0
     net.train()
-    for _ in tqdm(range(steps), desc=desc, disable=not progress, leave=False):
+    for step in tqdm(range(steps), desc=desc, disable=not progress, leave=False):
         if cursor + batch_size > n:
             order, cursor = torch.randperm(n, generator=generator), 0
         idx = order[cursor:cursor + batch_size].to(features.device)
@@ -78,6 +80,8 @@ def train_inverter(
         opt.step()
         sched.step()
         losses.append(loss.item())
+        if callback is not None:
+            callback(step + 1, steps, losses[-1])
     net.eval()
     return losses
 

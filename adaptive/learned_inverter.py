@@ -20,6 +20,7 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
+from attacks.engine import Progress, validate_observation
 from attacks.labels import infer_labels
 from attacks.presets import ATTACKS
 from audit.errors import ConfigError, NotApplicable
@@ -80,7 +81,9 @@ class LearnedInverter:
     """The ``learned-inverter`` attack (see the module docstring).
 
     ``cache_dir`` overrides ``$GIA_AUDIT_CACHE`` / ``~/.cache/gia-audit``; ``cache=False``
-    always trains. ``progress`` shows tqdm bars for the pair generation and the training.
+    always trains. ``progress`` shows tqdm bars for the pair generation and the training
+    (unless :meth:`reconstruct` gets a progress callback, as the engine's attacks do).
+    ``iterations`` is the default number of training steps (the budget).
     """
 
     name = "learned-inverter"
@@ -95,13 +98,15 @@ class LearnedInverter:
         if train_steps < 0:
             raise ConfigError(f"learned-inverter: train_steps must be >= 0, got {train_steps}")
         self.settings = InverterSettings(**settings)
-        self.train_steps, self.cache, self.cache_dir, self.progress = int(train_steps), bool(cache), cache_dir, progress
+        self.iterations, self.cache, self.cache_dir, self.progress = int(train_steps), bool(cache), cache_dir, progress
 
     # ------------------------------------------------------------------ training (cached)
-    def fit(self, observation: Observation, steps: Optional[int] = None) -> TrainedInverter:
+    def fit(self, observation: Observation, steps: Optional[int] = None,
+            progress: Optional[Progress] = None) -> TrainedInverter:
         """The inverter for this observation's model, defense and metadata: from the cache
-        when it was trained before, else trained now (and cached)."""
-        steps = self.train_steps if steps is None else int(steps)
+        when it was trained before, else trained now (and cached). ``progress(done, total,
+        loss)`` is called after each training step."""
+        steps = self.iterations if steps is None else int(steps)
         if steps < 0:
             raise ConfigError(f"learned-inverter: budget (training steps) must be >= 0, got {steps}")
         s = self.settings
@@ -118,7 +123,7 @@ class LearnedInverter:
             net.load_state_dict(entry["state"])
             net.eval()
             return TrainedInverter(net, sketch, {**entry["info"], "cache": f"loaded {path}"})
-        info = self._train(net, sketch, observation, images, labels, steps)
+        info = self._train(net, sketch, observation, images, labels, steps, progress)
         info.update(aux=source, key=key, steps=steps, settings=asdict(s), defense=key_parts["defense"])
         if self.cache:
             save_entry(path, {"state": {k: v.detach().cpu() for k, v in net.state_dict().items()}, "info": info})
@@ -142,32 +147,32 @@ class LearnedInverter:
         }
 
     def _train(self, net: InverterNet, sketch: GradientSketch, observation: Observation, images, labels,
-               steps: int) -> Dict[str, Any]:
+               steps: int, progress: Optional[Progress]) -> Dict[str, Any]:
         s = self.settings
+        bars = self.progress and progress is None
         cpu_gen = torch.Generator().manual_seed(s.train_seed)
         defense_gen = torch.Generator(device=observation.device).manual_seed(s.train_seed)
         index = inverter_pairs.pair_indices(len(images), s.pairs, observation.batch_size, cpu_gen)
         info: Dict[str, Any] = {}
-        features = inverter_pairs.defended_features(observation, images, labels, index, sketch, defense_gen, self.progress, info)
+        features = inverter_pairs.defended_features(observation, images, labels, index, sketch, defense_gen, bars, info)
         targets = images[index.to(images.device)]  # (P, B, C, H, W)
         net.fit_scaler(features)
         losses = train_inverter(net, features, targets, steps, batch_size=s.batch_size, lr=s.lr,
-                                generator=cpu_gen, progress=self.progress)
+                                generator=cpu_gen, progress=bars, callback=progress)
         return {**info, "pairs": len(index), "aux_images": len(images),
                 "final_train_mse": losses[-1] if losses else None,
                 "train_loss_first_last": [losses[0], losses[-1]] if losses else []}
 
     # ------------------------------------------------------------------ the attack
-    def reconstruct(self, observation: Observation, budget: Optional[int] = None, seed: int = 0) -> Reconstruction:
+    def reconstruct(self, observation: Observation, budget: Optional[int] = None, seed: int = 0,
+                    progress: Optional[Progress] = None) -> Reconstruction:
         """Invert the shared gradient with the (cached) inverter; ``budget`` = training steps.
 
         ``seed`` does not change the result: the inverter is deterministic given its
         settings (``train_seed``), which is what lets every image of a step share it.
         """
-        from attacks.engine import validate_observation
-
         validate_observation(observation)
-        inverter = self.fit(observation, budget)
+        inverter = self.fit(observation, budget, progress)
         images = inverter.invert(observation.gradients).clamp(0, 1)
         labels, label_note = _labels(observation, images)
         trace = {"attack": self.name, "inverter": inverter.info, "labels": label_note,

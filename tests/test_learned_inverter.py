@@ -105,10 +105,14 @@ def test_cache_is_reused_per_step_and_defense(lenet, data, tmp_path):
     assert len(_entries(tmp_path / "cache")) == 3
 
 
-def test_training_shows_a_progress_bar(lenet, data, capsys):
+def test_training_shows_a_progress_bar_or_reports_to_a_callback(lenet, data, capsys):
     x, y = _held_out(data, 0)
-    LearnedInverter(**{**SMALL, "progress": True}, cache=False).reconstruct(observe(lenet, x, y), 3)
+    inverter = LearnedInverter(**{**SMALL, "progress": True}, cache=False)
+    inverter.reconstruct(observe(lenet, x, y), 3)
     assert "learned-inverter: training" in capsys.readouterr().err
+    calls = []
+    inverter.reconstruct(observe(lenet, x, y), 3, progress=lambda done, total, loss: calls.append((done, total)))
+    assert calls == [(1, 3), (2, 3), (3, 3)] and "learned-inverter" not in capsys.readouterr().err
 
 
 # --------------------------------------------------------------------------- auxiliary data
