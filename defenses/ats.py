@@ -8,7 +8,7 @@ each image goes through RandomCrop (padding H/8) and a horizontal flip, as in AT
 """
 from __future__ import annotations
 
-from typing import List, Sequence, Tuple
+from typing import List, Tuple
 
 import torch
 import torch.nn.functional as F

@@ -18,7 +18,7 @@ from torch.func import functional_call, vmap
 from audit.types import Defense, clean_gradients, default_loss_fn, trainable_names
 
 from .common import (
-    check_range, eval_mode, flatten, per_example_gradients, randn, resolve_generator, unflatten,
+    check_range, eval_mode, flatten, per_example_gradients, randn, resolve_generator,
 )
 from .registry import DEFENSES
 

@@ -33,11 +33,6 @@ def rand(shape, *, generator: Optional[torch.Generator], device, dtype=torch.flo
     return torch.rand(tuple(shape), generator=gen, device=gen.device, dtype=dtype).to(device)
 
 
-def randint(high: int, shape, *, generator: Optional[torch.Generator], device) -> Tensor:
-    gen = resolve_generator(generator, device)
-    return torch.randint(high, tuple(shape), generator=gen, device=gen.device).to(device)
-
-
 # --------------------------------------------------------------------------- parameter checks
 def check_range(defense: str, name: str, value, low=None, high=None, *, low_open=False,
                 high_open=False, integer=False):
@@ -114,12 +109,6 @@ def eval_mode(model: nn.Module) -> Iterator[nn.Module]:
     finally:
         for m, flag in flags:
             m.train(flag)
-
-
-def model_device(model: nn.Module) -> torch.device:
-    for p in model.parameters():
-        return p.device
-    return torch.device("cpu")
 
 
 # --------------------------------------------------------------------------- gradients

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from audit.types import Defense, clean_gradients, default_loss_fn, trainable_names
 
-from .common import check_range, flatten, global_norm, preserved_buffers, rand, resolve_generator
+from .common import check_range, global_norm, preserved_buffers, rand, resolve_generator
 from .evaluator import load_or_train_evaluator
 from .registry import DEFENSES
 
