@@ -62,7 +62,10 @@ class Soteria(Defense):
         """Boolean keep-mask over the defended layer's input features (a constant)."""
         _, layer = self.defended_layer(model)
         captured = {}
-        hook = layer.register_forward_hook(lambda mod, inp, out: captured.setdefault("r", inp[0]))
+        def record(mod, inp, out):  # returns None: a returned value would replace the layer's output
+            captured.setdefault("r", inp[0])
+
+        hook = layer.register_forward_hook(record)
         x = inputs.detach().requires_grad_(True)
         try:
             with torch.enable_grad(), preserved_buffers(model):
