@@ -33,11 +33,13 @@ def _private_batch(dataset, index: int, batch: int, image: Optional[str], label:
             raise ConfigError(f"--label must be in 0..{dataset.num_classes - 1}, got {label}")
         x = load_image(image, dataset.input_shape[1], dataset.input_shape[0]).reshape(1, *dataset.input_shape)
         return x, torch.tensor([label])
-    n = len(dataset.train_labels)
+    # private images come from the held-out split: the train split is the attacker's
+    # auxiliary data (generators, learned inverters train on it), so the two never overlap
+    n = len(dataset.test_labels)
     if not 0 <= index <= n - batch:
-        raise ConfigError(f"--index {index} with --batch {batch} is outside the {n} training images of "
-                          f"{dataset.name!r}; use 0..{n - batch}")
-    return dataset.train_images[index:index + batch], dataset.train_labels[index:index + batch]
+        raise ConfigError(f"--index {index} with --batch {batch} is outside the {n} held-out (test) images "
+                          f"of {dataset.name!r}; use 0..{n - batch}")
+    return dataset.test_images[index:index + batch], dataset.test_labels[index:index + batch]
 
 
 def _progress_bar(total: int, enabled: bool, label: str):
