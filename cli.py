@@ -73,6 +73,34 @@ def list_cmd(what, seed, device):
         click.echo(f"{name:<{width}}  {desc}")
 
 
+@main.command("train-generator")
+@click.option("--data", "dataset", default="embedded", show_default=True,
+              help="data set whose *train* split trains the generator (the audit's private images come from the test split)")
+@click.option("--data-path", default=None, help="local path of the data set (cifar10, mnist, folder)")
+@click.option("--size", default=32, show_default=True, type=int, help="image side (8, 16, 32, 64)")
+@click.option("--steps", default=2000, show_default=True, type=int, help="GAN training steps")
+@click.option("--batch-size", default=64, show_default=True, type=int)
+@click.option("--lr", default=2e-4, show_default=True, type=float, help="Adam learning rate (both networks)")
+@click.option("--latent-dim", default=32, show_default=True, type=int)
+@click.option("--width", default=32, show_default=True, type=int, help="DCGAN channel width")
+@click.option("--unconditional", is_flag=True, help="ignore the class labels (default: class-conditional)")
+@click.option("--out", default="generator.pt", show_default=True, type=click.Path(dir_okay=False),
+              help="checkpoint to write (weights + settings + training data description)")
+@common_options
+@friendly_errors
+def train_generator_cmd(dataset, data_path, size, steps, batch_size, lr, latent_dim, width, unconditional,
+                        out, seed, device):
+    """Train the DCGAN image prior of GGL / GIAS / GIFD on auxiliary data and save it."""
+    from generators import GeneratorRecipe, train_generator
+
+    recipe = GeneratorRecipe(dataset=dataset, data_path=data_path, size=size, conditional=not unconditional,
+                             latent_dim=latent_dim, width=width, steps=steps, batch_size=batch_size, lr=lr,
+                             seed=seed)
+    gen = train_generator(recipe, out=out, device=resolve_device(device))
+    click.echo(f"saved {out}: {tuple(gen.image_shape)} images, latent {gen.latent_dim}, "
+               f"{gen.num_classes or 'no'} classes, trained on {dataset}/train")
+
+
 @main.group("weights")
 def weights_group():
     """Install pretrained weights that metrics need (offline-friendly)."""
@@ -121,6 +149,8 @@ def weights_lpips_cmd(path, source, force, seed, device):
 @click.option("--delta", default=None, type=float,
               help="l2 radius of the risk ball  [default: RMSE 0.1 x sqrt(pixels), i.e. 20 dB]")
 @click.option("--no-utility", "utility", flag_value=False, default=None, help="skip the utility measurement")
+@click.option("--utility-steps", default=None, type=int,
+              help="FL rounds trained with and without the defense for the utility section  [default: 100]")
 @click.option("--quiet", is_flag=True, help="no progress bar")
 @click.option("--out", default=None, type=click.Path(file_okay=False),
               help="output folder (results, report.json/.md/.html)  [default: audit-out]")
@@ -128,7 +158,7 @@ def weights_lpips_cmd(path, source, force, seed, device):
 @friendly_errors
 def audit_cmd(defense, defense_arg, model, model_arg, dataset, data_path, image_size, steps, attacks, images,
               batch_size, budget, share_labels, lr, train_batch_size, clients, local_steps, local_lr, delta,
-              utility, quiet, out, seed, device):
+              utility, utility_steps, quiet, out, seed, device):
     """Audit a defense: attack it at several training steps and write the risk report."""
     from audit.engine import run
     from audit.registry import parse_kv_args
@@ -136,7 +166,8 @@ def audit_cmd(defense, defense_arg, model, model_arg, dataset, data_path, image_
     options = dict(defense=defense, model=model, data=dataset, image_size=image_size, steps=steps,
                    attacks=attacks, images=images, batch_size=batch_size, budget=budget,
                    share_labels=share_labels, lr=lr, train_batch_size=train_batch_size, clients=clients,
-                   local_steps=local_steps, local_lr=local_lr, delta=delta, utility=utility, out=out,
+                   local_steps=local_steps, local_lr=local_lr, delta=delta, utility=utility,
+                   utility_steps=utility_steps, out=out,
                    defense_args=parse_kv_args(defense_arg) or None, model_args=parse_kv_args(model_arg) or None,
                    data_args={"path": data_path} if data_path else None)
     report = run(**{k: v for k, v in options.items() if v is not None}, seed=seed,
@@ -157,34 +188,6 @@ def report_cmd(directory, run_key, seed, device):
     report = render(directory, run_key)
     click.echo(report.summary())
     click.echo(f"report: {report.out / 'report.html'} (also report.md, report.json, psnr_vs_step.png)")
-
-
-@main.command("train-generator")
-@click.option("--data", "dataset", default="embedded", show_default=True,
-              help="data set whose *train* split trains the generator (the audit's private images come from the test split)")
-@click.option("--data-path", default=None, help="local path of the data set (cifar10, mnist, folder)")
-@click.option("--size", default=32, show_default=True, type=int, help="image side (8, 16, 32, 64)")
-@click.option("--steps", default=2000, show_default=True, type=int, help="GAN training steps")
-@click.option("--batch-size", default=64, show_default=True, type=int)
-@click.option("--lr", default=2e-4, show_default=True, type=float, help="Adam learning rate (both networks)")
-@click.option("--latent-dim", default=32, show_default=True, type=int)
-@click.option("--width", default=32, show_default=True, type=int, help="DCGAN channel width")
-@click.option("--unconditional", is_flag=True, help="ignore the class labels (default: class-conditional)")
-@click.option("--out", default="generator.pt", show_default=True, type=click.Path(dir_okay=False),
-              help="checkpoint to write (weights + settings + training data description)")
-@common_options
-@friendly_errors
-def train_generator_cmd(dataset, data_path, size, steps, batch_size, lr, latent_dim, width, unconditional,
-                        out, seed, device):
-    """Train the DCGAN image prior of GGL / GIAS / GIFD on auxiliary data and save it."""
-    from generators import GeneratorRecipe, train_generator
-
-    recipe = GeneratorRecipe(dataset=dataset, data_path=data_path, size=size, conditional=not unconditional,
-                             latent_dim=latent_dim, width=width, steps=steps, batch_size=batch_size, lr=lr,
-                             seed=seed)
-    gen = train_generator(recipe, out=out, device=resolve_device(device))
-    click.echo(f"saved {out}: {tuple(gen.image_shape)} images, latent {gen.latent_dim}, "
-               f"{gen.num_classes or 'no'} classes, trained on {dataset}/train")
 
 
 @main.command("attack")
@@ -226,6 +229,23 @@ def attack_cmd(attack_name, attack_arg, model, model_arg, dataset, data_path, si
         share_labels=share_labels, client_mode=client_mode, local_steps=local_steps, local_lr=local_lr,
         out=out, seed=seed, device=resolve_device(device), progress=not quiet)
     click.echo(metrics["summary"])
+
+
+@main.command("plan")
+@click.option("--defense", default=None, help="defense name or package.module:attr  [default: none]")
+@click.option("--defense-arg", multiple=True, metavar="NAME=VALUE", help="defense parameter (repeatable)")
+@click.option("--model", default=None, help="probe model name  [default: a tiny probe network]")
+@click.option("--size", default=8, show_default=True, type=int, help="probe image side in pixels")
+@click.option("--json", "as_json", is_flag=True, help="print the plan as JSON")
+@common_options
+@friendly_errors
+def plan_cmd(defense, defense_arg, model, size, as_json, seed, device):
+    """Probe a defense as a black box: its traits and the attacks to run, with reasons."""
+    from adaptive.plan import plan_report
+    from audit.registry import parse_kv_args
+
+    click.echo(plan_report(defense, parse_kv_args(defense_arg), model=model, size=size, seed=seed,
+                           device=resolve_device(device), as_json=as_json))
 
 
 @main.command("utility")

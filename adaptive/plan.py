@@ -101,3 +101,26 @@ def plan(
     traits = probe_defense(defense, model, input_shape, num_classes, seed=seed,
                            batch_size=batch_size, loss_fn=loss_fn, device=device)
     return plan_from_traits(traits)
+
+
+def plan_report(defense: Any = None, defense_args: Optional[Dict[str, Any]] = None, *, model: Optional[str] = None,
+                size: int = 8, channels: int = 3, num_classes: int = 10, seed: int = 0, device=None,
+                as_json: bool = False) -> str:
+    """What ``gia-audit plan`` prints: probe a defense given by name / import path / object
+    and list the attacks with their reasons (or the plan as JSON)."""
+    import json
+
+    from audit.models import build_model
+    from defenses import resolve_defense
+
+    resolved = resolve_defense(defense, defense_args)
+    shape = (int(channels), int(size), int(size))
+    net = None if model is None else build_model(model, shape, num_classes, seed=seed)
+    if net is not None and device is not None:
+        net = net.to(device)
+    result = plan(resolved, net, shape, num_classes, seed=seed, device=device)
+    if as_json:
+        from audit.metrics import to_jsonable
+
+        return json.dumps(to_jsonable(result.to_dict()), indent=2)
+    return "\n".join(result.summary())

@@ -268,7 +268,7 @@ def probe_defense(
     reproducible = all(torch.equal(a, b) for a, b in zip(d1, d1_again))
     changed = [p for p in layers if p.changed]
 
-    sparse_extra = _weighted_mean([p.extra_zeros for p in changed], [_numel(p) for p in changed])
+    sparse_extra = max(0.0, _weighted_mean([p.extra_zeros for p in changed], [_numel(p) for p in changed]))
     big = [p for p in changed if p.magnitude_levels is not None and _numel(p) >= QUANT_DECISION_ENTRIES]
     quantized = bool(big) and all(_coarse(p) for p in big)
     sign_only = bool(big) and all(p.magnitude_levels == 1 for p in big)

@@ -144,3 +144,15 @@ def test_plan_reasons_appear_in_the_summary():
     assert "sparse" in text and "mask" in text
     assert all(a.reason for a in p.attacks)
     assert p.to_dict()["traits"]["flags"]["sparse"] is True
+
+
+def test_plan_command_prints_traits_and_reasons():
+    from click.testing import CliRunner
+
+    from cli import main
+
+    result = CliRunner().invoke(main, ["plan", "--defense", "prune", "--defense-arg", "ratio=0.9"])
+    assert result.exit_code == 0, result.output
+    assert "traits: differentiable, sparse" in result.output and "- mask-replay [adaptive]" in result.output
+    bad = CliRunner().invoke(main, ["plan", "--defense", "prunee"])
+    assert bad.exit_code == 2 and "Did you mean 'prune'" in bad.output
