@@ -22,7 +22,7 @@ from __future__ import annotations
 from typing import Any, Callable, Dict, Optional, Tuple, Union
 
 from attacks.engine import OptimizationAttack, Progress
-from attacks.objectives import OBJECTIVES, Objective, build_objective
+from attacks.objectives import OBJECTIVES, L2Distance, Objective, ScaledDistance, build_objective
 from attacks.optimizers import OPTIMIZERS
 from attacks.presets import ATTACKS
 from attacks.simulator import DefenseSimulator, GradientSimulator
@@ -32,7 +32,7 @@ from priors import PRIORS
 
 # module imports (not names): attacks/__init__ imports this module, so a sibling that
 # imports attacks may still be initialising when we get here
-from . import bayes_likelihood, bayes_priors, bayes_simulator
+from . import bayes_likelihood, bayes_priors, bayes_scale, bayes_simulator
 
 LIKELIHOODS = ("auto", "defense", "monte-carlo")
 
@@ -43,7 +43,9 @@ class BayesOptimalAttack:
     ``likelihood``: ``auto`` (``defense.log_prob`` if declared, else Monte Carlo; L2 without
     a defense), ``defense``, ``monte-carlo``, or an objective name / object (``gaussian`` with
     ``sigma``, ``laplacian`` with ``b``, ``l2`` ...). ``prior``: a :data:`priors.PRIORS` name,
-    a prior object / callable, or ``None`` (uniform); ``beta`` its weight. The optimiser
+    a prior object / callable, or ``None`` (uniform); ``beta`` its weight, or (``beta=None``)
+    ``prior_weight`` in units of the likelihood's Fisher information (see
+    :mod:`adaptive.bayes_scale`; for Gaussian noise the TV weight of ``bayes-l2``). The optimiser
     defaults match the ``bayes-l2`` preset (Adam 0.1, exponential decay, 200 iterations,
     U(0, 1) init, [0, 1] box) so the two compare at the same budget.
     """
@@ -61,7 +63,8 @@ class BayesOptimalAttack:
         mc_draws: int = 4,
         bandwidth_floor: float = 0.05,
         prior: Any = "tv",
-        beta: float = 1e-2,
+        beta: Optional[float] = None,
+        prior_weight: float = 1.0,
         init: str = "uniform",
         box: str = "clamp",
         lr: float = 0.1,
@@ -79,19 +82,21 @@ class BayesOptimalAttack:
         if mc_draws < 2:
             raise ConfigError(f"bayes-optimal: mc_draws must be >= 2 (the kernel bandwidth is their "
                               f"spread), got {mc_draws}")
-        if beta < 0:
-            raise ConfigError(f"bayes-optimal: the prior weight beta must be >= 0, got {beta}")
+        if (beta is not None and beta < 0) or prior_weight < 0:
+            raise ConfigError(f"bayes-optimal: beta and prior_weight must be >= 0, got {beta}, {prior_weight}")
         self.likelihood, self.sigma, self.b = likelihood, sigma, b
         self.k, self.delta, self.mc_draws, self.bandwidth_floor = int(k), float(delta), int(mc_draws), bandwidth_floor
-        self.prior, self.beta = prior, float(beta)
+        self.prior, self.prior_weight = prior, float(prior_weight)
+        self.beta = None if beta is None else float(beta)
         self.init, self.box, self.lr, self.schedule = init, box, float(lr), schedule
         self.iterations, self.restarts, self.labels, self.execution = int(iterations), int(restarts), labels, execution
         self.optimizer = OPTIMIZERS.build("adam", lr=self.lr, schedule=schedule)
         bayes_likelihood.MonteCarloLikelihood(bandwidth_floor)  # validates the floor now, not at the first observation
 
     # ------------------------------------------------------------------ composition
-    def resolve_likelihood(self, observation: Observation) -> Tuple[str, Objective, GradientSimulator, int]:
-        """``(description, objective, inner simulator, draws per ball point)`` for this observation."""
+    def resolve_likelihood(self, observation: Observation) -> Tuple[str, str, Objective, GradientSimulator, int]:
+        """``(kind, description, objective, inner simulator, draws per ball point)`` for this
+        observation; ``kind`` is ``defense``, ``monte-carlo`` or the objective's name."""
         choice = self.likelihood
         defense = observation.defense
         if choice == "auto":
@@ -105,13 +110,13 @@ class BayesOptimalAttack:
             if defense is None:
                 raise NotApplicable("bayes-optimal: the Monte Carlo likelihood samples the defense's "
                                     "randomness; the observation has no defense (use likelihood='l2')")
-            return (f"monte-carlo kernel estimate over {self.mc_draws} draws of defense {defense.name!r}",
+            return ("monte-carlo", f"monte-carlo kernel estimate over {self.mc_draws} draws of defense {defense.name!r}",
                     bayes_likelihood.MonteCarloLikelihood(self.bandwidth_floor), DefenseSimulator(), self.mc_draws)
         if choice == "defense":
-            return (f"exact: {getattr(defense, 'name', 'defense')}.log_prob",
+            return ("defense", f"exact: {getattr(defense, 'name', 'defense')}.log_prob",
                     build_objective("defense"), GradientSimulator(), 1)
         objective = self._named_objective(choice)
-        return f"given: {objective!r}", objective, GradientSimulator(), 1
+        return str(choice), f"given: {objective!r}", objective, GradientSimulator(), 1
 
     def _named_objective(self, choice) -> Objective:
         if not isinstance(choice, str):
@@ -119,8 +124,24 @@ class BayesOptimalAttack:
         settings = {k: v for k, v in (("sigma", self.sigma), ("b", self.b)) if v is not None}
         return build_objective(choice, **settings)
 
+    def prior_scale(self, observation: Observation, kind: str, objective: Objective, seed: int) -> Tuple[float, str]:
+        """``(beta, how it was set)``: the given ``beta``, else ``prior_weight`` times half the
+        likelihood's per-coordinate Fisher information (:mod:`adaptive.bayes_scale`)."""
+        if self.beta is not None:
+            return self.beta, "given"
+        if kind == "defense":
+            info = bayes_scale.fisher_information(observation, seed)
+        elif kind == "monte-carlo":
+            info = bayes_scale.draw_information(observation, seed, self.bandwidth_floor)
+        elif isinstance(objective, ScaledDistance):  # gaussian(sigma): 0.5/sigma^2, laplacian(b): 1/b
+            info = 2 * objective.scale if isinstance(objective.distance, L2Distance) else objective.scale ** 2
+        else:
+            return self.prior_weight, f"prior_weight {self.prior_weight:g} (the objective is no likelihood)"
+        beta = self.prior_weight * info / 2
+        return beta, f"prior_weight {self.prior_weight:g} x Fisher information {info:.3g} / 2"
+
     def _prior(self):
-        if self.prior is None or self.prior == "uniform" or self.beta == 0.0:
+        if self.prior is None or self.prior == "uniform":
             return None
         prior = PRIORS.build(self.prior) if isinstance(self.prior, str) else self.prior
         if not callable(prior):
@@ -128,35 +149,38 @@ class BayesOptimalAttack:
                               f"prior(x, context) or None, got {type(prior).__name__}")
         return prior
 
-    def compose(self, observation: Observation) -> Tuple[OptimizationAttack, str]:
-        """The engine attack that runs this adversary on ``observation``, and the likelihood used."""
-        description, objective, inner, draws = self.resolve_likelihood(observation)
+    def compose(self, observation: Observation, seed: int = 0) -> Tuple[OptimizationAttack, Dict[str, Any]]:
+        """The engine attack that runs this adversary on ``observation``, and what it chose
+        (likelihood, prior weight)."""
+        kind, description, objective, inner, draws = self.resolve_likelihood(observation)
         prior = self._prior()
+        beta, beta_source = self.prior_scale(observation, kind, objective, seed) if prior is not None else (0.0, "no prior")
         simulator: GradientSimulator = inner
         if self.k > 1 or self.delta > 0 or draws > 1:
             simulator = bayes_simulator.BallSimulator(inner, k=self.k, delta=self.delta, draws=draws)
             if not isinstance(objective, bayes_likelihood.MonteCarloLikelihood):
                 objective = bayes_likelihood.PointAverage(objective)
             prior = bayes_priors.BallAveragedPrior(prior) if prior is not None else None
+        chosen = {"likelihood": description, "beta": beta, "beta_source": beta_source}
         attack = OptimizationAttack(
-            objective, [] if prior is None else [(prior, self.beta)], init=self.init, box=self.box,
+            objective, [] if prior is None else [(prior, beta)], init=self.init, box=self.box,
             optimizer=self.optimizer, iterations=self.iterations, restarts=self.restarts,
             label_strategy=self.labels, simulator=simulator, execution=self.execution, name=self.name,
-            settings={"likelihood": description, "k": self.k, "delta": self.delta, "beta": self.beta},
+            settings={**chosen, "k": self.k, "delta": self.delta},
         )
-        return attack, description
+        return attack, chosen
 
     def reconstruct(self, observation: Observation, budget: Optional[int] = None, seed: int = 0,
                     progress: Optional[Progress] = None) -> Reconstruction:
         """Run the adversary; ``budget`` overrides the number of Adam iterations."""
-        attack, description = self.compose(observation)
+        attack, chosen = self.compose(observation, seed)
         rec = attack.reconstruct(observation, budget, seed, progress)
-        rec.trace["likelihood"] = description
+        rec.trace.update(chosen)
         return rec
 
     def describe(self) -> Dict[str, Any]:
         return {"likelihood": repr(self.likelihood), "k": self.k, "delta": self.delta, "mc_draws": self.mc_draws,
-                "prior": repr(self.prior), "beta": self.beta, "lr": self.lr, "schedule": self.schedule,
+                "prior": repr(self.prior), "beta": self.beta, "prior_weight": self.prior_weight, "lr": self.lr, "schedule": self.schedule,
                 "iterations": self.iterations, "restarts": self.restarts, "init": self.init, "box": self.box}
 
 

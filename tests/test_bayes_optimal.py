@@ -166,6 +166,19 @@ def test_settings_are_checked_and_the_attack_is_registered(cnn, data):
         ATTACKS.build("bayes-optimal", likelihood="monte-carlo").reconstruct(observe(cnn, x, y), 1, 0)
 
 
+def test_prior_weight_is_scaled_by_the_likelihood_fisher_information(cnn, data):
+    """With beta unset, beta = prior_weight * I / 2: exactly bayes-l2's TV weight under
+    Gaussian noise (I = 1/sigma^2); the soft-prune mixture is flatter (smaller I)."""
+    x, y = _held_out(data, 0)
+    attack = ATTACKS.build("bayes-optimal", prior_weight=0.5)
+    gauss = attack.reconstruct(observe(cnn, x, y, build_defense("gaussian", sigma=SIGMA)), 1, 0)
+    assert gauss.trace["beta"] == pytest.approx(0.5 / (2 * SIGMA ** 2), rel=0.02)
+    soft = attack.reconstruct(observe(cnn, x, y, build_defense("soft-prune", sigma=SIGMA)), 1, 0)
+    assert 0 < soft.trace["beta"] < gauss.trace["beta"] and "Fisher" in soft.trace["beta_source"]
+    given = ATTACKS.build("bayes-optimal", beta=3.0).reconstruct(observe(cnn, x, y), 1, 0)
+    assert given.trace["beta"] == 3.0 and given.trace["likelihood"] == "given: l2"
+
+
 def test_ball_points_run_batched_and_sequential_with_the_same_seed_semantics():
     model = build_model("mlp", (1, 4, 4), 3, seed=0, hidden=(8,))
     obs = observe(model, torch.rand(1, 1, 4, 4, generator=torch.Generator().manual_seed(0)),
