@@ -110,7 +110,8 @@ class BayesOptimalAttack:
             if defense is None:
                 raise NotApplicable("bayes-optimal: the Monte Carlo likelihood samples the defense's "
                                     "randomness; the observation has no defense (use likelihood='l2')")
-            return ("monte-carlo", f"monte-carlo kernel estimate over {self.mc_draws} draws of defense {defense.name!r}",
+            return ("monte-carlo",
+                    f"monte-carlo kernel estimate over {self.mc_draws} draws of defense {defense.name!r}",
                     bayes_likelihood.MonteCarloLikelihood(self.bandwidth_floor), DefenseSimulator(), self.mc_draws)
         if choice == "defense":
             return ("defense", f"exact: {getattr(defense, 'name', 'defense')}.log_prob",
@@ -154,7 +155,8 @@ class BayesOptimalAttack:
         (likelihood, prior weight)."""
         kind, description, objective, inner, draws = self.resolve_likelihood(observation)
         prior = self._prior()
-        beta, beta_source = self.prior_scale(observation, kind, objective, seed) if prior is not None else (0.0, "no prior")
+        beta, beta_source = (0.0, "no prior") if prior is None else \
+            self.prior_scale(observation, kind, objective, seed)
         simulator: GradientSimulator = inner
         if self.k > 1 or self.delta > 0 or draws > 1:
             simulator = bayes_simulator.BallSimulator(inner, k=self.k, delta=self.delta, draws=draws)
@@ -180,7 +182,8 @@ class BayesOptimalAttack:
 
     def describe(self) -> Dict[str, Any]:
         return {"likelihood": repr(self.likelihood), "k": self.k, "delta": self.delta, "mc_draws": self.mc_draws,
-                "prior": repr(self.prior), "beta": self.beta, "prior_weight": self.prior_weight, "lr": self.lr, "schedule": self.schedule,
+                "prior": repr(self.prior), "beta": self.beta, "prior_weight": self.prior_weight,
+                "lr": self.lr, "schedule": self.schedule,
                 "iterations": self.iterations, "restarts": self.restarts, "init": self.init, "box": self.box}
 
 

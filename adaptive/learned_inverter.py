@@ -43,7 +43,7 @@ class InverterSettings:
     sketch_dim: int = 2048  # features: the gradient is projected to this many dimensions
     sketch_hashes: int = 2  # buckets per gradient entry in the sparse sign projection
     sketch_seed: int = 0
-    hidden: int = 1024  # MLP width
+    hidden: int = 512  # MLP width
     depth: int = 2  # hidden layers
     pairs: int = 1024  # (defended gradient, auxiliary batch) training pairs
     batch_size: int = 64  # pairs per inverter training step
@@ -154,7 +154,8 @@ class LearnedInverter:
         defense_gen = torch.Generator(device=observation.device).manual_seed(s.train_seed)
         index = inverter_pairs.pair_indices(len(images), s.pairs, observation.batch_size, cpu_gen)
         info: Dict[str, Any] = {}
-        features = inverter_pairs.defended_features(observation, images, labels, index, sketch, defense_gen, bars, info)
+        features = inverter_pairs.defended_features(observation, images, labels, index, sketch, defense_gen,
+                                                    bars, info)
         targets = images[index.to(images.device)]  # (P, B, C, H, W)
         net.fit_scaler(features)
         losses = train_inverter(net, features, targets, steps, batch_size=s.batch_size, lr=s.lr,
