@@ -137,6 +137,8 @@ def weights_lpips_cmd(path, source, force, seed, device):
 @click.option("--steps", default=None, help="audited training steps, e.g. 0,1,5,20  [default: 0,1,5,20]")
 @click.option("--attacks", default=None, help="'auto' (base + the planner's adaptive attacks) or names, "
                                                  "e.g. ig,mask-replay  [default: auto]")
+@click.option("--attack-arg", multiple=True, metavar="ATTACK.NAME=VALUE",
+              help="attack setting over the planner's, e.g. learned-inverter.pairs=256 (repeatable)")
 @click.option("--images", default=None, type=int, help="private batches attacked per step  [default: 4]")
 @click.option("--batch-size", default=None, type=int, help="images per private batch  [default: 1]")
 @click.option("--budget", default=None, type=int, help="iterations per attack  [default: 200]")
@@ -156,18 +158,18 @@ def weights_lpips_cmd(path, source, force, seed, device):
               help="output folder (results, report.json/.md/.html)  [default: audit-out]")
 @common_options
 @friendly_errors
-def audit_cmd(defense, defense_arg, model, model_arg, dataset, data_path, image_size, steps, attacks, images,
-              batch_size, budget, share_labels, lr, train_batch_size, clients, local_steps, local_lr, delta,
+def audit_cmd(defense, defense_arg, model, model_arg, dataset, data_path, image_size, steps, attacks, attack_arg,
+              images, batch_size, budget, share_labels, lr, train_batch_size, clients, local_steps, local_lr, delta,
               utility, utility_steps, quiet, out, seed, device):
     """Audit a defense: attack it at several training steps and write the risk report."""
-    from audit.engine import run
+    from audit.engine import parse_attack_args, run
     from audit.registry import parse_kv_args
 
     options = dict(defense=defense, model=model, data=dataset, image_size=image_size, steps=steps,
-                   attacks=attacks, images=images, batch_size=batch_size, budget=budget,
-                   share_labels=share_labels, lr=lr, train_batch_size=train_batch_size, clients=clients,
-                   local_steps=local_steps, local_lr=local_lr, delta=delta, utility=utility,
-                   utility_steps=utility_steps, out=out,
+                   attacks=attacks, attack_args=parse_attack_args(attack_arg) or None, images=images,
+                   batch_size=batch_size, budget=budget, share_labels=share_labels, lr=lr,
+                   train_batch_size=train_batch_size, clients=clients, local_steps=local_steps, local_lr=local_lr,
+                   delta=delta, utility=utility, utility_steps=utility_steps, out=out,
                    defense_args=parse_kv_args(defense_arg) or None, model_args=parse_kv_args(model_arg) or None,
                    data_args={"path": data_path} if data_path else None)
     report = run(**{k: v for k, v in options.items() if v is not None}, seed=seed,

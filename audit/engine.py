@@ -142,7 +142,7 @@ class Audit:
     """
 
     def __init__(self, *, defense, defense_args, model, model_args, data, data_args, image_size,
-                 steps, attacks, images, batch_size, budget, seed, out, share_labels, fl: FLSettings,
+                 steps, attacks, attack_args, images, batch_size, budget, seed, out, share_labels, fl: FLSettings,
                  utility: bool, utility_steps: int, thresholds: Thresholds, delta: Optional[float], device,
                  progress: bool):
         self.device = _device(device)
@@ -168,6 +168,7 @@ class Audit:
         self.numel = int(math.prod(self.dataset.input_shape))
         self.delta = float(delta) if delta is not None else default_delta(self.numel)
         self.requested_attacks = attacks
+        self.attack_args = {name: dict(kv) for name, kv in (attack_args or {}).items()}
         self.private = _private_batches(self.dataset, self.images, self.batch_size, self.seed)
 
     # ------------------------------------------------------------------ settings & identity
@@ -185,7 +186,7 @@ class Audit:
     def settings(self) -> Dict[str, Any]:
         return {**self.key_settings(), "steps": self.steps, "images": self.images,
                 "attacks": self.requested_attacks if isinstance(self.requested_attacks, str)
-                else list(self.requested_attacks), "utility": self.measure_utility,
+                else list(self.requested_attacks), "attack_args": self.attack_args, "utility": self.measure_utility,
                 "utility_steps": self.utility_steps,
                 "risk_delta": self.delta}
 
@@ -207,7 +208,9 @@ class Audit:
         for name in _attack_names(self.requested_attacks):  # "auto" may be combined with names
             for spec in auto if name == "auto" else [by_name.get(name) or AttackSpec(name, {}, "requested by the user")]:
                 specs.setdefault(spec.id, spec)
-        _check_attacks(specs.values())
+        _check_attacks([*specs.values(), *(AttackSpec(n, kv) for n, kv in self.attack_args.items())])
+        for spec in specs.values():  # the user's settings override the planner's
+            spec.settings.update(self.attack_args.get(spec.name, {}))
         return list(specs.values()), plan_dict
 
     def threat_model(self, specs: Sequence[AttackSpec]) -> Dict[str, Any]:
@@ -261,8 +264,10 @@ class Audit:
                 states[step] = state
         return {s: st for s, st in states.items() if st is not None}, failure
 
-    def attack_one(self, spec: AttackSpec, obs, images, labels, step: int, image: int) -> Tuple[Dict[str, Any], Optional[torch.Tensor]]:
-        """Run one attack on one observation and score it; failures become records."""
+    def attack_one(self, spec: AttackSpec, obs, images, labels, step: int, image: int,
+                   progress: Optional[Callable] = None) -> Tuple[Dict[str, Any], Optional[torch.Tensor]]:
+        """Run one attack on one observation and score it; failures become records.
+        ``progress(done, total, loss)`` is forwarded to attacks that report progress."""
         from attacks import ATTACKS
 
         from .errors import NotApplicable
@@ -271,7 +276,7 @@ class Audit:
         start = time.perf_counter()
         try:
             attack = ATTACKS.build(spec.name, **spec.settings)
-            rec = attack.reconstruct(obs, self.budget, record["seed"])
+            rec = _reconstruct(attack, obs, self.budget, record["seed"], progress)
         except NotApplicable as err:
             return {**record, "status": "not_applicable", "reason": str(err)}, None
         except Exception as err:  # an attack, or a defense inside an adaptive attack, failed
@@ -365,12 +370,13 @@ class Audit:
             except GiaError as err:
                 error = f"{type(err).__name__}: {err}"
         for spec in specs:
-            bar.set_postfix_str(f"step {step} {spec.id} image {image}")
+            label = f"step {step} {spec.id} image {image}"
+            bar.set_postfix_str(label)
             if obs is None:
                 store.save_result({**self._record(spec, step, image), "status": "error", "failed": "defense",
                                    "reason": error})
             else:
-                record, images = self.attack_one(spec, obs, x, y, step, image)
+                record, images = self.attack_one(spec, obs, x, y, step, image, progress=_inner_progress(bar, label))
                 store.save_result(record, images)
             bar.update(1)
 
@@ -462,11 +468,27 @@ def _attack_names(attacks) -> List[str]:
     return list(dict.fromkeys(names))
 
 
+def parse_attack_args(pairs: Sequence[str]) -> Dict[str, Dict[str, Any]]:
+    """``["learned-inverter.pairs=256", "ig.restarts=2"]`` -> ``{"learned-inverter": {"pairs": 256}, ...}``."""
+    from .registry import parse_kv_args
+
+    out: Dict[str, Dict[str, Any]] = {}
+    for pair in pairs:
+        name, dot, rest = pair.partition(".")
+        if not dot or "=" not in rest or not name:
+            raise ConfigError(f"attack argument {pair!r} is not of the form attack.setting=value "
+                              "(e.g. ig.restarts=2)")
+        out.setdefault(name, {}).update(parse_kv_args([rest]))
+    return out
+
+
 def _check_attacks(specs: Sequence[AttackSpec]) -> None:
     from attacks import ATTACKS
 
     for spec in specs:
         ATTACKS.get(spec.name)  # an unknown name raises ConfigError listing the valid ones
+        if spec.reason == "":  # the user's settings: a bad one is an error now, not in every result
+            ATTACKS.build(spec.name, **spec.settings)
 
 
 def _train(audit: "Audit", last_step: int, wanted: set) -> Tuple[Dict[int, Dict[str, torch.Tensor]], Optional[Dict[str, Any]]]:
@@ -551,6 +573,30 @@ def _score(rec, images: torch.Tensor, labels: torch.Tensor):
     return metrics, unavailable, aligned
 
 
+def _reconstruct(attack, obs, budget: int, seed: int, progress: Optional[Callable]):
+    """``attack.reconstruct``, with the progress callback for attacks that take one."""
+    try:
+        takes_progress = "progress" in inspect.signature(attack.reconstruct).parameters
+    except (TypeError, ValueError):
+        takes_progress = False
+    if takes_progress and progress is not None:
+        return attack.reconstruct(obs, budget, seed, progress=progress)
+    return attack.reconstruct(obs, budget, seed)
+
+
+def _inner_progress(bar, label: str, every_s: float = 0.5) -> Callable[[int, int, float], None]:
+    """A ``progress(done, total, loss)`` callback showing an attack's iterations in the bar."""
+    last = [0.0]
+
+    def show(done: int, total: int, loss: float) -> None:
+        now = time.perf_counter()
+        if now - last[0] >= every_s or done == total:
+            last[0] = now
+            bar.set_postfix_str(f"{label}: {done}/{total}, loss {float(loss):.3g}")
+
+    return show
+
+
 def _trace_summary(trace: Dict[str, Any]) -> Dict[str, Any]:
     """The small, JSON-able part of an attack's trace (losses are summarised, not stored)."""
     out: Dict[str, Any] = {}
@@ -598,6 +644,7 @@ def run(
     seed: int = 0,
     out: Union[str, Path] = "audit-out",
     *,
+    attack_args: Optional[Dict[str, Dict[str, Any]]] = None,
     defense_args: Optional[Dict[str, Any]] = None,
     model_args: Optional[Dict[str, Any]] = None,
     data_args: Optional[Dict[str, Any]] = None,
@@ -623,7 +670,8 @@ def run(
     or ``"package.module:attr"``. ``steps``: audited training steps (the model is trained
     between them with the defended updates: FedSGD, or FedAvg with ``local_steps`` /
     ``local_lr``, over ``clients`` clients). ``attacks``: ``"auto"`` (base attacks plus the
-    planner's adaptive attacks) or a list of names. ``images``: private batches of
+    planner's adaptive attacks) or a list of names (``attack_args``: per-attack settings,
+    ``{"ig": {"restarts": 2}}``, over the planner's). ``images``: private batches of
     ``batch_size`` images. ``budget``: iterations per attack. ``utility``: also train
     ``utility_steps`` rounds with and without the defense and compare test accuracy.
     Results are stored under ``out`` as they finish (a rerun resumes); the report is
@@ -633,7 +681,8 @@ def run(
                     clients=_positive("clients", clients), local_steps=_positive("local_steps", local_steps),
                     local_lr=None if local_lr is None else _positive("local_lr", local_lr, float))
     audit = Audit(defense=defense, defense_args=defense_args, model=model, model_args=model_args, data=data,
-                  data_args=data_args, image_size=image_size, steps=steps, attacks=attacks, images=images,
+                  data_args=data_args, image_size=image_size, steps=steps, attacks=attacks,
+                  attack_args=attack_args, images=images,
                   batch_size=batch_size, budget=budget, seed=seed, out=out, share_labels=share_labels, fl=fl,
                   utility=utility, utility_steps=utility_steps, thresholds=thresholds or Thresholds(),
                   delta=delta, device=device,

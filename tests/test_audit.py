@@ -94,9 +94,9 @@ def test_rerun_resumes_and_changed_settings_start_fresh(tmp_path, monkeypatch):
     calls = []
     original = Audit.attack_one
 
-    def counting(self, spec, obs, images, labels, step, image):
+    def counting(self, spec, obs, images, labels, step, image, **kw):
         calls.append((step, spec.id, image))
-        return original(self, spec, obs, images, labels, step, image)
+        return original(self, spec, obs, images, labels, step, image, **kw)
 
     monkeypatch.setattr(Audit, "attack_one", counting)
     again = audit.run(images=1, **kwargs)
@@ -131,8 +131,25 @@ def test_defense_returning_nan_is_reported_not_crashed_on(tmp_path):
     assert "nan_on_private" in (tmp_path / "report.html").read_text()
 
 
+def test_attack_settings_override_the_planner_and_are_checked(tmp_path):
+    from audit.engine import parse_attack_args
+
+    args = parse_attack_args(["ig.restarts=2", "ig.tv=0.001", "learned-inverter.pairs=8"])
+    assert args == {"ig": {"restarts": 2, "tv": 0.001}, "learned-inverter": {"pairs": 8}}
+    report = audit.run(defense="none", steps=[0], attacks=["ig"], attack_args={"ig": {"restarts": 2}}, images=1,
+                       out=tmp_path, **TINY)
+    assert report.data["attacks"][0]["settings"] == {"restarts": 2}
+    assert report.data["results"][0]["trace"]["restarts"] == 2
+
+
 def test_bad_options_name_the_fix(tmp_path):
+    from audit.engine import parse_attack_args
     from audit.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="attack.setting=value"):
+        parse_attack_args(["restarts=2"])
+    with pytest.raises(ConfigError, match="no parameter 'nope'"):
+        audit.run(defense="none", steps=[0], attacks=["ig"], attack_args={"ig": {"nope": 1}}, out=tmp_path, **TINY)
 
     with pytest.raises(ConfigError, match="steps"):
         audit.run(defense="none", steps="0,x", out=tmp_path, **TINY)
@@ -147,11 +164,11 @@ def test_ctrl_c_keeps_finished_results_and_the_rerun_completes(tmp_path, monkeyp
     original = Audit.attack_one
     calls = []
 
-    def interrupted_second(self, spec, obs, images, labels, step, image):
+    def interrupted_second(self, spec, obs, images, labels, step, image, **kw):
         calls.append(step)
         if len(calls) == 2:
             raise KeyboardInterrupt
-        return original(self, spec, obs, images, labels, step, image)
+        return original(self, spec, obs, images, labels, step, image, **kw)
 
     monkeypatch.setattr(Audit, "attack_one", interrupted_second)
     with pytest.raises(KeyboardInterrupt):
