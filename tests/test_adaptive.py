@@ -107,6 +107,18 @@ def test_svd_subspace_beats_plain_ig_on_svdefense(data):
     assert "oblique" in rec.trace["adaptive"]["projection"]
 
 
+def test_analytic_recovery_survives_svdefense_truncation(data):
+    """A batch-1 linear-layer gradient is rank 1: truncation keeps it, so the planner's
+    'analytic' proposal for SVDefense recovers the image exactly on an MLP."""
+    from adaptive.plan import plan
+
+    defense = build_defense("svdefense")
+    assert "analytic" in plan(defense).names()
+    obs, x = _observe(data, _model(data, "mlp", hidden=(64, 32)), defense)
+    exact, _ = _psnr("analytic", obs, x, 1)
+    assert exact > 60.0, exact
+
+
 def test_censor_invariants_are_matched_but_do_not_identify_the_image(data):
     """What holds against CENSOR: the invariant attack finds an input whose per-layer norms
     match the shared ones, and still neither it nor plain IG recovers the image."""
