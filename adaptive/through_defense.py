@@ -2,11 +2,12 @@
 compared with the observation. Deterministic defense: replay. Stochastic defense: EOT,
 ``samples`` draws of the defense's randomness per evaluation, averaged in the loss.
 
-Works for any differentiable defended-gradient callable. For a gradient-only defense
-(clean gradient then ``transform``; noise, pruning, quantisation, SVDefense, user
-``@gradient_transform`` functions) the dummy's clean gradient is computed once per
-evaluation and only the cheap ``transform`` is sampled ``samples`` times; any other
-callable runs ``samples`` times.
+Works for any differentiable defended-gradient callable. A gradient-only defense (clean
+gradient then ``transform``; noise, pruning, quantisation, SVDefense, user
+``@gradient_transform`` functions) is applied to every local step's gradient, so FedAvg
+observations are replayed too, and for one local step the dummy's clean gradient is
+computed once per evaluation and only the cheap ``transform`` is sampled ``samples``
+times. Any other callable runs on the dummy data ``samples`` times (one local step).
 """
 from __future__ import annotations
 
@@ -44,9 +45,18 @@ class DefenseTransform:
                                            model=context.observation.model))
 
 
+def defended_client(defense: Any) -> GradientSimulator:
+    """A simulator of the defended client: a gradient-only defense transforms every local
+    step's gradient (FedAvg included); any other callable runs on the replica (one step)."""
+    if is_gradient_only(defense):
+        return GradientSimulator(step_transforms=[DefenseTransform(defense)])
+    return DefenseSimulator()
+
+
 class EOTSimulator(GradientSimulator):
     """``samples`` defended gradients of the same dummy batch, stacked ``(samples, *shape)``
-    per parameter (:class:`SampleAverage` averages the objective over them)."""
+    per parameter (:class:`SampleAverage` averages the objective over them). A gradient-only
+    defense on a single-step observation reuses one clean gradient for all samples."""
 
     vmappable = False
 
@@ -55,21 +65,18 @@ class EOTSimulator(GradientSimulator):
         if samples < 1:
             raise ConfigError(f"EOT needs samples >= 1, got {samples}")
         self.samples = int(samples)
-        self._callable = DefenseSimulator()
 
     def client_gradients(self, replica: ClientReplica, x: Tensor, y: Tensor, *, functional: bool,
                          context: SimContext) -> Tuple[List[Tensor], Dict[str, Any]]:
-        defense = replica.observation.defense
-        if is_gradient_only(defense):
+        obs = replica.observation
+        if is_gradient_only(obs.defense) and obs.local_steps == 1:
             clean, feats = super().client_gradients(replica, x, y, functional=functional, context=context)
-            transform = DefenseTransform(defense)
+            transform = DefenseTransform(obs.defense)
             draws = [transform(clean, context) for _ in range(self.samples)]
         else:
-            feats = {}
-            draws = []
+            client, draws, feats = defended_client(obs.defense), [], {}
             for _ in range(self.samples):
-                grads, feats = self._callable.client_gradients(replica, x, y, functional=functional,
-                                                               context=context)
+                grads, feats = client(replica, x, y, functional=functional, context=context)
                 draws.append(grads)
         return [torch.stack(layer) for layer in zip(*draws)], feats
 
@@ -95,9 +102,9 @@ class SampleAverage(Objective):
 def _applicability(observation: Observation) -> str:
     if observation.defense is None:
         return "needs white-box access to the defense (observation.defense is None)"
-    if observation.local_steps != 1:
-        return (f"the defense is applied per local step; the observation has {observation.local_steps} "
-                "local steps (attack a single-step observation)")
+    if observation.local_steps != 1 and not is_gradient_only(observation.defense):
+        return (f"defense {observation.defense.name!r} computes its own gradient, which can be replayed "
+                f"for one local step only; the observation has {observation.local_steps}")
     return ""
 
 
@@ -126,11 +133,12 @@ class ThroughDefense(AdaptedAttack):
         gradient_only = is_gradient_only(defense)
         notes = {"defense": getattr(defense, "name", "defense"), "samples": samples,
                  "mode": "replay" if samples == 1 else f"EOT over {samples} draws per evaluation",
-                 "path": "clean gradient once, defense.transform sampled" if gradient_only
-                 else "defense callable run per draw"}
+                 "path": "defense.transform applied to each local step's gradient" if gradient_only
+                 else "defense callable run on the dummy data"}
+        if gradient_only and samples > 1 and observation.local_steps == 1:
+            notes["path"] = "clean gradient once, defense.transform sampled"
         if samples == 1:
-            simulator = GradientSimulator([DefenseTransform(defense)]) if gradient_only else DefenseSimulator()
-            return Adaptation({"simulator": simulator}, notes)
+            return Adaptation({"simulator": defended_client(defense)}, notes)
         objective = self.settings["objective"]
         if isinstance(objective, str):
             args = {k: self.settings[k] for k in ("sigma", "b", "weights", "masks") if self.settings[k] is not None}

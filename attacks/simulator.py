@@ -177,13 +177,17 @@ class GradientSimulator:
 
     vmappable = True
 
-    def __init__(self, transforms: Sequence[GradTransform] = ()):
+    def __init__(self, transforms: Sequence[GradTransform] = (), step_transforms: Sequence[GradTransform] = ()):
         self.transforms = list(transforms)
+        # applied to every local step's gradient before it is accumulated (a defense the client
+        # applies per step, e.g. replayed by adaptive attacks under FedAvg)
+        self.step_transforms = list(step_transforms)
 
     @property
     def batchable(self) -> bool:
         """True when the whole chain can run under ``torch.func.vmap``."""
-        return self.vmappable and all(getattr(t, "vmappable", True) for t in self.transforms)
+        return self.vmappable and all(getattr(t, "vmappable", True)
+                                      for t in self.transforms + self.step_transforms)
 
     def prepare(self, observation: Observation) -> ClientReplica:
         return ClientReplica(observation)
@@ -200,6 +204,8 @@ class GradientSimulator:
                                 capture=k == 0 and context.capture_features)
             if k == 0:
                 feats["bn"] = bn
+            for transform in self.step_transforms:
+                g = dict(zip(g, transform(list(g.values()), context)))
             return g
 
         grads = client_update(step, params, x, y, steps=obs.local_steps, lr=obs.local_lr,
@@ -215,6 +221,7 @@ class GradientSimulator:
 
     def describe(self) -> str:
         names = [getattr(t, "__name__", type(t).__name__) for t in self.transforms]
+        names = [f"per step {getattr(t, '__name__', type(t).__name__)}" for t in self.step_transforms] + names
         return type(self).__name__ + (f"[{' -> '.join(names)}]" if names else "")
 
 

@@ -144,6 +144,17 @@ def test_through_defense_replays_any_differentiable_callable(data):
     assert float(replay["loss"][0]) < 1e-5 < float(plain["loss"][0])
 
 
+def test_through_defense_replays_a_defense_at_every_fedavg_local_step(data):
+    """FedAvg, 3 local steps, pruning at every step: at the private image the replayed update
+    equals the observation; matching the clean unrolled update does not."""
+    x, y = data.train_images[:1], data.train_labels[:1]
+    obs = observe(_model(data), x, y, build_defense("prune", ratio=0.9), share_labels=True, local_steps=3,
+                  local_lr=0.05)
+    replay = ATTACKS.build("through-defense", tv=0.0).compose(obs).evaluate(obs, x, obs.labels)
+    plain = ATTACKS.build("ig", tv=0.0).evaluate(obs, x, obs.labels)
+    assert float(replay["loss"][0]) < 1e-5 < float(plain["loss"][0])
+
+
 def test_adaptive_attacks_report_when_they_do_not_apply(data):
     obs, x = _observe(data, _model(data), None)
     rec = ATTACKS.build("through-defense").reconstruct(obs, 1, 0)
