@@ -127,9 +127,9 @@ def weights_lpips_cmd(path, source, force, seed, device):
 @main.command("audit")
 @click.option("--defense", default=None,
               help="built-in defense name (`gia-audit list defenses`), or package.module:attr of your "
-                   "defended-gradient callable  [default: soteria]")
+                   "defended-gradient callable  [default: prune]")
 @click.option("--defense-arg", multiple=True, metavar="NAME=VALUE", help="defense parameter (repeatable)")
-@click.option("--model", default=None, help="model name (`gia-audit list models`)  [default: convnet]")
+@click.option("--model", default=None, help="model name (`gia-audit list models`)  [default: cnn]")
 @click.option("--model-arg", multiple=True, metavar="NAME=VALUE", help="model parameter (repeatable)")
 @click.option("--dataset", default=None, help="data set name (`gia-audit list datasets`)  [default: embedded]")
 @click.option("--data-path", default=None, help="local path of the data set (cifar10, mnist, folder)")

@@ -26,8 +26,7 @@ from .report import AuditReport
 from .report_risk import Thresholds, default_delta
 from .results import ResultStore
 
-DEFAULT_DEFENSE = "soteria"
-DEFAULT_DEFENSE_ARGS: Dict[str, Any] = {}
+DEFAULT_DEFENSE = "prune"  # 90% magnitude pruning: cheap, and the planner has adaptive attacks for it
 DEFAULT_STEPS = (0, 1, 5, 20)
 BASE_ATTACKS = ("ig",)
 
@@ -635,7 +634,7 @@ def _progress(total: int, initial: int, enabled: bool):
 # --------------------------------------------------------------------------- public entry point
 def run(
     defense: Any = DEFAULT_DEFENSE,
-    model: Union[str, nn.Module] = "convnet",
+    model: Union[str, nn.Module] = "cnn",
     data: Any = "embedded",
     steps: Union[str, Sequence[int]] = DEFAULT_STEPS,
     attacks: Union[str, Sequence[str]] = "auto",
