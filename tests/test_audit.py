@@ -109,6 +109,19 @@ def test_rerun_resumes_and_changed_settings_start_fresh(tmp_path, monkeypatch):
     assert len(calls) == 4 and len(list((tmp_path / "runs").iterdir())) == 2
 
 
+def test_fedavg_with_several_clients_is_simulated_and_declared(tmp_path):
+    report = audit.run(defense="none", steps=[0, 2], attacks=["analytic"], images=1, clients=3, local_steps=2,
+                       local_lr=0.05, out=tmp_path, **TINY)
+    threat = report.data["threat_model"]
+    assert threat["local_steps"] == 2 and threat["local_lr"] == 0.05 and "3 client(s)" in threat["training_data"]
+    assert report.data["settings"]["fl"] == {"lr": 0.1, "batch_size": 8, "clients": 3, "local_steps": 2,
+                                             "local_lr": 0.05}
+    assert report.step(2)["attacks"]["analytic"]["status"] in ("ok", "not applicable")
+    run_dir = next((tmp_path / "runs").iterdir())
+    first, later = (torch.load(run_dir / "checkpoints" / f"s{s}.pt") for s in (0, 2))
+    assert not torch.equal(first["2.weight"], later["2.weight"])  # the model was trained between checkpoints
+
+
 def test_defense_failing_in_training_is_reported_and_earlier_steps_audited(tmp_path):
     report = audit.run(defense=breaks_in_training, steps=[0, 2], attacks=["analytic"], images=1,
                        train_batch_size=4, out=tmp_path, **TINY)
