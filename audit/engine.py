@@ -90,7 +90,9 @@ def _positive(name: str, value: Any, kind=int) -> Any:
 def _callable_identity(fn: Any) -> Dict[str, Any]:
     """What makes a user callable's results distinct: its qualified name and source hash."""
     target = getattr(fn, "fn", fn)
-    ident = {"callable": f"{getattr(target, '__module__', '?')}:{getattr(target, '__qualname__', type(target).__name__)}"}
+    if not (inspect.isfunction(target) or inspect.isclass(target) or inspect.ismethod(target)):
+        target = type(target)  # a callable object: its class holds the code
+    ident = {"callable": f"{getattr(target, '__module__', '?')}:{getattr(target, '__qualname__', '?')}"}
     try:
         ident["source_sha256"] = hashlib.sha256(inspect.getsource(target).encode()).hexdigest()[:16]
     except (OSError, TypeError):
@@ -119,7 +121,8 @@ def model_identity(model: Any, model_args: Dict[str, Any]) -> Dict[str, Any]:
     digest = hashlib.sha256()
     for name, tensor in model.state_dict().items():
         digest.update(name.encode())
-        digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+        digest.update(tensor.detach().cpu().to(torch.float64 if tensor.is_floating_point() else torch.int64)
+                      .contiguous().numpy().tobytes())
     return {"name": type(model).__name__, "architecture_sha256": hashlib.sha256(repr(model).encode()).hexdigest()[:16],
             "state_sha256": digest.hexdigest()[:16]}
 
@@ -305,6 +308,20 @@ class Audit:
     def run(self) -> AuditReport:
         started = time.perf_counter()
         store = ResultStore.create(self.out, self.key_settings())
+        try:
+            self._attack_all(store, self._prepare(store))
+        except KeyboardInterrupt:  # every finished result is already on disk
+            store.update_manifest(status="interrupted")
+            if "attacks" in store.load_manifest():
+                AuditReport.from_store(store).write(self.out)
+            raise
+        store.update_manifest(status="complete", timing={"last_invocation_s": round(time.perf_counter() - started, 1)})
+        report = AuditReport.from_store(store)
+        report.write(self.out)
+        return report
+
+    def _prepare(self, store: ResultStore) -> List[AttackSpec]:
+        """Plan the attacks and write the manifest (threat model, settings, utility, ...)."""
         manifest = store.load_manifest()
         specs, plan = self.plan()
         store.update_manifest(
@@ -325,17 +342,7 @@ class Audit:
         cached = manifest.get("utility_for")
         if cached != [self.measure_utility, self.utility_steps]:
             store.update_manifest(utility=self.utility(), utility_for=[self.measure_utility, self.utility_steps])
-        try:
-            self._attack_all(store, specs)
-            status = "complete"
-        except KeyboardInterrupt:
-            store.update_manifest(status="interrupted")
-            AuditReport.from_store(store).write(self.out)
-            raise
-        store.update_manifest(status=status, timing={"last_invocation_s": round(time.perf_counter() - started, 1)})
-        report = AuditReport.from_store(store)
-        report.write(self.out)
-        return report
+        return specs
 
     def _attack_all(self, store: ResultStore, specs: Sequence[AttackSpec]) -> None:
         pending = [(s, i, a) for s in self.steps for i in range(self.images) for a in specs

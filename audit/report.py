@@ -12,6 +12,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+from .errors import ConfigError
 from .report_risk import Thresholds, empirical_risk, overall_verdict, step_verdict, summarize_attack, worst_case
 from .results import ResultStore, atomic_write_bytes, atomic_write_json, to_jsonable
 
@@ -84,7 +85,11 @@ class AuditReport:
 
     @classmethod
     def from_store(cls, store: ResultStore) -> "AuditReport":
-        return cls(build_report(store.load_manifest(), store.records()), store.dir, store.root)
+        manifest = store.load_manifest()
+        if "attacks" not in manifest:
+            raise ConfigError(f"the audit in {store.root} (run {store.key}) stopped before its attacks were "
+                              "planned; rerun the same audit command to continue it")
+        return cls(build_report(manifest, store.records()), store.dir, store.root)
 
     # ------------------------------------------------------------------ access
     @property

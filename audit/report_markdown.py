@@ -46,7 +46,7 @@ def _definitions(data: Dict[str, Any]) -> List[str]:
     return [
         "## Definitions", "",
         f"- **Verdict thresholds**: {data['thresholds']['rule']}",
-        f"- **Worst case**: per private image, the most leaking attack for each metric; averaged over images.",
+        "- **Worst case**: per private image, the most leaking attack for each metric; averaged over images.",
         f"- **Within delta** (the Bayes paper's empirical adversarial risk): the fraction of private "
         f"images the strongest attack reconstructs within l2 distance delta = {delta['delta']:.3f} "
         f"({delta['description']}); the paper's risk R = 1 - this fraction.",

@@ -82,7 +82,7 @@ def test_thresholds_classify_at_the_stated_boundaries():
 
 def test_written_report_is_complete_self_contained_and_nan_free(tmp_path):
     _store(tmp_path)
-    report = render(tmp_path)
+    render(tmp_path)
     for name in ("report.json", "report.md", "report.html", "psnr_vs_step.png"):
         assert (tmp_path / name).stat().st_size > 0
 
@@ -134,3 +134,7 @@ def test_store_keys_resume_and_errors(tmp_path):
         ResultStore.open_latest(tmp_path / "empty")
     with pytest.raises(ConfigError, match="not found"):
         ResultStore.open_latest(tmp_path, "deadbeef")
+    early = ResultStore.create(tmp_path / "early", {"interrupted": "while planning"})
+    early.update_manifest(status="interrupted")
+    with pytest.raises(ConfigError, match="rerun the same audit command"):
+        render(tmp_path / "early")
