@@ -133,15 +133,21 @@ def test_defense_failing_in_training_is_reported_and_earlier_steps_audited(tmp_p
     assert "breaks_in_training" in (tmp_path / "report.md").read_text()
 
 
-def test_defense_returning_nan_is_reported_not_crashed_on(tmp_path):
-    report = audit.run(defense=nan_on_private, steps=[0], attacks=["analytic", "ig"], images=1,
-                       out=tmp_path, **TINY)
+def wrong_shapes_on_private(model, inputs, labels, *, loss_fn, generator):
+    """Drops the last gradient tensor for batch-1 inputs."""
+    grads = clean_gradients(model, inputs, labels, loss_fn)
+    return grads[:-1] if inputs.shape[0] == 1 else grads
+
+
+@pytest.mark.parametrize("defense, problem", [(nan_on_private, "NaN"), (wrong_shapes_on_private, "tensors for")])
+def test_defense_returning_nan_or_wrong_shapes_is_reported_not_crashed_on(tmp_path, defense, problem):
+    report = audit.run(defense=defense, steps=[0], attacks=["analytic", "ig"], images=1, out=tmp_path, **TINY)
     assert report.data["status"] == "complete" and report.verdict == "unavailable"
     failures = report.failures
     assert {f["attack"] for f in failures} == {"analytic", "ig"} and all(f["step"] == 0 for f in failures)
-    assert all("nan_on_private" in f["error"] and "NaN" in f["error"] for f in failures)
+    assert all(defense.__name__ in f["error"] and problem in f["error"] for f in failures)
     assert "probing the defense failed" in report.data["plan"]["error"]
-    assert "nan_on_private" in (tmp_path / "report.html").read_text()
+    assert defense.__name__ in (tmp_path / "report.html").read_text()
 
 
 def test_attack_settings_override_the_planner_and_are_checked(tmp_path):
