@@ -68,12 +68,13 @@ def derive_seed(seed: int, *parts: Any) -> int:
 
 
 def _parse_steps(steps: Union[str, Sequence[int]]) -> List[int]:
+    given = steps
     if isinstance(steps, str):
         steps = [s for s in steps.replace(" ", "").split(",") if s]
     try:
         out = sorted({int(s) for s in steps})
     except (TypeError, ValueError):
-        raise ConfigError(f"steps must be training steps like 0,1,5,20, got {steps!r}") from None
+        raise ConfigError(f"steps must be training steps like 0,1,5,20, got {given!r}") from None
     if not out or out[0] < 0:
         raise ConfigError(f"steps must be a non-empty list of steps >= 0, got {steps!r}")
     return out
