@@ -67,3 +67,14 @@ def test_reconstruction_not_applicable_carries_reason():
 def test_kv_args_parse_types():
     assert parse_kv_args(["ratio=0.9", "trials=20", "layerwise=false", "policy=7-4-15", "s=1,2"]) == {
         "ratio": 0.9, "trials": 20, "layerwise": False, "policy": "7-4-15", "s": (1, 2)}
+
+
+def test_the_none_defense_returns_the_true_gradient():
+    from defenses import build_defense
+
+    model, x, y = _batch()
+    shared = build_defense("none")(model, x, y, loss_fn=torch.nn.functional.cross_entropy,
+                                   generator=torch.Generator().manual_seed(0))
+    clean = clean_gradients(model, x, y)
+    assert len(shared) == len(clean)
+    assert all(torch.equal(s, c) for s, c in zip(shared, clean))
