@@ -17,18 +17,10 @@ from typing import Any, Dict, Iterable, Optional
 import torch
 from torch import Tensor, nn
 
+from audit.cache import CACHE_ENV, cache_dir
 from audit.errors import ConfigError
 
-CACHE_ENV = "GIA_AUDIT_CACHE"
 FORMAT_VERSION = 1
-
-
-def cache_root(cache_dir: Optional[str | os.PathLike] = None) -> Path:
-    """The cache directory: the argument, else ``$GIA_AUDIT_CACHE``, else ``~/.cache/gia-audit``."""
-    if cache_dir is not None:
-        return Path(cache_dir)
-    env = os.environ.get(CACHE_ENV)
-    return Path(env) if env else Path.home() / ".cache" / "gia-audit"
 
 
 def hash_tensors(tensors: Iterable[Tensor], digest=None) -> str:
@@ -66,8 +58,9 @@ def _stable_json(obj: Any) -> str:
     return json.dumps(obj, sort_keys=True, default=repr)
 
 
-def cache_path(key: str, cache_dir: Optional[str | os.PathLike] = None) -> Path:
-    return cache_root(cache_dir) / "learned-inverter" / f"{key}.pt"
+def cache_path(key: str, root: Optional[str | os.PathLike] = None) -> Path:
+    """Where the entry ``key`` lives: ``learned-inverter/<key>.pt`` under the cache (or ``root``)."""
+    return cache_dir("learned-inverter", f"{key}.pt", root=root)
 
 
 def load_entry(path: Path) -> Optional[Dict[str, Any]]:

@@ -9,21 +9,16 @@ Trained networks are cached under ``$GIA_AUDIT_CACHE`` (default ``~/.cache/gia-a
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from audit.cache import cache_dir
 from audit.errors import ConfigError
 
 MIX_RATIOS = tuple(i / 10 for i in range(11))
-
-
-def cache_dir() -> Path:
-    """``$GIA_AUDIT_CACHE`` or ``~/.cache/gia-audit``."""
-    return Path(os.environ.get("GIA_AUDIT_CACHE", Path.home() / ".cache" / "gia-audit"))
 
 
 class NoiseRatioNet(nn.Module):
@@ -90,7 +85,7 @@ def load_or_train_evaluator(input_shape: Tuple[int, int, int], *, dataset: str =
     if width < 1 or epochs < 1:
         raise ConfigError(f"refiner: d_width and d_epochs must be >= 1, got {width}, {epochs}")
     c, h, w = input_shape
-    path = cache_dir() / f"refiner-evaluator-{dataset}-{c}x{h}x{w}-w{width}-e{epochs}-s{seed}.pt"
+    path = cache_dir(f"refiner-evaluator-{dataset}-{c}x{h}x{w}-w{width}-e{epochs}-s{seed}.pt")
     if cache and path.exists():
         net = NoiseRatioNet(tuple(input_shape), width)
         net.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))

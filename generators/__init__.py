@@ -10,7 +10,9 @@
 * :func:`resolve_generator` / :func:`condition_labels` -- the attacker's frozen generator
   and the classes it is conditioned on.
 """
-from .auxiliary import GeneratorRecipe, cache_dir, default_generator, default_recipe, train_generator
+from audit.cache import cache_dir
+
+from .auxiliary import GeneratorRecipe, default_generator, default_recipe, train_generator
 from .base import ImageGenerator, ModuleGenerator, as_generator, check_compatible
 from .checkpoint import load_generator, read_checkpoint, resolve_factory, save_generator
 from .dcgan import GENERATORS, DCGANDiscriminator, DCGANGenerator, build_generator

@@ -10,11 +10,11 @@ import hashlib
 import json
 import os
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Optional, Sequence, Tuple, Union
 
 import torch
 
+from audit.cache import cache_dir
 from audit.errors import ConfigError
 
 from .base import ImageGenerator
@@ -22,7 +22,6 @@ from .checkpoint import load_generator, save_generator
 from .dcgan import build_generator
 from .training import TrainSettings, train_gan
 
-CACHE_ENV = "GIA_AUDIT_CACHE"
 AUX_SPLIT = "train"  # never the test split, which holds the audited images
 DATASET_FOR_CHANNELS = {3: "embedded", 1: "embedded-gray"}
 
@@ -45,14 +44,6 @@ class GeneratorRecipe:
     def key(self) -> str:
         text = json.dumps(asdict(self), sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-def cache_dir(path: Optional[Union[str, os.PathLike]] = None) -> Path:
-    """The cache directory: ``path``, else ``$GIA_AUDIT_CACHE``, else ``~/.cache/gia-audit``."""
-    if path is not None:
-        return Path(path)
-    env = os.environ.get(CACHE_ENV)
-    return Path(env) if env else Path.home() / ".cache" / "gia-audit"
 
 
 def train_generator(recipe: GeneratorRecipe = GeneratorRecipe(), *, out: Optional[Union[str, os.PathLike]] = None,
@@ -95,7 +86,7 @@ def default_generator(image_shape: Sequence[int], *, device: Union[str, torch.de
     """The generator an audit uses when none is given: a DCGAN trained on the embedded *train*
     split at the model's input shape, loaded from the cache (trained and cached on first use)."""
     recipe = default_recipe(image_shape, **recipe_overrides)
-    path = cache_dir(cache) / "generators" / f"dcgan-{recipe.dataset}-{recipe.size}-{recipe.key()}.pt"
+    path = cache_dir("generators", f"dcgan-{recipe.dataset}-{recipe.size}-{recipe.key()}.pt", root=cache)
     if path.is_file():
         return load_generator(path, device=device)
     return train_generator(recipe, out=path, device=device, progress=progress)
