@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 
 from attacks.simulator import ClientReplica, param_grads
 from audit.errors import DefenseError, GiaError
-from audit.observe import _client_round
+from audit.observe import client_round
 from audit.types import Defense, Observation
 from defenses import check_output
 
@@ -83,7 +83,7 @@ def _per_batch(obs: Observation, images, labels, index, sketch, generator, out, 
     state = {k: v.clone() for k, v in work.state_dict().items()}
     for p in range(len(index)):
         rows = index[p].to(images.device)
-        shared = _client_round(work, images[rows], labels[rows], obs.defense, obs.loss_fn, generator,
+        shared = client_round(work, images[rows], labels[rows], obs.defense, obs.loss_fn, generator,
                                obs.local_steps, obs.local_lr, obs.local_batch_size, obs.client_mode)
         out[p] = sketch(flatten_gradients(shared).detach().float())
         work.load_state_dict(state)

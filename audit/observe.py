@@ -87,7 +87,7 @@ def observe(
     server_model = copy.deepcopy(model)
     num_classes = last_linear(server_model)[1].out_features
     _check_batch(images, labels, num_classes)
-    shared = _client_round(copy.deepcopy(server_model), images, labels, defense, loss_fn, generator,
+    shared = client_round(copy.deepcopy(server_model), images, labels, defense, loss_fn, generator,
                            local_steps, local_lr, local_batch_size, client_mode)
     mean, std = _normalisation(server_model)
     return Observation(
@@ -99,7 +99,7 @@ def observe(
     )
 
 
-def _client_round(model, images, labels, defense, loss_fn, generator, steps, lr, local_batch_size, mode):
+def client_round(model, images, labels, defense, loss_fn, generator, steps, lr, local_batch_size, mode):
     """The client's local training on its own copy; returns the accumulated shared gradient."""
     from attacks.simulator import client_update  # the attacker replays exactly this unrolling
     from defenses import call_defense  # runs the defense, checks its output (DefenseError)
