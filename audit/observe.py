@@ -88,7 +88,7 @@ def observe(
     num_classes = last_linear(server_model)[1].out_features
     _check_batch(images, labels, num_classes)
     shared = client_round(copy.deepcopy(server_model), images, labels, defense, loss_fn, generator,
-                           local_steps, local_lr, local_batch_size, client_mode)
+                          local_steps, local_lr, local_batch_size, client_mode)
     mean, std = _normalisation(server_model)
     return Observation(
         model=server_model, gradients=shared, input_shape=tuple(images.shape[1:]), num_classes=num_classes,
