@@ -11,8 +11,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import weakref
 from pathlib import Path
-from typing import Any, Dict, Iterable, Optional
+from typing import Any, Dict, Iterable, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -21,6 +22,7 @@ from audit.cache import CACHE_ENV, cache_dir
 from audit.errors import ConfigError
 
 FORMAT_VERSION = 1
+_DIGESTS: Dict[int, Tuple[weakref.ref, int, str]] = {}  # id(tensor) -> (ref, version, digest)
 
 
 def hash_tensors(tensors: Iterable[Tensor], digest=None) -> str:
@@ -31,6 +33,24 @@ def hash_tensors(tensors: Iterable[Tensor], digest=None) -> str:
         digest.update(f"{tuple(t.shape)}{t.dtype}".encode())
         digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return digest.hexdigest()
+
+
+def tensor_digest(t: Tensor) -> str:
+    """``hash_tensors([t])``, remembered per tensor object until it is freed or changed in
+    place (torch's version counter): a large tensor shared by many observations, such as the
+    audit's declared auxiliary data, is hashed once."""
+    key = id(t)
+    entry = _DIGESTS.get(key)
+    if entry is not None and entry[0]() is t and entry[1] == t._version:
+        return entry[2]
+    value = hash_tensors([t])
+
+    def forget(ref, key=key):
+        if _DIGESTS.get(key, (None,))[0] is ref:
+            del _DIGESTS[key]
+
+    _DIGESTS[key] = (weakref.ref(t, forget), t._version, value)
+    return value
 
 
 def model_fingerprint(model: nn.Module) -> Dict[str, str]:

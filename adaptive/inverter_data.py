@@ -7,6 +7,7 @@ data set (the audit attacks the *test* split, so the two are disjoint).
 from __future__ import annotations
 
 import copy
+import hashlib
 from typing import Optional, Tuple
 
 import torch
@@ -14,6 +15,8 @@ from torch import Tensor
 
 from audit.errors import DataError
 from audit.types import Observation
+
+from .inverter_cache import hash_tensors, tensor_digest
 
 
 def _match_channels(images: Tensor, channels: int) -> Tensor:
@@ -74,6 +77,19 @@ def auxiliary_data(observation: Observation, dataset: str = "embedded", limit: O
         labels = _pseudo_labels(observation, images)
         source += ", labels predicted by the audited model"
     return images, labels, source
+
+
+def auxiliary_fingerprint(observation: Observation, images: Tensor, labels: Tensor) -> str:
+    """The cache-key part for the auxiliary data :func:`auxiliary_data` returned.
+
+    Declared images are hashed as declared, once per tensor object (every observation of an
+    audit declares the same set), plus the selected labels (small); the subset follows from
+    the inverter's settings, which are in the key too. Otherwise the selection is hashed.
+    """
+    declared = (observation.extra or {}).get("aux_images")
+    if isinstance(declared, Tensor):
+        return hash_tensors([labels], hashlib.sha256(f"declared {tensor_digest(declared)}".encode()))
+    return hash_tensors([images, labels])
 
 
 @torch.no_grad()

@@ -26,9 +26,9 @@ from attacks.presets import ATTACKS
 from audit.errors import ConfigError, NotApplicable
 from audit.types import Observation, Reconstruction
 
-from .inverter_cache import (cache_key, cache_path, defense_fingerprint, hash_tensors, load_entry,
+from .inverter_cache import (cache_key, cache_path, defense_fingerprint, load_entry,
                              model_fingerprint, save_entry)
-from .inverter_data import auxiliary_data
+from .inverter_data import auxiliary_data, auxiliary_fingerprint
 # a module import (not names): attacks/__init__ imports this module, and inverter_pairs
 # (which imports attacks) may still be initialising when we get here
 from . import inverter_pairs
@@ -141,7 +141,7 @@ class LearnedInverter:
                        "batch_size": obs.batch_size, "local_steps": obs.local_steps, "local_lr": obs.local_lr,
                        "local_batch_size": obs.local_batch_size, "client_mode": obs.client_mode,
                        "loss_fn": getattr(obs.loss_fn, "__qualname__", repr(obs.loss_fn))},
-            "aux": hash_tensors([images, labels]),
+            "aux": auxiliary_fingerprint(obs, images, labels),
             "settings": asdict(self.settings),
             "train_steps": steps,
         }

@@ -230,7 +230,10 @@ class Audit:
                             f"{self.batch_size} image(s) of the audited client, never given to the attacker",
             "training_data": f"{self.dataset.name} train split ({len(self.dataset.train_labels)} images), "
                              f"split between {self.fl.clients} client(s); disjoint from the private test split",
-            "attacker_auxiliary_data": f"only the {self.dataset.name} train split may be used by learned attacks",
+            "attacker_auxiliary_data": f"the {self.dataset.name} train split "
+                                       f"({len(self.dataset.train_labels)} images and labels), declared to "
+                                       "every attack as extras aux_images / aux_labels; the only data "
+                                       "learned attacks may use",
             "attacks_run": [s.id for s in specs],
         }
 
@@ -240,7 +243,12 @@ class Audit:
         local_lr = self.fl.local_lr if self.fl.local_lr is not None else self.fl.lr
         return observe(model, images, labels, self.defense, share_labels=self.share_labels,
                        local_steps=self.fl.local_steps, local_lr=local_lr, step=step,
-                       seed=derive_seed(self.seed, "defense", step, image))
+                       seed=derive_seed(self.seed, "defense", step, image), extra=self.auxiliary_data())
+
+    def auxiliary_data(self) -> Dict[str, Any]:
+        """The extras every observation declares: the data set's *train* split (the same tensors
+        each time, so learned attacks hash them once)."""
+        return {"aux_images": self.dataset.train_images, "aux_labels": self.dataset.train_labels}
 
     def utility(self) -> Dict[str, Any]:
         """Accuracy after training with the defense against training without it."""

@@ -45,6 +45,8 @@ def test_audit_of_none_reports_leakage_at_step_0(tmp_path):
     data = json.loads((tmp_path / "report.json").read_text())
     assert data["threat_model"]["labels_shared"] is False
     assert "disjoint" in data["threat_model"]["training_data"]
+    assert data["threat_model"]["extras"] == ["aux_images", "aux_labels"]  # the declared auxiliary data
+    assert "train split" in data["threat_model"]["attacker_auxiliary_data"]
     assert data["plan"]["traits"]["analytic_layers"]
     assert all((tmp_path / f).is_file() for f in ("report.md", "report.html", "psnr_vs_step.png"))
 

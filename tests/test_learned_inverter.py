@@ -129,6 +129,35 @@ def test_declared_auxiliary_images_are_used_and_checked(lenet, data):
         LearnedInverter(**SMALL).reconstruct(bad, 3)
 
 
+def test_declared_auxiliary_data_is_hashed_once_and_keys_the_cache(lenet, data, monkeypatch):
+    """The audit declares one auxiliary set on every observation: hashed once, one inverter."""
+    import adaptive.inverter_cache as inverter_cache
+
+    aux, aux_labels = data.train_images[:40].clone(), data.train_labels[:40].clone()
+    hashed, real = [], inverter_cache.hash_tensors
+
+    def counting(tensors, digest=None):
+        tensors = list(tensors)
+        hashed.extend(tuple(t.shape) for t in tensors)
+        return real(tensors, digest)
+
+    monkeypatch.setattr(inverter_cache, "hash_tensors", counting)
+    inverter = LearnedInverter(**SMALL)
+
+    def trace(i):
+        x, y = _held_out(data, i)
+        return inverter.reconstruct(observe(lenet, x, y, extra={"aux_images": aux, "aux_labels": aux_labels}),
+                                    3).trace["inverter"]
+
+    first, second = trace(0), trace(1)
+    assert first["cache"].startswith("trained") and second["cache"].startswith("loaded")
+    assert first["key"] == second["key"] and hashed.count(tuple(aux.shape)) == 1
+    aux[0] = 1 - aux[0]  # changed in place: hashed again, another inverter
+    third = trace(0)
+    assert third["cache"].startswith("trained") and third["key"] != first["key"]
+    assert hashed.count(tuple(aux.shape)) == 2
+
+
 def test_settings_are_checked():
     with pytest.raises(ConfigError, match="no setting"):
         ATTACKS.build("learned-inverter", width=3)
