@@ -546,13 +546,11 @@ def _measure_utility(audit: "Audit") -> Dict[str, Any]:
     if not isinstance(audit.model_spec, str):
         return {"unavailable": "utility is measured on a registered model name; a custom nn.Module "
                                "cannot be rebuilt from scratch for the undefended run"}
-    if audit.model_args:
-        return {"unavailable": "audit.utility.measure_utility builds models by name without model arguments "
-                               f"({audit.model_args}); rerun without model_args to measure utility"}
     if audit.fl.local_lr is not None:
         return {"unavailable": "utility measurement supports FedSGD / FedAvg with the server lr only "
                                "(local_lr was given)"}
-    return measure_utility(audit.defense, model=audit.model_spec, dataset=audit.dataset, steps=audit.utility_steps,
+    return measure_utility(audit.defense, model=audit.model_spec, model_args=audit.model_args,
+                           dataset=audit.dataset, steps=audit.utility_steps,
                            lr=audit.fl.lr, batch_size=audit.fl.batch_size, clients=audit.fl.clients,
                            local_steps=audit.fl.local_steps, seed=audit.seed, device=audit.device)
 

@@ -72,7 +72,7 @@ def measure_utility(defense, model: str = "cnn", dataset="embedded", steps: int 
         "baseline_final_loss": base["final_loss"],
         "seconds": run["seconds"],
         "baseline_seconds": base["seconds"],
-        "setting": {"model": model, "dataset": getattr(data, "name", str(dataset)), "steps": steps, "lr": lr,
+        "setting": {"model": model, "model_args": dict(model_args or {}), "dataset": getattr(data, "name", str(dataset)), "steps": steps, "lr": lr,
                     "batch_size": batch_size, "clients": clients, "local_steps": local_steps, "seed": seed},
     }
 

@@ -70,7 +70,9 @@ def test_utility_compares_training_with_and_without_the_defense(tmp_path):
     assert "| test accuracy |" in md and "relative accuracy (defended / undefended)" in md
     with_args = audit.run(defense=noisy_defense, steps=[0], attacks=["analytic"], images=1,
                           out=tmp_path / "args", **{**settings, "model_args": {"width": 4}})
-    assert "model arguments" in with_args.data["utility"]["unavailable"]
+    measured = with_args.data["utility"]  # the model arguments reach the utility runs
+    assert measured["setting"]["model_args"] == {"width": 4} and 0 <= measured["accuracy"] <= 1
+    assert measured["baseline_final_loss"] != utility["baseline_final_loss"]  # another (narrower) model
 
 
 def test_custom_callable_through_module_attr_on_the_cli(tmp_path):
