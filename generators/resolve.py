@@ -19,16 +19,17 @@ CONDITIONS = ("auto", "labels", "random", "none")
 
 
 def resolve_generator(generator: GeneratorSpec, factory: Optional[str], input_shape: Sequence[int],
-                      device: torch.device) -> ImageGenerator:
+                      device: torch.device, progress: bool = True) -> ImageGenerator:
     """A frozen, eval-mode private copy of the attacker's generator on ``device``.
 
     ``generator`` is a module, a checkpoint path, or ``None`` (with ``factory`` None: the
-    default DCGAN for ``input_shape``, trained on the embedded train split and cached).
+    default DCGAN for ``input_shape``, trained on the embedded train split and cached;
+    ``progress`` shows its training bar when it is not cached yet).
     """
     if isinstance(generator, nn.Module):
         gen = as_generator(copy.deepcopy(generator))
     elif generator is None and factory is None:
-        gen = default_generator(input_shape, device=device)
+        gen = default_generator(input_shape, device=device, progress=progress)
     elif generator is None or isinstance(generator, str):
         gen = load_generator(generator, factory=factory, device=device)
     else:

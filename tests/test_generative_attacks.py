@@ -107,6 +107,22 @@ def test_ggl_optimizer_is_selectable_and_finishes_cleanly(gen, case):
         ATTACKS.build("ggl", generator=gen, optimizer="NoSuchOpt").reconstruct(case[-1], budget=4)
 
 
+def test_default_generator_trains_without_a_bar_under_a_progress_callback(gen, case, monkeypatch):
+    """The audit (progress off or on) and the CLI pass a callback: no GAN training bar of its own."""
+    import generators.resolve
+
+    bars = []
+
+    def default_generator(input_shape, *, device, progress):
+        bars.append(progress)
+        return gen
+
+    monkeypatch.setattr(generators.resolve, "default_generator", default_generator)
+    ATTACKS.build("ggl", batch=4).reconstruct(case[-1], budget=4, progress=lambda done, total, loss: None)
+    ATTACKS.build("ggl", batch=4).reconstruct(case[-1], budget=4)
+    assert bars == [False, True]
+
+
 @gradient_transform
 def prune_90(grads):
     """Keep the 10 % largest-magnitude entries of every gradient tensor (data-dependent mask)."""

@@ -136,10 +136,14 @@ class GenerativeSetup:
             self.progress(min(self.done, self.budget), self.budget, loss)
 
     @classmethod
-    def build(cls, attack: "GenerativeAttack", observation: Observation, seed: int) -> "GenerativeSetup":
+    def build(cls, attack: "GenerativeAttack", observation: Observation, seed: int,
+              progress: Optional[Progress] = None) -> "GenerativeSetup":
+        """The run's state; with a ``progress`` callback (the audit's, or the CLI's) the default
+        generator is trained, if not cached yet, without a bar of its own."""
         validate_observation(observation)
         device = observation.device
-        gen = resolve_generator(attack.generator, attack.generator_factory, observation.input_shape, device)
+        gen = resolve_generator(attack.generator, attack.generator_factory, observation.input_shape, device,
+                                progress=progress is None)
         rng = torch.Generator(device=device).manual_seed(int(seed))
         plan = plan_labels(attack.labels, observation, seed)
         cond, cond_note = condition_labels(gen, plan.fixed, observation.num_classes, attack.condition, rng)
@@ -196,7 +200,7 @@ class GenerativeAttack:
         device = observation.device
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             torch.manual_seed(int(seed))
-            setup = GenerativeSetup.build(self, observation, seed)
+            setup = GenerativeSetup.build(self, observation, seed, progress)
             setup.progress, setup.budget = progress, budget
             images, trace = self.run(setup, budget)
         return setup.result(images, {"attack": self.name, "settings": self.settings(), "budget": budget, **trace},
