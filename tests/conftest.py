@@ -16,3 +16,13 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 def _deterministic():
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for a module of tiny-model tests (``pytestmark =
+    pytest.mark.usefixtures("one_thread")``): more only contend on a shared 2-core machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

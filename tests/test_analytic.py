@@ -8,13 +8,7 @@ from audit.metrics import psnr
 from audit.models import build_model, with_normalization
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Small models gain nothing from 2 threads; on a shared 2-core machine they thrash."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _image(seed=0, shape=(3, 16, 16)):

@@ -23,13 +23,7 @@ ITERATIONS = 100
 SIGMA = 0.01  # soft-prune noise; the clean gradient's RMS is ~0.006 on this model
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models: one intra-op thread is faster, and avoids oversubscribing shared cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

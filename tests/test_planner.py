@@ -8,13 +8,7 @@ from audit.errors import DefenseError
 from audit.types import clean_gradients, gradient_transform
 from defenses.registry import DEFENSES, build_defense
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: intra-op threads only contend (10x slower on a loaded 2-core machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # defense spec -> (traits that must be on, traits that must be off)

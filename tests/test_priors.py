@@ -6,13 +6,7 @@ from audit.errors import ConfigError, NotApplicable
 from priors import PRIORS, PriorContext
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Small models gain nothing from 2 threads; on a shared 2-core machine they thrash."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def ctx(**kw):
