@@ -126,7 +126,7 @@ def run_attack(
         matched = rec.inputs[torch.tensor(scores["assignment"])] if scores.get("assignment") else rec.inputs
         (folder / "reconstruction.png").write_bytes(batch_to_png_bytes(matched))
         both = torch.cat([_row(x), _row(matched)], dim=1)  # originals above reconstructions
-        (folder / "comparison.png").write_bytes(batch_to_png_bytes(both.unsqueeze(0)))
+        (folder / "comparison.png").write_bytes(batch_to_png_bytes(both.unsqueeze(0), min_height=256))
     metrics["summary"] = _summary(attack, rec, scores, folder)
     (folder / "metrics.json").write_text(json.dumps(to_jsonable(metrics), indent=2))
     (folder / "trace.json").write_text(json.dumps(to_jsonable(rec.trace)))

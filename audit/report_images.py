@@ -25,11 +25,17 @@ def batch_to_array(images: torch.Tensor, pad: int = 1) -> np.ndarray:
     return arr[:, :, 0] if c == 1 else arr
 
 
-def batch_to_png_bytes(images: torch.Tensor) -> bytes:
+def batch_to_png_bytes(images: torch.Tensor, min_height: int = 0) -> bytes:
+    """PNG of a strip of images; ``min_height`` > 0 enlarges it by an integer factor
+    (nearest neighbour, pixels stay exact) until it is at least that many pixels high."""
     from PIL import Image
 
+    img = Image.fromarray(batch_to_array(images))
+    factor = max(1, -(-min_height // img.height)) if min_height > 0 else 1
+    if factor > 1:
+        img = img.resize((img.width * factor, img.height * factor), Image.NEAREST)
     buf = io.BytesIO()
-    Image.fromarray(batch_to_array(images)).save(buf, format="PNG")
+    img.save(buf, format="PNG")
     return buf.getvalue()
 
 
