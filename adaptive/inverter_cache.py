@@ -19,6 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from audit.cache import CACHE_ENV, cache_dir
+from audit.files import atomic_torch_save
 from audit.errors import ConfigError
 
 FORMAT_VERSION = 1
@@ -99,10 +100,7 @@ def load_entry(path: Path) -> Optional[Dict[str, Any]]:
 def save_entry(path: Path, entry: Dict[str, Any]) -> None:
     """Write atomically (temp file + rename) so concurrent runs never read half a file."""
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        torch.save({"format": FORMAT_VERSION, **entry}, tmp)
-        os.replace(tmp, path)
+        atomic_torch_save({"format": FORMAT_VERSION, **entry}, path)
     except OSError as err:
         raise ConfigError(
             f"cannot write the learned-inverter cache at {path} ({err}); "

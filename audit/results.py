@@ -27,6 +27,7 @@ from typing import Any, Dict, Iterator, List, Optional
 import torch
 
 from .errors import ConfigError
+from .files import atomic_torch_save, atomic_write_bytes
 
 MANIFEST = "manifest.json"
 LATEST = "latest_run"
@@ -59,16 +60,6 @@ def to_jsonable(obj: Any) -> Any:
     if hasattr(obj, "item") and callable(obj.item):  # numpy scalars
         return to_jsonable(obj.item())
     return repr(obj)
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
 
 
 def atomic_write_json(path: Path, obj: Any) -> None:
@@ -193,11 +184,7 @@ class ResultStore:
         return self.dir / "checkpoints" / f"s{int(step)}.pt"
 
     def save_checkpoint(self, step: int, state: Dict[str, torch.Tensor]) -> None:
-        import io
-
-        buf = io.BytesIO()
-        torch.save({k: v.detach().cpu() for k, v in state.items()}, buf)
-        atomic_write_bytes(self.checkpoint_path(step), buf.getvalue())
+        atomic_torch_save({k: v.detach().cpu() for k, v in state.items()}, self.checkpoint_path(step))
 
     def load_checkpoint(self, step: int) -> Optional[Dict[str, torch.Tensor]]:
         path = self.checkpoint_path(step)

@@ -8,7 +8,6 @@ Trained networks are cached under ``$GIA_AUDIT_CACHE`` (default ``~/.cache/gia-a
 """
 from __future__ import annotations
 
-import os
 from typing import Tuple
 
 import torch
@@ -16,6 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from audit.cache import cache_dir
+from audit.files import atomic_torch_save
 from audit.errors import ConfigError
 
 MIX_RATIOS = tuple(i / 10 for i in range(11))
@@ -93,8 +93,5 @@ def load_or_train_evaluator(input_shape: Tuple[int, int, int], *, dataset: str =
     net = train_evaluator(natural_images(dataset, tuple(input_shape)), width=width, epochs=epochs,
                           seed=seed, device=device)
     if cache:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        torch.save({k: v.cpu() for k, v in net.state_dict().items()}, tmp)
-        tmp.replace(path)
+        atomic_torch_save({k: v.cpu() for k, v in net.state_dict().items()}, path)
     return net

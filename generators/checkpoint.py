@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from audit.errors import ConfigError, DataError
+from audit.files import atomic_torch_save
 
 from .base import ImageGenerator, as_generator
 from .dcgan import GENERATORS, build_generator
@@ -38,10 +39,7 @@ def save_generator(path: PathLike, generator: ImageGenerator, *, architecture: s
         "training": dict(training or {}),
         "state_dict": {k: v.detach().cpu() for k, v in generator.state_dict().items()},
     }
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    torch.save(payload, tmp)
-    os.replace(tmp, path)
-    return path
+    return atomic_torch_save(payload, path)
 
 
 def read_checkpoint(path: PathLike) -> Dict[str, Any]:
