@@ -147,7 +147,7 @@ class OptimizationAttack:
         if iterations < 0:
             raise ConfigError(f"budget must be >= 0 iterations, got {budget}")
         with _seeded(observation.device, seed):
-            return _Run(self, observation, int(seed)).execute(iterations, progress)
+            return _Run(self, observation, int(seed), show_bars=progress is None).execute(iterations, progress)
 
 
     def evaluate(self, observation: Observation, images: Tensor, labels: Optional[Tensor] = None,
@@ -174,7 +174,7 @@ class _Run:
     """The state of one ``reconstruct`` call."""
 
     def __init__(self, attack: OptimizationAttack, observation: Observation, seed: int,
-                 labels: Optional[Tensor] = None):
+                 labels: Optional[Tensor] = None, show_bars: bool = True):
         self.attack, self.obs = attack, observation
         self.device = observation.device
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
@@ -192,7 +192,9 @@ class _Run:
         self.sim_ctx = SimContext(observation, generator=self.generator, capture_features=needs_bn)
         self.box = attack.box
         if hasattr(self.box, "bind"):  # a box that needs the run, e.g. a generator's latent space
-            self.box = self.box.bind(observation, self.labels, self.generator)
+            # its own set-up (e.g. training a default generator) shows a bar only when the
+            # caller passed no progress callback (the audit and --quiet pass one)
+            self.box = self.box.bind(observation, self.labels, self.generator, progress=show_bars)
         self.iteration = 0
         self.needs_group_mean = any("group_mean" in getattr(p, "requires", ()) for _, p, _ in attack.priors)
         if attack.execution == "sequential":

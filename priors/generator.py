@@ -33,10 +33,11 @@ class GeneratorBox:
         self.generator, self.generator_factory = generator, generator_factory
         self.condition, self.truncation = condition, float(truncation)
 
-    def bind(self, observation, labels, rng: torch.Generator) -> "BoundGeneratorBox":
-        """The box of one run: the generator resolved for the observation, its class labels."""
+    def bind(self, observation, labels, rng: torch.Generator, progress: bool = True) -> "BoundGeneratorBox":
+        """The box of one run: the generator resolved for the observation, its class labels
+        (``progress``: show the bar if a default generator has to be trained first)."""
         gen = resolve_generator(self.generator, self.generator_factory, observation.input_shape,
-                                observation.device)
+                                observation.device, progress=progress)
         fixed = labels.fixed
         if fixed is None and gen.num_classes and self.condition in ("auto", "labels"):
             raise ConfigError("a class-conditional generator box needs fixed labels: use labels=infer "
