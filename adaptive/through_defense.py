@@ -22,6 +22,7 @@ from audit.errors import ConfigError
 from audit.types import Defense, Observation
 
 from .adapted import Adaptation, AdaptedAttack, register
+from .rules import EOT_SAMPLES
 
 
 def is_gradient_only(defense: Any) -> bool:
@@ -114,7 +115,7 @@ class ThroughDefense(AdaptedAttack):
 
     name = "through-defense"
     owns = ("simulator",)
-    EOT_SAMPLES = 8
+    EOT_SAMPLES = EOT_SAMPLES  # the planner's number (adaptive.rules)
 
     def __init__(self, samples="auto", base: str = "ig", **knobs):
         super().__init__(base, **knobs)
