@@ -56,6 +56,15 @@ def _generator(seed: int, device: torch.device) -> torch.Generator:
     return torch.Generator(device=device).manual_seed(int(seed))
 
 
+def random_batch(batch_size: int, input_shape: Sequence[int], num_classes: int, seed: int,
+                 device) -> Tuple[Tensor, Tensor]:
+    """A seeded probe batch: images uniform in [0, 1), labels uniform over the classes."""
+    gen = _generator(seed, device)
+    x = torch.rand(batch_size, *input_shape, generator=gen, device=device)
+    y = torch.randint(0, num_classes, (batch_size,), generator=gen, device=device)
+    return x, y
+
+
 def _matrix_rank(t: Tensor) -> Optional[int]:
     if t.dim() < 2:
         return None
@@ -249,9 +258,7 @@ def probe_defense(
     if not names:
         raise ConfigError("the probe model has no trainable parameter; give a model with parameters")
 
-    gen = _generator(seed, device)
-    x = torch.rand(batch_size, *input_shape, generator=gen, device=device)
-    y = torch.randint(0, num_classes, (batch_size,), generator=gen, device=device)
+    x, y = random_batch(batch_size, input_shape, num_classes, seed, device)
 
     def shared(inputs, labels, s):
         return [g.detach() for g in call_defense(defense, model, inputs, labels,
@@ -384,9 +391,7 @@ def changed_parameters(defense: Callable, model: nn.Module, input_shape: Tuple[i
     copy of ``model`` with a random batch (white-box: the mechanism is known, not the data)."""
     model = copy.deepcopy(model)
     device = next(model.parameters()).device
-    gen = _generator(seed, device)
-    x = torch.rand(batch_size, *input_shape, generator=gen, device=device)
-    y = torch.randint(0, num_classes, (batch_size,), generator=gen, device=device)
+    x, y = random_batch(batch_size, input_shape, num_classes, seed, device)
     clean = [g.detach() for g in clean_gradients(copy.deepcopy(model), x, y, loss_fn)]
     shared = call_defense(defense, model, x, y, generator=_generator(seed + 1, device), loss_fn=loss_fn)
     return [i for i, (d, c) in enumerate(zip(shared, clean)) if _rel(d.detach(), c) > CHANGE_TOL]

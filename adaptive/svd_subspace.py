@@ -22,6 +22,7 @@ from attacks.simulator import GradientSimulator, SimContext
 from audit.types import Observation, clean_gradients, trainable_names
 
 from .adapted import Adaptation, AdaptedAttack, register
+from .probe import random_batch
 
 RANK_RTOL = 1e-5  # truncation zeros sit below this fraction of the largest singular value ...
 CLIFF = 1e-3  # ... and below this fraction of the previous one (natural spectra decay smoothly)
@@ -86,10 +87,8 @@ class SubspaceProjection:
 def truncated_layers(observation: Observation, seed: int = 0) -> List[Optional[Tuple[int, int]]]:
     """Per tensor ``(observed rank, clean rank)`` where the observed rank is lower, else None.
     The clean rank is measured on a random batch of the observation's size."""
-    gen = torch.Generator(device=observation.device).manual_seed(seed)
-    x = torch.rand(observation.batch_size, *observation.input_shape, generator=gen, device=observation.device)
-    y = torch.randint(0, observation.num_classes, (observation.batch_size,), generator=gen,
-                      device=observation.device)
+    x, y = random_batch(observation.batch_size, observation.input_shape, observation.num_classes, seed,
+                        observation.device)
     reference = clean_gradients(copy.deepcopy(observation.model), x, y, observation.loss_fn)
     out: List[Optional[Tuple[int, int]]] = []
     for g, ref in zip(observation.gradients, reference):
