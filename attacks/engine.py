@@ -29,7 +29,7 @@ from torch import Tensor
 
 from audit.errors import ConfigError, GiaError, NotApplicable
 from audit.types import Observation, Reconstruction, trainable_parameters
-from priors import PRIORS, Prior, PriorContext
+from priors import PRIORS, Prior, PriorContext, requiring, weighted_total
 
 from .labels import LABEL_STRATEGIES, LabelPlan, plan_labels
 from .objectives import Objective, build_objective
@@ -182,21 +182,20 @@ class _Run:
         self.objective = attack.objective.bind(observation)
         self.simulator = attack.simulator
         self.replica = self.simulator.prepare(observation)
-        for key, prior, _ in attack.priors:
-            if "bn_stats" in getattr(prior, "requires", ()) and self.replica.bn_running is None:
-                raise NotApplicable(f"prior {key!r} needs BatchNorm layers with running statistics; the "
-                                    "observation's model has none (set its weight to 0)")
+        bn_priors = requiring(attack.priors, "bn_stats")
+        if bn_priors and self.replica.bn_running is None:
+            raise NotApplicable(f"prior {bn_priors[0]!r} needs BatchNorm layers with running statistics; the "
+                                "observation's model has none (set its weight to 0)")
         self.labels = plan_labels(attack.label_strategy, observation, seed) if labels is None else \
             LabelPlan(labels.to(self.device).long(), None, {"method": "given", "note": "labels given to evaluate()"})
-        needs_bn = any("bn_stats" in getattr(p, "requires", ()) for _, p, _ in attack.priors)
-        self.sim_ctx = SimContext(observation, generator=self.generator, capture_features=needs_bn)
+        self.sim_ctx = SimContext(observation, generator=self.generator, capture_features=bool(bn_priors))
         self.box = attack.box
         if hasattr(self.box, "bind"):  # a box that needs the run, e.g. a generator's latent space
             # its own set-up (e.g. training a default generator) shows a bar only when the
             # caller passed no progress callback (the audit and --quiet pass one)
             self.box = self.box.bind(observation, self.labels, self.generator, progress=show_bars)
         self.iteration = 0
-        self.needs_group_mean = any("group_mean" in getattr(p, "requires", ()) for _, p, _ in attack.priors)
+        self.needs_group_mean = bool(requiring(attack.priors, "group_mean"))
         if attack.execution == "sequential":
             self.batched, self.execution = False, "sequential (requested)"
         elif not self.simulator.batchable:
@@ -276,11 +275,7 @@ class _Run:
         return torch.stack(losses), terms, [torch.stack(g) for g in grads]
 
     def total(self, terms: Dict[str, Tensor]) -> Tensor:
-        loss = terms["match"]
-        for key, _, weight in self.attack.priors:
-            if weight != 0.0:
-                loss = loss + weight * terms[key]
-        return loss
+        return weighted_total(terms, self.attack.priors)
 
     def closure(self, variables: List[Tensor]) -> Tuple[Tensor, List[Tensor]]:
         """Per-restart loss and its gradient w.r.t. every restart's variables."""

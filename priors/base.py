@@ -10,7 +10,7 @@ fills ``context.group_mean``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, FrozenSet, List, Optional, Tuple
+from typing import Any, Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 from torch import Tensor
 
@@ -50,3 +50,18 @@ class Prior:
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in vars(self).items())
         return f"{self.name}({args})"
+
+
+def requiring(priors: Sequence[Tuple[str, Any, float]], what: str) -> List[str]:
+    """The keys of the ``(key, prior, weight)`` entries whose prior ``requires`` ``what``."""
+    return [key for key, prior, _ in priors if what in getattr(prior, "requires", ())]
+
+
+def weighted_total(terms: Dict[str, Tensor], priors: Sequence[Tuple[str, Any, float]]) -> Tensor:
+    """The attack loss: ``terms["match"] + sum_k w_k terms[k]`` over the ``(key, prior, weight)``
+    entries with a non-zero weight."""
+    total = terms["match"]
+    for key, _, weight in priors:
+        if weight != 0.0:
+            total = total + weight * terms[key]
+    return total

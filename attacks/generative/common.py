@@ -24,7 +24,7 @@ from audit.errors import ConfigError, GiaError
 from audit.types import Observation, Reconstruction
 from generators import CONDITIONS, ImageGenerator, condition_labels, generate, generator_info, resolve_generator
 from generators.resolve import GeneratorSpec
-from priors import PRIORS, PriorContext
+from priors import PRIORS, PriorContext, requiring, weighted_total
 
 from ..engine import _seeded, validate_observation
 from ..labels import LABEL_STRATEGIES, plan_labels
@@ -71,8 +71,7 @@ class Scorer:
         self.replica = simulator.prepare(observation)
         self.labels = labels
         self.target = [g.detach() for g in observation.gradients]
-        needs_bn = any("bn_stats" in getattr(p, "requires", ()) for _, p, _ in self.priors)
-        self.context = SimContext(observation, generator=rng, capture_features=needs_bn)
+        self.context = SimContext(observation, generator=rng, capture_features=bool(requiring(self.priors, "bn_stats")))
         self.batched = simulator.batchable
         self.execution = "batched (vmap over candidates)" if self.batched else \
             f"sequential ({simulator.describe()} is not vmappable)"
@@ -90,11 +89,7 @@ class Scorer:
         self.evaluations += images.shape[0]
         with torch.enable_grad():  # the simulated client differentiates its loss, also under no_grad
             terms = self._terms(images)
-        total = terms["match"]
-        for key, _, weight in self.priors:
-            if weight:
-                total = total + weight * terms[key]
-        return total, terms
+        return weighted_total(terms, self.priors), terms
 
     def _terms(self, images: Tensor) -> Dict[str, Tensor]:
         if self.batched:
