@@ -20,7 +20,6 @@ from torch import Tensor
 
 from attacks.objectives import Objective
 from audit.errors import ConfigError
-from audit.types import Observation
 
 
 def pooled_bandwidths(draws: Sequence[Sequence[Tensor]], shared: Sequence[Tensor], floor: float) -> List[Tensor]:
@@ -58,25 +57,9 @@ def kernel_log_likelihood(shared: Sequence[Tensor], draws: Sequence[Sequence[Ten
 # The ball simulator (:class:`adaptive.bayes_simulator.BallSimulator`) returns every
 # parameter's gradient stacked as ``(k, draws, *shape)``: k points of the delta-ball, each
 # through ``draws`` runs of the (possibly random) client. These objectives turn that into
-# the negative Monte Carlo objective of Eq. 3 (the engine minimises).
-
-
-class PointAverage(Objective):
-    """``mean_{i,d} inner(g_{i,d}, target)``: an exact negative log-likelihood (or any
-    gradient distance) averaged over the ball points."""
-
-    def __init__(self, inner: Objective):
-        self.inner = inner
-        self.name = f"ball-mean[{inner!r}]"
-
-    def bind(self, observation: Observation) -> "PointAverage":
-        return PointAverage(self.inner.bind(observation))
-
-    def __call__(self, dummy_grads, target_grads):
-        k, draws = dummy_grads[0].shape[:2]
-        total = sum(self.inner([g[i, d] for g in dummy_grads], target_grads)
-                    for i in range(k) for d in range(draws))
-        return total / (k * draws)
+# the negative Monte Carlo objective of Eq. 3 (the engine minimises). An exact likelihood
+# (or any gradient distance) is averaged over them by ``attacks.objectives.StackedMean(inner,
+# "ball-mean", dims=2)``.
 
 
 class MonteCarloLikelihood(Objective):

@@ -22,7 +22,7 @@ from __future__ import annotations
 from typing import Any, Callable, Dict, Optional, Tuple, Union
 
 from attacks.engine import OptimizationAttack, Progress
-from attacks.objectives import OBJECTIVES, L2Distance, Objective, ScaledDistance, build_objective
+from attacks.objectives import OBJECTIVES, L2Distance, Objective, ScaledDistance, StackedMean, build_objective
 from attacks.optimizers import OPTIMIZERS
 from attacks.presets import ATTACKS
 from attacks.simulator import DefenseSimulator, GradientSimulator
@@ -161,7 +161,7 @@ class BayesOptimalAttack:
         if self.k > 1 or self.delta > 0 or draws > 1:
             simulator = bayes_simulator.BallSimulator(inner, k=self.k, delta=self.delta, draws=draws)
             if not isinstance(objective, bayes_likelihood.MonteCarloLikelihood):
-                objective = bayes_likelihood.PointAverage(objective)
+                objective = StackedMean(objective, "ball-mean", dims=2)
             prior = bayes_priors.BallAveragedPrior(prior) if prior is not None else None
         chosen = {"likelihood": description, "beta": beta, "beta_source": beta_source}
         attack = OptimizationAttack(

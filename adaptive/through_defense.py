@@ -16,7 +16,7 @@ from typing import Any, Dict, List, Tuple
 import torch
 from torch import Tensor
 
-from attacks.objectives import OBJECTIVES, Objective
+from attacks.objectives import OBJECTIVES, StackedMean
 from attacks.simulator import ClientReplica, DefenseSimulator, GradientSimulator, SimContext
 from audit.errors import ConfigError
 from audit.types import Defense, Observation
@@ -56,7 +56,7 @@ def defended_client(defense: Any) -> GradientSimulator:
 
 class EOTSimulator(GradientSimulator):
     """``samples`` defended gradients of the same dummy batch, stacked ``(samples, *shape)``
-    per parameter (:class:`SampleAverage` averages the objective over them). A gradient-only
+    per parameter (:class:`~attacks.objectives.StackedMean` averages the objective over them). A gradient-only
     defense on a single-step observation reuses one clean gradient for all samples."""
 
     vmappable = False
@@ -83,21 +83,6 @@ class EOTSimulator(GradientSimulator):
 
     def describe(self) -> str:
         return f"EOTSimulator(samples={self.samples})"
-
-
-class SampleAverage(Objective):
-    """``mean_k inner(draw_k, target)`` over gradients stacked ``(samples, *shape)``."""
-
-    def __init__(self, inner: Objective):
-        self.inner = inner
-        self.name = f"eot-mean[{inner!r}]"
-
-    def bind(self, observation: Observation) -> "SampleAverage":
-        return SampleAverage(self.inner.bind(observation))
-
-    def __call__(self, dummy_grads, target_grads):
-        draws = list(zip(*[g.unbind(0) for g in dummy_grads]))  # unbind: one cheap backward
-        return sum(self.inner(list(d), target_grads) for d in draws) / len(draws)
 
 
 def _applicability(observation: Observation) -> str:
@@ -144,7 +129,7 @@ class ThroughDefense(AdaptedAttack):
         if isinstance(objective, str):
             args = {k: self.settings[k] for k in ("sigma", "b", "weights", "masks") if self.settings[k] is not None}
             objective = OBJECTIVES.build(objective, **args)
-        knobs = {"simulator": EOTSimulator(samples), "objective": SampleAverage(objective),
+        knobs = {"simulator": EOTSimulator(samples), "objective": StackedMean(objective, "eot-mean"),
                  "sigma": None, "b": None, "weights": None, "masks": None}
         return Adaptation(knobs, notes)
 

@@ -143,6 +143,23 @@ class ScaledDistance(Objective):
         return self.name
 
 
+class StackedMean(Objective):
+    """``mean_s inner(draw_s, target)`` over dummy gradients stacked along their first ``dims``
+    dimensions (EOT samples; delta-ball points x defense draws); ``label`` names it in traces."""
+
+    def __init__(self, inner: Objective, label: str, dims: int = 1):
+        self.inner, self.label, self.dims = inner, label, int(dims)
+        self.name = f"{label}[{inner!r}]"
+
+    def bind(self, observation: Observation) -> "StackedMean":
+        return StackedMean(self.inner.bind(observation), self.label, self.dims)
+
+    def __call__(self, dummy_grads, target_grads):
+        # unbind: one cheap backward
+        draws = list(zip(*[g.flatten(0, self.dims - 1).unbind(0) for g in dummy_grads]))
+        return sum(self.inner(list(d), target_grads) for d in draws) / len(draws)
+
+
 class DefenseLikelihood(Objective):
     """``-observation.defense.log_prob(shared=target, clean=dummy)`` (the Bayes adversary)."""
 
