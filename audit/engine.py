@@ -67,10 +67,14 @@ def derive_seed(seed: int, *parts: Any) -> int:
     return int.from_bytes(hashlib.sha256(blob).digest()[:4], "little") & 0x7FFFFFFF
 
 
+def _comma_list(value: Any) -> Any:
+    """A comma-separated string as its non-empty items (spaces dropped); anything else as is."""
+    return [s for s in value.replace(" ", "").split(",") if s] if isinstance(value, str) else value
+
+
 def _parse_steps(steps: Union[str, Sequence[int]]) -> List[int]:
     given = steps
-    if isinstance(steps, str):
-        steps = [s for s in steps.replace(" ", "").split(",") if s]
+    steps = _comma_list(steps)
     try:
         out = sorted({int(s) for s in steps})
     except (TypeError, ValueError):
@@ -474,9 +478,7 @@ def _plan(defense, model, dataset, seed: int, device):
 
 
 def _attack_names(attacks) -> List[str]:
-    if isinstance(attacks, str):
-        attacks = [a for a in attacks.replace(" ", "").split(",") if a]
-    names = [str(a) for a in attacks]
+    names = [str(a) for a in _comma_list(attacks)]
     if not names:
         raise ConfigError("attacks must be 'auto', a non-empty list of attack names (see `gia-audit list "
                           "attacks`), or both, e.g. 'auto,dlg'")
