@@ -17,6 +17,7 @@ from audit.models import last_linear
 from audit.types import Defense, clean_gradients, default_loss_fn, trainable_parameters
 
 from .common import check_range, preserved_buffers
+from .prune import topk_mask
 from .registry import DEFENSES
 
 
@@ -84,12 +85,8 @@ class Soteria(Defense):
             (jac,) = torch.autograd.grad(r, x, seeds, retain_graph=True, is_grads_batched=True)
             sensitivity.append(jac.flatten(2).norm(dim=2))  # (chunk, batch)
         dr_dx = torch.cat(sensitivity).T  # (batch, features)
-        score = (dr_dx / (r.detach().abs() + 1e-12)).sum(0)
-        keep = n_feat - int(round(self.ratio * n_feat))
-        mask = torch.zeros(n_feat, dtype=torch.bool, device=r.device)
-        if keep > 0:
-            mask[torch.topk(score, keep).indices] = True
-        return mask
+        score = (dr_dx / (r.detach().abs() + 1e-12)).sum(0)  # >= 0: top-k by magnitude = by score
+        return topk_mask(score, self.ratio)
 
     def __call__(self, model, inputs, labels, *, loss_fn=default_loss_fn, generator=None):
         mask = self.feature_mask(model, inputs)
