@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 from attacks.simulator import ClientReplica, param_grads
 from audit.errors import DefenseError, GiaError
 from audit.observe import client_round
-from audit.types import Defense, Observation
+from audit.types import Defense, Observation, is_gradient_only
 from defenses import check_output
 
 from .inverter_sketch import GradientSketch, flatten_gradients
@@ -45,11 +45,7 @@ def pair_indices(n: int, pairs: int, batch_size: int, generator: torch.Generator
 
 def is_gradient_transform(defense: Optional[Defense]) -> bool:
     """True for no defense or a defense that is "clean gradient, then ``transform``"."""
-    if defense is None:
-        return True
-    cls = type(defense)
-    return (isinstance(defense, Defense) and cls.__call__ is Defense.__call__
-            and cls.transform_inputs is Defense.transform_inputs)
+    return defense is None or is_gradient_only(defense)
 
 
 def defended_features(observation: Observation, images: Tensor, labels: Tensor, index: Tensor,

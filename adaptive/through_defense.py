@@ -19,18 +19,10 @@ from torch import Tensor
 from attacks.objectives import OBJECTIVES, StackedMean
 from attacks.simulator import ClientReplica, DefenseSimulator, GradientSimulator, SimContext
 from audit.errors import ConfigError
-from audit.types import Defense, Observation
+from audit.types import Defense, Observation, is_gradient_only
 
 from .adapted import Adaptation, AdaptedAttack, register
 from .rules import EOT_SAMPLES
-
-
-def is_gradient_only(defense: Any) -> bool:
-    """True when the defense is ``transform(clean gradient)`` (no own ``__call__`` or input
-    transform), so its randomness can be sampled without recomputing the gradient."""
-    kind = type(defense)
-    return (isinstance(defense, Defense) and kind.__call__ is Defense.__call__
-            and kind.transform_inputs is Defense.transform_inputs)
 
 
 class DefenseTransform:

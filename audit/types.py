@@ -110,6 +110,15 @@ class Defense:
         return f"{self.name}({args})"
 
 
+def is_gradient_only(defense: Any) -> bool:
+    """True when ``defense`` is "clean gradient, then ``transform``" (a :class:`Defense`
+    keeping the base ``__call__`` and ``transform_inputs``), so its transform can be
+    replayed or sampled on a gradient without recomputing it."""
+    kind = type(defense)
+    return (isinstance(defense, Defense) and kind.__call__ is Defense.__call__
+            and kind.transform_inputs is Defense.transform_inputs)
+
+
 class FunctionDefense(Defense):
     """Adapts a plain defended-gradient function to the :class:`Defense` interface."""
 
