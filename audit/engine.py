@@ -168,6 +168,8 @@ class Audit:
         self.dataset = _load_data(data, image_size, data_args or {})
         self.defense_spec = defense
         self.defense = _resolve_defense(defense, defense_args or {})
+        # hashed once: for user code this reads and hashes its source
+        self.defense_ident = defense_identity(self.defense, self.defense_spec)
         self.model_spec, self.model_args = model, dict(model_args or {})
         # architectural defenses (PRECODE) change the client model once, before training
         self.model = _wrap_model(self.defense, _build_model(model, self.model_args, self.dataset, self.seed)
@@ -183,7 +185,7 @@ class Audit:
         """Every setting that changes a number. Steps, the image count and the attack list
         are left out on purpose: adding a step, an image or an attack reuses the rest."""
         return {
-            "defense": defense_identity(self.defense, self.defense_spec),
+            "defense": self.defense_ident,
             "model": model_identity(self.model_spec, self.model_args),
             "data": {"name": self.dataset.name, "input_shape": list(self.dataset.input_shape)},
             "fl": asdict(self.fl), "batch_size": self.batch_size, "budget": self.budget,
@@ -340,7 +342,7 @@ class Audit:
         store.update_manifest(
             run_key=store.key, status="running", settings=self.settings(), steps=self.steps,
             images=self.images, attacks=[s.as_dict() for s in specs], plan=plan,
-            defense=defense_identity(self.defense, self.defense_spec),
+            defense=self.defense_ident,
             threat_model=self.threat_model(specs), thresholds=self.thresholds.as_dict(),
             risk_delta={"delta": self.delta, "description": _delta_description(self.delta, self.dataset)},
             data=_data_description(self.dataset, self.private),
@@ -363,13 +365,14 @@ class Audit:
         total = len(self.steps) * self.images * len(specs)
         if not pending:
             return
-        states, failure = self.checkpoints(store, sorted({s for s, _, _ in pending}))
+        pending_steps = sorted({s for s, _, _ in pending})
+        states, failure = self.checkpoints(store, pending_steps)
         known = store.load_manifest().get("failures", [])
         if failure is not None and failure not in known:
             store.update_manifest(failures=known + [failure])
         bar = _progress(total, total - len(pending), self.progress)
         try:
-            for step in sorted({s for s, _, _ in pending}):
+            for step in pending_steps:
                 for image in sorted({i for s, i, _ in pending if s == step}):
                     todo = [a for s, i, a in pending if s == step and i == image]
                     self._attack_batch(store, states.get(step), failure, todo, step, image, bar)
