@@ -62,7 +62,7 @@ def validate_observation(observation: Observation) -> None:
 
 
 @contextlib.contextmanager
-def _seeded(device: torch.device, seed: int):
+def seeded_rng(device: torch.device, seed: int):
     """Seed torch's global RNG for the block (vmap randomness) without leaking the state."""
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(int(seed))
@@ -146,7 +146,7 @@ class OptimizationAttack:
         iterations = self.iterations if budget is None else int(budget)
         if iterations < 0:
             raise ConfigError(f"budget must be >= 0 iterations, got {budget}")
-        with _seeded(observation.device, seed):
+        with seeded_rng(observation.device, seed):
             return _Run(self, observation, int(seed), show_bars=progress is None).execute(iterations, progress)
 
 
@@ -161,7 +161,7 @@ class OptimizationAttack:
         images = images.to(observation.device)
         if images.dim() == 4:
             images = images.unsqueeze(0)
-        with _seeded(observation.device, seed), torch.enable_grad():
+        with seeded_rng(observation.device, seed), torch.enable_grad():
             run = _Run(self, observation, int(seed), labels)
             run.iteration = run.sim_ctx.iteration = iteration
             if run.labels.shape is not None:

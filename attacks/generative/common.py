@@ -26,7 +26,7 @@ from generators import CONDITIONS, ImageGenerator, condition_labels, generate, g
 from generators.resolve import GeneratorSpec
 from priors import PRIORS, PriorContext, requiring, weighted_total
 
-from ..engine import _seeded, validate_observation
+from ..engine import seeded_rng, validate_observation
 from ..labels import LABEL_STRATEGIES, plan_labels
 from ..objectives import build_objective
 from ..simulator import SIMULATORS, DefenseSimulator, GradientSimulator, SimContext
@@ -192,7 +192,7 @@ class GenerativeAttack:
         if budget < 1:
             raise ConfigError(f"{self.name}: budget must be >= 1, got {budget}")
         start = time.perf_counter()
-        with _seeded(observation.device, seed):
+        with seeded_rng(observation.device, seed):
             setup = GenerativeSetup.build(self, observation, seed, progress)
             setup.progress, setup.budget = progress, budget
             images, trace = self.run(setup, budget)
