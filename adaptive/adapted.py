@@ -14,8 +14,8 @@ from typing import Any, Dict, Optional, Tuple
 
 from attacks.engine import OptimizationAttack, Progress
 from attacks.presets import ATTACKS, KNOBS, compose
-from audit.errors import ConfigError
-from audit.types import Observation, Reconstruction
+from audit.core.errors import ConfigError
+from audit.core.types import Observation, Reconstruction
 
 
 @dataclass

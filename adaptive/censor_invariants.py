@@ -13,10 +13,10 @@ import torch
 from torch import Tensor
 
 from attacks.objectives import Objective
-from audit.errors import ConfigError
-from audit.types import Observation
+from audit.core.errors import ConfigError
+from audit.core.types import Observation
 
-from .adapted import Adaptation, AdaptedAttack, register
+from adaptive.adapted import Adaptation, AdaptedAttack, register
 
 
 class InvariantObjective(Objective):

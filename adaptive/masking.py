@@ -12,11 +12,11 @@ from __future__ import annotations
 from typing import List, Optional, Sequence, Union
 
 from attacks.engine import Progress
-from audit.errors import ConfigError
-from audit.types import Observation, Reconstruction, trainable_names
+from audit.core.errors import ConfigError
+from audit.core.types import Observation, Reconstruction, trainable_names
 
-from .adapted import Adaptation, AdaptedAttack, register
-from .probe import changed_parameters
+from adaptive.adapted import Adaptation, AdaptedAttack, register
+from adaptive.planner.probe import changed_parameters
 
 
 class MaskReplay(AdaptedAttack):

@@ -26,24 +26,29 @@ from torch import Tensor
 from attacks.analytic import AnalyticInversion, invert_linear_input
 from attacks.engine import Progress
 from attacks.simulator import ClientReplica, DefenseSimulator
-from audit.types import Observation, Reconstruction
-from defenses.precode import VariationalBottleneck, bottlenecks
+from audit.core.types import LatentBottleneck, Observation, Reconstruction
 
-from .adapted import Adaptation, AdaptedAttack, register
+from adaptive.adapted import Adaptation, AdaptedAttack, register
+
+
+def declared_bottlenecks(defense: Any, model: torch.nn.Module) -> List[LatentBottleneck]:
+    """The bottlenecks ``defense`` declares in ``model`` (:meth:`Defense.latent_bottlenecks`)."""
+    declared = getattr(defense, "latent_bottlenecks", None)
+    return list(declared(model)) if callable(declared) else []
 
 
 def recover_latents(observation: Observation) -> List[Tuple[str, Tensor, float]]:
-    """``(decoder name, b (1, K), |db_dec[row]|)`` for every bottleneck of the model."""
+    """``(decoder name, b (1, K), |db_dec[row]|)`` for every declared bottleneck of the model."""
     names = {m: n for n, m in observation.model.named_modules()}
     out = []
-    for neck in bottlenecks(observation.model):
+    for neck in declared_bottlenecks(observation.defense, observation.model):
         layer = names[neck.decoder]
         b, _, strength = invert_linear_input(observation, layer)
         out.append((layer, b.detach().unsqueeze(0), strength))
     return out
 
 
-def pin_latents(model: torch.nn.Module, latents: List[Tensor]) -> torch.nn.Module:
+def pin_latents(defense: Any, model: torch.nn.Module, latents: List[Tensor]) -> torch.nn.Module:
     """Pin the bottlenecks' draws (in order) to ``latents``, in place; returns the model.
 
     The draw keeps the client's reparameterisation: ``b = mu(x) + sigma(x) * e`` with the
@@ -51,15 +56,14 @@ def pin_latents(model: torch.nn.Module, latents: List[Tensor]) -> torch.nn.Modul
     ``b*`` while gradients flow through ``mu`` and ``sigma`` as they did on the client
     (a constant ``b`` would cut the input out of the classification loss).
     """
-    for neck, b in zip(bottlenecks(model), latents):
+    for neck, b in zip(declared_bottlenecks(defense, model), latents):
         neck.register_forward_pre_hook(_pinned_draw(b))
     return model
 
 
 def _pinned_draw(b: Tensor):
-    def hook(neck: VariationalBottleneck, inputs):
-        mu, logvar = neck.encoder(inputs[0]).chunk(2, dim=-1)
-        sigma = (0.5 * logvar).exp()
+    def hook(neck: LatentBottleneck, inputs):
+        mu, sigma = neck.posterior(inputs[0])
         neck.fixed_latent = mu + sigma * ((b - mu) / sigma).detach()
 
     return hook
@@ -74,7 +78,7 @@ class PinnedLatentSimulator(DefenseSimulator):
 
     def prepare(self, observation: Observation) -> ClientReplica:
         replica = super().prepare(observation)
-        pin_latents(replica.model, self.latents)
+        pin_latents(observation.defense, replica.model, self.latents)
         return replica
 
     def describe(self) -> str:
@@ -84,7 +88,7 @@ class PinnedLatentSimulator(DefenseSimulator):
 def consistency(observation: Observation, images: Tensor, labels: Tensor, latents: List[Tensor]) -> float:
     """Relative distance between the observation and the defended gradient recomputed at
     ``(images, latents)``: ~0 when both were recovered exactly."""
-    model = pin_latents(copy.deepcopy(observation.model), latents)
+    model = pin_latents(observation.defense, copy.deepcopy(observation.model), latents)
     shared = observation.defense(model, images, labels, loss_fn=observation.loss_fn, generator=None)
     num = sum(float((s.detach() - g).pow(2).sum()) for s, g in zip(shared, observation.gradients))
     den = sum(float(g.pow(2).sum()) for g in observation.gradients)
@@ -98,8 +102,9 @@ class PrecodeLatent(AdaptedAttack):
     owns = ("simulator",)
 
     def _skip(self, observation: Observation) -> Optional[str]:
-        if not bottlenecks(observation.model):
-            return "the model has no PRECODE bottleneck (VariationalBottleneck)"
+        if not declared_bottlenecks(observation.defense, observation.model):
+            return ("the defense declares no latent bottleneck in the model (Defense.latent_bottlenecks, "
+                    "see audit.core.types.LatentBottleneck)")
         if observation.batch_size != 1:
             return (f"the decoder gradient of a batch of {observation.batch_size} mixes their draws; "
                     "the closed-form latent needs batch 1")

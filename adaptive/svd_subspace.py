@@ -7,7 +7,7 @@ gradient itself (its SVD), and the dummy gradient is projected onto them,
 dummy. Only layers whose observed rank is below the rank a clean gradient of the same
 batch size has are projected (a batch-1 linear-layer gradient is rank 1 already and is
 left intact, which is also why analytic first-layer inversion survives truncation).
-When the defense declares SVDefense's channel weighting (``defense.weighting``) the
+When the defense declares a channel weighting (``defense.channel_weights()``, as SVDefense does) the
 projection is the defense's own oblique one (see :class:`SubspaceProjection`).
 """
 from __future__ import annotations
@@ -19,10 +19,10 @@ import torch
 from torch import Tensor
 
 from attacks.simulator import GradientSimulator, SimContext
-from audit.types import Observation, clean_gradients, trainable_names
+from audit.core.types import Observation, clean_gradients, trainable_names
 
-from .adapted import Adaptation, AdaptedAttack, register
-from .probe import random_batch
+from adaptive.adapted import Adaptation, AdaptedAttack, register
+from adaptive.planner.probe import random_batch
 
 RANK_RTOL = 1e-5  # truncation zeros sit below this fraction of the largest singular value ...
 CLIFF = 1e-3  # ... and below this fraction of the previous one (natural spectra decay smoothly)
@@ -116,7 +116,8 @@ class SVDSubspace(AdaptedAttack):
         bases = [None if r is None else subspace(matrix_view(g), r[0])
                  for g, r in zip(observation.gradients, ranks)]
         names = trainable_names(observation.model)
-        weighting = getattr(observation.defense, "weighting", None)
+        declared = getattr(observation.defense, "channel_weights", None)
+        weighting = declared() if callable(declared) else None
         weighting = weighting if weighting in ("sqrt", "square") else None
         notes = {"projected": {n: {"observed_rank": r[0], "clean_rank": r[1]}
                                for n, r in zip(names, ranks) if r is not None},

@@ -18,11 +18,11 @@ from torch import Tensor
 
 from attacks.objectives import OBJECTIVES, StackedMean
 from attacks.simulator import ClientReplica, DefenseSimulator, GradientSimulator, SimContext
-from audit.errors import ConfigError
-from audit.types import Defense, Observation, is_gradient_only
+from audit.core.errors import ConfigError
+from audit.core.types import Defense, Observation, is_gradient_only
 
-from .adapted import Adaptation, AdaptedAttack, register
-from .rules import EOT_SAMPLES
+from adaptive.adapted import Adaptation, AdaptedAttack, register
+from adaptive.planner.rules import EOT_SAMPLES
 
 
 class DefenseTransform:
@@ -92,7 +92,7 @@ class ThroughDefense(AdaptedAttack):
 
     name = "through-defense"
     owns = ("simulator",)
-    EOT_SAMPLES = EOT_SAMPLES  # the planner's number (adaptive.rules)
+    EOT_SAMPLES = EOT_SAMPLES  # the planner's number (adaptive.planner.rules)
 
     def __init__(self, samples="auto", base: str = "ig", **knobs):
         super().__init__(base, **knobs)

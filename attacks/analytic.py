@@ -14,10 +14,10 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
-from audit.models import Normalize
-from audit.types import Observation, Reconstruction, trainable_names
+from audit.core.models import Normalize
+from audit.core.types import Observation, Reconstruction, trainable_names
 
-from .labels import infer_labels
+from attacks.labels import infer_labels
 
 _INVERTIBLE = (Normalize, nn.Flatten, nn.Identity)
 

@@ -27,15 +27,15 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
-from audit.errors import ConfigError, GiaError, NotApplicable
-from audit.types import Observation, Reconstruction, trainable_parameters
+from audit.core.errors import ConfigError, GiaError, NotApplicable
+from audit.core.types import Observation, Reconstruction, trainable_parameters
 from priors import PRIORS, Prior, PriorContext, requiring, weighted_total
 
-from .labels import LABEL_STRATEGIES, LabelPlan, plan_labels
-from .objectives import Objective, build_objective
-from .optimizers import OPTIMIZERS
-from .search_space import BOXES, INITS, Box
-from .simulator import GradientSimulator, SimContext
+from attacks.labels import LABEL_STRATEGIES, LabelPlan, plan_labels
+from attacks.objectives import Objective, build_objective
+from attacks.optimizers import OPTIMIZERS
+from attacks.search_space import BOXES, INITS, Box
+from attacks.simulator import GradientSimulator, SimContext
 
 Progress = Callable[[int, int, float], None]
 EXECUTIONS = ("auto", "batched", "sequential")

@@ -21,10 +21,10 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 from torch import Tensor
 
-from audit.errors import ConfigError, NotApplicable
-from audit.models import last_linear
-from audit.registry import Registry
-from audit.types import Observation, trainable_names
+from audit.core.errors import ConfigError, NotApplicable
+from audit.core.models import last_linear
+from audit.core.registry import Registry
+from audit.core.types import Observation, trainable_names
 
 LABEL_METHODS = Registry("label method")
 
@@ -75,7 +75,7 @@ def idlg(observation: Observation, seed: int = 0) -> LabelInference:
 
 def mean_probabilities(observation: Observation, seed: int, probes: int = 32) -> Tensor:
     """Mean softmax output of the observation's model (client mode) on uniform random images."""
-    from .simulator import ClientReplica
+    from attacks.simulator import ClientReplica
 
     replica = ClientReplica(observation)
     gen = torch.Generator(device=observation.device).manual_seed(int(seed))

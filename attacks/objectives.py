@@ -17,9 +17,9 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
-from audit.errors import ConfigError, NotApplicable
-from audit.registry import Registry
-from audit.types import Observation
+from audit.core.errors import ConfigError, NotApplicable
+from audit.core.registry import Registry
+from audit.core.types import Observation
 
 OBJECTIVES = Registry("objective")
 

@@ -15,8 +15,8 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from audit.errors import ConfigError
-from audit.registry import Registry
+from audit.core.errors import ConfigError
+from audit.core.registry import Registry
 
 OPTIMIZERS = Registry("optimizer")
 SCHEDULES = Registry("lr schedule")

@@ -10,14 +10,14 @@ from __future__ import annotations
 import inspect
 from typing import Any, Callable, Dict
 
-from audit.errors import ConfigError
-from audit.registry import Registry
+from audit.core.errors import ConfigError
+from audit.core.registry import Registry
 from priors import PRIORS
 
-from .analytic import AnalyticInversion
-from .engine import OptimizationAttack
-from .objectives import OBJECTIVES
-from .optimizers import OPTIMIZERS
+from attacks.analytic import AnalyticInversion
+from attacks.engine import OptimizationAttack
+from attacks.objectives import OBJECTIVES
+from attacks.optimizers import OPTIMIZERS
 
 ATTACKS = Registry("attack")
 

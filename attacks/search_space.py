@@ -12,7 +12,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from audit.registry import Registry
+from audit.core.registry import Registry
 
 INITS = Registry("initialisation")
 BOXES = Registry("box constraint")

@@ -28,10 +28,10 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, replace_all_batch_norm_modules_
 
-from audit.errors import ConfigError, NotApplicable
-from audit.observe import local_batches
-from audit.registry import Registry
-from audit.types import Observation
+from audit.core.errors import ConfigError, NotApplicable
+from audit.core.registry import Registry
+from audit.core.types import Observation
+from audit.core.unroll import client_update  # the replica unrolls exactly like the client
 
 SIMULATORS = Registry("simulator")
 
@@ -144,27 +144,6 @@ def param_grads(
     loss, feats = loss_of(params)
     grads = torch.autograd.grad(loss, list(params.values()), create_graph=create_graph, allow_unused=True)
     return {n: torch.zeros_like(p) if g is None else g for (n, p), g in zip(params.items(), grads)}, feats
-
-
-def client_update(
-    step_grads: Callable[[Dict[str, Tensor], Tensor, Tensor, int], Dict[str, Tensor]],
-    params: Dict[str, Tensor], x: Tensor, y: Tensor, *,
-    steps: int = 1, lr: float = 0.0, batch_size: Optional[int] = None,
-) -> List[Tensor]:
-    """Unroll ``steps`` local SGD steps; return the accumulated gradient ``(theta_0 - theta_K) / lr``.
-
-    ``step_grads(params, xb, yb, k)`` gives the gradient of step ``k``; mini-batches follow
-    :func:`audit.observe.local_batches`. Differentiable when ``step_grads`` is.
-    """
-    if steps > 1 and lr <= 0:
-        raise ConfigError(f"{steps} local steps need a positive local learning rate, got {lr}")
-    total: Optional[Dict[str, Tensor]] = None
-    for k, rows in enumerate(local_batches(x.shape[0], batch_size, steps)):
-        g = step_grads(params, x[rows], y[rows], k)
-        total = g if total is None else {n: total[n] + g[n] for n in total}
-        if k < steps - 1:
-            params = {n: params[n] - lr * g[n] for n in params}
-    return list(total.values())
 
 
 class GradientSimulator:

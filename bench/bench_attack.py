@@ -29,8 +29,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from attacks import ATTACKS, observe  # noqa: E402
-from audit.data import load_dataset  # noqa: E402
-from audit.models import build_model  # noqa: E402
+from audit.core.data import load_dataset  # noqa: E402
+from audit.core.models import build_model  # noqa: E402
 
 
 def _sync(device: torch.device) -> None:

@@ -34,15 +34,15 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from adaptive.bayes_optimal import BayesOptimalAttack  # noqa: E402
-from adaptive.bayes_priors import GaussianPrior, LaplacePrior  # noqa: E402
-from adaptive.learned_inverter import LearnedInverter  # noqa: E402
+from adaptive.bayes.optimal import BayesOptimalAttack  # noqa: E402
+from adaptive.bayes.priors import GaussianPrior, LaplacePrior  # noqa: E402
+from adaptive.inverter.attack import LearnedInverter  # noqa: E402
 from attacks import ATTACKS  # noqa: E402
-from audit.data import load_dataset  # noqa: E402
-from audit.fl import train  # noqa: E402
-from audit.metrics import psnr  # noqa: E402
-from audit.models import build_model  # noqa: E402
-from audit.observe import observe  # noqa: E402
+from audit.core.data import load_dataset  # noqa: E402
+from audit.client.fl import train  # noqa: E402
+from audit.core.metrics import psnr  # noqa: E402
+from audit.core.models import build_model  # noqa: E402
+from audit.client.observe import observe  # noqa: E402
 from defenses import build_defense  # noqa: E402
 
 COARSE = tuple(10.0 ** e for e in range(-2, 5))

@@ -14,12 +14,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from audit.errors import ConfigError
-from audit.types import Defense
+from audit.core.errors import ConfigError
+from audit.core.types import Defense
 
-from .augment import AUGMENTATIONS
-from .common import rand, resolve_generator
-from .registry import DEFENSES
+from defenses.augment import AUGMENTATIONS
+from defenses.common import rand, resolve_generator
+from defenses.registry import DEFENSES
 
 Op = Tuple[str, float, int]
 

@@ -14,7 +14,7 @@ import torchvision.transforms.v2.functional as TF
 from torch import Tensor
 from torchvision.transforms import InterpolationMode
 
-from audit.registry import Registry
+from audit.core.registry import Registry
 
 AUGMENTATIONS = Registry("augmentation")
 FILL = 0.0

@@ -15,12 +15,12 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, vmap
 
-from audit.types import Defense, clean_gradients, default_loss_fn, trainable_names
+from audit.core.types import Defense, clean_gradients, default_loss_fn, trainable_names
 
-from .common import (
+from defenses.common import (
     check_range, eval_mode, flatten, per_example_gradients, randn, resolve_generator,
 )
-from .registry import DEFENSES
+from defenses.registry import DEFENSES
 
 
 def orthonormal_basis(vectors: Tensor) -> Tensor:

@@ -6,10 +6,10 @@ from typing import List, Sequence
 import torch
 from torch import Tensor
 
-from audit.types import Defense
+from audit.core.types import Defense
 
-from .common import check_range, global_norm
-from .registry import DEFENSES
+from defenses.common import check_range, global_norm
+from defenses.registry import DEFENSES
 
 
 def clip_by_norm(grads: Sequence[Tensor], bound: float, per_layer: bool = False) -> List[Tensor]:

@@ -9,8 +9,9 @@ from typing import Iterator, List, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from audit.errors import ConfigError
-from audit.types import LossFn, clean_gradients, default_loss_fn
+from audit.core.errors import ConfigError
+from audit.core.models import preserved_buffers  # noqa: F401 (used by the defenses)
+from audit.core.types import LossFn, clean_gradients, default_loss_fn
 
 
 # --------------------------------------------------------------------------- randomness
@@ -83,22 +84,6 @@ def global_norm(tensors: Sequence[Tensor]) -> Tensor:
 
 
 # --------------------------------------------------------------------------- model state
-@contextlib.contextmanager
-def preserved_buffers(model: nn.Module) -> Iterator[nn.Module]:
-    """Run extra forward passes without side effects on buffers (BatchNorm running stats).
-
-    Only buffers that changed are written back, so constant buffers saved for a backward
-    pass (e.g. the normalisation statistics) keep their autograd version."""
-    saved = [(b, b.detach().clone()) for b in model.buffers()]
-    try:
-        yield model
-    finally:
-        with torch.no_grad():
-            for buf, value in saved:
-                if not torch.equal(buf, value):
-                    buf.copy_(value)
-
-
 @contextlib.contextmanager
 def eval_mode(model: nn.Module) -> Iterator[nn.Module]:
     """Temporarily switch ``model`` to eval mode (restores each module's flag)."""

@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import torch
 
-from audit.types import Defense, default_loss_fn
+from audit.core.types import Defense, default_loss_fn
 
-from .clip import clip_by_norm
-from .common import check_range, per_example_gradients
-from .noise import add_noise
-from .registry import DEFENSES
+from defenses.clip import clip_by_norm
+from defenses.common import check_range, per_example_gradients
+from defenses.noise import add_noise
+from defenses.registry import DEFENSES
 
 
 @DEFENSES.register(

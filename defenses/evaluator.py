@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from audit.cache import cache_dir
-from audit.files import atomic_torch_save
-from audit.errors import ConfigError
+from audit.core.cache import cache_dir
+from audit.core.files import atomic_torch_save
+from audit.core.errors import ConfigError
 
 MIX_RATIOS = tuple(i / 10 for i in range(11))
 
@@ -43,7 +43,7 @@ class NoiseRatioNet(nn.Module):
 
 def natural_images(dataset: str, input_shape: Tuple[int, int, int]) -> Tensor:
     """Training images of a registered data set, at the requested shape."""
-    from audit.data import load_dataset, to_grayscale
+    from audit.core.data import load_dataset, to_grayscale
 
     c, h, w = input_shape
     images = load_dataset(dataset, size=h).train_images

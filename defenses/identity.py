@@ -1,14 +1,8 @@
-"""The undefended baseline."""
+"""The undefended baseline (the class lives with the contracts: the client simulation uses it too)."""
 from __future__ import annotations
 
-from audit.types import Defense
+from audit.core.types import NoDefense
 
-from .registry import DEFENSES
+from defenses.registry import DEFENSES
 
-
-@DEFENSES.register("none", "No defense: the client shares its clean gradient")
-class NoDefense(Defense):
-    """Shares the clean gradient unchanged."""
-
-    name = "none"
-    stochastic = False
+DEFENSES.register("none", "No defense: the client shares its clean gradient")(NoDefense)

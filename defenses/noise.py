@@ -7,10 +7,10 @@ from typing import Callable, Dict, List, Sequence
 import torch
 from torch import Tensor
 
-from audit.types import Defense
+from audit.core.types import Defense
 
-from .common import check_range, rand, randn, resolve_generator
-from .registry import DEFENSES
+from defenses.common import check_range, rand, randn, resolve_generator
+from defenses.registry import DEFENSES
 
 
 def gaussian_noise(shape, scale: float, *, generator, device, dtype) -> Tensor:

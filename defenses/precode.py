@@ -13,12 +13,12 @@ from typing import Iterator, List, Optional
 import torch
 from torch import Tensor, nn
 
-from audit.errors import ConfigError
-from audit.models import last_linear
-from audit.types import Defense, clean_gradients, default_loss_fn
+from audit.core.errors import ConfigError
+from audit.core.models import last_linear
+from audit.core.types import Defense, clean_gradients, default_loss_fn
 
-from .common import check_range, randn
-from .registry import DEFENSES
+from defenses.common import check_range, randn
+from defenses.registry import DEFENSES
 
 
 class VariationalBottleneck(nn.Module):
@@ -53,6 +53,11 @@ class VariationalBottleneck(nn.Module):
             yield self
         finally:
             self.generator = previous
+
+    def posterior(self, x: Tensor):
+        """``(mu, sigma)`` of the draw (the :class:`~audit.core.types.LatentBottleneck` protocol)."""
+        mu, logvar = self.encoder(x).chunk(2, dim=-1)
+        return mu, (0.5 * logvar).exp()
 
     def forward(self, x: Tensor) -> Tensor:
         mu, logvar = self.encoder(x).chunk(2, dim=-1)
@@ -105,6 +110,9 @@ class Precode(Defense):
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, nn.Sequential(neck, head))
         return model
+
+    def latent_bottlenecks(self, model: nn.Module) -> List[VariationalBottleneck]:
+        return bottlenecks(model)
 
     def __call__(self, model, inputs, labels, *, loss_fn=default_loss_fn, generator=None):
         necks = bottlenecks(model)

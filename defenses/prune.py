@@ -7,11 +7,11 @@ from typing import List, Sequence
 import torch
 from torch import Tensor
 
-from audit.types import Defense
+from audit.core.types import Defense
 
-from .common import check_choice, check_range, flatten, rand, resolve_generator, unflatten
-from .noise import NOISES, add_noise
-from .registry import DEFENSES
+from defenses.common import check_choice, check_range, flatten, rand, resolve_generator, unflatten
+from defenses.noise import NOISES, add_noise
+from defenses.registry import DEFENSES
 
 
 def topk_mask(values: Tensor, ratio: float) -> Tensor:

@@ -4,10 +4,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from audit.types import Defense
+from audit.core.types import Defense
 
-from .common import check_range, rand, resolve_generator
-from .registry import DEFENSES
+from defenses.common import check_range, rand, resolve_generator
+from defenses.registry import DEFENSES
 
 
 def quantize_tensor(g: Tensor, bits: int, noise: Tensor | None = None) -> Tensor:

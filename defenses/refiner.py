@@ -21,11 +21,11 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
-from audit.types import Defense, clean_gradients, default_loss_fn, trainable_names
+from audit.core.types import Defense, clean_gradients, default_loss_fn, trainable_names
 
-from .common import check_range, global_norm, preserved_buffers, rand, resolve_generator
-from .evaluator import load_or_train_evaluator
-from .registry import DEFENSES
+from defenses.common import check_range, global_norm, preserved_buffers, rand, resolve_generator
+from defenses.evaluator import load_or_train_evaluator
+from defenses.registry import DEFENSES
 
 
 def layer_indices(model: nn.Module) -> List[int]:

@@ -1,8 +1,8 @@
 """The defense registry: every built-in defense registers its class here by name."""
 from __future__ import annotations
 
-from audit.registry import Registry
-from audit.types import Defense
+from audit.core.registry import Registry
+from audit.core.types import Defense
 
 DEFENSES = Registry("defense")
 

@@ -12,13 +12,13 @@ from typing import List, Tuple
 import torch
 from torch import Tensor, nn
 
-from audit.errors import ConfigError
-from audit.models import last_linear
-from audit.types import Defense, clean_gradients, default_loss_fn, trainable_parameters
+from audit.core.errors import ConfigError
+from audit.core.models import last_linear
+from audit.core.types import Defense, clean_gradients, default_loss_fn, trainable_parameters
 
-from .common import check_range, preserved_buffers
-from .prune import topk_mask
-from .registry import DEFENSES
+from defenses.common import check_range, preserved_buffers
+from defenses.prune import topk_mask
+from defenses.registry import DEFENSES
 
 
 def _linear_layers(model: nn.Module) -> List[Tuple[str, nn.Linear]]:

@@ -16,10 +16,10 @@ from typing import List, Optional, Sequence, Union
 import torch
 from torch import Tensor
 
-from audit.types import Defense
+from audit.core.types import Defense
 
-from .common import check_choice, check_range
-from .registry import DEFENSES
+from defenses.common import check_choice, check_range
+from defenses.registry import DEFENSES
 
 
 @dataclass
@@ -72,6 +72,9 @@ class SVDefense(Defense):
         if self.energy is not None:
             return self.energy
         return min(1.0, 1.0 - math.exp(-self.eta * entropy))
+
+    def channel_weights(self) -> str:
+        return self.weighting
 
     def _weights(self, matrix: Tensor) -> Tensor:
         w = (matrix.detach() ** 2).sum(1)

@@ -10,14 +10,14 @@
 * :func:`resolve_generator` / :func:`condition_labels` -- the attacker's frozen generator
   and the classes it is conditioned on.
 """
-from audit.cache import cache_dir
+from audit.core.cache import cache_dir
 
-from .auxiliary import GeneratorRecipe, default_generator, default_recipe, train_generator
-from .base import ImageGenerator, ModuleGenerator, as_generator, check_compatible
-from .checkpoint import load_generator, read_checkpoint, resolve_factory, save_generator
-from .dcgan import GENERATORS, DCGANDiscriminator, DCGANGenerator, build_generator
-from .resolve import CONDITIONS, condition_labels, generate, generator_info, resolve_generator
-from .training import TrainHistory, TrainSettings, train_gan
+from generators.auxiliary import GeneratorRecipe, default_generator, default_recipe, train_generator
+from generators.base import ImageGenerator, ModuleGenerator, as_generator, check_compatible
+from generators.checkpoint import load_generator, read_checkpoint, resolve_factory, save_generator
+from generators.dcgan import GENERATORS, DCGANDiscriminator, DCGANGenerator, build_generator
+from generators.resolve import CONDITIONS, condition_labels, generate, generator_info, resolve_generator
+from generators.training import TrainHistory, TrainSettings, train_gan
 
 __all__ = [
     "CONDITIONS", "GENERATORS", "DCGANDiscriminator", "DCGANGenerator", "GeneratorRecipe", "ImageGenerator",

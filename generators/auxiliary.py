@@ -14,13 +14,13 @@ from typing import Optional, Sequence, Tuple, Union
 
 import torch
 
-from audit.cache import cache_dir
-from audit.errors import ConfigError
+from audit.core.cache import cache_dir
+from audit.core.errors import ConfigError
 
-from .base import ImageGenerator
-from .checkpoint import load_generator, save_generator
-from .dcgan import build_generator
-from .training import TrainSettings, train_gan
+from generators.base import ImageGenerator
+from generators.checkpoint import load_generator, save_generator
+from generators.dcgan import build_generator
+from generators.training import TrainSettings, train_gan
 
 AUX_SPLIT = "train"  # never the test split, which holds the audited images
 DATASET_FOR_CHANNELS = {3: "embedded", 1: "embedded-gray"}
@@ -53,7 +53,7 @@ def train_generator(recipe: GeneratorRecipe = GeneratorRecipe(), *, out: Optiona
     The checkpoint records the recipe, the data (name, split, image count, class names) and
     the final losses; the returned generator is in eval mode with ``checkpoint_info`` set.
     """
-    from audit.data import load_dataset
+    from audit.core.data import load_dataset
 
     data = load_dataset(recipe.dataset, path=recipe.data_path, size=recipe.size)
     images = data.train_images.to(device)

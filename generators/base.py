@@ -21,7 +21,7 @@ from typing import Optional, Sequence, Tuple
 import torch
 from torch import Tensor, nn
 
-from audit.errors import ConfigError
+from audit.core.errors import ConfigError
 
 
 class ImageGenerator(nn.Module):

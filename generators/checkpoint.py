@@ -15,11 +15,11 @@ from typing import Any, Dict, Optional, Union
 import torch
 from torch import nn
 
-from audit.errors import ConfigError, DataError
-from audit.files import atomic_torch_save
+from audit.core.errors import ConfigError, DataError
+from audit.core.files import atomic_torch_save
 
-from .base import ImageGenerator, as_generator
-from .dcgan import GENERATORS, build_generator
+from generators.base import ImageGenerator, as_generator
+from generators.dcgan import GENERATORS, build_generator
 
 FORMAT = "gia-audit-generator/1"
 PathLike = Union[str, os.PathLike]

@@ -13,10 +13,10 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from audit.errors import ConfigError
-from audit.registry import Registry
+from audit.core.errors import ConfigError
+from audit.core.registry import Registry
 
-from .base import ImageGenerator
+from generators.base import ImageGenerator
 
 GENERATORS = Registry("generator")
 

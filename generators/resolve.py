@@ -8,11 +8,11 @@ from typing import Any, Dict, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor, nn
 
-from audit.errors import ConfigError
+from audit.core.errors import ConfigError
 
-from .auxiliary import default_generator
-from .base import ImageGenerator, as_generator, check_compatible
-from .checkpoint import load_generator
+from generators.auxiliary import default_generator
+from generators.base import ImageGenerator, as_generator, check_compatible
+from generators.checkpoint import load_generator
 
 GeneratorSpec = Union[None, str, nn.Module]
 CONDITIONS = ("auto", "labels", "random", "none")

@@ -7,9 +7,9 @@ from typing import List, Optional
 import torch
 from torch import Tensor, nn
 
-from audit.errors import ConfigError, DataError
+from audit.core.errors import ConfigError, DataError
 
-from .base import ImageGenerator
+from generators.base import ImageGenerator
 
 
 @dataclass

@@ -3,11 +3,11 @@
 Each prior is ``prior(x, context) -> scalar`` for one restart (see :mod:`priors.base`);
 build them by name from :data:`PRIORS` (``PRIORS.build("tv", kind="isotropic")``).
 """
-from .base import PRIORS, Prior, PriorContext, requiring, weighted_total
-from .batchnorm import BatchNormStatistics
-from .group import GroupConsistency
-from .pixel import ImageL2, PixelRange
-from .smoothness import TotalVariation
+from priors.base import PRIORS, Prior, PriorContext, requiring, weighted_total
+from priors.batchnorm import BatchNormStatistics
+from priors.group import GroupConsistency
+from priors.pixel import ImageL2, PixelRange
+from priors.smoothness import TotalVariation
 
 __all__ = ["PRIORS", "Prior", "PriorContext", "requiring", "weighted_total", "TotalVariation", "ImageL2", "PixelRange",
            "BatchNormStatistics", "GroupConsistency"]

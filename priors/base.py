@@ -14,7 +14,7 @@ from typing import Any, Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 from torch import Tensor
 
-from audit.registry import Registry
+from audit.core.registry import Registry
 
 PRIORS = Registry("prior")
 

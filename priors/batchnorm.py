@@ -1,9 +1,9 @@
 """DeepInversion's BatchNorm-statistics prior (used by GradInversion)."""
 from __future__ import annotations
 
-from audit.errors import NotApplicable
+from audit.core.errors import NotApplicable
 
-from .base import PRIORS, Prior, PriorContext
+from priors.base import PRIORS, Prior, PriorContext
 
 
 class BatchNormStatistics(Prior):

@@ -15,7 +15,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from audit.errors import ConfigError
+from audit.core.errors import ConfigError
 from generators import CONDITIONS, ImageGenerator, condition_labels, generator_info, resolve_generator
 
 

@@ -1,9 +1,9 @@
 """GradInversion's group-consistency prior."""
 from __future__ import annotations
 
-from audit.errors import ConfigError
+from audit.core.errors import ConfigError
 
-from .base import PRIORS, Prior, PriorContext
+from priors.base import PRIORS, Prior, PriorContext
 
 
 class GroupConsistency(Prior):

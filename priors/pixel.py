@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import PRIORS, Prior, PriorContext
+from priors.base import PRIORS, Prior, PriorContext
 
 
 class ImageL2(Prior):

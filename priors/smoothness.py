@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import torch
 
-from audit.errors import ConfigError
+from audit.core.errors import ConfigError
 
-from .base import PRIORS, Prior, PriorContext
+from priors.base import PRIORS, Prior, PriorContext
 
 
 def _differences(x):

@@ -4,15 +4,14 @@ Small models, 16x16 images of the embedded data set, one image, fixed seeds. The
 asserted are the measured outcomes (see the PSNR table in the adaptive-attacks note).
 """
 import pytest
-import torch
 
 from attacks import ATTACKS
-from audit.data import load_dataset
-from audit.errors import ConfigError
-from audit.metrics import psnr
-from audit.models import build_model
-from audit.observe import observe
-from audit.types import clean_gradients
+from audit.core.data import load_dataset
+from audit.core.errors import ConfigError
+from audit.core.metrics import psnr
+from audit.core.models import build_model
+from audit.client.observe import observe
+from audit.core.types import clean_gradients
 from defenses import build_defense
 
 SIZE = 16
@@ -104,7 +103,7 @@ def test_svd_subspace_beats_plain_ig_on_svdefense(data):
 def test_analytic_recovery_survives_svdefense_truncation(data):
     """A batch-1 linear-layer gradient is rank 1: truncation keeps it, so the planner's
     'analytic' proposal for SVDefense recovers the image exactly on an MLP."""
-    from adaptive.plan import plan
+    from adaptive.planner.plan import plan
 
     defense = build_defense("svdefense")
     assert "analytic" in plan(defense).names()

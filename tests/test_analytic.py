@@ -4,8 +4,8 @@ import torch
 from torch import nn
 
 from attacks import ATTACKS, observe
-from audit.metrics import psnr
-from audit.models import build_model, with_normalization
+from audit.core.metrics import psnr
+from audit.core.models import build_model, with_normalization
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -8,10 +8,10 @@ from click.testing import CliRunner
 
 from attacks import ATTACKS, OBJECTIVES, OPTIMIZERS, GradientSimulator, OptimizationAttack, SimContext, observe
 from attacks.simulator import DefenseSimulator
-from audit.errors import ConfigError, NotApplicable
-from audit.metrics import psnr
-from audit.models import build_model
-from audit.types import Observation, gradient_transform
+from audit.core.errors import ConfigError, NotApplicable
+from audit.core.metrics import psnr
+from audit.core.models import build_model
+from audit.core.types import Observation, gradient_transform
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -19,14 +19,14 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.fixture(scope="module")
 def data32():
-    from audit.data import load_dataset
+    from audit.core.data import load_dataset
 
     return load_dataset("embedded", size=32)
 
 
 @pytest.fixture(scope="module")
 def data16():
-    from audit.data import load_dataset
+    from audit.core.data import load_dataset
 
     return load_dataset("embedded", size=16)
 

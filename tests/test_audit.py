@@ -8,8 +8,8 @@ from click.testing import CliRunner
 
 import audit
 import cli
-from audit.engine import Audit
-from audit.types import clean_gradients
+from audit.engine.audit import Audit
+from audit.core.types import clean_gradients
 
 TINY = dict(model="mlp", model_args={"hidden": 32}, image_size=16, budget=5, utility=False, progress=False)
 
@@ -155,7 +155,7 @@ def test_defense_returning_nan_or_wrong_shapes_is_reported_not_crashed_on(tmp_pa
 
 
 def test_attack_settings_override_the_planner_and_are_checked(tmp_path):
-    from audit.engine import parse_attack_args
+    from audit.engine.audit import parse_attack_args
 
     args = parse_attack_args(["ig.restarts=2", "ig.tv=0.001", "learned-inverter.pairs=8"])
     assert args == {"ig": {"restarts": 2, "tv": 0.001}, "learned-inverter": {"pairs": 8}}
@@ -166,8 +166,8 @@ def test_attack_settings_override_the_planner_and_are_checked(tmp_path):
 
 
 def test_bad_options_name_the_fix(tmp_path):
-    from audit.engine import parse_attack_args
-    from audit.errors import ConfigError
+    from audit.engine.audit import parse_attack_args
+    from audit.core.errors import ConfigError
 
     with pytest.raises(ConfigError, match="attack.setting=value"):
         parse_attack_args(["restarts=2"])

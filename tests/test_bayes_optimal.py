@@ -6,17 +6,17 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from adaptive.bayes_ball import uniform_ball_offsets
-from adaptive.bayes_likelihood import kernel_log_likelihood
-from adaptive.bayes_optimal import BayesOptimalAttack, applies
-from adaptive.bayes_priors import GaussianPrior, LaplacePrior
+from adaptive.bayes.ball import uniform_ball_offsets
+from adaptive.bayes.likelihood import kernel_log_likelihood
+from adaptive.bayes.optimal import BayesOptimalAttack, applies
+from adaptive.bayes.priors import GaussianPrior, LaplacePrior
 from attacks import ATTACKS
-from audit.data import load_dataset
-from audit.errors import ConfigError, NotApplicable
-from audit.metrics import psnr
-from audit.models import build_model
-from audit.observe import observe
-from audit.types import clean_gradients
+from audit.core.data import load_dataset
+from audit.core.errors import ConfigError, NotApplicable
+from audit.core.metrics import psnr
+from audit.core.models import build_model
+from audit.client.observe import observe
+from audit.core.types import clean_gradients
 from defenses import build_defense
 
 ITERATIONS = 100

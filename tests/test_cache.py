@@ -1,8 +1,8 @@
 """The one cache-directory resolver shared by generators, learned inverters and Refiner's D."""
 from pathlib import Path
 
-from adaptive.inverter_cache import cache_path
-from audit.cache import cache_dir
+from adaptive.inverter.cache import cache_path
+from audit.core.cache import cache_dir
 
 
 def test_cache_dir_env_default_and_root(monkeypatch, tmp_path):

@@ -1,8 +1,8 @@
 import torch
 
-from audit.models import build_model
-from audit.registry import parse_kv_args
-from audit.types import (Defense, FunctionDefense, Observation, Reconstruction, clean_gradients,
+from audit.core.models import build_model
+from audit.core.registry import parse_kv_args
+from audit.core.types import (Defense, FunctionDefense, Observation, Reconstruction, clean_gradients,
                          gradient_transform)
 
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 from PIL import Image
 
-from audit import data
-from audit.data import DATASETS, Dataset, load_dataset, load_image, to_grayscale
-from audit.errors import ConfigError, DataError
+from audit.core import data
+from audit.core.data import DATASETS, Dataset, load_dataset, load_image, to_grayscale
+from audit.core.errors import ConfigError, DataError
 
 
 # --------------------------------------------------------------------------- embedded

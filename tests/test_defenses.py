@@ -6,9 +6,9 @@ import pytest
 import torch
 from torch import nn
 
-from audit.errors import ConfigError, DefenseError
-from audit.models import build_model
-from audit.types import FunctionDefense, clean_gradients
+from audit.core.errors import ConfigError, DefenseError
+from audit.core.models import build_model
+from audit.core.types import FunctionDefense, clean_gradients
 from defenses import DEFENSES, build_defense, call_defense, check_output, resolve_defense
 from defenses.augment import AUGMENTATIONS
 from defenses.evaluator import NoiseRatioNet, load_or_train_evaluator, train_evaluator

@@ -6,11 +6,11 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from audit.errors import ConfigError, DataError
-from audit.fl import client_splits, evaluate, train
-from audit.models import build_model
-from audit.types import clean_gradients, trainable_parameters
-from audit.utility import format_utility_table, measure_utility, utility_report
+from audit.core.errors import ConfigError, DataError
+from audit.client.fl import client_splits, evaluate, train
+from audit.core.models import build_model
+from audit.core.types import clean_gradients, trainable_parameters
+from audit.engine.utility import format_utility_table, measure_utility, utility_report
 from defenses import build_defense
 from defenses.precode import bottlenecks
 
@@ -39,7 +39,7 @@ def mlp(seed=0):
 def test_fedsgd_with_full_batches_is_gradient_descent():
     data = synthetic(n_train=24)
     model, reference = mlp(), mlp()
-    history = train(model, data, "none", 3, lr=0.1, batch_size=24, seed=0)
+    history = train(model, data, None, 3, lr=0.1, batch_size=24, seed=0)
     for _ in range(3):
         grads = clean_gradients(reference, data.train_images, data.train_labels)
         with torch.no_grad():
@@ -53,7 +53,7 @@ def test_fedsgd_with_full_batches_is_gradient_descent():
 def test_fedavg_averages_the_clients_local_training():
     data = synthetic(n_train=24)
     model, start = mlp(), mlp()
-    train(model, data, "none", 1, lr=1.0, batch_size=12, clients=2, local_steps=2, local_lr=0.2, seed=3)
+    train(model, data, None, 1, lr=1.0, batch_size=12, clients=2, local_steps=2, local_lr=0.2, seed=3)
     splits = client_splits(24, 2, torch.Generator().manual_seed(3))
     finals = []
     for split in splits:
@@ -78,19 +78,20 @@ def test_client_splits_are_disjoint_and_cover_the_data():
 def test_training_learns_is_seeded_and_calls_back():
     data = synthetic()
     seen = []
-    history = train(mlp(), data, "gaussian", 40, lr=0.2, batch_size=8, clients=2, seed=1,
+    history = train(mlp(), data, build_defense("gaussian"), 40, lr=0.2, batch_size=8, clients=2, seed=1,
                     callback=lambda step, model: seen.append(step))
     assert seen == list(range(41))
     assert evaluate(history.model, data.test_images, data.test_labels) >= 0.9
-    again = train(mlp(), data, "gaussian", 40, lr=0.2, batch_size=8, clients=2, seed=1)
-    other = train(mlp(), data, "gaussian", 40, lr=0.2, batch_size=8, clients=2, seed=2)
+    again = train(mlp(), data, build_defense("gaussian"), 40, lr=0.2, batch_size=8, clients=2, seed=1)
+    other = train(mlp(), data, build_defense("gaussian"), 40, lr=0.2, batch_size=8, clients=2, seed=2)
     assert again.losses == history.losses and other.losses != history.losses
 
 
 def test_precode_wrapped_model_trains():
     data = synthetic()
-    model = mlp()
-    history = train(model, data, build_defense("precode", latent=16), 60, lr=0.2, batch_size=8, seed=0)
+    precode = build_defense("precode", latent=16)
+    model = precode.wrap_model(mlp())  # the caller wraps once; train never wraps
+    history = train(model, data, precode, 60, lr=0.2, batch_size=8, seed=0)
     assert history.model is model and len(bottlenecks(model)) == 1
     assert sum(history.losses[-10:]) < 0.5 * sum(history.losses[:10])
     assert evaluate(model, data.test_images, data.test_labels) >= 0.9
@@ -107,11 +108,11 @@ def test_evaluate_counts_correct_predictions():
 
 def test_bad_training_arguments():
     with pytest.raises(DataError, match="load_dataset"):
-        train(mlp(), object(), "none", 1, lr=0.1, batch_size=4)
+        train(mlp(), object(), None, 1, lr=0.1, batch_size=4)
     with pytest.raises(ConfigError, match="lr > 0"):
-        train(mlp(), synthetic(), "none", 1, lr=-0.1, batch_size=4)
-    with pytest.raises(ConfigError, match="Valid defenses"):
-        train(mlp(), synthetic(), "nope", 1, lr=0.1, batch_size=4)
+        train(mlp(), synthetic(), None, 1, lr=-0.1, batch_size=4)
+    with pytest.raises(ConfigError, match="resolve it first"):  # the client takes resolved defenses only
+        train(mlp(), synthetic(), "prune", 1, lr=0.1, batch_size=4)
 
 
 def test_utility_measures_the_defense_against_the_undefended_run():

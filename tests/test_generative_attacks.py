@@ -9,12 +9,12 @@ from torch import nn
 from attacks import ATTACKS, OptimizationAttack
 from attacks.generative import GeneratorBox, Scorer, project_l1_ball
 from attacks.simulator import DefenseSimulator, GradientSimulator
-from audit.data import load_dataset
-from audit.errors import ConfigError
-from audit.metrics import psnr, ssim
-from audit.models import build_model
-from audit.observe import observe
-from audit.types import gradient_transform
+from audit.core.data import load_dataset
+from audit.core.errors import ConfigError
+from audit.core.metrics import psnr, ssim
+from audit.core.models import build_model
+from audit.client.observe import observe
+from audit.core.types import gradient_transform
 from test_generators import session_generator
 
 TARGET = 20  # a held-out (test split) image

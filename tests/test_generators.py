@@ -8,7 +8,7 @@ import torch
 from click.testing import CliRunner
 from torch import nn
 
-from audit.errors import ConfigError, DataError
+from audit.core.errors import ConfigError, DataError
 from generators import (DCGANGenerator, GeneratorRecipe, ImageGenerator, as_generator, build_generator,
                         check_compatible, default_generator, load_generator, read_checkpoint, save_generator,
                         train_generator)
@@ -77,7 +77,7 @@ def test_training_is_seeded_and_reproducible():
 def test_trained_generator_learns_each_class(trained):
     """Samples of class c are near (mean colour) class c's training crops: the true class ranks
     first or second among the 10 on average (chance: 4.5)."""
-    from audit.data import load_dataset
+    from audit.core.data import load_dataset
 
     data = load_dataset("embedded", size=16)
     colour = torch.stack([data.train_images[data.train_labels == c].mean((0, 2, 3)) for c in range(10)])

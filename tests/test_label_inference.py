@@ -5,9 +5,9 @@ from torch import nn
 
 from attacks import LABEL_METHODS, infer_labels, observe
 from attacks.labels import allocate_counts, plan_labels
-from audit.errors import ConfigError, NotApplicable
-from audit.metrics import label_accuracy
-from audit.models import build_model
+from audit.core.errors import ConfigError, NotApplicable
+from audit.core.metrics import label_accuracy
+from audit.core.models import build_model
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -15,7 +15,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.fixture(scope="module")
 def data():
-    from audit.data import load_dataset
+    from audit.core.data import load_dataset
 
     return load_dataset("embedded", size=16)
 

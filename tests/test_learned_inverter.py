@@ -6,16 +6,16 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from adaptive.inverter_pairs import defended_features, pair_indices
-from adaptive.inverter_sketch import GradientSketch
-from adaptive.learned_inverter import LearnedInverter, applies
+from adaptive.inverter.pairs import defended_features, pair_indices
+from adaptive.inverter.sketch import GradientSketch
+from adaptive.inverter.attack import LearnedInverter, applies
 from attacks import ATTACKS
-from audit.data import load_dataset
-from audit.errors import ConfigError, DataError
-from audit.metrics import psnr
-from audit.models import build_model
-from audit.observe import observe
-from audit.types import FunctionDefense
+from audit.core.data import load_dataset
+from audit.core.errors import ConfigError, DataError
+from audit.core.metrics import psnr
+from audit.core.models import build_model
+from audit.client.observe import observe
+from audit.core.types import FunctionDefense
 from defenses import build_defense
 
 SMALL = dict(pairs=64, hidden=32, batch_size=16, progress=False)
@@ -125,7 +125,7 @@ def test_declared_auxiliary_images_are_used_and_checked(lenet, data):
 
 def test_declared_auxiliary_data_is_hashed_once_and_keys_the_cache(lenet, data, monkeypatch):
     """The audit declares one auxiliary set on every observation: hashed once, one inverter."""
-    import adaptive.inverter_cache as inverter_cache
+    import adaptive.inverter.cache as inverter_cache
 
     aux, aux_labels = data.train_images[:40].clone(), data.train_labels[:40].clone()
     hashed, real = [], inverter_cache.hash_tensors

@@ -7,10 +7,10 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from audit import lpips_weights as lw
-from audit.data import load_image
-from audit.errors import ConfigError, DataError, GiaError
-from audit.metrics import lpips_distance, score
+from audit.core import lpips_weights as lw
+from audit.core.data import load_image
+from audit.core.errors import ConfigError, DataError, GiaError
+from audit.core.metrics import lpips_distance, score
 
 EXAMPLES = Path(__file__).resolve().parent / "data" / "lpips-examples"
 AVAILABLE, REASON = lw.weights_available()

@@ -5,9 +5,9 @@ import pytest
 import torch
 from skimage.metrics import structural_similarity
 
-from audit import metrics
-from audit.errors import DataError
-from audit.metrics import (MetricUnavailable, MetricValue, label_accuracy, match_batches, mse, psnr,
+from audit.core import metrics
+from audit.core.errors import DataError
+from audit.core.metrics import (MetricUnavailable, MetricValue, label_accuracy, match_batches, mse, psnr,
                            score, ssim, to_jsonable)
 
 

@@ -2,9 +2,9 @@ import pytest
 import torch
 from torch import nn
 
-from audit.errors import ConfigError
-from audit.models import MODELS, Normalize, build_model, last_linear, with_normalization
-from audit.types import clean_gradients, trainable_parameters
+from audit.core.errors import ConfigError
+from audit.core.models import MODELS, Normalize, build_model, last_linear, with_normalization
+from audit.core.types import clean_gradients, trainable_parameters
 
 SHAPES = [((3, 32, 32), 10), ((1, 28, 28), 7), ((3, 16, 16), 5)]
 

@@ -2,10 +2,10 @@
 import pytest
 import torch
 
-from adaptive.plan import plan
-from adaptive.probe import probe_defense
-from audit.errors import DefenseError
-from audit.types import clean_gradients, gradient_transform
+from adaptive.planner.plan import plan
+from adaptive.planner.probe import probe_defense
+from audit.core.errors import DefenseError
+from audit.core.types import clean_gradients, gradient_transform
 from defenses.registry import DEFENSES, build_defense
 
 pytestmark = pytest.mark.usefixtures("one_thread")

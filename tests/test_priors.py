@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from audit.errors import ConfigError, NotApplicable
+from audit.core.errors import ConfigError, NotApplicable
 from priors import PRIORS, PriorContext
 
 

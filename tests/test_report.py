@@ -7,10 +7,10 @@ import re
 import pytest
 import torch
 
-from audit.errors import ConfigError
-from audit.report import AuditReport, render
-from audit.report_risk import PARTIAL, PRIVATE, RECOVERED, Thresholds, default_delta
-from audit.results import ResultStore, settings_key
+from audit.core.errors import ConfigError
+from audit.report.audit_report import AuditReport, render
+from audit.report.risk import PARTIAL, PRIVATE, RECOVERED, Thresholds, default_delta
+from audit.report.store import ResultStore, settings_key
 
 ATTACKS = [
     {"id": "ig", "name": "ig", "kind": "base", "settings": {}, "reason": "baseline"},

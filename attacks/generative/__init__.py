@@ -9,12 +9,12 @@ The attacker's generator defaults to a DCGAN trained on the embedded data's *tra
 """
 from priors.generator import BoundGeneratorBox, GeneratorBox
 
-from ..presets import ATTACKS
-from ..search_space import BOXES
-from .common import GenerativeAttack, GenerativeSetup, Scorer, adam_search, latent_kl, search_latents
-from .ggl import GGL, nevergrad_optimizer
-from .gias import GIAS
-from .gifd import GIFD, project_l1_ball
+from attacks.presets import ATTACKS
+from attacks.search_space import BOXES
+from attacks.generative.common import GenerativeAttack, GenerativeSetup, Scorer, adam_search, latent_kl, search_latents
+from attacks.generative.ggl import GGL, nevergrad_optimizer
+from attacks.generative.gias import GIAS
+from attacks.generative.gifd import GIFD, project_l1_ball
 
 ATTACKS.add("ggl", GGL, "GGL: nevergrad (CMA-ES) latent search of a generator, L2 matching + KL latent prior")
 ATTACKS.add("gias", GIAS, "GIAS: latent search, then per-image generator-parameter search")

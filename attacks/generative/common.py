@@ -20,16 +20,16 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from audit.errors import ConfigError, GiaError
-from audit.types import Observation, Reconstruction
+from audit.core.errors import ConfigError, GiaError
+from audit.core.types import Observation, Reconstruction
 from generators import CONDITIONS, ImageGenerator, condition_labels, generate, generator_info, resolve_generator
 from generators.resolve import GeneratorSpec
 from priors import PRIORS, PriorContext, requiring, weighted_total
 
-from ..engine import seeded_rng, validate_observation
-from ..labels import LABEL_STRATEGIES, plan_labels
-from ..objectives import build_objective
-from ..simulator import SIMULATORS, DefenseSimulator, GradientSimulator, SimContext
+from attacks.engine import seeded_rng, validate_observation
+from attacks.labels import LABEL_STRATEGIES, plan_labels
+from attacks.objectives import build_objective
+from attacks.simulator import SIMULATORS, DefenseSimulator, GradientSimulator, SimContext
 
 Progress = Callable[[int, int, float], None]  # (done, total, best loss so far)
 

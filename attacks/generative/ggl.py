@@ -15,9 +15,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from audit.errors import ConfigError
+from audit.core.errors import ConfigError
 
-from .common import GenerativeAttack, GenerativeSetup, generate, latent_kl
+from attacks.generative.common import GenerativeAttack, GenerativeSetup, generate, latent_kl
 
 
 def nevergrad_optimizer(name: str, dimension: int, budget: int, batch: int, seed: int):

@@ -17,9 +17,9 @@ import torch
 from torch import Tensor
 from torch.func import functional_call
 
-from audit.errors import ConfigError
+from audit.core.errors import ConfigError
 
-from .common import GenerativeAttack, GenerativeSetup, adam_search, generate, search_latents
+from attacks.generative.common import GenerativeAttack, GenerativeSetup, adam_search, generate, search_latents
 
 
 class GIAS(GenerativeAttack):

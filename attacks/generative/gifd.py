@@ -16,9 +16,9 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from audit.errors import ConfigError
+from audit.core.errors import ConfigError
 
-from .common import GenerativeAttack, GenerativeSetup, adam_search, generate, search_latents
+from attacks.generative.common import GenerativeAttack, GenerativeSetup, adam_search, generate, search_latents
 
 
 def project_l1_ball(v: Tensor, radius: Tensor) -> Tensor:

@@ -1,0 +1,399 @@
+"""Black-box probing of a defended-gradient function.
+
+:func:`probe_defense` calls the defense on a tiny probe network and a random probe batch,
+several times and with different generators, and compares what it returns with the clean
+gradient layer by layer. It relies on nothing but the defended-gradient contract; declared
+knowledge (``wrap_model``, ``transform_inputs``, ``log_prob``, ``stochastic``) is read
+when present (Kerckhoffs) and reported as such.
+"""
+from __future__ import annotations
+
+import copy
+import math
+from typing import Callable, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor, nn
+
+from audit.core.errors import ConfigError, DefenseError
+from audit.core.models import Normalize
+from audit.core.types import Defense, FunctionDefense, clean_gradients, default_loss_fn, trainable_names
+from audit.core.defense_call import call_defense, defense_name
+
+from adaptive.planner.traits import DefenseTraits, LayerProbe
+
+# tolerances (relative); exact-arithmetic defenses sit many orders of magnitude below them
+CHANGE_TOL = 1e-5
+NORM_TOL = 1e-4
+ORTHO_TOL = 1e-3
+RANK_RTOL = 1e-4
+RANK1_TOL = 1e-3
+MIN_ENTRIES_FOR_LEVELS = 16  # fewer non-zeros say nothing about quantisation
+QUANT_DECISION_ENTRIES = 1024  # layers this large decide the 'quantized' trait
+MAX_QUANT_LEVELS = 256
+LOUD = 1e4  # loss scale of the loud probe
+
+
+def probe_network(input_shape: Tuple[int, int, int] = (3, 8, 8), num_classes: int = 10,
+                  seed: int = 0) -> nn.Sequential:
+    """A tiny network with a linear first layer (analytic checks), a conv layer, a hidden
+    linear layer and a head: every kind of layer a defense may treat differently."""
+    c, h, w = input_shape
+    side = 4
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return nn.Sequential(
+            Normalize(None, None, c), nn.Flatten(),
+            nn.Linear(c * h * w, 4 * side * side), nn.ReLU(),
+            nn.Unflatten(1, (4, side, side)),
+            nn.Conv2d(4, 8, 3, padding=1), nn.ReLU(), nn.Flatten(),
+            nn.Linear(8 * side * side, 32), nn.ReLU(),
+            nn.Linear(32, num_classes),
+        )
+
+
+def _generator(seed: int, device: torch.device) -> torch.Generator:
+    return torch.Generator(device=device).manual_seed(int(seed))
+
+
+def random_batch(batch_size: int, input_shape: Sequence[int], num_classes: int, seed: int,
+                 device) -> Tuple[Tensor, Tensor]:
+    """A seeded probe batch: images uniform in [0, 1), labels uniform over the classes."""
+    gen = _generator(seed, device)
+    x = torch.rand(batch_size, *input_shape, generator=gen, device=device)
+    y = torch.randint(0, num_classes, (batch_size,), generator=gen, device=device)
+    return x, y
+
+
+def _matrix_rank(t: Tensor) -> Optional[int]:
+    if t.dim() < 2:
+        return None
+    m = t.detach().reshape(t.shape[0], -1).double()
+    if not torch.any(m != 0):
+        return 0
+    return int(torch.linalg.matrix_rank(m, rtol=RANK_RTOL))
+
+
+def _magnitude_levels(t: Tensor) -> Optional[int]:
+    nz = t.detach().abs()[t != 0]
+    if nz.numel() < MIN_ENTRIES_FOR_LEVELS:
+        return None
+    return int(torch.unique(nz).numel())
+
+
+def _layer_probe(name: str, d: Tensor, c: Tensor, d_other: Tensor) -> LayerProbe:
+    d, c, d_other = d.detach().double(), c.detach().double(), d_other.detach().double()
+    cn, dn = c.norm().item(), d.norm().item()
+    tiny = 1e-30
+    rel = (d - c).norm().item() / max(cn, tiny)
+    varies = not torch.equal(d, d_other)
+    noise = ((d - d_other).std().item() / math.sqrt(2.0)) if varies and d.numel() > 1 else None
+    return LayerProbe(
+        name=name, shape=tuple(d.shape),
+        changed=rel > CHANGE_TOL or (cn == 0 and dn > 0),
+        rel_diff=rel,
+        cosine=(d * c).sum().item() / max(dn * cn, tiny),
+        norm_ratio=dn / max(cn, tiny),
+        zero_frac_clean=(c == 0).double().mean().item(),
+        zero_frac_defended=(d == 0).double().mean().item(),
+        rank_clean=_matrix_rank(c), rank_defended=_matrix_rank(d),
+        magnitude_levels=_magnitude_levels(d),
+        noise_std=noise, varies=varies,
+    )
+
+
+def _differentiability(defense, model, inputs, labels, generator, loss_fn) -> Tuple[bool, str]:
+    """Does the defended gradient carry a finite, non-zero gradient back to the inputs?
+    Returns ``(answer, why not)``."""
+    x = inputs.detach().clone().requires_grad_(True)
+    try:
+        out = defense(model, x, labels, loss_fn=loss_fn, generator=generator)
+        s = sum((g.double() ** 2).sum() for g in out if g.requires_grad)
+        if not isinstance(s, Tensor) or not s.requires_grad:
+            return False, "its output is detached from the inputs"
+        (gx,) = torch.autograd.grad(s, x, allow_unused=True)
+    except RuntimeError as err:  # the defense detaches or uses non-differentiable ops
+        return False, f"differentiating through it failed ({str(err).split('. ')[0]})"
+    if gx is None or gx.abs().sum().item() == 0:
+        return False, "its output is piecewise constant in the inputs (zero gradient)"
+    if not torch.isfinite(gx).all():
+        return False, "differentiating through it gives NaN/inf"
+    return True, ""
+
+
+def linear_modules(model: nn.Module) -> List[Tuple[str, nn.Linear]]:
+    """``(weight parameter name, module)`` of every linear layer with a trainable bias."""
+    out = []
+    for mname, m in model.named_modules():
+        if isinstance(m, nn.Linear) and m.bias is not None and m.weight.requires_grad and m.bias.requires_grad:
+            out.append((f"{mname}.weight" if mname else "weight", m))
+    return out
+
+
+def rank1_features(dw: Tensor, db: Tensor) -> Tuple[Optional[Tensor], float]:
+    """Recover a linear layer's batch-1 input from ``dW = db x^T`` (the row of the largest
+    ``|db|``) and the relative residual of that rank-1 fit (0 for an exact gradient)."""
+    i = int(db.detach().abs().argmax())
+    if db[i] == 0:
+        return None, float("inf")
+    feats = dw[i] / db[i]
+    resid = (dw - torch.outer(db, feats)).norm() / dw.norm().clamp_min(1e-30)
+    return feats, float(resid)
+
+
+def _analytic_layers(names: Sequence[str], grads: Sequence[Tensor], model: nn.Module) -> List[str]:
+    index = {n: i for i, n in enumerate(names)}
+    found = []
+    for wname, _ in linear_modules(model):
+        bname = wname[: -len("weight")] + "bias"
+        if wname in index and bname in index:
+            _, resid = rank1_features(grads[index[wname]].detach().double(), grads[index[bname]].detach().double())
+            if resid < RANK1_TOL:
+                found.append(wname)
+    return found
+
+
+def _input_from_first_linear(model: nn.Module, names, grads, input_shape) -> Tuple[Optional[Tensor], str]:
+    """Invert ``Normalize -> Flatten -> Linear`` analytically: ``(input, "")``, or
+    ``(None, why not)``."""
+    stem = "not measured (the model does not start with Normalize/Flatten -> Linear)"
+    if not isinstance(model, nn.Sequential):
+        return None, stem
+    norm = None
+    for i, m in enumerate(model):
+        if isinstance(m, Normalize):
+            norm = m
+        elif isinstance(m, nn.Flatten):
+            continue
+        elif isinstance(m, nn.Linear) and m.bias is not None:
+            w, b = f"{i}.weight", f"{i}.bias"
+            if w not in names or b not in names:
+                return None, stem
+            feats, resid = rank1_features(grads[names.index(w)].detach(), grads[names.index(b)].detach())
+            if feats is None or resid > RANK1_TOL:
+                return None, "probed: not measurable (the first layer's gradient is perturbed)"
+            x = feats.reshape(1, *input_shape)
+            return (x * norm.std + norm.mean if norm is not None else x), ""
+        else:
+            return None, stem
+    return None, stem
+
+
+def _declared_input_transform(defense, inputs: Tensor, seed: int) -> bool:
+    own = getattr(type(defense), "transform_inputs", None)
+    if not isinstance(defense, Defense) or own is Defense.transform_inputs or own is None:
+        return False
+    moved = defense.transform_inputs(inputs, _generator(seed, inputs.device))
+    return moved.shape != inputs.shape or not torch.allclose(moved, inputs)
+
+
+def _noise_family(diff: Tensor) -> Optional[str]:
+    """Gaussian vs Laplace from the kurtosis of the difference of two draws (3 vs 4.5)."""
+    diff = diff.double()
+    if diff.numel() < 1000:
+        return None
+    z = diff - diff.mean()
+    var = (z ** 2).mean()
+    if var == 0:
+        return None
+    kurt = float((z ** 4).mean() / var ** 2)
+    if abs(kurt - 3.0) < 0.5:
+        return "gaussian"
+    if abs(kurt - 4.5) < 0.75:
+        return "laplace"
+    return None
+
+
+def _declared_stochastic(defense) -> Optional[bool]:
+    if isinstance(defense, FunctionDefense):  # its default is a guess, not a declaration
+        declared = getattr(defense.fn, "stochastic", None)
+        return None if declared is None else bool(declared)
+    declared = getattr(defense, "stochastic", None)
+    return None if declared is None else bool(declared)
+
+
+def _wrapped_model(defense, model: nn.Module) -> Tuple[nn.Module, bool]:
+    wrap = getattr(defense, "wrap_model", None)
+    if not callable(wrap):
+        return model, False
+    wrapped = wrap(copy.deepcopy(model))
+    if wrapped is None:
+        raise DefenseError(f"defense {defense_name(defense)!r}: wrap_model returned None; "
+                           "it must return the (wrapped) model")
+    before = [tuple(p.shape) for p in model.parameters()]
+    after = [tuple(p.shape) for p in wrapped.parameters()]
+    changed = before != after or type(wrapped) is not type(model) or len(list(wrapped.modules())) != len(list(model.modules()))
+    declared = getattr(defense, "latent_bottlenecks", None)  # already wrapped: the bottlenecks say so
+    changed = changed or bool(callable(declared) and declared(wrapped))
+    return (wrapped if changed else model), changed
+
+
+def probe_defense(
+    defense: Callable,
+    model: Optional[nn.Module] = None,
+    input_shape: Tuple[int, int, int] = (3, 8, 8),
+    num_classes: int = 10,
+    *,
+    seed: int = 0,
+    batch_size: int = 8,
+    loss_fn=default_loss_fn,
+    device=None,
+) -> DefenseTraits:
+    """Probe ``defense`` as a black box and return its :class:`DefenseTraits`.
+
+    ``model`` defaults to :func:`probe_network`; ``batch_size`` > 1 makes clean linear-layer
+    gradients rank ``batch_size`` so truncation is visible (a batch-1 probe runs too, for
+    the analytic and input-transform checks).
+    """
+    if not callable(defense):
+        raise ConfigError(f"plan() needs a defended-gradient callable, got {type(defense).__name__}")
+    if batch_size < 2:
+        raise ConfigError(f"probe batch_size must be >= 2 to see rank truncation, got {batch_size}")
+    if model is None:
+        model = probe_network(tuple(input_shape), num_classes, seed=seed)
+    if device is None:
+        device = next(model.parameters()).device
+    device = torch.device(device)
+    model = model.to(device)
+    model, architectural = _wrapped_model(defense, model)
+    names = trainable_names(model)
+    if not names:
+        raise ConfigError("the probe model has no trainable parameter; give a model with parameters")
+
+    x, y = random_batch(batch_size, input_shape, num_classes, seed, device)
+
+    def shared(inputs, labels, s):
+        return [g.detach() for g in call_defense(defense, model, inputs, labels,
+                                                  generator=_generator(s, device), loss_fn=loss_fn)]
+
+    clean = [g.detach() for g in clean_gradients(model, x, y, loss_fn)]
+    # a loud probe (loss x LOUD, so gradients x LOUD) reveals norm-dependent behaviour (clipping)
+    loud = [g.detach() for g in call_defense(defense, model, x, y, generator=_generator(seed + 1, device),
+                                              loss_fn=lambda out, lab: LOUD * loss_fn(out, lab))]
+    loud_layers = [_layer_probe(n, a, LOUD * c, a) for n, a, c in zip(names, loud, clean)]
+    d1, d2, d1_again = shared(x, y, seed + 1), shared(x, y, seed + 2), shared(x, y, seed + 1)
+    layers = [_layer_probe(n, a, c, b) for n, a, c, b in zip(names, d1, clean, d2)]
+    stochastic = any(p.varies for p in layers)
+    reproducible = all(torch.equal(a, b) for a, b in zip(d1, d1_again))
+    changed = [p for p in layers if p.changed]
+
+    sparse_extra = max(0.0, _weighted_mean([p.extra_zeros for p in changed], [_numel(p) for p in changed]))
+    big = [p for p in changed if p.magnitude_levels is not None and _numel(p) >= QUANT_DECISION_ENTRIES]
+    quantized = bool(big) and all(_coarse(p) for p in big)
+    sign_only = bool(big) and all(p.magnitude_levels == 1 for p in big)
+
+    noise_std = noise_rel = family = None
+    if stochastic:
+        moving = [i for i, p in enumerate(layers) if p.varies]
+        diff = torch.cat([(d1[i] - d2[i]).flatten().double() for i in moving])
+        ref = torch.cat([clean[i].flatten().double() for i in moving])
+        noise_std = float(diff.std() / math.sqrt(2.0))
+        noise_rel = noise_std / max(float(ref.pow(2).mean().sqrt()), 1e-30)
+        family = _noise_family(diff)
+
+    # batch-1 probe: analytic (rank-1) structure and input-transform consistency
+    x1, y1 = x[:1], y[:1]
+    b1 = shared(x1, y1, seed + 1)
+    coarse = {p.name for p in layers if _coarse(p)}
+    analytic = [n for n in _analytic_layers(names, b1, model) if n not in coarse]
+    declared_transform = _declared_input_transform(defense, x, seed + 3)
+    if declared_transform:
+        input_transform, source = True, "declared (transform_inputs)"
+    else:
+        x_rec, why_not = _input_from_first_linear(model, names, b1, tuple(input_shape))
+        if x_rec is None:
+            input_transform, source = None, why_not
+        else:
+            regrad = clean_gradients(model, x_rec, y1, loss_fn)
+            consistent = all(_rel(a, b) < 1e-3 for a, b in zip(regrad, b1))
+            moved = (x_rec - x1).norm().item() > 1e-3 * x1.norm().item()
+            input_transform = consistent and moved
+            source = "probed (the shared gradient is the exact gradient of another input)" \
+                if input_transform else "probed"
+
+    differentiable, why_not = _differentiability(defense, model, x, y, _generator(seed + 1, device), loss_fn)
+    notes = [f"not differentiable: {why_not}"] if why_not else []
+    if stochastic and not reproducible:
+        notes.append("output differs for the same generator seed: the defense draws from global "
+                     "randomness (pass generator= through for reproducible audits)")
+    declared = _declared_stochastic(defense)
+    if declared is False and stochastic:
+        notes.append("declared deterministic but its output varies between generators")
+
+    return DefenseTraits(
+        name=defense_name(defense),
+        stochastic=stochastic,
+        reproducible=reproducible,
+        differentiable=differentiable,
+        changed_layers=[p.name for p in changed],
+        unchanged_layers=[p.name for p in layers if not p.changed],
+        sparse=sparse_extra > 0.05,
+        sparsity=sparse_extra,
+        norm_preserving=_mostly(changed, lambda p: abs(p.norm_ratio - 1.0) < NORM_TOL),
+        orthogonal=_mostly(changed, lambda p: abs(p.cosine) < ORTHO_TOL),
+        rescaled=_rescaled(changed) or (not stochastic and _rescaled([p for p in loud_layers if p.changed])),
+        low_rank=any(_truncated(p) for p in changed),
+        rank_reduced_layers=[p.name for p in changed if _truncated(p)],
+        quantized=quantized,
+        sign_only=sign_only,
+        noise_std=noise_std,
+        noise_relative=noise_rel,
+        noise_family=family,
+        architectural=architectural,
+        input_transform=input_transform,
+        input_transform_source=source,
+        analytic_layers=analytic,
+        has_log_prob=callable(getattr(defense, "log_prob", None)),
+        declared_stochastic=declared,
+        layers=layers,
+        notes=notes,
+    )
+
+
+def _mostly(changed: Sequence[LayerProbe], test: Callable[[LayerProbe], bool], share: float = 0.99) -> bool:
+    """``test`` holds for the layers holding at least ``share`` of the changed entries (tiny
+    tensors, e.g. a bias with fewer entries than the probe batch, may not allow it)."""
+    total = sum(_numel(p) for p in changed)
+    return total > 0 and sum(_numel(p) for p in changed if test(p)) >= share * total
+
+
+def _rescaled(changed: Sequence[LayerProbe]) -> bool:
+    """Every changed layer keeps its direction but not its norm (clipping)."""
+    return bool(changed) and all(p.cosine > 1 - 1e-6 and abs(p.norm_ratio - 1) > NORM_TOL for p in changed)
+
+
+def _coarse(p: LayerProbe) -> bool:
+    """Few distinct magnitudes (sign / quantisation): structure says little about values."""
+    return p.magnitude_levels is not None and p.magnitude_levels <= min(MAX_QUANT_LEVELS, _numel(p) // 4)
+
+
+def _truncated(p: LayerProbe) -> bool:
+    """Rank reduced by something other than zeroing entries or coarse quantisation."""
+    return p.rank_reduced and p.extra_zeros < 0.01 and not _coarse(p)
+
+
+def _numel(p: LayerProbe) -> int:
+    return int(math.prod(p.shape)) if p.shape else 1
+
+
+def _weighted_mean(values: Sequence[float], weights: Sequence[int]) -> float:
+    total = sum(weights)
+    return sum(v * w for v, w in zip(values, weights)) / total if total else 0.0
+
+
+def _rel(a: Tensor, b: Tensor) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30)) if b.norm() > 0 else float(a.norm())
+
+
+def changed_parameters(defense: Callable, model: nn.Module, input_shape: Tuple[int, int, int],
+                       num_classes: int, *, batch_size: int = 1, seed: int = 0,
+                       loss_fn=default_loss_fn) -> List[int]:
+    """Indices of the trainable parameters whose gradient ``defense`` changes, measured on a
+    copy of ``model`` with a random batch (white-box: the mechanism is known, not the data)."""
+    model = copy.deepcopy(model)
+    device = next(model.parameters()).device
+    x, y = random_batch(batch_size, input_shape, num_classes, seed, device)
+    clean = [g.detach() for g in clean_gradients(copy.deepcopy(model), x, y, loss_fn)]
+    shared = call_defense(defense, model, x, y, generator=_generator(seed + 1, device), loss_fn=loss_fn)
+    return [i for i, (d, c) in enumerate(zip(shared, clean)) if _rel(d.detach(), c) > CHANGE_TOL]

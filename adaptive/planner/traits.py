@@ -1,0 +1,136 @@
+"""What probing a defense found out: per-layer measurements and the defense's traits.
+
+The planner (:mod:`adaptive.planner.plan`) turns :class:`DefenseTraits` into attacks; the report
+prints :meth:`DefenseTraits.summary`.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Dict, List, Optional
+
+
+@dataclass
+class LayerProbe:
+    """One trainable parameter's defended gradient compared with its clean gradient."""
+
+    name: str
+    shape: tuple
+    changed: bool  # differs from the clean gradient (relative difference above tolerance)
+    rel_diff: float  # ||d - c|| / ||c||
+    cosine: float  # <d, c> / (||d|| ||c||)
+    norm_ratio: float  # ||d|| / ||c||
+    zero_frac_clean: float
+    zero_frac_defended: float
+    rank_clean: Optional[int] = None  # numerical rank of the (out, rest) matrix, >= 2-D only
+    rank_defended: Optional[int] = None
+    magnitude_levels: Optional[int] = None  # distinct |values| among non-zeros (capped)
+    noise_std: Optional[float] = None  # std of the random part, stochastic defenses only
+    varies: bool = False  # output differs between two generators
+
+    @property
+    def extra_zeros(self) -> float:
+        return self.zero_frac_defended - self.zero_frac_clean
+
+    @property
+    def rank_reduced(self) -> bool:
+        return (self.rank_clean is not None and self.rank_defended is not None
+                and self.rank_defended < self.rank_clean)
+
+
+@dataclass
+class DefenseTraits:
+    """The traits of a defended-gradient function, from probing plus declared knowledge.
+
+    ``None`` means "not measured" (e.g. input-transform consistency needs a model whose
+    first trainable layer is linear).
+    """
+
+    name: str
+    stochastic: bool
+    reproducible: bool  # same generator seed -> same output
+    differentiable: bool  # the output carries a non-zero gradient back to the inputs
+    changed_layers: List[str]
+    unchanged_layers: List[str]
+    sparse: bool
+    sparsity: float  # extra fraction of exact zeros over the changed layers
+    norm_preserving: bool
+    orthogonal: bool
+    rescaled: bool  # same direction, other norm (clipping)
+    low_rank: bool
+    rank_reduced_layers: List[str]
+    quantized: bool
+    sign_only: bool
+    noise_std: Optional[float]
+    noise_relative: Optional[float]  # noise std / RMS of the clean gradient
+    noise_family: Optional[str]  # "gaussian", "laplace" or None
+    architectural: bool  # wrap_model changes the client model (PRECODE)
+    input_transform: Optional[bool]
+    input_transform_source: str  # "declared", "probed" or "not measured"
+    analytic_layers: List[str]  # linear layers whose batch-1 gradient stays rank-1 consistent
+    has_log_prob: bool
+    declared_stochastic: Optional[bool]
+    layers: List[LayerProbe] = field(default_factory=list)
+    notes: List[str] = field(default_factory=list)
+
+    @property
+    def identity(self) -> bool:
+        """The defense shares the clean gradient unchanged."""
+        return not (self.changed_layers or self.stochastic or self.architectural or self.rescaled
+                    or self.input_transform)
+
+    @property
+    def one_layer_changed(self) -> bool:
+        return len(self.changed_layers) == 1 and bool(self.unchanged_layers) and not self.architectural
+
+    @property
+    def few_layers_changed(self) -> bool:
+        """Some, not all, layers are perturbed: the rest can be matched exactly."""
+        kept = [p for p in self.layers if not p.changed and len(p.shape) >= 2]
+        return bool(self.changed_layers) and bool(kept) and not self.architectural
+
+    def layer(self, name: str) -> LayerProbe:
+        return next(p for p in self.layers if p.name == name)
+
+    def flags(self) -> Dict[str, bool]:
+        """The boolean traits, for tests and the report."""
+        return {
+            "identity": self.identity,
+            "stochastic": self.stochastic,
+            "differentiable": self.differentiable,
+            "sparse": self.sparse,
+            "norm_preserving": self.norm_preserving,
+            "orthogonal": self.orthogonal,
+            "rescaled": self.rescaled,
+            "low_rank": self.low_rank,
+            "quantized": self.quantized,
+            "sign_only": self.sign_only,
+            "one_layer_changed": self.one_layer_changed,
+            "architectural": self.architectural,
+            "input_transform": bool(self.input_transform),
+            "analytic_linear": bool(self.analytic_layers),
+            "has_log_prob": self.has_log_prob,
+        }
+
+    def summary(self) -> List[str]:
+        """One human-readable line per notable finding."""
+        lines = [f"probed defense {self.name!r}"]
+        on = [k for k, v in self.flags().items() if v]
+        lines.append("traits: " + (", ".join(on) if on else "none"))
+        if self.changed_layers:
+            lines.append(f"layers changed: {len(self.changed_layers)}/{len(self.layers)} "
+                         f"({', '.join(self.changed_layers[:6])}{'...' if len(self.changed_layers) > 6 else ''})")
+        if self.sparse:
+            lines.append(f"extra exact zeros: {self.sparsity:.1%} of the changed entries")
+        if self.noise_std is not None:
+            fam = f", {self.noise_family}" if self.noise_family else ""
+            lines.append(f"noise std ~{self.noise_std:.3g} ({self.noise_relative:.2g} x clean RMS{fam})")
+        if self.rank_reduced_layers:
+            lines.append("rank reduced in: " + ", ".join(self.rank_reduced_layers))
+        if self.input_transform is not None or self.input_transform_source != "not measured":
+            lines.append(f"input transform: {bool(self.input_transform)} ({self.input_transform_source})")
+        return lines + list(self.notes)
+
+    def to_dict(self) -> Dict[str, Any]:
+        out = asdict(self)
+        out["flags"] = self.flags()
+        return out

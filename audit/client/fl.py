@@ -1,0 +1,147 @@
+"""Federated training with defended updates.
+
+* **FedSGD** (``local_steps=1`` and no ``local_lr``): every step each client computes its
+  defended gradient on a batch of its own data at the global model; the server applies
+  ``theta -= lr * mean_clients(g)``.
+* **FedAvg** (``local_steps > 1`` or ``local_lr`` given): each client copies the global model
+  and runs ``local_steps`` SGD steps (``local_lr``, default ``lr``) on its own batches, each
+  with the defended gradient; the server adds the mean of the clients' parameter deltas
+  (floating-point buffers such as BatchNorm statistics are averaged too).
+
+Clients hold disjoint random splits of the training set. Architectural defenses are applied
+first (``defense.wrap_model`` modifies the model in place); data-side transforms and
+training-time losses (ATS, PRECODE's KL term) run inside the defense, on the client.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Callable, List, Optional
+
+import torch
+from torch import Tensor, nn
+
+from audit.core.defense_call import as_defense, call_defense
+from audit.core.models import preserved_buffers
+
+from audit.core.errors import ConfigError, DataError
+from audit.core.types import LossFn, NoDefense, default_loss_fn, trainable_parameters
+
+
+@dataclass
+class History:
+    """What :func:`train` returns: the (wrapped) model and the mean client loss per step."""
+
+    model: nn.Module
+    losses: List[float] = field(default_factory=list)
+
+
+def client_splits(n: int, clients: int, generator: torch.Generator) -> List[Tensor]:
+    """Disjoint random index splits of ``range(n)``, one per client."""
+    if clients < 1 or clients > n:
+        raise ConfigError(f"clients must be in [1, {n}] (the training set size), got {clients}")
+    return list(torch.randperm(n, generator=generator).tensor_split(clients))
+
+
+def _batch(dataset, split: Tensor, batch_size: int, generator: torch.Generator, device):
+    pick = split[torch.randperm(len(split), generator=generator)[:batch_size]]
+    return dataset.train_images[pick].to(device), dataset.train_labels[pick].to(device)
+
+
+def _batch_loss(model: nn.Module, inputs: Tensor, labels: Tensor, loss_fn: LossFn) -> float:
+    with torch.no_grad(), preserved_buffers(model):
+        return float(loss_fn(model(inputs), labels))
+
+
+def _apply(params: List[nn.Parameter], grads: List[Tensor], lr: float) -> None:
+    with torch.no_grad():
+        for p, g in zip(params, grads):
+            p.sub_(lr * g.detach())
+
+
+def _check_args(dataset, steps, lr, batch_size, local_steps) -> None:
+    for attr in ("train_images", "train_labels"):
+        if not hasattr(dataset, attr):
+            raise DataError(f"the dataset has no {attr}; pass audit.core.data.load_dataset(name)")
+    if steps < 0 or batch_size < 1 or local_steps < 1 or not lr > 0:
+        raise ConfigError(f"need steps >= 0, batch_size >= 1, local_steps >= 1 and lr > 0; got steps={steps}, "
+                          f"batch_size={batch_size}, local_steps={local_steps}, lr={lr}")
+
+
+def _average_into(model: nn.Module, clients: List[nn.Module]) -> None:
+    """``theta += mean(theta_c - theta)`` for parameters; mean of float buffers."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.stack([dict(c.named_parameters())[name] for c in clients]).mean(0))
+        for name, b in model.named_buffers():
+            if b.is_floating_point():
+                b.copy_(torch.stack([dict(c.named_buffers())[name] for c in clients]).mean(0))
+            else:
+                b.copy_(dict(clients[0].named_buffers())[name])
+
+
+def train(model: nn.Module, dataset, defense, steps: int, *, lr: float, batch_size: int,
+          clients: int = 1, local_steps: int = 1, local_lr: Optional[float] = None, seed: int = 0,
+          device="cpu", loss_fn: LossFn = default_loss_fn,
+          callback: Optional[Callable[[int, nn.Module], None]] = None) -> History:
+    """Train ``model`` in place for ``steps`` rounds with the defended updates.
+
+    ``model`` is the client's model: for architectural defenses, the one ``defense.wrap_model``
+    already returned (the caller wraps once). ``defense`` is a resolved
+    :class:`~audit.core.types.Defense`, a plain callable, or None (no defense). ``callback(step, model)``
+    is called before each round's update (``step = 0 .. steps - 1``, the model the clients
+    receive) and once after the last one (``step = steps``).
+    """
+    _check_args(dataset, steps, lr, batch_size, local_steps)
+    defense = as_defense(defense) or NoDefense()
+    device = torch.device(device)
+    model = model.to(device)
+    model.train()
+    data_gen = torch.Generator().manual_seed(seed)
+    defense_gen = torch.Generator(device=device).manual_seed(seed + 1)
+    splits = client_splits(len(dataset.train_labels), clients, data_gen)
+    fedavg = local_steps > 1 or local_lr is not None
+    step_lr = lr if local_lr is None else local_lr
+    history = History(model)
+    for step in range(steps):
+        if callback is not None:
+            callback(step, model)
+        losses, updates, local_models = [], [], []
+        for split in splits:
+            client = copy.deepcopy(model) if fedavg else model
+            params = trainable_parameters(client)
+            for k in range(local_steps):
+                x, y = _batch(dataset, split, batch_size, data_gen, device)
+                if k == 0:
+                    losses.append(_batch_loss(client, x, y, loss_fn))
+                grads = call_defense(defense, client, x, y, loss_fn=loss_fn, generator=defense_gen)
+                if fedavg:
+                    _apply(params, grads, step_lr)
+                else:
+                    updates.append([g.detach() for g in grads])
+            local_models.append(client)
+        if fedavg:
+            _average_into(model, local_models)
+        else:
+            _apply(trainable_parameters(model), [torch.stack(c).mean(0) for c in zip(*updates)], lr)
+        history.losses.append(sum(losses) / len(losses))
+    if callback is not None:
+        callback(steps, model)
+    return history
+
+
+def evaluate(model: nn.Module, images: Tensor, labels: Tensor, batch_size: int = 256) -> float:
+    """Top-1 accuracy of ``model`` (eval mode, restored afterwards) on ``images``."""
+    device = next(iter(model.parameters()), torch.empty(0)).device
+    was_training = model.training
+    model.eval()
+    correct = 0
+    try:
+        with torch.no_grad():
+            for start in range(0, len(labels), batch_size):
+                x = images[start:start + batch_size].to(device)
+                y = labels[start:start + batch_size].to(device)
+                correct += int((model(x).argmax(1) == y).sum())
+    finally:
+        model.train(was_training)
+    return correct / max(1, len(labels))

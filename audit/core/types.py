@@ -1,0 +1,315 @@
+"""The public contracts of gia-audit (see DESIGN.md).
+
+Conventions used everywhere:
+
+* **Images are in [0, 1]**, shape ``(B, C, H, W)``. Normalisation lives *inside* the model
+  (the model registry prepends a :class:`~audit.core.models.Normalize` layer); a user model that
+  expects normalised inputs is wrapped with :func:`audit.core.models.with_normalization`.
+* **A defended-gradient function** is any callable
+  ``defense(model, inputs, labels, *, loss_fn, generator) -> list[Tensor]`` returning one
+  tensor per trainable parameter (same order and shapes as
+  ``[p for p in model.parameters() if p.requires_grad]``). When ``inputs.requires_grad``
+  the returned tensors should stay differentiable w.r.t. ``inputs`` (built-in defenses
+  do), so adaptive attacks can pass their dummy data *through* the defense.
+* **An attack** has ``reconstruct(observation, budget, seed) -> Reconstruction`` and never
+  sees the private batch. ``budget`` is counted in **gradient evaluations** of the audited
+  model (see :data:`BUDGET_UNIT`); each attack maps it to its own iterations.
+* **What an adaptive attack may know of a defense** is a small declared protocol on
+  :class:`Defense`, never a built-in class or attribute: ``stochastic``, ``log_prob``,
+  ``wrap_model``, ``transform_inputs``, ``transform`` (gradient-only defenses),
+  ``latent_bottlenecks(model)`` (architectural bottlenecks, :class:`LatentBottleneck`) and
+  ``channel_weights()`` (weighted low-rank defenses). Any user defense can declare them.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple, runtime_checkable
+
+import torch
+from torch import Tensor, nn
+
+LossFn = Callable[[Tensor, Tensor], Tensor]
+
+
+def default_loss_fn(logits: Tensor, labels: Tensor) -> Tensor:
+    """Mean cross-entropy, the loss every client uses unless told otherwise."""
+    return nn.functional.cross_entropy(logits, labels)
+
+
+def trainable_parameters(model: nn.Module) -> List[nn.Parameter]:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def trainable_names(model: nn.Module) -> List[str]:
+    return [n for n, p in model.named_parameters() if p.requires_grad]
+
+
+def clean_gradients(
+    model: nn.Module,
+    inputs: Tensor,
+    labels: Tensor,
+    loss_fn: LossFn = default_loss_fn,
+    create_graph: Optional[bool] = None,
+) -> List[Tensor]:
+    """The true gradient of ``loss_fn(model(inputs), labels)`` w.r.t. the trainable parameters.
+
+    ``create_graph`` defaults to ``inputs.requires_grad`` so that a dummy input's gradient
+    stays differentiable (needed by every gradient-matching attack).
+    """
+    if create_graph is None:
+        create_graph = bool(inputs.requires_grad)
+    params = trainable_parameters(model)
+    loss = loss_fn(model(inputs), labels)
+    return list(torch.autograd.grad(loss, params, create_graph=create_graph))
+
+
+# --------------------------------------------------------------------------- defenses
+@runtime_checkable
+class DefendedGradientFn(Protocol):
+    """``defense(model, inputs, labels, *, loss_fn, generator) -> list[Tensor]``."""
+
+    def __call__(
+        self, model: nn.Module, inputs: Tensor, labels: Tensor, *, loss_fn: LossFn,
+        generator: Optional[torch.Generator],
+    ) -> List[Tensor]: ...
+
+
+class Defense:
+    """Base class of the built-in defenses: a defended-gradient callable plus the knowledge
+    an adaptive (white-box, Kerckhoffs) attacker may use.
+
+    Subclasses override :meth:`__call__` (or :meth:`transform` for gradient-only defenses)
+    and set the class attributes that apply:
+
+    * ``stochastic`` -- the output depends on ``generator`` (EOT / Monte Carlo attacks).
+    * ``log_prob(shared, clean)`` -- exact log-likelihood of a shared gradient given the
+      clean one (Bayes adversary); ``None`` where there is no closed form.
+    * ``wrap_model(model)`` -- architectural defenses (PRECODE) change the client model.
+    * ``transform_inputs(inputs, generator)`` -- data-side defenses (ATS, Refiner).
+    """
+
+    name: str = "defense"
+    stochastic: bool = False
+    log_prob: Optional[Callable[[Sequence[Tensor], Sequence[Tensor]], Tensor]] = None
+
+    def __call__(self, model, inputs, labels, *, loss_fn=default_loss_fn, generator=None):
+        grads = clean_gradients(model, self.transform_inputs(inputs, generator), labels, loss_fn)
+        return self.transform(grads, generator=generator, model=model)
+
+    # gradient-only hook (identity by default)
+    def transform(self, grads: List[Tensor], *, generator=None, model=None) -> List[Tensor]:
+        return grads
+
+    def transform_inputs(self, inputs: Tensor, generator: Optional[torch.Generator]) -> Tensor:
+        return inputs
+
+    def wrap_model(self, model: nn.Module) -> nn.Module:
+        return model
+
+    # declared knowledge for adaptive attacks (white-box, Kerckhoffs); defaults: nothing declared
+    def latent_bottlenecks(self, model: nn.Module) -> List["LatentBottleneck"]:
+        """The modules of the client model (as ``wrap_model`` returned it) that draw a random
+        latent and decode it with a linear layer (PRECODE). Attacks recover each draw from its
+        decoder's gradient (:class:`LatentBottleneck`). Default: none."""
+        return []
+
+    def channel_weights(self) -> Optional[str]:
+        """For low-rank defenses that weight the rows (output channels) of each weight
+        gradient before truncating it (SVDefense): ``"sqrt"`` (row norms) or ``"square"``
+        (squared row norms). ``None``: no weighting declared."""
+        return None
+
+    def params(self) -> Dict[str, Any]:
+        """The defense's settings, for the report."""
+        return {k: v for k, v in vars(self).items() if not k.startswith("_")}
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self.params().items())
+        return f"{self.name}({args})"
+
+
+@runtime_checkable
+class LatentBottleneck(Protocol):
+    """A variational bottleneck inside the client model, as declared by
+    :meth:`Defense.latent_bottlenecks`: it draws ``b = mu + sigma * e`` from
+    ``posterior(features)`` and feeds ``b`` to ``decoder`` (an ``nn.Linear``); while
+    ``fixed_latent`` is set, that tensor replaces the draw."""
+
+    decoder: nn.Linear
+    fixed_latent: Optional[Tensor]
+
+    def posterior(self, features: Tensor) -> Tuple[Tensor, Tensor]:
+        """``(mu, sigma)`` of the latent draw for these features."""
+
+
+class NoDefense(Defense):
+    """Shares the clean gradient unchanged (the undefended baseline)."""
+
+    name = "none"
+    stochastic = False
+
+
+def is_gradient_only(defense: Any) -> bool:
+    """True when ``defense`` is "clean gradient, then ``transform``" (a :class:`Defense`
+    keeping the base ``__call__`` and ``transform_inputs``), so its transform can be
+    replayed or sampled on a gradient without recomputing it."""
+    kind = type(defense)
+    return (isinstance(defense, Defense) and kind.__call__ is Defense.__call__
+            and kind.transform_inputs is Defense.transform_inputs)
+
+
+class FunctionDefense(Defense):
+    """Adapts a plain defended-gradient function to the :class:`Defense` interface."""
+
+    def __init__(self, fn: Callable, name: Optional[str] = None, stochastic: bool = True):
+        self.fn = fn
+        self.name = name or getattr(fn, "__name__", type(fn).__name__)
+        # an unknown callable is treated as possibly random until probed
+        self.stochastic = getattr(fn, "stochastic", stochastic)
+
+    def __call__(self, model, inputs, labels, *, loss_fn=default_loss_fn, generator=None):
+        return self.fn(model, inputs, labels, loss_fn=loss_fn, generator=generator)
+
+    def params(self) -> Dict[str, Any]:
+        return {"callable": f"{getattr(self.fn, '__module__', '?')}.{self.name}"}
+
+    # a callable object may declare the protocol itself
+    def latent_bottlenecks(self, model: nn.Module) -> List[LatentBottleneck]:
+        declared = getattr(self.fn, "latent_bottlenecks", None)
+        return list(declared(model)) if callable(declared) else []
+
+    def channel_weights(self) -> Optional[str]:
+        declared = getattr(self.fn, "channel_weights", None)
+        return declared() if callable(declared) else None
+
+
+class GradientTransformDefense(Defense):
+    """A defense given as a ``grads -> grads`` transform (see :func:`gradient_transform`)."""
+
+    def __init__(self, fn: Callable, name: Optional[str] = None, stochastic: bool = False):
+        self.fn = fn
+        self.name = name or getattr(fn, "__name__", "transform")
+        self.stochastic = stochastic
+        self._takes_generator = "generator" in _parameter_names(fn)
+        functools.update_wrapper(self, fn)
+
+    def transform(self, grads, *, generator=None, model=None):
+        if self._takes_generator:
+            return list(self.fn(grads, generator=generator))
+        return list(self.fn(grads))
+
+    def params(self) -> Dict[str, Any]:
+        return {"transform": f"{getattr(self.fn, '__module__', '?')}.{self.name}"}
+
+
+def gradient_transform(fn: Optional[Callable] = None, *, stochastic: bool = False, name=None):
+    """Decorator: turn ``f(grads[, generator=...]) -> grads`` into a defended-gradient function.
+
+    >>> @gradient_transform(stochastic=True)
+    ... def noisy(grads, generator=None):
+    ...     return [g + 0.1 * torch.randn(g.shape, generator=generator) for g in grads]
+    """
+
+    def deco(f: Callable) -> GradientTransformDefense:
+        return GradientTransformDefense(f, name=name, stochastic=stochastic)
+
+    return deco(fn) if fn is not None else deco
+
+
+def _parameter_names(fn: Callable) -> List[str]:
+    import inspect
+
+    try:
+        return list(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return []
+
+
+# --------------------------------------------------------------------------- observation
+@dataclass
+class Observation:
+    """Everything the server sees, and nothing more.
+
+    ``gradients`` is what the client shared: one tensor per trainable parameter of ``model``
+    (for FedAvg with ``local_steps > 1`` it is the *update* ``(theta_0 - theta_K) / lr``
+    expressed as an accumulated gradient, see :mod:`audit.client.fl`). The remaining fields are
+    declared side information; :meth:`threat_model` lists them for the report.
+    """
+
+    model: nn.Module
+    gradients: List[Tensor]
+    input_shape: Tuple[int, int, int]
+    num_classes: int
+    batch_size: int = 1
+    labels: Optional[Tensor] = None  # only when the protocol shares labels
+    loss_fn: LossFn = default_loss_fn
+    local_steps: int = 1
+    local_lr: float = 0.0
+    local_batch_size: Optional[int] = None  # FedAvg mini-batch size (None: full batch)
+    defense: Optional[Defense] = None  # white-box access to the mechanism (not its randomness)
+    step: int = 0  # training step at which the update was captured
+    data_mean: Optional[Tuple[float, ...]] = None  # informational: normalisation in the model
+    data_std: Optional[Tuple[float, ...]] = None
+    extra: Dict[str, Any] = field(default_factory=dict)  # declared extras (e.g. aux data)
+    # the mode the client ran the model in: "train" (BatchNorm uses batch statistics, as FL
+    # clients train) or "eval" (BatchNorm uses the running statistics in the model's buffers)
+    client_mode: str = "train"
+
+    @property
+    def labels_shared(self) -> bool:
+        return self.labels is not None
+
+    @property
+    def device(self) -> torch.device:
+        return self.gradients[0].device
+
+    def threat_model(self) -> Dict[str, Any]:
+        """What the attacker was given, for the report."""
+        return {
+            "model": "white-box (architecture, parameters and buffers at the audited step)",
+            "shared": "defended gradient" if self.local_steps == 1 else
+            f"defended FedAvg update ({self.local_steps} local steps, lr {self.local_lr})",
+            "input_shape": list(self.input_shape),
+            "num_classes": self.num_classes,
+            "batch_size": self.batch_size,
+            "labels_shared": self.labels_shared,
+            "local_steps": self.local_steps,
+            "local_lr": self.local_lr,
+            "defense_mechanism_known": self.defense is not None,
+            "defense_randomness_known": False,
+            "training_step": self.step,
+            "client_mode": self.client_mode,
+            "extras": sorted(self.extra),
+        }
+
+
+# --------------------------------------------------------------------------- attacks
+@dataclass
+class Reconstruction:
+    """An attack's output: images in [0, 1] ``(B, C, H, W)``, labels ``(B,)``, and a trace
+    (loss history, chosen restart, timings, ...). ``applicable=False`` with a ``reason``
+    when the attack does not apply to the observation."""
+
+    inputs: Optional[Tensor]
+    labels: Optional[Tensor]
+    trace: Dict[str, Any] = field(default_factory=dict)
+    applicable: bool = True
+    reason: str = ""
+
+    @classmethod
+    def not_applicable(cls, reason: str, **trace: Any) -> "Reconstruction":
+        return cls(None, None, dict(trace), applicable=False, reason=reason)
+
+
+@runtime_checkable
+class Attack(Protocol):
+    """``attack.reconstruct(observation, budget, seed) -> Reconstruction``.
+
+    ``budget`` is the number of optimisation iterations (or the equivalent unit of work,
+    e.g. CMA-ES evaluations, inverter training steps). Attacks never see the private data.
+    """
+
+    name: str
+
+    def reconstruct(self, observation: Observation, budget: int, seed: int) -> Reconstruction: ...

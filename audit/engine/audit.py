@@ -1,0 +1,642 @@
+"""The audit engine: train with the *defended* updates, capture checkpoints, attack the
+audited client's private batches at each checkpoint with the base and adaptive attacks,
+score, store every finished (step, attack, image) result, and render the report.
+
+``run(...)`` is ``audit.run``; ``gia-audit audit`` calls it. Private data = the data set's
+*test* split; the FL clients train on the *train* split (disjoint), which is also the only
+data learned attacks may use.
+"""
+from __future__ import annotations
+
+import copy
+import hashlib
+import inspect
+import math
+import platform
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+from torch import nn
+
+from adaptive import plan as plan_attacks  # importing adaptive registers its attacks in ATTACKS
+from attacks import ATTACKS
+from audit.client.fl import train
+from audit.client.observe import observe
+from audit.core import __version__
+from audit.core.errors import ConfigError, DefenseError, GiaError, NotApplicable
+from audit.core.metrics import score
+from audit.core.registry import parse_kv_args
+from audit.engine.compose import build_model, client_model, load_data, resolve_defense, resolve_device
+from audit.report.audit_report import AuditReport
+from audit.report.risk import Thresholds, default_delta
+from audit.report.store import ResultStore
+
+DEFAULT_DEFENSE = "prune"  # 90% magnitude pruning: cheap, and the planner has adaptive attacks for it
+DEFAULT_STEPS = (0, 1, 5, 20)
+BASE_ATTACKS = ("ig",)
+
+
+# --------------------------------------------------------------------------- settings
+@dataclass
+class FLSettings:
+    """How the model is trained between audited checkpoints (see :func:`audit.client.fl.train`)."""
+
+    lr: float = 0.1
+    batch_size: int = 8
+    clients: int = 1
+    local_steps: int = 1
+    local_lr: Optional[float] = None
+
+
+@dataclass
+class AttackSpec:
+    """One attack of the audit: registry name, settings, why it runs, base or adaptive."""
+
+    name: str
+    settings: Dict[str, Any] = field(default_factory=dict)
+    reason: str = ""
+    kind: str = "base"
+
+    @property
+    def id(self) -> str:
+        """The attack's name in the report; its settings are checked on resume instead."""
+        return self.name
+
+    def as_dict(self) -> Dict[str, Any]:
+        return {"id": self.id, **asdict(self)}
+
+
+def derive_seed(seed: int, *parts: Any) -> int:
+    """A stable per-task seed (same run settings -> same numbers, independent of order)."""
+    blob = repr((int(seed),) + parts).encode()
+    return int.from_bytes(hashlib.sha256(blob).digest()[:4], "little") & 0x7FFFFFFF
+
+
+def _comma_list(value: Any) -> Any:
+    """A comma-separated string as its non-empty items (spaces dropped); anything else as is."""
+    return [s for s in value.replace(" ", "").split(",") if s] if isinstance(value, str) else value
+
+
+def _parse_steps(steps: Union[str, Sequence[int]]) -> List[int]:
+    given = steps
+    steps = _comma_list(steps)
+    try:
+        out = sorted({int(s) for s in steps})
+    except (TypeError, ValueError):
+        raise ConfigError(f"steps must be training steps like 0,1,5,20, got {given!r}") from None
+    if not out or out[0] < 0:
+        raise ConfigError(f"steps must be a non-empty list of steps >= 0, got {steps!r}")
+    return out
+
+
+def _positive(name: str, value: Any, kind=int) -> Any:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0 or (
+            kind is int and not float(value).is_integer()):
+        raise ConfigError(f"{name} must be a positive {'integer' if kind is int else 'number'}, got {value!r}")
+    return kind(value)
+
+
+# --------------------------------------------------------------------------- identities
+def _callable_identity(fn: Any) -> Dict[str, Any]:
+    """What makes a user callable's results distinct: its qualified name and source hash."""
+    target = getattr(fn, "fn", fn)
+    if not (inspect.isfunction(target) or inspect.isclass(target) or inspect.ismethod(target)):
+        target = type(target)  # a callable object: its class holds the code
+    ident = {"callable": f"{getattr(target, '__module__', '?')}:{getattr(target, '__qualname__', '?')}"}
+    try:
+        ident["source_sha256"] = hashlib.sha256(inspect.getsource(target).encode()).hexdigest()[:16]
+    except (OSError, TypeError):
+        pass
+    return ident
+
+
+def defense_identity(defense, spec: Any) -> Dict[str, Any]:
+    """Name, parameters and (for user code) the source hash of the audited defense."""
+    ident: Dict[str, Any] = {"name": getattr(defense, "name", "defense"),
+                             "spec": spec if isinstance(spec, str) else type(spec).__name__}
+    try:
+        ident["params"] = {k: repr(v) if not isinstance(v, (int, float, str, bool, type(None))) else v
+                           for k, v in defense.params().items()}
+    except Exception as err:  # a user's Defense subclass with a broken params()
+        ident["params"] = {"unavailable": f"{type(err).__name__}: {err}"}
+    if not isinstance(spec, str) or ":" in spec:
+        ident.update(_callable_identity(defense))
+    ident["stochastic"] = bool(getattr(defense, "stochastic", False))
+    return ident
+
+
+def model_identity(model: Any, model_args: Dict[str, Any]) -> Dict[str, Any]:
+    if isinstance(model, str):
+        return {"name": model, "args": model_args}
+    digest = hashlib.sha256()
+    for name, tensor in model.state_dict().items():
+        digest.update(name.encode())
+        digest.update(tensor.detach().cpu().to(torch.float64 if tensor.is_floating_point() else torch.int64)
+                      .contiguous().numpy().tobytes())
+    return {"name": type(model).__name__, "architecture_sha256": hashlib.sha256(repr(model).encode()).hexdigest()[:16],
+            "state_sha256": digest.hexdigest()[:16]}
+
+
+def versions() -> Dict[str, str]:
+    import numpy
+
+    return {"gia_audit": __version__, "python": platform.python_version(), "torch": torch.__version__,
+            "numpy": numpy.__version__, "platform": platform.platform()}
+
+
+# --------------------------------------------------------------------------- the audit
+class Audit:
+    """One audit: resolve the settings, plan, train, attack, score, store, report.
+
+    Use :func:`run`; the class exists so each phase is a small method.
+    """
+
+    def __init__(self, *, defense, defense_args, model, model_args, data, data_args, image_size,
+                 steps, attacks, attack_args, images, batch_size, budget, seed, out, share_labels, fl: FLSettings,
+                 utility: bool, utility_steps: int, thresholds: Thresholds, delta: Optional[float], device,
+                 progress: bool):
+        self.device = resolve_device(device)
+        self.seed = int(seed)
+        self.steps = _parse_steps(steps)
+        self.images = _positive("images", images)
+        self.batch_size = _positive("batch_size", batch_size)
+        self.budget = _positive("budget", budget)
+        self.fl = fl
+        self.share_labels = bool(share_labels)
+        self.measure_utility = bool(utility)
+        self.utility_steps = _positive("utility_steps", utility_steps)
+        self.thresholds = thresholds
+        self.progress = progress
+        self.out = Path(out)
+        self.dataset = load_data(data, image_size, data_args or {})
+        self.defense_spec = defense
+        self.defense = resolve_defense(defense, defense_args or {})
+        # hashed once: for user code this reads and hashes its source
+        self.defense_ident = defense_identity(self.defense, self.defense_spec)
+        self.model_spec, self.model_args = model, dict(model_args or {})
+        # architectural defenses (PRECODE) change the client model once, before training; the
+        # planner probes the model as it was before (to see what wrap_model changes)
+        self.base_model = build_model(model, self.model_args, self.dataset, self.seed).to(self.device)
+        self.model = client_model(self.defense, copy.deepcopy(self.base_model), self.seed)
+        self.numel = int(math.prod(self.dataset.input_shape))
+        self.delta = float(delta) if delta is not None else default_delta(self.numel)
+        self.requested_attacks = attacks
+        self.attack_args = {name: dict(kv) for name, kv in (attack_args or {}).items()}
+        self.private = _private_batches(self.dataset, self.images, self.batch_size, self.seed)
+
+    # ------------------------------------------------------------------ settings & identity
+    def key_settings(self) -> Dict[str, Any]:
+        """Every setting that changes a number. Steps, the image count and the attack list
+        are left out on purpose: adding a step, an image or an attack reuses the rest."""
+        return {
+            "defense": self.defense_ident,
+            "model": model_identity(self.model_spec, self.model_args),
+            "data": {"name": self.dataset.name, "input_shape": list(self.dataset.input_shape)},
+            "fl": asdict(self.fl), "batch_size": self.batch_size, "budget": self.budget,
+            "seed": self.seed, "share_labels": self.share_labels, "device": self.device.type,
+        }
+
+    def settings(self) -> Dict[str, Any]:
+        return {**self.key_settings(), "steps": self.steps, "images": self.images,
+                "attacks": self.requested_attacks if isinstance(self.requested_attacks, str)
+                else list(self.requested_attacks), "attack_args": self.attack_args, "utility": self.measure_utility,
+                "utility_steps": self.utility_steps,
+                "risk_delta": self.delta}
+
+    # ------------------------------------------------------------------ phases
+    def plan(self) -> Tuple[List[AttackSpec], Dict[str, Any]]:
+        """The attacks to run (base + the planner's adaptive ones) and the plan for the report."""
+        try:
+            plan = _plan(self.defense, copy.deepcopy(self.base_model), self.dataset, self.seed, self.device)
+            plan_dict = plan.to_dict()
+        except GiaError as err:  # e.g. the defense fails on the planner's probe batch
+            plan, plan_dict = None, {"error": f"probing the defense failed: {type(err).__name__}: {err}"}
+        proposed = [] if plan is None else [
+            AttackSpec(a.name, dict(a.settings), a.reason, "adaptive" if a.adaptive else "base")
+            for a in plan.attacks]
+        auto = [AttackSpec(n, {}, "base attack: always run") for n in BASE_ATTACKS
+                if n not in {p.name for p in proposed}] + proposed
+        by_name = {p.name: p for p in proposed}
+        specs: Dict[str, AttackSpec] = {}
+        for name in _attack_names(self.requested_attacks):  # "auto" may be combined with names
+            for spec in auto if name == "auto" else [by_name.get(name) or AttackSpec(name, {}, "requested by the user")]:
+                specs.setdefault(spec.id, spec)
+        _check_attacks([*specs.values(), *(AttackSpec(n, kv) for n, kv in self.attack_args.items())])
+        for spec in specs.values():  # the user's settings override the planner's
+            spec.settings.update(self.attack_args.get(spec.name, {}))
+        return list(specs.values()), plan_dict
+
+    def threat_model(self, specs: Sequence[AttackSpec]) -> Dict[str, Any]:
+        """What the attacker was given; from a real observation of step 0, image 0."""
+        x, y = self.private[0]
+        try:
+            obs = self.observe(self.model, x, y, 0, 0)
+            declared = obs.threat_model()
+        except GiaError as err:
+            declared = {"unavailable": f"the defense failed on the first observation: {err}"}
+        return {
+            **declared,
+            "private_data": f"{self.dataset.name} test split: {self.images} private batch(es) of "
+                            f"{self.batch_size} image(s) of the audited client, never given to the attacker",
+            "training_data": f"{self.dataset.name} train split ({len(self.dataset.train_labels)} images), "
+                             f"split between {self.fl.clients} client(s); disjoint from the private test split",
+            "attacker_auxiliary_data": f"the {self.dataset.name} train split "
+                                       f"({len(self.dataset.train_labels)} images and labels), declared to "
+                                       "every attack as extras aux_images / aux_labels; the only data "
+                                       "learned attacks may use",
+            "attacks_run": [s.id for s in specs],
+        }
+
+    def observe(self, model: nn.Module, images, labels, step: int, image: int):
+        local_lr = self.fl.local_lr if self.fl.local_lr is not None else self.fl.lr
+        return observe(model, images, labels, self.defense, share_labels=self.share_labels,
+                       local_steps=self.fl.local_steps, local_lr=local_lr, step=step,
+                       seed=derive_seed(self.seed, "defense", step, image), extra=self.auxiliary_data())
+
+    def auxiliary_data(self) -> Dict[str, Any]:
+        """The extras every observation declares: the data set's *train* split (the same tensors
+        each time, so learned attacks hash them once)."""
+        return {"aux_images": self.dataset.train_images, "aux_labels": self.dataset.train_labels}
+
+    def utility(self) -> Dict[str, Any]:
+        """Accuracy after training with the defense against training without it."""
+        if not self.measure_utility:
+            return {"unavailable": "utility measurement was switched off (utility=False)"}
+        try:
+            return _measure_utility(self)
+        except ImportError as err:
+            return {"unavailable": f"the utility module is not installed ({err})"}
+        except GiaError as err:
+            return {"unavailable": f"{type(err).__name__}: {err}"}
+
+    def checkpoints(self, store: ResultStore, needed: Sequence[int]) -> Tuple[Dict[int, Any], Optional[Dict[str, Any]]]:
+        """Model states at the ``needed`` steps: from the store, else by FL training with the
+        defended updates. A defense that fails during training is recorded in the manifest
+        and the steps before the failure are still audited."""
+        states = {s: store.load_checkpoint(s) for s in needed}
+        missing = [s for s, st in states.items() if st is None]
+        failure = None
+        if missing:
+            captured, failure = _train(self, max(missing), set(missing))
+            for step, state in captured.items():
+                store.save_checkpoint(step, state)
+                states[step] = state
+        return {s: st for s, st in states.items() if st is not None}, failure
+
+    def attack_one(self, spec: AttackSpec, obs, images, labels, step: int, image: int,
+                   progress: Optional[Callable] = None) -> Tuple[Dict[str, Any], Optional[torch.Tensor]]:
+        """Run one attack on one observation and score it; failures become records.
+        ``progress(done, total, loss)`` is forwarded to attacks that report progress."""
+        record = self._record(spec, step, image)
+        start = time.perf_counter()
+        try:
+            attack = ATTACKS.build(spec.name, **spec.settings)
+            rec = _reconstruct(attack, obs, self.budget, record["seed"], progress)
+        except NotApplicable as err:
+            return {**record, "status": "not_applicable", "reason": str(err)}, None
+        except Exception as err:  # an attack, or a defense inside an adaptive attack, failed
+            return self._failed(record, err, step), None
+        record["time_s"] = round(time.perf_counter() - start, 3)
+        if not rec.applicable:
+            return {**record, "status": "not_applicable", "reason": rec.reason}, None
+        if rec.inputs is None or not torch.isfinite(rec.inputs).all():
+            return {**record, "status": "error", "reason": f"attack {spec.id!r} returned no finite images"}, None
+        metrics, unavailable, aligned = _score(rec, images, labels)
+        record.update(status="ok", metrics=metrics, unavailable=unavailable, trace=_trace_summary(rec.trace))
+        return record, aligned
+
+    def _record(self, spec: AttackSpec, step: int, image: int) -> Dict[str, Any]:
+        return {"step": step, "attack_id": spec.id, "attack": spec.name, "image": image,
+                "settings": spec.settings, "seed": derive_seed(self.seed, "attack", step, spec.id, image),
+                "defense": self.defense.name, "budget": self.budget}
+
+    def _failed(self, record: Dict[str, Any], err: BaseException, step: int) -> Dict[str, Any]:
+        kind = "defense" if isinstance(err, DefenseError) else "attack"
+        reason = f"{type(err).__name__}: {err}"
+        if kind == "defense" and self.defense.name not in reason:
+            reason = f"defense {self.defense.name!r} at step {step}: {reason}"
+        return {**record, "status": "error", "failed": kind, "reason": reason}
+
+    # ------------------------------------------------------------------ the whole audit
+    def run(self) -> AuditReport:
+        started = time.perf_counter()
+        store = ResultStore.create(self.out, self.key_settings())
+        try:
+            self._attack_all(store, self._prepare(store))
+        except KeyboardInterrupt:  # every finished result is already on disk
+            store.update_manifest(status="interrupted")
+            if "attacks" in store.load_manifest():
+                AuditReport.from_store(store).write(self.out)
+            raise
+        store.update_manifest(status="complete", timing={"last_invocation_s": round(time.perf_counter() - started, 1)})
+        report = AuditReport.from_store(store)
+        report.write(self.out)
+        return report
+
+    def _prepare(self, store: ResultStore) -> List[AttackSpec]:
+        """Plan the attacks and write the manifest (threat model, settings, utility, ...)."""
+        manifest = store.load_manifest()
+        specs, plan = self.plan()
+        store.update_manifest(
+            run_key=store.key, status="running", settings=self.settings(), steps=self.steps,
+            images=self.images, attacks=[s.as_dict() for s in specs], plan=plan,
+            defense=self.defense_ident,
+            threat_model=self.threat_model(specs), thresholds=self.thresholds.as_dict(),
+            risk_delta={"delta": self.delta, "description": _delta_description(self.delta, self.dataset)},
+            data=_data_description(self.dataset, self.private),
+            seeds={"seed": self.seed, "model_init": self.seed, "private_batches": self.seed,
+                   "per_task": "derive_seed(seed, kind, step, attack, image) (sha256)"},
+            versions=versions(), failures=manifest.get("failures", []),
+            metric_notes=[f"PSNR per image on [0, 1]; an exact reconstruction (infinite PSNR) counts as {PSNR_CAP:g} dB",
+                          "batch reconstructions are matched to the private images by an optimal assignment on MSE",
+                          "label accuracy: the fraction of private labels recovered (as a multiset)"])
+        for i, (x, _) in enumerate(self.private):
+            store.save_original(i, x)
+        cached = manifest.get("utility_for")
+        if cached != [self.measure_utility, self.utility_steps]:
+            store.update_manifest(utility=self.utility(), utility_for=[self.measure_utility, self.utility_steps])
+        return specs
+
+    def _attack_all(self, store: ResultStore, specs: Sequence[AttackSpec]) -> None:
+        pending = [(s, i, a) for s in self.steps for i in range(self.images) for a in specs
+                   if not store.has(s, a.id, i, settings=a.settings)]
+        total = len(self.steps) * self.images * len(specs)
+        if not pending:
+            return
+        pending_steps = sorted({s for s, _, _ in pending})
+        states, failure = self.checkpoints(store, pending_steps)
+        known = store.load_manifest().get("failures", [])
+        if failure is not None and failure not in known:
+            store.update_manifest(failures=known + [failure])
+        bar = _progress(total, total - len(pending), self.progress)
+        try:
+            for step in pending_steps:
+                for image in sorted({i for s, i, _ in pending if s == step}):
+                    todo = [a for s, i, a in pending if s == step and i == image]
+                    self._attack_batch(store, states.get(step), failure, todo, step, image, bar)
+        finally:
+            bar.close()
+
+    def _attack_batch(self, store, state, failure, specs, step, image, bar) -> None:
+        x, y = self.private[image]
+        obs, error = None, None
+        if state is None:
+            error = failure["error"] if failure else "no checkpoint for this step"
+        else:
+            model = copy.deepcopy(self.model)
+            model.load_state_dict(state)
+            try:
+                obs = self.observe(model, x, y, step, image)
+            except GiaError as err:
+                error = f"{type(err).__name__}: {err}"
+        for spec in specs:
+            label = f"step {step} {spec.id} image {image}"
+            bar.set_postfix_str(label)
+            if obs is None:
+                store.save_result({**self._record(spec, step, image), "status": "error", "failed": "defense",
+                                   "reason": error})
+            else:
+                record, images = self.attack_one(spec, obs, x, y, step, image, progress=_inner_progress(bar, label))
+                store.save_result(record, images)
+            bar.update(1)
+
+
+# --------------------------------------------------------------------------- composition helpers
+def _private_batches(dataset, images: int, batch_size: int, seed: int):
+    """The audited client's private batches: a seeded draw from the test split. Batch ``i``
+    does not depend on ``images``, so adding images keeps the earlier ones."""
+    need = images * batch_size
+    available = len(dataset.test_labels)
+    if need > available:
+        raise ConfigError(f"images x batch_size = {need} private images, but the {dataset.name} test "
+                          f"split has {available}; lower images or batch_size")
+    order = torch.randperm(available, generator=torch.Generator().manual_seed(derive_seed(seed, "private")))
+    return [(dataset.test_images[idx].clone(), dataset.test_labels[idx].clone())
+            for idx in order[:need].view(images, batch_size)]
+
+
+def _plan(defense, model, dataset, seed: int, device):
+    return plan_attacks(defense, model, dataset.input_shape, dataset.num_classes, seed=seed, device=device)
+
+
+def _attack_names(attacks) -> List[str]:
+    names = [str(a) for a in _comma_list(attacks)]
+    if not names:
+        raise ConfigError("attacks must be 'auto', a non-empty list of attack names (see `gia-audit list "
+                          "attacks`), or both, e.g. 'auto,dlg'")
+    return list(dict.fromkeys(names))
+
+
+def parse_attack_args(pairs: Sequence[str]) -> Dict[str, Dict[str, Any]]:
+    """``["learned-inverter.pairs=256", "ig.restarts=2"]`` -> ``{"learned-inverter": {"pairs": 256}, ...}``."""
+    out: Dict[str, Dict[str, Any]] = {}
+    for pair in pairs:
+        name, dot, rest = pair.partition(".")
+        if not dot or "=" not in rest or not name:
+            raise ConfigError(f"attack argument {pair!r} is not of the form attack.setting=value "
+                              "(e.g. ig.restarts=2)")
+        out.setdefault(name, {}).update(parse_kv_args([rest]))
+    return out
+
+
+def _check_attacks(specs: Sequence[AttackSpec]) -> None:
+    for spec in specs:
+        ATTACKS.get(spec.name)  # an unknown name raises ConfigError listing the valid ones
+        if spec.reason == "":  # the user's settings: a bad one is an error now, not in every result
+            ATTACKS.build(spec.name, **spec.settings)
+
+
+def _train(audit: "Audit", last_step: int, wanted: set) -> Tuple[Dict[int, Dict[str, torch.Tensor]], Optional[Dict[str, Any]]]:
+    """FL training with the defended updates up to ``last_step``; the states at ``wanted``
+    steps, and the failure (defense name, step, error) if the defense broke training."""
+    model = copy.deepcopy(audit.model)
+    captured = {0: _state(model)} if 0 in wanted else {}
+    done = {"step": 0}
+
+    def capture(step: int, current: nn.Module) -> None:
+        done["step"] = step
+        if step in wanted:
+            captured[step] = _state(current)
+
+    if last_step == 0:
+        return captured, None
+    try:
+        train(model, audit.dataset, audit.defense, last_step, lr=audit.fl.lr, batch_size=audit.fl.batch_size,
+              clients=audit.fl.clients, local_steps=audit.fl.local_steps, local_lr=audit.fl.local_lr,
+              seed=audit.seed, device=audit.device, callback=capture)
+    except GiaError as err:  # the defense failed on the model of step done["step"]
+        failed = done["step"]
+        return captured, {"phase": "training", "step": failed, "defense": audit.defense.name,
+                          "error": f"FL training stopped at step {failed} (no later checkpoint): "
+                                   f"{type(err).__name__}: {err}"}
+    return captured, None
+
+
+def _state(model: nn.Module) -> Dict[str, torch.Tensor]:
+    return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+
+
+def _measure_utility(audit: "Audit") -> Dict[str, Any]:
+    """Test accuracy after ``utility_steps`` FL rounds with the defense and without it, with
+    the audit's model, data and FL settings."""
+    from audit.engine.utility import measure_utility
+
+    if not isinstance(audit.model_spec, str):
+        return {"unavailable": "utility is measured on a registered model name; a custom nn.Module "
+                               "cannot be rebuilt from scratch for the undefended run"}
+    if audit.fl.local_lr is not None:
+        return {"unavailable": "utility measurement supports FedSGD / FedAvg with the server lr only "
+                               "(local_lr was given)"}
+    return measure_utility(audit.defense, model=audit.model_spec, model_args=audit.model_args,
+                           dataset=audit.dataset, steps=audit.utility_steps,
+                           lr=audit.fl.lr, batch_size=audit.fl.batch_size, clients=audit.fl.clients,
+                           local_steps=audit.fl.local_steps, seed=audit.seed, device=audit.device)
+
+
+PSNR_CAP = 200.0  # an exact reconstruction (MSE 0, PSNR inf) is reported as this many dB
+
+
+def _score(rec, images: torch.Tensor, labels: torch.Tensor):
+    """Metrics of a reconstruction (JSON-able), why any is missing, and the reconstruction
+    reordered to match the private batch (for the report's grids)."""
+    result = score(rec.inputs, rec.labels, images.to(rec.inputs.device), labels.to(rec.inputs.device))
+    names = {"psnr": "psnr", "ssim": "ssim", "lpips": "lpips", "label_acc": "label_accuracy", "mse": "mse"}
+    metrics, unavailable = {}, {}
+    for ours, theirs in names.items():
+        value = result[theirs]
+        metrics[ours] = value.value
+        if value.unavailable:
+            unavailable[ours] = value.unavailable
+    if metrics["psnr"] is not None:
+        per_image = [min(p, PSNR_CAP) for p in result["psnr"].per_image]
+        metrics["psnr"] = sum(per_image) / len(per_image)
+        metrics["psnr_per_image"] = per_image
+    if result["mse"].per_image is not None:
+        numel = images[0].numel()
+        metrics["l2"] = [math.sqrt(m * numel) for m in result["mse"].per_image]
+    if result["ssim"].per_image is not None:
+        metrics["ssim_per_image"] = list(result["ssim"].per_image)
+    aligned = None
+    if result["assignment"] is not None:
+        aligned = rec.inputs.detach()[torch.as_tensor(result["assignment"], device=rec.inputs.device)].clamp(0, 1)
+    return metrics, unavailable, aligned
+
+
+def _reconstruct(attack, obs, budget: int, seed: int, progress: Optional[Callable]):
+    """``attack.reconstruct``, with the progress callback for attacks that take one."""
+    try:
+        takes_progress = "progress" in inspect.signature(attack.reconstruct).parameters
+    except (TypeError, ValueError):
+        takes_progress = False
+    if takes_progress and progress is not None:
+        return attack.reconstruct(obs, budget, seed, progress=progress)
+    return attack.reconstruct(obs, budget, seed)
+
+
+def _inner_progress(bar, label: str, every_s: float = 0.5) -> Callable[[int, int, float], None]:
+    """A ``progress(done, total, loss)`` callback showing an attack's iterations in the bar."""
+    last = [0.0]
+
+    def show(done: int, total: int, loss: float) -> None:
+        now = time.perf_counter()
+        if now - last[0] >= every_s or done == total:
+            last[0] = now
+            bar.set_postfix_str(f"{label}: {done}/{total}, loss {float(loss):.3g}")
+
+    return show
+
+
+def _trace_summary(trace: Dict[str, Any]) -> Dict[str, Any]:
+    """The small, JSON-able part of an attack's trace (losses are summarised, not stored)."""
+    out: Dict[str, Any] = {}
+    for key, value in (trace or {}).items():
+        if isinstance(value, (int, float, str, bool)) or value is None:
+            out[key] = value
+        elif isinstance(value, (list, tuple)) and value and all(isinstance(v, (int, float)) for v in value):
+            out[f"{key}_first"], out[f"{key}_last"], out[f"{key}_len"] = value[0], value[-1], len(value)
+        elif isinstance(value, dict) and len(value) <= 12:
+            out[key] = {k: v for k, v in value.items() if isinstance(v, (int, float, str, bool)) or v is None}
+    return out
+
+
+def _delta_description(delta: float, dataset) -> str:
+    c, h, w = dataset.input_shape
+    rmse = delta / math.sqrt(c * h * w)
+    psnr = -20 * math.log10(rmse) if rmse > 0 else float("inf")
+    return (f"l2 norm over the {c}x{h}x{w} pixels of an image in [0, 1]; = per-pixel RMSE {rmse:.3g}, "
+            f"i.e. PSNR {psnr:.1f} dB")
+
+
+def _data_description(dataset, private) -> Dict[str, Any]:
+    return {"name": dataset.name, "input_shape": list(dataset.input_shape), "classes": dataset.num_classes,
+            "train_images": len(dataset.train_labels), "test_images": len(dataset.test_labels),
+            "private_labels": [y.tolist() for _, y in private],
+            "splits": "FL clients train on the train split; the private batches come from the disjoint test split"}
+
+
+def _progress(total: int, initial: int, enabled: bool):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, initial=initial, desc="audit (step x attack x image)", unit="result",
+                disable=not enabled, dynamic_ncols=True)
+
+
+# --------------------------------------------------------------------------- public entry point
+def run(
+    defense: Any = DEFAULT_DEFENSE,
+    model: Union[str, nn.Module] = "cnn",
+    data: Any = "embedded",
+    steps: Union[str, Sequence[int]] = DEFAULT_STEPS,
+    attacks: Union[str, Sequence[str]] = "auto",
+    images: int = 4,
+    budget: int = 200,
+    seed: int = 0,
+    out: Union[str, Path] = "audit-out",
+    *,
+    attack_args: Optional[Dict[str, Dict[str, Any]]] = None,
+    defense_args: Optional[Dict[str, Any]] = None,
+    model_args: Optional[Dict[str, Any]] = None,
+    data_args: Optional[Dict[str, Any]] = None,
+    image_size: int = 16,
+    batch_size: int = 1,
+    share_labels: bool = False,
+    lr: float = 0.1,
+    train_batch_size: int = 8,
+    clients: int = 1,
+    local_steps: int = 1,
+    local_lr: Optional[float] = None,
+    utility: bool = True,
+    utility_steps: int = 100,
+    thresholds: Optional[Thresholds] = None,
+    delta: Optional[float] = None,
+    device: Union[str, torch.device] = "cpu",
+    progress: bool = True,
+) -> AuditReport:
+    """Audit a defense: how much of the audited client's private data leaks, per training step.
+
+    ``defense``: a built-in name (``defense_args`` are its parameters), a ``Defense`` object,
+    any ``defense(model, inputs, labels, *, loss_fn, generator) -> list[Tensor]`` callable,
+    or ``"package.module:attr"``. ``steps``: audited training steps (the model is trained
+    between them with the defended updates: FedSGD, or FedAvg with ``local_steps`` /
+    ``local_lr``, over ``clients`` clients). ``attacks``: ``"auto"`` (base attacks plus the
+    planner's adaptive attacks) or a list of names (``attack_args``: per-attack settings,
+    ``{"ig": {"restarts": 2}}``, over the planner's). ``images``: private batches of
+    ``batch_size`` images. ``budget``: iterations per attack. ``utility``: also train
+    ``utility_steps`` rounds with and without the defense and compare test accuracy.
+    Results are stored under ``out`` as they finish (a rerun resumes); the report is
+    written there and returned.
+    """
+    fl = FLSettings(lr=_positive("lr", lr, float), batch_size=_positive("train_batch_size", train_batch_size),
+                    clients=_positive("clients", clients), local_steps=_positive("local_steps", local_steps),
+                    local_lr=None if local_lr is None else _positive("local_lr", local_lr, float))
+    audit = Audit(defense=defense, defense_args=defense_args, model=model, model_args=model_args, data=data,
+                  data_args=data_args, image_size=image_size, steps=steps, attacks=attacks,
+                  attack_args=attack_args, images=images,
+                  batch_size=batch_size, budget=budget, seed=seed, out=out, share_labels=share_labels, fl=fl,
+                  utility=utility, utility_steps=utility_steps, thresholds=thresholds or Thresholds(),
+                  delta=delta, device=device,
+                  progress=progress)
+    return audit.run()

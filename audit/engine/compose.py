@@ -1,0 +1,72 @@
+"""Turning what a user gives into the objects an audit runs: the device, the data set, the
+defense (resolved here, and only here), the model, and the client's model (wrapped by an
+architectural defense exactly once)."""
+from __future__ import annotations
+
+import copy
+from typing import Any, Dict
+
+import torch
+from torch import nn
+
+from audit.core.errors import ConfigError, DefenseError, GiaError
+
+
+def resolve_device(device) -> torch.device:
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as err:
+        raise ConfigError(f"device {device!r} is not a torch device ({err}); use cpu or cuda") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device cuda was given but no CUDA device is available; use device='cpu'")
+    return dev
+
+
+def load_data(data, image_size: int, data_args: Dict[str, Any]):
+    from audit.core.data import Dataset, load_dataset
+
+    if isinstance(data, Dataset):
+        return data
+    if not isinstance(data, str):
+        raise ConfigError(f"data must be a data set name (see `gia-audit list datasets`) or an "
+                          f"audit.core.data.Dataset, got {type(data).__name__}")
+    return load_dataset(data, size=image_size, **data_args)
+
+
+def resolve_defense(spec: Any, args: Dict[str, Any] = None):
+    """A registered name (``args`` are its parameters), a Defense, any defended-gradient
+    callable, or ``"package.module:attr"``, as a :class:`~audit.core.types.Defense`."""
+    from defenses import resolve_defense as resolve
+
+    return resolve(spec, args or {})
+
+
+def build_model(model, model_args: Dict[str, Any], dataset, seed: int) -> nn.Module:
+    """A registered model name built for ``dataset`` (seeded), or a copy of a user's module."""
+    from audit.core.models import build_model as build
+
+    if isinstance(model, nn.Module):
+        if model_args:
+            raise ConfigError("model_args apply to a model name, not to a built model")
+        return copy.deepcopy(model)
+    if not isinstance(model, str):
+        raise ConfigError(f"model must be a registered name (see `gia-audit list models`) or an "
+                          f"nn.Module taking images in [0, 1], got {type(model).__name__}")
+    return build(model, dataset.input_shape, dataset.num_classes, mean=dataset.mean,
+                       std=dataset.std, seed=seed, **model_args)
+
+
+def client_model(defense, model: nn.Module, seed: int) -> nn.Module:
+    """``defense.wrap_model(model)`` under a seed: the client's model for the whole run (the
+    only place an architectural defense is applied)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        try:
+            wrapped = defense.wrap_model(model)
+        except GiaError:
+            raise
+        except Exception as err:
+            raise DefenseError(f"defense {defense.name!r}: wrap_model raised {type(err).__name__}: {err}") from err
+    if not isinstance(wrapped, nn.Module):
+        raise DefenseError(f"defense {defense.name!r}: wrap_model returned {type(wrapped).__name__}, not an nn.Module")
+    return wrapped

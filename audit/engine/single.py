@@ -1,0 +1,155 @@
+"""One attack on one private batch, end to end: what ``gia-audit attack`` runs.
+
+Loads the data (or a user image), builds the model, makes the client's observation,
+reconstructs with a progress bar and writes ``original.png``, ``reconstruction.png``,
+``comparison.png`` (originals on top, matched reconstructions below), ``metrics.json``
+(scores, label inference, threat model, attack trace summary) and ``trace.json`` (the full
+trace with the loss history per restart).
+"""
+from __future__ import annotations
+
+import inspect
+import json
+from pathlib import Path
+from typing import Any, Dict, Optional
+
+import torch
+
+import adaptive  # noqa: F401  (registers the adaptive attacks in ATTACKS)
+from attacks.presets import ATTACKS
+from audit.client.observe import observe
+from audit.core.errors import ConfigError
+from audit.engine.compose import client_model, resolve_defense
+
+
+def _private_batch(dataset, index: int, batch: int, image: Optional[str], label: int):
+    if batch < 1:
+        raise ConfigError(f"--batch must be >= 1, got {batch}")
+    if image is not None:
+        from audit.core.data import load_image
+
+        if batch != 1:
+            raise ConfigError("--image attacks one image; use --batch 1 (or a data set for batches)")
+        if not 0 <= label < dataset.num_classes:
+            raise ConfigError(f"--label must be in 0..{dataset.num_classes - 1}, got {label}")
+        x = load_image(image, dataset.input_shape[1], dataset.input_shape[0]).reshape(1, *dataset.input_shape)
+        return x, torch.tensor([label])
+    # private images come from the held-out split: the train split is the attacker's
+    # auxiliary data (generators, learned inverters train on it), so the two never overlap
+    n = len(dataset.test_labels)
+    if not 0 <= index <= n - batch:
+        raise ConfigError(f"--index {index} with --batch {batch} is outside the {n} held-out (test) images "
+                          f"of {dataset.name!r}; use 0..{n - batch}")
+    return dataset.test_images[index:index + batch], dataset.test_labels[index:index + batch]
+
+
+def _progress_bar(total: int, enabled: bool, label: str):
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=total, desc=label, disable=not enabled or total == 0, leave=False)
+
+    def update(done: int, _total: int, loss: float) -> None:
+        bar.update(done - bar.n)
+        bar.set_postfix(loss=f"{loss:.4g}", refresh=False)
+
+    return bar, update
+
+
+def run_attack(
+    attack: str = "ig",
+    *,
+    model: str = "convnet",
+    dataset: str = "embedded",
+    data_path: Optional[str] = None,
+    size: int = 32,
+    index: int = 0,
+    image: Optional[str] = None,
+    label: int = 0,
+    batch: int = 1,
+    budget: Optional[int] = None,
+    restarts: Optional[int] = None,
+    attack_args: Optional[Dict[str, Any]] = None,
+    model_args: Optional[Dict[str, Any]] = None,
+    defense: Optional[str] = None,
+    defense_args: Optional[Dict[str, Any]] = None,
+    share_labels: bool = False,
+    client_mode: str = "train",
+    local_steps: int = 1,
+    local_lr: float = 0.1,
+    out: str = "out",
+    seed: int = 0,
+    device: Any = "cpu",
+    progress: bool = True,
+) -> Dict[str, Any]:
+    """Attack one private batch and write images + metrics to ``out``; returns the metrics."""
+    from audit.core.data import load_dataset
+    from audit.core.metrics import score, to_jsonable
+    from audit.core.models import build_model
+    from audit.report.images import batch_to_png_bytes
+
+    device = torch.device(device)
+    data = load_dataset(dataset, data_path, size)
+    x, y = _private_batch(data, index, batch, image, label)
+    net = build_model(model, data.input_shape, data.num_classes, mean=data.mean, std=data.std, seed=seed,
+                      **(model_args or {})).to(device)
+    if defense is not None:
+        defense = resolve_defense(defense, defense_args)
+        net = client_model(defense, net, seed)
+    elif defense_args:
+        raise ConfigError("--defense-arg needs --defense")
+    obs = observe(net, x.to(device), y.to(device), defense, share_labels=share_labels, local_steps=local_steps,
+                  local_lr=local_lr, client_mode=client_mode, seed=seed)
+    settings = dict(attack_args or {})
+    if restarts is not None:
+        settings["restarts"] = restarts
+    attacker = ATTACKS.build(attack, **settings)
+    total = budget if budget is not None else getattr(attacker, "iterations", 0)
+    bar, update = _progress_bar(total, progress, attack)
+    kwargs = {"progress": update} if "progress" in inspect.signature(attacker.reconstruct).parameters else {}
+    try:
+        rec = attacker.reconstruct(obs, budget, seed, **kwargs)
+    finally:
+        bar.close()
+    scores = score(rec.inputs if rec.applicable else None, rec.labels, x.to(device), y.to(device))
+
+    folder = Path(out)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "original.png").write_bytes(batch_to_png_bytes(x))
+    trace = {k: v for k, v in rec.trace.items() if k != "loss_history"}
+    metrics = {"attack": attack, "applicable": rec.applicable, "reason": rec.reason, "scores": scores,
+               "true_labels": y.tolist(), "recovered_labels": None if rec.labels is None else rec.labels.tolist(),
+               "threat_model": obs.threat_model(), "defense": None if defense is None else repr(defense),
+               "model": model, "dataset": dataset, "index": index if image is None else None, "image": image,
+               "seed": seed, "trace": trace}
+    if rec.applicable:
+        matched = rec.inputs[torch.tensor(scores["assignment"])] if scores.get("assignment") else rec.inputs
+        (folder / "reconstruction.png").write_bytes(batch_to_png_bytes(matched))
+        both = torch.cat([_row(x), _row(matched)], dim=1)  # originals above reconstructions
+        (folder / "comparison.png").write_bytes(batch_to_png_bytes(both.unsqueeze(0), min_height=256))
+    metrics["summary"] = _summary(attack, rec, scores, folder)
+    (folder / "metrics.json").write_text(json.dumps(to_jsonable(metrics), indent=2))
+    (folder / "trace.json").write_text(json.dumps(to_jsonable(rec.trace)))
+    return metrics
+
+
+def _row(images: torch.Tensor, pad: int = 1) -> torch.Tensor:
+    """``(B, C, H, W)`` -> one image ``(C, H, B*(W+pad)-pad)`` on white padding."""
+    images = images.detach().cpu().clamp(0, 1)
+    b, c, h, w = images.shape
+    row = torch.ones(c, h + pad, b * (w + pad) - pad)
+    for i in range(b):
+        row[:, :h, i * (w + pad): i * (w + pad) + w] = images[i]
+    return row
+
+
+def _summary(attack: str, rec, scores: Dict[str, Any], folder: Path) -> str:
+    if not rec.applicable:
+        return f"{attack}: not applicable: {rec.reason} (details in {folder / 'metrics.json'})"
+    parts = []
+    for name, unit in (("psnr", " dB"), ("ssim", ""), ("lpips", ""), ("label_accuracy", "")):
+        value = scores.get(name)
+        if value is not None and value.available:
+            parts.append(f"{name} {value.value:.3g}{unit}")
+        elif value is not None:
+            parts.append(f"{name} unavailable ({value.unavailable})")
+    return f"{attack}: " + ", ".join(parts) + f"; wrote {folder}/comparison.png and metrics.json"

@@ -1,0 +1,149 @@
+"""``report.html``: one self-contained page (CSS inline, every PNG embedded as base64)."""
+from __future__ import annotations
+
+import json
+from html import escape
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+from audit.report.format import (COLUMNS, attack_cell, fmt, kv_rows, plan_traits, risk_text, unavailable_notes,
+                            utility_rows, verdict_text)
+from audit.report.images import file_data_uri
+
+CSS = """
+body{font-family:system-ui,-apple-system,Segoe UI,sans-serif;margin:2em auto;max-width:1100px;color:#222}
+table{border-collapse:collapse;margin:.6em 0}td,th{border:1px solid #ccc;padding:3px 8px;font-size:14px}
+th{background:#f3f3f3}.verdict{display:inline-block;padding:.3em .8em;border-radius:4px;color:#fff;font-weight:bold}
+.v-leaks{background:#c0392b}.v-partially{background:#d68910}.v-no{background:#1e8449}.v-na{background:#777}
+.grid img{image-rendering:pixelated;height:72px}.grid td{text-align:center;font-size:12px}
+pre{background:#f7f7f7;padding:.6em;overflow:auto;font-size:12px}.muted{color:#777}
+"""
+
+
+def _verdict_badge(label: str) -> str:
+    cls = {"leaks": "v-leaks", "partially": "v-partially", "no recovered image": "v-no"}.get(label, "v-na")
+    return f'<span class="verdict {cls}">{escape(label)}</span>'
+
+
+def _table(header: List[str], rows: List[List[str]], raw: bool = False) -> str:
+    def cell(v: Any) -> str:
+        return str(v) if raw else escape(str(v))
+
+    head = "".join(f"<th>{escape(str(h))}</th>" for h in header)
+    body = "".join("<tr>" + "".join(f"<td>{cell(v)}</td>" for v in row) + "</tr>" for row in rows)
+    return f"<table><tr>{head}</tr>{body}</table>"
+
+
+def _img(run_dir: Optional[Path], rel: Optional[str], alt: str) -> str:
+    if run_dir is None or not rel or not (run_dir / rel).is_file():
+        return '<span class="muted">no image</span>'
+    return f'<img alt="{escape(alt)}" src="{file_data_uri(run_dir / rel)}">'
+
+
+def _grid(data: Dict[str, Any], step: Dict[str, Any], run_dir: Optional[Path]) -> str:
+    """Rows: the private batches, then each attack; columns: the audited images."""
+    images = range(int(data["settings"].get("images", 0)))
+    records = {(r["attack_id"], r["image"]): r for r in data["results"] if r["step"] == step["step"]}
+    rows = [["original"] + [_img(run_dir, f"originals/i{i}.png", f"private image {i}") for i in images]]
+    for attack in data["attacks"]:
+        row = [escape(attack["id"])]
+        for i in images:
+            rec = records.get((attack["id"], i))
+            if rec is None:
+                row.append('<span class="muted">pending</span>')
+            elif rec["status"] != "ok":
+                row.append(f'<span class="muted" title="{escape(rec.get("reason", ""))}">'
+                           f'{escape(rec["status"].replace("_", " "))}</span>')
+            else:
+                caption = f"{fmt('psnr', rec['metrics'].get('psnr'))} dB"
+                row.append(_img(run_dir, rec.get("png"), f"{attack['id']} image {i}") + f"<br>{caption}")
+        rows.append(row)
+    header = [""] + [f"image {i}" for i in images]
+    return f'<div class="grid">{_table(header, rows, raw=True)}</div>'
+
+
+def _summary(data: Dict[str, Any]) -> str:
+    header = ["step"] + [f"worst-case {COLUMNS[m][0]}" for m in COLUMNS] + [
+        "within delta (strongest attack)", "verdict"]
+    rows = [[s["step"]] + [fmt(m, s["worst_case"][m]) for m in COLUMNS]
+            + [risk_text(s["risk"]), verdict_text(s["verdict"])] for s in data["steps"]]
+    return _table(header, rows)
+
+
+def _per_attack(data: Dict[str, Any]) -> str:
+    ids = [a["id"] for a in data["attacks"]]
+    parts = [_table(["step"] + ids, [[s["step"]] + [attack_cell(s["attacks"][a]) for a in ids]
+                                     for s in data["steps"]])]
+    for aid in ids:
+        rows = [[s["step"]] + [fmt(m, s["attacks"][aid][m]) for m in COLUMNS] for s in data["steps"]]
+        parts.append(f"<h3>{escape(aid)}</h3>" + _table(["step"] + [COLUMNS[m][0] for m in COLUMNS], rows))
+    notes = unavailable_notes(data)
+    if notes:
+        parts.append("<ul>" + "".join(f"<li>{escape(m.upper())} unavailable: {escape(why)}</li>"
+                                      for m, why in notes.items()) + "</ul>")
+    return "".join(parts)
+
+
+def _kv(obj: Any) -> str:
+    rows = [[k, v if isinstance(v, str) else json.dumps(v)] for k, v in kv_rows(obj)]
+    return _table(["key", "value"], rows) if rows else '<p class="muted">none</p>'
+
+
+def _attacks(data: Dict[str, Any]) -> str:
+    rows = [[a["id"], a.get("kind", ""), json.dumps(a.get("settings", {})), a.get("reason", "")]
+            for a in data["attacks"]]
+    traits = plan_traits(data["plan"])
+    extra = f"<h3>Defense traits found by probing</h3>{_kv(traits)}" if traits else ""
+    return _table(["attack", "kind", "settings", "reason"], rows) + extra
+
+
+def _utility(data: Dict[str, Any]) -> str:
+    rows, note = utility_rows(data["utility"])
+    if rows is None:
+        return f"<p>unavailable: {escape(note)}</p>"
+    return _table(["", "with the defense", "without"], rows) + f"<p>{escape(note)}</p>"
+
+
+def _failures(data: Dict[str, Any]) -> str:
+    if not data["failures"]:
+        return "<p>none</p>"
+    rows = [[f.get("step", ""), f.get("attack", ""), f.get("image", ""), f.get("defense", ""),
+             f.get("error", "")] for f in data["failures"]]
+    return _table(["step", "attack", "image", "defense", "error"], rows)
+
+
+def render_html(data: Dict[str, Any], run_dir: Optional[Path]) -> str:
+    from audit.report.images import data_uri
+    from audit.report.plots import psnr_vs_step_png
+
+    verdict = data["verdict"]
+    delta = data["risk_delta"]
+    worst = (f" &mdash; worst at step {verdict['worst_step']}" if verdict.get("worst_step") is not None else "")
+    notes = "".join(f"<li>{escape(n)}</li>" for n in data.get("metric_notes", []))
+    grids = "".join(f"<h3>step {s['step']}</h3>{_grid(data, s, run_dir)}" for s in data["steps"])
+    body = f"""
+<h1>{escape(data['title'])}</h1>
+<p>{_verdict_badge(verdict['label'])}{worst}</p>
+<p class="muted">Status: {escape(data['status'])}, {data['progress']['done']}/{data['progress']['total']}
+(step, attack, image) results &middot; run {escape(str(data['run_key']))} &middot; generated {escape(data['generated'])}</p>
+<h2>Leakage per training step</h2>{_summary(data)}
+<p><img alt="PSNR versus training step" src="{data_uri(psnr_vs_step_png(data))}"></p>
+<h2>Reconstructions</h2>{grids}
+<h2>Metrics per attack</h2>{_per_attack(data)}
+<h2>Definitions</h2>
+<ul><li><b>Verdict thresholds</b>: {escape(data['thresholds']['rule'])}</li>
+<li><b>Worst case</b>: per private image, the most leaking attack for each metric; averaged over images.</li>
+<li><b>Within delta</b> (the Bayes paper's empirical adversarial risk): the fraction of private images the
+strongest attack reconstructs within l2 distance delta = {delta['delta']:.3f} ({escape(delta['description'])});
+the paper's risk R = 1 - this fraction.</li>{notes}</ul>
+<h2>Threat model (what the attacker was given)</h2>{_kv(data['threat_model'])}
+<h2>Attacks and why they were chosen</h2>{_attacks(data)}
+<h2>Utility (defense against no defense)</h2>{_utility(data)}
+<h2>Failures</h2>{_failures(data)}
+<h2>Settings, seeds and versions</h2>
+<h3>defense</h3>{_kv(data['defense'])}<h3>data</h3>{_kv(data['data'])}
+<h3>settings</h3>{_kv(data['settings'])}<h3>seeds</h3>{_kv(data['seeds'])}
+<h3>versions</h3>{_kv(data['versions'])}<h3>timing</h3>{_kv(data['timing'])}
+"""
+    return (f"<!DOCTYPE html><html><head><meta charset=\"utf-8\"><title>{escape(data['title'])}</title>"
+            f"<style>{CSS}</style></head><body>{body}</body></html>")

@@ -1,0 +1,112 @@
+"""``report.md``: the report as Markdown tables (the image grids are in ``report.html``)."""
+from __future__ import annotations
+
+import json
+from typing import Any, Dict, List
+
+from audit.report.format import (COLUMNS, attack_cell, fmt, kv_rows, plan_traits, risk_text, unavailable_notes,
+                            utility_rows, verdict_text)
+
+
+def _table(header: List[str], rows: List[List[Any]]) -> List[str]:
+    def cell(v: Any) -> str:
+        return str(v).replace("|", "\\|").replace("\n", " ")
+
+    out = ["| " + " | ".join(map(cell, header)) + " |", "|" + "---|" * len(header)]
+    out += ["| " + " | ".join(map(cell, row)) + " |" for row in rows]
+    return out
+
+
+def _summary_section(data: Dict[str, Any]) -> List[str]:
+    header = ["step"] + [f"worst-case {COLUMNS[m][0]}" for m in COLUMNS] + [
+        "within delta (strongest attack)", "verdict"]
+    rows = [[s["step"]] + [fmt(m, s["worst_case"][m]) for m in COLUMNS]
+            + [risk_text(s["risk"]), verdict_text(s["verdict"])] for s in data["steps"]]
+    return ["## Leakage per training step", ""] + _table(header, rows)
+
+
+def _attack_section(data: Dict[str, Any]) -> List[str]:
+    ids = [a["id"] for a in data["attacks"]]
+    rows = [[s["step"]] + [attack_cell(s["attacks"][a]) for a in ids] for s in data["steps"]]
+    lines = ["## PSNR (dB) per attack", ""] + _table(["step"] + ids, rows)
+    for aid in ids:
+        lines += ["", f"### {aid}", ""]
+        rows = [[s["step"]] + [fmt(m, s["attacks"][aid][m]) for m in COLUMNS]
+                + [f"{s['attacks'][aid]['images_ok']}/{s['attacks'][aid]['images_done']}"]
+                for s in data["steps"]]
+        lines += _table(["step"] + [COLUMNS[m][0] for m in COLUMNS] + ["ok/done"], rows)
+    notes = unavailable_notes(data)
+    if notes:
+        lines += [""] + [f"- {m.upper()} unavailable: {why}" for m, why in notes.items()]
+    return lines
+
+
+def _definitions(data: Dict[str, Any]) -> List[str]:
+    delta = data["risk_delta"]
+    return [
+        "## Definitions", "",
+        f"- **Verdict thresholds**: {data['thresholds']['rule']}",
+        "- **Worst case**: per private image, the most leaking attack for each metric; averaged over images.",
+        f"- **Within delta** (the Bayes paper's empirical adversarial risk): the fraction of private "
+        f"images the strongest attack reconstructs within l2 distance delta = {delta['delta']:.3f} "
+        f"({delta['description']}); the paper's risk R = 1 - this fraction.",
+    ] + [f"- {note}" for note in data.get("metric_notes", [])]
+
+
+def _threat_section(data: Dict[str, Any]) -> List[str]:
+    lines = ["## Threat model (what the attacker was given)", ""]
+    lines += [f"- **{k}**: {v}" for k, v in kv_rows(data["threat_model"])]
+    lines += ["", "## Attacks and why they were chosen", ""]
+    rows = [[a["id"], a.get("kind", ""), json.dumps(a.get("settings", {})), a.get("reason", "")]
+            for a in data["attacks"]]
+    lines += _table(["attack", "kind", "settings", "reason"], rows)
+    traits = plan_traits(data["plan"])
+    if traits:
+        lines += ["", "Defense traits found by probing:", ""]
+        lines += [f"- {k}: {v}" for k, v in kv_rows(traits)]
+    return lines
+
+
+def _utility_section(data: Dict[str, Any]) -> List[str]:
+    rows, note = utility_rows(data["utility"])
+    lines = ["## Utility (defense against no defense)", ""]
+    if rows is None:
+        return lines + [f"unavailable: {note}"]
+    return lines + _table(["", "with the defense", "without"], rows) + ["", note]
+
+
+def _failure_section(data: Dict[str, Any]) -> List[str]:
+    if not data["failures"]:
+        return []
+    rows = [[f.get("step", ""), f.get("attack", ""), f.get("image", ""), f.get("defense", ""),
+             f.get("error", "")] for f in data["failures"]]
+    return ["## Failures", ""] + _table(["step", "attack", "image", "defense", "error"], rows)
+
+
+def _settings_section(data: Dict[str, Any]) -> List[str]:
+    lines = ["## Settings, seeds and versions", ""]
+    for title in ("defense", "data", "settings", "seeds", "versions", "timing"):
+        rows = [[k, v] for k, v in kv_rows(data[title])]
+        if rows:
+            lines += [f"### {title}", ""] + _table(["key", "value"], rows) + [""]
+    return lines
+
+
+def render_markdown(data: Dict[str, Any]) -> str:
+    verdict = data["verdict"]
+    head = [f"# {data['title']}", "",
+            f"**Verdict: {verdict['label']}**"
+            + (f" (worst at step {verdict['worst_step']})" if verdict.get("worst_step") is not None else ""),
+            "",
+            f"Status: {data['status']}, {data['progress']['done']}/{data['progress']['total']} "
+            f"(step, attack, image) results. Run `{data['run_key']}`, generated {data['generated']}. "
+            "Reconstruction grids: see `report.html`.", "",
+            "![PSNR versus training step](psnr_vs_step.png)", ""]
+    sections = [_summary_section, _attack_section, _definitions, _threat_section, _utility_section,
+                _failure_section, _settings_section]
+    lines = head
+    for section in sections:
+        part = section(data)
+        if part:
+            lines += part + [""]
+    return "\n".join(lines)
