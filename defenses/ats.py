@@ -1,10 +1,14 @@
-"""ATS (Gao et al., CVPR 2021): train on AutoAugment-policy-transformed private inputs.
+"""ATS (Gao et al., CVPR 2021): train on policy-transformed private inputs, as the ATS code does.
 
-A policy is a chain of operations ``(name, probability, level)``; a spec such as
-``"7-4-15"`` names them by their index in the ATS search space, ``"+"`` joins alternative
-policies (one is drawn per image), and an operation can be written out as
-``name:probability:level`` (e.g. ``"translateY:0.7:2-sharpness:0.8:1"``). Before the policy
-each image goes through RandomCrop (padding H/8) and a horizontal flip, as in ATS training.
+A policy is a chain of operations ``(name, probability, level)``; a spec such as ``"7-4-15"``
+names them by their index in the ATS search space (``policy.py`` of gaow0007/ATSPrivacy),
+``"+"`` joins alternative chains (one is drawn per image), and an operation can be written
+out as ``name:probability:level`` or ``name:level`` (e.g. ``"translateY:2-sharpness:1"``).
+As in the ATS code, **every operation of the chain is applied** (its ``SubPolicy`` keeps the
+probability but never draws against it) with the code's magnitude ranges
+(:mod:`defenses.augment`); the sign of signed operations is drawn per image and operation.
+Before the chain each image goes through RandomCrop (zero padding H/8) and a horizontal flip,
+as in ATS training on CIFAR.
 """
 from __future__ import annotations
 
@@ -23,29 +27,36 @@ from defenses.registry import DEFENSES
 
 Op = Tuple[str, float, int]
 
-# the indices of the ATS search space used by its best policies (7-4-15, 21-13-3)
-POLICY_OPS = {
-    3: ("translateX", 0.3, 9),
-    4: ("sharpness", 0.8, 1),
-    7: ("translateY", 0.7, 2),
-    13: ("brightness", 0.6, 5),
-    15: ("brightness", 0.7, 9),
-    21: ("translateX", 0.5, 5),
-}
+# the ATS search space, index -> (operation, probability, level), as listed in its policy.py
+SEARCH_SPACE: Tuple[Op, ...] = tuple((name, p, level) for p, name, level in (
+    (0.1, "invert", 7), (0.2, "contrast", 6), (0.7, "rotate", 2), (0.3, "translateX", 9),
+    (0.8, "sharpness", 1), (0.9, "sharpness", 3), (0.5, "shearY", 2), (0.7, "translateY", 2),
+    (0.5, "autocontrast", 5), (0.9, "equalize", 2), (0.2, "shearY", 5), (0.3, "posterize", 5),
+    (0.4, "color", 3), (0.6, "brightness", 5), (0.3, "sharpness", 9), (0.7, "brightness", 9),
+    (0.6, "equalize", 5), (0.5, "equalize", 1), (0.6, "contrast", 7), (0.6, "sharpness", 5),
+    (0.7, "color", 5), (0.5, "translateX", 5), (0.3, "equalize", 7), (0.4, "autocontrast", 8),
+    (0.4, "translateY", 3), (0.2, "sharpness", 6), (0.9, "brightness", 6), (0.2, "color", 8),
+    (0.5, "solarize", 0), (0.0, "invert", 0), (0.2, "equalize", 0), (0.6, "autocontrast", 0),
+    (0.2, "equalize", 8), (0.6, "equalize", 4), (0.9, "color", 5), (0.6, "equalize", 5),
+    (0.8, "autocontrast", 4), (0.2, "solarize", 4), (0.1, "brightness", 3), (0.7, "color", 0),
+    (0.4, "solarize", 1), (0.9, "autocontrast", 0), (0.9, "translateY", 3), (0.7, "translateY", 3),
+    (0.9, "autocontrast", 1), (0.8, "solarize", 1), (0.8, "equalize", 5), (0.1, "invert", 0),
+    (0.7, "translateY", 3), (0.9, "autocontrast", 1),
+))
 
 
 def _parse_op(token: str) -> Op:
     token = token.strip()
     if token.isdigit():
-        if int(token) not in POLICY_OPS:
-            raise ConfigError(f"ats: unknown policy index {token}; known indices: "
-                              f"{', '.join(map(str, sorted(POLICY_OPS)))}, or write name:probability:level")
-        return POLICY_OPS[int(token)]
+        if int(token) >= len(SEARCH_SPACE):
+            raise ConfigError(f"ats: unknown policy index {token}; known indices: 0..{len(SEARCH_SPACE) - 1} "
+                              "(the ATS search space), or write name:level")
+        return SEARCH_SPACE[int(token)]
     parts = token.split(":")
-    if len(parts) != 3:
+    if len(parts) not in (2, 3):
         raise ConfigError(f"ats: cannot read policy operation {token!r}; use an index "
-                          f"({', '.join(map(str, sorted(POLICY_OPS)))}) or name:probability:level")
-    name, prob, level = parts
+                          f"(0..{len(SEARCH_SPACE) - 1}), name:level or name:probability:level")
+    name, prob, level = parts if len(parts) == 3 else (parts[0], "1", parts[1])
     AUGMENTATIONS.get(name)  # unknown names list the valid ones
     try:
         prob_f, level_i = float(prob), int(level)
@@ -75,12 +86,22 @@ def crop_and_flip(img: Tensor, pad: int, dy: int, dx: int, flip: bool) -> Tensor
     return img.flip(-1) if flip else img
 
 
-@DEFENSES.register("ats", "Train on AutoAugment-policy-transformed inputs (policy=7-4-15, crop+flip first)")
+@DEFENSES.register("ats", "Train on ATS-policy-transformed inputs (policy=7-4-15, every op applied, crop+flip first)")
 class ATS(Defense):
     """Data-side defense: :meth:`transform_inputs` applies the policy to the private batch."""
 
     name = "ats"
     stochastic = True
+    differences = (
+        "Follows the ATS code rather than AutoAugment's semantics: every operation of the chain is "
+        "applied (its probability is never drawn against) with the code's magnitudes (colour, contrast, "
+        "sharpness and brightness factors 1 +- 0.5; rotation counter-clockwise only, grey fill).",
+        "Operations run on float tensors in [0, 1] through torchvision kernels, not on 8-bit PIL "
+        "images: nearest-neighbour sampling everywhere (the ATS code shears with bicubic), "
+        "translations rounded to whole pixels, no 8-bit rounding between operations.",
+        "Posterize and equalize pass the gradient straight through (they are piecewise constant), "
+        "so adaptive attackers can differentiate through every operation.",
+    )
 
     def __init__(self, policy: str = "7-4-15", crop_flip: bool = True):
         self.policy = policy if isinstance(policy, str) else "+".join(map(str, policy))
@@ -91,8 +112,8 @@ class ATS(Defense):
         """Transform every image with its own random draws (differentiable w.r.t. pixels)."""
         gen = resolve_generator(generator, inputs.device)
         n_ops = max(len(c) for c in self._chains)
-        # per image: crop y, crop x, flip, policy choice, then (apply?, sign) per operation
-        u = rand((inputs.shape[0], 4 + 2 * n_ops), generator=gen, device="cpu", dtype=torch.float64).tolist()
+        # per image: crop y, crop x, flip, chain choice, then one sign per operation
+        u = rand((inputs.shape[0], 4 + n_ops), generator=gen, device="cpu", dtype=torch.float64).tolist()
         pad = max(1, round(inputs.shape[-2] / 8)) if self.crop_flip else 0
         out = []
         for img, draws in zip(inputs.split(1), u):
@@ -100,10 +121,8 @@ class ATS(Defense):
                 img = crop_and_flip(img, pad, int(draws[0] * (2 * pad + 1)), int(draws[1] * (2 * pad + 1)),
                                     draws[2] < 0.5)
             chain = self._chains[min(int(draws[3] * len(self._chains)), len(self._chains) - 1)]
-            for k, (name, prob, level) in enumerate(chain):
-                if draws[4 + 2 * k] < prob:
-                    sign = 1.0 if draws[5 + 2 * k] < 0.5 else -1.0
-                    img = AUGMENTATIONS.get(name)(img, level, sign)
+            for k, (name, _, level) in enumerate(chain):  # the probability is never drawn against
+                img = AUGMENTATIONS.get(name)(img, level, 1.0 if draws[4 + k] < 0.5 else -1.0)
             out.append(img.clamp(0, 1))
         return torch.cat(out)
 

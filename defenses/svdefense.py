@@ -61,6 +61,14 @@ class SVDefense(Defense):
     name = "svdefense"
     stochastic = False
     WEIGHTINGS = ("sqrt", "square")
+    differences = (
+        "The paper's self-adaptive threshold equation is lost from its text; we read it as "
+        "E = 1 - exp(-eta H) (it fits every statement there) and weight rows by sqrt(w) by default "
+        "(weighting='square' uses w).",
+        "1-D parameters (biases, norms) are sent unchanged: the paper does not say how they are treated.",
+        "The server's entropy-weighted layer-wise aggregation across clients is not modelled: the audit "
+        "attacks one client's reconstructed update.",
+    )
 
     def __init__(self, eta: float = 0.3, energy: Optional[float] = None, weighting: str = "sqrt"):
         self.eta = check_range(self.name, "eta", eta, 0, None, low_open=True)

@@ -1,5 +1,6 @@
 """Each defense's defining property, seeded reproducibility, differentiability, bad input."""
 import math
+import os
 import re
 
 import pytest
@@ -287,6 +288,58 @@ def test_refiner_upload_is_within_eps_of_the_clean_gradient(evaluator):
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(unprojected, expected))
 
 
+def test_soteria_prunes_the_features_with_the_lowest_scores():
+    """Per-feature scores sum_b ||d r_bf / d x_b|| / |r_bf| computed here one feature and one
+    example at a time; the shared gradient zeroes exactly the lowest-scoring columns."""
+    model, (x, y) = mlp(), batch(3, seed=2)
+    features = model[:-1]  # everything before the defended (last) linear layer
+    scores = torch.zeros(12, dtype=torch.float64)
+    for b in range(3):
+        xb = x[b:b + 1].clone().requires_grad_(True)
+        r = features(xb)[0]
+        for f in range(12):
+            (dr_dx,) = torch.autograd.grad(r[f], xb, retain_graph=True)
+            scores[f] += float(dr_dx.norm()) / (abs(float(r[f].detach())) + 1e-12)
+    ratio = 0.25
+    pruned = torch.argsort(scores)[:round(ratio * 12)]
+    assert float(scores.sort().values[2]) < float(scores.sort().values[3])  # no tie at the cut
+    shared = run(build_defense("soteria", ratio=ratio), model, x, y)
+    clean = clean_gradients(model, x, y)
+    zero_columns = {int(c) for c in torch.nonzero(~shared[-2].any(0)).flatten()}
+    assert zero_columns == {int(f) for f in pruned}
+    kept = [f for f in range(12) if f not in zero_columns]
+    assert torch.equal(shared[-2][:, kept], clean[-2][:, kept])
+
+
+def test_precode_kl_term_reaches_the_shared_gradient():
+    """Same draw, different beta: the encoder's (and earlier) gradients move linearly in beta;
+    the decoder and head, which the KL term does not touch, do not move."""
+    defense = {beta: build_defense("precode", latent=6, beta=beta) for beta in (0.0, 0.5, 1.0)}
+    model = defense[0.0].wrap_model(mlp())
+    x, y = batch(3)
+    shared = {beta: run(d, model, x, y, seed=2) for beta, d in defense.items()}
+    names = [n for n, _ in model.named_parameters()]
+    for i, name in enumerate(names):
+        step_half, step_full = shared[0.5][i] - shared[0.0][i], shared[1.0][i] - shared[0.0][i]
+        if "decoder" in name or name.startswith(names[-1].rpartition(".")[0]):
+            assert torch.allclose(step_full, torch.zeros_like(step_full), atol=1e-7), name
+        else:
+            assert float(step_full.abs().max()) > 1e-4, name
+            assert torch.allclose(step_half, 0.5 * step_full, atol=1e-6), name
+
+
+def test_refiner_objective_decreases_over_the_refinement_steps(evaluator):
+    model, (x, y) = mlp(), batch(2)
+    cases = {"privacy term": {"beta": 1.0, "lr": 50.0}, "utility term": {"beta": 0.0, "lr": 1e3}}
+    for label, params in cases.items():
+        trace = []
+        build_defense("refiner", evaluator=evaluator, iota=5, **params).robust_data(
+            model, x, y, generator=torch.Generator().manual_seed(7), trace=trace)
+        assert len(trace) == 6, label
+        assert all(b < a for a, b in zip(trace, trace[1:])), (label, trace)
+        assert trace[0] - trace[-1] > 1e-3 * abs(trace[0]), (label, trace)
+
+
 def test_refiner_evaluator_is_trained_once_and_cached(tmp_path, monkeypatch):
     monkeypatch.setenv("GIA_AUDIT_CACHE", str(tmp_path))
     first = load_or_train_evaluator(SHAPE, width=2, epochs=1)
@@ -315,9 +368,50 @@ def test_dp_sgd_clips_each_example():
     clipped = [[g * 1e-3 / math.sqrt(sum(float((h ** 2).sum()) for h in ex)) for g in ex] for ex in per_example]
     for i, s in enumerate(shared):
         assert torch.allclose(s, sum(c[i] for c in clipped) / 3, atol=1e-9)
-    noisy = run(build_defense("dp-sgd", clip=1e-3, noise_multiplier=2.0), model, x, y)
-    std = float(torch.cat([(a - b).flatten() for a, b in zip(noisy, shared)]).std())
-    assert std == pytest.approx(2.0 * 1e-3 / 3, rel=0.1)
+
+
+@pytest.mark.parametrize("per_layer", [False, True])
+def test_dp_sgd_noise_is_calibrated_to_the_clipping_bound(per_layer):
+    """The noise std on the sum is noise_multiplier times the sum's sensitivity (the largest
+    norm one example can contribute), measured from each example's clipped gradient alone."""
+    model, (x, y) = mlp(), batch(4)
+    clip, multiplier = 1e-3, 2.0
+    quiet = build_defense("dp-sgd", clip=clip, noise_multiplier=0.0, per_layer=per_layer)
+    contributions = [run(quiet, model, x[i:i + 1], y[i:i + 1]) for i in range(4)]
+    sensitivity = max(math.sqrt(sum(float((g.double() ** 2).sum()) for g in c)) for c in contributions)
+    assert sensitivity == pytest.approx(clip, rel=1e-4)  # every example is clipped: the bound is reached
+    mean = run(quiet, model, x, y)
+    noisy = run(build_defense("dp-sgd", clip=clip, noise_multiplier=multiplier, per_layer=per_layer), model, x, y)
+    std = float(torch.cat([(a - b).flatten() for a, b in zip(noisy, mean)]).std())
+    assert std * 4 == pytest.approx(multiplier * sensitivity, rel=0.05)
+
+
+def test_privacy_spent_matches_opacus_numbers():
+    from defenses.dpsgd import privacy_spent
+
+    # opacus 1.6.0 RDPAccountant: q=0.01, sigma=1.1, 1000 steps, delta=1e-5 -> 1.71177 at order 9.6
+    ours = privacy_spent(1000, 0.01, 1.1, 1e-5, accountant="rdp")
+    assert ours.epsilon == pytest.approx(1.7117700912, rel=1e-6) and ours.order == 9.6
+    assert tuple(ours) == (ours.epsilon, 1e-5) and ours.accountant == "gia-audit RDP"
+    # opacus 1.6.0, q=0.1, sigma=0.8, 100 steps, delta=1e-6 (an integer optimal order)
+    assert privacy_spent(100, 0.1, 0.8, 1e-6, accountant="rdp").epsilon == pytest.approx(
+        build_defense("dp-sgd", noise_multiplier=0.8).privacy(100, 0.1, 1e-6, accountant="rdp").epsilon)
+    more = [privacy_spent(steps, 0.05, 1.0, accountant="rdp").epsilon for steps in (1, 10, 100)]
+    assert 0 < more[0] < more[1] < more[2]
+    assert privacy_spent(0, 0.05, 1.0).epsilon == 0 and privacy_spent(5, 0.05, 0.0).epsilon == math.inf
+    with pytest.raises(ConfigError, match=r"sample_rate must be in \[0, 1\]"):
+        privacy_spent(10, 1.5, 1.0)
+
+
+def test_privacy_spent_agrees_with_opacus_when_installed():
+    pytest.importorskip("opacus")
+    from defenses.dpsgd import privacy_spent
+
+    for q, sigma, steps in [(0.001, 0.8, 1), (0.01, 1.1, 1000), (0.1, 0.5, 50), (0.5, 2.0, 10000)]:
+        ours = privacy_spent(steps, q, sigma, 1e-5, accountant="rdp")
+        theirs = privacy_spent(steps, q, sigma, 1e-5, accountant="opacus")
+        assert theirs.accountant.startswith("opacus")
+        assert ours.epsilon == pytest.approx(theirs.epsilon, rel=1e-6) and ours.order == theirs.order
 
 
 def test_clip_and_quantize():
@@ -342,9 +436,117 @@ def test_ats_transforms_the_private_images():
     img = torch.rand(1, *SHAPE)
     moved = AUGMENTATIONS.get("translateY")(img, 9, 1.0)  # 150/331 of 8 pixels -> 4 rows down
     assert torch.equal(moved[..., 4:, :], img[..., :4, :]) and not moved[..., :4, :].any()
-    explicit = build_defense("ats", policy="brightness:1.0:9", crop_flip=False)
-    brighter = explicit.transform_inputs(0.25 * torch.ones(2, *SHAPE), torch.Generator().manual_seed(0))
-    assert {round(float(v), 4) for v in brighter.unique()} <= {0.025, 0.475}
+
+
+def test_ats_applies_every_operation_with_the_ats_code_ranges():
+    from defenses.ats import SEARCH_SPACE
+
+    # the indices of ATS's best policies (7-4-15, 21-13-3) in its search space
+    assert [SEARCH_SPACE[i] for i in (7, 4, 15, 21, 13, 3)] == [
+        ("translateY", 0.7, 2), ("sharpness", 0.8, 1), ("brightness", 0.7, 9),
+        ("translateX", 0.5, 5), ("brightness", 0.6, 5), ("translateX", 0.3, 9)]
+    flat = 0.25 * torch.ones(64, *SHAPE)
+    gen = torch.Generator().manual_seed(0)
+    # probability 0 still applies (the ATS SubPolicy never draws against it); factor 1 +- 0.5
+    brighter = build_defense("ats", policy="brightness:0.0:9", crop_flip=False).transform_inputs(flat, gen)
+    per_image = {round(float(v), 4) for v in brighter.flatten(1).mean(1)}
+    assert per_image == {0.125, 0.375}
+    assert per_image == {round(0.25 * (1 + s * 0.5 * 9 / 9), 4) for s in (-1, 1)}
+    x, _ = batch(3)
+    assert torch.allclose(build_defense("ats", policy="29", crop_flip=False).transform_inputs(x, gen), 1 - x)
+    # rotation has no sign draw: every seed rotates the same way
+    rotations = [build_defense("ats", policy="rotate:9", crop_flip=False).transform_inputs(x[:1], torch.Generator()
+                 .manual_seed(s)) for s in range(4)]
+    assert all(torch.equal(r, rotations[0]) for r in rotations) and not torch.equal(rotations[0], x[:1])
+    assert float(rotations[0][0, :, 0, 0].sub(128 / 255).abs().max()) < 1e-6  # grey fill in the corner
+    posterized = AUGMENTATIONS.get("posterize")(x, 9, 1.0)  # 4 bits: multiples of 16/255
+    assert torch.allclose(posterized * 255 / 16, (posterized * 255 / 16).round(), atol=1e-4)
+    assert torch.equal(AUGMENTATIONS.get("solarize")(x, 0, 1.0), x)  # threshold 256: nothing inverted
+    assert torch.allclose(AUGMENTATIONS.get("solarize")(x, 9, 1.0), 1 - x)
+
+
+# --------------------------------------------------------------------------- rounds
+def test_call_defense_passes_the_round_only_to_defenses_that_take_it():
+    model, (x, y) = mlp(), batch(2)
+    seen = []
+
+    def by_round(model, inputs, labels, *, loss_fn, generator, round=None):
+        seen.append(round)
+        return clean_gradients(model, inputs, labels, loss_fn)
+
+    def plain(model, inputs, labels, *, loss_fn, generator):
+        return clean_gradients(model, inputs, labels, loss_fn)
+
+    call_defense(FunctionDefense(by_round), model, x, y, round=4)
+    call_defense(by_round, model, x, y, round=5)  # a bare callable too
+    call_defense(FunctionDefense(by_round), model, x, y)
+    assert seen == [4, 5, None]
+    assert not FunctionDefense(plain).accepts_round and FunctionDefense(by_round).accepts_round
+    call_defense(FunctionDefense(plain), model, x, y, round=3)  # no round keyword: not passed
+    assert build_defense("censor").accepts_round and not build_defense("prune").accepts_round
+
+
+def test_censor_defends_only_its_active_rounds():
+    model, (x, y) = mlp(), batch(2)
+    clean = clean_gradients(model, x, y)
+    defense = build_defense("censor", trials=4, active_rounds=2)
+    gen = torch.Generator().manual_seed(0)
+    for round in (None, 0, 1, 2, 7):
+        shared = call_defense(defense, model, x, y, generator=gen, round=round)
+        defended = round is None or round < 2
+        assert all(abs(cos(s, c)) < 1e-5 for s, c in zip(shared, clean)) == defended, round
+        assert all(torch.equal(s, c) for s, c in zip(shared, clean)) == (not defended), round
+    always = build_defense("censor", trials=4)
+    assert abs(cos(call_defense(always, model, x, y, generator=gen, round=1000)[0], clean[0])) < 1e-5
+    with pytest.raises(ConfigError, match=r"censor: active_rounds must be in \[1, inf\]"):
+        build_defense("censor", active_rounds=0)
+
+
+def test_the_client_simulation_passes_the_round():
+    from audit.client.fl import train
+    from audit.client.observe import observe
+    from audit.core.data import load_dataset
+
+    seen = []
+
+    def record(model, inputs, labels, *, loss_fn, generator, round=None):
+        seen.append(round)
+        return clean_gradients(model, inputs, labels, loss_fn)
+
+    data = load_dataset("embedded", size=8)
+    model = build_model("mlp", data.input_shape, data.num_classes, hidden=(8,))
+    train(model, data, record, 3, lr=0.1, batch_size=2, clients=2)
+    assert seen == [0, 0, 1, 1, 2, 2]
+    seen.clear()
+    observe(model, data.test_images[:1], data.test_labels[:1], defense=record, step=20, local_steps=2)
+    assert seen == [20, 20]
+    censor = build_defense("censor", trials=2, active_rounds=5)
+    x, y = data.test_images[:1], data.test_labels[:1]
+    clean = clean_gradients(model, x, y)
+    late = observe(model, x, y, defense=censor, step=5).gradients
+    early = observe(model, x, y, defense=censor, step=4).gradients
+    assert all(torch.allclose(s, c) for s, c in zip(late, clean))
+    assert abs(cos(early[0], clean[0])) < 1e-5
+
+
+# --------------------------------------------------------------------------- declared differences
+def test_every_defense_declares_its_differences_as_sentences():
+    documented = {"ats", "censor", "dp-sgd", "refiner", "svdefense"}
+    for name in ALL:
+        differences = DEFENSES.get(name).differences
+        assert isinstance(differences, tuple) and all(isinstance(d, str) and d.endswith(".") for d in differences)
+        assert bool(differences) == (name in documented), name
+
+    def mine(model, inputs, labels, *, loss_fn, generator):
+        return clean_gradients(model, inputs, labels, loss_fn)
+
+    readme = open(os.path.join(os.path.dirname(__file__), os.pardir, "README.md"), encoding="utf-8").read()
+    section = readme.split("## Where our reference defenses differ from the papers", 1)[1].split("\n## ", 1)[0]
+    listed = [line.strip()[2:] for line in section.splitlines() if line.startswith("  - ")]
+    assert listed == [d for name in ALL for d in DEFENSES.get(name).differences]
+
+    mine.differences = ["Not the paper's algorithm."]
+    assert FunctionDefense(mine).differences == ("Not the paper's algorithm.",)
 
 
 # --------------------------------------------------------------------------- generic contracts

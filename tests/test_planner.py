@@ -25,7 +25,8 @@ BUILTIN = {
     "dp-sgd": ({"stochastic"}, {"sparse", "has_log_prob"}),
     "soteria": ({"one_layer_changed", "sparse"}, {"stochastic", "architectural"}),
     "precode": ({"architectural", "stochastic", "analytic_linear"}, {"one_layer_changed"}),
-    "ats": ({"input_transform", "stochastic"}, {"architectural", "sparse"}),
+    # (ATS may read as sparse: its always-applied translations and crop fill pixels with zeros)
+    "ats": ({"input_transform", "stochastic"}, {"architectural", "low_rank"}),
     "censor": ({"orthogonal", "norm_preserving", "stochastic"}, {"sparse", "low_rank"}),
     "svdefense": ({"low_rank"}, {"stochastic", "sparse"}),
     "refiner": ({"input_transform", "stochastic"}, {"architectural", "one_layer_changed"}),

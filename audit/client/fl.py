@@ -90,7 +90,8 @@ def train(model: nn.Module, dataset, defense, steps: int, *, lr: float, batch_si
     already returned (the caller wraps once). ``defense`` is a resolved
     :class:`~audit.core.types.Defense`, a plain callable, or None (no defense). ``callback(step, model)``
     is called before each round's update (``step = 0 .. steps - 1``, the model the clients
-    receive) and once after the last one (``step = steps``).
+    receive) and once after the last one (``step = steps``). A defense that accepts a ``round``
+    keyword gets ``round=step`` (every local step of a FedAvg round shares the round's index).
     """
     _check_args(dataset, steps, lr, batch_size, local_steps)
     defense = as_defense(defense) or NoDefense()
@@ -114,7 +115,8 @@ def train(model: nn.Module, dataset, defense, steps: int, *, lr: float, batch_si
                 x, y = _batch(dataset, split, batch_size, data_gen, device)
                 if k == 0:
                     losses.append(_batch_loss(client, x, y, loss_fn))
-                grads = call_defense(defense, client, x, y, loss_fn=loss_fn, generator=defense_gen)
+                grads = call_defense(defense, client, x, y, loss_fn=loss_fn, generator=defense_gen,
+                                     round=step)
                 if fedavg:
                     _apply(params, grads, step_lr)
                 else:

@@ -60,7 +60,8 @@ def observe(
 
     The model is copied (neither it nor its BatchNorm buffers change). ``defense`` is None,
     a registered name, a :class:`~audit.core.types.Defense` or a defended-gradient callable; every
-    local step shares ``defense(model_k, batch_k, labels_k, loss_fn=, generator=)``.
+    local step shares ``defense(model_k, batch_k, labels_k, loss_fn=, generator=)`` (plus
+    ``round=step`` for a defense that accepts the FL round index).
     Architectural defenses: pass the client's model, i.e. the one ``defense.wrap_model``
     returned. FedAvg (``local_steps > 1``) shares ``(theta_0 - theta_K) / local_lr``.
     """
@@ -74,7 +75,7 @@ def observe(
     num_classes = last_linear(server_model)[1].out_features
     _check_batch(images, labels, num_classes)
     shared = client_round(copy.deepcopy(server_model), images, labels, defense, loss_fn, generator,
-                          local_steps, local_lr, local_batch_size, client_mode)
+                          local_steps, local_lr, local_batch_size, client_mode, round=step)
     mean, std = _normalisation(server_model)
     return Observation(
         model=server_model, gradients=shared, input_shape=tuple(images.shape[1:]), num_classes=num_classes,
@@ -85,8 +86,10 @@ def observe(
     )
 
 
-def client_round(model, images, labels, defense, loss_fn, generator, steps, lr, local_batch_size, mode):
-    """The client's local training on its own copy; returns the accumulated shared gradient."""
+def client_round(model, images, labels, defense, loss_fn, generator, steps, lr, local_batch_size, mode,
+                 round=None):
+    """The client's local training on its own copy; returns the accumulated shared gradient.
+    ``round`` (the FL round index) goes to a defense that accepts it."""
 
     model.train(mode == "train")
     params = trainable_parameters(model)
@@ -100,7 +103,7 @@ def client_round(model, images, labels, defense, loss_fn, generator, steps, lr, 
             grads = torch.autograd.grad(loss, params, allow_unused=True)
             grads = [torch.zeros_like(q) if g is None else g for q, g in zip(params, grads)]
         else:
-            grads = call_defense(defense, model, xb, yb, loss_fn=loss_fn, generator=generator)
+            grads = call_defense(defense, model, xb, yb, loss_fn=loss_fn, generator=generator, round=round)
         return {str(i): g.detach() for i, g in enumerate(grads)}
 
     theta0 = {str(i): q.detach().clone() for i, q in enumerate(params)}

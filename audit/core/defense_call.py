@@ -12,7 +12,7 @@ import torch
 from torch import Tensor, nn
 
 from audit.core.errors import ConfigError, DefenseError, GiaError
-from audit.core.types import Defense, FunctionDefense, default_loss_fn, trainable_parameters
+from audit.core.types import Defense, FunctionDefense, default_loss_fn, takes_round, trainable_parameters
 
 
 def as_defense(defense: Any) -> Any:
@@ -57,11 +57,23 @@ def check_output(defense: Any, grads: Any, model: nn.Module) -> List[Tensor]:
     return grads
 
 
+def accepts_round(defense: Any) -> bool:
+    """Whether ``defense`` takes the FL round index: its declared ``accepts_round``, else a
+    ``round`` keyword in its signature."""
+    declared = getattr(defense, "accepts_round", None)
+    return declared if isinstance(declared, bool) else takes_round(defense)
+
+
 def call_defense(defense: Any, model: nn.Module, inputs: Tensor, labels: Tensor, *,
-                 loss_fn=default_loss_fn, generator=None) -> List[Tensor]:
-    """Run a defense and check its output; any failure becomes a DefenseError with its name."""
+                 loss_fn=default_loss_fn, generator=None, round=None) -> List[Tensor]:
+    """Run a defense and check its output; any failure becomes a DefenseError with its name.
+
+    ``round`` (the FL round index) is passed only to a defense that accepts it."""
+    kwargs = {"loss_fn": loss_fn, "generator": generator}
+    if round is not None and accepts_round(defense):
+        kwargs["round"] = int(round)
     try:
-        grads = defense(model, inputs, labels, loss_fn=loss_fn, generator=generator)
+        grads = defense(model, inputs, labels, **kwargs)
     except GiaError:
         raise
     except Exception as err:

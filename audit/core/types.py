@@ -87,11 +87,22 @@ class Defense:
       clean one (Bayes adversary); ``None`` where there is no closed form.
     * ``wrap_model(model)`` -- architectural defenses (PRECODE) change the client model.
     * ``transform_inputs(inputs, generator)`` -- data-side defenses (ATS, Refiner).
+    * ``differences`` -- where this reference implementation departs from its paper or the
+      authors' code, one sentence each (data only; the report of an audit prints them).
+
+    A defense whose ``__call__`` takes a ``round`` keyword gets the FL round index (the
+    training step) from the client simulation; ``accepts_round`` says whether it does.
     """
 
     name: str = "defense"
     stochastic: bool = False
     log_prob: Optional[Callable[[Sequence[Tensor], Sequence[Tensor]], Tensor]] = None
+    differences: Tuple[str, ...] = ()
+
+    @property
+    def accepts_round(self) -> bool:
+        """True when ``__call__`` takes a ``round`` keyword (inspected once per class)."""
+        return _call_accepts_round(type(self))
 
     def __call__(self, model, inputs, labels, *, loss_fn=default_loss_fn, generator=None):
         grads = clean_gradients(model, self.transform_inputs(inputs, generator), labels, loss_fn)
@@ -167,8 +178,16 @@ class FunctionDefense(Defense):
         self.name = name or getattr(fn, "__name__", type(fn).__name__)
         # an unknown callable is treated as possibly random until probed
         self.stochastic = getattr(fn, "stochastic", stochastic)
+        self._takes_round = takes_round(fn)
+        self.differences = tuple(getattr(fn, "differences", ()))
 
-    def __call__(self, model, inputs, labels, *, loss_fn=default_loss_fn, generator=None):
+    @property
+    def accepts_round(self) -> bool:
+        return self._takes_round
+
+    def __call__(self, model, inputs, labels, *, loss_fn=default_loss_fn, generator=None, round=None):
+        if self._takes_round:
+            return self.fn(model, inputs, labels, loss_fn=loss_fn, generator=generator, round=round)
         return self.fn(model, inputs, labels, loss_fn=loss_fn, generator=generator)
 
     def params(self) -> Dict[str, Any]:
@@ -215,6 +234,22 @@ def gradient_transform(fn: Optional[Callable] = None, *, stochastic: bool = Fals
         return GradientTransformDefense(f, name=name, stochastic=stochastic)
 
     return deco(fn) if fn is not None else deco
+
+
+def takes_round(fn: Callable) -> bool:
+    """True when ``fn`` has a parameter named ``round`` that can be passed by keyword."""
+    import inspect
+
+    try:
+        param = inspect.signature(fn).parameters.get("round")
+    except (TypeError, ValueError):
+        return False
+    return param is not None and param.kind in (param.POSITIONAL_OR_KEYWORD, param.KEYWORD_ONLY)
+
+
+@functools.lru_cache(maxsize=None)
+def _call_accepts_round(kind: type) -> bool:
+    return takes_round(kind.__call__)
 
 
 def _parameter_names(fn: Callable) -> List[str]:
