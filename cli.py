@@ -141,7 +141,7 @@ def weights_lpips_cmd(path, source, force, seed, device):
               help="attack setting over the planner's, e.g. learned-inverter.pairs=256 (repeatable)")
 @click.option("--images", default=None, type=int, help="private batches attacked per step  [default: 4]")
 @click.option("--batch-size", default=None, type=int, help="images per private batch  [default: 1]")
-@click.option("--budget", default=None, type=int, help="iterations per attack  [default: 200]")
+@click.option("--budget", default=None, type=int, help="gradient evaluations of the model per attack and private batch (each attack maps it to its iterations)  [default: 200]")
 @click.option("--share-labels", is_flag=True, default=None, help="the protocol shares the labels")
 @click.option("--lr", default=None, type=float, help="FL server learning rate  [default: 0.1]")
 @click.option("--train-batch-size", default=None, type=int, help="client batch size in training  [default: 8]")
@@ -162,7 +162,8 @@ def audit_cmd(defense, defense_arg, model, model_arg, dataset, data_path, image_
               images, batch_size, budget, share_labels, lr, train_batch_size, clients, local_steps, local_lr, delta,
               utility, utility_steps, quiet, out, seed, device):
     """Audit a defense: attack it at several training steps and write the risk report."""
-    from audit.engine.audit import parse_attack_args, run
+    from audit.engine.audit import run
+    from audit.engine.settings import parse_attack_args
     from audit.core.registry import parse_kv_args
 
     options = dict(defense=defense, model=model, data=dataset, image_size=image_size, steps=steps,

@@ -73,6 +73,11 @@ class EOTSimulator(GradientSimulator):
                 draws.append(grads)
         return [torch.stack(layer) for layer in zip(*draws)], feats
 
+    def gradient_evaluations(self, observation: Observation) -> int:
+        if is_gradient_only(observation.defense) and observation.local_steps == 1:
+            return 1  # one clean gradient, the transform sampled on it
+        return self.samples * super().gradient_evaluations(observation)
+
     def describe(self) -> str:
         return f"EOTSimulator(samples={self.samples})"
 

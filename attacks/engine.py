@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from audit.core.errors import ConfigError, GiaError, NotApplicable
-from audit.core.types import Observation, Reconstruction, trainable_parameters
+from audit.core.types import Observation, Reconstruction, iterations_for, trainable_parameters
 from priors import PRIORS, Prior, PriorContext, requiring, weighted_total
 
 from attacks.labels import LABEL_STRATEGIES, LabelPlan, plan_labels
@@ -139,15 +139,25 @@ class OptimizationAttack:
             **self.settings,
         }
 
+    def evaluation_cost(self, observation: Observation) -> int:
+        """Gradient evaluations of the model per loss evaluation: restarts x the simulator's
+        cost (EOT / Monte Carlo draws, FedAvg local steps)."""
+        return self.restarts * self.simulator.gradient_evaluations(observation)
+
     def reconstruct(self, observation: Observation, budget: Optional[int] = None, seed: int = 0,
                     progress: Optional[Progress] = None) -> Reconstruction:
-        """Run the attack; ``budget`` overrides the number of iterations."""
+        """Run the attack. ``budget``: gradient evaluations of the model (see
+        :data:`audit.core.types.BUDGET_DEFINITION`), mapped to iterations by
+        :meth:`evaluation_cost`; None runs the preset's ``iterations``."""
         validate_observation(observation)
-        iterations = self.iterations if budget is None else int(budget)
-        if iterations < 0:
-            raise ConfigError(f"budget must be >= 0 iterations, got {budget}")
+        if budget is not None and (isinstance(budget, bool) or int(budget) < 0):
+            raise ConfigError(f"budget must be >= 0 gradient evaluations, got {budget}")
+        cost = self.evaluation_cost(observation)
+        iterations = self.iterations if budget is None else (iterations_for(budget, cost) if budget else 0)
+        evaluations = None if budget is None else max(int(budget), cost)
         with seeded_rng(observation.device, seed):
-            return _Run(self, observation, int(seed), show_bars=progress is None).execute(iterations, progress)
+            run = _Run(self, observation, int(seed), show_bars=progress is None)
+            return run.execute(iterations, progress, max_evaluations=evaluations, cost=cost)
 
 
     def evaluate(self, observation: Observation, images: Tensor, labels: Optional[Tensor] = None,
@@ -292,13 +302,18 @@ class _Run:
                                          device=self.device))
         return variables
 
-    def execute(self, iterations: int, progress: Optional[Progress]) -> Reconstruction:
+    def execute(self, iterations: int, progress: Optional[Progress], max_evaluations: Optional[int] = None,
+                cost: int = 1) -> Reconstruction:
+        """``iterations`` optimiser steps, stopping early when the next loss evaluation would
+        exceed ``max_evaluations`` gradient evaluations (line searches evaluate more than once)."""
         start = time.perf_counter()
         variables = self.initial_variables()
         optimizer = copy.deepcopy(self.attack.optimizer)
         optimizer.start(variables, iterations)
         history = []
         for it in range(iterations):
+            if max_evaluations is not None and it > 0 and (self.evaluations + 1) * cost > max_evaluations:
+                break
             self.iteration = self.sim_ctx.iteration = it
             loss = optimizer.step(variables, self.closure, it)
             self.box.project_(variables[0])
@@ -315,8 +330,11 @@ class _Run:
             "attack": self.attack.name,
             "settings": self.attack.describe(),
             "execution": self.execution,
-            "iterations": iterations,
+            "iterations": len(history),
             "evaluations": self.evaluations,
+            "gradient_evaluations": self.evaluations * cost,
+            "budget_unit": "gradient evaluations (restarts x draws x local steps per loss evaluation, "
+                           "incl. one final evaluation to pick the restart)",
             "restarts": self.attack.restarts,
             "chosen_restart": best,
             "selection": "lowest final attack loss (objective + weighted priors); ground truth unused",

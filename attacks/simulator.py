@@ -198,6 +198,10 @@ class GradientSimulator:
             grads = list(transform(grads, context))
         return grads, feats
 
+    def gradient_evaluations(self, observation: Observation) -> int:
+        """Model gradients one call costs (one per local step; the budget's unit)."""
+        return max(1, int(observation.local_steps))
+
     def describe(self) -> str:
         names = [getattr(t, "__name__", type(t).__name__) for t in self.transforms]
         names = [f"per step {getattr(t, '__name__', type(t).__name__)}" for t in self.step_transforms] + names

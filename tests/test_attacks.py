@@ -102,7 +102,7 @@ def test_best_restart_is_chosen_by_the_attack_loss(data16):
 
 def test_gi_runs_bn_and_group_priors_batched(data16):
     obs = _obs("convnet", data16, model_kw={"width": 8})
-    rec = ATTACKS.build("gi", group_start=5).reconstruct(obs, 12, 0)
+    rec = ATTACKS.build("gi", group_start=5).reconstruct(obs, 4 * 12, 0)  # 4 restarts x 12 iterations
     assert rec.trace["execution"].startswith("batched")
     assert {"match", "tv", "l2", "bn", "group"} <= set(rec.trace["final_terms"])
     assert rec.trace["final_terms"]["group"] > 0

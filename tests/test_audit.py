@@ -155,7 +155,7 @@ def test_defense_returning_nan_or_wrong_shapes_is_reported_not_crashed_on(tmp_pa
 
 
 def test_attack_settings_override_the_planner_and_are_checked(tmp_path):
-    from audit.engine.audit import parse_attack_args
+    from audit.engine.settings import parse_attack_args
 
     args = parse_attack_args(["ig.restarts=2", "ig.tv=0.001", "learned-inverter.pairs=8"])
     assert args == {"ig": {"restarts": 2, "tv": 0.001}, "learned-inverter": {"pairs": 8}}
@@ -166,7 +166,7 @@ def test_attack_settings_override_the_planner_and_are_checked(tmp_path):
 
 
 def test_bad_options_name_the_fix(tmp_path):
-    from audit.engine.audit import parse_attack_args
+    from audit.engine.settings import parse_attack_args
     from audit.core.errors import ConfigError
 
     with pytest.raises(ConfigError, match="attack.setting=value"):

@@ -18,7 +18,7 @@ from audit.client.observe import observe
 from audit.core.types import FunctionDefense
 from defenses import build_defense
 
-SMALL = dict(pairs=64, hidden=32, batch_size=16, progress=False)
+SMALL = dict(pairs=64, hidden=32, batch_size=16, train_steps=3, progress=False)
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -65,13 +65,14 @@ def test_sketch_is_seeded_and_nearly_preserves_norms():
 # --------------------------------------------------------------------------- the headline outcome
 def test_trained_inverter_beats_untrained_and_ig_under_heavy_pruning(lenet, data):
     defense = build_defense("prune", ratio=0.99)
-    inverter = LearnedInverter(pairs=512, hidden=256, progress=False)
+    inverter = LearnedInverter(pairs=512, hidden=256, train_steps=200, progress=False)
+    untrained = LearnedInverter(pairs=512, hidden=256, train_steps=0, progress=False)
     scores = {"trained": [], "untrained": [], "ig": []}
     for i in range(4):
         x, y = _held_out(data, i)
         obs = observe(lenet, x, y, defense, seed=i)
         scores["trained"].append(float(psnr(inverter.reconstruct(obs, 200).inputs, x)))
-        scores["untrained"].append(float(psnr(inverter.reconstruct(obs, 0).inputs, x)))
+        scores["untrained"].append(float(psnr(untrained.reconstruct(obs, 200).inputs, x)))
         scores["ig"].append(float(psnr(ATTACKS.build("ig").reconstruct(obs, 200, 0).inputs, x)))
     mean = {k: sum(v) / len(v) for k, v in scores.items()}
     assert mean["trained"] > mean["untrained"] + 3, mean

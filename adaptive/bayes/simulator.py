@@ -63,5 +63,8 @@ class BallSimulator(GradientSimulator):
         stacked = [torch.stack(layer) for layer in zip(*per_point)]
         return stacked, {**features, "ball_points": points}
 
+    def gradient_evaluations(self, observation: Observation) -> int:
+        return self.k * self.draws * self.inner.gradient_evaluations(observation)
+
     def describe(self) -> str:
         return f"BallSimulator(k={self.k}, delta={self.delta:g}, draws={self.draws}, inner={self.inner.describe()})"

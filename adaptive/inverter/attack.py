@@ -9,8 +9,12 @@ The trained inverter is cached on disk (:mod:`adaptive.inverter.cache`) per mode
 architecture + parameters (the training step), defense and settings, so the CLI and every
 image of an audit step reuse one training run.
 
-``budget`` (the Attack protocol's unit of work) is the number of inverter training steps;
-``budget=0`` gives the untrained network (a baseline).
+Cost: inverting an observation takes no gradient evaluation of the model; the one-off
+training (``pairs`` defended gradients x local steps, then ``train_steps`` steps of the MLP)
+is set-up shared by every image of a step, like a generative attack's generator, so it is
+reported in the trace (``setup_gradient_evaluations``) and not charged to the per-image
+``budget`` (:data:`audit.core.types.BUDGET_DEFINITION`). ``train_steps=0`` gives the
+untrained network (a baseline).
 """
 from __future__ import annotations
 
@@ -86,7 +90,7 @@ class LearnedInverter:
 
     name = "learned-inverter"
 
-    def __init__(self, *, train_steps: int = 500, cache: bool = True, cache_dir: Optional[str] = None,
+    def __init__(self, *, train_steps: int = 200, cache: bool = True, cache_dir: Optional[str] = None,
                  progress: bool = True, **settings: Any):
         unknown = set(settings) - set(InverterSettings.__dataclass_fields__)
         if unknown:
@@ -165,16 +169,19 @@ class LearnedInverter:
     # ------------------------------------------------------------------ the attack
     def reconstruct(self, observation: Observation, budget: Optional[int] = None, seed: int = 0,
                     progress: Optional[Progress] = None) -> Reconstruction:
-        """Invert the shared gradient with the (cached) inverter; ``budget`` = training steps.
+        """Invert the shared gradient with the (cached) inverter trained for ``train_steps``.
 
-        ``seed`` does not change the result: the inverter is deterministic given its
-        settings (``train_seed``), which is what lets every image of a step share it.
+        ``budget`` (gradient evaluations per image) is not consumed: inversion costs none,
+        training is set-up (see the module docstring). ``seed`` does not change the result: the
+        inverter is deterministic given its settings (``train_seed``), which is what lets every
+        image of a step share it.
         """
         validate_observation(observation)
-        inverter = self.fit(observation, budget, progress)
+        inverter = self.fit(observation, None, progress)
         images = inverter.invert(observation.gradients).clamp(0, 1)
         labels, label_note = _labels(observation, images)
-        trace = {"attack": self.name, "inverter": inverter.info, "labels": label_note,
+        trace = {"attack": self.name, "inverter": inverter.info, "labels": label_note, "gradient_evaluations": 0,
+                 "setup_gradient_evaluations": self.settings.pairs * max(1, int(observation.local_steps)),
                  "threat_model_extras": "auxiliary data: " + inverter.info.get("aux", "see cache entry")}
         return Reconstruction(images, labels, trace)
 

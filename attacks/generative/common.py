@@ -184,20 +184,27 @@ class GenerativeAttack:
         return {k: (v if isinstance(v, (int, float, str, bool, type(None), tuple, list)) else type(v).__name__)
                 for k, v in vars(self).items() if not k.startswith("_")}
 
+    def candidates_per_step(self) -> float:
+        """Candidate images scored per unit of the attack's own work (its ``budget`` setting:
+        evaluations for GGL, Adam steps for GIAS / GIFD); each costs the simulator's gradients."""
+        return 1.0
+
     def reconstruct(self, observation: Observation, budget: Optional[int] = None, seed: int = 0,
                     progress: Optional[Progress] = None) -> Reconstruction:
-        """Reconstruct the private batch; ``budget`` overrides the attack's default amount of
-        work; ``progress(done, total, loss)`` is called as the work goes on."""
-        budget = self.budget if budget is None else int(budget)
-        if budget < 1:
-            raise ConfigError(f"{self.name}: budget must be >= 1, got {budget}")
+        """Reconstruct the private batch. ``budget``: gradient evaluations of the model (see
+        :data:`audit.core.types.BUDGET_DEFINITION`), mapped to the attack's own steps; None runs
+        its own ``budget`` setting. ``progress(done, total, loss)`` is called as the work goes on."""
+        if budget is not None and (isinstance(budget, bool) or int(budget) < 1):
+            raise ConfigError(f"{self.name}: budget must be >= 1 gradient evaluations, got {budget}")
         start = time.perf_counter()
         with seeded_rng(observation.device, seed):
             setup = GenerativeSetup.build(self, observation, seed, progress)
-            setup.progress, setup.budget = progress, budget
-            images, trace = self.run(setup, budget)
-        return setup.result(images, {"attack": self.name, "settings": self.settings(), "budget": budget, **trace},
-                            start)
+            cost = self.candidates_per_step() * setup.scorer.simulator.gradient_evaluations(observation)
+            steps = self.budget if budget is None else max(1, int(int(budget) // cost))
+            setup.progress, setup.budget = progress, steps
+            images, trace = self.run(setup, steps)
+        return setup.result(images, {"attack": self.name, "settings": self.settings(), "budget": steps,
+                                     "gradient_evaluations": int(round(steps * cost)), **trace}, start)
 
     def run(self, setup: GenerativeSetup, budget: int) -> Tuple[Tensor, Dict[str, Any]]:
         raise TypeError(f"{type(self).__name__} must implement run(setup, budget)")

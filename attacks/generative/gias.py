@@ -41,6 +41,10 @@ class GIAS(GenerativeAttack):
         self.budget, self.latent_fraction, self.restarts = int(budget), float(latent_fraction), int(restarts)
         self.lr_latent, self.lr_params, self.weight_reg, self.kl = lr_latent, lr_params, weight_reg, kl
 
+    def candidates_per_step(self) -> float:
+        # latent search scores ``restarts`` candidates per step, the parameter search one
+        return self.latent_fraction * self.restarts + (1.0 - self.latent_fraction)
+
     def run(self, setup: GenerativeSetup, budget: int) -> Tuple[Tensor, Dict[str, Any]]:
         latent_steps = max(1, round(budget * self.latent_fraction))
         param_steps = budget - latent_steps

@@ -65,6 +65,9 @@ class GIFD(GenerativeAttack):
             raise ConfigError(f"gifd: layers must be increasing, from {valid} for this generator; got {self.layers}")
         return list(self.layers)
 
+    def candidates_per_step(self) -> float:
+        return float(self.restarts)  # every stage optimises ``restarts`` candidates per step
+
     def run(self, setup: GenerativeSetup, budget: int) -> Tuple[Tensor, Dict[str, Any]]:
         gen, cond = setup.generator, setup.cond
         layers = self.feature_layers(gen.num_layers) if gen.num_layers > 1 else []

@@ -64,6 +64,24 @@ def clean_gradients(
     return list(torch.autograd.grad(loss, params, create_graph=create_graph))
 
 
+# --------------------------------------------------------------------------- budget
+BUDGET_UNIT = "gradient evaluations"
+BUDGET_DEFINITION = (
+    "gradient evaluations of the audited model per attack and private batch: one evaluation is one "
+    "gradient of the model's loss w.r.t. its parameters for one candidate batch (each restart, EOT or "
+    "Monte Carlo draw and FedAvg local step counts once); each attack maps it to its own iterations. "
+    "One-off set-up that is reused across images (training a generator prior or a learned inverter) is "
+    "reported separately, not charged to the budget")
+
+
+def iterations_for(budget: int, cost_per_iteration: int) -> int:
+    """How many iterations costing ``cost_per_iteration`` gradient evaluations fit in ``budget``
+    (at least one: an attack always runs)."""
+    if cost_per_iteration < 1:
+        raise ValueError(f"an iteration costs at least one gradient evaluation, got {cost_per_iteration}")
+    return max(1, int(budget) // int(cost_per_iteration))
+
+
 # --------------------------------------------------------------------------- defenses
 @runtime_checkable
 class DefendedGradientFn(Protocol):

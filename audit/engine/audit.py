@@ -9,10 +9,8 @@ data learned attacks may use.
 from __future__ import annotations
 
 import copy
-import hashlib
 import inspect
 import math
-import platform
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -25,32 +23,21 @@ from adaptive import plan as plan_attacks  # importing adaptive registers its at
 from attacks import ATTACKS
 from audit.client.fl import train
 from audit.client.observe import observe
-from audit.core import __version__
 from audit.core.errors import ConfigError, DefenseError, GiaError, NotApplicable
-from audit.core.metrics import score
-from audit.core.registry import parse_kv_args
 from audit.engine.compose import build_model, client_model, load_data, resolve_defense, resolve_device
+from audit.engine.identity import defense_identity, derive_seed, model_identity, versions
+from audit.engine.scoring import PSNR_CAP, score_reconstruction, trace_summary
+from audit.engine.settings import (DEFAULT_BUDGET, DEFAULT_STEPS, AttackSettings, DataSettings, FLSettings,
+                                   OutputSettings)
 from audit.report.audit_report import AuditReport
 from audit.report.risk import Thresholds, default_delta
 from audit.report.store import ResultStore
 
 DEFAULT_DEFENSE = "prune"  # 90% magnitude pruning: cheap, and the planner has adaptive attacks for it
-DEFAULT_STEPS = (0, 1, 5, 20)
 BASE_ATTACKS = ("ig",)
 
 
-# --------------------------------------------------------------------------- settings
-@dataclass
-class FLSettings:
-    """How the model is trained between audited checkpoints (see :func:`audit.client.fl.train`)."""
-
-    lr: float = 0.1
-    batch_size: int = 8
-    clients: int = 1
-    local_steps: int = 1
-    local_lr: Optional[float] = None
-
-
+# --------------------------------------------------------------------------- the audit
 @dataclass
 class AttackSpec:
     """One attack of the audit: registry name, settings, why it runs, base or adaptive."""
@@ -69,109 +56,21 @@ class AttackSpec:
         return {"id": self.id, **asdict(self)}
 
 
-def derive_seed(seed: int, *parts: Any) -> int:
-    """A stable per-task seed (same run settings -> same numbers, independent of order)."""
-    blob = repr((int(seed),) + parts).encode()
-    return int.from_bytes(hashlib.sha256(blob).digest()[:4], "little") & 0x7FFFFFFF
-
-
-def _comma_list(value: Any) -> Any:
-    """A comma-separated string as its non-empty items (spaces dropped); anything else as is."""
-    return [s for s in value.replace(" ", "").split(",") if s] if isinstance(value, str) else value
-
-
-def _parse_steps(steps: Union[str, Sequence[int]]) -> List[int]:
-    given = steps
-    steps = _comma_list(steps)
-    try:
-        out = sorted({int(s) for s in steps})
-    except (TypeError, ValueError):
-        raise ConfigError(f"steps must be training steps like 0,1,5,20, got {given!r}") from None
-    if not out or out[0] < 0:
-        raise ConfigError(f"steps must be a non-empty list of steps >= 0, got {steps!r}")
-    return out
-
-
-def _positive(name: str, value: Any, kind=int) -> Any:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0 or (
-            kind is int and not float(value).is_integer()):
-        raise ConfigError(f"{name} must be a positive {'integer' if kind is int else 'number'}, got {value!r}")
-    return kind(value)
-
-
-# --------------------------------------------------------------------------- identities
-def _callable_identity(fn: Any) -> Dict[str, Any]:
-    """What makes a user callable's results distinct: its qualified name and source hash."""
-    target = getattr(fn, "fn", fn)
-    if not (inspect.isfunction(target) or inspect.isclass(target) or inspect.ismethod(target)):
-        target = type(target)  # a callable object: its class holds the code
-    ident = {"callable": f"{getattr(target, '__module__', '?')}:{getattr(target, '__qualname__', '?')}"}
-    try:
-        ident["source_sha256"] = hashlib.sha256(inspect.getsource(target).encode()).hexdigest()[:16]
-    except (OSError, TypeError):
-        pass
-    return ident
-
-
-def defense_identity(defense, spec: Any) -> Dict[str, Any]:
-    """Name, parameters and (for user code) the source hash of the audited defense."""
-    ident: Dict[str, Any] = {"name": getattr(defense, "name", "defense"),
-                             "spec": spec if isinstance(spec, str) else type(spec).__name__}
-    try:
-        ident["params"] = {k: repr(v) if not isinstance(v, (int, float, str, bool, type(None))) else v
-                           for k, v in defense.params().items()}
-    except Exception as err:  # a user's Defense subclass with a broken params()
-        ident["params"] = {"unavailable": f"{type(err).__name__}: {err}"}
-    if not isinstance(spec, str) or ":" in spec:
-        ident.update(_callable_identity(defense))
-    ident["stochastic"] = bool(getattr(defense, "stochastic", False))
-    return ident
-
-
-def model_identity(model: Any, model_args: Dict[str, Any]) -> Dict[str, Any]:
-    if isinstance(model, str):
-        return {"name": model, "args": model_args}
-    digest = hashlib.sha256()
-    for name, tensor in model.state_dict().items():
-        digest.update(name.encode())
-        digest.update(tensor.detach().cpu().to(torch.float64 if tensor.is_floating_point() else torch.int64)
-                      .contiguous().numpy().tobytes())
-    return {"name": type(model).__name__, "architecture_sha256": hashlib.sha256(repr(model).encode()).hexdigest()[:16],
-            "state_sha256": digest.hexdigest()[:16]}
-
-
-def versions() -> Dict[str, str]:
-    import numpy
-
-    return {"gia_audit": __version__, "python": platform.python_version(), "torch": torch.__version__,
-            "numpy": numpy.__version__, "platform": platform.platform()}
-
-
-# --------------------------------------------------------------------------- the audit
 class Audit:
     """One audit: resolve the settings, plan, train, attack, score, store, report.
 
     Use :func:`run`; the class exists so each phase is a small method.
     """
 
-    def __init__(self, *, defense, defense_args, model, model_args, data, data_args, image_size,
-                 steps, attacks, attack_args, images, batch_size, budget, seed, out, share_labels, fl: FLSettings,
-                 utility: bool, utility_steps: int, thresholds: Thresholds, delta: Optional[float], device,
-                 progress: bool):
+    def __init__(self, defense: Any = DEFAULT_DEFENSE, model: Union[str, nn.Module] = "cnn", *,
+                 defense_args: Optional[Dict[str, Any]] = None, model_args: Optional[Dict[str, Any]] = None,
+                 data: DataSettings = DataSettings(), fl: FLSettings = FLSettings(),
+                 attacks: AttackSettings = AttackSettings(), output: OutputSettings = OutputSettings(),
+                 seed: int = 0, device: Union[str, torch.device] = "cpu"):
+        self.data, self.fl, self.attacks, self.output = data, fl, attacks, output
         self.device = resolve_device(device)
         self.seed = int(seed)
-        self.steps = _parse_steps(steps)
-        self.images = _positive("images", images)
-        self.batch_size = _positive("batch_size", batch_size)
-        self.budget = _positive("budget", budget)
-        self.fl = fl
-        self.share_labels = bool(share_labels)
-        self.measure_utility = bool(utility)
-        self.utility_steps = _positive("utility_steps", utility_steps)
-        self.thresholds = thresholds
-        self.progress = progress
-        self.out = Path(out)
-        self.dataset = load_data(data, image_size, data_args or {})
+        self.dataset = load_data(data.data, data.image_size, data.data_args)
         self.defense_spec = defense
         self.defense = resolve_defense(defense, defense_args or {})
         # hashed once: for user code this reads and hashes its source
@@ -182,10 +81,8 @@ class Audit:
         self.base_model = build_model(model, self.model_args, self.dataset, self.seed).to(self.device)
         self.model = client_model(self.defense, copy.deepcopy(self.base_model), self.seed)
         self.numel = int(math.prod(self.dataset.input_shape))
-        self.delta = float(delta) if delta is not None else default_delta(self.numel)
-        self.requested_attacks = attacks
-        self.attack_args = {name: dict(kv) for name, kv in (attack_args or {}).items()}
-        self.private = _private_batches(self.dataset, self.images, self.batch_size, self.seed)
+        self.delta = output.delta if output.delta is not None else default_delta(self.numel)
+        self.private = _private_batches(self.dataset, data.images, data.batch_size, self.seed)
 
     # ------------------------------------------------------------------ settings & identity
     def key_settings(self) -> Dict[str, Any]:
@@ -195,15 +92,15 @@ class Audit:
             "defense": self.defense_ident,
             "model": model_identity(self.model_spec, self.model_args),
             "data": {"name": self.dataset.name, "input_shape": list(self.dataset.input_shape)},
-            "fl": asdict(self.fl), "batch_size": self.batch_size, "budget": self.budget,
-            "seed": self.seed, "share_labels": self.share_labels, "device": self.device.type,
+            "fl": asdict(self.fl), "batch_size": self.data.batch_size,
+            "budget": self.attacks.budget_description(),
+            "seed": self.seed, "share_labels": self.data.share_labels, "device": self.device.type,
         }
 
     def settings(self) -> Dict[str, Any]:
-        return {**self.key_settings(), "steps": self.steps, "images": self.images,
-                "attacks": self.requested_attacks if isinstance(self.requested_attacks, str)
-                else list(self.requested_attacks), "attack_args": self.attack_args, "utility": self.measure_utility,
-                "utility_steps": self.utility_steps,
+        return {**self.key_settings(), "steps": list(self.attacks.steps), "images": self.data.images,
+                "attacks": list(self.attacks.names), "attack_args": self.attacks.args,
+                "utility": self.output.utility, "utility_steps": self.output.utility_steps,
                 "risk_delta": self.delta}
 
     # ------------------------------------------------------------------ phases
@@ -221,12 +118,12 @@ class Audit:
                 if n not in {p.name for p in proposed}] + proposed
         by_name = {p.name: p for p in proposed}
         specs: Dict[str, AttackSpec] = {}
-        for name in _attack_names(self.requested_attacks):  # "auto" may be combined with names
+        for name in self.attacks.names:  # "auto" may be combined with names
             for spec in auto if name == "auto" else [by_name.get(name) or AttackSpec(name, {}, "requested by the user")]:
                 specs.setdefault(spec.id, spec)
-        _check_attacks([*specs.values(), *(AttackSpec(n, kv) for n, kv in self.attack_args.items())])
+        _check_attacks([*specs.values(), *(AttackSpec(n, kv) for n, kv in self.attacks.args.items())])
         for spec in specs.values():  # the user's settings override the planner's
-            spec.settings.update(self.attack_args.get(spec.name, {}))
+            spec.settings.update(self.attacks.args.get(spec.name, {}))
         return list(specs.values()), plan_dict
 
     def threat_model(self, specs: Sequence[AttackSpec]) -> Dict[str, Any]:
@@ -239,8 +136,8 @@ class Audit:
             declared = {"unavailable": f"the defense failed on the first observation: {err}"}
         return {
             **declared,
-            "private_data": f"{self.dataset.name} test split: {self.images} private batch(es) of "
-                            f"{self.batch_size} image(s) of the audited client, never given to the attacker",
+            "private_data": f"{self.dataset.name} test split: {self.data.images} private batch(es) of "
+                            f"{self.data.batch_size} image(s) of the audited client, never given to the attacker",
             "training_data": f"{self.dataset.name} train split ({len(self.dataset.train_labels)} images), "
                              f"split between {self.fl.clients} client(s); disjoint from the private test split",
             "attacker_auxiliary_data": f"the {self.dataset.name} train split "
@@ -252,7 +149,7 @@ class Audit:
 
     def observe(self, model: nn.Module, images, labels, step: int, image: int):
         local_lr = self.fl.local_lr if self.fl.local_lr is not None else self.fl.lr
-        return observe(model, images, labels, self.defense, share_labels=self.share_labels,
+        return observe(model, images, labels, self.defense, share_labels=self.data.share_labels,
                        local_steps=self.fl.local_steps, local_lr=local_lr, step=step,
                        seed=derive_seed(self.seed, "defense", step, image), extra=self.auxiliary_data())
 
@@ -263,7 +160,7 @@ class Audit:
 
     def utility(self) -> Dict[str, Any]:
         """Accuracy after training with the defense against training without it."""
-        if not self.measure_utility:
+        if not self.output.utility:
             return {"unavailable": "utility measurement was switched off (utility=False)"}
         try:
             return _measure_utility(self)
@@ -294,7 +191,7 @@ class Audit:
         start = time.perf_counter()
         try:
             attack = ATTACKS.build(spec.name, **spec.settings)
-            rec = _reconstruct(attack, obs, self.budget, record["seed"], progress)
+            rec = _reconstruct(attack, obs, self.attacks.budget, record["seed"], progress)
         except NotApplicable as err:
             return {**record, "status": "not_applicable", "reason": str(err)}, None
         except Exception as err:  # an attack, or a defense inside an adaptive attack, failed
@@ -304,14 +201,14 @@ class Audit:
             return {**record, "status": "not_applicable", "reason": rec.reason}, None
         if rec.inputs is None or not torch.isfinite(rec.inputs).all():
             return {**record, "status": "error", "reason": f"attack {spec.id!r} returned no finite images"}, None
-        metrics, unavailable, aligned = _score(rec, images, labels)
-        record.update(status="ok", metrics=metrics, unavailable=unavailable, trace=_trace_summary(rec.trace))
+        metrics, unavailable, aligned = score_reconstruction(rec, images, labels)
+        record.update(status="ok", metrics=metrics, unavailable=unavailable, trace=trace_summary(rec.trace))
         return record, aligned
 
     def _record(self, spec: AttackSpec, step: int, image: int) -> Dict[str, Any]:
         return {"step": step, "attack_id": spec.id, "attack": spec.name, "image": image,
                 "settings": spec.settings, "seed": derive_seed(self.seed, "attack", step, spec.id, image),
-                "defense": self.defense.name, "budget": self.budget}
+                "defense": self.defense.name, "budget": self.attacks.budget}
 
     def _failed(self, record: Dict[str, Any], err: BaseException, step: int) -> Dict[str, Any]:
         kind = "defense" if isinstance(err, DefenseError) else "attack"
@@ -323,17 +220,17 @@ class Audit:
     # ------------------------------------------------------------------ the whole audit
     def run(self) -> AuditReport:
         started = time.perf_counter()
-        store = ResultStore.create(self.out, self.key_settings())
+        store = ResultStore.create(self.output.out, self.key_settings())
         try:
             self._attack_all(store, self._prepare(store))
         except KeyboardInterrupt:  # every finished result is already on disk
             store.update_manifest(status="interrupted")
             if "attacks" in store.load_manifest():
-                AuditReport.from_store(store).write(self.out)
+                AuditReport.from_store(store).write(self.output.out)
             raise
         store.update_manifest(status="complete", timing={"last_invocation_s": round(time.perf_counter() - started, 1)})
         report = AuditReport.from_store(store)
-        report.write(self.out)
+        report.write(self.output.out)
         return report
 
     def _prepare(self, store: ResultStore) -> List[AttackSpec]:
@@ -341,10 +238,10 @@ class Audit:
         manifest = store.load_manifest()
         specs, plan = self.plan()
         store.update_manifest(
-            run_key=store.key, status="running", settings=self.settings(), steps=self.steps,
-            images=self.images, attacks=[s.as_dict() for s in specs], plan=plan,
+            run_key=store.key, status="running", settings=self.settings(), steps=self.attacks.steps,
+            images=self.data.images, attacks=[s.as_dict() for s in specs], plan=plan,
             defense=self.defense_ident,
-            threat_model=self.threat_model(specs), thresholds=self.thresholds.as_dict(),
+            threat_model=self.threat_model(specs), thresholds=self.output.thresholds.as_dict(),
             risk_delta={"delta": self.delta, "description": _delta_description(self.delta, self.dataset)},
             data=_data_description(self.dataset, self.private),
             seeds={"seed": self.seed, "model_init": self.seed, "private_batches": self.seed,
@@ -356,14 +253,14 @@ class Audit:
         for i, (x, _) in enumerate(self.private):
             store.save_original(i, x)
         cached = manifest.get("utility_for")
-        if cached != [self.measure_utility, self.utility_steps]:
-            store.update_manifest(utility=self.utility(), utility_for=[self.measure_utility, self.utility_steps])
+        if cached != [self.output.utility, self.output.utility_steps]:
+            store.update_manifest(utility=self.utility(), utility_for=[self.output.utility, self.output.utility_steps])
         return specs
 
     def _attack_all(self, store: ResultStore, specs: Sequence[AttackSpec]) -> None:
-        pending = [(s, i, a) for s in self.steps for i in range(self.images) for a in specs
+        pending = [(s, i, a) for s in self.attacks.steps for i in range(self.data.images) for a in specs
                    if not store.has(s, a.id, i, settings=a.settings)]
-        total = len(self.steps) * self.images * len(specs)
+        total = len(self.attacks.steps) * self.data.images * len(specs)
         if not pending:
             return
         pending_steps = sorted({s for s, _, _ in pending})
@@ -371,7 +268,7 @@ class Audit:
         known = store.load_manifest().get("failures", [])
         if failure is not None and failure not in known:
             store.update_manifest(failures=known + [failure])
-        bar = _progress(total, total - len(pending), self.progress)
+        bar = _progress(total, total - len(pending), self.output.progress)
         try:
             for step in pending_steps:
                 for image in sorted({i for s, i, _ in pending if s == step}):
@@ -420,26 +317,6 @@ def _private_batches(dataset, images: int, batch_size: int, seed: int):
 
 def _plan(defense, model, dataset, seed: int, device):
     return plan_attacks(defense, model, dataset.input_shape, dataset.num_classes, seed=seed, device=device)
-
-
-def _attack_names(attacks) -> List[str]:
-    names = [str(a) for a in _comma_list(attacks)]
-    if not names:
-        raise ConfigError("attacks must be 'auto', a non-empty list of attack names (see `gia-audit list "
-                          "attacks`), or both, e.g. 'auto,dlg'")
-    return list(dict.fromkeys(names))
-
-
-def parse_attack_args(pairs: Sequence[str]) -> Dict[str, Dict[str, Any]]:
-    """``["learned-inverter.pairs=256", "ig.restarts=2"]`` -> ``{"learned-inverter": {"pairs": 256}, ...}``."""
-    out: Dict[str, Dict[str, Any]] = {}
-    for pair in pairs:
-        name, dot, rest = pair.partition(".")
-        if not dot or "=" not in rest or not name:
-            raise ConfigError(f"attack argument {pair!r} is not of the form attack.setting=value "
-                              "(e.g. ig.restarts=2)")
-        out.setdefault(name, {}).update(parse_kv_args([rest]))
-    return out
 
 
 def _check_attacks(specs: Sequence[AttackSpec]) -> None:
@@ -491,38 +368,9 @@ def _measure_utility(audit: "Audit") -> Dict[str, Any]:
         return {"unavailable": "utility measurement supports FedSGD / FedAvg with the server lr only "
                                "(local_lr was given)"}
     return measure_utility(audit.defense, model=audit.model_spec, model_args=audit.model_args,
-                           dataset=audit.dataset, steps=audit.utility_steps,
+                           dataset=audit.dataset, steps=audit.output.utility_steps,
                            lr=audit.fl.lr, batch_size=audit.fl.batch_size, clients=audit.fl.clients,
                            local_steps=audit.fl.local_steps, seed=audit.seed, device=audit.device)
-
-
-PSNR_CAP = 200.0  # an exact reconstruction (MSE 0, PSNR inf) is reported as this many dB
-
-
-def _score(rec, images: torch.Tensor, labels: torch.Tensor):
-    """Metrics of a reconstruction (JSON-able), why any is missing, and the reconstruction
-    reordered to match the private batch (for the report's grids)."""
-    result = score(rec.inputs, rec.labels, images.to(rec.inputs.device), labels.to(rec.inputs.device))
-    names = {"psnr": "psnr", "ssim": "ssim", "lpips": "lpips", "label_acc": "label_accuracy", "mse": "mse"}
-    metrics, unavailable = {}, {}
-    for ours, theirs in names.items():
-        value = result[theirs]
-        metrics[ours] = value.value
-        if value.unavailable:
-            unavailable[ours] = value.unavailable
-    if metrics["psnr"] is not None:
-        per_image = [min(p, PSNR_CAP) for p in result["psnr"].per_image]
-        metrics["psnr"] = sum(per_image) / len(per_image)
-        metrics["psnr_per_image"] = per_image
-    if result["mse"].per_image is not None:
-        numel = images[0].numel()
-        metrics["l2"] = [math.sqrt(m * numel) for m in result["mse"].per_image]
-    if result["ssim"].per_image is not None:
-        metrics["ssim_per_image"] = list(result["ssim"].per_image)
-    aligned = None
-    if result["assignment"] is not None:
-        aligned = rec.inputs.detach()[torch.as_tensor(result["assignment"], device=rec.inputs.device)].clamp(0, 1)
-    return metrics, unavailable, aligned
 
 
 def _reconstruct(attack, obs, budget: int, seed: int, progress: Optional[Callable]):
@@ -547,19 +395,6 @@ def _inner_progress(bar, label: str, every_s: float = 0.5) -> Callable[[int, int
             bar.set_postfix_str(f"{label}: {done}/{total}, loss {float(loss):.3g}")
 
     return show
-
-
-def _trace_summary(trace: Dict[str, Any]) -> Dict[str, Any]:
-    """The small, JSON-able part of an attack's trace (losses are summarised, not stored)."""
-    out: Dict[str, Any] = {}
-    for key, value in (trace or {}).items():
-        if isinstance(value, (int, float, str, bool)) or value is None:
-            out[key] = value
-        elif isinstance(value, (list, tuple)) and value and all(isinstance(v, (int, float)) for v in value):
-            out[f"{key}_first"], out[f"{key}_last"], out[f"{key}_len"] = value[0], value[-1], len(value)
-        elif isinstance(value, dict) and len(value) <= 12:
-            out[key] = {k: v for k, v in value.items() if isinstance(v, (int, float, str, bool)) or v is None}
-    return out
 
 
 def _delta_description(delta: float, dataset) -> str:
@@ -592,7 +427,7 @@ def run(
     steps: Union[str, Sequence[int]] = DEFAULT_STEPS,
     attacks: Union[str, Sequence[str]] = "auto",
     images: int = 4,
-    budget: int = 200,
+    budget: int = DEFAULT_BUDGET,
     seed: int = 0,
     out: Union[str, Path] = "audit-out",
     *,
@@ -624,19 +459,19 @@ def run(
     ``local_lr``, over ``clients`` clients). ``attacks``: ``"auto"`` (base attacks plus the
     planner's adaptive attacks) or a list of names (``attack_args``: per-attack settings,
     ``{"ig": {"restarts": 2}}``, over the planner's). ``images``: private batches of
-    ``batch_size`` images. ``budget``: iterations per attack. ``utility``: also train
+    ``batch_size`` images. ``budget``: gradient evaluations of the model per attack and
+    private batch (each attack maps it to its iterations; see
+    :data:`audit.core.types.BUDGET_DEFINITION`). ``utility``: also train
     ``utility_steps`` rounds with and without the defense and compare test accuracy.
     Results are stored under ``out`` as they finish (a rerun resumes); the report is
-    written there and returned.
+    written there and returned. The same settings as objects: :class:`Audit` with
+    :mod:`audit.engine.settings`' ``DataSettings``, ``FLSettings``, ``AttackSettings`` and
+    ``OutputSettings``.
     """
-    fl = FLSettings(lr=_positive("lr", lr, float), batch_size=_positive("train_batch_size", train_batch_size),
-                    clients=_positive("clients", clients), local_steps=_positive("local_steps", local_steps),
-                    local_lr=None if local_lr is None else _positive("local_lr", local_lr, float))
-    audit = Audit(defense=defense, defense_args=defense_args, model=model, model_args=model_args, data=data,
-                  data_args=data_args, image_size=image_size, steps=steps, attacks=attacks,
-                  attack_args=attack_args, images=images,
-                  batch_size=batch_size, budget=budget, seed=seed, out=out, share_labels=share_labels, fl=fl,
-                  utility=utility, utility_steps=utility_steps, thresholds=thresholds or Thresholds(),
-                  delta=delta, device=device,
-                  progress=progress)
+    audit = Audit(defense, model, defense_args=defense_args, model_args=model_args,
+                  data=DataSettings(data, data_args or {}, image_size, images, batch_size, share_labels),
+                  fl=FLSettings(lr, train_batch_size, clients, local_steps, local_lr),
+                  attacks=AttackSettings(steps, attacks, attack_args or {}, budget),
+                  output=OutputSettings(out, utility, utility_steps, thresholds or Thresholds(), delta, progress),
+                  seed=seed, device=device)
     return audit.run()

@@ -1,0 +1,53 @@
+"""Scoring a reconstruction against the private batch (the only place that sees both), and
+the small JSON-able summary of an attack's trace that the store keeps."""
+from __future__ import annotations
+
+import math
+from typing import Any, Dict
+
+import torch
+
+from audit.core.metrics import score
+
+PSNR_CAP = 200.0  # an exact reconstruction (MSE 0, PSNR inf) is reported as this many dB
+
+
+def score_reconstruction(rec, images: torch.Tensor, labels: torch.Tensor):
+    """Metrics of a reconstruction (JSON-able), why any is missing, and the reconstruction
+    reordered to match the private batch (for the report's grids)."""
+    result = score(rec.inputs, rec.labels, images.to(rec.inputs.device), labels.to(rec.inputs.device))
+    names = {"psnr": "psnr", "ssim": "ssim", "lpips": "lpips", "label_acc": "label_accuracy", "mse": "mse"}
+    metrics, unavailable = {}, {}
+    for ours, theirs in names.items():
+        value = result[theirs]
+        metrics[ours] = value.value
+        if value.unavailable:
+            unavailable[ours] = value.unavailable
+    if metrics["psnr"] is not None:
+        per_image = [min(p, PSNR_CAP) for p in result["psnr"].per_image]
+        metrics["psnr"] = sum(per_image) / len(per_image)
+        metrics["psnr_per_image"] = per_image
+    if result["mse"].per_image is not None:
+        numel = images[0].numel()
+        metrics["l2"] = [math.sqrt(m * numel) for m in result["mse"].per_image]
+    if result["ssim"].per_image is not None:
+        metrics["ssim_per_image"] = list(result["ssim"].per_image)
+    aligned = None
+    if result["assignment"] is not None:
+        aligned = rec.inputs.detach()[torch.as_tensor(result["assignment"], device=rec.inputs.device)].clamp(0, 1)
+    return metrics, unavailable, aligned
+
+
+
+def trace_summary(trace: Dict[str, Any]) -> Dict[str, Any]:
+    """The small, JSON-able part of an attack's trace (losses are summarised, not stored)."""
+    out: Dict[str, Any] = {}
+    for key, value in (trace or {}).items():
+        if isinstance(value, (int, float, str, bool)) or value is None:
+            out[key] = value
+        elif isinstance(value, (list, tuple)) and value and all(isinstance(v, (int, float)) for v in value):
+            out[f"{key}_first"], out[f"{key}_last"], out[f"{key}_len"] = value[0], value[-1], len(value)
+        elif isinstance(value, dict) and len(value) <= 12:
+            out[key] = {k: v for k, v in value.items() if isinstance(v, (int, float, str, bool)) or v is None}
+    return out
+

@@ -1,0 +1,152 @@
+"""The audit's settings: four small dataclasses (data, FL training, attacks, output), each
+validated when built, so a bad value fails before any work starts with a one-line error.
+
+``audit.run(...)`` takes them flat (``images=4, budget=200, ...``) and builds these;
+:class:`~audit.engine.audit.Audit` and the sweep take them as objects.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+
+from audit.core.errors import ConfigError
+from audit.core.registry import parse_kv_args
+from audit.core.types import BUDGET_DEFINITION, BUDGET_UNIT
+from audit.report.risk import Thresholds
+
+DEFAULT_STEPS = (0, 1, 5, 20)
+DEFAULT_BUDGET = 200
+
+
+def _comma_list(value: Any) -> Any:
+    """A comma-separated string as its non-empty items (spaces dropped); anything else as is."""
+    return [s for s in value.replace(" ", "").split(",") if s] if isinstance(value, str) else value
+
+
+def _parse_steps(steps: Union[str, Sequence[int]]) -> List[int]:
+    given = steps
+    steps = _comma_list(steps)
+    try:
+        out = sorted({int(s) for s in steps})
+    except (TypeError, ValueError):
+        raise ConfigError(f"steps must be training steps like 0,1,5,20, got {given!r}") from None
+    if not out or out[0] < 0:
+        raise ConfigError(f"steps must be a non-empty list of steps >= 0, got {steps!r}")
+    return out
+
+
+def _positive(name: str, value: Any, kind=int) -> Any:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0 or (
+            kind is int and not float(value).is_integer()):
+        raise ConfigError(f"{name} must be a positive {'integer' if kind is int else 'number'}, got {value!r}")
+    return kind(value)
+
+
+
+def _set(obj: Any, **values: Any) -> None:
+    for name, value in values.items():
+        object.__setattr__(obj, name, value)
+
+
+@dataclass(frozen=True)
+class DataSettings:
+    """The private data: a data set (name or :class:`~audit.core.data.Dataset`; ``data_args``
+    e.g. ``{"path": ...}``) at ``image_size`` pixels; ``images`` private batches of
+    ``batch_size`` images from its test split; whether the protocol shares the labels."""
+
+    data: Any = "embedded"
+    data_args: Mapping[str, Any] = field(default_factory=dict)
+    image_size: int = 16
+    images: int = 4
+    batch_size: int = 1
+    share_labels: bool = False
+
+    def __post_init__(self):
+        _set(self, data_args=dict(self.data_args or {}), image_size=_positive("image_size", self.image_size),
+             images=_positive("images", self.images), batch_size=_positive("batch_size", self.batch_size),
+             share_labels=bool(self.share_labels))
+
+
+@dataclass(frozen=True)
+class FLSettings:
+    """How the model is trained between audited checkpoints (see :func:`audit.client.fl.train`):
+    FedSGD, or FedAvg with ``local_steps`` / ``local_lr``, over ``clients`` clients."""
+
+    lr: float = 0.1
+    batch_size: int = 8
+    clients: int = 1
+    local_steps: int = 1
+    local_lr: Optional[float] = None
+
+    def __post_init__(self):
+        _set(self, lr=_positive("lr", self.lr, float), batch_size=_positive("train_batch_size", self.batch_size),
+             clients=_positive("clients", self.clients), local_steps=_positive("local_steps", self.local_steps),
+             local_lr=None if self.local_lr is None else _positive("local_lr", self.local_lr, float))
+
+
+@dataclass(frozen=True)
+class AttackSettings:
+    """What is attacked and how hard: the audited training ``steps``; ``names`` ("auto" = the
+    base attacks plus the planner's, or registry names, or both); per-attack ``args`` over the
+    planner's; ``budget`` in gradient evaluations of the model per attack and private batch."""
+
+    steps: Tuple[int, ...] = DEFAULT_STEPS
+    names: Union[str, Sequence[str]] = "auto"
+    args: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    budget: int = DEFAULT_BUDGET
+
+    def __post_init__(self):
+        _set(self, steps=tuple(_parse_steps(self.steps)), names=tuple(attack_names(self.names)),
+             args={name: dict(kv) for name, kv in (self.args or {}).items()},
+             budget=_positive("budget", self.budget))
+
+    def budget_description(self) -> Dict[str, Any]:
+        return {"value": self.budget, "unit": BUDGET_UNIT, "definition": BUDGET_DEFINITION}
+
+
+@dataclass(frozen=True)
+class OutputSettings:
+    """Where and what is written: the output folder, the utility measurement (``utility_steps``
+    FL rounds with and without the defense), the verdict thresholds, the risk radius ``delta``
+    (None: RMSE 0.1 per pixel) and the progress bar."""
+
+    out: Union[str, Path] = "audit-out"
+    utility: bool = True
+    utility_steps: int = 100
+    thresholds: Thresholds = field(default_factory=Thresholds)
+    delta: Optional[float] = None
+    progress: bool = True
+
+    def __post_init__(self):
+        _set(self, out=Path(self.out), utility=bool(self.utility),
+             utility_steps=_positive("utility_steps", self.utility_steps),
+             thresholds=self.thresholds if self.thresholds is not None else Thresholds(),
+             delta=None if self.delta is None else _positive("delta", self.delta, float))
+
+
+def attack_names(attacks: Union[str, Sequence[str]]) -> List[str]:
+    """``"auto,dlg"`` or ``["auto", "dlg"]`` -> the distinct names, in order."""
+    names = [str(a) for a in _comma_list(attacks)]
+    if not names:
+        raise ConfigError("attacks must be 'auto', a non-empty list of attack names (see `gia-audit list "
+                          "attacks`), or both, e.g. 'auto,dlg'")
+    return list(dict.fromkeys(names))
+
+
+def parse_attack_args(pairs: Sequence[str]) -> Dict[str, Dict[str, Any]]:
+    """``["learned-inverter.pairs=256", "ig.restarts=2"]`` -> ``{"learned-inverter": {"pairs": 256}, ...}``."""
+    out: Dict[str, Dict[str, Any]] = {}
+    for pair in pairs:
+        name, dot, rest = pair.partition(".")
+        if not dot or "=" not in rest or not name:
+            raise ConfigError(f"attack argument {pair!r} is not of the form attack.setting=value "
+                              "(e.g. ig.restarts=2)")
+        out.setdefault(name, {}).update(parse_kv_args([rest]))
+    return out
+
+
+def as_dict(settings: Any) -> Dict[str, Any]:
+    """A settings object as a JSON-able dict (paths and tuples made plain)."""
+    out = asdict(settings)
+    return {k: (str(v) if isinstance(v, Path) else list(v) if isinstance(v, tuple) else v) for k, v in out.items()}
