@@ -3,9 +3,13 @@ from audit.core import __version__  # noqa: F401
 
 
 def __getattr__(name):
-    # `audit.run(...)` without importing the attack stack when only the contracts are used
+    # `audit.run(...)` / `audit.sweep(...)` without importing the attack stack when only the contracts are used
     if name == "run":
         from audit.engine.audit import run
 
         return run
+    if name == "sweep":
+        from audit.engine.sweep import sweep
+
+        return sweep
     raise AttributeError(f"module 'audit' has no attribute {name!r}")

@@ -1,0 +1,367 @@
+"""Sweeps: the privacy-utility frontier of defenses across their settings.
+
+A sweep audits a grid of defenses and settings. Every *cell* (one defense with one setting)
+is a full :class:`~audit.engine.audit.Audit` with the same data, FL training, attacks, steps,
+images and seed as every other cell, so cells are comparable, plus its utility (test
+accuracy after defended training) next to one undefended training run shared by all cells.
+The undefended cell (defense ``none``) is always audited too: the frontier's reference point.
+
+Layout under the output folder ``OUT``::
+
+    OUT/sweep.json, sweep.md, sweep.html, frontier.png   the sweep's report
+    OUT/baseline.json                                    the shared undefended training run
+    OUT/cells/<defense>[-<k>=<v>...]/                    each cell's own audit (report.html, runs/)
+    OUT/cells/<cell>/cell.json                           written when the cell's audit finished
+
+Resuming is per cell (a cell whose ``cell.json`` matches its settings is not touched) and per
+result (an unfinished cell is its audit's own resume). Cells run on an executor
+(:mod:`audit.engine.executors`: ``local`` or ``ray``); each one's seeds come from the
+settings, never from the order in which cells run.
+"""
+from __future__ import annotations
+
+import inspect
+import itertools
+import re
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+
+from audit.core.errors import ConfigError, GiaError
+from audit.engine.audit import Audit, run
+from audit.engine.compose import resolve_defense, resolve_device
+from audit.engine.executors import EXECUTORS
+from audit.engine.identity import defense_identity, model_identity
+from audit.engine.settings import AttackSettings, DataSettings, FLSettings, OutputSettings, as_dict
+from audit.engine.utility import measure_utility
+from audit.report.risk import Thresholds
+from audit.report.store import atomic_write_json, read_json, settings_key
+from audit.report.sweep_report import SweepReport
+
+UNDEFENDED = "none"
+CELL_FILE = "cell.json"
+BASELINE_FILE = "baseline.json"
+
+
+# --------------------------------------------------------------------------- the grid
+@dataclass(frozen=True)
+class Cell:
+    """One defense at one setting: ``defense`` as given (a name, ``"pkg.mod:attr"``, a Defense
+    class, object or defended-gradient callable) with ``params``; ``family`` is its line on
+    the frontier (the defense's name); ``key`` identifies its settings for resuming."""
+
+    defense: Any
+    params: Tuple[Tuple[str, Any], ...]
+    family: str
+    key: str = ""
+    undefended: bool = False
+
+    @property
+    def setting(self) -> str:
+        return ", ".join(f"{k}={v}" for k, v in self.params) or "defaults"
+
+    @property
+    def name(self) -> str:
+        """The cell's folder name: ``prune-ratio=0.9``."""
+        return re.sub(r"[^A-Za-z0-9_.=+-]", "_", "-".join([self.family] + [f"{k}={v}" for k, v in self.params]))
+
+    def describe(self) -> Dict[str, Any]:
+        return {"name": self.name, "defense": self.family, "params": dict(self.params), "setting": self.setting,
+                "undefended": self.undefended, "dir": f"cells/{self.name}"}
+
+
+def _label(spec: Any) -> str:
+    return spec if isinstance(spec, str) else getattr(spec, "__name__", type(spec).__name__)
+
+
+def _values(label: str, param: str, values: Any) -> List[Any]:
+    if not isinstance(param, str) or not param:
+        raise ConfigError(f"sweep grid for {label}: a parameter name must be a non-empty string, got {param!r}; "
+                          "write name=values, e.g. ratio=0.5,0.9")
+    if isinstance(values, (str, bytes)) or not isinstance(values, (Sequence, range, set, frozenset)):
+        values = [values]
+    values = list(values)
+    if not values or any(v == "" for v in values):
+        raise ConfigError(f"sweep grid for {label}: {param} has an empty value; give values like {param}=0.5,0.9")
+    return values
+
+
+def grid_entries(grid: Any) -> List[Tuple[Any, Dict[str, List[Any]]]]:
+    """A grid as ``[(defense, {param: [values]})]``. Accepted: ``{defense: {param: values}}``, a
+    list of defenses and ``(defense, {param: values})`` pairs, or a single defense; a defense
+    is a name, ``"pkg.mod:attr"``, a Defense class (its ``__init__`` parameters form the grid),
+    or a Defense object / defended-gradient callable (one cell, no parameters)."""
+    if isinstance(grid, Mapping):
+        items = list(grid.items())
+    elif isinstance(grid, (str, bytes)) or callable(grid) or not isinstance(grid, Sequence):
+        items = [(grid, {})]
+    else:
+        items = [tuple(e) if isinstance(e, (tuple, list)) and len(e) == 2 and isinstance(e[1], Mapping)
+                 else (e, {}) for e in grid]
+    if not items:
+        raise ConfigError("the sweep grid is empty; give at least one defense, e.g. "
+                          "--defense prune --grid ratio=0.5,0.9")
+    out = []
+    for spec, params in items:
+        if not isinstance(params, Mapping):
+            raise ConfigError(f"sweep grid for {_label(spec)}: parameters must be a mapping name -> values, "
+                              f"got {type(params).__name__}")
+        out.append((spec, {p: _values(_label(spec), p, v) for p, v in params.items()}))
+    return out
+
+
+def pair_options(options: Sequence[Tuple[str, str]]) -> List[Tuple[str, Dict[str, List[Any]]]]:
+    """Command-line ``("--defense", name)`` / ``("--grid", "k=v1,v2")`` options, in the order
+    given, as grid entries: each ``--grid`` varies the ``--defense`` before it (several
+    ``--grid`` for one defense span their product)."""
+    from audit.core.registry import parse_kv_args
+
+    entries: List[Tuple[str, Dict[str, List[Any]]]] = []
+    for option, value in options:
+        if option == "--defense":
+            if not value:
+                raise ConfigError("--defense needs a name, e.g. --defense prune (see `gia-audit list defenses`)")
+            entries.append((value, {}))
+            continue
+        if not entries:
+            raise ConfigError(f"--grid {value} comes before any --defense; put each --grid after the --defense it varies")
+        name, params = entries[-1]
+        if "=" not in value or not value.partition("=")[0].strip():
+            raise ConfigError(f"--grid {value!r} for {name}: write name=values, e.g. --grid ratio=0.5,0.9")
+        for param, values in parse_kv_args([value]).items():
+            if param in params:
+                raise ConfigError(f"--grid gives {param} twice for {name}; list all its values once, e.g. {param}=0.5,0.9")
+            params[param] = _values(name, param, values if isinstance(values, tuple) else [values])
+    return entries
+
+
+def grid_cells(grid: Any, common_key: Dict[str, Any]) -> List[Cell]:
+    """Every cell of the grid (the undefended cell first), each defense built once to check
+    its name, parameters and ranges: a bad one is a one-line ConfigError before any work."""
+    cells: Dict[str, Cell] = {}
+    entries = [(UNDEFENDED, {})] + grid_entries(grid)
+    for spec, params in entries:
+        for combo in itertools.product(*params.values()):
+            kv = dict(zip(params, combo))
+            try:
+                defense = resolve_defense(spec, kv)
+            except ConfigError as err:
+                setting = " ".join(f"{k}={v}" for k, v in kv.items())
+                raise ConfigError(f"sweep grid, {_label(spec)} {setting}: {err}".replace(" : ", ": ")) from None
+            ident = defense_identity(defense, spec)
+            cell = Cell(spec, tuple(kv.items()), defense.name, settings_key({"defense": ident, **common_key}),
+                        undefended=defense.name == UNDEFENDED and not kv)
+            other = cells.setdefault(cell.name, cell)
+            if other.key != cell.key:
+                raise ConfigError(f"two different sweep cells are both named {cell.name!r}; give each defense "
+                                  "its own name (a Defense subclass with a distinct `name`)")
+    return list(cells.values())
+
+
+# --------------------------------------------------------------------------- one cell
+@dataclass(frozen=True)
+class CellJob:
+    """Everything a worker needs to audit one cell (picklable: sent to Ray tasks as is)."""
+
+    cell: Cell
+    model: Any
+    model_args: Mapping[str, Any]
+    data: DataSettings
+    fl: FLSettings
+    attacks: AttackSettings
+    output: OutputSettings
+    seed: int
+    device: str
+    baseline: Optional[Dict[str, Any]] = None  # the undefended training run (measure_utility's)
+
+
+class CellAudit(Audit):
+    """An audit whose utility reuses the sweep's undefended training run instead of its own."""
+
+    baseline: Optional[Dict[str, Any]] = None
+
+    def utility(self) -> Dict[str, Any]:
+        base = self.baseline
+        if base is None or not self.output.utility or base.get("baseline_accuracy") is None:
+            return super().utility()
+        if self.defense.name == UNDEFENDED and not self.defense.params():
+            return base  # the undefended cell *is* the baseline run
+        run = {"accuracy": base["baseline_accuracy"], "final_loss": base["baseline_final_loss"],
+               "seconds": base["baseline_seconds"], "error": None}
+        try:
+            return measure_utility(self.defense, model=self.model_spec, model_args=self.model_args,
+                                   dataset=self.dataset, steps=self.output.utility_steps, lr=self.fl.lr,
+                                   batch_size=self.fl.batch_size, clients=self.fl.clients,
+                                   local_steps=self.fl.local_steps, seed=self.seed, device=self.device, baseline=run)
+        except GiaError as err:
+            return {"unavailable": f"{type(err).__name__}: {err}"}
+
+
+def _cell_audit(job: CellJob) -> CellAudit:
+    audit = CellAudit(job.cell.defense, job.model, defense_args=dict(job.cell.params), model_args=dict(job.model_args),
+                      data=job.data, fl=job.fl, attacks=job.attacks, output=job.output, seed=job.seed,
+                      device=job.device)
+    audit.baseline = job.baseline
+    return audit
+
+
+def run_cell(job: CellJob) -> Dict[str, Any]:
+    """Audit one cell (resuming its stored results) and mark it finished; runs in a worker."""
+    report = _cell_audit(job).run()
+    done = {"key": job.cell.key, "cell": job.cell.describe(), "status": report.data["status"],
+            "run_key": report.data["run_key"]}
+    atomic_write_json(Path(job.output.out) / CELL_FILE, done)
+    return done
+
+
+def baseline_utility(job: CellJob) -> Dict[str, Any]:
+    """The undefended cell's utility measurement: the training run every cell is compared to."""
+    return _cell_audit(job).utility()
+
+
+def cell_finished(out: Path, cell: Cell) -> bool:
+    path = Path(out) / "cells" / cell.name / CELL_FILE
+    try:
+        return path.is_file() and read_json(path).get("key") == cell.key
+    except ValueError:  # unreadable: redo the cell (its audit resumes its results)
+        return False
+
+
+# --------------------------------------------------------------------------- the sweep
+class Sweep:
+    """A grid of defenses and settings, audited cell by cell on an executor; see the module
+    docstring. ``step``: the audited step the frontier shows (None: each cell's worst step).
+    ``executor``: ``"local"`` or ``"ray"`` (``executor_args``: its options, e.g.
+    ``{"address": "auto", "cpus": 2, "gpus": 1}``)."""
+
+    def __init__(self, grid: Any, model: Any = "cnn", *, model_args: Optional[Dict[str, Any]] = None,
+                 data: DataSettings = DataSettings(), fl: FLSettings = FLSettings(),
+                 attacks: AttackSettings = AttackSettings(), output: OutputSettings = OutputSettings(out="sweep-out"),
+                 seed: int = 0, device: Any = "cpu", step: Optional[int] = None, executor: str = "local",
+                 executor_args: Optional[Dict[str, Any]] = None):
+        self.model, self.model_args = model, dict(model_args or {})
+        self.data, self.fl, self.attacks, self.output = data, fl, attacks, output
+        self.seed, self.device = int(seed), resolve_device(device)
+        if step is not None and step not in attacks.steps:
+            raise ConfigError(f"step {step} is not an audited step {list(attacks.steps)}; choose one of them "
+                              "or leave it out for each cell's worst step")
+        self.step = step
+        self.cells = grid_cells(grid, self._common_key())
+        self.executor = EXECUTORS.build(executor, **(executor_args or {}))
+        # the data, the model and the private images, checked now rather than in a worker
+        _cell_audit(self._job(self.cells[0]))
+
+    @property
+    def out(self) -> Path:
+        return Path(self.output.out)
+
+    def _data_key(self) -> Dict[str, Any]:
+        data = self.data.data
+        return {**as_dict(self.data), "data": data if isinstance(data, str) else getattr(data, "name", repr(data))}
+
+    def _utility_key(self) -> Dict[str, Any]:
+        return {"model": model_identity(self.model, self.model_args), "data": self._data_key(),
+                "fl": as_dict(self.fl), "utility_steps": self.output.utility_steps, "seed": self.seed,
+                "device": self.device.type}
+
+    def _common_key(self) -> Dict[str, Any]:
+        return {**self._utility_key(), "attacks": as_dict(self.attacks), "utility": self.output.utility,
+                "thresholds": self.output.thresholds.as_dict(), "delta": self.output.delta}
+
+    def _job(self, cell: Cell, baseline: Optional[Dict[str, Any]] = None) -> CellJob:
+        output = replace(self.output, out=self.out / "cells" / cell.name,
+                         progress=self.output.progress and self.executor.shows_job_progress)
+        return CellJob(cell, self.model, self.model_args, self.data, self.fl, self.attacks, output, self.seed,
+                       str(self.device), baseline)
+
+    def _baseline(self) -> Optional[Dict[str, Any]]:
+        """The undefended training run, stored in ``baseline.json`` (measured once per settings)."""
+        if not self.output.utility:
+            return None
+        key = settings_key(self._utility_key())
+        path = self.out / BASELINE_FILE
+        if path.is_file() and read_json(path).get("key") == key:
+            return read_json(path)["utility"]
+        found: List[Dict[str, Any]] = []
+        self.executor.map(baseline_utility, [self._job(self.cells[0])], lambda _, result: found.append(result))
+        atomic_write_json(path, {"key": key, "utility": found[0]})
+        return found[0]
+
+    def settings(self) -> Dict[str, Any]:
+        return {"model": model_identity(self.model, self.model_args), "data": self._data_key(),
+                "fl": as_dict(self.fl), "attacks": as_dict(self.attacks), "utility": self.output.utility,
+                "utility_steps": self.output.utility_steps, "seed": self.seed, "device": self.device.type,
+                "executor": self.executor.name}
+
+    def run(self) -> SweepReport:
+        """Audit every unfinished cell, then write ``sweep.json``, ``sweep.md``, ``sweep.html``."""
+        started = time.perf_counter()
+        pending = [c for c in self.cells if not cell_finished(self.out, c)]
+        computed: List[str] = []
+        bar = _progress(len(self.cells), len(self.cells) - len(pending), self.output.progress)
+        try:
+            if pending:
+                baseline = self._baseline()
+                jobs = [self._job(c, baseline) for c in pending]
+
+                def done(index: int, _result: Any) -> None:
+                    computed.append(pending[index].name)
+                    bar.set_postfix_str(f"finished {pending[index].name}")
+                    bar.update(1)
+
+                self.executor.map(run_cell, jobs, done)
+        finally:
+            bar.close()
+            self.executor.close()
+        report = SweepReport.from_cells(self.out, [c.describe() for c in self.cells], settings=self.settings(),
+                                        thresholds=self.output.thresholds.as_dict(), step=self.step,
+                                        invocation={"computed": computed,
+                                                    "reused": [c.name for c in self.cells if c.name not in computed],
+                                                    "seconds": round(time.perf_counter() - started, 1)})
+        report.write(self.out)
+        return report
+
+
+def _progress(total: int, initial: int, enabled: bool):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, initial=initial, desc="sweep (cells)", unit="cell", position=0,
+                disable=not enabled, dynamic_ncols=True)
+
+
+# --------------------------------------------------------------------------- public entry point
+def audit_settings(**flat: Any) -> Dict[str, Any]:
+    """:func:`audit.engine.audit.run`'s flat keyword settings (its defaults where not given) as
+    the keyword objects :class:`Audit` and :class:`Sweep` take (``data``, ``fl``, ...)."""
+    params = inspect.signature(run).parameters
+    valid = [p for p in params if p not in ("defense", "defense_args")]
+    unknown = sorted(k for k in flat if k not in valid)
+    if unknown:
+        raise ConfigError(f"unknown sweep setting(s) {', '.join(unknown)}; valid settings: {', '.join(valid)}")
+    s = {name: flat.get(name, p.default) for name, p in params.items()}
+    return dict(
+        model=s["model"], model_args=s["model_args"], seed=s["seed"], device=s["device"],
+        data=DataSettings(s["data"], s["data_args"] or {}, s["image_size"], s["images"], s["batch_size"],
+                          s["share_labels"]),
+        fl=FLSettings(s["lr"], s["train_batch_size"], s["clients"], s["local_steps"], s["local_lr"]),
+        attacks=AttackSettings(s["steps"], s["attacks"], s["attack_args"] or {}, s["budget"]),
+        output=OutputSettings(s["out"], s["utility"], s["utility_steps"], s["thresholds"] or Thresholds(),
+                              s["delta"], s["progress"]))
+
+
+def sweep(grid: Any, out: Union[str, Path] = "sweep-out", *, step: Optional[int] = None, executor: str = "local",
+          executor_args: Optional[Dict[str, Any]] = None, **settings: Any) -> SweepReport:
+    """Audit a grid of defenses and settings; the privacy-utility frontier as a report.
+
+    ``grid``: ``{"prune": {"ratio": [0.5, 0.9]}, "gaussian": {"sigma": [0.01, 0.1]}, "censor": {}}``,
+    or a list of defenses and ``(defense, {param: values})`` pairs; a defense may be a name,
+    ``"pkg.mod:attr"``, a Defense class (gridded over its parameters) or any defended-gradient
+    callable (one cell). ``settings``: :func:`audit.run`'s keyword settings (``model``,
+    ``steps``, ``images``, ``budget``, ``seed``, ``utility_steps``, ...), the same for every
+    cell. ``step``: the frontier's audited step (default: each cell's worst step).
+    ``executor``: ``"local"`` or ``"ray"`` (``executor_args``: ``address``, ``num_cpus``,
+    ``cpus`` and ``gpus`` per task). Rerunning resumes: finished cells and results are reused.
+    """
+    return Sweep(grid, step=step, executor=executor, executor_args=executor_args,
+                 **audit_settings(out=out, **settings)).run()

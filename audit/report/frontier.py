@@ -1,0 +1,61 @@
+"""The sweep's frontier plot: worst-case PSNR against test accuracy, one line per defense
+(one point per setting), the undefended point, Pareto-optimal points ringed and the
+verdict thresholds drawn (rendered off-screen to PNG bytes)."""
+from __future__ import annotations
+
+import io
+from typing import Any, Dict
+
+
+def _short(setting: str) -> str:
+    """``ratio=0.9`` -> ``0.9`` (one parameter); several stay ``k=v`` pairs."""
+    parts = setting.split(", ")
+    return parts[0].partition("=")[2] if len(parts) == 1 and "=" in parts[0] else setting
+
+
+def frontier_png(data: Dict[str, Any]) -> bytes:
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import PercentFormatter
+
+    cells = [c for c in data["cells"] if c["psnr"] is not None and c["accuracy"] is not None]
+    fig, ax = plt.subplots(figsize=(6.8, 4.4), dpi=110)
+    try:
+        for family in data["defenses"]:
+            pts = [c for c in cells if c["defense"] == family and not c["undefended"]]
+            if not pts:
+                continue
+            line, = ax.plot([c["accuracy"] for c in pts], [c["psnr"] for c in pts], "-o", ms=5, lw=1.3, label=family)
+            for c in pts:
+                ax.annotate(_short(c["setting"]), (c["accuracy"], c["psnr"]), textcoords="offset points",
+                            xytext=(4, 4), fontsize=7, color=line.get_color())
+        for c in (c for c in cells if c["undefended"]):
+            ax.plot([c["accuracy"]], [c["psnr"]], "*", color="black", ms=13, label="undefended")
+        pareto = [c for c in cells if c["pareto"]]
+        if pareto:
+            ax.scatter([c["accuracy"] for c in pareto], [c["psnr"] for c in pareto], s=190, facecolors="none",
+                       edgecolors="black", linewidths=1.1, label="Pareto-optimal", zorder=3)
+        thr = data["thresholds"]
+        for value, color, text, va in ((thr["leak_psnr"], "tab:red", f" leaks >= {thr['leak_psnr']:g} dB", "bottom"),
+                                       (thr["private_psnr"], "tab:green", f" private <= {thr['private_psnr']:g} dB", "top")):
+            ax.axhline(value, color=color, ls=":", lw=1)
+            ax.text(0.0, value, text, color=color, transform=ax.get_yaxis_transform(), va=va, ha="left", fontsize=8)
+        step = data["step"]
+        ax.set_ylabel("worst-case PSNR (dB)" + (" at each cell's worst step" if step == "worst" else f" at step {step}"))
+        steps = data["settings"].get("utility_steps")
+        ax.set_xlabel(f"test accuracy after {steps} FL rounds with the defense" if steps else "test accuracy")
+        ax.xaxis.set_major_formatter(PercentFormatter(1.0))
+        ax.set_title("privacy-utility frontier (lower and to the right is better)", fontsize=10)
+        if not cells:
+            ax.text(0.5, 0.5, "no cell has both a PSNR and an accuracy yet", transform=ax.transAxes, ha="center")
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8, loc="best")
+        fig.tight_layout()
+        buf = io.BytesIO()
+        fig.savefig(buf, format="png")
+        return buf.getvalue()
+    finally:
+        plt.close(fig)
