@@ -179,6 +179,87 @@ def audit_cmd(defense, defense_arg, model, model_arg, dataset, data_path, image_
     click.echo(f"report: {report.out / 'report.html'} (also report.md, report.json, psnr_vs_step.png)")
 
 
+# --------------------------------------------------------------------------- sweep
+class _KeepsOptionOrder(click.Command):
+    """A command that also records the command-line order of ``--defense`` and ``--grid``:
+    click groups each option's values apart, and a sweep pairs each ``--grid`` with the
+    ``--defense`` before it."""
+
+    ORDERED = ("--defense", "--grid")
+
+    def parse_args(self, ctx, args):
+        ordered, tokens = [], iter(args)
+        for token in tokens:
+            if token == "--":
+                break
+            name, eq, value = token.partition("=")
+            if name in self.ORDERED:
+                ordered.append((name, value if eq else next(tokens, "")))
+        ctx.meta["ordered_options"] = ordered
+        return super().parse_args(ctx, args)
+
+
+# the audit command's setting options that a sweep shares (the same for every cell)
+SWEEP_SHARES = ("model", "model_arg", "dataset", "data_path", "image_size", "steps", "attacks", "attack_arg",
+                "images", "batch_size", "budget", "share_labels", "lr", "train_batch_size", "clients",
+                "local_steps", "local_lr", "delta", "utility", "utility_steps")
+
+
+def _run_settings(model_arg, dataset, data_path, attack_arg, **options):
+    """The audit command's setting options as ``audit.run``'s keyword settings (unset: its default)."""
+    from audit.core.registry import parse_kv_args
+    from audit.engine.settings import parse_attack_args
+
+    options.update(data=dataset, model_args=parse_kv_args(model_arg) or None,
+                   attack_args=parse_attack_args(attack_arg) or None,
+                   data_args={"path": data_path} if data_path else None)
+    return {k: v for k, v in options.items() if v is not None}
+
+
+@main.command("sweep", cls=_KeepsOptionOrder)
+@click.option("--defense", "defenses", multiple=True,
+              help="defense to sweep (repeatable): a name (`gia-audit list defenses`) or package.module:attr")
+@click.option("--grid", "grids", multiple=True, metavar="NAME=V1,V2,...",
+              help="values of a parameter of the --defense before it (repeatable; several span their product)")
+@click.option("--step", "frontier_step", default=None, type=int,
+              help="audited step the frontier shows  [default: each cell's worst step]")
+@click.option("--executor", default="local", show_default=True,
+              help="where cells run: local (this process) or ray (pip install 'gia-audit[ray]')")
+@click.option("--ray-address", default=None, help="ray: an existing cluster (auto, ray://head:10001)  [default: a local Ray instance]")
+@click.option("--ray-cpus", default=None, type=int, help="ray: CPUs of the local Ray instance  [default: all]")
+@click.option("--cpus-per-task", default=None, type=float, help="ray: CPUs each cell's task requests  [default: 1]")
+@click.option("--gpus-per-task", default=None, type=float,
+              help="ray: GPUs each cell's task requests  [default: 1 with --device cuda, else 0]")
+@click.option("--quiet", is_flag=True, help="no progress bars")
+@click.option("--out", default="sweep-out", show_default=True, type=click.Path(file_okay=False),
+              help="output folder (sweep.json/.md/.html, frontier.png, cells/<cell>/ audits)")
+@common_options
+@friendly_errors
+@click.pass_context
+def sweep_cmd(ctx, defenses, grids, frontier_step, executor, ray_address, ray_cpus, cpus_per_task, gpus_per_task,
+              quiet, out, seed, device, **settings):
+    """Audit a grid of defenses and settings: the privacy-utility frontier (rerun to resume).
+
+    e.g. --defense prune --grid ratio=0.5,0.9,0.99 --defense gaussian --grid sigma=0.01,0.1 --defense censor
+    """
+    from audit.engine.sweep import pair_options, sweep
+
+    ray_args = {k: v for k, v in dict(address=ray_address, num_cpus=ray_cpus, cpus=cpus_per_task,
+                                      gpus=gpus_per_task).items() if v is not None}
+    if ray_args and executor != "ray":
+        raise GiaError("--ray-address, --ray-cpus, --cpus-per-task and --gpus-per-task apply to --executor ray; "
+                       "add --executor ray or drop them")
+    report = sweep(pair_options(ctx.meta["ordered_options"]), out, step=frontier_step, executor=executor,
+                   executor_args=ray_args, seed=seed, device=resolve_device(device), progress=not quiet,
+                   **_run_settings(**settings))
+    click.echo(report.summary())
+    click.echo(f"report: {report.out / 'sweep.html'} (also sweep.md, sweep.json, frontier.png; "
+               f"each cell's audit under {report.out / 'cells'})")
+
+
+sweep_cmd.params.extend(p for p in audit_cmd.params if p.name in SWEEP_SHARES)
+
+
 @main.command("report")
 @click.argument("directory", type=click.Path(exists=True, file_okay=False))
 @click.option("--run", "run_key", default=None, help="run key under DIRECTORY/runs (default: the latest)")

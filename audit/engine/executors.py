@@ -29,6 +29,9 @@ class LocalExecutor:
     name = "local"
     shows_job_progress = True
 
+    def __init__(self, device: Any = None):
+        self.device = device
+
     def map(self, fn: Callable[[Any], Any], jobs: Sequence[Any], done: Done) -> None:
         for index, job in enumerate(jobs):
             done(index, fn(job))
@@ -39,7 +42,8 @@ class LocalExecutor:
 
 @EXECUTORS.register("ray", "Ray tasks on a local Ray instance or a cluster (pip install 'gia-audit[ray]')")
 class RayExecutor:
-    """Every job is a Ray task requesting ``cpus`` CPUs and ``gpus`` GPUs.
+    """Every job is a Ray task requesting ``cpus`` CPUs and ``gpus`` GPUs (default: 1 when
+    the audit's ``device`` is CUDA, else 0).
 
     ``address``: an existing cluster (``"auto"``, ``"ray://head:10001"``); ``None`` starts a
     local instance with ``num_cpus`` CPUs (default: all) that is shut down again by
@@ -50,11 +54,13 @@ class RayExecutor:
     shows_job_progress = False  # the workers' bars would interleave in the driver's terminal
 
     def __init__(self, address: Optional[str] = None, num_cpus: Optional[int] = None, cpus: float = 1,
-                 gpus: float = 0):
+                 gpus: Optional[float] = None, device: Any = None):
         try:
             import ray  # noqa: F401
         except ImportError:
             raise ConfigError("the ray executor needs Ray: pip install 'gia-audit[ray]' (or use --executor local)") from None
+        if gpus is None:
+            gpus = 1 if getattr(device, "type", str(device)).startswith("cuda") else 0
         for label, value in (("cpus per task", cpus), ("gpus per task", gpus)):
             if not isinstance(value, (int, float)) or value < 0:
                 raise ConfigError(f"ray executor: {label} must be a number >= 0, got {value!r}")

@@ -248,7 +248,7 @@ class Sweep:
                               "or leave it out for each cell's worst step")
         self.step = step
         self.cells = grid_cells(grid, self._common_key())
-        self.executor = EXECUTORS.build(executor, **(executor_args or {}))
+        self.executor = EXECUTORS.build(executor, device=self.device, **(executor_args or {}))
         # the data, the model and the private images, checked now rather than in a worker
         _cell_audit(self._job(self.cells[0]))
 
@@ -361,7 +361,7 @@ def sweep(grid: Any, out: Union[str, Path] = "sweep-out", *, step: Optional[int]
     ``steps``, ``images``, ``budget``, ``seed``, ``utility_steps``, ...), the same for every
     cell. ``step``: the frontier's audited step (default: each cell's worst step).
     ``executor``: ``"local"`` or ``"ray"`` (``executor_args``: ``address``, ``num_cpus``,
-    ``cpus`` and ``gpus`` per task). Rerunning resumes: finished cells and results are reused.
+    ``cpus`` and ``gpus`` per task; see :mod:`audit.engine.executors`). Rerunning resumes: finished cells and results are reused.
     """
     return Sweep(grid, step=step, executor=executor, executor_args=executor_args,
                  **audit_settings(out=out, **settings)).run()

@@ -1,0 +1,142 @@
+"""Sweeps on tiny settings: a small MLP on 8x8 images, one private image, steps 0 and 1, the
+``ig`` attack at budget 5 and 3 utility rounds, so each cell takes about a second."""
+import json
+
+import pytest
+from click.testing import CliRunner
+
+import audit
+import audit.engine.sweep as sweep_module
+import cli
+from audit.core.errors import ConfigError
+from audit.core.types import clean_gradients
+from audit.engine.sweep import pair_options
+from audit.report.sweep_report import pareto_optimal
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+TINY = dict(model="mlp", model_args={"hidden": 16}, image_size=8, images=1, steps=[0, 1], attacks="ig", budget=5,
+            utility_steps=3, progress=False)
+TINY_CLI = ["--model", "mlp", "--model-arg", "hidden=16", "--image-size", "8", "--images", "1", "--steps", "0,1",
+            "--attacks", "ig", "--budget", "5", "--utility-steps", "3", "--quiet"]
+
+
+def halved(model, inputs, labels, *, loss_fn, generator):
+    """A user's defense: half the clean gradient."""
+    return [0.5 * g for g in clean_gradients(model, inputs, labels, loss_fn)]
+
+
+def result_files(out):
+    """Every stored (step, attack, image) result of every cell, with its modification time."""
+    return {str(p.relative_to(out)): p.stat().st_mtime_ns for p in out.glob("cells/*/runs/*/results/*.json")}
+
+
+def test_pareto_optimal_on_a_constructed_example():
+    # (worst-case PSNR, accuracy): lower PSNR and higher accuracy are better
+    points = [(10.0, 0.5), (12.0, 0.6), (11.0, 0.4), (None, 0.9), (10.0, 0.5), (15.0, 0.6), (9.0, 0.1)]
+    assert pareto_optimal(points) == [True, True, False, False, True, False, True]
+
+
+def test_grid_options_pair_in_command_line_order():
+    options = [("--defense", "prune"), ("--grid", "ratio=0.5,0.9"), ("--grid", "scope=layer,global"),
+               ("--defense", "censor"), ("--defense", "gaussian"), ("--grid", "sigma=0.01")]
+    assert pair_options(options) == [("prune", {"ratio": [0.5, 0.9], "scope": ["layer", "global"]}),
+                                     ("censor", {}), ("gaussian", {"sigma": [0.01]})]
+
+
+@pytest.mark.parametrize("grid, words", [
+    ({"pruen": {}}, ["unknown defense 'pruen'", "Did you mean 'prune'"]),
+    ({"prune": {"rati": [0.5]}}, ["no parameter 'rati'", "valid parameters: ratio"]),
+    ({"prune": {"ratio": [0.5, 1.5]}}, ["prune ratio=1.5", "ratio must be in [0, 1)"]),
+    ({"gaussian": {"sigma": []}}, ["sigma has an empty value", "sigma=0.5,0.9"]),
+    ({}, ["grid is empty", "--defense prune --grid ratio=0.5,0.9"]),
+    ([(halved, {"scale": [1, 2]})], ["halved", "plain function takes no"]),
+])
+def test_bad_grid_is_rejected_before_any_work(tmp_path, grid, words):
+    with pytest.raises(ConfigError) as err:
+        audit.sweep(grid, out=tmp_path / "out", **TINY)
+    assert "\n" not in str(err.value) and all(w in str(err.value) for w in words), str(err.value)
+    assert not (tmp_path / "out").exists()
+
+
+def test_bad_grid_on_the_command_line_is_one_line_before_any_work(tmp_path):
+    for args, words in [(["--grid", "ratio=0.5", "--defense", "prune"], "comes before any --defense"),
+                        (["--defense", "prune", "--grid", "ratio=0.5,1.5"], "ratio must be in [0, 1)"),
+                        (["--defense", "prune", "--step", "3"], "step 3 is not an audited step"),
+                        (["--defense", "prune", "--executor", "dask"], "Valid executors: local, ray")]:
+        result = CliRunner().invoke(cli.main, ["sweep", *args, *TINY_CLI, "--out", str(tmp_path / "out")])
+        assert result.exit_code == 2 and words in result.output, result.output
+        assert len(result.output.strip().splitlines()) == 1
+    assert not (tmp_path / "out").exists()
+
+
+def test_sweep_report_resume_and_a_new_grid_value(tmp_path):
+    out = tmp_path / "sweep"
+    # the command line of the issue, on tiny settings
+    result = CliRunner().invoke(cli.main, ["sweep", "--defense", "prune", "--grid", "ratio=0.5",
+                                           "--defense", "gaussian", "--grid", "sigma=0.1", *TINY_CLI,
+                                           "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    data = json.loads((out / "sweep.json").read_text())
+    names = [c["name"] for c in data["cells"]]
+    assert names == ["none", "prune-ratio=0.5", "gaussian-sigma=0.1"]
+    assert data["defenses"] == ["prune", "gaussian"] and data["undefended"]["name"] == "none"
+    assert data["pareto"] == [c["name"] for c, p in zip(data["cells"], pareto_optimal(
+        [(c["psnr"], c["accuracy"]) for c in data["cells"]])) if p]
+    baseline = json.loads((out / "cells/none/report.json").read_text())["utility"]
+    for cell in data["cells"]:  # each row holds its cell's own audit numbers, at its worst step
+        report = json.loads((out / cell["dir"] / "report.json").read_text())
+        assert cell["psnr"] == max(s["worst_case"]["psnr"] for s in report["steps"])
+        assert cell["accuracy"] == report["utility"]["accuracy"]
+        assert report["utility"]["baseline_accuracy"] == baseline["accuracy"]  # one shared undefended run
+        assert (out / cell["report"]).is_file()
+    html = (out / "sweep.html").read_text()
+    assert "data:image/png;base64," in html and 'href="cells/prune-ratio=0.5/report.html"' in html
+    assert (out / "frontier.png").read_bytes()[:4] == b"\x89PNG" and "| prune | ratio=0.5 |" in (out / "sweep.md").read_text()
+
+    # the same sweep from Python recomputes nothing
+    grid = {"prune": {"ratio": [0.5]}, "gaussian": {"sigma": [0.1]}}
+    before, baseline_mtime = result_files(out), (out / "baseline.json").stat().st_mtime_ns
+    again = audit.sweep(grid, out=out, **TINY)
+    assert again.data["invocation"]["computed"] == [] and result_files(out) == before
+    assert [c["psnr"] for c in again.cells] == [c["psnr"] for c in data["cells"]]
+
+    # a new grid value and a user callable: exactly those two cells are computed
+    grid = [("prune", {"ratio": [0.5, 0.9]}), ("gaussian", {"sigma": 0.1}), halved]
+    grown = audit.sweep(grid, out=out, step=0, **TINY)
+    assert grown.data["invocation"]["computed"] == ["prune-ratio=0.9", "halved"]
+    assert {k: v for k, v in result_files(out).items() if k in before} == before
+    assert (out / "baseline.json").stat().st_mtime_ns == baseline_mtime
+    assert all(c["step"] == 0 for c in grown.cells) and grown.data["step"] == 0
+    assert grown.cell("halved")["defense"] == "halved"
+
+
+def test_an_interrupted_sweep_keeps_its_finished_cells(tmp_path, monkeypatch):
+    grid = {"prune": {"ratio": [0.5]}, "gaussian": {"sigma": [0.1]}}
+    real = sweep_module.run_cell
+
+    def interrupted(job):
+        if job.cell.name == "gaussian-sigma=0.1":
+            raise KeyboardInterrupt
+        return real(job)
+
+    monkeypatch.setattr(sweep_module, "run_cell", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        audit.sweep(grid, out=tmp_path, **{**TINY, "utility": False})
+    monkeypatch.setattr(sweep_module, "run_cell", real)
+    resumed = audit.sweep(grid, out=tmp_path, **{**TINY, "utility": False})
+    assert resumed.data["invocation"]["computed"] == ["gaussian-sigma=0.1"]
+    assert resumed.data["progress"] == {"done": 3, "total": 3}
+
+
+def test_ray_executor_gives_the_local_numbers(tmp_path):
+    pytest.importorskip("ray")
+    grid = {"prune": {"ratio": [0.5]}}  # two cells: the undefended one and prune
+    local = audit.sweep(grid, out=tmp_path / "local", **TINY)
+    ray_run = audit.sweep(grid, out=tmp_path / "ray", executor="ray", executor_args={"num_cpus": 2}, **TINY)
+    assert sorted(ray_run.data["invocation"]["computed"]) == ["none", "prune-ratio=0.5"]
+    for a, b in zip(local.cells, ray_run.cells):
+        assert (a["name"], a["psnr"], a["ssim"], a["accuracy"]) == (b["name"], b["psnr"], b["ssim"], b["accuracy"])
+        results = [json.loads((tmp_path / run / a["dir"] / "report.json").read_text())["results"]
+                   for run in ("local", "ray")]
+        assert [r["metrics"] for r in results[0]] == [r["metrics"] for r in results[1]]
