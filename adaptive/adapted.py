@@ -10,7 +10,9 @@ it adapts differ only in what is matched.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
 
 from attacks.engine import OptimizationAttack, Progress
 from attacks.presets import ATTACKS, KNOBS, compose
@@ -69,6 +71,44 @@ class AdaptedAttack:
         rec = self.compose(observation, adaptation).reconstruct(observation, budget, seed, progress)
         rec.trace["adaptive"] = {"attack": self.name, "base": self.base, **adaptation.notes}
         return rec
+
+    def reconstruct_many(self, observations: Sequence[Observation], budget: Optional[int] = None,
+                         seeds: Optional[Sequence[int]] = None, progress: Optional[Progress] = None,
+                         max_members: int = 64) -> List[Reconstruction]:
+        """Several observations of one model as one batched run when every observation gets
+        the same adaptation (replay, EOT, dropped layers); one at a time, with the reason in
+        the trace, when the adaptation is per observation (masks read from each gradient) or
+        the attack reconstructs in its own way."""
+        seeds = list(seeds) if seeds is not None else [0] * len(observations)
+        adaptations = [self.adapt(o) for o in observations]
+        signatures = {_signature(a) for a in adaptations}
+        why = ("the attack reconstructs in its own way" if type(self).reconstruct is not AdaptedAttack.reconstruct
+               else "it does not apply to some observations" if any(a.skip for a in adaptations)
+               else "the adaptation depends on each observation (e.g. masks read from its gradient)"
+               if None in signatures or len(signatures) > 1 else "")
+        if why:
+            out = [self.reconstruct(o, budget, s, progress) for o, s in zip(observations, seeds)]
+            for rec in out:
+                rec.trace["grouped"] = f"no: {why}"
+            return out
+        attack = self.compose(observations[0], adaptations[0])
+        out = attack.reconstruct_many(observations, budget, seeds, progress, max_members=max_members)
+        for rec, adaptation in zip(out, adaptations):
+            rec.trace["adaptive"] = {"attack": self.name, "base": self.base, **adaptation.notes}
+        return out
+
+
+def _signature(adaptation: Adaptation) -> Optional[str]:
+    """A comparable description of an adaptation's knobs; None when a knob holds tensors
+    (per-observation data that cannot be shared by a grouped run)."""
+    parts = []
+    for key, value in sorted(adaptation.knobs.items()):
+        items = value if isinstance(value, (list, tuple)) else [value]
+        if any(isinstance(v, torch.Tensor) for v in items):
+            return None
+        described = [v.describe() if hasattr(v, "describe") else repr(v) for v in items]
+        parts.append(f"{key}={described}")
+    return ";".join(parts)
 
 
 def register(cls, description: str):

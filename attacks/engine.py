@@ -69,6 +69,23 @@ def seeded_rng(device: torch.device, seed: int):
         yield
 
 
+def ungroupable(observations: Sequence[Observation]) -> str:
+    """Why these observations cannot share one batched run ('' when they can): they must
+    come from the same model (same parameters and buffers) with the same metadata."""
+    first = observations[0]
+    same = ("input_shape", "num_classes", "batch_size", "local_steps", "local_lr", "local_batch_size",
+            "client_mode", "loss_fn", "defense", "labels_shared")
+    for o in observations[1:]:
+        for name in same:
+            if getattr(o, name) != getattr(first, name):
+                return f"observations differ in {name}"
+        if o.model is not first.model:
+            a, b = first.model.state_dict(), o.model.state_dict()
+            if a.keys() != b.keys() or any(not torch.equal(a[k], b[k]) for k in a):
+                return "observations come from different models (parameters or buffers differ)"
+    return ""
+
+
 def _build_prior(spec) -> Prior:
     if isinstance(spec, str):
         return PRIORS.build(spec)
@@ -157,7 +174,42 @@ class OptimizationAttack:
         evaluations = None if budget is None else max(int(budget), cost)
         with seeded_rng(observation.device, seed):
             run = _Run(self, observation, int(seed), show_bars=progress is None)
-            return run.execute(iterations, progress, max_evaluations=evaluations, cost=cost)
+            return run.execute(iterations, progress, max_evaluations=evaluations, cost=cost)[0]
+
+    def reconstruct_many(self, observations: Sequence[Observation], budget: Optional[int] = None,
+                         seeds: Optional[Sequence[int]] = None, progress: Optional[Progress] = None,
+                         max_members: int = 64) -> List[Reconstruction]:
+        """:meth:`reconstruct` for several observations of the same model (e.g. every private
+        batch of one audited step) as one batched computation: each observation keeps its own
+        target gradient, labels, seed and budget; chunks of at most ``max_members``
+        observations x restarts. Observations that cannot be grouped (another model or
+        metadata) run one at a time, with the reason in their trace (``grouped``)."""
+        observations = list(observations)
+        seeds = list(seeds) if seeds is not None else [0] * len(observations)
+        if len(seeds) != len(observations):
+            raise ConfigError(f"reconstruct_many: {len(seeds)} seeds for {len(observations)} observations")
+        for o in observations:
+            validate_observation(o)
+        why = ungroupable(observations) if len(observations) > 1 else "a single observation"
+        per_chunk = max(1, int(max_members) // self.restarts)
+        if why or per_chunk == 1:
+            reason = why or f"max_members={max_members} fits one observation of {self.restarts} restarts"
+            out = [self.reconstruct(o, budget, s, progress) for o, s in zip(observations, seeds)]
+            for rec in out:
+                rec.trace["grouped"] = f"no: {reason}"
+            return out
+        if budget is not None and (isinstance(budget, bool) or int(budget) < 0):
+            raise ConfigError(f"budget must be >= 0 gradient evaluations, got {budget}")
+        cost = self.evaluation_cost(observations[0])
+        iterations = self.iterations if budget is None else (iterations_for(budget, cost) if budget else 0)
+        evaluations = None if budget is None else max(int(budget), cost)
+        out: List[Reconstruction] = []
+        for start in range(0, len(observations), per_chunk):
+            chunk, chunk_seeds = observations[start:start + per_chunk], seeds[start:start + per_chunk]
+            with seeded_rng(chunk[0].device, chunk_seeds[0]):
+                run = _Run(self, chunk, chunk_seeds, show_bars=progress is None)
+                out += run.execute(iterations, progress, max_evaluations=evaluations, cost=cost)
+        return out
 
 
     def evaluate(self, observation: Observation, images: Tensor, labels: Optional[Tensor] = None,
@@ -181,31 +233,41 @@ class OptimizationAttack:
 
 
 class _Run:
-    """The state of one ``reconstruct`` call."""
+    """The state of one ``reconstruct`` call, or of one grouped call over several
+    observations of the same model (``reconstruct_many``): ``N`` observations x ``R``
+    restarts = ``N * R`` independent members, evaluated as one batched computation (an
+    outer ``vmap`` over observations, each with its own target gradient and labels, and an
+    inner one over restarts)."""
 
-    def __init__(self, attack: OptimizationAttack, observation: Observation, seed: int,
-                 labels: Optional[Tensor] = None, show_bars: bool = True):
-        self.attack, self.obs = attack, observation
-        self.device = observation.device
-        self.generator = torch.Generator(device=self.device).manual_seed(seed)
-        self.target = [g.detach() for g in observation.gradients]
-        self.objective = attack.objective.bind(observation)
+    def __init__(self, attack: OptimizationAttack, observation: Union[Observation, Sequence[Observation]],
+                 seed: Union[int, Sequence[int]], labels: Optional[Tensor] = None, show_bars: bool = True):
+        group = list(observation) if isinstance(observation, (list, tuple)) else [observation]
+        seeds = [int(s) for s in seed] if isinstance(seed, (list, tuple)) else [int(seed)]
+        self.attack, self.obs, self.group, self.n = attack, group[0], group, len(group)
+        self.device = self.obs.device
+        self.generators = [torch.Generator(device=self.device).manual_seed(s) for s in seeds]
+        self.generator = self.generators[0]
+        self.targets = [[g.detach() for g in o.gradients] for o in group]
+        self.target = self.targets[0]
+        self.objective = attack.objective.bind(self.obs)
         self.simulator = attack.simulator
-        self.replica = self.simulator.prepare(observation)
+        self.replica = self.simulator.prepare(self.obs)
         bn_priors = requiring(attack.priors, "bn_stats")
         if bn_priors and self.replica.bn_running is None:
             raise NotApplicable(f"prior {bn_priors[0]!r} needs BatchNorm layers with running statistics; the "
                                 "observation's model has none (set its weight to 0)")
-        self.labels = plan_labels(attack.label_strategy, observation, seed) if labels is None else \
-            LabelPlan(labels.to(self.device).long(), None, {"method": "given", "note": "labels given to evaluate()"})
-        self.sim_ctx = SimContext(observation, generator=self.generator, capture_features=bool(bn_priors))
+        self.plans = [plan_labels(attack.label_strategy, o, s) for o, s in zip(group, seeds)] if labels is None else \
+            [LabelPlan(labels.to(self.device).long(), None, {"method": "given", "note": "labels given to evaluate()"})]
+        self.labels = self.plans[0]
+        self.sim_ctx = SimContext(self.obs, generator=self.generator, capture_features=bool(bn_priors))
         self.box = attack.box
         if hasattr(self.box, "bind"):  # a box that needs the run, e.g. a generator's latent space
             # its own set-up (e.g. training a default generator) shows a bar only when the
             # caller passed no progress callback (the audit and --quiet pass one)
-            self.box = self.box.bind(observation, self.labels, self.generator, progress=show_bars)
+            self.box = self.box.bind(self.obs, self.labels, self.generator, progress=show_bars)
         self.iteration = 0
         self.needs_group_mean = bool(requiring(attack.priors, "group_mean"))
+        members = self.n * attack.restarts
         if attack.execution == "sequential":
             self.batched, self.execution = False, "sequential (requested)"
         elif not self.simulator.batchable:
@@ -213,27 +275,33 @@ class _Run:
                 raise ConfigError(f"simulator {self.simulator.describe()} cannot be vmapped; "
                                   "use execution='auto' or 'sequential'")
             self.batched, self.execution = False, f"sequential ({self.simulator.describe()} is not vmappable)"
-        elif attack.restarts == 1 and attack.execution == "auto":
+        elif members == 1 and attack.execution == "auto":
             self.batched, self.execution = False, "single restart (eager autograd, no vmap overhead)"
-        else:
+        elif self.n == 1:
             self.batched, self.execution = True, f"batched (vmap over {attack.restarts} restarts)"
+        else:
+            self.batched, self.execution = True, (f"batched (vmap over {self.n} observations x "
+                                                  f"{attack.restarts} restarts)")
         self.evaluations = 0
 
     # -- the attack loss
-    def restart_terms(self, z: Tensor, y: Optional[Tensor], group_mean: Optional[Tensor],
-                      functional: bool) -> Dict[str, Tensor]:
-        """Objective and prior values of one restart (runs under vmap when batched)."""
+    def restart_terms(self, z: Tensor, y: Optional[Tensor], group_mean: Optional[Tensor], functional: bool,
+                      target: Optional[List[Tensor]] = None, plan: Optional[LabelPlan] = None,
+                      fixed: Optional[Tensor] = None) -> Dict[str, Tensor]:
+        """Objective and prior values of one member (runs under vmap when batched);
+        ``target`` / ``fixed`` labels default to the first observation's."""
         image = self.box.image(z)
-        grads, feats = self.simulator(self.replica, image, self.labels.targets(y), functional=functional,
-                                      context=self.sim_ctx)
-        terms = {"match": self.objective(grads, self.target)}
+        plan = plan or self.labels
+        labels = fixed if fixed is not None else plan.targets(y)
+        grads, feats = self.simulator(self.replica, image, labels, functional=functional, context=self.sim_ctx)
+        terms = {"match": self.objective(grads, self.target if target is None else target)}
         ctx = PriorContext(self.iteration, feats, self.replica.bn_running, group_mean, self.obs)
         for key, prior, _ in self.attack.priors:
             terms[key] = prior(image, ctx)
         return terms
 
     def evaluate(self, variables: List[Tensor]) -> Tuple[Tensor, Dict[str, Tensor], List[Tensor]]:
-        """Per-restart loss ``(R,)``, terms ``{name: (R,)}`` and gradients w.r.t. ``variables``."""
+        """Per-member loss ``(N*R,)``, terms ``{name: (N*R,)}`` and gradients w.r.t. ``variables``."""
         if self.batched:
             try:
                 out = self._batched(variables)
@@ -251,31 +319,57 @@ class _Run:
         return out
 
     def _group_mean(self, z: Tensor) -> Optional[Tensor]:
-        return self.box.image(z).mean(0).detach() if self.needs_group_mean else None
+        """Per observation, the mean image over its restarts ``(N, B, C, H, W)``."""
+        if not self.needs_group_mean:
+            return None
+        images = self.box.image(z)
+        return images.reshape(self.n, -1, *images.shape[1:]).mean(1).detach()
 
     def _batched(self, variables):
         """``vmap(grad_and_value(per-restart loss))``: fully functional. (Eager autograd through
         a vmapped ``torch.func.grad`` gives wrong input gradients for train-mode BatchNorm in
-        torch 2.x; the fully functional composition matches finite differences.)"""
+        torch 2.x; the fully functional composition matches finite differences.) Several
+        observations: an outer vmap over them with their targets and labels."""
         group_mean = self._group_mean(variables[0])
+        labelled = len(variables) > 1
 
-        def loss_of(*per_restart):
-            z, y = per_restart[0], per_restart[1] if len(per_restart) > 1 else None
-            terms = self.restart_terms(z, y, group_mean, functional=True)
+        def loss_of(target, fixed, mean, *per_member):
+            z, y = per_member[0], per_member[1] if labelled else None
+            terms = self.restart_terms(z, y, mean, functional=True, target=target, fixed=fixed)
             return self.total(terms), terms
 
-        step = torch.func.grad_and_value(loss_of, argnums=tuple(range(len(variables))), has_aux=True)
-        grads, (loss, terms) = torch.func.vmap(step, randomness="different")(*[v.detach() for v in variables])
+        argnums = tuple(range(3, 3 + len(variables)))
+        step = torch.func.grad_and_value(loss_of, argnums=argnums, has_aux=True)
+        detached = [v.detach() for v in variables]
+        if self.n == 1:
+            mean = None if group_mean is None else group_mean[0]
+            grads, (loss, terms) = torch.func.vmap(
+                step, in_dims=(None, None, None) + (0,) * len(variables), randomness="different"
+            )(self.target, self.labels.fixed, mean, *detached)
+        else:
+            split = [v.reshape(self.n, -1, *v.shape[1:]) for v in detached]
+            targets = [torch.stack(layer) for layer in zip(*self.targets)]
+            fixed = None if self.labels.fixed is None else torch.stack([p.fixed for p in self.plans])
+            inner = torch.func.vmap(step, in_dims=(None, None, None) + (0,) * len(variables), randomness="different")
+            outer = torch.func.vmap(inner, in_dims=(0, None if fixed is None else 0,
+                                                    None if group_mean is None else 0) + (0,) * len(variables),
+                                    randomness="different")
+            grads, (loss, terms) = outer(targets, fixed, group_mean, *split)
+            flat = lambda t: t.reshape(-1, *t.shape[2:])  # noqa: E731
+            grads, loss, terms = [flat(g) for g in grads], flat(loss), {k: flat(v) for k, v in terms.items()}
         return loss.detach(), {k: v.detach() for k, v in terms.items()}, [g.detach() for g in grads]
 
     def _sequential(self, variables):
-        """One restart at a time with ``torch.autograd`` (no torch.func transforms)."""
+        """One member at a time with ``torch.autograd`` (no torch.func transforms)."""
         group_mean = self._group_mean(variables[0])
+        restarts = self.attack.restarts
         losses, all_terms, grads = [], [], [[] for _ in variables]
-        for r in range(variables[0].shape[0]):
-            leaves = [v[r].detach().clone().requires_grad_(True) for v in variables]
-            terms = self.restart_terms(leaves[0], leaves[1] if len(leaves) > 1 else None, group_mean,
-                                       functional=False)
+        for m in range(variables[0].shape[0]):
+            n = m // restarts
+            leaves = [v[m].detach().clone().requires_grad_(True) for v in variables]
+            terms = self.restart_terms(leaves[0], leaves[1] if len(leaves) > 1 else None,
+                                       None if group_mean is None else group_mean[n], functional=False,
+                                       target=self.targets[n], plan=self.plans[n])
             loss = self.total(terms)
             for store, leaf, g in zip(grads, leaves, torch.autograd.grad(loss, leaves, allow_unused=True)):
                 store.append(torch.zeros_like(leaf) if g is None else g)
@@ -288,24 +382,30 @@ class _Run:
         return weighted_total(terms, self.attack.priors)
 
     def closure(self, variables: List[Tensor]) -> Tuple[Tensor, List[Tensor]]:
-        """Per-restart loss and its gradient w.r.t. every restart's variables."""
+        """Per-member loss and its gradient w.r.t. every member's variables."""
         loss, _, grads = self.evaluate(variables)
         return loss, grads
 
     # -- the optimisation loop
     def initial_variables(self) -> List[Tensor]:
+        """Each observation's restarts drawn from its own seeded generator (so a grouped run
+        starts where each one-at-a-time run starts)."""
         shape = (self.attack.restarts, self.obs.batch_size, *self.obs.input_shape)
-        z = self.box.variable(self.attack.init(shape, self.generator, self.device))
-        variables = [z.detach().clone()]
-        if self.labels.shape is not None:
-            variables.append(torch.randn((self.attack.restarts, *self.labels.shape), generator=self.generator,
-                                         device=self.device))
-        return variables
+        per_obs = []
+        for gen in self.generators:
+            z = self.box.variable(self.attack.init(shape, gen, self.device))
+            variables = [z.detach().clone()]
+            if self.labels.shape is not None:
+                variables.append(torch.randn((self.attack.restarts, *self.labels.shape), generator=gen,
+                                             device=self.device))
+            per_obs.append(variables)
+        return [torch.cat(parts) for parts in zip(*per_obs)]
 
     def execute(self, iterations: int, progress: Optional[Progress], max_evaluations: Optional[int] = None,
-                cost: int = 1) -> Reconstruction:
+                cost: int = 1) -> List[Reconstruction]:
         """``iterations`` optimiser steps, stopping early when the next loss evaluation would
-        exceed ``max_evaluations`` gradient evaluations (line searches evaluate more than once)."""
+        exceed ``max_evaluations`` gradient evaluations (line searches evaluate more than once).
+        One reconstruction per observation, from its lowest-loss restart."""
         start = time.perf_counter()
         variables = self.initial_variables()
         optimizer = copy.deepcopy(self.attack.optimizer)
@@ -323,25 +423,35 @@ class _Run:
         self.iteration = iterations
         final, terms, _ = self.evaluate(variables)
         final = torch.nan_to_num(final, nan=float("inf"))
-        best = int(torch.argmin(final))
-        images = self.box.image(variables[0][best]).detach().clamp(0, 1)
-        labels = self.labels.final(variables[1][best] if len(variables) > 1 else None)
-        trace = {
-            "attack": self.attack.name,
-            "settings": self.attack.describe(),
-            "execution": self.execution,
-            "iterations": len(history),
-            "evaluations": self.evaluations,
-            "gradient_evaluations": self.evaluations * cost,
-            "budget_unit": "gradient evaluations (restarts x draws x local steps per loss evaluation, "
-                           "incl. one final evaluation to pick the restart)",
-            "restarts": self.attack.restarts,
-            "chosen_restart": best,
-            "selection": "lowest final attack loss (objective + weighted priors); ground truth unused",
-            "final_losses": final.tolist(),
-            "final_terms": {k: float(v[best]) for k, v in terms.items()},
-            "loss_history": torch.stack(history).T.tolist() if history else [[] for _ in range(len(final))],
-            "labels": self.labels.info,
-            "time_s": time.perf_counter() - start,
-        }
-        return Reconstruction(images, labels, trace)
+        seconds = time.perf_counter() - start
+        restarts = self.attack.restarts
+        losses = torch.stack(history).T if history else None
+        out = []
+        for n in range(self.n):
+            rows = slice(n * restarts, (n + 1) * restarts)
+            best = int(torch.argmin(final[rows]))
+            member = n * restarts + best
+            images = self.box.image(variables[0][member]).detach().clamp(0, 1)
+            labels = self.plans[n].final(variables[1][member] if len(variables) > 1 else None)
+            trace = {
+                "attack": self.attack.name,
+                "settings": self.attack.describe(),
+                "execution": self.execution,
+                "iterations": len(history),
+                "evaluations": self.evaluations,
+                "gradient_evaluations": self.evaluations * cost,
+                "budget_unit": "gradient evaluations (restarts x draws x local steps per loss evaluation, "
+                               "incl. one final evaluation to pick the restart)",
+                "restarts": restarts,
+                "chosen_restart": best,
+                "selection": "lowest final attack loss (objective + weighted priors); ground truth unused",
+                "final_losses": final[rows].tolist(),
+                "final_terms": {k: float(v[member]) for k, v in terms.items()},
+                "loss_history": losses[rows].tolist() if losses is not None else [[] for _ in range(restarts)],
+                "labels": self.plans[n].info,
+                "time_s": seconds / self.n,
+            }
+            if self.n > 1:
+                trace["grouped"] = f"one batched run over {self.n} observations of the same model ({seconds:.2f} s)"
+            out.append(Reconstruction(images, labels, trace))
+        return out

@@ -83,6 +83,8 @@ class Audit:
         self.numel = int(math.prod(self.dataset.input_shape))
         self.delta = output.delta if output.delta is not None else default_delta(self.numel)
         self.private = _private_batches(self.dataset, data.images, data.batch_size, self.seed)
+        # observations x restarts batched in one computation (chunks of at most this many)
+        self.max_members = 256 if self.device.type == "cuda" else 64
 
     # ------------------------------------------------------------------ settings & identity
     def key_settings(self) -> Dict[str, Any]:
@@ -196,7 +198,42 @@ class Audit:
             return {**record, "status": "not_applicable", "reason": str(err)}, None
         except Exception as err:  # an attack, or a defense inside an adaptive attack, failed
             return self._failed(record, err, step), None
-        record["time_s"] = round(time.perf_counter() - start, 3)
+        return self._scored(spec, record, rec, images, labels, time.perf_counter() - start)
+
+    def attack_group(self, spec: AttackSpec, group: Sequence[Tuple[int, Any, torch.Tensor, torch.Tensor]],
+                     step: int, progress: Optional[Callable] = None
+                     ) -> List[Tuple[Dict[str, Any], Optional[torch.Tensor]]]:
+        """One attack on every pending ``(image, observation, x, y)`` of a step: as one batched
+        computation when the attack can group observations (``reconstruct_many``), else (or
+        when the grouped run fails) one at a time through :meth:`attack_one`, so every
+        failure is recorded against its own image."""
+        if len(group) == 1:
+            image, obs, x, y = group[0]
+            return [self.attack_one(spec, obs, x, y, step, image, progress=progress)]
+        records = [self._record(spec, step, image) for image, _, _, _ in group]
+        start = time.perf_counter()
+        recs, why = None, f"no: {spec.name} has no grouped path (reconstruct_many)"
+        try:
+            attack = ATTACKS.build(spec.name, **spec.settings)
+            many = getattr(attack, "reconstruct_many", None)
+            if many is not None:
+                recs = many([obs for _, obs, _, _ in group], self.attacks.budget, [r["seed"] for r in records],
+                            progress=progress, max_members=self.max_members)
+        except Exception as err:  # NotApplicable or a failure: attribute it image by image
+            why = f"no: the grouped run failed ({type(err).__name__}: {str(err)[:120]}); one at a time"
+        if recs is None:
+            out = [self.attack_one(spec, obs, x, y, step, image, progress=progress) for image, obs, x, y in group]
+            for record, _ in out:
+                if isinstance(record.get("trace"), dict):
+                    record["trace"].setdefault("grouped", why)
+            return out
+        seconds = (time.perf_counter() - start) / len(group)
+        return [self._scored(spec, record, rec, x, y, seconds)
+                for record, rec, (_, _, x, y) in zip(records, recs, group)]
+
+    def _scored(self, spec: AttackSpec, record: Dict[str, Any], rec, images, labels,
+                seconds: float) -> Tuple[Dict[str, Any], Optional[torch.Tensor]]:
+        record = {**record, "time_s": round(seconds, 3)}
         if not rec.applicable:
             return {**record, "status": "not_applicable", "reason": rec.reason}, None
         if rec.inputs is None or not torch.isfinite(rec.inputs).all():
@@ -271,33 +308,47 @@ class Audit:
         bar = _progress(total, total - len(pending), self.output.progress)
         try:
             for step in pending_steps:
-                for image in sorted({i for s, i, _ in pending if s == step}):
-                    todo = [a for s, i, a in pending if s == step and i == image]
-                    self._attack_batch(store, states.get(step), failure, todo, step, image, bar)
+                todo = [(i, a) for s, i, a in pending if s == step]
+                observations = self._observations(states.get(step), failure, step, sorted({i for i, _ in todo}))
+                for spec in specs:  # one (step, attack) group: every pending image at once
+                    images = [i for i, a in todo if a is spec]
+                    if images:
+                        self._attack_step(store, spec, observations, step, images, bar)
         finally:
             bar.close()
 
-    def _attack_batch(self, store, state, failure, specs, step, image, bar) -> None:
-        x, y = self.private[image]
-        obs, error = None, None
-        if state is None:
-            error = failure["error"] if failure else "no checkpoint for this step"
-        else:
+    def _observations(self, state, failure, step: int, images: Sequence[int]) -> Dict[int, Any]:
+        """The observation of each private batch at ``step`` (or why there is none)."""
+        out: Dict[int, Any] = {}
+        for image in images:
+            x, y = self.private[image]
+            if state is None:
+                out[image] = failure["error"] if failure else "no checkpoint for this step"
+                continue
             model = copy.deepcopy(self.model)
             model.load_state_dict(state)
             try:
-                obs = self.observe(model, x, y, step, image)
+                out[image] = self.observe(model, x, y, step, image)
             except GiaError as err:
-                error = f"{type(err).__name__}: {err}"
-        for spec in specs:
-            label = f"step {step} {spec.id} image {image}"
-            bar.set_postfix_str(label)
-            if obs is None:
-                store.save_result({**self._record(spec, step, image), "status": "error", "failed": "defense",
-                                   "reason": error})
-            else:
-                record, images = self.attack_one(spec, obs, x, y, step, image, progress=_inner_progress(bar, label))
-                store.save_result(record, images)
+                out[image] = f"{type(err).__name__}: {err}"
+        return out
+
+    def _attack_step(self, store, spec: AttackSpec, observations: Dict[int, Any], step: int,
+                     images: Sequence[int], bar) -> None:
+        """Attack ``images`` of ``step`` with ``spec`` as one group; store each result."""
+        failed = [i for i in images if isinstance(observations[i], str)]
+        for image in failed:  # the defense failed on this batch: nothing to attack
+            store.save_result({**self._record(spec, step, image), "status": "error", "failed": "defense",
+                               "reason": observations[image]})
+            bar.update(1)
+        group = [(i, observations[i], *self.private[i]) for i in images if i not in failed]
+        if not group:
+            return
+        label = f"step {step} {spec.id} images {','.join(str(i) for i, *_ in group)}"
+        bar.set_postfix_str(label)
+        for (image, *_), (record, aligned) in zip(group, self.attack_group(spec, group, step,
+                                                                            _inner_progress(bar, label))):
+            store.save_result(record, aligned)
             bar.update(1)
 
 
