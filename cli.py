@@ -153,6 +153,9 @@ def weights_lpips_cmd(path, source, force, seed, device):
 @click.option("--no-utility", "utility", flag_value=False, default=None, help="skip the utility measurement")
 @click.option("--utility-steps", default=None, type=int,
               help="FL rounds trained with and without the defense for the utility section  [default: 100]")
+@click.option("--defense-timeout", default=None, type=float, metavar="SECONDS",
+              help="abandon a defense call after SECONDS and record it as an error naming the defense  "
+                   "[default: no limit]")
 @click.option("--quiet", is_flag=True, help="no progress bar")
 @click.option("--out", default=None, type=click.Path(file_okay=False),
               help="output folder (results, report.json/.md/.html)  [default: audit-out]")
@@ -160,7 +163,7 @@ def weights_lpips_cmd(path, source, force, seed, device):
 @friendly_errors
 def audit_cmd(defense, defense_arg, model, model_arg, dataset, data_path, image_size, steps, attacks, attack_arg,
               images, batch_size, budget, share_labels, lr, train_batch_size, clients, local_steps, local_lr, delta,
-              utility, utility_steps, quiet, out, seed, device):
+              utility, utility_steps, defense_timeout, quiet, out, seed, device):
     """Audit a defense: attack it at several training steps and write the risk report."""
     from audit.engine.audit import run
     from audit.engine.settings import parse_attack_args
@@ -170,7 +173,7 @@ def audit_cmd(defense, defense_arg, model, model_arg, dataset, data_path, image_
                    attacks=attacks, attack_args=parse_attack_args(attack_arg) or None, images=images,
                    batch_size=batch_size, budget=budget, share_labels=share_labels, lr=lr,
                    train_batch_size=train_batch_size, clients=clients, local_steps=local_steps, local_lr=local_lr,
-                   delta=delta, utility=utility, utility_steps=utility_steps, out=out,
+                   delta=delta, utility=utility, utility_steps=utility_steps, out=out, defense_timeout=defense_timeout,
                    defense_args=parse_kv_args(defense_arg) or None, model_args=parse_kv_args(model_arg) or None,
                    data_args={"path": data_path} if data_path else None)
     report = run(**{k: v for k, v in options.items() if v is not None}, seed=seed,

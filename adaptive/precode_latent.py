@@ -26,6 +26,7 @@ from torch import Tensor
 from attacks.analytic import AnalyticInversion, invert_linear_input
 from attacks.engine import Progress
 from attacks.simulator import ClientReplica, DefenseSimulator
+from audit.core.defense_call import invoke_defense
 from audit.core.types import LatentBottleneck, Observation, Reconstruction
 
 from adaptive.adapted import Adaptation, AdaptedAttack, register
@@ -89,7 +90,8 @@ def consistency(observation: Observation, images: Tensor, labels: Tensor, latent
     """Relative distance between the observation and the defended gradient recomputed at
     ``(images, latents)``: ~0 when both were recovered exactly."""
     model = pin_latents(observation.defense, copy.deepcopy(observation.model), latents)
-    shared = observation.defense(model, images, labels, loss_fn=observation.loss_fn, generator=None)
+    shared = invoke_defense(observation.defense, model, images, labels, loss_fn=observation.loss_fn,
+                            generator=None, round=observation.step)
     num = sum(float((s.detach() - g).pow(2).sum()) for s, g in zip(shared, observation.gradients))
     den = sum(float(g.pow(2).sum()) for g in observation.gradients)
     return (num / max(den, 1e-30)) ** 0.5

@@ -28,6 +28,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, replace_all_batch_norm_modules_
 
+from audit.core.defense_call import invoke_defense
 from audit.core.errors import ConfigError, NotApplicable
 from audit.core.registry import Registry
 from audit.core.types import Observation
@@ -212,7 +213,8 @@ class DefenseSimulator(GradientSimulator):
     """Runs the observation's defense callable on the dummy data (white-box, adaptive).
 
     The defense computes its gradient with ``torch.autograd`` itself, so this path is never
-    vmapped (sequential restarts); its randomness comes from ``context.generator``.
+    vmapped (sequential restarts); its randomness comes from ``context.generator``, and a
+    defense that takes the FL round gets the observation's (``round=observation.step``).
     Single local step only.
     """
 
@@ -227,7 +229,8 @@ class DefenseSimulator(GradientSimulator):
             raise NotApplicable("the 'defense' simulator runs one defended gradient; the "
                                 f"observation has {obs.local_steps} local steps")
         with replica.capturing(context.capture_features) as bn:
-            grads = obs.defense(replica.model, x, y, loss_fn=replica.loss_fn, generator=context.generator)
+            grads = invoke_defense(obs.defense, replica.model, x, y, loss_fn=replica.loss_fn,
+                                   generator=context.generator, round=obs.step)
         return list(grads), {"bn": list(bn)}
 
 

@@ -146,7 +146,7 @@ def wrong_shapes_on_private(model, inputs, labels, *, loss_fn, generator):
 @pytest.mark.parametrize("defense, problem", [(nan_on_private, "NaN"), (wrong_shapes_on_private, "tensors for")])
 def test_defense_returning_nan_or_wrong_shapes_is_reported_not_crashed_on(tmp_path, defense, problem):
     report = audit.run(defense=defense, steps=[0], attacks=["analytic", "ig"], images=1, out=tmp_path, **TINY)
-    assert report.data["status"] == "complete" and report.verdict == "unavailable"
+    assert report.data["status"] == "incomplete (analytic, ig failed)" and report.verdict == "incomplete"
     failures = report.failures
     assert {f["attack"] for f in failures} == {"analytic", "ig"} and all(f["step"] == 0 for f in failures)
     assert all(defense.__name__ in f["error"] and problem in f["error"] for f in failures)
@@ -202,3 +202,52 @@ def test_ctrl_c_keeps_finished_results_and_the_rerun_completes(tmp_path, monkeyp
     report = audit.run(**kwargs)
     assert report.data["status"] == "complete" and report.data["progress"]["done"] == 2
     assert report.data["results"][0] == partial["results"][0]
+
+
+def test_run_key_covers_the_data_and_the_model_arguments(tmp_path):
+    kwargs = dict(defense="none", steps=[0], attacks=["analytic"], images=1, out=tmp_path, **TINY)
+    audit.run(**kwargs)
+    audit.run(**kwargs)  # the same data: resumed
+    audit.run(**kwargs, data_args={"grid": 6})  # other private images: a fresh run
+    audit.run(**{**kwargs, "model_args": {"hidden": 16}})
+    runs = [json.loads((p / "manifest.json").read_text()) for p in (tmp_path / "runs").iterdir()]
+    assert len(runs) == 3
+    grids = sorted(str(r["settings"]["data"]["args"].get("grid")) for r in runs)
+    assert grids == ["6", "None", "None"] and all(len(r["settings"]["data"]["content_sha256"]) == 16 for r in runs)
+
+
+def test_dp_sgd_audit_reports_the_epsilon_its_steps_spend(tmp_path):
+    from defenses.dpsgd import privacy_spent
+
+    report = audit.run(defense="dp-sgd", defense_args={"noise_multiplier": 1.0}, steps=[0, 2], attacks=["analytic"],
+                       images=1, out=tmp_path, **TINY)
+    privacy = report.data["privacy"]
+    assert privacy["applicable"] and privacy["sample_rate"] == pytest.approx(8 / 480)
+    spent = {p["step"]: p["epsilon"] for p in privacy["per_step"]}
+    assert spent[0] == 0 and spent[2] == pytest.approx(privacy_spent(2, 8 / 480, 1.0).epsilon)
+    assert "## Privacy spent" in (tmp_path / "report.md").read_text()
+    assert any("Poisson" in d for d in report.data["differences"])  # the defense's declared differences
+    none = audit.run(defense="none", steps=[0], attacks=["analytic"], images=1, out=tmp_path / "none", **TINY)
+    assert not none.data["privacy"]["applicable"] and "no (epsilon, delta)" in none.data["privacy"]["reason"]
+
+
+def test_input_transform_is_scored_against_what_the_client_trained_on(tmp_path):
+    report = audit.run(defense="ats", steps=[0], attacks=["analytic"], images=1, out=tmp_path, **TINY)
+    (record,) = report.data["results"]
+    # analytic inversion recovers the transformed batch exactly, not the original
+    assert record["metrics_trained"]["psnr"] > 60 > 30 > record["metrics"]["psnr"]
+    assert report.verdict == "leaks" and report.step(0)["attacks"]["analytic"]["psnr_trained"] > 60
+    md = (tmp_path / "report.md").read_text()
+    assert "PSNR vs trained-on batch" in md and "Follows the ATS code" in md
+
+
+def test_rounds_sharing_the_clean_gradient_are_found_and_attacked(tmp_path):
+    report = audit.run(defense="censor", defense_args={"trials": 2, "active_rounds": 1}, steps=[0, 2],
+                       attacks=["analytic"], images=1, out=tmp_path, **TINY)
+    probe = report.data["plan"]["traits"]["rounds_probe"]
+    assert 0 not in probe["clean_rounds"] and {1, 2, 5} <= set(probe["clean_rounds"])
+    assert probe["clean_calls"] == 3 * len(probe["clean_rounds"]) < probe["calls"]
+    assert "shared the clean gradient" in report.data["attacks"][0]["reason"]
+    assert report.psnr(2, "analytic") > 60 and report.psnr(0, "analytic") < 30  # CENSOR off from round 1
+    assert report.step(2)["verdict"]["label"] == "leaks"
+    assert "clean gradient shared" in (tmp_path / "report.md").read_text()

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from audit.core.errors import ConfigError
-from audit.report.audit_report import AuditReport, render
-from audit.report.risk import PARTIAL, PRIVATE, RECOVERED, Thresholds, default_delta
+from audit.report.audit_report import AuditReport, build_report, render
+from audit.report.risk import (INCOMPLETE, NOT_JUDGED, PARTIAL, PRIVATE, RECOVERED, Thresholds, default_delta,
+                               overall_verdict)
 from audit.report.store import ResultStore, settings_key
 
 ATTACKS = [
@@ -113,7 +114,8 @@ def test_failures_and_pending_work_are_reported_not_hidden(tmp_path):
     assert report.step(5)["attacks"]["ig"]["status"] == "error"
     assert report.step(20)["attacks"]["ig"]["status"] == "pending"
     assert report.step(20)["verdict"]["images"] == 0
-    assert report.failures == [{"step": 5, "attack": "ig", "image": 0, "defense": "prune",
+    assert report.step(20)["verdict"]["label"] == INCOMPLETE  # pending work never reads as private
+    assert report.failures == [{"step": 5, "attack": "ig", "image": 0, "defense": "prune", "status": "error",
                                 "error": "DefenseError: boom"}]
     md = report.to_markdown()
     assert "## Failures" in md and "DefenseError: boom" in md
@@ -138,3 +140,100 @@ def test_store_keys_resume_and_errors(tmp_path):
     early.update_manifest(status="interrupted")
     with pytest.raises(ConfigError, match="rerun the same audit command"):
         render(tmp_path / "early")
+
+
+# --------------------------------------------------------------------------- fail closed
+def _rec(step, attack, image, status="ok", **fields):
+    return {"step": step, "attack_id": attack, "attack": attack, "image": image, "status": status, **fields}
+
+
+def _ok(step, attack, image, psnr, ssim, **extra):
+    return _rec(step, attack, image, metrics={"psnr": psnr, "ssim": ssim, "lpips": None, "label_acc": 1.0,
+                                              "l2": [9.0], **extra})
+
+
+def _report(records, steps=(0,), images=1, attacks=("ig", "mask-replay"), **manifest):
+    base = {"defense": {"name": "prune"}, "attacks": [{"id": a, "name": a} for a in attacks], "steps": list(steps),
+            "images": images, "thresholds": Thresholds().as_dict(), "status": "complete",
+            "risk_delta": {"delta": 5.0, "description": "l2"}, **manifest}
+    return AuditReport(build_report(base, records))
+
+
+def test_missing_evidence_never_reads_as_private():
+    private = _ok(0, "ig", 0, 12.0, 0.1)  # judged: no recovered image
+    cases = {  # what the other attack left -> the step's verdict is incomplete, naming it
+        "raised": _rec(0, "mask-replay", 0, "error", reason="DefenseError: boom"),
+        "failed to optimise": _rec(0, "mask-replay", 0, "failed_to_optimise"),
+        "failed to optimise (trace)": {**_ok(0, "mask-replay", 0, 11.0, 0.1), "trace": {"failed_to_optimise": True}},
+        "no PSNR/SSIM": _ok(0, "mask-replay", 0, None, None),
+        "unknown status": _rec(0, "mask-replay", 0, "weird"),
+    }
+    for case, other in cases.items():
+        report = _report([private, other])
+        verdict = report.step(0)["verdict"]
+        assert verdict["label"] == INCOMPLETE and report.verdict == INCOMPLETE, case
+        assert verdict["failed_attacks"][0]["attack"] == "mask-replay" and verdict["judged"] == PRIVATE, case
+        assert report.data["status"].startswith("incomplete (mask-replay"), case
+        assert "mask-replay" in report.summary().splitlines()[-2 if report.failures else -1], case
+    pending = _report([private])  # mask-replay has not run yet
+    assert pending.verdict == INCOMPLETE and "pending" in pending.step(0)["verdict"]["reason"]
+    # a leak found by the finished attacks stands whatever failed
+    assert _report([_ok(0, "ig", 0, 25.0, 0.8), cases["raised"]]).verdict == RECOVERED
+    # nothing applies: not judged, with the reason; never private
+    na = _report([_rec(0, a, 0, "not_applicable", reason="needs an MLP") for a in ("ig", "mask-replay")])
+    assert na.verdict == NOT_JUDGED and "not applicable" in na.data["verdict"]["reason"]
+    assert _report([private, _rec(0, "mask-replay", 0, "not_applicable")]).verdict == PRIVATE
+
+
+def test_overall_is_the_worst_judged_step_and_names_the_steps_not_judged():
+    records = [_ok(0, "ig", 0, 12.0, 0.1), _ok(5, "ig", 0, 17.0, 0.2), _rec(9, "ig", 0, "not_applicable")]
+    report = _report(records, steps=(0, 5, 9), attacks=("ig",))
+    verdict = report.data["verdict"]
+    assert verdict["label"] == PARTIAL and verdict["worst_step"] == 5
+    assert verdict["not_judged_steps"] == [{"step": 9, "reason": report.step(9)["verdict"]["reason"]}]
+    assert "not judged: step 9" in report.to_markdown() and "not judged: step 9" in report.to_html()
+    assert overall_verdict([])["label"] == NOT_JUDGED
+
+
+def test_batches_are_judged_per_image_worst_and_mean_shown():
+    # one image of the batch recovered exactly (200 dB), the other not at all: the mean (102.5)
+    # and the worst image both show, and the verdict counts one recovered and one private image
+    rec = _ok(0, "ig", 0, 102.5, 0.5, psnr_per_image=[200.0, 5.0], ssim_per_image=[1.0, 0.0], l2=[0.0, 20.0])
+    report = _report([rec], attacks=("ig",))
+    step = report.step(0)
+    assert [e["class"] for e in step["worst_case"]["per_image"]] == [RECOVERED, PRIVATE]
+    assert step["worst_case"]["psnr"] == pytest.approx(102.5) and step["worst_case"]["psnr_max"] == 200.0
+    assert step["risk"]["success"] == 0.5 and step["attacks"]["ig"]["psnr_max"] == 200.0
+    low = _ok(0, "ig", 0, 16.0, 0.3, psnr_per_image=[21.0, 11.0], ssim_per_image=[0.3, 0.3])
+    assert _report([low], attacks=("ig",)).verdict == RECOVERED  # the batch mean (16 dB) would say partially
+    assert "200.00" in report.to_markdown()  # the worst-image column
+
+
+def test_input_transform_scored_against_both_and_judged_on_the_worse():
+    rec = _ok(0, "ig", 0, 8.0, 0.05)
+    rec["metrics_trained"] = {"psnr": 31.0, "ssim": 0.9, "lpips": None, "label_acc": 1.0, "l2": [0.5]}
+    report = _report([rec], attacks=("ig",), differences=["Operations run on float tensors."])
+    summary = report.step(0)["attacks"]["ig"]
+    assert (summary["psnr_original"], summary["psnr_trained"]) == (8.0, 31.0)
+    assert report.verdict == RECOVERED and report.step(0)["risk"]["success"] == 1.0
+    md = report.to_markdown()
+    assert "| 8.00 | 31.00 |" in md and "- Operations run on float tensors." in md
+    assert "Operations run on float tensors." in report.to_html()
+
+
+def test_privacy_section_shows_epsilon_or_says_not_applicable():
+    privacy = {"applicable": True, "accountant": "rdp", "delta": 1e-5, "description": "RDP",
+               "per_step": [{"step": 0, "rounds": 0, "epsilon": 0.0, "delta": 1e-5},
+                            {"step": 5, "rounds": 5, "epsilon": 1.234, "delta": 1e-5}]}
+    md = _report([_ok(0, "ig", 0, 12.0, 0.1)], attacks=("ig",), privacy=privacy).to_markdown()
+    assert "| 5 | 5 | 1.23 | 1e-05 |" in md
+    none = _report([_ok(0, "ig", 0, 12.0, 0.1)], attacks=("ig",)).to_markdown()
+    assert "## Privacy spent" in none and "not applicable" in none
+
+
+def test_rerun_retries_stored_errors_unless_told_not_to(tmp_path):
+    store = ResultStore.create(tmp_path, {"seed": 0})
+    store.save_result(_rec(0, "ig", 0, "error", reason="TimeoutError"))
+    store.save_result(_rec(0, "ig", 1, "not_applicable"))
+    assert not store.has(0, "ig", 0) and store.has(0, "ig", 1)
+    assert ResultStore.create(tmp_path, {"seed": 0}, retry_errors=False).has(0, "ig", 0)

@@ -34,7 +34,7 @@ def _probe(observation: Observation, seed: int, draws: int) -> Tuple[List[Tensor
     clean = [g.detach() for g in clean_gradients(model, x, y, obs.loss_fn)]
     defense_gen = torch.Generator(device=obs.device).manual_seed(seed)
     shared = [[g.detach() for g in call_defense(obs.defense, model, x, y, loss_fn=obs.loss_fn,
-                                                generator=defense_gen)] for _ in range(draws)]
+                                                generator=defense_gen, round=obs.step)] for _ in range(draws)]
     return clean, shared
 
 

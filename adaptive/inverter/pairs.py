@@ -80,7 +80,8 @@ def _per_batch(obs: Observation, images, labels, index, sketch, generator, out, 
     for p in range(len(index)):
         rows = index[p].to(images.device)
         shared = client_round(work, images[rows], labels[rows], obs.defense, obs.loss_fn, generator,
-                              obs.local_steps, obs.local_lr, obs.local_batch_size, obs.client_mode)
+                              obs.local_steps, obs.local_lr, obs.local_batch_size, obs.client_mode,
+                              round=obs.step)
         out[p] = sketch(flatten_gradients(shared).detach().float())
         work.load_state_dict(state)
         bar.update(1)

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from torch import nn
 
@@ -91,13 +91,14 @@ def plan(
     batch_size: int = 8,
     loss_fn=default_loss_fn,
     device=None,
+    rounds: Sequence[int] = (),
 ) -> Plan:
     """Probe ``defense`` (any defended-gradient callable) and return the attacks to run.
 
     ``model`` is the probe network (default: a tiny one built for ``input_shape`` and
     ``num_classes``); the defense is treated as a black box, declared knowledge is used
-    when present.
+    when present. ``rounds``: FL rounds (the audited steps) probed besides the default ones.
     """
     traits = probe_defense(defense, model, input_shape, num_classes, seed=seed,
-                           batch_size=batch_size, loss_fn=loss_fn, device=device)
+                           batch_size=batch_size, loss_fn=loss_fn, device=device, rounds=rounds)
     return plan_from_traits(traits)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import copy
 import math
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from audit.core.errors import ConfigError, DefenseError
 from audit.core.models import Normalize
 from audit.core.types import Defense, FunctionDefense, clean_gradients, default_loss_fn, trainable_names
-from audit.core.defense_call import call_defense, defense_name
+from audit.core.defense_call import accepts_round, call_defense, defense_name, invoke_defense
 
 from adaptive.planner.traits import DefenseTraits, LayerProbe
 
@@ -32,6 +32,11 @@ MIN_ENTRIES_FOR_LEVELS = 16  # fewer non-zeros say nothing about quantisation
 QUANT_DECISION_ENTRIES = 1024  # layers this large decide the 'quantized' trait
 MAX_QUANT_LEVELS = 256
 LOUD = 1e4  # loss scale of the loud probe
+PROPORTIONAL_TOL = 1e-5  # relative residual of shared = c * clean (float32 rescaling sits ~1e-7)
+PROBE_ROUNDS = (0, 1, 2, 5, 10, 50)  # FL rounds probed (plus the audited steps)
+CHECKPOINTS = 3  # probe model states: untrained, then after TRAIN_STEPS more clean SGD steps each
+TRAIN_STEPS, TRAIN_LR = 5, 0.5
+DRAWS_WITHOUT_ROUND = 3  # generator draws per checkpoint for a defense that ignores the round
 
 
 def probe_network(input_shape: Tuple[int, int, int] = (3, 8, 8), num_classes: int = 10,
@@ -107,7 +112,7 @@ def _differentiability(defense, model, inputs, labels, generator, loss_fn) -> Tu
     Returns ``(answer, why not)``."""
     x = inputs.detach().clone().requires_grad_(True)
     try:
-        out = defense(model, x, labels, loss_fn=loss_fn, generator=generator)
+        out = invoke_defense(defense, model, x, labels, loss_fn=loss_fn, generator=generator)
         s = sum((g.double() ** 2).sum() for g in out if g.requires_grad)
         if not isinstance(s, Tensor) or not s.requires_grad:
             return False, "its output is detached from the inputs"
@@ -228,6 +233,65 @@ def _wrapped_model(defense, model: nn.Module) -> Tuple[nn.Module, bool]:
     return (wrapped if changed else model), changed
 
 
+def proportional_to(shared: Sequence[Tensor], clean: Sequence[Tensor]) -> Optional[float]:
+    """The factor ``c != 0`` with ``shared == c * clean`` (every tensor, one ``c``), or None."""
+    d = torch.cat([g.detach().flatten().double() for g in shared])
+    c = torch.cat([g.detach().flatten().double() for g in clean])
+    cc = float(c @ c)
+    if cc == 0 or not bool(torch.isfinite(d).all()):
+        return None
+    factor = float(d @ c) / cc
+    if factor == 0:
+        return None
+    resid = float((d - factor * c).norm()) / max(float(d.norm()), 1e-30)
+    return factor if resid < PROPORTIONAL_TOL else None
+
+
+def trained_checkpoints(model: nn.Module, x: Tensor, y: Tensor, loss_fn, count: int = CHECKPOINTS,
+                        steps: int = TRAIN_STEPS, lr: float = TRAIN_LR) -> List[nn.Module]:
+    """``count`` copies of ``model``: as given, then after ``steps`` more clean SGD steps on the
+    probe batch each (a defense may behave differently once the loss has dropped)."""
+    current, out = copy.deepcopy(model), []
+    for k in range(count):
+        if k:
+            for _ in range(steps):
+                grads = clean_gradients(current, x, y, loss_fn)
+                with torch.no_grad():
+                    for p, g in zip([p for p in current.parameters() if p.requires_grad], grads):
+                        p.sub_(lr * g)
+        out.append(copy.deepcopy(current))
+    return out
+
+
+def probe_rounds(defense: Callable, model: nn.Module, x: Tensor, y: Tensor, *, rounds: Sequence[int] = (),
+                 seed: int = 0, loss_fn=default_loss_fn) -> Dict[str, Any]:
+    """Call the defense at several FL rounds (:data:`PROBE_ROUNDS` plus ``rounds``) on several
+    trained checkpoints, and count the calls that shared the clean gradient or an exact
+    multiple of it. A defense that ignores the round is drawn :data:`DRAWS_WITHOUT_ROUND`
+    times per checkpoint instead. A call that fails is counted, not raised."""
+    takes = accepts_round(defense)
+    probed = sorted({int(r) for r in (*PROBE_ROUNDS, *rounds)}) if takes else [None] * DRAWS_WITHOUT_ROUND
+    calls, clean_rounds, errors = [], set(), []
+    for k, state in enumerate(trained_checkpoints(model, x, y, loss_fn)):
+        clean = [g.detach() for g in clean_gradients(state, x, y, loss_fn)]
+        for i, r in enumerate(probed):
+            gen = _generator(seed + 1000 + 97 * k + i, x.device)
+            try:
+                shared = call_defense(defense, state, x, y, generator=gen, loss_fn=loss_fn, round=r)
+            except DefenseError as err:
+                errors.append(f"round {r}, checkpoint {k}: {err}")
+                continue
+            factor = proportional_to(shared, clean)
+            calls.append({"round": r, "checkpoint": k, "clean": factor is not None, "factor": factor})
+            if factor is not None and r is not None:
+                clean_rounds.add(r)
+    hits = sum(c["clean"] for c in calls)
+    return {"accepts_round": takes, "rounds": [r for r in probed if r is not None], "checkpoints": CHECKPOINTS,
+            "calls": len(calls), "clean_calls": hits, "clean_rounds": sorted(clean_rounds),
+            "defended_rounds": sorted({c["round"] for c in calls if not c["clean"] and c["round"] is not None}),
+            "errors": errors, "per_call": calls}
+
+
 def probe_defense(
     defense: Callable,
     model: Optional[nn.Module] = None,
@@ -238,12 +302,14 @@ def probe_defense(
     batch_size: int = 8,
     loss_fn=default_loss_fn,
     device=None,
+    rounds: Sequence[int] = (),
 ) -> DefenseTraits:
     """Probe ``defense`` as a black box and return its :class:`DefenseTraits`.
 
     ``model`` defaults to :func:`probe_network`; ``batch_size`` > 1 makes clean linear-layer
     gradients rank ``batch_size`` so truncation is visible (a batch-1 probe runs too, for
-    the analytic and input-transform checks).
+    the analytic and input-transform checks). ``rounds``: FL rounds to probe besides
+    :data:`PROBE_ROUNDS` for a defense that sometimes shares the clean gradient (:func:`probe_rounds`).
     """
     if not callable(defense):
         raise ConfigError(f"plan() needs a defended-gradient callable, got {type(defense).__name__}")
@@ -316,6 +382,9 @@ def probe_defense(
     if stochastic and not reproducible:
         notes.append("output differs for the same generator seed: the defense draws from global "
                      "randomness (pass generator= through for reproducible audits)")
+    by_round = probe_rounds(defense, model, x1, y1, rounds=rounds, seed=seed, loss_fn=loss_fn)
+    if by_round["errors"]:
+        notes.append(f"the defense failed in {len(by_round['errors'])} round-probe call(s), e.g. {by_round['errors'][0]}")
     declared = _declared_stochastic(defense)
     if declared is False and stochastic:
         notes.append("declared deterministic but its output varies between generators")
@@ -347,6 +416,7 @@ def probe_defense(
         declared_stochastic=declared,
         layers=layers,
         notes=notes,
+        rounds_probe=by_round,
     )
 
 

@@ -154,6 +154,21 @@ def input_transform(t: DefenseTraits) -> List[PlannedAttack]:
         "image, which plain matching recovers early in training"), adaptive=False)]
 
 
+@RULES.register("clean-rounds", "the clean gradient is sometimes shared: attack those rounds with plain matching")
+def clean_rounds(t: DefenseTraits) -> List[PlannedAttack]:
+    if not t.sometimes_clean:
+        return []
+    probe = t.rounds_probe
+    where = (f"at rounds {', '.join(map(str, probe['clean_rounds']))}" if probe.get("clean_rounds")
+             else "on some calls (the defense takes no round)")
+    seen = (f"the defense shared the clean gradient (or an exact multiple) in {probe['clean_calls']} of "
+            f"{probe['calls']} probe calls, {where}")
+    return [PlannedAttack("ig", {}, f"{seen}: plain cosine matching (scale-invariant) on those rounds",
+                          adaptive=False),
+            PlannedAttack("analytic", {}, f"{seen}: closed-form inversion of the first linear layer on "
+                                          "those rounds (batch 1, models that start with a linear layer)")]
+
+
 @RULES.register("rescaled", "clipping only rescales: cosine matching is invariant")
 def rescaled(t: DefenseTraits) -> List[PlannedAttack]:
     if not t.rescaled or t.stochastic:

@@ -71,6 +71,15 @@ class DefenseTraits:
     declared_stochastic: Optional[bool]
     layers: List[LayerProbe] = field(default_factory=list)
     notes: List[str] = field(default_factory=list)
+    #: calls at several FL rounds x trained checkpoints: how often the clean gradient (or an
+    #: exact multiple) was shared (:func:`adaptive.planner.probe.probe_rounds`)
+    rounds_probe: Dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def sometimes_clean(self) -> bool:
+        """Some probe calls shared the clean gradient (or an exact multiple) though the
+        defense changes it otherwise (a schedule, a fallback, a random skip, clipping)."""
+        return bool(self.rounds_probe.get("clean_calls")) and not self.identity
 
     @property
     def identity(self) -> bool:
@@ -109,6 +118,7 @@ class DefenseTraits:
             "input_transform": bool(self.input_transform),
             "analytic_linear": bool(self.analytic_layers),
             "has_log_prob": self.has_log_prob,
+            "sometimes_clean": self.sometimes_clean,
         }
 
     def summary(self) -> List[str]:
@@ -128,6 +138,11 @@ class DefenseTraits:
             lines.append("rank reduced in: " + ", ".join(self.rank_reduced_layers))
         if self.input_transform is not None or self.input_transform_source != "not measured":
             lines.append(f"input transform: {bool(self.input_transform)} ({self.input_transform_source})")
+        probe = self.rounds_probe
+        if probe.get("calls"):
+            where = f" at rounds {', '.join(map(str, probe['clean_rounds']))}" if probe.get("clean_rounds") else ""
+            lines.append(f"clean gradient (or an exact multiple) shared in {probe['clean_calls']} of "
+                         f"{probe['calls']} round/checkpoint probe calls{where}")
         return lines + list(self.notes)
 
     def to_dict(self) -> Dict[str, Any]:

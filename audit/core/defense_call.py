@@ -1,12 +1,17 @@
 """Calling a defense: run it, check what it returned, name it in errors.
 
-The client simulation and every attack that replays the defense go through
-:func:`call_defense`; :func:`as_defense` turns a plain defended-gradient callable into a
-:class:`~audit.core.types.Defense` (resolving *names* is the audit engine's job).
+The client simulation goes through :func:`call_defense` (checked output); attacks that
+replay the defense on dummy data use :func:`invoke_defense` (round passed, unchecked). Both
+obey :func:`defense_timeout`, the audit's per-call limit. :func:`as_defense` turns a plain
+defended-gradient callable into a :class:`~audit.core.types.Defense` (resolving *names* is
+the audit engine's job).
 """
 from __future__ import annotations
 
-from typing import Any, List
+import threading
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Any, Callable, Iterator, List, Optional
 
 import torch
 from torch import Tensor, nn
@@ -50,6 +55,12 @@ def check_output(defense: Any, grads: Any, model: nn.Module) -> List[Tensor]:
         if g.shape != p.shape:
             raise DefenseError(f"defense {name!r}: gradient {i} has shape {tuple(g.shape)}, the parameter "
                                f"has {tuple(p.shape)}")
+        if g.dtype != p.dtype:
+            raise DefenseError(f"defense {name!r}: gradient {i} is {g.dtype}, the parameter is {p.dtype}; "
+                               "return gradients in the parameters' dtype")
+        if g.device != p.device:
+            raise DefenseError(f"defense {name!r}: gradient {i} is on {g.device}, the parameter on {p.device}; "
+                               "return gradients on the model's device")
         if not bool(torch.isfinite(g).all()):
             bad = int((~torch.isfinite(g)).sum())
             raise DefenseError(f"defense {name!r}: gradient {i} (shape {tuple(g.shape)}) has {bad} NaN/inf "
@@ -64,16 +75,78 @@ def accepts_round(defense: Any) -> bool:
     return declared if isinstance(declared, bool) else takes_round(defense)
 
 
+# --------------------------------------------------------------------------- per-call timeout
+_TIMEOUT: ContextVar[Optional[float]] = ContextVar("defense_timeout", default=None)
+
+
+@contextmanager
+def defense_timeout(seconds: Optional[float]) -> Iterator[None]:
+    """Within the block, every defense call (client, probe, replays) is abandoned after
+    ``seconds`` with a DefenseError naming the defense (None: no limit)."""
+    if seconds is not None and (isinstance(seconds, bool) or not isinstance(seconds, (int, float))
+                                or not seconds > 0):
+        raise ConfigError(f"defense timeout must be a positive number of seconds or None, got {seconds!r}")
+    token = _TIMEOUT.set(None if seconds is None else float(seconds))
+    try:
+        yield
+    finally:
+        _TIMEOUT.reset(token)
+
+
+def _in_functorch_transform() -> bool:
+    """Inside vmap / grad the call must stay on this thread (the transforms are thread-local)."""
+    level = getattr(torch._C._functorch, "maybe_current_level", None)
+    return level is not None and level() is not None
+
+
+def _with_timeout(fn: Callable[[], Any], name: str, seconds: Optional[float]) -> Any:
+    """``fn()``, abandoned after ``seconds`` with a DefenseError naming the defense.
+
+    The call runs on a daemon worker thread (with this thread's grad mode) that the caller
+    stops waiting for; Python cannot kill a thread, so a timed-out call is *abandoned*: it
+    keeps running in the background until it returns, and its result is dropped.
+    """
+    if seconds is None or _in_functorch_transform():
+        return fn()
+    box: dict = {}
+    grad_enabled = torch.is_grad_enabled()
+
+    def work() -> None:
+        try:
+            with torch.set_grad_enabled(grad_enabled):
+                box["value"] = fn()
+        except BaseException as err:  # handed back to the caller's thread
+            box["error"] = err
+
+    worker = threading.Thread(target=work, name=f"defense-{name}", daemon=True)
+    worker.start()
+    worker.join(seconds)
+    if worker.is_alive():
+        raise DefenseError(f"defense {name!r} did not return within {seconds:g} s (the per-call timeout, "
+                           "--defense-timeout); the call was abandoned")
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+def invoke_defense(defense: Any, model: nn.Module, inputs: Tensor, labels: Tensor, *,
+                   loss_fn=default_loss_fn, generator=None, round=None) -> Any:
+    """Run a defense as the client would, unchecked: ``round`` goes to a defense that accepts
+    it, and the call obeys the current :func:`defense_timeout`. Replays inside attacks use
+    this (their dummy data may legitimately give NaN); the client goes through :func:`call_defense`."""
+    kwargs = {"loss_fn": loss_fn, "generator": generator}
+    if round is not None and accepts_round(defense):
+        kwargs["round"] = int(round)
+    return _with_timeout(lambda: defense(model, inputs, labels, **kwargs), defense_name(defense), _TIMEOUT.get())
+
+
 def call_defense(defense: Any, model: nn.Module, inputs: Tensor, labels: Tensor, *,
                  loss_fn=default_loss_fn, generator=None, round=None) -> List[Tensor]:
     """Run a defense and check its output; any failure becomes a DefenseError with its name.
 
     ``round`` (the FL round index) is passed only to a defense that accepts it."""
-    kwargs = {"loss_fn": loss_fn, "generator": generator}
-    if round is not None and accepts_round(defense):
-        kwargs["round"] = int(round)
     try:
-        grads = defense(model, inputs, labels, **kwargs)
+        grads = invoke_defense(defense, model, inputs, labels, loss_fn=loss_fn, generator=generator, round=round)
     except GiaError:
         raise
     except Exception as err:

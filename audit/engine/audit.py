@@ -23,10 +23,12 @@ from adaptive import plan as plan_attacks  # importing adaptive registers its at
 from attacks import ATTACKS
 from audit.client.fl import train
 from audit.client.observe import observe
+from audit.core.defense_call import defense_timeout
 from audit.core.errors import ConfigError, DefenseError, GiaError, NotApplicable
 from audit.engine.compose import build_model, client_model, load_data, resolve_defense, resolve_device
-from audit.engine.identity import defense_identity, derive_seed, model_identity, versions
-from audit.engine.scoring import PSNR_CAP, score_reconstruction, trace_summary
+from audit.engine.identity import data_identity, defense_identity, derive_seed, model_identity, versions
+from audit.engine.privacy import privacy_report
+from audit.engine.scoring import PSNR_CAP, score_against_trained, score_reconstruction, trace_summary, trained_batch
 from audit.engine.settings import (DEFAULT_BUDGET, DEFAULT_STEPS, AttackSettings, DataSettings, FLSettings,
                                    OutputSettings)
 from audit.report.audit_report import AuditReport
@@ -93,7 +95,7 @@ class Audit:
         return {
             "defense": self.defense_ident,
             "model": model_identity(self.model_spec, self.model_args),
-            "data": {"name": self.dataset.name, "input_shape": list(self.dataset.input_shape)},
+            "data": data_identity(self.dataset, self.data.data_args, self.data.image_size),
             "fl": asdict(self.fl), "batch_size": self.data.batch_size,
             "budget": self.attacks.budget_description(),
             "seed": self.seed, "share_labels": self.data.share_labels, "device": self.device.type,
@@ -109,7 +111,8 @@ class Audit:
     def plan(self) -> Tuple[List[AttackSpec], Dict[str, Any]]:
         """The attacks to run (base + the planner's adaptive ones) and the plan for the report."""
         try:
-            plan = _plan(self.defense, copy.deepcopy(self.base_model), self.dataset, self.seed, self.device)
+            plan = _plan(self.defense, copy.deepcopy(self.base_model), self.dataset, self.seed, self.device,
+                         self.attacks.steps)
             plan_dict = plan.to_dict()
         except GiaError as err:  # e.g. the defense fails on the planner's probe batch
             plan, plan_dict = None, {"error": f"probing the defense failed: {type(err).__name__}: {err}"}
@@ -153,7 +156,7 @@ class Audit:
         local_lr = self.fl.local_lr if self.fl.local_lr is not None else self.fl.lr
         return observe(model, images, labels, self.defense, share_labels=self.data.share_labels,
                        local_steps=self.fl.local_steps, local_lr=local_lr, step=step,
-                       seed=derive_seed(self.seed, "defense", step, image), extra=self.auxiliary_data())
+                       seed=self.defense_seed(step, image), extra=self.auxiliary_data())
 
     def auxiliary_data(self) -> Dict[str, Any]:
         """The extras every observation declares: the data set's *train* split (the same tensors
@@ -240,6 +243,7 @@ class Audit:
             return {**record, "status": "error", "reason": f"attack {spec.id!r} returned no finite images"}, None
         metrics, unavailable, aligned = score_reconstruction(rec, images, labels)
         record.update(status="ok", metrics=metrics, unavailable=unavailable, trace=trace_summary(rec.trace))
+        record.update(self.against_trained(rec, record, images, labels))
         return record, aligned
 
     def _record(self, spec: AttackSpec, step: int, image: int) -> Dict[str, Any]:
@@ -254,19 +258,36 @@ class Audit:
             reason = f"defense {self.defense.name!r} at step {step}: {reason}"
         return {**record, "status": "error", "failed": kind, "reason": reason}
 
+    def against_trained(self, rec, record: Dict[str, Any], images, labels) -> Dict[str, Any]:
+        """For an input-transforming defense, the record's scores against the batch the client
+        trained on (reproduced with the observation's seed); {} for other defenses."""
+        try:
+            trained = trained_batch(self.defense, images.to(rec.inputs.device),
+                                    self.defense_seed(record["step"], record["image"]))
+        except Exception as err:  # a broken transform_inputs: say so, keep the original's scores
+            return {"trained_reference": f"unavailable: transform_inputs raised {type(err).__name__}: {err}"}
+        return score_against_trained(rec, trained, labels.to(rec.inputs.device))
+
+    def defense_seed(self, step: int, image: int) -> int:
+        """The seed of the defense's generator in the observation of ``(step, image)``."""
+        return derive_seed(self.seed, "defense", step, image)
+
     # ------------------------------------------------------------------ the whole audit
     def run(self) -> AuditReport:
+        """Every phase under the per-call defense timeout; the status is 'complete' only when
+        no (step, attack, image) result is an error (else the report says 'incomplete')."""
         started = time.perf_counter()
-        store = ResultStore.create(self.output.out, self.key_settings())
+        store = ResultStore.create(self.output.out, self.key_settings(), retry_errors=self.output.retry_errors)
         try:
-            self._attack_all(store, self._prepare(store))
+            with defense_timeout(self.output.defense_timeout):
+                self._attack_all(store, self._prepare(store))
         except KeyboardInterrupt:  # every finished result is already on disk
             store.update_manifest(status="interrupted")
             if "attacks" in store.load_manifest():
                 AuditReport.from_store(store).write(self.output.out)
             raise
         store.update_manifest(status="complete", timing={"last_invocation_s": round(time.perf_counter() - started, 1)})
-        report = AuditReport.from_store(store)
+        report = AuditReport.from_store(store)  # its status: 'incomplete (...)' when evidence is missing
         report.write(self.output.out)
         return report
 
@@ -277,7 +298,8 @@ class Audit:
         store.update_manifest(
             run_key=store.key, status="running", settings=self.settings(), steps=self.attacks.steps,
             images=self.data.images, attacks=[s.as_dict() for s in specs], plan=plan,
-            defense=self.defense_ident,
+            defense=self.defense_ident, differences=list(getattr(self.defense, "differences", ()) or ()),
+            privacy=privacy_report(self.defense, self.fl, len(self.dataset.train_labels), self.attacks.steps),
             threat_model=self.threat_model(specs), thresholds=self.output.thresholds.as_dict(),
             risk_delta={"delta": self.delta, "description": _delta_description(self.delta, self.dataset)},
             data=_data_description(self.dataset, self.private),
@@ -366,8 +388,10 @@ def _private_batches(dataset, images: int, batch_size: int, seed: int):
             for idx in order[:need].view(images, batch_size)]
 
 
-def _plan(defense, model, dataset, seed: int, device):
-    return plan_attacks(defense, model, dataset.input_shape, dataset.num_classes, seed=seed, device=device)
+def _plan(defense, model, dataset, seed: int, device, steps: Sequence[int] = ()):
+    """The planner's probe and plan; the audited steps are among the FL rounds it probes."""
+    return plan_attacks(defense, model, dataset.input_shape, dataset.num_classes, seed=seed, device=device,
+                        rounds=steps)
 
 
 def _check_attacks(specs: Sequence[AttackSpec]) -> None:
@@ -500,6 +524,8 @@ def run(
     delta: Optional[float] = None,
     device: Union[str, torch.device] = "cpu",
     progress: bool = True,
+    defense_timeout: Optional[float] = None,
+    retry_errors: bool = True,
 ) -> AuditReport:
     """Audit a defense: how much of the audited client's private data leaks, per training step.
 
@@ -514,7 +540,9 @@ def run(
     private batch (each attack maps it to its iterations; see
     :data:`audit.core.types.BUDGET_DEFINITION`). ``utility``: also train
     ``utility_steps`` rounds with and without the defense and compare test accuracy.
-    Results are stored under ``out`` as they finish (a rerun resumes); the report is
+    ``defense_timeout``: seconds per defense call before it is abandoned and recorded as an
+    error (None: no limit). Results are stored under ``out`` as they finish (a rerun resumes
+    and, with ``retry_errors``, retries stored errors); the report is
     written there and returned. The same settings as objects: :class:`Audit` with
     :mod:`audit.engine.settings`' ``DataSettings``, ``FLSettings``, ``AttackSettings`` and
     ``OutputSettings``.
@@ -523,6 +551,7 @@ def run(
                   data=DataSettings(data, data_args or {}, image_size, images, batch_size, share_labels),
                   fl=FLSettings(lr, train_batch_size, clients, local_steps, local_lr),
                   attacks=AttackSettings(steps, attacks, attack_args or {}, budget),
-                  output=OutputSettings(out, utility, utility_steps, thresholds or Thresholds(), delta, progress),
+                  output=OutputSettings(out, utility, utility_steps, thresholds or Thresholds(), delta, progress,
+                                        defense_timeout, retry_errors),
                   seed=seed, device=device)
     return audit.run()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 import platform
+from pathlib import Path
 from typing import Any, Dict
 
 import torch
@@ -45,6 +46,27 @@ def defense_identity(defense, spec: Any) -> Dict[str, Any]:
         ident.update(_callable_identity(defense))
     ident["stochastic"] = bool(getattr(defense, "stochastic", False))
     return ident
+
+
+def tensor_digest(*tensors: torch.Tensor) -> str:
+    """sha256 (16 hex digits) of the tensors' shapes, dtypes and values."""
+    digest = hashlib.sha256()
+    for t in tensors:
+        t = t.detach().cpu().contiguous()
+        digest.update(f"{tuple(t.shape)}{t.dtype}".encode())
+        digest.update(t.numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def data_identity(dataset, data_args: Dict[str, Any], image_size: int) -> Dict[str, Any]:
+    """What identifies the data: name, shape, size, the loader's arguments (a path made
+    absolute; grid, limit, ...) and a digest of the images and labels themselves, so other
+    private images never reuse stored results."""
+    args = {k: str(Path(v).expanduser().resolve()) if k == "path" and v is not None else v
+            for k, v in (data_args or {}).items()}
+    return {"name": dataset.name, "input_shape": list(dataset.input_shape), "image_size": int(image_size),
+            "args": args, "content_sha256": tensor_digest(dataset.train_images, dataset.train_labels,
+                                                          dataset.test_images, dataset.test_labels)}
 
 
 def model_identity(model: Any, model_args: Dict[str, Any]) -> Dict[str, Any]:

@@ -3,11 +3,12 @@ the small JSON-able summary of an attack's trace that the store keeps."""
 from __future__ import annotations
 
 import math
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 import torch
 
 from audit.core.metrics import score
+from audit.core.types import Defense
 
 PSNR_CAP = 200.0  # an exact reconstruction (MSE 0, PSNR inf) is reported as this many dB
 
@@ -30,13 +31,36 @@ def score_reconstruction(rec, images: torch.Tensor, labels: torch.Tensor):
     if result["mse"].per_image is not None:
         numel = images[0].numel()
         metrics["l2"] = [math.sqrt(m * numel) for m in result["mse"].per_image]
-    if result["ssim"].per_image is not None:
-        metrics["ssim_per_image"] = list(result["ssim"].per_image)
+    for name in ("ssim", "lpips"):  # per image: a batch is judged by its worst image, not its mean
+        if result[name].per_image is not None:
+            metrics[f"{name}_per_image"] = list(result[name].per_image)
     aligned = None
     if result["assignment"] is not None:
         aligned = rec.inputs.detach()[torch.as_tensor(result["assignment"], device=rec.inputs.device)].clamp(0, 1)
     return metrics, unavailable, aligned
 
+
+
+def trained_batch(defense, images: torch.Tensor, seed: int) -> Optional[torch.Tensor]:
+    """The batch the client trained on, for a defense that transforms its inputs (a declared
+    ``transform_inputs``): reproduced with the seed its observation's generator got (exact
+    for one local step); None for any other defense."""
+    own = getattr(type(defense), "transform_inputs", None)
+    if own is None or own is Defense.transform_inputs:
+        return None
+    generator = torch.Generator(device=images.device).manual_seed(int(seed))
+    with torch.no_grad():
+        return defense.transform_inputs(images, generator).detach().clamp(0, 1)
+
+
+def score_against_trained(rec, trained: Optional[torch.Tensor], labels: torch.Tensor) -> Dict[str, Any]:
+    """Record fields scoring ``rec`` against what the client trained on (``metrics_trained``;
+    the verdict takes, per image, the more leaking of this and the original); {} without one."""
+    if trained is None or rec.inputs is None:
+        return {}
+    metrics, unavailable, _ = score_reconstruction(rec, trained, labels)
+    return {"metrics_trained": metrics, "unavailable_trained": unavailable,
+            "trained_reference": "the defense's transform_inputs of the private batch, with the observation's seed"}
 
 
 def trace_summary(trace: Dict[str, Any]) -> Dict[str, Any]:

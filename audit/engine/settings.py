@@ -109,7 +109,9 @@ class AttackSettings:
 class OutputSettings:
     """Where and what is written: the output folder, the utility measurement (``utility_steps``
     FL rounds with and without the defense), the verdict thresholds, the risk radius ``delta``
-    (None: RMSE 0.1 per pixel) and the progress bar."""
+    (None: RMSE 0.1 per pixel) and the progress bar; how the run treats a defense:
+    ``defense_timeout`` seconds per call (None: no limit; a call past it is abandoned and
+    recorded as an error), and whether a rerun retries stored errors (``retry_errors``)."""
 
     out: Union[str, Path] = "audit-out"
     utility: bool = True
@@ -117,12 +119,17 @@ class OutputSettings:
     thresholds: Thresholds = field(default_factory=Thresholds)
     delta: Optional[float] = None
     progress: bool = True
+    defense_timeout: Optional[float] = None
+    retry_errors: bool = True
 
     def __post_init__(self):
         _set(self, out=Path(self.out), utility=bool(self.utility),
              utility_steps=_positive("utility_steps", self.utility_steps),
              thresholds=self.thresholds if self.thresholds is not None else Thresholds(),
-             delta=None if self.delta is None else _positive("delta", self.delta, float))
+             delta=None if self.delta is None else _positive("delta", self.delta, float),
+             defense_timeout=None if self.defense_timeout is None else _positive(
+                 "defense_timeout (seconds)", self.defense_timeout, float),
+             retry_errors=bool(self.retry_errors))
 
 
 def attack_names(attacks: Union[str, Sequence[str]]) -> List[str]:

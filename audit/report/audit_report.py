@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from audit.core.errors import ConfigError
-from audit.report.risk import Thresholds, empirical_risk, overall_verdict, step_verdict, summarize_attack, worst_case
+from audit.report.risk import Thresholds, empirical_risk, judge_step, overall_verdict, status_of, summarize_attack
+from audit.report.format import overall_text, verdict_text
 from audit.report.store import ResultStore, atomic_write_bytes, atomic_write_json, to_jsonable
 
 REPORT_FILES = ("report.json", "report.md", "report.html", "psnr_vs_step.png")
@@ -24,35 +25,33 @@ def build_report(manifest: Dict[str, Any], records: List[Dict[str, Any]]) -> Dic
     thresholds = Thresholds(**{k: v for k, v in manifest.get("thresholds", {}).items() if k != "rule"})
     delta = manifest["risk_delta"]["delta"]
     attack_ids = [a["id"] for a in manifest["attacks"]]
+    images = int(manifest["images"])
     by_step: Dict[int, Dict[str, List[Dict[str, Any]]]] = defaultdict(lambda: defaultdict(list))
     for rec in records:
         by_step[rec["step"]][rec["attack_id"]].append(rec)
     steps = []
     for step in manifest["steps"]:
         by_attack = {a: by_step[step].get(a, []) for a in attack_ids}
-        wc = worst_case(by_attack, thresholds)
-        steps.append({
-            "step": step,
-            "attacks": {a: summarize_attack(recs) for a, recs in by_attack.items()},
-            "worst_case": wc,
-            "risk": empirical_risk(by_attack, delta),
-            "verdict": step_verdict(wc["per_image"]),
-        })
-    total = len(manifest["steps"]) * len(attack_ids) * int(manifest["images"])
+        steps.append({"step": step, "attacks": {a: summarize_attack(recs) for a, recs in by_attack.items()},
+                      **judge_step(by_attack, images, thresholds), "risk": empirical_risk(by_attack, delta)})
+    total = len(manifest["steps"]) * len(attack_ids) * images
     done = sum(1 for r in records if r["step"] in manifest["steps"] and r["attack_id"] in attack_ids)
     failures = list(manifest.get("failures", [])) + [
-        {"step": r["step"], "attack": r["attack_id"], "image": r["image"],
-         "defense": r.get("defense"), "error": r.get("reason", "")}
-        for r in records if r["status"] == "error"
+        {"step": r["step"], "attack": r["attack_id"], "image": r["image"], "defense": r.get("defense"),
+         "status": status_of(r), "error": r.get("reason", "")}
+        for r in records if status_of(r) not in ("ok", "not_applicable")
     ]
+    verdict = overall_verdict(steps)
     return to_jsonable({
         "title": f"gia-audit report: {manifest['defense']['name']}",
         "generated": _dt.datetime.now().isoformat(timespec="seconds"),
         "run_key": manifest.get("run_key"),
-        "status": manifest.get("status", "unknown"),
+        "status": run_status(manifest.get("status", "unknown"), steps),
         "progress": {"done": done, "total": total},
-        "verdict": overall_verdict(steps),
+        "verdict": verdict,
         "defense": manifest["defense"],
+        "differences": list(manifest.get("differences") or []),
+        "privacy": manifest.get("privacy") or {"applicable": False, "reason": "not recorded by this audit"},
         "threat_model": manifest.get("threat_model", {}),
         "plan": manifest.get("plan", {}),
         "attacks": manifest["attacks"],
@@ -69,6 +68,15 @@ def build_report(manifest: Dict[str, Any], records: List[Dict[str, Any]]) -> Dic
         "failures": failures,
         "results": records,
     })
+
+
+def run_status(stored: str, steps: List[Dict[str, Any]]) -> str:
+    """The run's status: a finished run with missing evidence is 'incomplete', never 'complete'."""
+    failed = sorted({m["attack"] for s in steps for m in s["verdict"].get("failed_attacks", [])
+                     if any(not why.startswith("pending") for why in m["reasons"])})
+    if stored == "complete" and failed:
+        return f"incomplete ({', '.join(failed)} failed)"
+    return stored
 
 
 class AuditReport:
@@ -153,9 +161,10 @@ class AuditReport:
             wc, risk = entry["worst_case"], entry["risk"]
             psnr = "n/a" if wc["psnr"] is None else f"{wc['psnr']:.2f} dB"
             success = "n/a" if risk["success"] is None else f"{risk['success']:.0%}"
-            lines.append(f"  step {entry['step']:>5}: worst-case PSNR {psnr}, within delta {success}, "
-                         f"verdict: {entry['verdict']['label']}")
-        lines.append(f"verdict: {self.verdict}")
+            worst = "" if wc.get("psnr_max") is None else f" (worst image {wc['psnr_max']:.2f} dB)"
+            lines.append(f"  step {entry['step']:>5}: worst-case PSNR {psnr}{worst}, within delta {success}, "
+                         f"verdict: {verdict_text(entry['verdict'])}")
+        lines.append(f"verdict: {overall_text(self.data['verdict'])}")
         if self.failures:
             lines.append(f"{len(self.failures)} failure(s); see the report's 'Failures' section")
         return "\n".join(lines)

@@ -6,8 +6,8 @@ from html import escape
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from audit.report.format import (COLUMNS, attack_cell, fmt, kv_rows, plan_traits, risk_text, unavailable_notes,
-                            utility_rows, verdict_text)
+from audit.report.format import (attack_cell, attack_header, attack_row, fmt, kv_rows, overall_text, plan_traits,
+                                 privacy_rows, summary_header, summary_row, unavailable_notes, utility_rows)
 from audit.report.images import file_data_uri
 
 CSS = """
@@ -15,13 +15,15 @@ body{font-family:system-ui,-apple-system,Segoe UI,sans-serif;margin:2em auto;max
 table{border-collapse:collapse;margin:.6em 0}td,th{border:1px solid #ccc;padding:3px 8px;font-size:14px}
 th{background:#f3f3f3}.verdict{display:inline-block;padding:.3em .8em;border-radius:4px;color:#fff;font-weight:bold}
 .v-leaks{background:#c0392b}.v-partially{background:#d68910}.v-no{background:#1e8449}.v-na{background:#777}
+.v-incomplete{background:#7d3c98}
 .grid img{image-rendering:pixelated;height:72px}.grid td{text-align:center;font-size:12px}
 pre{background:#f7f7f7;padding:.6em;overflow:auto;font-size:12px}.muted{color:#777}
 """
 
 
 def _verdict_badge(label: str) -> str:
-    cls = {"leaks": "v-leaks", "partially": "v-partially", "no recovered image": "v-no"}.get(label, "v-na")
+    cls = {"leaks": "v-leaks", "partially": "v-partially", "no recovered image": "v-no",
+           "incomplete": "v-incomplete"}.get(label, "v-na")
     return f'<span class="verdict {cls}">{escape(label)}</span>'
 
 
@@ -63,11 +65,7 @@ def _grid(data: Dict[str, Any], step: Dict[str, Any], run_dir: Optional[Path]) -
 
 
 def _summary(data: Dict[str, Any]) -> str:
-    header = ["step"] + [f"worst-case {COLUMNS[m][0]}" for m in COLUMNS] + [
-        "within delta (strongest attack)", "verdict"]
-    rows = [[s["step"]] + [fmt(m, s["worst_case"][m]) for m in COLUMNS]
-            + [risk_text(s["risk"]), verdict_text(s["verdict"])] for s in data["steps"]]
-    return _table(header, rows)
+    return _table(summary_header(), [summary_row(s) for s in data["steps"]])
 
 
 def _per_attack(data: Dict[str, Any]) -> str:
@@ -75,13 +73,26 @@ def _per_attack(data: Dict[str, Any]) -> str:
     parts = [_table(["step"] + ids, [[s["step"]] + [attack_cell(s["attacks"][a]) for a in ids]
                                      for s in data["steps"]])]
     for aid in ids:
-        rows = [[s["step"]] + [fmt(m, s["attacks"][aid][m]) for m in COLUMNS] for s in data["steps"]]
-        parts.append(f"<h3>{escape(aid)}</h3>" + _table(["step"] + [COLUMNS[m][0] for m in COLUMNS], rows))
+        parts.append(f"<h3>{escape(aid)}</h3>" + _table(attack_header(), [attack_row(s, aid) for s in data["steps"]]))
     notes = unavailable_notes(data)
     if notes:
         parts.append("<ul>" + "".join(f"<li>{escape(m.upper())} unavailable: {escape(why)}</li>"
                                       for m, why in notes.items()) + "</ul>")
     return "".join(parts)
+
+
+def _differences(data: Dict[str, Any]) -> str:
+    items = data.get("differences") or []
+    if not items:
+        return '<p class="muted">none declared</p>'
+    return "<ul>" + "".join(f"<li>{escape(d)}</li>" for d in items) + "</ul>"
+
+
+def _privacy(data: Dict[str, Any]) -> str:
+    rows, note = privacy_rows(data.get("privacy", {}))
+    if rows is None:
+        return f"<p>{escape(note)}</p>"
+    return _table(["audited step", "DP-SGD steps spent", "epsilon", "delta"], rows) + f"<p>{escape(note)}</p>"
 
 
 def _kv(obj: Any) -> str:
@@ -108,8 +119,8 @@ def _failures(data: Dict[str, Any]) -> str:
     if not data["failures"]:
         return "<p>none</p>"
     rows = [[f.get("step", ""), f.get("attack", ""), f.get("image", ""), f.get("defense", ""),
-             f.get("error", "")] for f in data["failures"]]
-    return _table(["step", "attack", "image", "defense", "error"], rows)
+             f.get("status", f.get("phase", "")), f.get("error", "")] for f in data["failures"]]
+    return _table(["step", "attack", "image", "defense", "status", "error"], rows)
 
 
 def render_html(data: Dict[str, Any], run_dir: Optional[Path]) -> str:
@@ -118,7 +129,7 @@ def render_html(data: Dict[str, Any], run_dir: Optional[Path]) -> str:
 
     verdict = data["verdict"]
     delta = data["risk_delta"]
-    worst = (f" &mdash; worst at step {verdict['worst_step']}" if verdict.get("worst_step") is not None else "")
+    worst = f" &mdash; {escape(overall_text(verdict))}"
     notes = "".join(f"<li>{escape(n)}</li>" for n in data.get("metric_notes", []))
     grids = "".join(f"<h3>step {s['step']}</h3>{_grid(data, s, run_dir)}" for s in data["steps"])
     body = f"""
@@ -130,6 +141,8 @@ def render_html(data: Dict[str, Any], run_dir: Optional[Path]) -> str:
 <p><img alt="PSNR versus training step" src="{data_uri(psnr_vs_step_png(data))}"></p>
 <h2>Reconstructions</h2>{grids}
 <h2>Metrics per attack</h2>{_per_attack(data)}
+<h2>Where this defense differs from its paper / the authors' code</h2>{_differences(data)}
+<h2>Privacy spent ((epsilon, delta))</h2>{_privacy(data)}
 <h2>Definitions</h2>
 <ul><li><b>Verdict thresholds</b>: {escape(data['thresholds']['rule'])}</li>
 <li><b>Worst case</b>: per private image, the most leaking attack for each metric; averaged over images.</li>

@@ -4,8 +4,8 @@ from __future__ import annotations
 import json
 from typing import Any, Dict, List
 
-from audit.report.format import (COLUMNS, attack_cell, fmt, kv_rows, plan_traits, risk_text, unavailable_notes,
-                            utility_rows, verdict_text)
+from audit.report.format import (attack_cell, attack_header, attack_row, kv_rows, overall_text, plan_traits,
+                                 privacy_rows, summary_header, summary_row, unavailable_notes, utility_rows)
 
 
 def _table(header: List[str], rows: List[List[Any]]) -> List[str]:
@@ -18,11 +18,7 @@ def _table(header: List[str], rows: List[List[Any]]) -> List[str]:
 
 
 def _summary_section(data: Dict[str, Any]) -> List[str]:
-    header = ["step"] + [f"worst-case {COLUMNS[m][0]}" for m in COLUMNS] + [
-        "within delta (strongest attack)", "verdict"]
-    rows = [[s["step"]] + [fmt(m, s["worst_case"][m]) for m in COLUMNS]
-            + [risk_text(s["risk"]), verdict_text(s["verdict"])] for s in data["steps"]]
-    return ["## Leakage per training step", ""] + _table(header, rows)
+    return ["## Leakage per training step", ""] + _table(summary_header(), [summary_row(s) for s in data["steps"]])
 
 
 def _attack_section(data: Dict[str, Any]) -> List[str]:
@@ -30,15 +26,26 @@ def _attack_section(data: Dict[str, Any]) -> List[str]:
     rows = [[s["step"]] + [attack_cell(s["attacks"][a]) for a in ids] for s in data["steps"]]
     lines = ["## PSNR (dB) per attack", ""] + _table(["step"] + ids, rows)
     for aid in ids:
-        lines += ["", f"### {aid}", ""]
-        rows = [[s["step"]] + [fmt(m, s["attacks"][aid][m]) for m in COLUMNS]
-                + [f"{s['attacks'][aid]['images_ok']}/{s['attacks'][aid]['images_done']}"]
-                for s in data["steps"]]
-        lines += _table(["step"] + [COLUMNS[m][0] for m in COLUMNS] + ["ok/done"], rows)
+        lines += ["", f"### {aid}", ""] + _table(attack_header(), [attack_row(s, aid) for s in data["steps"]])
     notes = unavailable_notes(data)
     if notes:
         lines += [""] + [f"- {m.upper()} unavailable: {why}" for m, why in notes.items()]
     return lines
+
+
+def _differences_section(data: Dict[str, Any]) -> List[str]:
+    if not data.get("differences"):
+        return []
+    return (["## Where this defense differs from its paper / the authors' code", ""]
+            + [f"- {d}" for d in data["differences"]])
+
+
+def _privacy_section(data: Dict[str, Any]) -> List[str]:
+    rows, note = privacy_rows(data.get("privacy", {}))
+    lines = ["## Privacy spent ((epsilon, delta))", ""]
+    if rows is None:
+        return lines + [note]
+    return lines + _table(["audited step", "DP-SGD steps spent", "epsilon", "delta"], rows) + ["", note]
 
 
 def _definitions(data: Dict[str, Any]) -> List[str]:
@@ -79,8 +86,8 @@ def _failure_section(data: Dict[str, Any]) -> List[str]:
     if not data["failures"]:
         return []
     rows = [[f.get("step", ""), f.get("attack", ""), f.get("image", ""), f.get("defense", ""),
-             f.get("error", "")] for f in data["failures"]]
-    return ["## Failures", ""] + _table(["step", "attack", "image", "defense", "error"], rows)
+             f.get("status", f.get("phase", "")), f.get("error", "")] for f in data["failures"]]
+    return ["## Failures", ""] + _table(["step", "attack", "image", "defense", "status", "error"], rows)
 
 
 def _settings_section(data: Dict[str, Any]) -> List[str]:
@@ -95,15 +102,14 @@ def _settings_section(data: Dict[str, Any]) -> List[str]:
 def render_markdown(data: Dict[str, Any]) -> str:
     verdict = data["verdict"]
     head = [f"# {data['title']}", "",
-            f"**Verdict: {verdict['label']}**"
-            + (f" (worst at step {verdict['worst_step']})" if verdict.get("worst_step") is not None else ""),
+            f"**Verdict: {overall_text(verdict)}**",
             "",
             f"Status: {data['status']}, {data['progress']['done']}/{data['progress']['total']} "
             f"(step, attack, image) results. Run `{data['run_key']}`, generated {data['generated']}. "
             "Reconstruction grids: see `report.html`.", "",
             "![PSNR versus training step](psnr_vs_step.png)", ""]
-    sections = [_summary_section, _attack_section, _definitions, _threat_section, _utility_section,
-                _failure_section, _settings_section]
+    sections = [_summary_section, _attack_section, _differences_section, _privacy_section, _definitions,
+                _threat_section, _utility_section, _failure_section, _settings_section]
     lines = head
     for section in sections:
         part = section(data)

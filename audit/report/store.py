@@ -9,9 +9,11 @@ Layout under the output directory ``DIR``::
     DIR/runs/<key>/results/s<S>__<attack>__i<N>.png    its reconstruction
     DIR/latest_run                        the key of the last run written to DIR
 
-``key`` is a hash of every setting that changes a number (defense, model, data, FL
-settings, budget, seed, ...), so a rerun of the same command resumes, while a changed
-setting starts a fresh run instead of reusing stale results. Every file is written to a
+``key`` is a hash of every setting that changes a number (defense, model and its
+arguments, the data: path, grid, limit, size and a digest of the images; FL settings,
+budget, seed, ...), so a rerun of the same command resumes, while a changed
+setting starts a fresh run instead of reusing stale results. A stored error is retried
+by a rerun (``retry_errors``). Every file is written to a
 temporary name and renamed, so an interrupt (Ctrl-C) never leaves a half-written result.
 """
 from __future__ import annotations
@@ -31,6 +33,7 @@ from audit.core.files import atomic_torch_save, atomic_write_bytes
 
 MANIFEST = "manifest.json"
 LATEST = "latest_run"
+RETRIED = ("error",)  # stored statuses a rerun computes again (a timeout or a crash may not recur)
 
 
 def settings_key(settings: Dict[str, Any], length: int = 12) -> str:
@@ -89,16 +92,18 @@ def result_id(step: int, attack_id: str, image: int) -> str:
 class ResultStore:
     """One run's results under ``DIR/runs/<key>``; see the module docstring for the layout."""
 
-    def __init__(self, root: os.PathLike | str, key: str):
+    def __init__(self, root: os.PathLike | str, key: str, retry_errors: bool = True):
         self.root = Path(root)
         self.key = key
         self.dir = self.root / "runs" / key
+        self.retry_errors = bool(retry_errors)
 
     # -------------------------------------------------------------- opening
     @classmethod
-    def create(cls, root: os.PathLike | str, settings: Dict[str, Any]) -> "ResultStore":
-        """Open (or start) the run for ``settings`` and mark it as the latest in ``root``."""
-        store = cls(root, settings_key(settings))
+    def create(cls, root: os.PathLike | str, settings: Dict[str, Any], retry_errors: bool = True) -> "ResultStore":
+        """Open (or start) the run for ``settings`` and mark it as the latest in ``root``;
+        ``retry_errors=False`` keeps stored errors as finished results."""
+        store = cls(root, settings_key(settings), retry_errors)
         (store.dir / "results").mkdir(parents=True, exist_ok=True)
         atomic_write_bytes(store.root / LATEST, store.key.encode())
         return store
@@ -142,11 +147,15 @@ class ResultStore:
 
     def has(self, step: int, attack_id: str, image: int, settings: Optional[Dict[str, Any]] = None) -> bool:
         """Whether this result is finished; with ``settings``, only if it was computed with
-        exactly those attack settings (a changed attack is redone, not reused)."""
+        exactly those attack settings (a changed attack is redone, not reused). A stored
+        error is not finished while ``retry_errors`` is on (the default): a rerun retries it."""
         path = self.result_path(step, attack_id, image)
         if not path.is_file():
             return False
-        return settings is None or read_json(path).get("settings") == to_jsonable(settings)
+        record = read_json(path)
+        if self.retry_errors and record.get("status") in RETRIED:
+            return False
+        return settings is None or record.get("settings") == to_jsonable(settings)
 
     def save_result(self, record: Dict[str, Any], reconstruction: Optional[torch.Tensor] = None) -> Path:
         """Write one finished result (and its reconstruction PNG) atomically.
