@@ -131,3 +131,21 @@ def test_timeout_abandons_the_call_and_names_the_defense():
             pass
     with pytest.raises(ConfigError, match="defense_timeout"):
         audit.run(defense="none", defense_timeout=-1, **TINY)
+
+
+sleeps_at_round_1 = hostile("sleeps")  # importable as tests' module:attr for the CLI
+
+
+def test_cli_defense_timeout(tmp_path):
+    from click.testing import CliRunner
+
+    import cli
+
+    args = ["audit", "--defense", f"{__name__}:sleeps_at_round_1", "--model", "mlp", "--model-arg", "hidden=32",
+            "--steps", "0,1", "--images", "1", "--attacks", "analytic", "--budget", "5", "--no-utility", "--quiet",
+            "--out", str(tmp_path)]
+    result = CliRunner().invoke(cli.main, args + ["--defense-timeout", str(TIMEOUT_S)])
+    assert result.exit_code == 0, result.output
+    assert "[incomplete (analytic failed)" in result.output and "verdict: leaks" in result.output
+    bad = CliRunner().invoke(cli.main, args + ["--defense-timeout", "-1"])
+    assert bad.exit_code == 2 and "defense_timeout (seconds) must be a positive number" in bad.output
