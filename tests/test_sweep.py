@@ -132,9 +132,11 @@ def test_an_interrupted_sweep_keeps_its_finished_cells(tmp_path, monkeypatch):
 def test_ray_executor_gives_the_local_numbers(tmp_path):
     pytest.importorskip("ray")
     grid = {"prune": {"ratio": [0.5]}}  # two cells: the undefended one and prune
-    local = audit.sweep(grid, out=tmp_path / "local", **TINY)
-    ray_run = audit.sweep(grid, out=tmp_path / "ray", executor="ray", executor_args={"num_cpus": 2}, **TINY)
+    settings = {**TINY, "images": 2}  # (step, attack) groups of two private images
+    local = audit.sweep(grid, out=tmp_path / "local", **settings)
+    ray_run = audit.sweep(grid, out=tmp_path / "ray", executor="ray", executor_args={"num_cpus": 2}, **settings)
     assert sorted(ray_run.data["invocation"]["computed"]) == ["none", "prune-ratio=0.5"]
+    assert ray_run.data["invocation"]["group_jobs"] == 4  # 2 cells x 2 steps x ig, each a Ray task
     for a, b in zip(local.cells, ray_run.cells):
         assert (a["name"], a["psnr"], a["ssim"], a["accuracy"]) == (b["name"], b["psnr"], b["ssim"], b["accuracy"])
         results = [json.loads((tmp_path / run / a["dir"] / "report.json").read_text())["results"]

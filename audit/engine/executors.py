@@ -9,6 +9,9 @@ order in which jobs finish.
 * ``ray``: one Ray task per job with CPU / GPU resource requests, on a local Ray instance or
   an existing cluster (``address``); ``pip install "gia-audit[ray]"``. On a cluster, every
   node needs this package installed and the output folder on a shared file system.
+
+``splits_cells``: whether a sweep also hands the executor each cell's (step, attack) groups
+as jobs of their own (worth it only where jobs run in parallel).
 """
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ class LocalExecutor:
 
     name = "local"
     shows_job_progress = True
+    splits_cells = False  # one process: the audit groups its work itself
 
     def __init__(self, device: Any = None):
         self.device = device
@@ -48,13 +52,14 @@ class RayExecutor:
     ``address``: an existing cluster (``"auto"``, ``"ray://head:10001"``); ``None`` starts a
     local instance with ``num_cpus`` CPUs (default: all) that is shut down again by
     :meth:`close`. An already initialised Ray (``ray.init`` by the caller) is used as is.
+    ``groups``: a sweep's (step, attack) groups of a cell run as tasks of their own too.
     """
 
     name = "ray"
     shows_job_progress = False  # the workers' bars would interleave in the driver's terminal
 
     def __init__(self, address: Optional[str] = None, num_cpus: Optional[int] = None, cpus: float = 1,
-                 gpus: Optional[float] = None, device: Any = None):
+                 gpus: Optional[float] = None, groups: bool = True, device: Any = None):
         try:
             import ray  # noqa: F401
         except ImportError:
@@ -67,6 +72,7 @@ class RayExecutor:
         if num_cpus is not None and (not isinstance(num_cpus, int) or num_cpus < 1):
             raise ConfigError(f"ray executor: num_cpus (the local instance's CPUs) must be an integer >= 1, got {num_cpus!r}")
         self.address, self.num_cpus, self.cpus, self.gpus = address, num_cpus, cpus, gpus
+        self.splits_cells = bool(groups)
         self._started = False
 
     def _ray(self):
@@ -82,8 +88,9 @@ class RayExecutor:
         if not jobs:
             return
         ray = self._ray()
-        task = ray.remote(fn).options(num_cpus=self.cpus, num_gpus=self.gpus)
-        pending = {task.remote(job): index for index, job in enumerate(jobs)}
+        task = ray.remote(_with_threads).options(num_cpus=self.cpus, num_gpus=self.gpus)
+        threads = max(1, int(self.cpus))
+        pending = {task.remote(fn, threads, job): index for index, job in enumerate(jobs)}
         try:
             while pending:
                 ready, _ = ray.wait(list(pending), num_returns=1)
@@ -99,3 +106,13 @@ class RayExecutor:
 
             ray.shutdown()
             self._started = False
+
+
+def _with_threads(fn: Callable[[Any], Any], threads: int, job: Any) -> Any:
+    """``fn(job)`` with ``threads`` intra-op torch threads: a Ray worker's own count depends on
+    the first task it ran, and float reductions depend on the count (the same count as a
+    local run gives the same numbers)."""
+    import torch
+
+    torch.set_num_threads(threads)
+    return fn(job)

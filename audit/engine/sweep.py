@@ -16,7 +16,12 @@ Layout under the output folder ``OUT``::
 Resuming is per cell (a cell whose ``cell.json`` matches its settings is not touched) and per
 result (an unfinished cell is its audit's own resume). Cells run on an executor
 (:mod:`audit.engine.executors`: ``local`` or ``ray``); each one's seeds come from the
-settings, never from the order in which cells run.
+settings, never from the order in which cells run. An executor that splits cells (``ray``)
+also runs each cell's (step, attack) groups as jobs of their own: the cell's checkpoints are
+trained once, then every group is the cell's audit restricted to that step and attack,
+writing to the same result store (an audit's results are keyed by settings that leave the
+steps and attacks out), and a last run of the whole audit finds every result and writes the
+report.
 """
 from __future__ import annotations
 
@@ -36,7 +41,7 @@ from audit.engine.identity import defense_identity, model_identity
 from audit.engine.settings import AttackSettings, DataSettings, FLSettings, OutputSettings, as_dict
 from audit.engine.utility import measure_utility
 from audit.report.risk import Thresholds
-from audit.report.store import atomic_write_json, read_json, settings_key
+from audit.report.store import ResultStore, atomic_write_json, read_json, settings_key
 from audit.report.sweep_report import SweepReport
 
 UNDEFENDED = "none"
@@ -174,6 +179,7 @@ class CellJob:
     seed: int
     device: str
     baseline: Optional[Dict[str, Any]] = None  # the undefended training run (measure_utility's)
+    only: Optional[Tuple[int, str]] = None  # one (step, attack) group of the cell
 
 
 class CellAudit(Audit):
@@ -199,8 +205,12 @@ class CellAudit(Audit):
 
 
 def _cell_audit(job: CellJob) -> CellAudit:
+    attacks, output = job.attacks, job.output
+    if job.only is not None:  # the same store; its utility is measured by the cell's last run
+        attacks = replace(attacks, steps=(job.only[0],), names=(job.only[1],))
+        output = replace(output, utility=False, progress=False)
     audit = CellAudit(job.cell.defense, job.model, defense_args=dict(job.cell.params), model_args=dict(job.model_args),
-                      data=job.data, fl=job.fl, attacks=job.attacks, output=job.output, seed=job.seed,
+                      data=job.data, fl=job.fl, attacks=attacks, output=output, seed=job.seed,
                       device=job.device)
     audit.baseline = job.baseline
     return audit
@@ -213,6 +223,24 @@ def run_cell(job: CellJob) -> Dict[str, Any]:
             "run_key": report.data["run_key"]}
     atomic_write_json(Path(job.output.out) / CELL_FILE, done)
     return done
+
+
+def cell_groups(job: CellJob) -> List[CellJob]:
+    """Train the cell's checkpoints once and plan its attacks; its unfinished (step, attack)
+    groups as jobs (run by :func:`run_group`)."""
+    audit = _cell_audit(job)
+    store = ResultStore.create(job.output.out, audit.key_settings())
+    steps = list(job.attacks.steps)
+    audit.checkpoints(store, steps)
+    specs, _ = audit.plan()
+    return [replace(job, only=(step, spec.name)) for step in steps for spec in specs
+            if not all(store.has(step, spec.id, i, settings=spec.settings) for i in range(job.data.images))]
+
+
+def run_group(job: CellJob) -> str:
+    """One (step, attack) group of a cell: the cell's audit restricted to it."""
+    _cell_audit(job).run()
+    return f"{job.cell.name} step {job.only[0]} {job.only[1]}"
 
 
 def baseline_utility(job: CellJob) -> Dict[str, Any]:
@@ -299,11 +327,14 @@ class Sweep:
         started = time.perf_counter()
         pending = [c for c in self.cells if not cell_finished(self.out, c)]
         computed: List[str] = []
+        groups = 0
         bar = _progress(len(self.cells), len(self.cells) - len(pending), self.output.progress)
         try:
             if pending:
                 baseline = self._baseline()
                 jobs = [self._job(c, baseline) for c in pending]
+                if self.executor.splits_cells:
+                    groups = self._run_groups(jobs, bar)
 
                 def done(index: int, _result: Any) -> None:
                     computed.append(pending[index].name)
@@ -316,11 +347,25 @@ class Sweep:
             self.executor.close()
         report = SweepReport.from_cells(self.out, [c.describe() for c in self.cells], settings=self.settings(),
                                         thresholds=self.output.thresholds.as_dict(), step=self.step,
-                                        invocation={"computed": computed,
+                                        invocation={"computed": computed, "group_jobs": groups,
                                                     "reused": [c.name for c in self.cells if c.name not in computed],
                                                     "seconds": round(time.perf_counter() - started, 1)})
         report.write(self.out)
         return report
+
+
+    def _run_groups(self, jobs: Sequence[CellJob], bar) -> int:
+        """Every pending (step, attack) group of the ``jobs``' cells as a job of its own; how many."""
+        groups: List[CellJob] = []
+        self.executor.map(cell_groups, jobs, lambda _, found: groups.extend(found))
+        finished = [0]
+
+        def done(_index: int, label: str) -> None:
+            finished[0] += 1
+            bar.set_postfix_str(f"(step, attack) groups {finished[0]}/{len(groups)}: {label}")
+
+        self.executor.map(run_group, groups, done)
+        return len(groups)
 
 
 def _progress(total: int, initial: int, enabled: bool):
