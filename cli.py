@@ -205,7 +205,7 @@ class _KeepsOptionOrder(click.Command):
 # the audit command's setting options that a sweep shares (the same for every cell)
 SWEEP_SHARES = ("model", "model_arg", "dataset", "data_path", "image_size", "steps", "attacks", "attack_arg",
                 "images", "batch_size", "budget", "share_labels", "lr", "train_batch_size", "clients",
-                "local_steps", "local_lr", "delta", "utility", "utility_steps")
+                "local_steps", "local_lr", "delta", "utility", "utility_steps", "defense_timeout")
 
 
 def _run_settings(model_arg, dataset, data_path, attack_arg, **options):

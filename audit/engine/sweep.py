@@ -392,7 +392,7 @@ def audit_settings(**flat: Any) -> Dict[str, Any]:
         fl=FLSettings(s["lr"], s["train_batch_size"], s["clients"], s["local_steps"], s["local_lr"]),
         attacks=AttackSettings(s["steps"], s["attacks"], s["attack_args"] or {}, s["budget"]),
         output=OutputSettings(s["out"], s["utility"], s["utility_steps"], s["thresholds"] or Thresholds(),
-                              s["delta"], s["progress"]))
+                              s["delta"], s["progress"], s["defense_timeout"], s["retry_errors"]))
 
 
 def sweep(grid: Any, out: Union[str, Path] = "sweep-out", *, step: Optional[int] = None, executor: str = "local",
