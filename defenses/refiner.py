@@ -76,15 +76,16 @@ class Refiner(Defense):
         if evaluator is not None:
             self._evaluators["given"] = evaluator.eval().requires_grad_(False)
 
-    def evaluator(self, input_shape, device) -> nn.Module:
-        """The evaluation network D for this input shape (trained once, cached on disk)."""
+    def evaluator(self, input_shape, device, dtype: torch.dtype = torch.float32) -> nn.Module:
+        """The evaluation network D for this input shape (trained once, cached on disk), in the
+        inputs' precision."""
         if "given" in self._evaluators:
-            return self._evaluators["given"].to(device)
-        key = (tuple(input_shape), str(device))
+            return self._evaluators["given"].to(device=device, dtype=dtype)
+        key = (tuple(input_shape), str(device), str(dtype))
         if key not in self._evaluators:
             self._evaluators[key] = load_or_train_evaluator(
                 tuple(input_shape), dataset=self.dataset, width=self.d_width, epochs=self.d_epochs,
-                seed=self.d_seed, device=device)
+                seed=self.d_seed, device=device).to(dtype=dtype)
         return self._evaluators[key]
 
     def importance(self, model: nn.Module, grads: List[Tensor]) -> List[Tensor]:
@@ -100,7 +101,7 @@ class Refiner(Defense):
         ``iota`` steps and after the last one (one more gradient evaluation)."""
         differentiable = bool(inputs.requires_grad) and self.unroll
         gen = resolve_generator(generator, inputs.device)
-        d_net = self.evaluator(inputs.shape[1:], inputs.device)
+        d_net = self.evaluator(inputs.shape[1:], inputs.device, inputs.dtype)
         with preserved_buffers(model):
             if grads is None:
                 grads = clean_gradients(model, inputs, labels, loss_fn)

@@ -8,9 +8,10 @@ when present (Kerckhoffs) and reported as such.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -62,12 +63,25 @@ def _generator(seed: int, device: torch.device) -> torch.Generator:
 
 
 def random_batch(batch_size: int, input_shape: Sequence[int], num_classes: int, seed: int,
-                 device) -> Tuple[Tensor, Tensor]:
-    """A seeded probe batch: images uniform in [0, 1), labels uniform over the classes."""
-    gen = _generator(seed, device)
-    x = torch.rand(batch_size, *input_shape, generator=gen, device=device)
-    y = torch.randint(0, num_classes, (batch_size,), generator=gen, device=device)
-    return x, y
+                 device, dtype: Optional[torch.dtype] = None) -> Tuple[Tensor, Tensor]:
+    """A seeded probe batch: images uniform in [0, 1), labels uniform over the classes; drawn
+    on the CPU, so the batch is the same on every device."""
+    gen = _generator(seed, torch.device("cpu"))
+    x = torch.rand(batch_size, *input_shape, generator=gen)
+    y = torch.randint(0, num_classes, (batch_size,), generator=gen)
+    return x.to(device=device, dtype=dtype or x.dtype), y.to(device)
+
+
+@contextlib.contextmanager
+def exact_math() -> Iterator[None]:
+    """No TF32 in convolutions and matrix products (cuda's default for convolutions), so the
+    probe's exact comparisons read the same traits on every device."""
+    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
 
 
 def _matrix_rank(t: Tensor) -> Optional[int]:
@@ -303,6 +317,7 @@ def probe_defense(
     loss_fn=default_loss_fn,
     device=None,
     rounds: Sequence[int] = (),
+    dtype: Optional[torch.dtype] = None,
 ) -> DefenseTraits:
     """Probe ``defense`` as a black box and return its :class:`DefenseTraits`.
 
@@ -310,7 +325,16 @@ def probe_defense(
     gradients rank ``batch_size`` so truncation is visible (a batch-1 probe runs too, for
     the analytic and input-transform checks). ``rounds``: FL rounds to probe besides
     :data:`PROBE_ROUNDS` for a defense that sometimes shares the clean gradient (:func:`probe_rounds`).
+    ``dtype`` (e.g. ``torch.float64``) runs the probe network and batch in that precision; the
+    probe batch is drawn on the CPU and TF32 is off, so the traits do not depend on the device.
     """
+    with exact_math():
+        return _probe(defense, model, input_shape, num_classes, seed=seed, batch_size=batch_size,
+                      loss_fn=loss_fn, device=device, rounds=rounds, dtype=dtype)
+
+
+def _probe(defense, model, input_shape, num_classes, *, seed, batch_size, loss_fn, device, rounds,
+           dtype) -> DefenseTraits:
     if not callable(defense):
         raise ConfigError(f"plan() needs a defended-gradient callable, got {type(defense).__name__}")
     if batch_size < 2:
@@ -320,13 +344,13 @@ def probe_defense(
     if device is None:
         device = next(model.parameters()).device
     device = torch.device(device)
-    model = model.to(device)
+    model = model.to(device) if dtype is None else copy.deepcopy(model).to(device=device, dtype=dtype)
     model, architectural = _wrapped_model(defense, model)
     names = trainable_names(model)
     if not names:
         raise ConfigError("the probe model has no trainable parameter; give a model with parameters")
 
-    x, y = random_batch(batch_size, input_shape, num_classes, seed, device)
+    x, y = random_batch(batch_size, input_shape, num_classes, seed, device, dtype)
 
     def shared(inputs, labels, s):
         return [g.detach() for g in call_defense(defense, model, inputs, labels,

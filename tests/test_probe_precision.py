@@ -1,0 +1,26 @@
+"""The probe reads the same traits whatever the precision (and so whatever the device's
+float arithmetic): float32 and float64 probes agree on every trait the planner uses."""
+import pytest
+import torch
+
+from adaptive.planner.probe import probe_defense, random_batch
+from defenses import build_defense
+
+MEASURED = ("layers", "noise_std", "noise_relative", "sparsity", "rounds_probe", "notes")
+
+
+@pytest.mark.parametrize("name, params", [("none", {}), ("prune", {"ratio": 0.9}), ("gaussian", {}),
+                                          ("soft-prune", {}), ("clip", {"bound": 0.01}), ("svdefense", {}),
+                                          ("quantize", {"bits": 1}), ("censor", {})])
+def test_float32_and_float64_probes_read_the_same_traits(name, params, one_thread):
+    single = probe_defense(build_defense(name, **params), seed=0).to_dict()
+    double = probe_defense(build_defense(name, **params), seed=0, dtype=torch.float64).to_dict()
+    differing = {k: (single[k], double[k]) for k in single if k not in MEASURED and single[k] != double[k]}
+    assert not differing
+    assert double["noise_std"] is None or single["noise_std"] == pytest.approx(double["noise_std"], rel=0.25)  # a measurement: other draws
+
+
+def test_the_probe_batch_is_drawn_on_the_cpu():
+    x, y = random_batch(4, (3, 8, 8), 10, seed=3, device="cpu", dtype=torch.float64)
+    x32, y32 = random_batch(4, (3, 8, 8), 10, seed=3, device="cpu")
+    assert x.dtype == torch.float64 and torch.equal(x.float(), x32) and torch.equal(y, y32)
