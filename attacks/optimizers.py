@@ -70,22 +70,33 @@ class Adam:
         self.iterations = max(1, iterations)
         self.m = [torch.zeros_like(v) for v in variables]
         self.v = [torch.zeros_like(v) for v in variables]
+        self.t = torch.zeros(variables[0].shape[0], device=variables[0].device)  # steps since (re)start
+        self.factor = torch.ones(variables[0].shape[0], device=variables[0].device)
         self.evaluations = 0
 
     def step(self, variables: List[Tensor], closure: Closure, iteration: int) -> Tensor:
         loss, grads = closure(variables)
         self.evaluations += 1
         b1, b2 = self.betas
-        t = iteration + 1
-        lr = self.lr * self.schedule(iteration / self.iterations)
+        self.t += 1
+        lr = self.lr * self.schedule(iteration / self.iterations) * self.factor
         with torch.no_grad():
             for var, g, m, v in zip(variables, grads, self.m, self.v):
                 g = torch.nan_to_num(g.sign() if self.signed else g)
                 m.mul_(b1).add_(g, alpha=1 - b1)
                 v.mul_(b2).addcmul_(g, g, value=1 - b2)
-                denom = (v / (1 - b2 ** t)).sqrt_().add_(self.eps)
-                var.addcdiv_(m, denom, value=-lr / (1 - b1 ** t))
+                denom = (v / _expand(1 - b2 ** self.t, v)).sqrt_().add_(self.eps)
+                var.sub_(_expand(lr / (1 - b1 ** self.t), var) * m / denom)
         return loss
+
+    def recover(self, restarts: Tensor) -> str:
+        """Restarts (boolean mask) that stalled or diverged: step x0.1, moments reset."""
+        self.factor = torch.where(restarts, self.factor * 0.1, self.factor)
+        for m, v in zip(self.m, self.v):
+            m.mul_(_expand(~restarts, m))
+            v.mul_(_expand(~restarts, v))
+        self.t = torch.where(restarts, torch.zeros_like(self.t), self.t)
+        return f"adam step x0.1 (now {float(self.factor[restarts].min()):.3g} x lr), moments reset"
 
     def settings(self) -> dict:
         return {"optimizer": "adam", "lr": self.lr, "schedule": self.schedule_name, "signed": self.signed}
@@ -94,9 +105,12 @@ class Adam:
 class LBFGS:
     """L-BFGS with one history and one backtracking (Armijo) line search per restart.
 
-    The first step of each restart is scaled by ``min(1, 1 / |g|_1)`` as in torch's L-BFGS.
-    A restart whose line search fails keeps its point for that iteration. Each trial point
-    costs one batched evaluation (counted in ``evaluations``).
+    The first step of each restart (and the first after a reset) is scaled by
+    ``min(1, 1 / |g|_1)`` as in torch's L-BFGS. Curvature pairs with ``s.y <= 0`` are not
+    stored. A restart whose line search fails keeps its point, loses its history and
+    continues next iteration from the step the search ended at (so a failing restart never
+    repeats the same failed search: the DLG stall); each such reset is recorded in
+    ``events``. Each trial point costs one batched evaluation (counted in ``evaluations``).
     """
 
     name = "lbfgs"
@@ -115,6 +129,10 @@ class LBFGS:
         self.pairs: List[Tuple[List[Tensor], List[Tensor], Tensor]] = []
         self.current: Optional[Tuple[Tensor, List[Tensor]]] = None
         self.evaluations = 0
+        restarts = variables[0].shape[0]
+        self.stored = torch.zeros(restarts, dtype=torch.long, device=variables[0].device)  # valid pairs
+        self.shrink = torch.ones(restarts, device=variables[0].device)  # step factor after failed searches
+        self.events: List[dict] = []
 
     def _evaluate(self, closure, variables):
         self.evaluations += 1
@@ -138,6 +156,13 @@ class LBFGS:
             q = [qi + _expand(a - beta, qi) * si for qi, si in zip(q, s)]
         return q
 
+    def reset(self, restarts: Tensor) -> None:
+        """Forget the curvature history of the restarts in the boolean mask ``restarts``."""
+        keep = (~restarts).to(self.shrink.dtype)
+        self.pairs = [([si * _expand(keep, si) for si in s], [yi * _expand(keep, yi) for yi in y], rho * keep)
+                      for s, y, rho in self.pairs]
+        self.stored = torch.where(restarts, torch.zeros_like(self.stored), self.stored)
+
     def step(self, variables, closure, iteration):
         moved = self.current is not None and any(  # e.g. projected onto a box after the last step
             not torch.equal(v, p) for v, p in zip(variables, self.point))
@@ -146,11 +171,9 @@ class LBFGS:
         loss, grads = self.current
         direction = self._direction(grads)
         slope = _per_restart_dot(grads, direction)
-        if not self.pairs:
-            gnorm = sum(g.abs().flatten(1).sum(1) for g in grads)
-            t = self.lr * torch.clamp(1.0 / gnorm.clamp_min(1e-30), max=1.0)
-        else:
-            t = torch.full_like(loss, self.lr)
+        gnorm = sum(g.abs().flatten(1).sum(1) for g in grads)
+        first = self.lr * torch.clamp(1.0 / gnorm.clamp_min(1e-30), max=1.0)
+        t = torch.where(self.stored == 0, first, torch.full_like(loss, self.lr)) * self.shrink
         t = t * self.schedule(iteration / self.iterations)
         bad = slope >= 0  # not a descent direction: fall back to steepest descent
         if bad.any():
@@ -164,10 +187,9 @@ class LBFGS:
             for v, tr, b in zip(variables, trial, base):
                 v.copy_(torch.where(_expand(accepted, b), v, tr))
             tl, tg = self._evaluate(closure, variables)
-            ok = torch.isfinite(tl) & (tl <= loss + 1e-4 * t * slope)
-            newly = ok & ~accepted
-            new_loss = torch.where(newly, tl, new_loss)
-            new_grads = [torch.where(_expand(newly, g), g_new, g) for g, g_new in zip(new_grads, tg)]
+            ok = torch.isfinite(tl) & (tl <= loss + 1e-4 * t * slope) & ~accepted
+            new_loss = torch.where(ok, tl, new_loss)
+            new_grads = [torch.where(_expand(ok, g), g_new, g) for g, g_new in zip(new_grads, tg)]
             accepted |= ok
             if accepted.all():
                 break
@@ -177,15 +199,112 @@ class LBFGS:
         s = [v.detach() - b for v, b in zip(variables, base)]
         y = [gn - g for gn, g in zip(new_grads, grads)]
         sy = _per_restart_dot(s, y)
-        rho = torch.where(sy > 1e-10, 1.0 / sy.clamp_min(1e-10), torch.zeros_like(sy))
-        self.pairs = (self.pairs + [(s, y, rho)])[-self.history:]
+        useful = accepted & (sy > 1e-10)  # curvature condition: otherwise the pair would mislead
+        keep = useful.to(sy.dtype)
+        rho = torch.where(useful, 1.0 / sy.clamp_min(1e-10), torch.zeros_like(sy))
+        self.pairs = (self.pairs + [([si * _expand(keep, si) for si in s], [yi * _expand(keep, yi) for yi in y],
+                                     rho)])[-self.history:]
+        self.stored = torch.clamp(self.stored + useful.long(), max=self.history)
+        failed = ~accepted
+        if failed.any():
+            # a failed search: drop the (misleading) history and start the next search from the
+            # step this one ended at, so the restart does not retry the same failed step
+            self.reset(failed)
+            self.shrink = torch.where(failed, self.shrink * 0.5 ** (self.backtracks + 1), self.shrink)
+            self.events.append({"iteration": int(iteration), "restarts": failed.nonzero().flatten().tolist(),
+                                "event": "line search failed: history reset, step shrunk to "
+                                         f"{float(self.shrink[failed].min()):.3g} x"})
+        # a restart that keeps succeeding recovers its step size
+        self.shrink = torch.where(accepted, torch.clamp(self.shrink * 2, max=1.0), self.shrink)
         self.current = (new_loss, new_grads)
         self.point = [v.detach().clone() for v in variables]
         return new_loss
 
+    def recover(self, restarts: Tensor) -> str:
+        """Restarts (boolean mask) that stalled or diverged: history reset, step x0.1."""
+        self.reset(restarts)
+        self.shrink = torch.where(restarts, self.shrink * 0.1, self.shrink)
+        self.current = None  # the watchdog may have moved them back to their best point
+        return f"lbfgs history reset, step x0.1 (now {float(self.shrink[restarts].min()):.3g} x)"
+
     def settings(self) -> dict:
         return {"optimizer": "lbfgs", "lr": self.lr, "history": self.history,
                 "backtracks": self.backtracks, "schedule": self.schedule_name}
+
+
+class Watchdog:
+    """Wraps an optimiser so that no restart stalls silently.
+
+    Per restart it keeps the best loss and point. A non-finite loss sends the restart back
+    to its best point; a restart whose loss has not gone below its first value after
+    ``patience`` steps, or has not improved for ``patience`` steps while still at its very
+    first value, is treated the same way. Either way the inner optimiser's ``recover(mask)``
+    changes what it does (smaller step, fresh history / moments) and the event is recorded
+    in ``events``. :meth:`progress` tells, per restart, whether the loss ever went below its
+    first value by a relative ``tolerance`` (the engine reports "failed to optimise" if not).
+    """
+
+    def __init__(self, inner, patience: int = 8, tolerance: float = 1e-4, max_recoveries: int = 4):
+        if patience < 1:
+            raise ConfigError(f"watchdog patience must be >= 1, got {patience}")
+        self.inner, self.patience, self.tolerance = inner, int(patience), float(tolerance)
+        self.max_recoveries = int(max_recoveries)
+        self.name = getattr(inner, "name", type(inner).__name__)
+
+    def start(self, variables: List[Tensor], iterations: int) -> None:
+        self.inner.start(variables, iterations)
+        r = variables[0].shape[0]
+        device = variables[0].device
+        self.first = torch.full((r,), float("nan"), device=device)
+        self.best = torch.full((r,), float("inf"), device=device)
+        self.best_point = [v.detach().clone() for v in variables]
+        self.since = torch.zeros(r, dtype=torch.long, device=device)
+        self.recoveries = torch.zeros(r, dtype=torch.long, device=device)
+        self.events: List[dict] = []
+
+    @property
+    def evaluations(self) -> int:
+        return self.inner.evaluations
+
+    def step(self, variables: List[Tensor], closure: Closure, iteration: int) -> Tensor:
+        before = [v.detach().clone() for v in variables]
+        loss = self.inner.step(variables, closure, iteration).detach()
+        finite = torch.isfinite(loss)
+        self.first = torch.where(torch.isnan(self.first) & finite, loss, self.first)
+        improved = finite & (loss < self.best)
+        with torch.no_grad():
+            for point, v, b in zip(self.best_point, variables, before):
+                # the loss was evaluated at the point before an Adam step, after an L-BFGS step
+                at = v if getattr(self.inner, "name", "") == "lbfgs" else b
+                point.copy_(torch.where(_expand(improved, point), at, point))
+        self.best = torch.where(improved, loss, self.best)
+        self.since = torch.where(improved, torch.zeros_like(self.since), self.since + 1)
+        never = ~(self.best < self.first - self.tolerance * self.first.abs())
+        stalled = (~finite) | ((self.since >= self.patience) & never)
+        stalled &= self.recoveries < self.max_recoveries
+        if stalled.any() and hasattr(self.inner, "recover"):
+            with torch.no_grad():  # back to the best point seen (or the start)
+                for v, point in zip(variables, self.best_point):
+                    v.copy_(torch.where(_expand(stalled, v), point, v))
+            what = self.inner.recover(stalled)
+            why = "non-finite loss" if not bool(finite[stalled].all()) else \
+                f"no decrease in {self.patience} steps"
+            self.events.append({"iteration": int(iteration), "restarts": stalled.nonzero().flatten().tolist(),
+                                "event": f"{why}: {what}"})
+            self.recoveries += stalled.long()
+            self.since = torch.where(stalled, torch.zeros_like(self.since), self.since)
+        return loss
+
+    def progress(self) -> Tensor:
+        """Per restart: did the loss ever go below its first value (relative ``tolerance``)?"""
+        return torch.isfinite(self.best) & (self.best < self.first - self.tolerance * self.first.abs())
+
+    def all_events(self) -> List[dict]:
+        """The watchdog's interventions and the inner optimiser's own (e.g. failed line searches)."""
+        return sorted(self.events + list(getattr(self.inner, "events", [])), key=lambda e: e["iteration"])
+
+    def settings(self) -> dict:
+        return {**self.inner.settings(), "watchdog_patience": self.patience}
 
 
 OPTIMIZERS.add("adam", Adam, "Adam per restart; lr, schedule (step/cosine/exp/constant), signed gradients")

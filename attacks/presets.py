@@ -17,7 +17,7 @@ from priors import PRIORS
 from attacks.analytic import AnalyticInversion
 from attacks.engine import OptimizationAttack
 from attacks.objectives import OBJECTIVES
-from attacks.optimizers import OPTIMIZERS
+from attacks.optimizers import OPTIMIZERS, Watchdog
 
 ATTACKS = Registry("attack")
 
@@ -74,7 +74,7 @@ def compose(name: str, **s: Any) -> OptimizationAttack:
     else:
         optimizer = OPTIMIZERS.build(s["optimizer"], lr=s["lr"], schedule=s["schedule"])
     return OptimizationAttack(
-        objective, priors, init=s["init"], box=s["box"], optimizer=optimizer, iterations=s["iterations"],
+        objective, priors, init=s["init"], box=s["box"], optimizer=Watchdog(optimizer), iterations=s["iterations"],
         restarts=s["restarts"], label_strategy=s["labels"], simulator=s["simulator"], execution=s["execution"],
         name=name,
     )
@@ -101,10 +101,10 @@ def register_preset(name: str, description: str, **defaults: Any) -> Callable[..
 
 register_preset("dlg", "DLG: L2 gradient matching, L-BFGS, labels optimised jointly",
                 objective="l2", optimizer="lbfgs", lr=1.0, schedule="constant", box="none", init="uniform",
-                labels="optimize", iterations=300)
+                labels="optimize", iterations=500, restarts=4)
 register_preset("idlg", "iDLG: DLG with the label inferred from the last-layer gradient",
                 objective="l2", optimizer="lbfgs", lr=1.0, schedule="constant", box="none", init="uniform",
-                labels="infer", iterations=300)
+                labels="infer", iterations=500, restarts=4)
 register_preset("ig", "Inverting Gradients: cosine + TV, signed Adam 0.1 with step decay, [0,1] box",
                 objective="cosine", tv=5e-2, optimizer="adam", lr=0.1, schedule="step", signed=True,
                 box="clamp", init="uniform", iterations=1000)

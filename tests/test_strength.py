@@ -1,0 +1,78 @@
+"""Attack strength regressions (issue 15): exact DLG on a sigmoid LeNet, the portfolio beating
+the previous base attack, and no silent stall. Fixed seeds, a few seconds each."""
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from attacks import ATTACKS, observe
+from attacks.optimizers import LBFGS, Watchdog
+from audit.core.metrics import psnr
+from audit.core.models import build_model
+
+MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+
+
+@pytest.fixture(scope="module")
+def photo16():
+    """A natural 16x16 photo not in the embedded data (matplotlib's Grace Hopper, the face)."""
+    import matplotlib
+    from PIL import Image
+
+    pic = Image.open(os.path.join(matplotlib.get_data_path(), "sample_data", "grace_hopper.jpg")).convert("RGB")
+    pic = pic.crop((120, 60, 420, 360)).resize((16, 16), Image.BICUBIC)
+    return torch.from_numpy(np.asarray(pic, dtype=np.float32) / 255).permute(2, 0, 1).unsqueeze(0)
+
+
+def _lenet_obs(x, label=7):
+    model = build_model("lenet", (3, 16, 16), 10, mean=MEAN, std=STD, seed=0)
+    return observe(model, x, torch.tensor([label]), client_mode="eval")
+
+
+def test_dlg_recovers_sigmoid_lenet_exactly_within_its_default_budget(one_thread, photo16):
+    rec = ATTACKS.build("dlg").reconstruct(_lenet_obs(photo16), None, seed=0)
+    assert float(psnr(rec.inputs, photo16).mean()) > 40.0
+    assert int(rec.labels[0]) == 7
+    assert not rec.trace.get("failed_to_optimise")
+
+
+def test_portfolio_beats_the_previous_base_attack_on_a_natural_image(one_thread, photo16):
+    obs = _lenet_obs(photo16)
+    old = ATTACKS.build("ig").reconstruct(obs, 2000, seed=0)
+    new = ATTACKS.build("portfolio").reconstruct(obs, 2000, seed=0)
+    assert float(psnr(new.inputs, photo16).mean()) > float(psnr(old.inputs, photo16).mean()) + 10.0
+    assert new.trace["chosen_strategy"] == "exact"
+    assert {c["strategy"] for c in new.trace["candidates"]} == {"smooth", "sharp", "exact"}
+
+
+def _flat(dummy, target):
+    return sum((g * 0).sum() for g in dummy) + 1.0  # the loss cannot move
+
+
+def test_a_stalled_optimiser_is_detected_changed_and_reported(one_thread, photo16):
+    rec = ATTACKS.build("ig", objective=_flat, tv=0.0).reconstruct(_lenet_obs(photo16), 40, seed=0)
+    assert rec.trace["failed_to_optimise"] is True
+    assert "attack failed to optimise" in rec.trace["failure"]
+    events = rec.trace["optimizer_events"]
+    assert events and events[0]["iteration"] < 10 and "no decrease" in events[0]["event"]
+
+
+def test_lbfgs_failed_line_search_resets_and_moves_on():
+    # f(x) = |x|^2 with a gradient that lies (points uphill): every Armijo search fails at first
+    calls = []
+
+    def closure(variables):
+        x = variables[0]
+        calls.append(1)
+        loss = (x ** 2).flatten(1).sum(1)
+        lie = -2 * x if len(calls) < 3 else 2 * x
+        return loss, [lie]
+
+    x = [torch.ones(1, 4)]
+    opt = Watchdog(LBFGS(backtracks=2), patience=3)
+    opt.start(x, 20)
+    for it in range(20):
+        opt.step(x, closure, it)
+    assert any("line search failed" in e["event"] for e in opt.all_events())
+    assert bool(opt.progress()[0]) and float(x[0].abs().max()) < 0.5
