@@ -18,9 +18,9 @@ def topk_mask(values: Tensor, ratio: float) -> Tensor:
     """Boolean mask keeping the ``n - round(ratio * n)`` entries of largest magnitude."""
     flat = values.detach().reshape(-1)
     keep = flat.numel() - int(round(ratio * flat.numel()))
-    mask = torch.zeros(flat.numel(), dtype=torch.bool, device=flat.device)
-    if keep > 0:
-        mask[torch.topk(flat.abs(), keep, sorted=False).indices] = True
+    mask = torch.zeros_like(flat, dtype=torch.bool)
+    if keep > 0:  # out-of-place scatter: runs under vmap (an adaptive attack's batched replay)
+        mask = mask.scatter(0, torch.topk(flat.abs(), keep, sorted=False).indices, True)
     return mask.view_as(values)
 
 

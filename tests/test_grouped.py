@@ -6,6 +6,7 @@ import torch
 import adaptive  # noqa: F401  (registers the adaptive attacks)
 import audit
 from attacks import ATTACKS, observe
+from audit.core.metrics import psnr
 from audit.core.models import build_model
 from audit.engine.audit import Audit
 from defenses import build_defense
@@ -24,15 +25,22 @@ def observations():
 
 @pytest.mark.parametrize("name, settings", [("ig", {}), ("ig", {"restarts": 2}), ("through-defense", {})])
 def test_grouped_run_matches_one_at_a_time(observations, name, settings, one_thread):
-    obs, _ = observations
+    obs, x = observations
     attack = ATTACKS.build(name, **settings)
     one = [attack.reconstruct(o, 24, seed) for seed, o in enumerate(obs)]
     many = attack.reconstruct_many(obs, 24, [0, 1, 2])
-    for a, b in zip(one, many):
+    for i, (a, b) in enumerate(zip(one, many)):
         assert b.trace["grouped"].startswith("one batched run over 3 observations")
-        assert a.trace["iterations"] == b.trace["iterations"] and a.trace["chosen_restart"] == b.trace["chosen_restart"]
-        torch.testing.assert_close(a.inputs, b.inputs, atol=1e-4, rtol=0)
-        assert torch.equal(a.labels, b.labels)
+        assert b.trace["execution"].startswith("batched (vmap over 3 observations")
+        assert a.trace["iterations"] == b.trace["iterations"] and torch.equal(a.labels, b.labels)
+        if name == "ig":  # smooth objective: the same trajectory up to float summation order
+            assert a.trace["chosen_restart"] == b.trace["chosen_restart"]
+            torch.testing.assert_close(a.inputs, b.inputs, atol=1e-4, rtol=0)
+        else:  # the replayed top-k mask can flip where round-off crosses its threshold: the
+            # same image to a few grey levels, the same quality
+            torch.testing.assert_close(a.inputs, b.inputs, atol=2e-2, rtol=0)
+            assert abs(float(psnr(a.inputs, x[i:i + 1])) - float(psnr(b.inputs, x[i:i + 1]))) < 1.0 or \
+                min(float(psnr(a.inputs, x[i:i + 1])), float(psnr(b.inputs, x[i:i + 1]))) > 40
 
 
 def test_attacks_that_cannot_group_say_why(observations, one_thread):
