@@ -3,8 +3,9 @@
 verdict thresholds drawn (rendered off-screen to PNG bytes)."""
 from __future__ import annotations
 
-import io
 from typing import Any, Dict
+
+from audit.report.plots import draw_thresholds, png_bytes
 
 
 def _short(setting: str) -> str:
@@ -37,11 +38,7 @@ def frontier_png(data: Dict[str, Any]) -> bytes:
         if pareto:
             ax.scatter([c["accuracy"] for c in pareto], [c["psnr"] for c in pareto], s=190, facecolors="none",
                        edgecolors="black", linewidths=1.1, label="Pareto-optimal", zorder=3)
-        thr = data["thresholds"]
-        for value, color, text, va in ((thr["leak_psnr"], "tab:red", f" leaks >= {thr['leak_psnr']:g} dB", "bottom"),
-                                       (thr["private_psnr"], "tab:green", f" private <= {thr['private_psnr']:g} dB", "top")):
-            ax.axhline(value, color=color, ls=":", lw=1)
-            ax.text(0.0, value, text, color=color, transform=ax.get_yaxis_transform(), va=va, ha="left", fontsize=8)
+        draw_thresholds(ax, data["thresholds"], x=0.0, ha="left")
         step = data["step"]
         ax.set_ylabel("worst-case PSNR (dB)" + (" at each cell's worst step" if step == "worst" else f" at step {step}"))
         steps = data["settings"].get("utility_steps")
@@ -50,12 +47,6 @@ def frontier_png(data: Dict[str, Any]) -> bytes:
         ax.set_title("privacy-utility frontier (lower and to the right is better)", fontsize=10)
         if not cells:
             ax.text(0.5, 0.5, "no cell has both a PSNR and an accuracy yet", transform=ax.transAxes, ha="center")
-        ax.grid(alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=8, loc="best")
-        fig.tight_layout()
-        buf = io.BytesIO()
-        fig.savefig(buf, format="png")
-        return buf.getvalue()
+        return png_bytes(fig, ax)
     finally:
         plt.close(fig)

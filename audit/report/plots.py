@@ -27,13 +27,7 @@ def psnr_vs_step_png(data: Dict[str, Any]) -> bytes:
                  if s["worst_case"]["psnr"] is not None]
         if worst:
             ax.plot(*zip(*worst), color="black", lw=2.4, alpha=0.55, label="worst case")
-        thr = data["thresholds"]
-        ax.axhline(thr["leak_psnr"], color="tab:red", ls=":", lw=1)
-        ax.axhline(thr["private_psnr"], color="tab:green", ls=":", lw=1)
-        ax.text(1.0, thr["leak_psnr"], f" leaks >= {thr['leak_psnr']:g} dB", color="tab:red",
-                transform=ax.get_yaxis_transform(), va="bottom", ha="right", fontsize=8)
-        ax.text(1.0, thr["private_psnr"], f" private <= {thr['private_psnr']:g} dB", color="tab:green",
-                transform=ax.get_yaxis_transform(), va="top", ha="right", fontsize=8)
+        draw_thresholds(ax, data["thresholds"], x=1.0, ha="right")
         ax.set_xscale("symlog", linthresh=1)
         if steps:
             ax.set_xticks(steps)
@@ -41,12 +35,25 @@ def psnr_vs_step_png(data: Dict[str, Any]) -> bytes:
         ax.set_xlabel("training step of the audited checkpoint")
         ax.set_ylabel("PSNR (dB), mean over private images")
         ax.set_title(f"{data['defense']['name']}: reconstruction quality over training", fontsize=10)
-        ax.grid(alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=8, loc="best")
-        fig.tight_layout()
-        buf = io.BytesIO()
-        fig.savefig(buf, format="png")
-        return buf.getvalue()
+        return png_bytes(fig, ax)
     finally:
         plt.close(fig)
+
+
+def draw_thresholds(ax, thr, *, x: float, ha: str) -> None:
+    """The 'leaks' and 'private' PSNR thresholds as dotted lines, labelled at axis position ``x``."""
+    for value, color, text, va in ((thr["leak_psnr"], "tab:red", f" leaks >= {thr['leak_psnr']:g} dB", "bottom"),
+                                   (thr["private_psnr"], "tab:green", f" private <= {thr['private_psnr']:g} dB", "top")):
+        ax.axhline(value, color=color, ls=":", lw=1)
+        ax.text(x, value, text, color=color, transform=ax.get_yaxis_transform(), va=va, ha=ha, fontsize=8)
+
+
+def png_bytes(fig, ax) -> bytes:
+    """Grid, legend (when anything is labelled), tight layout; the figure as PNG bytes."""
+    ax.grid(alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8, loc="best")
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    return buf.getvalue()
