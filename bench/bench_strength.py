@@ -44,6 +44,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from attacks import ATTACKS, observe  # noqa: E402
+from audit.core.errors import NotApplicable  # noqa: E402
 from audit.core.metrics import score  # noqa: E402
 from audit.core.models import build_model  # noqa: E402
 
@@ -263,11 +264,12 @@ def run_cell(model_name: str, batch: int, group: int, images: torch.Tensor, args
             log(row)
     for name in args.attacks:
         seconds_target = wall.get(WALL_TIME_OF[name])
-        if seconds_target is not None:
-            budget = budget_for(name, obs, seconds_target, args.seed)
-        else:
-            budget = args.budget
-        rec, seconds = timed(ATTACKS.build(name), obs, budget, args.seed)
+        try:
+            budget = budget_for(name, obs, seconds_target, args.seed) if seconds_target is not None else args.budget
+            rec, seconds = timed(ATTACKS.build(name), obs, budget, args.seed)
+        except NotApplicable as err:  # e.g. gi's BN prior on a model without BatchNorm
+            log(f"{model_name} batch {batch}: {name} does not apply ({err})")
+            continue
         row = dict(base, tool="gia-audit", attack=name, budget=f"{budget} ev", seconds=seconds,
                    failed=bool(rec.trace.get("failed_to_optimise", False)),
                    **evaluate(rec.inputs, rec.labels, x, y, lp))
