@@ -37,7 +37,7 @@ def nan_on_private(model, inputs, labels, *, loss_fn, generator):
 def test_audit_of_none_reports_leakage_at_step_0(tmp_path):
     report = audit.run(defense="none", steps=[0], attacks="auto", images=1, out=tmp_path, **TINY)
     ids = [a["id"] for a in report.data["attacks"]]
-    assert "ig" in ids and "analytic" in ids  # base attack + the planner's pick for an MLP
+    assert "portfolio" in ids and "analytic" in ids  # base attack + the planner's pick for an MLP
     step0 = report.step(0)
     assert step0["attacks"]["analytic"]["psnr"] > 60  # exact up to float error
     assert step0["verdict"]["label"] == "leaks" and report.verdict == "leaks"

@@ -58,7 +58,7 @@ def test_planner_identifies_each_builtin_defense(name):
     flags = p.traits.flags()
     assert {k for k in on if not flags[k]} == set(), flags
     assert {k for k in off if flags[k]} == set(), flags
-    assert p.names()[0] == "ig" and PLANNED.get(name, set()) <= set(p.names()), p.names()
+    assert p.names()[0] == "portfolio" and PLANNED.get(name, set()) <= set(p.names()), p.names()
     assert not p.unavailable  # every proposed attack is registered
 
 
@@ -86,7 +86,7 @@ def test_plain_user_callable_that_prunes_is_planned_from_probing_alone():
     assert flags["sparse"] and not flags["stochastic"] and flags["differentiable"]
     assert all(0.78 < p.traits.layer(n).zero_frac_defended <= 0.8 for n in ("2.weight", "8.weight"))
     assert p.traits.declared_stochastic is None and not p.traits.has_log_prob
-    assert p.names()[0] == "ig"
+    assert p.names()[0] == "portfolio"
     mask = next(a for a in p.attacks + p.unavailable if a.name == "mask-replay")
     assert "zeros" in mask.reason
 

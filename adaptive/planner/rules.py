@@ -41,8 +41,9 @@ def _pct(x: float) -> str:
 @RULES.register("baseline", "the naive attack the defense was designed against")
 def baseline(t: DefenseTraits) -> List[PlannedAttack]:
     why = ("no perturbation detected: the clean gradient is shared" if t.identity
-           else "naive baseline: plain gradient matching, for comparison with the adaptive attacks")
-    return [PlannedAttack("ig", {}, why, adaptive=False)]
+           else "naive baseline: the portfolio of plain gradient-matching strategies, for comparison "
+                "with the adaptive attacks")
+    return [PlannedAttack("portfolio", {}, why, adaptive=False)]
 
 
 @RULES.register("analytic", "batch-1 linear gradients still rank-1: closed-form inversion")

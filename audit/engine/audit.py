@@ -36,7 +36,7 @@ from audit.report.risk import Thresholds, default_delta
 from audit.report.store import ResultStore
 
 DEFAULT_DEFENSE = "prune"  # 90% magnitude pruning: cheap, and the planner has adaptive attacks for it
-BASE_ATTACKS = ("ig",)
+BASE_ATTACKS = ("portfolio",)  # the strongest known plain attack (docs/strength.md)
 
 
 # --------------------------------------------------------------------------- the audit
