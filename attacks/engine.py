@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -67,6 +68,13 @@ def seeded_rng(device: torch.device, seed: int):
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(int(seed))
         yield
+
+
+def _parameter_names(fn: Callable) -> List[str]:
+    try:
+        return list(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return []
 
 
 def ungroupable(observations: Sequence[Observation]) -> str:
@@ -404,8 +412,11 @@ class _Run:
         starts where each one-at-a-time run starts)."""
         shape = (self.attack.restarts, self.obs.batch_size, *self.obs.input_shape)
         per_obs = []
+        takes_observation = "observation" in _parameter_names(self.attack.init)
         for gen in self.generators:
-            z = self.box.variable(self.attack.init(shape, gen, self.device))
+            drawn = (self.attack.init(shape, gen, self.device, observation=self.obs) if takes_observation
+                     else self.attack.init(shape, gen, self.device))
+            z = self.box.variable(drawn)
             variables = [z.detach().clone()]
             if self.labels.shape is not None:
                 variables.append(torch.randn((self.attack.restarts, *self.labels.shape), generator=gen,

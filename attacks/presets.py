@@ -100,10 +100,10 @@ def register_preset(name: str, description: str, **defaults: Any) -> Callable[..
 
 
 register_preset("dlg", "DLG: L2 gradient matching, L-BFGS, labels optimised jointly",
-                objective="l2", optimizer="lbfgs", lr=1.0, schedule="constant", box="none", init="uniform",
+                objective="l2", optimizer="lbfgs", lr=1.0, schedule="constant", box="none", init="data-randn",
                 labels="optimize", iterations=500, restarts=4)
 register_preset("idlg", "iDLG: DLG with the label inferred from the last-layer gradient",
-                objective="l2", optimizer="lbfgs", lr=1.0, schedule="constant", box="none", init="uniform",
+                objective="l2", optimizer="lbfgs", lr=1.0, schedule="constant", box="none", init="data-randn",
                 labels="infer", iterations=500, restarts=4)
 register_preset("ig", "Inverting Gradients: cosine + TV, signed Adam 0.1 with step decay, [0,1] box",
                 objective="cosine", tv=5e-2, optimizer="adam", lr=0.1, schedule="step", signed=True,

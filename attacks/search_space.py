@@ -28,6 +28,17 @@ def randn(shape: Sequence[int], generator: torch.Generator, device) -> Tensor:
     return torch.randn(tuple(shape), generator=generator, device=device)
 
 
+@INITS.register("data-randn", "N(mean, std^2) per channel: N(0, 1) in the model's normalised input space (breaching's DLG)")
+def data_randn(shape: Sequence[int], generator: torch.Generator, device, observation=None) -> Tensor:
+    """Standard normal in the normalised space the model sees, i.e. the declared data mean plus
+    the declared std times N(0, 1) in pixel space (mean 0.5, std 0.25 when none is declared)."""
+    mean = getattr(observation, "data_mean", None) or (0.5,) * shape[-3]
+    std = getattr(observation, "data_std", None) or (0.25,) * shape[-3]
+    view = (-1, 1, 1)
+    noise = torch.randn(tuple(shape), generator=generator, device=device)
+    return torch.tensor(mean, device=device).view(view) + torch.tensor(std, device=device).view(view) * noise
+
+
 @INITS.register("gray", "0.5 plus N(0, 0.05^2) noise")
 def gray(shape: Sequence[int], generator: torch.Generator, device) -> Tensor:
     return 0.5 + 0.05 * torch.randn(tuple(shape), generator=generator, device=device)

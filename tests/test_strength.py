@@ -76,3 +76,15 @@ def test_lbfgs_failed_line_search_resets_and_moves_on():
         opt.step(x, closure, it)
     assert any("line search failed" in e["event"] for e in opt.all_events())
     assert bool(opt.progress()[0]) and float(x[0].abs().max()) < 0.5
+
+
+def test_data_randn_init_is_standard_normal_in_the_models_input_space():
+    from types import SimpleNamespace
+
+    from attacks.search_space import INITS
+
+    declared = SimpleNamespace(data_mean=(0.2, 0.5, 0.8), data_std=(0.1, 0.2, 0.3))
+    x = INITS.get("data-randn")((64, 3, 16, 16), torch.Generator().manual_seed(0), "cpu", observation=declared)
+    for c in range(3):  # normalised with the declared statistics it is N(0, 1)
+        z = (x[:, c] - declared.data_mean[c]) / declared.data_std[c]
+        assert abs(float(z.mean())) < 0.02 and abs(float(z.std()) - 1) < 0.02
