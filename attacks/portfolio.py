@@ -7,13 +7,15 @@ field's attacks is strongest everywhere (measured in ``bench/bench_strength.py``
 connected nets to > 50 dB where cosine + TV stalls; a strong TV prior (``ig``'s 5e-2) wins on
 small ConvNets; a weak one (1e-4) is ~18 dB better on ResNet-18. The portfolio runs the
 registered :data:`STRATEGIES` that apply to the observation -- each an existing preset of
-:data:`attacks.presets.ATTACKS`, composed, not copied -- on equal shares of the budget
+:data:`attacks.presets.ATTACKS`, composed, not copied -- on equal shares of half the budget
 (labels inferred first, shared by every strategy), then scores every candidate with one
 scale-free gradient-matching loss (cosine distance of the dummy gradient to the observed
 one; never the ground truth). Selection: candidates are visited from the most regularised
 to the least; a later one replaces the current pick only if its matching loss is below
 ``ratio`` times the pick's (among reconstructions that explain the gradient about equally
-well, the smoother is the more plausible image; a clearly better fit wins).
+well, the smoother is the more plausible image; a clearly better fit wins). The chosen
+strategy then continues from its candidate with the other half of the budget (successive
+halving), and the continuation replaces it when it matches at least as well.
 """
 from __future__ import annotations
 
@@ -83,9 +85,16 @@ class PortfolioAttack:
         self.knobs = knobs
         self.scorer = OptimizationAttack("cosine", simulator=knobs.get("simulator"), name="portfolio-score")
 
-    def _attack(self, name: str) -> OptimizationAttack:
+    def _attack(self, name: str, **extra: Any) -> OptimizationAttack:
         strategy = STRATEGIES.get(name)
-        return ATTACKS.build(strategy.preset, **{**strategy.settings, **self.knobs})
+        return ATTACKS.build(strategy.preset, **{**strategy.settings, **self.knobs, **extra})
+
+    def _candidate(self, name: str, phase: str, observation: Observation, rec: Reconstruction,
+                   seed: int) -> Dict[str, Any]:
+        return {"strategy": name, "phase": phase, "match": self.match(observation, rec, seed),
+                "gradient_evaluations": rec.trace.get("gradient_evaluations"),
+                "failed_to_optimise": bool(rec.trace.get("failed_to_optimise")),
+                "time_s": rec.trace.get("time_s")}
 
     def match(self, observation: Observation, rec: Reconstruction, seed: int) -> float:
         """The scale-free matching loss (cosine distance of gradients) of a candidate."""
@@ -95,7 +104,8 @@ class PortfolioAttack:
 
     def reconstruct(self, observation: Observation, budget: Optional[int] = None, seed: int = 0,
                     progress: Optional[Callable[[int, int, float], None]] = None) -> Reconstruction:
-        """Run the applicable strategies on equal shares of ``budget`` gradient evaluations."""
+        """Explore the applicable strategies on equal shares of half of ``budget`` gradient
+        evaluations, then continue the chosen one with the rest."""
         budget = DEFAULT_BUDGET if budget is None else int(budget)
         if budget < 0:
             raise ConfigError(f"budget must be >= 0 gradient evaluations, got {budget}")
@@ -104,36 +114,51 @@ class PortfolioAttack:
         run = [n for n, why in chosen if not why]
         if not run:
             return Reconstruction.not_applicable(f"no portfolio strategy applies: {skipped}", attack=self.name)
-        share = max(1, budget // (len(run) + 1))  # one share's worth kept for scoring
+        # successive halving: half the budget explores (equal shares), the chosen strategy
+        # continues from its candidate with the other half (scoring costs one evaluation each)
+        share = max(1, budget // (2 * len(run) + 1))
         candidates: List[Dict[str, Any]] = []
         results: Dict[str, Reconstruction] = {}
-        for i, name in enumerate(run):
-            def sub_progress(done, total, loss, _i=i):
+
+        def scaled(offset: int, span: int, total: int):
+            def sub_progress(done, part, loss):
                 if progress is not None:
-                    progress(_i * share + done * share // max(total, 1), len(run) * share, loss)
+                    progress(offset + done * span // max(part, 1), total, loss)
+            return sub_progress
+
+        for i, name in enumerate(run):
             try:
-                rec = self._attack(name).reconstruct(observation, share, seed, progress=sub_progress)
+                rec = self._attack(name).reconstruct(observation, share, seed,
+                                                     progress=scaled(i * share, share, budget))
             except NotApplicable as err:
                 skipped[name] = str(err)
                 continue
             results[name] = rec
-            candidates.append({"strategy": name, "match": self.match(observation, rec, seed),
-                               "gradient_evaluations": rec.trace.get("gradient_evaluations"),
-                               "failed_to_optimise": bool(rec.trace.get("failed_to_optimise")),
-                               "time_s": rec.trace.get("time_s")})
+            candidates.append(self._candidate(name, "explore", observation, rec, seed))
         if not candidates:
             return Reconstruction.not_applicable(f"no portfolio strategy applies: {skipped}", attack=self.name)
         pick = candidates[0]
         for c in candidates[1:]:
             if c["match"] < self.ratio * pick["match"]:
                 pick = c
+        spent = sum(c["gradient_evaluations"] or 0 for c in candidates) + len(candidates)
+        rest = budget - spent - 1
+        if rest >= share:  # continue the chosen strategy from its candidate
+            start = results[pick["strategy"]]
+            attack = self._attack(pick["strategy"], init=_warm_start(start.inputs))
+            rec = attack.reconstruct(observation, rest, seed, progress=scaled(spent, rest, budget))
+            more = self._candidate(pick["strategy"], "continue", observation, rec, seed)
+            candidates.append(more)
+            if more["match"] <= pick["match"]:
+                pick, results[pick["strategy"]] = more, rec
         best = results[pick["strategy"]]
         trace = dict(best.trace)
         trace.update({
-            "attack": self.name, "chosen_strategy": pick["strategy"], "candidates": candidates,
-            "skipped_strategies": skipped, "budget_share": share,
+            "attack": self.name, "chosen_strategy": pick["strategy"], "chosen_phase": pick["phase"],
+            "candidates": candidates, "skipped_strategies": skipped, "budget_share": share,
             "selection": (f"lowest cosine gradient-matching loss, most regularised first, a later candidate "
-                          f"wins only below {self.ratio:g} x the pick's; ground truth unused"),
+                          f"wins only below {self.ratio:g} x the pick's; the pick continues from its "
+                          f"candidate with the rest of the budget; ground truth unused"),
             "gradient_evaluations": sum(c["gradient_evaluations"] or 0 for c in candidates) + len(candidates),
         })
         failed = all(c["failed_to_optimise"] for c in candidates)
@@ -143,6 +168,14 @@ class PortfolioAttack:
             trace["failed_to_optimise"] = True
             trace["failure"] = "attack failed to optimise: no portfolio strategy decreased its loss"
         return Reconstruction(best.inputs, best.labels, trace)
+
+
+def _warm_start(images: torch.Tensor) -> Callable:
+    """An initialisation that starts every restart at ``images`` (a candidate to continue)."""
+    def init(shape, generator, device):
+        return images.detach().to(device).unsqueeze(0).expand(tuple(shape)).clone()
+    init.__name__ = "warm-start"
+    return init
 
 
 @ATTACKS.register("portfolio", "the strongest of dlg/ig-style strategies in one budget: exact L2 + L-BFGS, "
