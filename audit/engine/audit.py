@@ -36,7 +36,9 @@ from audit.report.risk import Thresholds, default_delta
 from audit.report.store import ResultStore
 
 DEFAULT_DEFENSE = "prune"  # 90% magnitude pruning: cheap, and the planner has adaptive attacks for it
-BASE_ATTACKS = ("portfolio",)  # the strongest known plain attack (docs/strength.md)
+# the portfolio of plain strategies (docs/strength.md), and IG alone: at small budgets IG's full
+# share can beat the portfolio's pick, and the verdict takes the strongest attack
+BASE_ATTACKS = ("portfolio", "ig")
 
 
 # --------------------------------------------------------------------------- the audit
