@@ -486,6 +486,9 @@ class _Run:
                 trace["failure"] = ("attack failed to optimise: the loss of the chosen restart never went "
                                     f"below its first value in {len(history)} iterations "
                                     f"({len(trace['optimizer_events'])} recoveries tried)")
+            if not history:  # budget 0: the initialisation itself, nothing was optimised
+                trace["failed_to_optimise"] = True
+                trace["failure"] = "attack failed to optimise: no iteration ran (budget 0)"
             if self.n > 1:
                 trace["grouped"] = f"one batched run over {self.n} observations of the same model ({seconds:.2f} s)"
             out.append(Reconstruction(images, labels, trace))

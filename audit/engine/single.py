@@ -152,4 +152,5 @@ def _summary(attack: str, rec, scores: Dict[str, Any], folder: Path) -> str:
             parts.append(f"{name} {value.value:.3g}{unit}")
         elif value is not None:
             parts.append(f"{name} unavailable ({value.unavailable})")
-    return f"{attack}: " + ", ".join(parts) + f"; wrote {folder}/comparison.png and metrics.json"
+    failed = f" -- {rec.trace['failure']}" if rec.trace.get("failed_to_optimise") else ""
+    return f"{attack}: " + ", ".join(parts) + failed + f"; wrote {folder}/comparison.png and metrics.json"
