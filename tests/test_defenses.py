@@ -175,7 +175,6 @@ def test_soft_prune_log_prob_matches_its_sampling(noise):
     defense = build_defense("soft-prune", prune_prob=0.3, sigma=0.1, noise=noise)
     clean = torch.full((200_000,), 0.25)
     shared = defense.transform([clean], generator=torch.Generator().manual_seed(0))[0]
-    edges = torch.linspace(-0.6, 0.9, 31)
     observed = torch.histc(shared, bins=30, min=-0.6, max=0.9) / clean.numel()
     grid = torch.linspace(-0.6, 0.9, 30 * 200 + 1)
     density = defense.log_prob_elementwise(grid, torch.full_like(grid, 0.25)).exp()
