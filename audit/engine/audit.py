@@ -549,11 +549,24 @@ def run(
     :mod:`audit.engine.settings`' ``DataSettings``, ``FLSettings``, ``AttackSettings`` and
     ``OutputSettings``.
     """
-    audit = Audit(defense, model, defense_args=defense_args, model_args=model_args,
-                  data=DataSettings(data, data_args or {}, image_size, images, batch_size, share_labels),
-                  fl=FLSettings(lr, train_batch_size, clients, local_steps, local_lr),
-                  attacks=AttackSettings(steps, attacks, attack_args or {}, budget),
-                  output=OutputSettings(out, utility, utility_steps, thresholds or Thresholds(), delta, progress,
-                                        defense_timeout, retry_errors),
-                  seed=seed, device=device)
-    return audit.run()
+    flat = {name: value for name, value in locals().items() if name not in ("defense", "defense_args")}
+    return Audit(defense, defense_args=defense_args, **audit_settings(**flat)).run()
+
+
+def audit_settings(**flat: Any) -> Dict[str, Any]:
+    """:func:`audit.engine.audit.run`'s flat keyword settings (its defaults where not given) as
+    the keyword objects :class:`Audit` and :class:`Sweep` take (``data``, ``fl``, ...)."""
+    params = inspect.signature(run).parameters
+    valid = [p for p in params if p not in ("defense", "defense_args")]
+    unknown = sorted(k for k in flat if k not in valid)
+    if unknown:
+        raise ConfigError(f"unknown audit setting(s) {', '.join(unknown)}; valid settings: {', '.join(valid)}")
+    s = {name: flat.get(name, p.default) for name, p in params.items()}
+    return dict(
+        model=s["model"], model_args=s["model_args"], seed=s["seed"], device=s["device"],
+        data=DataSettings(s["data"], s["data_args"] or {}, s["image_size"], s["images"], s["batch_size"],
+                          s["share_labels"]),
+        fl=FLSettings(s["lr"], s["train_batch_size"], s["clients"], s["local_steps"], s["local_lr"]),
+        attacks=AttackSettings(s["steps"], s["attacks"], s["attack_args"] or {}, s["budget"]),
+        output=OutputSettings(s["out"], s["utility"], s["utility_steps"], s["thresholds"] or Thresholds(),
+                              s["delta"], s["progress"], s["defense_timeout"], s["retry_errors"]))

@@ -25,7 +25,6 @@ report.
 """
 from __future__ import annotations
 
-import inspect
 import itertools
 import re
 import time
@@ -34,13 +33,12 @@ from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from audit.core.errors import ConfigError, GiaError
-from audit.engine.audit import Audit, run
+from audit.engine.audit import Audit, audit_settings
 from audit.engine.compose import resolve_defense, resolve_device
 from audit.engine.executors import EXECUTORS
 from audit.engine.identity import defense_identity, model_identity
 from audit.engine.settings import AttackSettings, DataSettings, FLSettings, OutputSettings, as_dict
 from audit.engine.utility import measure_utility
-from audit.report.risk import Thresholds
 from audit.report.store import ResultStore, atomic_write_json, read_json, settings_key
 from audit.report.sweep_report import SweepReport
 
@@ -376,25 +374,6 @@ def _progress(total: int, initial: int, enabled: bool):
 
 
 # --------------------------------------------------------------------------- public entry point
-def audit_settings(**flat: Any) -> Dict[str, Any]:
-    """:func:`audit.engine.audit.run`'s flat keyword settings (its defaults where not given) as
-    the keyword objects :class:`Audit` and :class:`Sweep` take (``data``, ``fl``, ...)."""
-    params = inspect.signature(run).parameters
-    valid = [p for p in params if p not in ("defense", "defense_args")]
-    unknown = sorted(k for k in flat if k not in valid)
-    if unknown:
-        raise ConfigError(f"unknown sweep setting(s) {', '.join(unknown)}; valid settings: {', '.join(valid)}")
-    s = {name: flat.get(name, p.default) for name, p in params.items()}
-    return dict(
-        model=s["model"], model_args=s["model_args"], seed=s["seed"], device=s["device"],
-        data=DataSettings(s["data"], s["data_args"] or {}, s["image_size"], s["images"], s["batch_size"],
-                          s["share_labels"]),
-        fl=FLSettings(s["lr"], s["train_batch_size"], s["clients"], s["local_steps"], s["local_lr"]),
-        attacks=AttackSettings(s["steps"], s["attacks"], s["attack_args"] or {}, s["budget"]),
-        output=OutputSettings(s["out"], s["utility"], s["utility_steps"], s["thresholds"] or Thresholds(),
-                              s["delta"], s["progress"], s["defense_timeout"], s["retry_errors"]))
-
-
 def sweep(grid: Any, out: Union[str, Path] = "sweep-out", *, step: Optional[int] = None, executor: str = "local",
           executor_args: Optional[Dict[str, Any]] = None, **settings: Any) -> SweepReport:
     """Audit a grid of defenses and settings; the privacy-utility frontier as a report.
