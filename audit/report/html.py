@@ -27,7 +27,8 @@ def _verdict_badge(label: str) -> str:
     return f'<span class="verdict {cls}">{escape(label)}</span>'
 
 
-def _table(header: List[str], rows: List[List[str]], raw: bool = False) -> str:
+def html_table(header: List[str], rows: List[List[str]], raw: bool = False) -> str:
+    """An HTML table (cells escaped unless ``raw``); shared by the audit and sweep reports."""
     def cell(v: Any) -> str:
         return str(v) if raw else escape(str(v))
 
@@ -61,19 +62,19 @@ def _grid(data: Dict[str, Any], step: Dict[str, Any], run_dir: Optional[Path]) -
                 row.append(_img(run_dir, rec.get("png"), f"{attack['id']} image {i}") + f"<br>{caption}")
         rows.append(row)
     header = [""] + [f"image {i}" for i in images]
-    return f'<div class="grid">{_table(header, rows, raw=True)}</div>'
+    return f'<div class="grid">{html_table(header, rows, raw=True)}</div>'
 
 
 def _summary(data: Dict[str, Any]) -> str:
-    return _table(summary_header(), [summary_row(s) for s in data["steps"]])
+    return html_table(summary_header(), [summary_row(s) for s in data["steps"]])
 
 
 def _per_attack(data: Dict[str, Any]) -> str:
     ids = [a["id"] for a in data["attacks"]]
-    parts = [_table(["step"] + ids, [[s["step"]] + [attack_cell(s["attacks"][a]) for a in ids]
+    parts = [html_table(["step"] + ids, [[s["step"]] + [attack_cell(s["attacks"][a]) for a in ids]
                                      for s in data["steps"]])]
     for aid in ids:
-        parts.append(f"<h3>{escape(aid)}</h3>" + _table(attack_header(), [attack_row(s, aid) for s in data["steps"]]))
+        parts.append(f"<h3>{escape(aid)}</h3>" + html_table(attack_header(), [attack_row(s, aid) for s in data["steps"]]))
     notes = unavailable_notes(data)
     if notes:
         parts.append("<ul>" + "".join(f"<li>{escape(m.upper())} unavailable: {escape(why)}</li>"
@@ -92,12 +93,12 @@ def _privacy(data: Dict[str, Any]) -> str:
     rows, note = privacy_rows(data.get("privacy", {}))
     if rows is None:
         return f"<p>{escape(note)}</p>"
-    return _table(["audited step", "DP-SGD steps spent", "epsilon", "delta"], rows) + f"<p>{escape(note)}</p>"
+    return html_table(["audited step", "DP-SGD steps spent", "epsilon", "delta"], rows) + f"<p>{escape(note)}</p>"
 
 
 def _kv(obj: Any) -> str:
     rows = [[k, v if isinstance(v, str) else json.dumps(v)] for k, v in kv_rows(obj)]
-    return _table(["key", "value"], rows) if rows else '<p class="muted">none</p>'
+    return html_table(["key", "value"], rows) if rows else '<p class="muted">none</p>'
 
 
 def _attacks(data: Dict[str, Any]) -> str:
@@ -105,14 +106,14 @@ def _attacks(data: Dict[str, Any]) -> str:
             for a in data["attacks"]]
     traits = plan_traits(data["plan"])
     extra = f"<h3>Defense traits found by probing</h3>{_kv(traits)}" if traits else ""
-    return _table(["attack", "kind", "settings", "reason"], rows) + extra
+    return html_table(["attack", "kind", "settings", "reason"], rows) + extra
 
 
 def _utility(data: Dict[str, Any]) -> str:
     rows, note = utility_rows(data["utility"])
     if rows is None:
         return f"<p>unavailable: {escape(note)}</p>"
-    return _table(["", "with the defense", "without"], rows) + f"<p>{escape(note)}</p>"
+    return html_table(["", "with the defense", "without"], rows) + f"<p>{escape(note)}</p>"
 
 
 def _failures(data: Dict[str, Any]) -> str:
@@ -120,7 +121,7 @@ def _failures(data: Dict[str, Any]) -> str:
         return "<p>none</p>"
     rows = [[f.get("step", ""), f.get("attack", ""), f.get("image", ""), f.get("defense", ""),
              f.get("status", f.get("phase", "")), f.get("error", "")] for f in data["failures"]]
-    return _table(["step", "attack", "image", "defense", "status", "error"], rows)
+    return html_table(["step", "attack", "image", "defense", "status", "error"], rows)
 
 
 def render_html(data: Dict[str, Any], run_dir: Optional[Path]) -> str:

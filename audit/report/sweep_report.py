@@ -155,19 +155,19 @@ def render_markdown(data: Dict[str, Any]) -> str:
 
 
 def render_html(data: Dict[str, Any], png: bytes) -> str:
-    from audit.report.html import CSS, _table
+    from audit.report.html import CSS, html_table
     from audit.report.images import data_uri
 
     rows = [[escape(c) for c in row[:-1]] + [row[-1]]
             for row in _rows(data, lambda r: f'<a href="{escape(r["report"])}">{escape(r["name"])}</a>')]
-    settings = _table(["key", "value"], [[k, v] for k, v in kv_rows(data["settings"])])
+    settings = html_table(["key", "value"], [[k, v] for k, v in kv_rows(data["settings"])])
     defs = "".join(f"<li>{escape(d)}</li>" for d in _definitions(data))
     body = f"""
 <h1>{escape(data['title'])}</h1>
 <p class="muted">{data['progress']['done']}/{data['progress']['total']} cells audited &middot;
 generated {escape(data['generated'])}</p>
 <p><img alt="privacy-utility frontier" src="{data_uri(png)}"></p>
-{_table(HEADER, rows, raw=True)}
+{html_table(HEADER, rows, raw=True)}
 <ul>{defs}</ul>
 <h2>Settings (every cell)</h2>{settings}
 """
