@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import inspect
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -29,7 +28,7 @@ import torch
 from torch import Tensor
 
 from audit.core.errors import ConfigError, GiaError, NotApplicable
-from audit.core.types import Observation, Reconstruction, iterations_for, trainable_parameters
+from audit.core.types import Observation, Reconstruction, iterations_for, parameter_names, trainable_parameters
 from priors import PRIORS, Prior, PriorContext, requiring, weighted_total
 
 from attacks.labels import LABEL_STRATEGIES, LabelPlan, plan_labels
@@ -68,13 +67,6 @@ def seeded_rng(device: torch.device, seed: int):
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(int(seed))
         yield
-
-
-def _parameter_names(fn: Callable) -> List[str]:
-    try:
-        return list(inspect.signature(fn).parameters)
-    except (TypeError, ValueError):
-        return []
 
 
 def ungroupable(observations: Sequence[Observation]) -> str:
@@ -412,7 +404,7 @@ class _Run:
         starts where each one-at-a-time run starts)."""
         shape = (self.attack.restarts, self.obs.batch_size, *self.obs.input_shape)
         per_obs = []
-        takes_observation = "observation" in _parameter_names(self.attack.init)
+        takes_observation = "observation" in parameter_names(self.attack.init)
         for gen in self.generators:
             drawn = (self.attack.init(shape, gen, self.device, observation=self.obs) if takes_observation
                      else self.attack.init(shape, gen, self.device))

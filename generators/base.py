@@ -15,13 +15,13 @@ latent space is searchable).
 """
 from __future__ import annotations
 
-import inspect
 from typing import Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
 
 from audit.core.errors import ConfigError
+from audit.core.types import parameter_names
 
 
 class ImageGenerator(nn.Module):
@@ -94,7 +94,7 @@ class ModuleGenerator(ImageGenerator):
         self.image_shape = tuple(image_shape)
         self.num_classes = num_classes
         self.output_range = output_range
-        self._takes_labels = num_classes > 0 or "labels" in _parameter_names(module.forward)
+        self._takes_labels = num_classes > 0 or "labels" in parameter_names(module.forward)
         user_blocks = getattr(module, "blocks", None)
         layered = isinstance(user_blocks, (nn.ModuleList, nn.Sequential)) and len(user_blocks) > 0
         # the same block objects as the user's module (no copy): parameters are shared
@@ -180,8 +180,3 @@ def _module_device(module: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def _parameter_names(fn) -> list:
-    try:
-        return list(inspect.signature(fn).parameters)
-    except (TypeError, ValueError):
-        return []

@@ -228,7 +228,7 @@ class GradientTransformDefense(Defense):
         self.fn = fn
         self.name = name or getattr(fn, "__name__", "transform")
         self.stochastic = stochastic
-        self._takes_generator = "generator" in _parameter_names(fn)
+        self._takes_generator = "generator" in parameter_names(fn)
         functools.update_wrapper(self, fn)
 
     def transform(self, grads, *, generator=None, model=None):
@@ -270,7 +270,8 @@ def _call_accepts_round(kind: type) -> bool:
     return takes_round(kind.__call__)
 
 
-def _parameter_names(fn: Callable) -> List[str]:
+def parameter_names(fn: Callable) -> List[str]:
+    """The names of ``fn``'s parameters ([] when it has no inspectable signature)."""
     import inspect
 
     try:

@@ -25,7 +25,7 @@ from audit.client.fl import train
 from audit.client.observe import observe
 from audit.core.defense_call import defense_timeout
 from audit.core.errors import ConfigError, DefenseError, GiaError, NotApplicable
-from audit.engine.compose import build_model, client_model, load_data, resolve_defense, resolve_device
+from audit.engine.compose import build_model, client_model, load_data, reconstruct, resolve_defense, resolve_device
 from audit.engine.identity import data_identity, defense_identity, derive_seed, model_identity, versions
 from audit.engine.privacy import privacy_report
 from audit.engine.scoring import PSNR_CAP, score_against_trained, score_reconstruction, trace_summary, trained_batch
@@ -198,7 +198,7 @@ class Audit:
         start = time.perf_counter()
         try:
             attack = ATTACKS.build(spec.name, **spec.settings)
-            rec = _reconstruct(attack, obs, self.attacks.budget, record["seed"], progress)
+            rec = reconstruct(attack, obs, self.attacks.budget, record["seed"], progress)
         except NotApplicable as err:
             return {**record, "status": "not_applicable", "reason": str(err)}, None
         except Exception as err:  # an attack, or a defense inside an adaptive attack, failed
@@ -448,17 +448,6 @@ def _measure_utility(audit: "Audit") -> Dict[str, Any]:
                            dataset=audit.dataset, steps=audit.output.utility_steps,
                            lr=audit.fl.lr, batch_size=audit.fl.batch_size, clients=audit.fl.clients,
                            local_steps=audit.fl.local_steps, seed=audit.seed, device=audit.device)
-
-
-def _reconstruct(attack, obs, budget: int, seed: int, progress: Optional[Callable]):
-    """``attack.reconstruct``, with the progress callback for attacks that take one."""
-    try:
-        takes_progress = "progress" in inspect.signature(attack.reconstruct).parameters
-    except (TypeError, ValueError):
-        takes_progress = False
-    if takes_progress and progress is not None:
-        return attack.reconstruct(obs, budget, seed, progress=progress)
-    return attack.reconstruct(obs, budget, seed)
 
 
 def _inner_progress(bar, label: str, every_s: float = 0.5) -> Callable[[int, int, float], None]:

@@ -4,12 +4,13 @@ architectural defense exactly once)."""
 from __future__ import annotations
 
 import copy
-from typing import Any, Dict
+from typing import Any, Callable, Dict, Optional
 
 import torch
 from torch import nn
 
 from audit.core.errors import ConfigError, DefenseError, GiaError
+from audit.core.types import parameter_names
 
 
 def resolve_device(device) -> torch.device:
@@ -70,3 +71,10 @@ def client_model(defense, model: nn.Module, seed: int) -> nn.Module:
     if not isinstance(wrapped, nn.Module):
         raise DefenseError(f"defense {defense.name!r}: wrap_model returned {type(wrapped).__name__}, not an nn.Module")
     return wrapped
+
+
+def reconstruct(attack: Any, observation: Any, budget: Optional[int], seed: int, progress: Optional[Callable]):
+    """``attack.reconstruct``, with the ``progress(done, total, loss)`` callback for attacks that take one."""
+    if progress is not None and "progress" in parameter_names(attack.reconstruct):
+        return attack.reconstruct(observation, budget, seed, progress=progress)
+    return attack.reconstruct(observation, budget, seed)

@@ -8,7 +8,6 @@ trace with the loss history per restart).
 """
 from __future__ import annotations
 
-import inspect
 import json
 from pathlib import Path
 from typing import Any, Dict, Optional
@@ -19,7 +18,7 @@ import adaptive  # noqa: F401  (registers the adaptive attacks in ATTACKS)
 from attacks.presets import ATTACKS
 from audit.client.observe import observe
 from audit.core.errors import ConfigError
-from audit.engine.compose import client_model, resolve_defense
+from audit.engine.compose import client_model, reconstruct, resolve_defense
 
 
 def _private_batch(dataset, index: int, batch: int, image: Optional[str], label: int):
@@ -105,9 +104,8 @@ def run_attack(
     attacker = ATTACKS.build(attack, **settings)
     total = budget if budget is not None else getattr(attacker, "iterations", 0)
     bar, update = _progress_bar(total, progress, attack)
-    kwargs = {"progress": update} if "progress" in inspect.signature(attacker.reconstruct).parameters else {}
     try:
-        rec = attacker.reconstruct(obs, budget, seed, **kwargs)
+        rec = reconstruct(attacker, obs, budget, seed, update)
     finally:
         bar.close()
     scores = score(rec.inputs if rec.applicable else None, rec.labels, x.to(device), y.to(device))
