@@ -1,5 +1,5 @@
 # Two entry points; each builds the virtual environment first when it is missing.
-#   make demo   - a real audit of a built-in defense on the embedded data (a few minutes, 2 CPU cores)
+#   make demo   - a real audit of a built-in defense on the embedded data (about 3 minutes with the set-up, 2 CPU cores)
 #   make test   - the test suite
 PYTHON ?= python3
 VENV ?= .venv
@@ -19,7 +19,7 @@ venv: $(VENV)/.installed
 weights: venv
 	$(VENV)/bin/gia-audit weights lpips
 
-demo: venv
+demo: weights
 	$(VENV)/bin/gia-audit audit --out $(OUT)
 
 test: venv

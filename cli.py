@@ -133,7 +133,7 @@ def weights_lpips_cmd(path, source, force, seed, device):
 @click.option("--model-arg", multiple=True, metavar="NAME=VALUE", help="model parameter (repeatable)")
 @click.option("--dataset", default=None, help="data set name (`gia-audit list datasets`)  [default: embedded]")
 @click.option("--data-path", default=None, help="local path of the data set (cifar10, mnist, folder)")
-@click.option("--image-size", default=None, type=int, help="image side in pixels  [default: 16]")
+@click.option("--image-size", default=None, type=int, help="image side in pixels  [default: 32]")
 @click.option("--steps", default=None, help="audited training steps, e.g. 0,1,5,20  [default: 0,1,5,20]")
 @click.option("--attacks", default=None, help="'auto' (base + the planner's adaptive attacks) or names, "
                                                  "e.g. ig,mask-replay  [default: auto]")

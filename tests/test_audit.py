@@ -251,3 +251,39 @@ def test_rounds_sharing_the_clean_gradient_are_found_and_attacked(tmp_path):
     assert report.psnr(2, "analytic") > 60 and report.psnr(0, "analytic") < 30  # CENSOR off from round 1
     assert report.step(2)["verdict"]["label"] == "leaks"
     assert "clean gradient shared" in (tmp_path / "report.md").read_text()
+
+
+def test_progress_counts_image_iterations_for_the_whole_audit(tmp_path, monkeypatch):
+    """The bar's unit is the image-iteration (gradient evaluations x private images), its
+    total covers every (step, attack, image) of the audit (so tqdm's rate and ETA are for the
+    whole audit), it moves while an attack iterates, and it ends exactly at the total."""
+    import audit.engine.audit as engine
+
+    bars = []
+
+    class Recorder:
+        def __init__(self, total, initial):
+            self.total, self.n, self.moves = total, initial, []
+            bars.append(self)
+
+        def update(self, k):
+            self.n += k
+            self.moves.append(k)
+
+        def set_postfix_str(self, s):
+            pass
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(engine, "_progress", lambda total, initial, enabled: Recorder(total, initial))
+    settings = {**TINY, "budget": 20, "batch_size": 2}
+    audit.run(defense="none", steps=[0, 1], attacks=["ig", "analytic"], images=2, out=tmp_path, **settings)
+    bar, = bars
+    assert bar.total == 2 * 2 * 2 * 20 * 2          # steps x attacks x images x budget x batch size
+    assert bar.n == bar.total and bar.moves
+    assert len(bar.moves) > 2 * 2 * 2                 # ig moved the bar while it iterated, not once per result
+    bars.clear()
+    audit.run(defense="none", steps=[0, 1, 2], attacks=["ig", "analytic"], images=2, out=tmp_path, **settings)
+    assert bars[0].total == 3 * 2 * 2 * 20 * 2 and bars[0].n == bars[0].total  # resumed: starts at the 2 done steps
+    assert sum(bars[0].moves) == 1 * 2 * 2 * 20 * 2

@@ -227,7 +227,8 @@ class Audit:
         except Exception as err:  # NotApplicable or a failure: attribute it image by image
             why = f"no: the grouped run failed ({type(err).__name__}: {str(err)[:120]}); one at a time"
         if recs is None:
-            out = [self.attack_one(spec, obs, x, y, step, image, progress=progress) for image, obs, x, y in group]
+            out = [self.attack_one(spec, obs, x, y, step, image, progress=_share(progress, k, len(group)))
+                   for k, (image, obs, x, y) in enumerate(group)]
             for record, _ in out:
                 if isinstance(record.get("trace"), dict):
                     record["trace"].setdefault("grouped", why)
@@ -329,7 +330,8 @@ class Audit:
         known = store.load_manifest().get("failures", [])
         if failure is not None and failure not in known:
             store.update_manifest(failures=known + [failure])
-        bar = _progress(total, total - len(pending), self.output.progress)
+        cost = self.result_cost()
+        bar = _progress(total * cost, (total - len(pending)) * cost, self.output.progress)
         try:
             for step in pending_steps:
                 todo = [(i, a) for s, i, a in pending if s == step]
@@ -340,6 +342,11 @@ class Audit:
                         self._attack_step(store, spec, observations, step, images, bar)
         finally:
             bar.close()
+
+    def result_cost(self) -> int:
+        """The progress bar's unit count for one result: image-iterations, i.e. gradient
+        evaluations (the budget) times the private images in a batch."""
+        return max(1, self.attacks.budget) * self.data.batch_size
 
     def _observations(self, state, failure, step: int, images: Sequence[int]) -> Dict[int, Any]:
         """The observation of each private batch at ``step`` (or why there is none)."""
@@ -361,19 +368,54 @@ class Audit:
                      images: Sequence[int], bar) -> None:
         """Attack ``images`` of ``step`` with ``spec`` as one group; store each result."""
         failed = [i for i in images if isinstance(observations[i], str)]
+        cost = self.result_cost()
         for image in failed:  # the defense failed on this batch: nothing to attack
             store.save_result({**self._record(spec, step, image), "status": "error", "failed": "defense",
                                "reason": observations[image]})
-            bar.update(1)
+            bar.update(cost)
         group = [(i, observations[i], *self.private[i]) for i in images if i not in failed]
         if not group:
             return
         label = f"step {step} {spec.id} images {','.join(str(i) for i, *_ in group)}"
         bar.set_postfix_str(label)
-        for (image, *_), (record, aligned) in zip(group, self.attack_group(spec, group, step,
-                                                                            _inner_progress(bar, label))):
+        credit = _GroupCredit(bar, label, cost * len(group))
+        for done, ((image, *_), (record, aligned)) in enumerate(zip(group, self.attack_group(spec, group, step,
+                                                                                             credit.progress)), 1):
             store.save_result(record, aligned)
-            bar.update(1)
+            credit.settle(done * cost)
+
+
+def _share(progress: Optional[Callable], k: int, n: int) -> Optional[Callable]:
+    """The group's ``progress`` seen from its ``k``-th of ``n`` members run one at a time."""
+    if progress is None:
+        return None
+    return lambda done, total, loss: progress(k * total + done, n * total, loss)
+
+
+class _GroupCredit:
+    """Moves the audit's bar (image-iterations) while one (step, attack) group runs: its
+    share grows with the attack's ``progress(done, total, loss)``; ``settle`` tops it up to
+    the finished results' full cost (attacks that stop early, or cost less than the budget)."""
+
+    def __init__(self, bar, label: str, cost: int, every_s: float = 0.5):
+        self.bar, self.label, self.cost, self.every_s = bar, label, cost, every_s
+        self.credited, self.last = 0, 0.0
+
+    def _move_to(self, units: int) -> None:
+        units = min(self.cost, units)
+        if units > self.credited:
+            self.bar.update(units - self.credited)
+            self.credited = units
+
+    def progress(self, done: int, total: int, loss: float) -> None:
+        self._move_to(int(self.cost * done / max(total, 1)))
+        now = time.perf_counter()
+        if now - self.last >= self.every_s or done == total:
+            self.last = now
+            self.bar.set_postfix_str(f"{self.label}: {done}/{total}, loss {float(loss):.3g}")
+
+    def settle(self, units: int) -> None:
+        self._move_to(units)
 
 
 # --------------------------------------------------------------------------- composition helpers
@@ -450,19 +492,6 @@ def _measure_utility(audit: "Audit") -> Dict[str, Any]:
                            local_steps=audit.fl.local_steps, seed=audit.seed, device=audit.device)
 
 
-def _inner_progress(bar, label: str, every_s: float = 0.5) -> Callable[[int, int, float], None]:
-    """A ``progress(done, total, loss)`` callback showing an attack's iterations in the bar."""
-    last = [0.0]
-
-    def show(done: int, total: int, loss: float) -> None:
-        now = time.perf_counter()
-        if now - last[0] >= every_s or done == total:
-            last[0] = now
-            bar.set_postfix_str(f"{label}: {done}/{total}, loss {float(loss):.3g}")
-
-    return show
-
-
 def _delta_description(delta: float, dataset) -> str:
     c, h, w = dataset.input_shape
     rmse = delta / math.sqrt(c * h * w)
@@ -481,7 +510,7 @@ def _data_description(dataset, private) -> Dict[str, Any]:
 def _progress(total: int, initial: int, enabled: bool):
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, initial=initial, desc="audit (step x attack x image)", unit="result",
+    return tqdm(total=total, initial=initial, desc="audit", unit=" image-it", unit_scale=True,
                 disable=not enabled, dynamic_ncols=True)
 
 
@@ -501,7 +530,7 @@ def run(
     defense_args: Optional[Dict[str, Any]] = None,
     model_args: Optional[Dict[str, Any]] = None,
     data_args: Optional[Dict[str, Any]] = None,
-    image_size: int = 16,
+    image_size: int = 32,
     batch_size: int = 1,
     share_labels: bool = False,
     lr: float = 0.1,

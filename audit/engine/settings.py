@@ -57,7 +57,7 @@ class DataSettings:
 
     data: Any = "embedded"
     data_args: Mapping[str, Any] = field(default_factory=dict)
-    image_size: int = 16
+    image_size: int = 32
     images: int = 4
     batch_size: int = 1
     share_labels: bool = False
