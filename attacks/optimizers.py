@@ -105,19 +105,27 @@ class Adam:
 class LBFGS:
     """L-BFGS with one history and one backtracking (Armijo) line search per restart.
 
-    The first step of each restart (and the first after a reset) is scaled by
-    ``min(1, 1 / |g|_1)`` as in torch's L-BFGS. Curvature pairs with ``s.y <= 0`` are not
-    stored. A restart whose line search fails keeps its point, loses its history and
-    continues next iteration from the step the search ended at (so a failing restart never
-    repeats the same failed search: the DLG stall); each such reset is recorded in
-    ``events``. Each trial point costs one batched evaluation (counted in ``evaluations``).
+    The inverse-Hessian product uses the compact representation (Byrd, Nocedal & Schnabel
+    1994; Nocedal & Wright eq. 7.24) on the restart's flattened variables, a handful of
+    batched matrix products per step instead of a Python two-loop over the history (the
+    two-loop cost more than the DLG evaluation itself). The first step of each restart
+    (and the first after a reset) is scaled by ``min(1, 1 / |g|_1)`` as in torch's L-BFGS.
+    Curvature pairs with ``s.y <= 0`` are not stored (a zero pair for that restart). A
+    restart whose line search fails keeps its point, loses its history and continues next
+    iteration from the step the search ended at (so a failing restart never repeats the same
+    failed search: the DLG stall); each such reset is recorded in ``events``. Each trial
+    point costs one batched evaluation (counted in ``evaluations``).
     """
 
     name = "lbfgs"
 
-    def __init__(self, lr: float = 1.0, history: int = 100, backtracks: int = 6, schedule: str = "constant"):
+    def __init__(self, lr: float = 1.0, history: int = 100, backtracks: int = 6, schedule: str = "constant",
+                 nonmonotone: int = 1):
         if not lr > 0:
             raise ConfigError(f"lbfgs lr must be > 0, got {lr}")
+        if nonmonotone < 1:
+            raise ConfigError(f"lbfgs nonmonotone must be >= 1 (1: plain Armijo), got {nonmonotone}")
+        self.nonmonotone = int(nonmonotone)
         if history < 1:
             raise ConfigError(f"lbfgs history must be >= 1, got {history}")
         self.lr, self.history, self.backtracks = float(lr), int(history), int(backtracks)
@@ -126,12 +134,19 @@ class LBFGS:
 
     def start(self, variables, iterations):
         self.iterations = max(1, iterations)
-        self.pairs: List[Tuple[List[Tensor], List[Tensor], Tensor]] = []
         self.current: Optional[Tuple[Tensor, List[Tensor]]] = None
         self.evaluations = 0
         restarts = variables[0].shape[0]
-        self.stored = torch.zeros(restarts, dtype=torch.long, device=variables[0].device)  # valid pairs
-        self.shrink = torch.ones(restarts, device=variables[0].device)  # step factor after failed searches
+        device, dtype = variables[0].device, variables[0].dtype
+        width = sum(v[0].numel() for v in variables)
+        self.S = torch.zeros(restarts, 0, width, device=device, dtype=dtype)  # steps, oldest first
+        self.Y = torch.zeros_like(self.S)                                   # gradient changes
+        self.SY = torch.zeros(restarts, 0, 0, device=device, dtype=torch.float64)  # s_i . y_j
+        self.YY = torch.zeros_like(self.SY)                                 # y_i . y_j
+        self.gamma = torch.ones(restarts, device=device, dtype=torch.float64)  # H0 = gamma I
+        self.stored = torch.zeros(restarts, dtype=torch.long, device=device)  # valid pairs
+        self.shrink = torch.ones(restarts, device=device)  # step factor after failed searches
+        self.recent: Optional[Tensor] = None  # (R, nonmonotone) last accepted losses
         self.events: List[dict] = []
 
     def _evaluate(self, closure, variables):
@@ -139,28 +154,61 @@ class LBFGS:
         loss, grads = closure(variables)
         return loss.detach(), [g.detach() for g in grads]
 
+    @staticmethod
+    def _flat(tensors: Sequence[Tensor]) -> Tensor:
+        return torch.cat([t.reshape(t.shape[0], -1) for t in tensors], 1)
+
+    @staticmethod
+    def _split(flat: Tensor, like: Sequence[Tensor]) -> List[Tensor]:
+        out, at = [], 0
+        for t in like:
+            n = t[0].numel()
+            out.append(flat[:, at:at + n].reshape(t.shape))
+            at += n
+        return out
+
     def _direction(self, grads: List[Tensor]) -> List[Tensor]:
-        q = [-g for g in grads]
-        alphas = []
-        for s, y, rho in reversed(self.pairs):
-            a = rho * _per_restart_dot(s, q)
-            q = [qi - _expand(a, qi) * yi for qi, yi in zip(q, y)]
-            alphas.append(a)
-        if self.pairs:
-            s, y, _ = self.pairs[-1]
-            yy = _per_restart_dot(y, y)
-            gamma = torch.where(yy > 0, _per_restart_dot(s, y) / yy.clamp_min(1e-30), torch.ones_like(yy))
-            q = [qi * _expand(gamma, qi) for qi in q]
-        for (s, y, rho), a in zip(self.pairs, reversed(alphas)):
-            beta = rho * _per_restart_dot(y, q)
-            q = [qi + _expand(a - beta, qi) * si for qi, si in zip(q, s)]
-        return q
+        """``-H g`` per restart, H the compact L-BFGS inverse Hessian of the stored pairs."""
+        g = self._flat(grads)
+        gamma = self.gamma.to(g.dtype)[:, None]
+        if self.S.shape[1] == 0:
+            return self._split(-gamma * g, grads)
+        a = torch.bmm(self.S, g[:, :, None]).double()                      # S^T g
+        b = torch.bmm(self.Y, g[:, :, None]).double()                      # Y^T g
+        diag = torch.diagonal(self.SY, dim1=1, dim2=2)
+        valid = diag > 0  # a zero pair (not stored for this restart) is decoupled by a unit diagonal
+        upper = torch.triu(self.SY, 1) + torch.diag_embed(torch.where(valid, diag, torch.ones_like(diag)))
+        u = torch.linalg.solve_triangular(upper, a, upper=True)           # R^-1 S^T g
+        gam = self.gamma[:, None, None]
+        t = torch.diag_embed(torch.where(valid, diag, torch.zeros_like(diag))) @ u + gam * (self.YY @ u) - gam * b
+        p1 = torch.linalg.solve_triangular(upper.transpose(1, 2), t, upper=False)
+        hg = gamma * g + (torch.bmm(self.S.transpose(1, 2), p1.to(g.dtype))
+                          - gamma[:, :, None] * torch.bmm(self.Y.transpose(1, 2), u.to(g.dtype))).squeeze(-1)
+        return self._split(-hg, grads)
+
+    def _store(self, s: Tensor, y: Tensor, useful: Tensor) -> None:
+        """Append the pair (zero for restarts where it is not ``useful``), oldest dropped."""
+        keep = useful.to(s.dtype)[:, None]
+        s, y = s * keep, y * keep
+        self.S = torch.cat([self.S, s[:, None]], 1)[:, -self.history:]
+        self.Y = torch.cat([self.Y, y[:, None]], 1)[:, -self.history:]
+        dropped = 1 if self.SY.shape[1] == self.history else 0  # the oldest pair just left S, Y
+        sy, yy = self.SY[:, dropped:, dropped:], self.YY[:, dropped:, dropped:]
+        row_sy = torch.bmm(s[:, None], self.Y.transpose(1, 2)).double()    # s_new . y_j
+        col_sy = torch.bmm(self.S, y[:, :, None]).double()                 # s_i . y_new
+        row_yy = torch.bmm(y[:, None], self.Y.transpose(1, 2)).double()
+        self.SY = torch.cat([torch.cat([sy, col_sy[:, :-1]], 2), row_sy], 1)
+        self.YY = torch.cat([torch.cat([yy, row_yy[:, :, :-1].transpose(1, 2)], 2), row_yy], 1)
+        sy_new = col_sy[:, -1, 0]
+        yy_new = row_yy[:, 0, -1]
+        self.gamma = torch.where(useful & (yy_new > 0), sy_new / yy_new.clamp_min(1e-300), self.gamma)
 
     def reset(self, restarts: Tensor) -> None:
         """Forget the curvature history of the restarts in the boolean mask ``restarts``."""
-        keep = (~restarts).to(self.shrink.dtype)
-        self.pairs = [([si * _expand(keep, si) for si in s], [yi * _expand(keep, yi) for yi in y], rho * keep)
-                      for s, y, rho in self.pairs]
+        keep = (~restarts).to(self.S.dtype)[:, None, None]
+        self.S, self.Y = self.S * keep, self.Y * keep
+        self.SY, self.YY = self.SY * keep.double(), self.YY * keep.double()
+        self.gamma = torch.where(restarts, torch.ones_like(self.gamma), self.gamma)
         self.stored = torch.where(restarts, torch.zeros_like(self.stored), self.stored)
 
     def step(self, variables, closure, iteration):
@@ -182,12 +230,17 @@ class LBFGS:
         base = [v.detach().clone() for v in variables]
         accepted = torch.zeros_like(loss, dtype=torch.bool)
         new_loss, new_grads = loss, grads
+        if self.recent is None:
+            self.recent = loss[:, None].repeat(1, self.nonmonotone)
+        # Armijo against the largest of the last `nonmonotone` accepted losses (Grippo et al.
+        # 1986): with 1 the plain monotone search; larger windows let L-BFGS take its full steps
+        reference = torch.where(torch.isfinite(self.recent), self.recent, loss[:, None]).max(1).values
         for _ in range(self.backtracks + 1):
             trial = [b + _expand(t, b) * d for b, d in zip(base, direction)]
             for v, tr, b in zip(variables, trial, base):
                 v.copy_(torch.where(_expand(accepted, b), v, tr))
             tl, tg = self._evaluate(closure, variables)
-            ok = torch.isfinite(tl) & (tl <= loss + 1e-4 * t * slope) & ~accepted
+            ok = torch.isfinite(tl) & (tl <= reference + 1e-4 * t * slope) & ~accepted
             new_loss = torch.where(ok, tl, new_loss)
             new_grads = [torch.where(_expand(ok, g), g_new, g) for g, g_new in zip(new_grads, tg)]
             accepted |= ok
@@ -196,14 +249,11 @@ class LBFGS:
             t = torch.where(accepted, t, t / 2)
         for v, b in zip(variables, base):  # failed restarts stay where they were
             v.copy_(torch.where(_expand(accepted, b), v, b))
-        s = [v.detach() - b for v, b in zip(variables, base)]
-        y = [gn - g for gn, g in zip(new_grads, grads)]
-        sy = _per_restart_dot(s, y)
+        s = self._flat([v.detach() - b for v, b in zip(variables, base)])
+        y = self._flat([gn - g for gn, g in zip(new_grads, grads)])
+        sy = (s * y).sum(1)
         useful = accepted & (sy > 1e-10)  # curvature condition: otherwise the pair would mislead
-        keep = useful.to(sy.dtype)
-        rho = torch.where(useful, 1.0 / sy.clamp_min(1e-10), torch.zeros_like(sy))
-        self.pairs = (self.pairs + [([si * _expand(keep, si) for si in s], [yi * _expand(keep, yi) for yi in y],
-                                     rho)])[-self.history:]
+        self._store(s, y, useful)
         self.stored = torch.clamp(self.stored + useful.long(), max=self.history)
         failed = ~accepted
         if failed.any():
@@ -218,6 +268,7 @@ class LBFGS:
         self.shrink = torch.where(accepted, torch.clamp(self.shrink * 2, max=1.0), self.shrink)
         self.current = (new_loss, new_grads)
         self.point = [v.detach().clone() for v in variables]
+        self.recent = torch.cat([self.recent[:, 1:], new_loss[:, None]], 1)
         return new_loss
 
     def recover(self, restarts: Tensor) -> str:
@@ -225,11 +276,13 @@ class LBFGS:
         self.reset(restarts)
         self.shrink = torch.where(restarts, self.shrink * 0.1, self.shrink)
         self.current = None  # the watchdog may have moved them back to their best point
+        if self.recent is not None:  # their window restarts from their next loss
+            self.recent = torch.where(restarts[:, None], torch.full_like(self.recent, float("nan")), self.recent)
         return f"lbfgs history reset, step x0.1 (now {float(self.shrink[restarts].min()):.3g} x)"
 
     def settings(self) -> dict:
         return {"optimizer": "lbfgs", "lr": self.lr, "history": self.history,
-                "backtracks": self.backtracks, "schedule": self.schedule_name}
+                "backtracks": self.backtracks, "schedule": self.schedule_name, "nonmonotone": self.nonmonotone}
 
 
 class Watchdog:

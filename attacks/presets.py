@@ -38,6 +38,7 @@ KNOBS: Dict[str, tuple] = {
     "optimizer": ("adam", "adam or lbfgs"),
     "lr": (0.1, "learning rate (step size for lbfgs)"),
     "schedule": ("step", "lr schedule: step, cosine, exp, constant"),
+    "nonmonotone": (1, "lbfgs: Armijo against the max of the last N losses (1: monotone)"),
     "signed": (False, "adam on signed gradients"),
     "init": ("uniform", "dummy initialisation: uniform, randn, gray"),
     "box": ("clamp", "clamp, sigmoid or none"),
@@ -68,11 +69,16 @@ def compose(name: str, **s: Any) -> OptimizationAttack:
         ("group", "group", {"start": s["group_start"]}), ("pixel_range", "range", {}),
     ) if s[weight]]
     if s["optimizer"] == "adam":
+        if s["nonmonotone"] != 1:
+            raise ConfigError(f"attack {name!r}: nonmonotone= applies to the lbfgs optimizer only")
         optimizer = OPTIMIZERS.build("adam", lr=s["lr"], schedule=s["schedule"], signed=s["signed"])
     elif s["signed"]:
         raise ConfigError(f"attack {name!r}: signed=true applies to the adam optimizer only")
     else:
-        optimizer = OPTIMIZERS.build(s["optimizer"], lr=s["lr"], schedule=s["schedule"])
+        extra = {"nonmonotone": s["nonmonotone"]} if s["optimizer"] == "lbfgs" else {}
+        if s["nonmonotone"] != 1 and not extra:
+            raise ConfigError(f"attack {name!r}: nonmonotone= applies to the lbfgs optimizer only")
+        optimizer = OPTIMIZERS.build(s["optimizer"], lr=s["lr"], schedule=s["schedule"], **extra)
     return OptimizationAttack(
         objective, priors, init=s["init"], box=s["box"], optimizer=Watchdog(optimizer), iterations=s["iterations"],
         restarts=s["restarts"], label_strategy=s["labels"], simulator=s["simulator"], execution=s["execution"],
@@ -100,11 +106,11 @@ def register_preset(name: str, description: str, **defaults: Any) -> Callable[..
 
 
 register_preset("dlg", "DLG: L2 gradient matching, L-BFGS, labels optimised jointly",
-                objective="l2", optimizer="lbfgs", lr=1.0, schedule="constant", box="none", init="data-randn",
-                labels="optimize", iterations=500, restarts=4)
+                objective="l2", optimizer="lbfgs", lr=1.0, nonmonotone=10, schedule="constant", box="none",
+                init="data-randn", labels="optimize", iterations=500, restarts=4)
 register_preset("idlg", "iDLG: DLG with the label inferred from the last-layer gradient",
-                objective="l2", optimizer="lbfgs", lr=1.0, schedule="constant", box="none", init="data-randn",
-                labels="infer", iterations=500, restarts=4)
+                objective="l2", optimizer="lbfgs", lr=1.0, nonmonotone=10, schedule="constant", box="none",
+                init="data-randn", labels="infer", iterations=500, restarts=4)
 register_preset("ig", "Inverting Gradients: cosine + TV, signed Adam 0.1 with step decay, [0,1] box",
                 objective="cosine", tv=5e-2, optimizer="adam", lr=0.1, schedule="step", signed=True,
                 box="clamp", init="uniform", iterations=1000)

@@ -222,7 +222,9 @@ def budget_for(name: str, obs, seconds: float, seed: int, settings: Optional[dic
     small, large = 8, 40
     _, t_small = timed(attack, obs, small, seed)
     _, t_large = timed(attack, obs, large, seed)
-    per = max((t_large - t_small) / (large - small), 1e-6)
+    # the slope of the two runs, but never below a quarter of the larger run's mean cost: an
+    # attack that stopped early (or timer noise) must not turn a second into a million evaluations
+    per = max((t_large - t_small) / (large - small), 0.25 * t_large / large, 1e-6)
     overhead = max(t_small - small * per, 0.0)
     return max(small, int((seconds - overhead) / per))
 

@@ -88,3 +88,35 @@ def test_data_randn_init_is_standard_normal_in_the_models_input_space():
     for c in range(3):  # normalised with the declared statistics it is N(0, 1)
         z = (x[:, c] - declared.data_mean[c]) / declared.data_std[c]
         assert abs(float(z.mean())) < 0.02 and abs(float(z.std()) - 1) < 0.02
+
+
+def test_lbfgs_compact_direction_equals_the_two_loop_recursion():
+    """The batched compact form (Nocedal & Wright 7.24) gives the textbook two-loop product
+    per restart, over that restart's stored pairs only, across the history window's wrap."""
+    gen = torch.Generator().manual_seed(0)
+    restarts, shapes, history = 3, [(2, 3, 4), (5,)], 4
+    like = [torch.zeros(restarts, *s) for s in shapes]
+    width = sum(torch.Size(s).numel() for s in shapes)
+    opt = LBFGS(history=history)
+    opt.start(like, 10)
+    window = []
+    for k in range(7):
+        a = torch.randn(width, width, generator=gen)
+        hess = a @ a.T / width + torch.eye(width)          # a positive definite curvature
+        s = torch.randn(restarts, width, generator=gen)
+        y = s @ hess
+        useful = torch.rand(restarts, generator=gen) > 0.3
+        opt._store(s, y, useful)
+        window = (window + [(s, y, useful)])[-history:]
+        g = torch.randn(restarts, width, generator=gen)
+        got = opt._flat(opt._direction(opt._split(g, like)))
+        for r in range(restarts):
+            pairs = [(s[r], y[r]) for s, y, u in window if u[r]]
+            q, alphas = -g[r].clone(), []
+            for si, yi in reversed(pairs):
+                alphas.append((si @ q) / (si @ yi))
+                q -= alphas[-1] * yi
+            q *= float(opt.gamma[r])   # H0 = gamma I from the restart's latest stored pair
+            for (si, yi), al in zip(pairs, reversed(alphas)):
+                q += (al - (yi @ q) / (si @ yi)) * si
+            assert torch.allclose(got[r], q, rtol=1e-4, atol=1e-4 * float(q.abs().max())), (k, r)
