@@ -130,9 +130,12 @@ class OptimizationAttack:
         execution: str = "auto",
         name: str = "optimization",
         settings: Optional[Dict[str, Any]] = None,
+        keep_best_after: float = 0.0,
     ):
         if restarts < 1 or iterations < 0:
             raise ConfigError(f"restarts must be >= 1 and iterations >= 0, got {restarts}, {iterations}")
+        if not 0.0 <= keep_best_after < 1.0:
+            raise ConfigError(f"keep_best_after must be in [0, 1) (a fraction of the budget), got {keep_best_after}")
         if execution not in EXECUTIONS:
             raise ConfigError(f"execution must be one of {EXECUTIONS}, got {execution!r}")
         if label_strategy not in LABEL_STRATEGIES:
@@ -150,6 +153,7 @@ class OptimizationAttack:
         self.box = BOXES.build(box) if isinstance(box, str) else box
         self.optimizer = OPTIMIZERS.build(optimizer) if isinstance(optimizer, str) else optimizer
         self.iterations, self.restarts = int(iterations), int(restarts)
+        self.keep_best_after = float(keep_best_after) if restarts > 1 else 0.0
         self.label_strategy = label_strategy
         self.simulator = simulator if simulator is not None else GradientSimulator()
         self.execution = execution
@@ -164,9 +168,24 @@ class OptimizationAttack:
             "init": self.init_name, "box": self.box.name,
             **self.optimizer.settings(),
             "iterations": self.iterations, "restarts": self.restarts,
+            **({"keep_best_after": self.keep_best_after} if self.keep_best_after else {}),
             "labels": self.label_strategy, "simulator": self.simulator.describe(),
             **self.settings,
         }
+
+    def planned_iterations(self, budget: Optional[int], cost: int) -> int:
+        """Iterations that ``budget`` gradient evaluations buy at ``cost`` per iteration; with
+        ``keep_best_after`` the iterations after the restart selection cost 1/restarts as much.
+        None: the attack's own ``iterations``."""
+        if budget is None:
+            return self.iterations
+        if not budget:
+            return 0
+        if not self.keep_best_after:
+            return iterations_for(budget, cost)
+        first = iterations_for(int(budget * self.keep_best_after), cost)
+        rest = int(budget) - first * cost
+        return first + (iterations_for(rest, max(1, cost // self.restarts)) if rest > 0 else 0)
 
     def evaluation_cost(self, observation: Observation) -> int:
         """Gradient evaluations of the model per loss evaluation: restarts x the simulator's
@@ -182,7 +201,7 @@ class OptimizationAttack:
         if budget is not None and (isinstance(budget, bool) or int(budget) < 0):
             raise ConfigError(f"budget must be >= 0 gradient evaluations, got {budget}")
         cost = self.evaluation_cost(observation)
-        iterations = self.iterations if budget is None else (iterations_for(budget, cost) if budget else 0)
+        iterations = self.planned_iterations(budget, cost)
         evaluations = None if budget is None else max(int(budget), cost)
         with seeded_rng(observation.device, seed):
             run = _Run(self, observation, int(seed), show_bars=progress is None)
@@ -213,7 +232,7 @@ class OptimizationAttack:
         if budget is not None and (isinstance(budget, bool) or int(budget) < 0):
             raise ConfigError(f"budget must be >= 0 gradient evaluations, got {budget}")
         cost = self.evaluation_cost(observations[0])
-        iterations = self.iterations if budget is None else (iterations_for(budget, cost) if budget else 0)
+        iterations = self.planned_iterations(budget, cost)
         evaluations = None if budget is None else max(int(budget), cost)
         out: List[Reconstruction] = []
         for start in range(0, len(observations), per_chunk):
@@ -295,6 +314,11 @@ class _Run:
             self.batched, self.execution = True, (f"batched (vmap over {self.n} observations x "
                                                   f"{attack.restarts} restarts)")
         self.evaluations = 0
+        self.restarts = attack.restarts      # restarts per observation now (1 after keep_best_after)
+        self.alive = torch.arange(self.n * attack.restarts)  # each member's index at the start
+        self.unit = 1                         # gradient evaluations per member per loss evaluation
+        self.spent = 0                        # gradient evaluations per observation so far
+        self.selection: List[Dict[str, Any]] = []
 
     # -- the attack loss
     def restart_terms(self, z: Tensor, y: Optional[Tensor], group_mean: Optional[Tensor], functional: bool,
@@ -318,6 +342,7 @@ class _Run:
             try:
                 out = self._batched(variables)
                 self.evaluations += 1
+                self._count()
                 return out
             except GiaError:
                 raise
@@ -328,7 +353,11 @@ class _Run:
                 self.execution = f"sequential (vmap failed: {type(err).__name__}: {str(err)[:200]})"
         out = self._sequential(variables)
         self.evaluations += 1
+        self._count()
         return out
+
+    def _count(self) -> None:
+        self.spent += self.restarts * self.unit
 
     def _group_mean(self, z: Tensor) -> Optional[Tensor]:
         """Per observation, the mean image over its restarts ``(N, B, C, H, W)``."""
@@ -374,7 +403,7 @@ class _Run:
     def _sequential(self, variables):
         """One member at a time with ``torch.autograd`` (no torch.func transforms)."""
         group_mean = self._group_mean(variables[0])
-        restarts = self.attack.restarts
+        restarts = self.restarts
         losses, all_terms, grads = [], [], [[] for _ in variables]
         for m in range(variables[0].shape[0]):
             n = m // restarts
@@ -416,6 +445,28 @@ class _Run:
             per_obs.append(variables)
         return [torch.cat(parts) for parts in zip(*per_obs)]
 
+    def keep_best(self, variables: List[Tensor], optimizer, loss: Tensor, iteration: int) -> None:
+        """Per observation, keep only its lowest-loss restart (variables and optimiser state);
+        the rest of the budget goes to it."""
+        per = torch.nan_to_num(loss.detach(), nan=float("inf")).reshape(self.n, self.restarts)
+        best = per.argmin(1)
+        index = torch.arange(self.n, device=best.device) * self.restarts + best
+        self.selection.append({"iteration": int(iteration), "after_gradient_evaluations": int(self.spent),
+                               "losses": per.tolist(), "kept": (self.alive[index.cpu()] % self.attack.restarts).tolist()})
+        variables[:] = [v[index].clone() for v in variables]
+        optimizer.select(index)
+        self.alive = self.alive[index.cpu()]
+        self.restarts = 1
+
+    def _due(self, iteration: int, iterations: int, max_evaluations: Optional[int]) -> bool:
+        """Whether the restart selection (``keep_best_after``) happens after this iteration."""
+        fraction = self.attack.keep_best_after
+        if not fraction or self.restarts == 1 or not hasattr(self.attack.optimizer, "select"):
+            return False
+        if max_evaluations is not None:
+            return self.spent >= fraction * max_evaluations
+        return iteration + 1 >= fraction * iterations
+
     def execute(self, iterations: int, progress: Optional[Progress], max_evaluations: Optional[int] = None,
                 cost: int = 1) -> List[Reconstruction]:
         """``iterations`` optimiser steps, stopping early when the next loss evaluation would
@@ -425,17 +476,20 @@ class _Run:
         variables = self.initial_variables()
         optimizer = copy.deepcopy(self.attack.optimizer)
         optimizer.start(variables, iterations)
-        history = []
+        self.unit = max(1, cost // self.attack.restarts)
+        history: List[Tuple[Tensor, Tensor]] = []  # (members' start indices, their losses) per iteration
         with flushed_denormals():  # saturated sigmoids make subnormal floats: 30x slower on CPU
             for it in range(iterations):
-                if max_evaluations is not None and it > 0 and (self.evaluations + 1) * cost > max_evaluations:
+                if max_evaluations is not None and it > 0 and self.spent + self.restarts * self.unit > max_evaluations:
                     break
                 self.iteration = self.sim_ctx.iteration = it
                 loss = optimizer.step(variables, self.closure, it)
                 self.box.project_(variables[0])
-                history.append(loss)
+                history.append((self.alive, loss))
                 if progress is not None:
                     progress(it + 1, iterations, float(torch.nan_to_num(loss, nan=float("inf")).min()))
+                if self._due(it, iterations, max_evaluations):
+                    self.keep_best(variables, optimizer, loss, it)
         # the optimiser's watchdog (attacks.optimizers.Watchdog): interventions and progress
         events = optimizer.all_events() if hasattr(optimizer, "all_events") else []
         progressed = optimizer.progress() if hasattr(optimizer, "progress") and history else None
@@ -444,35 +498,52 @@ class _Run:
         final = torch.nan_to_num(final, nan=float("inf"))
         seconds = time.perf_counter() - start
         restarts = self.attack.restarts
-        losses = torch.stack(history).T if history else None
+        rows_of = [[] for _ in range(self.n * restarts)]  # loss history per member (by start index)
+        for alive, loss in history:
+            for m, value in zip(alive.tolist(), loss.tolist()):
+                rows_of[m].append(value)
+        selected_at = self.selection[0]["iteration"] if self.selection else None
+        start_index = self.alive.tolist()
         out = []
         for n in range(self.n):
-            rows = slice(n * restarts, (n + 1) * restarts)
-            best = int(torch.argmin(final[rows]))
-            member = n * restarts + best
+            members = [k for k, m in enumerate(start_index) if m // restarts == n]  # current positions
+            member = min(members, key=lambda k: float(final[k]))
+            best = start_index[member] - n * restarts
             images = self.box.image(variables[0][member]).detach().clamp(0, 1)
             labels = self.plans[n].final(variables[1][member] if len(variables) > 1 else None)
+            finals = {start_index[k] - n * restarts: float(final[k]) for k in members}
             trace = {
                 "attack": self.attack.name,
                 "settings": self.attack.describe(),
                 "execution": self.execution,
                 "iterations": len(history),
                 "evaluations": self.evaluations,
-                "gradient_evaluations": self.evaluations * cost,
+                "gradient_evaluations": self.spent,
                 "budget_unit": "gradient evaluations (restarts x draws x local steps per loss evaluation, "
                                "incl. one final evaluation to pick the restart)",
                 "restarts": restarts,
                 "chosen_restart": best,
                 "selection": "lowest final attack loss (objective + weighted priors); ground truth unused",
-                "final_losses": final[rows].tolist(),
+                "final_losses": [finals.get(r) for r in range(restarts)],
                 "final_terms": {k: float(v[member]) for k, v in terms.items()},
-                "loss_history": losses[rows].tolist() if losses is not None else [[] for _ in range(restarts)],
+                "loss_history": rows_of[n * restarts:(n + 1) * restarts],
                 "labels": self.plans[n].info,
                 "time_s": seconds / self.n,
             }
-            trace["optimizer_events"] = [dict(e, restarts=[r - n * restarts for r in e["restarts"]])
-                                         for e in events if any(r in range(rows.start, rows.stop)
-                                                                for r in e["restarts"])]
+            if self.selection:
+                sel = self.selection[0]
+                trace["restart_selection"] = {
+                    "iteration": sel["iteration"], "after_gradient_evaluations": sel["after_gradient_evaluations"],
+                    "losses": sel["losses"][n], "kept": sel["kept"][n],
+                    "rule": "lowest attack loss at keep_best_after x the budget; the rest of the budget goes to it"}
+
+            def original(e, r):  # events after the selection count positions among the survivors
+                return start_index[r] if selected_at is not None and e["iteration"] > selected_at else r
+
+            trace["optimizer_events"] = [
+                dict(e, restarts=[original(e, r) - n * restarts for r in e["restarts"]
+                                  if original(e, r) // restarts == n])
+                for e in events if any(original(e, r) // restarts == n for r in e["restarts"])]
             if progressed is not None and not bool(progressed[member]):
                 trace["failed_to_optimise"] = True
                 trace["failure"] = ("attack failed to optimise: the loss of the chosen restart never went "

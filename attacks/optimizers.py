@@ -89,6 +89,11 @@ class Adam:
                 var.sub_(_expand(lr / (1 - b1 ** self.t), var) * m / denom)
         return loss
 
+    def select(self, index: Tensor) -> None:
+        """Keep only the restarts at ``index`` (the engine dropping the worse restarts)."""
+        self.m, self.v = [m[index] for m in self.m], [v[index] for v in self.v]
+        self.t, self.factor = self.t[index], self.factor[index]
+
     def recover(self, restarts: Tensor) -> str:
         """Restarts (boolean mask) that stalled or diverged: step x0.1, moments reset."""
         self.factor = torch.where(restarts, self.factor * 0.1, self.factor)
@@ -271,6 +276,15 @@ class LBFGS:
         self.recent = torch.cat([self.recent[:, 1:], new_loss[:, None]], 1)
         return new_loss
 
+    def select(self, index: Tensor) -> None:
+        """Keep only the restarts at ``index`` (history, step state and the current point)."""
+        self.S, self.Y, self.SY, self.YY = self.S[index], self.Y[index], self.SY[index], self.YY[index]
+        self.gamma, self.stored, self.shrink = self.gamma[index], self.stored[index], self.shrink[index]
+        self.recent = None if self.recent is None else self.recent[index]
+        if self.current is not None:
+            self.current = (self.current[0][index], [g[index] for g in self.current[1]])
+            self.point = [p[index] for p in self.point]
+
     def recover(self, restarts: Tensor) -> str:
         """Restarts (boolean mask) that stalled or diverged: history reset, step x0.1."""
         self.reset(restarts)
@@ -347,6 +361,13 @@ class Watchdog:
             self.recoveries += stalled.long()
             self.since = torch.where(stalled, torch.zeros_like(self.since), self.since)
         return loss
+
+    def select(self, index: Tensor) -> None:
+        """Keep only the restarts at ``index``, here and in the inner optimiser."""
+        self.inner.select(index)
+        self.first, self.best, self.since = self.first[index], self.best[index], self.since[index]
+        self.recoveries = self.recoveries[index]
+        self.best_point = [p[index] for p in self.best_point]
 
     def progress(self) -> Tensor:
         """Per restart: did the loss ever go below its first value (relative ``tolerance``)?"""

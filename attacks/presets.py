@@ -45,6 +45,7 @@ KNOBS: Dict[str, tuple] = {
     "labels": ("infer", "infer, shared, optimize (DLG), idlg, counts"),
     "iterations": (1000, "optimisation iterations (the default budget)"),
     "restarts": (1, "independent restarts, batched; the lowest final loss wins"),
+    "keep_best_after": (0.0, "fraction of the budget after which only each batch's best restart goes on (0: off)"),
     "simulator": (None, "a GradientSimulator (default: clean gradient, FedAvg unrolled)"),
     "execution": ("auto", "auto, batched or sequential"),
 }
@@ -82,7 +83,7 @@ def compose(name: str, **s: Any) -> OptimizationAttack:
     return OptimizationAttack(
         objective, priors, init=s["init"], box=s["box"], optimizer=Watchdog(optimizer), iterations=s["iterations"],
         restarts=s["restarts"], label_strategy=s["labels"], simulator=s["simulator"], execution=s["execution"],
-        name=name,
+        name=name, keep_best_after=s["keep_best_after"],
     )
 
 

@@ -1,6 +1,6 @@
 """Is the default budget enough? The default audit's per-step verdicts against a 10x budget.
 
-For each defense (``prune`` and ``none`` by default) the default audit (cnn, 16x16 embedded
+For each defense (``prune`` and ``none`` by default) the default audit (cnn, 32x32 embedded
 images, steps 0/1/5/20, 4 private images, attacks "auto") runs at ``--budget`` and at
 ``--factor`` times it; the table lists each step's verdict and worst-case PSNR side by side.
 The default budget is adequate when every step's verdict is the same at both.

@@ -217,7 +217,9 @@ def timed(attack, obs, budget: int, seed: int):
 
 def budget_for(name: str, obs, seconds: float, seed: int, settings: Optional[dict] = None) -> int:
     """Gradient evaluations of attack ``name`` that fit in ``seconds`` of wall time: the
-    per-evaluation cost and fixed overhead from two short timed runs (8 and 40 evaluations)."""
+    per-evaluation cost and fixed overhead from two short timed runs (8 and 40 evaluations),
+    then checked by a run at a fifth of that budget (longer runs cost more per evaluation,
+    e.g. L-BFGS's growing history), whose mean cost per evaluation is the floor."""
     attack = ATTACKS.build(name, **(settings or {}))
     small, large = 8, 40
     _, t_small = timed(attack, obs, small, seed)
@@ -226,7 +228,13 @@ def budget_for(name: str, obs, seconds: float, seed: int, settings: Optional[dic
     # attack that stopped early (or timer noise) must not turn a second into a million evaluations
     per = max((t_large - t_small) / (large - small), 0.25 * t_large / large, 1e-6)
     overhead = max(t_small - small * per, 0.0)
-    return max(small, int((seconds - overhead) / per))
+    budget = max(small, int((seconds - overhead) / per))
+    probe = budget // 5
+    if probe > large:
+        _, t_probe = timed(attack, obs, probe, seed)
+        per = max(per, (t_probe - overhead) / probe)
+        budget = max(small, int((seconds - overhead) / per))
+    return budget
 
 
 def evaluate(images, labels, truth, truth_labels, lpips: bool) -> Dict[str, float]:
@@ -268,8 +276,10 @@ def run_cell(model_name: str, batch: int, group: int, images: torch.Tensor, args
     for name in args.attacks:
         seconds_target = wall.get(WALL_TIME_OF[name])
         try:
-            budget = budget_for(name, obs, seconds_target, args.seed) if seconds_target is not None else args.budget
-            rec, seconds = timed(ATTACKS.build(name), obs, budget, args.seed)
+            settings = args.attack_args.get(name, {})
+            budget = budget_for(name, obs, seconds_target, args.seed, settings) if seconds_target is not None \
+                else args.budget
+            rec, seconds = timed(ATTACKS.build(name, **settings), obs, budget, args.seed)
         except NotApplicable as err:  # e.g. gi's BN prior on a model without BatchNorm
             log(f"{model_name} batch {batch}: {name} does not apply ({err})")
             continue
@@ -453,6 +463,22 @@ def _csv(text: str) -> List[str]:
     return [t for t in text.split(",") if t]
 
 
+def _attack_args(items: Sequence[str]) -> Dict[str, Dict[str, Any]]:
+    """``["dlg.restarts=1", "ig.tv=1e-4"]`` -> ``{"dlg": {"restarts": 1}, "ig": {"tv": 0.0001}}``."""
+    out: Dict[str, Dict[str, Any]] = {}
+    for item in items:
+        key, _, value = item.partition("=")
+        attack, _, knob = key.partition(".")
+        if not (attack and knob and value):
+            raise SystemExit(f"--attack-arg wants ATTACK.KEY=VALUE, got {item!r}")
+        try:
+            parsed: Any = json.loads(value)
+        except ValueError:
+            parsed = value  # a name, e.g. dlg.init=uniform
+        out.setdefault(attack, {})[knob] = parsed
+    return out
+
+
 def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", type=_csv, default=list(BENCH_MODELS), help=f"comma list of {list(BENCH_MODELS)}")
@@ -463,6 +489,8 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     p.add_argument("--no-breaching", dest="breaching", action="store_false")
     p.add_argument("--breaching-iterations", type=lambda s: {k: int(v) for k, v in (kv.split("=") for kv in _csv(s))},
                    default={}, help="e.g. ig=200: fewer breaching iterations than its configs' (slow models on a CPU)")
+    p.add_argument("--attack-arg", dest="attack_args", action="append", default=[], metavar="ATTACK.KEY=VALUE",
+                   help="a setting of one of our attacks, e.g. dlg.restarts=1 (repeatable)")
     p.add_argument("--budget", type=int, default=1000, help="gradient evaluations when breaching is not run")
     p.add_argument("--lpips", action="store_true", help="score LPIPS (needs `gia-audit weights lpips`)")
     p.add_argument("--speed", action="store_true", help="only time an IG iteration against fwd+bwd")
@@ -478,6 +506,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write the raw rows here")
     args = p.parse_args(argv)
+    args.attack_args = _attack_args(args.attack_args)
     unknown = [m for m in args.models if m not in BENCH_MODELS] + [a for a in args.attacks if a not in ATTACK_NAMES]
     if unknown:
         raise SystemExit(f"unknown models / attacks {unknown}; models: {list(BENCH_MODELS)}, attacks: {ATTACK_NAMES}")

@@ -120,3 +120,29 @@ def test_lbfgs_compact_direction_equals_the_two_loop_recursion():
             for (si, yi), al in zip(pairs, reversed(alphas)):
                 q += (al - (yi @ q) / (si @ yi)) * si
             assert torch.allclose(got[r], q, rtol=1e-4, atol=1e-4 * float(q.abs().max())), (k, r)
+
+
+def test_keep_best_after_gives_the_rest_of_the_budget_to_each_batch_s_best_restart(one_thread, photo16):
+    """``keep_best_after``: at that fraction of the budget each private batch keeps its
+    lowest-loss restart, which then gets the remaining evaluations (more iterations than
+    the same budget spread over every restart); grouped runs select per batch."""
+    obs = _lenet_obs(photo16)
+    plain = ATTACKS.build("idlg", restarts=4).reconstruct(obs, 400, seed=0)
+    halved = ATTACKS.build("idlg", restarts=4, keep_best_after=0.25).reconstruct(obs, 400, seed=0)
+    sel = halved.trace["restart_selection"]
+    assert 100 <= sel["after_gradient_evaluations"] < 140 and len(sel["losses"]) == 4
+    assert sel["kept"] == int(np.argmin(sel["losses"])) == halved.trace["chosen_restart"]
+    # within the budget, plus the final evaluation that picks the restart (1 member after the selection)
+    assert halved.trace["gradient_evaluations"] <= 400 + 1 and plain.trace["gradient_evaluations"] <= 400 + 4
+    assert halved.trace["iterations"] > 1.5 * plain.trace["iterations"]
+    kept = halved.trace["loss_history"][sel["kept"]]
+    others = [h for r, h in enumerate(halved.trace["loss_history"]) if r != sel["kept"]]
+    assert len(kept) == halved.trace["iterations"] and all(len(h) == sel["iteration"] + 1 for h in others)
+    assert [v is None for v in halved.trace["final_losses"]].count(False) == 1
+    # two private batches in one grouped run: each keeps its own best
+    other = _lenet_obs(torch.flip(photo16, dims=[3]), label=3)
+    many = ATTACKS.build("idlg", restarts=4, keep_best_after=0.25).reconstruct_many([obs, other], 400, seeds=[0, 1])
+    for rec in many:
+        s = rec.trace["restart_selection"]
+        assert s["kept"] == int(np.argmin(s["losses"])) == rec.trace["chosen_restart"]
+    assert float(psnr(many[0].inputs, photo16).mean()) > 20
