@@ -318,7 +318,7 @@ class _Run:
         self.alive = torch.arange(self.n * attack.restarts)  # each member's index at the start
         self.unit = 1                         # gradient evaluations per member per loss evaluation
         self.spent = 0                        # gradient evaluations per observation so far
-        self.selection: List[Dict[str, Any]] = []
+        self.selection: Optional[Dict[str, Any]] = None  # the keep_best_after selection, once it happened
 
     # -- the attack loss
     def restart_terms(self, z: Tensor, y: Optional[Tensor], group_mean: Optional[Tensor], functional: bool,
@@ -451,8 +451,8 @@ class _Run:
         per = torch.nan_to_num(loss.detach(), nan=float("inf")).reshape(self.n, self.restarts)
         best = per.argmin(1)
         index = torch.arange(self.n, device=best.device) * self.restarts + best
-        self.selection.append({"iteration": int(iteration), "after_gradient_evaluations": int(self.spent),
-                               "losses": per.tolist(), "kept": (self.alive[index.cpu()] % self.attack.restarts).tolist()})
+        self.selection = {"iteration": int(iteration), "after_gradient_evaluations": int(self.spent),
+                          "losses": per.tolist(), "kept": (self.alive[index.cpu()] % self.attack.restarts).tolist()}
         variables[:] = [v[index].clone() for v in variables]
         optimizer.select(index)
         self.alive = self.alive[index.cpu()]
@@ -502,7 +502,7 @@ class _Run:
         for alive, loss in history:
             for m, value in zip(alive.tolist(), loss.tolist()):
                 rows_of[m].append(value)
-        selected_at = self.selection[0]["iteration"] if self.selection else None
+        selected_at = self.selection["iteration"] if self.selection else None
         start_index = self.alive.tolist()
         out = []
         for n in range(self.n):
@@ -531,7 +531,7 @@ class _Run:
                 "time_s": seconds / self.n,
             }
             if self.selection:
-                sel = self.selection[0]
+                sel = self.selection
                 trace["restart_selection"] = {
                     "iteration": sel["iteration"], "after_gradient_evaluations": sel["after_gradient_evaluations"],
                     "losses": sel["losses"][n], "kept": sel["kept"][n],

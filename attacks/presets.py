@@ -69,16 +69,14 @@ def compose(name: str, **s: Any) -> OptimizationAttack:
         ("tv", "tv", {"kind": s["tv_kind"]}), ("l2", "l2", {}), ("bn", "bn", {}),
         ("group", "group", {"start": s["group_start"]}), ("pixel_range", "range", {}),
     ) if s[weight]]
+    if s["nonmonotone"] != 1 and s["optimizer"] != "lbfgs":
+        raise ConfigError(f"attack {name!r}: nonmonotone= applies to the lbfgs optimizer only")
     if s["optimizer"] == "adam":
-        if s["nonmonotone"] != 1:
-            raise ConfigError(f"attack {name!r}: nonmonotone= applies to the lbfgs optimizer only")
         optimizer = OPTIMIZERS.build("adam", lr=s["lr"], schedule=s["schedule"], signed=s["signed"])
     elif s["signed"]:
         raise ConfigError(f"attack {name!r}: signed=true applies to the adam optimizer only")
     else:
         extra = {"nonmonotone": s["nonmonotone"]} if s["optimizer"] == "lbfgs" else {}
-        if s["nonmonotone"] != 1 and not extra:
-            raise ConfigError(f"attack {name!r}: nonmonotone= applies to the lbfgs optimizer only")
         optimizer = OPTIMIZERS.build(s["optimizer"], lr=s["lr"], schedule=s["schedule"], **extra)
     return OptimizationAttack(
         objective, priors, init=s["init"], box=s["box"], optimizer=Watchdog(optimizer), iterations=s["iterations"],

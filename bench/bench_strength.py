@@ -44,9 +44,11 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from attacks import ATTACKS, observe  # noqa: E402
-from audit.core.errors import NotApplicable  # noqa: E402
+from audit.core.errors import ConfigError, NotApplicable  # noqa: E402
 from audit.core.metrics import score  # noqa: E402
 from audit.core.models import build_model  # noqa: E402
+from audit.core.registry import parse_kv_args  # noqa: E402
+from audit.engine.settings import parse_attack_args  # noqa: E402
 
 # --------------------------------------------------------------------------- the matrix
 
@@ -476,22 +478,6 @@ def _csv(text: str) -> List[str]:
     return [t for t in text.split(",") if t]
 
 
-def _attack_args(items: Sequence[str]) -> Dict[str, Dict[str, Any]]:
-    """``["dlg.restarts=1", "ig.tv=1e-4"]`` -> ``{"dlg": {"restarts": 1}, "ig": {"tv": 0.0001}}``."""
-    out: Dict[str, Dict[str, Any]] = {}
-    for item in items:
-        key, _, value = item.partition("=")
-        attack, _, knob = key.partition(".")
-        if not (attack and knob and value):
-            raise SystemExit(f"--attack-arg wants ATTACK.KEY=VALUE, got {item!r}")
-        try:
-            parsed: Any = json.loads(value)
-        except ValueError:
-            parsed = value  # a name, e.g. dlg.init=uniform
-        out.setdefault(attack, {})[knob] = parsed
-    return out
-
-
 def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", type=_csv, default=list(BENCH_MODELS), help=f"comma list of {list(BENCH_MODELS)}")
@@ -522,8 +508,11 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write the raw rows here")
     args = p.parse_args(argv)
-    args.attack_args = _attack_args(args.attack_args)
-    args.adaptive_model_args = _attack_args([f"model.{kv}" for kv in args.adaptive_model_args]).get("model", {})
+    try:  # the CLI's own parsers: the same value syntax as `gia-audit --attack-arg / --model-arg`
+        args.attack_args = parse_attack_args(args.attack_args)
+        args.adaptive_model_args = parse_kv_args(args.adaptive_model_args)
+    except ConfigError as err:
+        raise SystemExit(str(err))
     unknown = [m for m in args.models if m not in BENCH_MODELS] + [a for a in args.attacks if a not in ATTACK_NAMES]
     if unknown:
         raise SystemExit(f"unknown models / attacks {unknown}; models: {list(BENCH_MODELS)}, attacks: {ATTACK_NAMES}")

@@ -401,21 +401,19 @@ class _GroupCredit:
         self.bar, self.label, self.cost, self.every_s = bar, label, cost, every_s
         self.credited, self.last = 0, 0.0
 
-    def _move_to(self, units: int) -> None:
+    def settle(self, units: int) -> None:
+        """Move the bar to ``units`` of the group's cost (never back, never past it)."""
         units = min(self.cost, units)
         if units > self.credited:
             self.bar.update(units - self.credited)
             self.credited = units
 
     def progress(self, done: int, total: int, loss: float) -> None:
-        self._move_to(int(self.cost * done / max(total, 1)))
+        self.settle(int(self.cost * done / max(total, 1)))
         now = time.perf_counter()
         if now - self.last >= self.every_s or done == total:
             self.last = now
             self.bar.set_postfix_str(f"{self.label}: {done}/{total}, loss {float(loss):.3g}")
-
-    def settle(self, units: int) -> None:
-        self._move_to(units)
 
 
 # --------------------------------------------------------------------------- composition helpers
