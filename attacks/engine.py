@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -131,7 +132,10 @@ class OptimizationAttack:
         name: str = "optimization",
         settings: Optional[Dict[str, Any]] = None,
         keep_best_after: float = 0.0,
+        per_restart: Union[int, str] = 0,
     ):
+        if not (per_restart == "unknowns" or (isinstance(per_restart, int) and per_restart >= 0)):
+            raise ConfigError(f"per_restart must be 'unknowns' or an int >= 0 (0: off), got {per_restart!r}")
         if restarts < 1 or iterations < 0:
             raise ConfigError(f"restarts must be >= 1 and iterations >= 0, got {restarts}, {iterations}")
         if not 0.0 <= keep_best_after < 1.0:
@@ -154,6 +158,7 @@ class OptimizationAttack:
         self.optimizer = OPTIMIZERS.build(optimizer) if isinstance(optimizer, str) else optimizer
         self.iterations, self.restarts = int(iterations), int(restarts)
         self.keep_best_after = float(keep_best_after) if restarts > 1 else 0.0
+        self.per_restart = per_restart
         self.label_strategy = label_strategy
         self.simulator = simulator if simulator is not None else GradientSimulator()
         self.execution = execution
@@ -169,6 +174,7 @@ class OptimizationAttack:
             **self.optimizer.settings(),
             "iterations": self.iterations, "restarts": self.restarts,
             **({"keep_best_after": self.keep_best_after} if self.keep_best_after else {}),
+            **({"per_restart": self.per_restart} if self.per_restart else {}),
             "labels": self.label_strategy, "simulator": self.simulator.describe(),
             **self.settings,
         }
@@ -187,6 +193,27 @@ class OptimizationAttack:
         rest = int(budget) - first * cost
         return first + (iterations_for(rest, max(1, cost // self.restarts)) if rest > 0 else 0)
 
+    def afforded(self, observation: Observation, budget: Optional[int]) -> Tuple["OptimizationAttack", Optional[str]]:
+        """With ``per_restart`` set (gradient evaluations one restart needs to converge;
+        ``"unknowns"``: one per unknown pixel value of the private batch), the restarts the
+        budget affords (at least 1, at most ``restarts``): a restart cut short before it
+        converges is wasted budget (32x32 DLG needs thousands of L-BFGS steps, 16x16 hundreds).
+        Returns the attack to run and, when it ran fewer restarts, why."""
+        if budget is None or not self.per_restart or self.restarts == 1:
+            return self, None
+        per = self.per_restart
+        if per == "unknowns":
+            per = observation.batch_size * math.prod(observation.input_shape)
+        per *= self.simulator.gradient_evaluations(observation)
+        fits = max(1, min(self.restarts, int(budget) // max(1, per)))
+        if fits == self.restarts:
+            return self, None
+        cut = copy.copy(self)
+        cut.restarts = fits
+        cut.keep_best_after = self.keep_best_after if fits > 1 else 0.0
+        return cut, (f"{fits} of {self.restarts} restarts: the budget of {int(budget)} gradient evaluations "
+                     f"affords {fits} restart(s) of the ~{per} each needs (per_restart={self.per_restart!r})")
+
     def evaluation_cost(self, observation: Observation) -> int:
         """Gradient evaluations of the model per loss evaluation: restarts x the simulator's
         cost (EOT / Monte Carlo draws, FedAvg local steps)."""
@@ -200,12 +227,16 @@ class OptimizationAttack:
         validate_observation(observation)
         if budget is not None and (isinstance(budget, bool) or int(budget) < 0):
             raise ConfigError(f"budget must be >= 0 gradient evaluations, got {budget}")
-        cost = self.evaluation_cost(observation)
-        iterations = self.planned_iterations(budget, cost)
+        attack, why = self.afforded(observation, budget)
+        cost = attack.evaluation_cost(observation)
+        iterations = attack.planned_iterations(budget, cost)
         evaluations = None if budget is None else max(int(budget), cost)
         with seeded_rng(observation.device, seed):
-            run = _Run(self, observation, int(seed), show_bars=progress is None)
-            return run.execute(iterations, progress, max_evaluations=evaluations, cost=cost)[0]
+            run = _Run(attack, observation, int(seed), show_bars=progress is None)
+            rec = run.execute(iterations, progress, max_evaluations=evaluations, cost=cost)[0]
+        if why:
+            rec.trace["restarts_afforded"] = why
+        return rec
 
     def reconstruct_many(self, observations: Sequence[Observation], budget: Optional[int] = None,
                          seeds: Optional[Sequence[int]] = None, progress: Optional[Progress] = None,
@@ -221,6 +252,13 @@ class OptimizationAttack:
             raise ConfigError(f"reconstruct_many: {len(seeds)} seeds for {len(observations)} observations")
         for o in observations:
             validate_observation(o)
+        if self.per_restart and budget is not None and observations:
+            attack, cut = self.afforded(observations[0], budget)
+            if cut:  # the whole group is of one model and shape: the same cut for all
+                out = attack.reconstruct_many(observations, budget, seeds, progress, max_members)
+                for rec in out:
+                    rec.trace["restarts_afforded"] = cut
+                return out
         why = ungroupable(observations) if len(observations) > 1 else "a single observation"
         per_chunk = max(1, int(max_members) // self.restarts)
         if why or per_chunk == 1:

@@ -144,10 +144,13 @@ class LBFGS:
         restarts = variables[0].shape[0]
         device, dtype = variables[0].device, variables[0].dtype
         width = sum(v[0].numel() for v in variables)
-        self.S = torch.zeros(restarts, 0, width, device=device, dtype=dtype)  # steps, oldest first
+        # a ring buffer of `history` slots: pair number c lives in slot c % history (writing
+        # a pair copies one row instead of re-concatenating the whole history each step)
+        self.S = torch.zeros(restarts, self.history, width, device=device, dtype=dtype)  # steps
         self.Y = torch.zeros_like(self.S)                                   # gradient changes
-        self.SY = torch.zeros(restarts, 0, 0, device=device, dtype=torch.float64)  # s_i . y_j
-        self.YY = torch.zeros_like(self.SY)                                 # y_i . y_j
+        self.SY = torch.zeros(restarts, self.history, self.history, device=device, dtype=torch.float64)  # s_i . y_j
+        self.YY = torch.zeros_like(self.SY)                                 # y_i . y_j, slot order
+        self.count = 0  # pairs written (zero pairs included), all restarts together
         self.gamma = torch.ones(restarts, device=device, dtype=torch.float64)  # H0 = gamma I
         self.stored = torch.zeros(restarts, dtype=torch.long, device=device)  # valid pairs
         self.shrink = torch.ones(restarts, device=device)  # step factor after failed searches
@@ -172,47 +175,63 @@ class LBFGS:
             at += n
         return out
 
+    def _order(self) -> Tuple[int, Optional[Tensor]]:
+        """Slots in use and, once the ring has wrapped, the slots oldest first (None: in order)."""
+        if self.count <= self.history:
+            return self.count, None
+        return self.history, (self.count + torch.arange(self.history, device=self.S.device)) % self.history
+
     def _direction(self, grads: List[Tensor]) -> List[Tensor]:
         """``-H g`` per restart, H the compact L-BFGS inverse Hessian of the stored pairs."""
         g = self._flat(grads)
         gamma = self.gamma.to(g.dtype)[:, None]
-        if self.S.shape[1] == 0:
+        if self.count == 0:
             return self._split(-gamma * g, grads)
-        a = torch.bmm(self.S, g[:, :, None]).double()                      # S^T g
-        b = torch.bmm(self.Y, g[:, :, None]).double()                      # Y^T g
-        diag = torch.diagonal(self.SY, dim1=1, dim2=2)
+        m, order = self._order()
+        S, Y = self.S[:, :m], self.Y[:, :m]
+        a = torch.bmm(S, g[:, :, None]).double()                           # S^T g (slot order)
+        b = torch.bmm(Y, g[:, :, None]).double()                           # Y^T g
+        SY, YY = self.SY[:, :m, :m], self.YY[:, :m, :m]
+        if order is not None:  # the compact form needs the pairs oldest first
+            a, b, SY, YY = a[:, order], b[:, order], SY[:, order][:, :, order], YY[:, order][:, :, order]
+        diag = torch.diagonal(SY, dim1=1, dim2=2)
         valid = diag > 0  # a zero pair (not stored for this restart) is decoupled by a unit diagonal
-        upper = torch.triu(self.SY, 1) + torch.diag_embed(torch.where(valid, diag, torch.ones_like(diag)))
+        upper = torch.triu(SY, 1) + torch.diag_embed(torch.where(valid, diag, torch.ones_like(diag)))
         u = torch.linalg.solve_triangular(upper, a, upper=True)           # R^-1 S^T g
         gam = self.gamma[:, None, None]
-        t = torch.diag_embed(torch.where(valid, diag, torch.zeros_like(diag))) @ u + gam * (self.YY @ u) - gam * b
+        t = torch.diag_embed(torch.where(valid, diag, torch.zeros_like(diag))) @ u + gam * (YY @ u) - gam * b
         p1 = torch.linalg.solve_triangular(upper.transpose(1, 2), t, upper=False)
-        hg = gamma * g + (torch.bmm(self.S.transpose(1, 2), p1.to(g.dtype))
-                          - gamma[:, :, None] * torch.bmm(self.Y.transpose(1, 2), u.to(g.dtype))).squeeze(-1)
+        if order is not None:  # back to slot order
+            back = torch.argsort(order)
+            u, p1 = u[:, back], p1[:, back]
+        hg = gamma * g + (torch.bmm(S.transpose(1, 2), p1.to(g.dtype))
+                          - gamma[:, :, None] * torch.bmm(Y.transpose(1, 2), u.to(g.dtype))).squeeze(-1)
         return self._split(-hg, grads)
 
     def _store(self, s: Tensor, y: Tensor, useful: Tensor) -> None:
-        """Append the pair (zero for restarts where it is not ``useful``), oldest dropped."""
+        """Write the pair (zero for restarts where it is not ``useful``) over the oldest slot."""
         keep = useful.to(s.dtype)[:, None]
-        s, y = s * keep, y * keep
-        self.S = torch.cat([self.S, s[:, None]], 1)[:, -self.history:]
-        self.Y = torch.cat([self.Y, y[:, None]], 1)[:, -self.history:]
-        dropped = 1 if self.SY.shape[1] == self.history else 0  # the oldest pair just left S, Y
-        sy, yy = self.SY[:, dropped:, dropped:], self.YY[:, dropped:, dropped:]
-        row_sy = torch.bmm(s[:, None], self.Y.transpose(1, 2)).double()    # s_new . y_j
-        col_sy = torch.bmm(self.S, y[:, :, None]).double()                 # s_i . y_new
-        row_yy = torch.bmm(y[:, None], self.Y.transpose(1, 2)).double()
-        self.SY = torch.cat([torch.cat([sy, col_sy[:, :-1]], 2), row_sy], 1)
-        self.YY = torch.cat([torch.cat([yy, row_yy[:, :, :-1].transpose(1, 2)], 2), row_yy], 1)
-        sy_new = col_sy[:, -1, 0]
-        yy_new = row_yy[:, 0, -1]
+        k = self.count % self.history
+        self.S[:, k] = s * keep
+        self.Y[:, k] = y * keep
+        self.count += 1
+        m = min(self.count, self.history)
+        S, Y = self.S[:, :m], self.Y[:, :m]
+        row_sy = torch.bmm(self.S[:, k:k + 1], Y.transpose(1, 2)).double()[:, 0]   # s_new . y_j
+        col_sy = torch.bmm(S, self.Y[:, k, :, None]).double()[:, :, 0]            # s_i . y_new
+        row_yy = torch.bmm(self.Y[:, k:k + 1], Y.transpose(1, 2)).double()[:, 0]  # y_new . y_j
+        self.SY[:, k, :m], self.SY[:, :m, k] = row_sy, col_sy
+        self.YY[:, k, :m], self.YY[:, :m, k] = row_yy, row_yy
+        sy_new, yy_new = col_sy[:, k], row_yy[:, k]
         self.gamma = torch.where(useful & (yy_new > 0), sy_new / yy_new.clamp_min(1e-300), self.gamma)
 
     def reset(self, restarts: Tensor) -> None:
         """Forget the curvature history of the restarts in the boolean mask ``restarts``."""
         keep = (~restarts).to(self.S.dtype)[:, None, None]
-        self.S, self.Y = self.S * keep, self.Y * keep
-        self.SY, self.YY = self.SY * keep.double(), self.YY * keep.double()
+        self.S.mul_(keep)
+        self.Y.mul_(keep)
+        self.SY.mul_(keep.double())
+        self.YY.mul_(keep.double())
         self.gamma = torch.where(restarts, torch.ones_like(self.gamma), self.gamma)
         self.stored = torch.where(restarts, torch.zeros_like(self.stored), self.stored)
 

@@ -39,12 +39,15 @@ KNOBS: Dict[str, tuple] = {
     "lr": (0.1, "learning rate (step size for lbfgs)"),
     "schedule": ("step", "lr schedule: step, cosine, exp, constant"),
     "nonmonotone": (1, "lbfgs: Armijo against the max of the last N losses (1: monotone)"),
+    "history": (100, "lbfgs: curvature pairs kept"),
     "signed": (False, "adam on signed gradients"),
     "init": ("uniform", "dummy initialisation: uniform, randn, gray"),
     "box": ("clamp", "clamp, sigmoid or none"),
     "labels": ("infer", "infer, shared, optimize (DLG), idlg, counts"),
     "iterations": (1000, "optimisation iterations (the default budget)"),
     "restarts": (1, "independent restarts, batched; the lowest final loss wins"),
+    "per_restart": (0, "gradient evaluations one restart needs ('unknowns': one per private pixel value); "
+                       "a budget runs only the restarts it affords (0: off)"),
     "keep_best_after": (0.0, "fraction of the budget after which only each batch's best restart goes on (0: off)"),
     "simulator": (None, "a GradientSimulator (default: clean gradient, FedAvg unrolled)"),
     "execution": ("auto", "auto, batched or sequential"),
@@ -69,19 +72,20 @@ def compose(name: str, **s: Any) -> OptimizationAttack:
         ("tv", "tv", {"kind": s["tv_kind"]}), ("l2", "l2", {}), ("bn", "bn", {}),
         ("group", "group", {"start": s["group_start"]}), ("pixel_range", "range", {}),
     ) if s[weight]]
-    if s["nonmonotone"] != 1 and s["optimizer"] != "lbfgs":
-        raise ConfigError(f"attack {name!r}: nonmonotone= applies to the lbfgs optimizer only")
+    for knob in ("nonmonotone", "history"):
+        if s[knob] != KNOBS[knob][0] and s["optimizer"] != "lbfgs":
+            raise ConfigError(f"attack {name!r}: {knob}= applies to the lbfgs optimizer only")
     if s["optimizer"] == "adam":
         optimizer = OPTIMIZERS.build("adam", lr=s["lr"], schedule=s["schedule"], signed=s["signed"])
     elif s["signed"]:
         raise ConfigError(f"attack {name!r}: signed=true applies to the adam optimizer only")
     else:
-        extra = {"nonmonotone": s["nonmonotone"]} if s["optimizer"] == "lbfgs" else {}
+        extra = {"nonmonotone": s["nonmonotone"], "history": s["history"]} if s["optimizer"] == "lbfgs" else {}
         optimizer = OPTIMIZERS.build(s["optimizer"], lr=s["lr"], schedule=s["schedule"], **extra)
     return OptimizationAttack(
         objective, priors, init=s["init"], box=s["box"], optimizer=Watchdog(optimizer), iterations=s["iterations"],
         restarts=s["restarts"], label_strategy=s["labels"], simulator=s["simulator"], execution=s["execution"],
-        name=name, keep_best_after=s["keep_best_after"],
+        name=name, keep_best_after=s["keep_best_after"], per_restart=s["per_restart"],
     )
 
 
@@ -105,10 +109,12 @@ def register_preset(name: str, description: str, **defaults: Any) -> Callable[..
 
 
 register_preset("dlg", "DLG: L2 gradient matching, L-BFGS, labels optimised jointly",
-                objective="l2", optimizer="lbfgs", lr=1.0, nonmonotone=10, schedule="constant", box="none",
+                objective="l2", optimizer="lbfgs", lr=1.0, nonmonotone=10, history=200, per_restart="unknowns",
+                schedule="constant", box="none",
                 init="data-randn", labels="optimize", iterations=500, restarts=4)
 register_preset("idlg", "iDLG: DLG with the label inferred from the last-layer gradient",
-                objective="l2", optimizer="lbfgs", lr=1.0, nonmonotone=10, schedule="constant", box="none",
+                objective="l2", optimizer="lbfgs", lr=1.0, nonmonotone=10, history=200, per_restart="unknowns",
+                schedule="constant", box="none",
                 init="data-randn", labels="infer", iterations=500, restarts=4)
 register_preset("ig", "Inverting Gradients: cosine + TV, signed Adam 0.1 with step decay, [0,1] box",
                 objective="cosine", tv=5e-2, optimizer="adam", lr=0.1, schedule="step", signed=True,

@@ -127,8 +127,8 @@ def test_keep_best_after_gives_the_rest_of_the_budget_to_each_batch_s_best_resta
     lowest-loss restart, which then gets the remaining evaluations (more iterations than
     the same budget spread over every restart); grouped runs select per batch."""
     obs = _lenet_obs(photo16)
-    plain = ATTACKS.build("idlg", restarts=4).reconstruct(obs, 400, seed=0)
-    halved = ATTACKS.build("idlg", restarts=4, keep_best_after=0.25).reconstruct(obs, 400, seed=0)
+    plain = ATTACKS.build("idlg", restarts=4, per_restart=0).reconstruct(obs, 400, seed=0)
+    halved = ATTACKS.build("idlg", restarts=4, keep_best_after=0.25, per_restart=0).reconstruct(obs, 400, seed=0)
     sel = halved.trace["restart_selection"]
     assert 100 <= sel["after_gradient_evaluations"] < 140 and len(sel["losses"]) == 4
     assert sel["kept"] == int(np.argmin(sel["losses"])) == halved.trace["chosen_restart"]
@@ -141,8 +141,21 @@ def test_keep_best_after_gives_the_rest_of_the_budget_to_each_batch_s_best_resta
     assert [v is None for v in halved.trace["final_losses"]].count(False) == 1
     # two private batches in one grouped run: each keeps its own best
     other = _lenet_obs(torch.flip(photo16, dims=[3]), label=3)
-    many = ATTACKS.build("idlg", restarts=4, keep_best_after=0.25).reconstruct_many([obs, other], 400, seeds=[0, 1])
+    many = ATTACKS.build("idlg", restarts=4, keep_best_after=0.25, per_restart=0).reconstruct_many([obs, other], 400, seeds=[0, 1])
     for rec in many:
         s = rec.trace["restart_selection"]
         assert s["kept"] == int(np.argmin(s["losses"])) == rec.trace["chosen_restart"]
     assert float(psnr(many[0].inputs, photo16).mean()) > 20
+
+
+def test_a_budget_runs_only_the_restarts_it_affords(one_thread, photo16):
+    obs = _lenet_obs(photo16)  # 768 unknown pixel values: dlg's 4 restarts need ~3072 evaluations
+    assert ATTACKS.build("dlg").afforded(obs, 1600)[0].restarts == 2
+    assert ATTACKS.build("dlg").afforded(obs, 3200)[0].restarts == 4
+    assert ATTACKS.build("dlg").afforded(obs, None)[0].restarts == 4
+    cut = ATTACKS.build("dlg", per_restart=10).reconstruct(obs, 25, seed=0)
+    assert cut.trace["restarts"] == 2 and "2 of 4 restarts" in cut.trace["restarts_afforded"]
+    assert cut.trace["gradient_evaluations"] <= 25 + 2
+    full = ATTACKS.build("dlg", per_restart=10).reconstruct(obs, 40, seed=0)
+    assert full.trace["restarts"] == 4 and "restarts_afforded" not in full.trace
+    assert ATTACKS.build("dlg", per_restart=0).reconstruct(obs, 25, seed=0).trace["restarts"] == 4
