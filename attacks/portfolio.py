@@ -19,6 +19,7 @@ halving), and the continuation replaces it when it matches at least as well.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
@@ -41,6 +42,33 @@ class Strategy:
     preset: str
     settings: Dict[str, Any]
     applies: Callable[[Observation], Optional[str]] = lambda obs: None
+    tuned: Callable[[Observation], Dict[str, Any]] = lambda obs: {}  # settings from the observation
+
+
+#: TV weight of a 32x32 batch of one (Inverting Gradients' 5e-2), and the private pixel
+#: values it is tuned for
+TV_REFERENCE, TV_REFERENCE_UNKNOWNS = 5e-2, 3 * 32 * 32
+#: TV weight when the client's BatchNorm normalises with the batch's own statistics
+TV_BATCHNORM_TRAIN = 0.5
+
+
+def scaled_tv(obs: Observation) -> Dict[str, Any]:
+    """The smoothing strategies' TV weight from what the server knows (never the ground truth),
+    scale-free defaults measured in ``bench/bench_strength.py`` (docs/strength.md, section 10):
+
+    * it grows with the private pixel values beyond a 32x32 image: more unknowns per
+      gradient entry need a stronger prior (BN-free ConvNet, 32x32: best TV 5e-2 / 0.2 / 0.5
+      at batch 1 / 4 / 8; at 16x16 batch 4, which has a 32x32 image's unknowns, 5e-2 wins);
+    * with BatchNorm in train mode it is at least :data:`TV_BATCHNORM_TRAIN`: normalising by the
+      batch's statistics removes each channel's scale and offset from the gradient, which the
+      prior has to supply (BN-train ConvNet, 32x32: +3.0 dB at batch 1, +3.7 dB at batch 8).
+    """
+    unknowns = obs.batch_size * math.prod(obs.input_shape)
+    tv = TV_REFERENCE * max(1.0, unknowns / TV_REFERENCE_UNKNOWNS)
+    if obs.client_mode == "train" and any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
+                                          for m in obs.model.modules()):
+        tv = max(tv, TV_BATCHNORM_TRAIN)
+    return {"tv": tv}
 
 
 def _has_bn_stats(obs: Observation) -> Optional[str]:
@@ -50,9 +78,9 @@ def _has_bn_stats(obs: Observation) -> Optional[str]:
 
 
 # most regularised first: the selection order (see the module docstring)
-STRATEGIES.add("smooth", Strategy("ig", {"tv": 5e-2}),
-               "cosine + TV 5e-2, signed Adam (Inverting Gradients' defaults): small ConvNets")
-STRATEGIES.add("bn-prior", Strategy("ig", {"tv": 5e-2, "bn": 1e-2}, _has_bn_stats),
+STRATEGIES.add("smooth", Strategy("ig", {"tv": 5e-2}, tuned=scaled_tv),
+               "cosine + TV (5e-2 at 32x32 batch 1, scaled_tv), signed Adam (Inverting Gradients): small ConvNets")
+STRATEGIES.add("bn-prior", Strategy("ig", {"tv": 5e-2, "bn": 1e-2}, _has_bn_stats, tuned=scaled_tv),
                "cosine + TV + BatchNorm-statistics prior (models with BatchNorm)")
 STRATEGIES.add("sharp", Strategy("ig", {"tv": 1e-4}),
                "cosine + TV 1e-4: deep nets (ResNet-18), where the gradient pins the image down")
@@ -71,7 +99,8 @@ class PortfolioAttack:
 
     name = "portfolio"
 
-    def __init__(self, strategies: Optional[Sequence[str]] = None, ratio: float = 0.5, **knobs: Any):
+    def __init__(self, strategies: Optional[Sequence[str]] = None, ratio: float = 0.5, explore: float = 0.5,
+                 resume: str = "auto", **knobs: Any):
         names = list(STRATEGIES.names()) if strategies is None else (
             [s for s in strategies.split(",") if s] if isinstance(strategies, str) else list(strategies))
         unknown = [n for n in names if n not in STRATEGIES.names()]
@@ -82,12 +111,18 @@ class PortfolioAttack:
             raise ConfigError(f"portfolio ratio must be in (0, 1], got {ratio}")
         self.strategies = sorted(names, key=lambda n: ORDER.index(n) if n in ORDER else len(ORDER))
         self.ratio = float(ratio)
+        if not 0 < explore < 1:
+            raise ConfigError(f"portfolio explore must be in (0, 1) (the budget's share for exploring), got {explore}")
+        if resume not in ("auto", "warm", "fresh"):
+            raise ConfigError(f"portfolio resume must be 'auto', 'warm' or 'fresh', got {resume!r}")
+        self.explore, self.resume = float(explore), resume
         self.knobs = knobs
         self.scorer = OptimizationAttack("cosine", simulator=knobs.get("simulator"), name="portfolio-score")
 
-    def _attack(self, name: str, **extra: Any) -> OptimizationAttack:
+    def _attack(self, name: str, observation: Observation, **extra: Any) -> OptimizationAttack:
         strategy = STRATEGIES.get(name)
-        return ATTACKS.build(strategy.preset, **{**strategy.settings, **self.knobs, **extra})
+        return ATTACKS.build(strategy.preset, **{**strategy.settings, **strategy.tuned(observation),
+                                                 **self.knobs, **extra})
 
     def _candidate(self, name: str, phase: str, observation: Observation, rec: Reconstruction,
                    seed: int) -> Dict[str, Any]:
@@ -116,7 +151,7 @@ class PortfolioAttack:
             return Reconstruction.not_applicable(f"no portfolio strategy applies: {skipped}", attack=self.name)
         # successive halving: half the budget explores (equal shares), the chosen strategy
         # continues from its candidate with the other half (scoring costs one evaluation each)
-        share = max(1, budget // (2 * len(run) + 1))
+        share = max(1, int(budget * self.explore) // len(run))
         candidates: List[Dict[str, Any]] = []
         results: Dict[str, Reconstruction] = {}
 
@@ -128,7 +163,7 @@ class PortfolioAttack:
 
         for i, name in enumerate(run):
             try:
-                rec = self._attack(name).reconstruct(observation, share, seed,
+                rec = self._attack(name, observation).reconstruct(observation, share, seed,
                                                      progress=scaled(i * share, share, budget))
             except NotApplicable as err:
                 skipped[name] = str(err)
@@ -145,9 +180,14 @@ class PortfolioAttack:
         rest = budget - spent - 1
         if rest >= share:  # continue the chosen strategy from its candidate
             start = results[pick["strategy"]]
-            attack = self._attack(pick["strategy"], init=_warm_start(start.inputs))
+            warm = self.resume == "warm" or (self.resume == "auto" and self._attack(
+                pick["strategy"], observation).describe().get("schedule") == "constant")
+            attack = self._attack(pick["strategy"], observation,
+                                  **({"init": _warm_start(start.inputs)} if warm else {}))
             rec = attack.reconstruct(observation, rest, seed, progress=scaled(spent, rest, budget))
             more = self._candidate(pick["strategy"], "continue", observation, rec, seed)
+            more["resumed"] = ("warm: from its candidate (a schedule-free optimiser)" if warm else
+                               "fresh: the whole schedule again on the rest (a scheduled step size restarts high)")
             candidates.append(more)
             if more["match"] <= pick["match"]:
                 pick, results[pick["strategy"]] = more, rec
@@ -180,5 +220,6 @@ def _warm_start(images: torch.Tensor) -> Callable:
 
 @ATTACKS.register("portfolio", "the strongest of dlg/ig-style strategies in one budget: exact L2 + L-BFGS, "
                   "cosine + strong / weak TV, BN prior; lowest gradient-matching loss kept")
-def portfolio(strategies: Optional[Sequence[str]] = None, ratio: float = 0.5, **knobs: Any) -> PortfolioAttack:
-    return PortfolioAttack(strategies, ratio, **knobs)
+def portfolio(strategies: Optional[Sequence[str]] = None, ratio: float = 0.5, explore: float = 0.5,
+              resume: str = "auto", **knobs: Any) -> PortfolioAttack:
+    return PortfolioAttack(strategies, ratio, explore, resume, **knobs)

@@ -159,3 +159,30 @@ def test_a_budget_runs_only_the_restarts_it_affords(one_thread, photo16):
     full = ATTACKS.build("dlg", per_restart=10).reconstruct(obs, 40, seed=0)
     assert full.trace["restarts"] == 4 and "restarts_afforded" not in full.trace
     assert ATTACKS.build("dlg", per_restart=0).reconstruct(obs, 25, seed=0).trace["restarts"] == 4
+
+
+def test_portfolio_tv_grows_with_the_private_pixels_and_train_mode_batchnorm():
+    from attacks.portfolio import TV_BATCHNORM_TRAIN, TV_REFERENCE, scaled_tv
+
+    def obs(batch, side, model="lenet", mode="eval", **kw):
+        net = build_model(model, (3, side, side), 10, mean=MEAN, std=STD, seed=0, **kw)
+        return observe(net, torch.rand(batch, 3, side, side), torch.arange(batch), client_mode=mode)
+
+    assert scaled_tv(obs(1, 32))["tv"] == pytest.approx(TV_REFERENCE)
+    assert scaled_tv(obs(1, 16))["tv"] == pytest.approx(TV_REFERENCE)      # never below the reference
+    assert scaled_tv(obs(4, 16))["tv"] == pytest.approx(TV_REFERENCE)      # a 32x32 image's unknowns
+    assert scaled_tv(obs(4, 32))["tv"] == pytest.approx(4 * TV_REFERENCE)
+    assert scaled_tv(obs(1, 16, "convnet", "train"))["tv"] == pytest.approx(TV_BATCHNORM_TRAIN)
+    assert scaled_tv(obs(1, 16, "convnet", "eval"))["tv"] == pytest.approx(TV_REFERENCE)
+    assert scaled_tv(obs(1, 16, "convnet", "train", batchnorm=False))["tv"] == pytest.approx(TV_REFERENCE)
+
+
+def test_portfolio_beats_ig_on_a_train_mode_batchnorm_convnet(one_thread, photo16):
+    model = build_model("convnet", (3, 16, 16), 10, mean=MEAN, std=STD, seed=0)
+    obs = observe(model, photo16, torch.tensor([7]), client_mode="train")
+    ig = ATTACKS.build("ig").reconstruct(obs, 600, seed=0)
+    new = ATTACKS.build("portfolio").reconstruct(obs, 600, seed=0)
+    assert float(psnr(new.inputs, photo16).mean()) > float(psnr(ig.inputs, photo16).mean()) + 2.0
+    assert new.trace["settings"]["priors"]["tv"] >= 0.5  # scaled_tv: train-mode BatchNorm
+    continued = [c for c in new.trace["candidates"] if c["phase"] == "continue"]
+    assert continued and continued[0]["resumed"].startswith("fresh")  # signed Adam's schedule restarts
