@@ -289,7 +289,7 @@ def report_cmd(directory, run_key, seed, device):
 @click.option("--image", default=None, type=click.Path(exists=True, dir_okay=False), help="attack this image file instead")
 @click.option("--label", default=0, show_default=True, type=int, help="the class the client trains --image with")
 @click.option("--batch", default=1, show_default=True, type=int, help="private batch size")
-@click.option("--budget", default=None, type=int, help="iterations  [default: the attack's own]")
+@click.option("--budget", default=None, type=int, help="gradient evaluations of the model (each restart counts)  [default: the attack's own iterations]")
 @click.option("--restarts", default=None, type=int, help="restarts, run batched  [default: the attack's own]")
 @click.option("--defense", default=None, help="defense name or package.module:attr  [default: none]")
 @click.option("--defense-arg", multiple=True, metavar="NAME=VALUE", help="defense parameter (repeatable)")
