@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import math
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -203,7 +202,7 @@ class OptimizationAttack:
             return self, None
         per = self.per_restart
         if per == "unknowns":
-            per = observation.batch_size * math.prod(observation.input_shape)
+            per = observation.unknowns
         per *= self.simulator.gradient_evaluations(observation)
         fits = max(1, min(self.restarts, int(budget) // max(1, per)))
         if fits == self.restarts:
@@ -252,13 +251,12 @@ class OptimizationAttack:
             raise ConfigError(f"reconstruct_many: {len(seeds)} seeds for {len(observations)} observations")
         for o in observations:
             validate_observation(o)
-        if self.per_restart and budget is not None and observations:
-            attack, cut = self.afforded(observations[0], budget)
-            if cut:  # the whole group is of one model and shape: the same cut for all
-                out = attack.reconstruct_many(observations, budget, seeds, progress, max_members)
-                for rec in out:
-                    rec.trace["restarts_afforded"] = cut
-                return out
+        attack, cut = self.afforded(observations[0], budget) if observations else (self, None)
+        if cut:  # the whole group is of one model and shape: the same cut for all
+            out = attack.reconstruct_many(observations, budget, seeds, progress, max_members)
+            for rec in out:
+                rec.trace["restarts_afforded"] = cut
+            return out
         why = ungroupable(observations) if len(observations) > 1 else "a single observation"
         per_chunk = max(1, int(max_members) // self.restarts)
         if why or per_chunk == 1:

@@ -24,7 +24,6 @@ replaces the candidate when it matches at least as well.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
@@ -68,17 +67,18 @@ def scaled_tv(obs: Observation) -> Dict[str, Any]:
       batch's statistics removes each channel's scale and offset from the gradient, which the
       prior has to supply (BN-train ConvNet, 32x32: +3.0 dB at batch 1, +3.7 dB at batch 8).
     """
-    unknowns = obs.batch_size * math.prod(obs.input_shape)
-    tv = TV_REFERENCE * max(1.0, unknowns / TV_REFERENCE_UNKNOWNS)
-    if obs.client_mode == "train" and any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
-                                          for m in obs.model.modules()):
+    tv = TV_REFERENCE * max(1.0, obs.unknowns / TV_REFERENCE_UNKNOWNS)
+    if obs.client_mode == "train" and _batchnorm_layers(obs):
         tv = max(tv, TV_BATCHNORM_TRAIN)
     return {"tv": tv}
 
 
+def _batchnorm_layers(obs: Observation) -> List[torch.nn.Module]:
+    return [m for m in obs.model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+
+
 def _has_bn_stats(obs: Observation) -> Optional[str]:
-    has = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.running_mean is not None
-              for m in obs.model.modules())
+    has = any(m.running_mean is not None for m in _batchnorm_layers(obs))
     return None if has else "the model has no BatchNorm running statistics"
 
 
@@ -189,10 +189,11 @@ class PortfolioAttack:
         rest = budget - spent - 1
         if rest >= share:  # continue the chosen strategy from its candidate
             start = results[pick["strategy"]]
-            warm = self.resume == "warm" or (self.resume == "auto" and (rest < FRESH_FROM or self._attack(
-                pick["strategy"], observation).describe().get("schedule") == "constant"))
-            attack = self._attack(pick["strategy"], observation,
-                                  **({"init": _warm_start(start.inputs)} if warm else {}))
+            attack = self._attack(pick["strategy"], observation)
+            warm = self.resume == "warm" or (self.resume == "auto" and (
+                rest < FRESH_FROM or attack.optimizer.settings().get("schedule") == "constant"))
+            if warm:
+                attack = self._attack(pick["strategy"], observation, init=_warm_start(start.inputs))
             rec = attack.reconstruct(observation, rest, seed, progress=scaled(spent, rest, budget))
             more = self._candidate(pick["strategy"], "continue", observation, rec, seed)
             more["resumed"] = ("warm: from its candidate (a schedule-free optimiser or a short rest)" if warm else

@@ -22,6 +22,8 @@ Conventions used everywhere:
 """
 from __future__ import annotations
 
+import math
+
 import functools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple, runtime_checkable
@@ -317,6 +319,11 @@ class Observation:
     @property
     def device(self) -> torch.device:
         return self.gradients[0].device
+
+    @property
+    def unknowns(self) -> int:
+        """Private input values an attack must recover: batch size x values per input."""
+        return self.batch_size * math.prod(self.input_shape)
 
     def threat_model(self) -> Dict[str, Any]:
         """What the attacker was given, for the report."""
