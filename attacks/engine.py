@@ -132,6 +132,7 @@ class OptimizationAttack:
         settings: Optional[Dict[str, Any]] = None,
         keep_best_after: float = 0.0,
         per_restart: Union[int, str] = 0,
+        compile: bool = False,
     ):
         if not (per_restart == "unknowns" or (isinstance(per_restart, int) and per_restart >= 0)):
             raise ConfigError(f"per_restart must be 'unknowns' or an int >= 0 (0: off), got {per_restart!r}")
@@ -158,6 +159,7 @@ class OptimizationAttack:
         self.iterations, self.restarts = int(iterations), int(restarts)
         self.keep_best_after = float(keep_best_after) if restarts > 1 else 0.0
         self.per_restart = per_restart
+        self.compile = bool(compile)
         self.label_strategy = label_strategy
         self.simulator = simulator if simulator is not None else GradientSimulator()
         self.execution = execution
@@ -174,6 +176,7 @@ class OptimizationAttack:
             "iterations": self.iterations, "restarts": self.restarts,
             **({"keep_best_after": self.keep_best_after} if self.keep_best_after else {}),
             **({"per_restart": self.per_restart} if self.per_restart else {}),
+            **({"compile": True} if self.compile else {}),
             "labels": self.label_strategy, "simulator": self.simulator.describe(),
             **self.settings,
         }
@@ -335,7 +338,12 @@ class _Run:
         self.iteration = 0
         self.needs_group_mean = bool(requiring(attack.priors, "group_mean"))
         members = self.n * attack.restarts
-        if attack.execution == "sequential":
+        self._step: Optional[Callable] = None  # the (compiled) batched loss-and-gradient function
+        uncompiled = self._uncompiled_because() if attack.compile else ""
+        if attack.compile and not uncompiled:
+            self.batched, self.execution = True, (f"compiled (torch.compile of the functional loss and gradient "
+                                                  f"over {members} member(s))")
+        elif attack.execution == "sequential":
             self.batched, self.execution = False, "sequential (requested)"
         elif not self.simulator.batchable:
             if attack.execution == "batched":
@@ -349,12 +357,24 @@ class _Run:
         else:
             self.batched, self.execution = True, (f"batched (vmap over {self.n} observations x "
                                                   f"{attack.restarts} restarts)")
+        if uncompiled:
+            self.execution = f"{self.execution[:-1]}; compile=true not used: {uncompiled})"
         self.evaluations = 0
         self.restarts = attack.restarts      # restarts per observation now (1 after keep_best_after)
         self.alive = torch.arange(self.n * attack.restarts)  # each member's index at the start
         self.unit = 1                         # gradient evaluations per member per loss evaluation
         self.spent = 0                        # gradient evaluations per observation so far
         self.selection: Optional[Dict[str, Any]] = None  # the keep_best_after selection, once it happened
+
+    def _uncompiled_because(self) -> str:
+        """Why ``compile=true`` cannot apply to this run ('' when it can)."""
+        if self.attack.execution == "sequential":
+            return "execution='sequential' was requested"
+        if not self.simulator.batchable:
+            return f"{self.simulator.describe()} is not functional"
+        if self.needs_group_mean:
+            return "the group-consistency prior changes with the step"
+        return ""
 
     # -- the attack loss
     def restart_terms(self, z: Tensor, y: Optional[Tensor], group_mean: Optional[Tensor], functional: bool,
@@ -367,7 +387,7 @@ class _Run:
         labels = fixed if fixed is not None else plan.targets(y)
         grads, feats = self.simulator(self.replica, image, labels, functional=functional, context=self.sim_ctx)
         terms = {"match": self.objective(grads, self.target if target is None else target)}
-        ctx = PriorContext(self.iteration, feats, self.replica.bn_running, group_mean, self.obs)
+        ctx = PriorContext(self.sim_ctx, feats, self.replica.bn_running, group_mean, self.obs)  # step read on use
         for key, prior, _ in self.attack.priors:
             terms[key] = prior(image, ctx)
         return terms
@@ -382,8 +402,15 @@ class _Run:
                 return out
             except GiaError:
                 raise
-            except Exception as err:  # not vmappable: fall back once, at the first evaluation
-                if self.evaluations > 0 or self.attack.execution == "batched":
+            except Exception as err:  # not compilable / vmappable: fall back once, at the first evaluation
+                if self.evaluations > 0:
+                    raise
+                if self.execution.startswith("compiled"):
+                    self._step = self._batched_step(compiled=False)
+                    self.execution = (f"batched (torch.compile failed: {type(err).__name__}: "
+                                      f"{str(err).strip().splitlines()[0][:200] if str(err).strip() else ''})")
+                    return self.evaluate(variables)
+                if self.attack.execution == "batched":
                     raise
                 self.batched = False
                 self.execution = f"sequential (vmap failed: {type(err).__name__}: {str(err)[:200]})"
@@ -402,36 +429,43 @@ class _Run:
         images = self.box.image(z)
         return images.reshape(self.n, -1, *images.shape[1:]).mean(1).detach()
 
-    def _batched(self, variables):
-        """``vmap(grad_and_value(per-restart loss))``: fully functional. (Eager autograd through
-        a vmapped ``torch.func.grad`` gives wrong input gradients for train-mode BatchNorm in
-        torch 2.x; the fully functional composition matches finite differences.) Several
-        observations: an outer vmap over them with their targets and labels."""
-        group_mean = self._group_mean(variables[0])
-        labelled = len(variables) > 1
+    def _batched_step(self, compiled: bool) -> Callable:
+        """``vmap(grad_and_value(per-member loss))`` over the members (an outer vmap over the
+        observations when there are several), optionally through ``torch.compile``: one
+        fused, exact loss-and-gradient function (no double backward through eager autograd)."""
+        labelled = self.labels.shape is not None
 
         def loss_of(target, fixed, mean, *per_member):
             z, y = per_member[0], per_member[1] if labelled else None
             terms = self.restart_terms(z, y, mean, functional=True, target=target, fixed=fixed)
             return self.total(terms), terms
 
-        argnums = tuple(range(3, 3 + len(variables)))
-        step = torch.func.grad_and_value(loss_of, argnums=argnums, has_aux=True)
+        count = 2 if labelled else 1
+        step = torch.func.grad_and_value(loss_of, argnums=tuple(range(3, 3 + count)), has_aux=True)
+        inner = torch.func.vmap(step, in_dims=(None, None, None) + (0,) * count, randomness="different")
+        if self.n > 1:
+            fixed = self.labels.fixed is not None
+            inner = torch.func.vmap(inner, in_dims=(0, 0 if fixed else None, 0 if self.needs_group_mean else None)
+                                    + (0,) * count, randomness="different")
+        return torch.compile(inner, dynamic=False) if compiled else inner
+
+    def _batched(self, variables):
+        """The batched loss and gradient: fully functional. (Eager autograd through a vmapped
+        ``torch.func.grad`` gives wrong input gradients for train-mode BatchNorm in torch 2.x;
+        the fully functional composition matches finite differences.) Several observations:
+        an outer vmap over them with their targets and labels."""
+        if self._step is None:
+            self._step = self._batched_step(compiled=self.execution.startswith("compiled"))
+        group_mean = self._group_mean(variables[0])
         detached = [v.detach() for v in variables]
         if self.n == 1:
             mean = None if group_mean is None else group_mean[0]
-            grads, (loss, terms) = torch.func.vmap(
-                step, in_dims=(None, None, None) + (0,) * len(variables), randomness="different"
-            )(self.target, self.labels.fixed, mean, *detached)
+            grads, (loss, terms) = self._step(self.target, self.labels.fixed, mean, *detached)
         else:
             split = [v.reshape(self.n, -1, *v.shape[1:]) for v in detached]
             targets = [torch.stack(layer) for layer in zip(*self.targets)]
             fixed = None if self.labels.fixed is None else torch.stack([p.fixed for p in self.plans])
-            inner = torch.func.vmap(step, in_dims=(None, None, None) + (0,) * len(variables), randomness="different")
-            outer = torch.func.vmap(inner, in_dims=(0, None if fixed is None else 0,
-                                                    None if group_mean is None else 0) + (0,) * len(variables),
-                                    randomness="different")
-            grads, (loss, terms) = outer(targets, fixed, group_mean, *split)
+            grads, (loss, terms) = self._step(targets, fixed, group_mean, *split)
             flat = lambda t: t.reshape(-1, *t.shape[2:])  # noqa: E731
             grads, loss, terms = [flat(g) for g in grads], flat(loss), {k: flat(v) for k, v in terms.items()}
         return loss.detach(), {k: v.detach() for k, v in terms.items()}, [g.detach() for g in grads]
@@ -442,7 +476,7 @@ class _Run:
         restarts = self.restarts
         losses, all_terms, grads = [], [], [[] for _ in variables]
         for m in range(variables[0].shape[0]):
-            n = m // restarts
+            n = m // restarts if self.n > 1 else 0  # evaluate() may pass any number of members
             leaves = [v[m].detach().clone().requires_grad_(True) for v in variables]
             terms = self.restart_terms(leaves[0], leaves[1] if len(leaves) > 1 else None,
                                        None if group_mean is None else group_mean[n], functional=False,
@@ -529,7 +563,7 @@ class _Run:
         # the optimiser's watchdog (attacks.optimizers.Watchdog): interventions and progress
         events = optimizer.all_events() if hasattr(optimizer, "all_events") else []
         progressed = optimizer.progress() if hasattr(optimizer, "progress") and history else None
-        self.iteration = iterations
+        self.iteration = self.sim_ctx.iteration = iterations
         final, terms, _ = self.evaluate(variables)
         final = torch.nan_to_num(final, nan=float("inf"))
         seconds = time.perf_counter() - start

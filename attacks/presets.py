@@ -51,6 +51,8 @@ KNOBS: Dict[str, tuple] = {
     "keep_best_after": (0.0, "fraction of the budget after which only each batch's best restart goes on (0: off)"),
     "simulator": (None, "a GradientSimulator (default: clean gradient, FedAvg unrolled)"),
     "execution": ("auto", "auto, batched or sequential"),
+    "compile": (False, "torch.compile the loss and its image gradient: exact, about half the time per "
+                       "iteration after a one-off compilation (seconds warm, ~30 s cold on 2 CPU cores)"),
 }
 
 _OBJECTIVE_KNOBS = ("sigma", "b", "weights", "masks")
@@ -86,6 +88,7 @@ def compose(name: str, **s: Any) -> OptimizationAttack:
         objective, priors, init=s["init"], box=s["box"], optimizer=Watchdog(optimizer), iterations=s["iterations"],
         restarts=s["restarts"], label_strategy=s["labels"], simulator=s["simulator"], execution=s["execution"],
         name=name, keep_best_after=s["keep_best_after"], per_restart=s["per_restart"],
+        compile=s["compile"],
     )
 
 

@@ -23,7 +23,9 @@ PRIORS = Registry("prior")
 class PriorContext:
     """Per-evaluation information a prior may use.
 
-    * ``iteration`` -- the optimiser step (group consistency switches on at a step);
+    * ``iteration`` -- the optimiser step (group consistency switches on at a step); an
+      int, or an object whose ``.iteration`` is the step, read only when a prior asks (so a
+      compiled attack loss whose priors never ask is not specialised on the step);
     * ``features`` -- computed on this restart's dummy batch by the simulator, e.g.
       ``features["bn"]``: ``[(mean, var), ...]`` of every BatchNorm input, in module order;
     * ``bn_running`` -- the observation model's BatchNorm running ``(mean, var)`` (or None);
@@ -31,11 +33,21 @@ class PriorContext:
     * ``observation`` -- the observation (read-only).
     """
 
-    iteration: int = 0
+    step: Any = 0
     features: Dict[str, Any] = field(default_factory=dict)
     bn_running: Optional[List[Tuple[Tensor, Tensor]]] = None
     group_mean: Optional[Tensor] = None
     observation: Any = None
+
+    def __init__(self, iteration: Any = 0, features: Optional[Dict[str, Any]] = None,
+                 bn_running: Optional[List[Tuple[Tensor, Tensor]]] = None, group_mean: Optional[Tensor] = None,
+                 observation: Any = None):
+        self.step, self.features, self.bn_running = iteration, dict(features or {}), bn_running
+        self.group_mean, self.observation = group_mean, observation
+
+    @property
+    def iteration(self) -> int:
+        return self.step if isinstance(self.step, int) else int(self.step.iteration)
 
 
 class Prior:

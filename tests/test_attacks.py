@@ -89,6 +89,54 @@ def test_batched_and_sequential_restarts_compute_the_same_loss_and_gradient(data
     assert out["batched"]["terms"]["match"][0] < 1e-8  # the truth matches exactly (labels inferred)
 
 
+def _has_cxx() -> bool:
+    import os
+    import shutil
+
+    return any(shutil.which(c) for c in (os.environ.get("CXX", "g++"), "c++", "clang++"))
+
+
+@pytest.mark.skipif(not _has_cxx(), reason="torch.compile's CPU backend needs a C++ compiler")
+def test_compiled_attack_matches_eager_and_compiles_once(data16):
+    from torch._dynamo.utils import counters
+
+    obs = _obs("convnet", data16, batch=2, model_kw={"width": 8}, client_mode="train")
+    images = torch.rand(1, 2, *data16.input_shape, generator=torch.Generator().manual_seed(0))  # one graph
+    eager = ATTACKS.build("ig", tv=0.1).evaluate(obs, images)
+    compiled = ATTACKS.build("ig", tv=0.1, compile=True).evaluate(obs, images)
+    assert compiled["execution"].startswith("compiled"), compiled["execution"]
+    torch.testing.assert_close(compiled["loss"], eager["loss"], rtol=1e-4, atol=1e-6)
+    assert float((compiled["grad"] - eager["grad"]).norm() / eager["grad"].norm()) < 1e-4
+    # the step changes every iteration and the model every audited step: the compiled loss is
+    # specialised on neither (it is reused, and it reads the new model's weights)
+    before = counters["stats"]["unique_graphs"]
+    rec = ATTACKS.build("ig", tv=0.1, compile=True).reconstruct(obs, 12, 0)
+    assert rec.trace["iterations"] == 12 and rec.trace["execution"].startswith("compiled")
+    other = build_model("convnet", data16.input_shape, data16.num_classes, seed=1, width=8)
+    obs = observe(other, data16.train_images[5:7], data16.train_labels[5:7], client_mode="train")
+    eager = ATTACKS.build("ig", tv=0.1).evaluate(obs, images)
+    compiled = ATTACKS.build("ig", tv=0.1, compile=True).evaluate(obs, images)
+    torch.testing.assert_close(compiled["loss"], eager["loss"], rtol=1e-4, atol=1e-6)
+    assert float((compiled["grad"] - eager["grad"]).norm() / eager["grad"].norm()) < 1e-4
+    assert counters["stats"]["unique_graphs"] - before <= 1
+
+
+def test_compile_failure_falls_back_to_the_batched_path(data16, monkeypatch):
+    import attacks.engine as engine
+
+    def broken(fn, **kw):
+        def call(*a, **k):
+            raise RuntimeError("no C++ compiler found")
+        return call
+
+    monkeypatch.setattr(engine.torch, "compile", broken)
+    obs = _obs("convnet", data16, model_kw={"width": 8})
+    rec = ATTACKS.build("ig", compile=True).reconstruct(obs, 5, 0)
+    assert rec.trace["execution"] == "batched (torch.compile failed: RuntimeError: no C++ compiler found)"
+    assert rec.trace["iterations"] == 5
+    assert ATTACKS.build("gi", compile=True).reconstruct(obs, 2, 0).trace["execution"].endswith("compile=true not used: the group-consistency prior changes with the step)")
+
+
 def test_best_restart_is_chosen_by_the_attack_loss(data16):
     obs = _obs("lenet", data16)
     rec = ATTACKS.build("ig", restarts=4, tv=0.05).reconstruct(obs, 15, 0)
