@@ -218,11 +218,13 @@ def timed(attack, obs, budget: int, seed: int):
 
 
 def budget_for(name: str, obs, seconds: float, seed: int, settings: Optional[dict] = None) -> int:
-    """Gradient evaluations of attack ``name`` that fit in ``seconds`` of wall time: the
+    """Gradient evaluations of attack ``name`` that fit in ``seconds`` of wall time: after a
+    warm-up run (which pays ``compile=true``'s one-off compilation, reported separately), the
     per-evaluation cost and fixed overhead from two short timed runs (8 and 40 evaluations),
     then checked by a run at a fifth of that budget (longer runs cost more per evaluation,
     e.g. L-BFGS's growing history), whose mean cost per evaluation is the floor."""
     attack = ATTACKS.build(name, **(settings or {}))
+    timed(attack, obs, 2, seed)  # warm-up: a one-off compilation (compile=true) is not a per-evaluation cost
     small, large = 8, 40
     _, t_small = timed(attack, obs, small, seed)
     _, t_large = timed(attack, obs, large, seed)
