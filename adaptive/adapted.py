@@ -61,7 +61,7 @@ class AdaptedAttack:
 
     def compose(self, observation: Observation, adaptation: Optional[Adaptation] = None) -> OptimizationAttack:
         adaptation = adaptation or self.adapt(observation)
-        return compose(self.name, **{**self.settings, **adaptation.knobs})
+        return compose(self.name, explicit={*self.knobs, *adaptation.knobs}, **{**self.settings, **adaptation.knobs})
 
     def reconstruct(self, observation: Observation, budget: Optional[int] = None, seed: int = 0,
                     progress: Optional[Progress] = None) -> Reconstruction:

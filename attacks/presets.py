@@ -8,7 +8,7 @@ to ``reconstruct`` overrides ``iterations``.
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable, Dict
+from typing import Any, Callable, Dict, Iterable, Optional
 
 from audit.core.errors import ConfigError
 from audit.core.registry import Registry
@@ -58,8 +58,19 @@ KNOBS: Dict[str, tuple] = {
 _OBJECTIVE_KNOBS = ("sigma", "b", "weights", "masks")
 
 
-def compose(name: str, **s: Any) -> OptimizationAttack:
-    """Build an :class:`OptimizationAttack` from a full set of :data:`KNOBS`."""
+#: knobs that belong to one optimiser
+OPTIMIZER_KNOBS = {"nonmonotone": "lbfgs", "history": "lbfgs", "signed": "adam"}
+
+
+def compose(name: str, explicit: Optional[Iterable[str]] = None, **s: Any) -> OptimizationAttack:
+    """Build an :class:`OptimizationAttack` from a full set of :data:`KNOBS`. ``explicit``: the
+    knobs the user set (None: all); a preset's own setting for an optimiser the user replaced
+    (``dlg``'s ``history`` under ``optimizer=adam``) is dropped, a user's is an error."""
+    for knob, owner in OPTIMIZER_KNOBS.items():
+        if s["optimizer"] != owner and s[knob] != KNOBS[knob][0]:
+            if explicit is None or knob in explicit:
+                raise ConfigError(f"attack {name!r}: {knob}={s[knob]!r} applies to the {owner} optimizer only")
+            s = {**s, knob: KNOBS[knob][0]}
     accepted = inspect.signature(OBJECTIVES.get(s["objective"])).parameters if isinstance(s["objective"], str) else {}
     objective_args = {}
     for knob in _OBJECTIVE_KNOBS:
@@ -74,13 +85,8 @@ def compose(name: str, **s: Any) -> OptimizationAttack:
         ("tv", "tv", {"kind": s["tv_kind"]}), ("l2", "l2", {}), ("bn", "bn", {}),
         ("group", "group", {"start": s["group_start"]}), ("pixel_range", "range", {}),
     ) if s[weight]]
-    for knob in ("nonmonotone", "history"):
-        if s[knob] != KNOBS[knob][0] and s["optimizer"] != "lbfgs":
-            raise ConfigError(f"attack {name!r}: {knob}= applies to the lbfgs optimizer only")
     if s["optimizer"] == "adam":
         optimizer = OPTIMIZERS.build("adam", lr=s["lr"], schedule=s["schedule"], signed=s["signed"])
-    elif s["signed"]:
-        raise ConfigError(f"attack {name!r}: signed=true applies to the adam optimizer only")
     else:
         extra = {"nonmonotone": s["nonmonotone"], "history": s["history"]} if s["optimizer"] == "lbfgs" else {}
         optimizer = OPTIMIZERS.build(s["optimizer"], lr=s["lr"], schedule=s["schedule"], **extra)
@@ -100,7 +106,7 @@ def register_preset(name: str, description: str, **defaults: Any) -> Callable[..
     settings = {k: defaults.get(k, default) for k, (default, _) in KNOBS.items()}
 
     def factory(**overrides: Any) -> OptimizationAttack:
-        return compose(name, **{**settings, **overrides})
+        return compose(name, explicit=overrides, **{**settings, **overrides})
 
     factory.__signature__ = inspect.Signature(
         [inspect.Parameter(k, inspect.Parameter.KEYWORD_ONLY, default=v) for k, v in settings.items()])

@@ -298,6 +298,13 @@ def test_presets_and_settings():
         ATTACKS.build("ig", sigma=0.1)
     with pytest.raises(ConfigError, match="signed"):
         ATTACKS.build("dlg", signed=True)
+    # a preset's own optimiser settings give way when the user swaps the optimiser; the user's do not
+    assert ATTACKS.build("dlg", optimizer="adam").describe()["optimizer"] == "adam"
+    assert ATTACKS.build("ig", optimizer="lbfgs").describe()["optimizer"] == "lbfgs"
+    with pytest.raises(ConfigError, match="history=50 applies to the lbfgs optimizer only"):
+        ATTACKS.build("dlg", optimizer="adam", history=50)
+    with pytest.raises(ConfigError, match="signed=True applies to the adam optimizer only"):
+        ATTACKS.build("ig", optimizer="lbfgs", signed=True)
     assert repr(ATTACKS.build("ig", objective="gaussian", sigma=0.1).objective) == "gaussian(sigma=0.1)"
 
 
