@@ -459,7 +459,7 @@ class _Run:
             return members
         if self.device.type == "cpu":  # compiled ResNet-18 on a CPU: 10-29% faster (docs/strength.md 15)
             self.replica.channels_last()
-        return torch.compile(members, dynamic=False)
+        return torch.compile(members, dynamic=False, fullgraph=True)  # a graph break is a failure, not eager
 
     def _batched(self, variables):
         """The batched loss and gradient: fully functional. (Eager autograd through a vmapped
