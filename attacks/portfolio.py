@@ -52,6 +52,9 @@ class Strategy:
 #: TV weight of a 32x32 batch of one (Inverting Gradients' 5e-2), and the private pixel
 #: values it is tuned for
 TV_REFERENCE, TV_REFERENCE_UNKNOWNS = 5e-2, 3 * 32 * 32
+#: gradient entries per private pixel value of the model the rule was measured on (the
+#: project's ConvNet, 108,170 parameters, at 32x32 batch 1)
+TV_REFERENCE_ENTRIES = 108170 / 3072
 #: TV weight when the client's BatchNorm normalises with the batch's own statistics
 TV_BATCHNORM_TRAIN = 0.5
 
@@ -62,12 +65,17 @@ def scaled_tv(obs: Observation) -> Dict[str, Any]:
 
     * it grows with the private pixel values beyond a 32x32 image: more unknowns per
       gradient entry need a stronger prior (BN-free ConvNet, 32x32: best TV 5e-2 / 0.2 / 0.5
-      at batch 1 / 4 / 8; at 16x16 batch 4, which has a 32x32 image's unknowns, 5e-2 wins);
+      at batch 1 / 4 / 8; at 16x16 batch 4, which has a 32x32 image's unknowns, 5e-2 wins) --
+      but only as far as the gradient has fewer entries per pixel value than that ConvNet
+      (:data:`TV_REFERENCE_ENTRIES`): ResNet-18's 11.2 M entries pin a batch of 4 down
+      (909 per pixel value; at 200 evaluations TV 5e-2 reached 17.65 dB, 0.2 14.82 dB);
     * with BatchNorm in train mode it is at least :data:`TV_BATCHNORM_TRAIN`: normalising by the
       batch's statistics removes each channel's scale and offset from the gradient, which the
       prior has to supply (BN-train ConvNet, 32x32: +3.0 dB at batch 1, +3.7 dB at batch 8).
     """
-    tv = TV_REFERENCE * max(1.0, obs.unknowns / TV_REFERENCE_UNKNOWNS)
+    entries = sum(g.numel() for g in obs.gradients)
+    tv = TV_REFERENCE * max(1.0, min(obs.unknowns / TV_REFERENCE_UNKNOWNS,
+                                     TV_REFERENCE_ENTRIES * obs.unknowns / max(1, entries)))
     if obs.client_mode == "train" and _batchnorm_layers(obs):
         tv = max(tv, TV_BATCHNORM_TRAIN)
     return {"tv": tv}

@@ -172,6 +172,8 @@ def test_portfolio_tv_grows_with_the_private_pixels_and_train_mode_batchnorm():
     assert scaled_tv(obs(1, 16))["tv"] == pytest.approx(TV_REFERENCE)      # never below the reference
     assert scaled_tv(obs(4, 16))["tv"] == pytest.approx(TV_REFERENCE)      # a 32x32 image's unknowns
     assert scaled_tv(obs(4, 32))["tv"] == pytest.approx(4 * TV_REFERENCE)
+    assert scaled_tv(obs(4, 32, "convnet", "eval"))["tv"] == pytest.approx(4 * TV_REFERENCE)
+    assert scaled_tv(obs(4, 32, "resnet18", "eval"))["tv"] == pytest.approx(TV_REFERENCE)  # 909 entries / pixel
     assert scaled_tv(obs(1, 16, "convnet", "train"))["tv"] == pytest.approx(TV_BATCHNORM_TRAIN)
     assert scaled_tv(obs(1, 16, "convnet", "eval"))["tv"] == pytest.approx(TV_REFERENCE)
     assert scaled_tv(obs(1, 16, "convnet", "train", batchnorm=False))["tv"] == pytest.approx(TV_REFERENCE)
