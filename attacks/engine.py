@@ -340,7 +340,8 @@ class _Run:
         members = self.n * attack.restarts
         self._step: Optional[Callable] = None  # the (compiled) batched loss-and-gradient function
         uncompiled = self._uncompiled_because() if attack.compile else ""
-        if attack.compile and not uncompiled:
+        self.compiled = attack.compile and not uncompiled  # False again if compiling fails
+        if self.compiled:
             self.batched, self.execution = True, (f"compiled (torch.compile of the functional loss and gradient "
                                                   f"over {members} member(s))")
         elif attack.execution == "sequential":
@@ -405,10 +406,10 @@ class _Run:
             except Exception as err:  # not compilable / vmappable: fall back once, at the first evaluation
                 if self.evaluations > 0:
                     raise
-                if self.execution.startswith("compiled"):
-                    self._step = self._batched_step(compiled=False)
-                    self.execution = (f"batched (torch.compile failed: {type(err).__name__}: "
-                                      f"{str(err).strip().splitlines()[0][:200] if str(err).strip() else ''})")
+                if self.compiled:
+                    self.compiled, self._step = False, self._batched_step(compiled=False)
+                    first_line = (str(err).strip().splitlines() or [""])[0][:200]
+                    self.execution = f"batched (torch.compile failed: {type(err).__name__}: {first_line})"
                     return self.evaluate(variables)
                 if self.attack.execution == "batched":
                     raise
@@ -467,7 +468,7 @@ class _Run:
         the fully functional composition matches finite differences.) Several observations:
         an outer vmap over them with their targets and labels."""
         if self._step is None:
-            self._step = self._batched_step(compiled=self.execution.startswith("compiled"))
+            self._step = self._batched_step(compiled=self.compiled)
         group_mean = self._group_mean(variables[0])
         detached = [v.detach() for v in variables]
         if self.n == 1:

@@ -42,7 +42,7 @@ class PriorContext:
     def __init__(self, iteration: Any = 0, features: Optional[Dict[str, Any]] = None,
                  bn_running: Optional[List[Tuple[Tensor, Tensor]]] = None, group_mean: Optional[Tensor] = None,
                  observation: Any = None):
-        self.step, self.features, self.bn_running = iteration, dict(features or {}), bn_running
+        self.step, self.features, self.bn_running = iteration, {} if features is None else features, bn_running
         self.group_mean, self.observation = group_mean, observation
 
     @property

@@ -22,9 +22,8 @@ Conventions used everywhere:
 """
 from __future__ import annotations
 
-import math
-
 import functools
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple, runtime_checkable
 
