@@ -402,34 +402,38 @@ def speed(args, log) -> str:
                 run_breaching("ig", obs, y, k, args.seed)
 
             # an attack's per-iteration cost is the difference between runs of 2n and n iterations
-            # (its set-up -- label inference, initialisation, the final evaluation -- cancels out)
-            timers = {"fwd_bwd": (fwd_bwd, None), "ours": (ours, lambda: ours(2 * n)),
-                      "compiled": (compiled, lambda: compiled(2 * n)),
+            # (its set-up -- label inference, initialisation, the final evaluation -- cancels out);
+            # each is divided by a forward + backward timed just before it, and the ratios' median
+            # is reported: on shared cores the load drifts between the timings of one repeat
+            timers = {"ours": (ours, lambda: ours(2 * n)), "compiled": (compiled, lambda: compiled(2 * n)),
                       **({"theirs": (theirs, lambda: theirs(2 * n))} if ok else {})}
-            best, first = {}, {}
-            for k, (fn, _) in timers.items():
+            first = {}
+            for k, (fn, _) in {"fwd_bwd": (fwd_bwd, None), **timers}.items():
                 t = time.perf_counter()
                 fn()  # warm-up (the compiled attack's first call compiles)
                 first[k] = time.perf_counter() - t
+
+            def seconds(fn) -> float:
+                _sync(device)
+                t = time.perf_counter()
+                fn()
+                _sync(device)
+                return time.perf_counter() - t
+
+            ms, ratio = {}, {}
             for _ in range(args.repeats):
                 for k, (fn, double) in timers.items():
-                    _sync(device)
-                    t = time.perf_counter()
-                    fn()
-                    _sync(device)
-                    once = time.perf_counter() - t
-                    if double is not None:
-                        t = time.perf_counter()
-                        double()
-                        _sync(device)
-                        once = (time.perf_counter() - t) - once
-                    best.setdefault(k, []).append(once / n)
-            best = {k: statistics.median(v) for k, v in best.items()}  # medians: differences are noisy
-            fb = best["fwd_bwd"]
-            th = f"{1e3 * best['theirs']:.2f} | {best['theirs'] / fb:.2f}" if "theirs" in best else "- | -"
+                    fb = seconds(fwd_bwd) / n
+                    per = (seconds(double) - seconds(fn)) / n
+                    ms.setdefault("fwd_bwd", []).append(fb)
+                    ms.setdefault(k, []).append(per)
+                    ratio.setdefault(k, []).append(per / fb)
+            ms = {k: statistics.median(v) for k, v in ms.items()}
+            ratio = {k: statistics.median(v) for k, v in ratio.items()}
+            th = f"{1e3 * ms['theirs']:.2f} | {ratio['theirs']:.2f}" if "theirs" in ms else "- | -"
             compile_s = first["compiled"] - first["ours"]  # both ran n iterations and their set-up
-            line = (f"| {model_name} | {batch} | {1e3 * fb:.2f} | {1e3 * best['ours']:.2f} | {best['ours'] / fb:.2f} "
-                    f"| {1e3 * best['compiled']:.2f} | {best['compiled'] / fb:.2f} | {compile_s:.1f} | {th} |")
+            line = (f"| {model_name} | {batch} | {1e3 * ms['fwd_bwd']:.2f} | {1e3 * ms['ours']:.2f} | {ratio['ours']:.2f} "
+                    f"| {1e3 * ms['compiled']:.2f} | {ratio['compiled']:.2f} | {compile_s:.1f} | {th} |")
             log(line)
             lines.append(line)
     return "\n".join(lines)
