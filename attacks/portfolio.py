@@ -73,9 +73,8 @@ def scaled_tv(obs: Observation) -> Dict[str, Any]:
       batch's statistics removes each channel's scale and offset from the gradient, which the
       prior has to supply (BN-train ConvNet, 32x32: +3.0 dB at batch 1, +3.7 dB at batch 8).
     """
-    entries = sum(g.numel() for g in obs.gradients)
     tv = TV_REFERENCE * max(1.0, min(obs.unknowns / TV_REFERENCE_UNKNOWNS,
-                                     TV_REFERENCE_ENTRIES * obs.unknowns / max(1, entries)))
+                                     TV_REFERENCE_ENTRIES * obs.unknowns / max(1, obs.gradient_entries)))
     if obs.client_mode == "train" and _batchnorm_layers(obs):
         tv = max(tv, TV_BATCHNORM_TRAIN)
     return {"tv": tv}

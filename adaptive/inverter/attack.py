@@ -116,7 +116,7 @@ class LearnedInverter:
         key_parts = self._key_parts(observation, images, labels, steps)
         key = cache_key(key_parts)
         path = cache_path(key, self.cache_dir)
-        input_dim = sum(g.numel() for g in observation.gradients)
+        input_dim = observation.gradient_entries
         sketch = GradientSketch(input_dim, s.sketch_dim, s.sketch_hashes, s.sketch_seed)
         out_shape = (observation.batch_size, *observation.input_shape)
         net = init_inverter(sketch.out_dim, out_shape, s.hidden, s.depth, s.train_seed, observation.device)

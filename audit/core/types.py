@@ -324,6 +324,11 @@ class Observation:
         """Private input values an attack must recover: batch size x values per input."""
         return self.batch_size * math.prod(self.input_shape)
 
+    @property
+    def gradient_entries(self) -> int:
+        """Values in the shared gradient (all tensors together)."""
+        return sum(g.numel() for g in self.gradients)
+
     def threat_model(self) -> Dict[str, Any]:
         """What the attacker was given, for the report."""
         return {
