@@ -150,6 +150,9 @@ def weights_lpips_cmd(path, source, force, seed, device):
 @click.option("--local-lr", default=None, type=float, help="FedAvg local learning rate  [default: --lr]")
 @click.option("--delta", default=None, type=float,
               help="l2 radius of the risk ball  [default: RMSE 0.1 x sqrt(pixels), i.e. 20 dB]")
+@click.option("--thresholds", default=None, metavar="NAME=VALUE,...",
+              help="the leak rule's thresholds, e.g. margin_db=2,partial_rank=5 (docs/evidence.md)  "
+                   "[default: margin_db=1,identify_rank=1,partial_rank=3,level=0.95]")
 @click.option("--no-utility", "utility", flag_value=False, default=None, help="skip the utility measurement")
 @click.option("--utility-steps", default=None, type=int,
               help="FL rounds trained with and without the defense for the utility section  [default: 100]")
@@ -163,7 +166,7 @@ def weights_lpips_cmd(path, source, force, seed, device):
 @friendly_errors
 def audit_cmd(defense, defense_arg, model, model_arg, dataset, data_path, image_size, steps, attacks, attack_arg,
               images, batch_size, budget, share_labels, lr, train_batch_size, clients, local_steps, local_lr, delta,
-              utility, utility_steps, defense_timeout, quiet, out, seed, device):
+              thresholds, utility, utility_steps, defense_timeout, quiet, out, seed, device):
     """Audit a defense: attack it at several training steps and write the risk report."""
     from audit.engine.audit import run
     from audit.engine.settings import parse_attack_args
@@ -173,7 +176,7 @@ def audit_cmd(defense, defense_arg, model, model_arg, dataset, data_path, image_
                    attacks=attacks, attack_args=parse_attack_args(attack_arg) or None, images=images,
                    batch_size=batch_size, budget=budget, share_labels=share_labels, lr=lr,
                    train_batch_size=train_batch_size, clients=clients, local_steps=local_steps, local_lr=local_lr,
-                   delta=delta, utility=utility, utility_steps=utility_steps, out=out, defense_timeout=defense_timeout,
+                   delta=delta, thresholds=thresholds, utility=utility, utility_steps=utility_steps, out=out, defense_timeout=defense_timeout,
                    defense_args=parse_kv_args(defense_arg) or None, model_args=parse_kv_args(model_arg) or None,
                    data_args={"path": data_path} if data_path else None)
     report = run(**{k: v for k, v in options.items() if v is not None}, seed=seed,
@@ -205,7 +208,7 @@ class _KeepsOptionOrder(click.Command):
 # the audit command's setting options that a sweep shares (the same for every cell)
 SWEEP_SHARES = ("model", "model_arg", "dataset", "data_path", "image_size", "steps", "attacks", "attack_arg",
                 "images", "batch_size", "budget", "share_labels", "lr", "train_batch_size", "clients",
-                "local_steps", "local_lr", "delta", "utility", "utility_steps", "defense_timeout")
+                "local_steps", "local_lr", "delta", "thresholds", "utility", "utility_steps", "defense_timeout")
 
 
 def _run_settings(model_arg, dataset, data_path, attack_arg, **options):
@@ -266,13 +269,15 @@ sweep_cmd.params.extend(p for p in audit_cmd.params if p.name in SWEEP_SHARES)
 @main.command("report")
 @click.argument("directory", type=click.Path(exists=True, file_okay=False))
 @click.option("--run", "run_key", default=None, help="run key under DIRECTORY/runs (default: the latest)")
+@click.option("--thresholds", default=None, metavar="NAME=VALUE,...",
+              help="re-judge the stored evidence under other leak-rule thresholds, e.g. margin_db=2")
 @common_options
 @friendly_errors
-def report_cmd(directory, run_key, seed, device):
+def report_cmd(directory, run_key, thresholds, seed, device):
     """Re-render the report of a finished (or interrupted) audit from its stored results."""
     from audit.report.audit_report import render
 
-    report = render(directory, run_key)
+    report = render(directory, run_key, thresholds)
     click.echo(report.summary())
     click.echo(f"report: {report.out / 'report.html'} (also report.md, report.json, psnr_vs_step.png)")
 

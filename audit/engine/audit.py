@@ -26,13 +26,15 @@ from audit.client.observe import observe
 from audit.core.defense_call import defense_timeout
 from audit.core.errors import ConfigError, DefenseError, GiaError, NotApplicable
 from audit.engine.compose import build_model, client_model, load_data, reconstruct, resolve_defense, resolve_device
+from audit.engine.null import Null, null_evidence
 from audit.engine.identity import data_identity, defense_identity, derive_seed, model_identity, versions
 from audit.engine.privacy import privacy_report
 from audit.engine.scoring import PSNR_CAP, score_against_trained, score_reconstruction, trace_summary, trained_batch
 from audit.engine.settings import (DEFAULT_BUDGET, DEFAULT_STEPS, AttackSettings, DataSettings, FLSettings,
                                    OutputSettings)
 from audit.report.audit_report import AuditReport
-from audit.report.risk import Thresholds, default_delta
+from audit.report.risk import default_delta
+from audit.report.rule import LeakRule
 from audit.report.store import ResultStore
 
 DEFAULT_DEFENSE = "prune"  # 90% magnitude pruning: cheap, and the planner has adaptive attacks for it
@@ -89,6 +91,14 @@ class Audit:
         self.private = _private_batches(self.dataset, data.images, data.batch_size, self.seed)
         # observations x restarts batched in one computation (chunks of at most this many)
         self.max_members = 256 if self.device.type == "cuda" else 64
+        self._null: Optional[Null] = None
+
+    @property
+    def null(self) -> Null:
+        """The audit's null (unrelated images, data-only guesses, candidates), built on first use."""
+        if self._null is None:
+            self._null = Null.build(self.dataset, derive_seed(self.seed, "null"), self.device)
+        return self._null
 
     # ------------------------------------------------------------------ settings & identity
     def key_settings(self) -> Dict[str, Any]:
@@ -101,6 +111,8 @@ class Audit:
             "fl": asdict(self.fl), "batch_size": self.data.batch_size,
             "budget": self.attacks.budget_description(),
             "seed": self.seed, "share_labels": self.data.share_labels, "device": self.device.type,
+            "evidence": {"pool": self.null.pool_size, "candidates": self.null.candidates,
+                         "similarity": self.null.similarity.name},
         }
 
     def settings(self) -> Dict[str, Any]:
@@ -245,6 +257,8 @@ class Audit:
         if rec.inputs is None or not torch.isfinite(rec.inputs).all():
             return {**record, "status": "error", "reason": f"attack {spec.id!r} returned no finite images"}, None
         metrics, unavailable, aligned = score_reconstruction(rec, images, labels)
+        if aligned is not None:
+            metrics["evidence"] = [e.to_dict() for e in self.null.score(aligned, images)]
         record.update(status="ok", metrics=metrics, unavailable=unavailable, trace=trace_summary(rec.trace))
         record.update(self.against_trained(rec, record, images, labels))
         return record, aligned
@@ -304,6 +318,8 @@ class Audit:
             defense=self.defense_ident, differences=list(getattr(self.defense, "differences", ()) or ()),
             privacy=privacy_report(self.defense, self.fl, len(self.dataset.train_labels), self.attacks.steps),
             threat_model=self.threat_model(specs), thresholds=self.output.thresholds.as_dict(),
+            null={"description": self.null.describe(),
+                  "images": [[e.to_dict() for e in batch] for batch in null_evidence(self.null, self.private)]},
             risk_delta={"delta": self.delta, "description": _delta_description(self.delta, self.dataset)},
             data=_data_description(self.dataset, self.private),
             seeds={"seed": self.seed, "model_init": self.seed, "private_batches": self.seed,
@@ -538,7 +554,7 @@ def run(
     local_lr: Optional[float] = None,
     utility: bool = True,
     utility_steps: int = 100,
-    thresholds: Optional[Thresholds] = None,
+    thresholds: Union[LeakRule, Dict[str, Any], str, None] = None,
     delta: Optional[float] = None,
     device: Union[str, torch.device] = "cpu",
     progress: bool = True,
@@ -584,5 +600,5 @@ def audit_settings(**flat: Any) -> Dict[str, Any]:
                           s["share_labels"]),
         fl=FLSettings(s["lr"], s["train_batch_size"], s["clients"], s["local_steps"], s["local_lr"]),
         attacks=AttackSettings(s["steps"], s["attacks"], s["attack_args"] or {}, s["budget"]),
-        output=OutputSettings(s["out"], s["utility"], s["utility_steps"], s["thresholds"] or Thresholds(),
+        output=OutputSettings(s["out"], s["utility"], s["utility_steps"], LeakRule.of(s["thresholds"]),
                               s["delta"], s["progress"], s["defense_timeout"], s["retry_errors"]))

@@ -13,7 +13,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 from audit.core.errors import ConfigError
 from audit.core.registry import parse_kv_args
 from audit.core.types import BUDGET_DEFINITION, BUDGET_UNIT
-from audit.report.risk import Thresholds
+from audit.report.rule import LeakRule
 
 DEFAULT_STEPS = (0, 1, 5, 20)
 DEFAULT_BUDGET = 200
@@ -116,7 +116,7 @@ class OutputSettings:
     out: Union[str, Path] = "audit-out"
     utility: bool = True
     utility_steps: int = 100
-    thresholds: Thresholds = field(default_factory=Thresholds)
+    thresholds: LeakRule = field(default_factory=LeakRule)
     delta: Optional[float] = None
     progress: bool = True
     defense_timeout: Optional[float] = None
@@ -125,7 +125,7 @@ class OutputSettings:
     def __post_init__(self):
         _set(self, out=Path(self.out), utility=bool(self.utility),
              utility_steps=_positive("utility_steps", self.utility_steps),
-             thresholds=self.thresholds if self.thresholds is not None else Thresholds(),
+             thresholds=LeakRule.of(self.thresholds),
              delta=None if self.delta is None else _positive("delta", self.delta, float),
              defense_timeout=None if self.defense_timeout is None else _positive(
                  "defense_timeout (seconds)", self.defense_timeout, float),

@@ -13,16 +13,21 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from audit.core.errors import ConfigError
-from audit.report.risk import Thresholds, empirical_risk, judge_step, overall_verdict, status_of, summarize_attack
+from audit.report.risk import (empirical_risk, false_positive_rates, judge_step, nulls_from_manifest, overall_verdict,
+                               status_of, summarize_attack)
+from audit.report.rule import LeakRule
 from audit.report.format import overall_text, verdict_text
 from audit.report.store import ResultStore, atomic_write_bytes, atomic_write_json, to_jsonable
 
 REPORT_FILES = ("report.json", "report.md", "report.html", "psnr_vs_step.png")
 
 
-def build_report(manifest: Dict[str, Any], records: List[Dict[str, Any]]) -> Dict[str, Any]:
-    """Every number of the report, as one JSON-able dictionary."""
-    thresholds = Thresholds(**{k: v for k, v in manifest.get("thresholds", {}).items() if k != "rule"})
+def build_report(manifest: Dict[str, Any], records: List[Dict[str, Any]],
+                 rule: Optional[LeakRule] = None) -> Dict[str, Any]:
+    """Every number of the report, as one JSON-able dictionary; ``rule`` (default: the
+    audit's) judges the stored evidence, so other thresholds need no recomputation."""
+    thresholds = rule or LeakRule.from_dict(manifest.get("thresholds"))
+    nulls = nulls_from_manifest(manifest)
     delta = manifest["risk_delta"]["delta"]
     attack_ids = [a["id"] for a in manifest["attacks"]]
     images = int(manifest["images"])
@@ -33,7 +38,7 @@ def build_report(manifest: Dict[str, Any], records: List[Dict[str, Any]]) -> Dic
     for step in manifest["steps"]:
         by_attack = {a: by_step[step].get(a, []) for a in attack_ids}
         steps.append({"step": step, "attacks": {a: summarize_attack(recs) for a, recs in by_attack.items()},
-                      **judge_step(by_attack, images, thresholds), "risk": empirical_risk(by_attack, delta)})
+                      **judge_step(by_attack, images, thresholds, nulls), "risk": empirical_risk(by_attack, delta)})
     total = len(manifest["steps"]) * len(attack_ids) * images
     done = sum(1 for r in records if r["step"] in manifest["steps"] and r["attack_id"] in attack_ids)
     failures = list(manifest.get("failures", [])) + [
@@ -56,6 +61,9 @@ def build_report(manifest: Dict[str, Any], records: List[Dict[str, Any]]) -> Dic
         "plan": manifest.get("plan", {}),
         "attacks": manifest["attacks"],
         "thresholds": thresholds.as_dict(),
+        "false_positive_rate": false_positive_rates(thresholds, nulls),
+        "null": (manifest.get("null") or {}).get("description", {}),
+        "chance_level": _mean_chance(nulls),
         "risk_delta": manifest["risk_delta"],
         "metric_notes": manifest.get("metric_notes", []),
         "utility": manifest.get("utility", {}),
@@ -68,6 +76,11 @@ def build_report(manifest: Dict[str, Any], records: List[Dict[str, Any]]) -> Dic
         "failures": failures,
         "results": records,
     })
+
+
+def _mean_chance(nulls) -> Optional[float]:
+    levels = [n.chance_level for n in nulls.values()]
+    return sum(levels) / len(levels) if levels else None
 
 
 def run_status(stored: str, steps: List[Dict[str, Any]]) -> str:
@@ -92,12 +105,12 @@ class AuditReport:
         self.out = Path(out) if out is not None else None
 
     @classmethod
-    def from_store(cls, store: ResultStore) -> "AuditReport":
+    def from_store(cls, store: ResultStore, rule: Optional[LeakRule] = None) -> "AuditReport":
         manifest = store.load_manifest()
         if "attacks" not in manifest:
             raise ConfigError(f"the audit in {store.root} (run {store.key}) stopped before its attacks were "
                               "planned; rerun the same audit command to continue it")
-        return cls(build_report(manifest, store.records()), store.dir, store.root)
+        return cls(build_report(manifest, store.records(), rule), store.dir, store.root)
 
     # ------------------------------------------------------------------ access
     @property
@@ -176,8 +189,11 @@ class AuditReport:
         return self.to_html()
 
 
-def render(out: os.PathLike | str, run: Optional[str] = None) -> AuditReport:
-    """Re-render the report of the audit stored in ``out`` (``run``: a run key; default latest)."""
-    report = AuditReport.from_store(ResultStore.open_latest(out, run))
+def render(out: os.PathLike | str, run: Optional[str] = None, thresholds: Any = None) -> AuditReport:
+    """Re-render the report of the audit stored in ``out`` (``run``: a run key; default latest)
+    from the stored evidence; ``thresholds`` (a LeakRule, dict or ``"margin_db=2,..."``)
+    re-judges it under another rule without recomputing anything."""
+    rule = None if thresholds is None else LeakRule.of(thresholds)
+    report = AuditReport.from_store(ResultStore.open_latest(out, run), rule)
     report.write(out)
     return report

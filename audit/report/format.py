@@ -1,7 +1,7 @@
 """Number formatting shared by the Markdown and HTML renderers (never prints NaN)."""
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 UNAVAILABLE = "n/a"
 
@@ -66,17 +66,70 @@ def attack_cell(summary: Dict[str, Any]) -> str:
     return summary["status"]
 
 
+def interval_text(interval: Optional[Dict[str, Any]]) -> str:
+    """``k of n`` with the rate and its interval, e.g. ``1 of 8 (12%; 95% CI 0.3%-53%)``."""
+    if not interval or not interval.get("n"):
+        return UNAVAILABLE
+    k, n = interval["k"], interval["n"]
+    return (f"{k} of {n} ({k / n:.0%}; {interval.get('level', 0.95):.0%} CI "
+            f"{interval['low']:.1%}-{interval['high']:.1%})")
+
+
 def verdict_text(verdict: Dict[str, Any]) -> str:
-    """A step verdict in words: the label, the image counts, and why when not judged or incomplete."""
+    """A step verdict in words: the label, the image counts with the recovery rate's interval,
+    what a 'no recovered image' excludes, and why when not judged or incomplete."""
     label = verdict.get("label", "not judged")
     counts = (f"{verdict.get('recovered', 0)} recovered, {verdict.get('partially', 0)} partially, "
               f"{verdict.get('not_recovered', 0)} not recovered of {verdict.get('images', 0)} image(s)")
+    if verdict.get("recovery_rate", {}).get("n"):
+        counts += f"; recovered {interval_text(verdict['recovery_rate'])}"
     if label == "incomplete":
         found = verdict.get("judged") or "nothing judged"
         return f"incomplete ({verdict.get('reason', '')}); finished attacks: {found}, {counts}"
     if label == "not judged":
         return f"not judged ({verdict.get('reason', '')})"
+    if verdict.get("excludes_rate_above") is not None:
+        need = verdict.get("images_to_exclude") or {}
+        counts += (f"; excludes a recovery rate above {verdict['excludes_rate_above']:.0%} (one-sided 95%)"
+                   + (f", {need['images']} images would exclude {need['rate']:.0%}" if need else ""))
     return f"{label} ({counts})"
+
+
+def evidence_header():
+    """The per-image evidence table: the leak rule's inputs and its class per private image."""
+    return ["step", "image", "class", "by attack", "aligned PSNR (dB)", "chance level (dB)", "above chance (dB)",
+            "rank among K", "PSNR (dB)", "SSIM"]
+
+
+def evidence_rows(step: Dict[str, Any]):
+    rows = []
+    for e in step["worst_case"]["per_image"]:
+        above = (None if e.get("aligned_psnr") is None or e.get("chance_level") is None
+                 else e["aligned_psnr"] - e["chance_level"])
+        where = f"{e['image']}" if not e.get("index") else f"{e['image']}.{e['index']}"
+        rank = UNAVAILABLE if e.get("rank") is None else f"{e['rank']} of {e['candidates']}"
+        rows.append([step["step"], where, e.get("image_class") or "no evidence", e.get("best_attack") or UNAVAILABLE,
+                     fmt("psnr", e.get("aligned_psnr")), fmt("psnr", e.get("chance_level")),
+                     UNAVAILABLE if above is None else f"{above:+.2f}", rank, fmt("psnr", e.get("psnr")),
+                     fmt("ssim", e.get("ssim"))])
+    return rows
+
+
+def evidence_notes(data: Dict[str, Any]) -> List[str]:
+    """The null and the rule's measured false-positive rates, in words."""
+    null, fpr = data.get("null") or {}, data.get("false_positive_rate") or {}
+    notes = []
+    if null:
+        notes.append(f"Null (what an attacker gets without the update): {null.get('pool')} unrelated images "
+                     f"({null.get('source', '')}) and the data-only guesses {', '.join(null.get('guesses', []))}; "
+                     f"identification among K = {null.get('candidates')} candidates by {null.get('similarity')}"
+                     + (f" (LPIPS unavailable: {null['lpips_unavailable']})" if null.get("lpips_unavailable") else ""))
+    if fpr.get("unavailable"):
+        notes.append(f"False-positive rate of the rule: unavailable ({fpr['unavailable']})")
+    elif fpr:
+        notes.append(f"False-positive rate of the rule on this audit's data ({fpr['how']}): recovered "
+                     f"{interval_text(fpr['recovered'])}; partially or worse {interval_text(fpr['partially_or_worse'])}")
+    return notes
 
 
 def overall_text(verdict: Dict[str, Any]) -> str:

@@ -1,11 +1,11 @@
 """The sweep's frontier plot: worst-case PSNR against test accuracy, one line per defense
-(one point per setting), the undefended point, Pareto-optimal points ringed and the
-verdict thresholds drawn (rendered off-screen to PNG bytes)."""
+(one point per setting), the undefended point and the Pareto-optimal points ringed
+(rendered off-screen to PNG bytes)."""
 from __future__ import annotations
 
 from typing import Any, Dict
 
-from audit.report.plots import draw_thresholds, png_bytes
+from audit.report.plots import png_bytes
 
 
 def _short(setting: str) -> str:
@@ -38,7 +38,6 @@ def frontier_png(data: Dict[str, Any]) -> bytes:
         if pareto:
             ax.scatter([c["accuracy"] for c in pareto], [c["psnr"] for c in pareto], s=190, facecolors="none",
                        edgecolors="black", linewidths=1.1, label="Pareto-optimal", zorder=3)
-        draw_thresholds(ax, data["thresholds"], x=0.0, ha="left")
         step = data["step"]
         ax.set_ylabel("worst-case PSNR (dB)" + (" at each cell's worst step" if step == "worst" else f" at step {step}"))
         steps = data["settings"].get("utility_steps")

@@ -6,8 +6,9 @@ from html import escape
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from audit.report.format import (attack_cell, attack_header, attack_row, fmt, kv_rows, overall_text, plan_traits,
-                                 privacy_rows, summary_header, summary_row, unavailable_notes, utility_rows)
+from audit.report.format import (attack_cell, attack_header, attack_row, evidence_header, evidence_notes,
+                                 evidence_rows, fmt, kv_rows, overall_text, plan_traits, privacy_rows, summary_header,
+                                 summary_row, unavailable_notes, utility_rows)
 from audit.report.images import file_data_uri
 
 CSS = """
@@ -124,6 +125,12 @@ def _failures(data: Dict[str, Any]) -> str:
     return html_table(["step", "attack", "image", "defense", "status", "error"], rows)
 
 
+def _evidence(data: Dict[str, Any]) -> str:
+    rows = [row for s in data["steps"] for row in evidence_rows(s)]
+    notes = "".join(f"<li>{escape(n)}</li>" for n in evidence_notes(data))
+    return html_table(evidence_header(), rows) + f"<ul>{notes}</ul>"
+
+
 def render_html(data: Dict[str, Any], run_dir: Optional[Path]) -> str:
     from audit.report.images import data_uri
     from audit.report.plots import psnr_vs_step_png
@@ -139,13 +146,14 @@ def render_html(data: Dict[str, Any], run_dir: Optional[Path]) -> str:
 <p class="muted">Status: {escape(data['status'])}, {data['progress']['done']}/{data['progress']['total']}
 (step, attack, image) results &middot; run {escape(str(data['run_key']))} &middot; generated {escape(data['generated'])}</p>
 <h2>Leakage per training step</h2>{_summary(data)}
+<h2>Evidence per private image (against chance)</h2>{_evidence(data)}
 <p><img alt="PSNR versus training step" src="{data_uri(psnr_vs_step_png(data))}"></p>
 <h2>Reconstructions</h2>{grids}
 <h2>Metrics per attack</h2>{_per_attack(data)}
 <h2>Where this defense differs from its paper / the authors' code</h2>{_differences(data)}
 <h2>Privacy spent ((epsilon, delta))</h2>{_privacy(data)}
 <h2>Definitions</h2>
-<ul><li><b>Verdict thresholds</b>: {escape(data['thresholds']['rule'])}</li>
+<ul><li><b>Leak rule</b>: {escape(data['thresholds']['rule'])}</li>
 <li><b>Worst case</b>: per private image, the most leaking attack for each metric; averaged over images.</li>
 <li><b>Within delta</b> (the Bayes paper's empirical adversarial risk): the fraction of private images the
 strongest attack reconstructs within l2 distance delta = {delta['delta']:.3f} ({escape(delta['description'])});

@@ -4,8 +4,9 @@ from __future__ import annotations
 import json
 from typing import Any, Dict, List
 
-from audit.report.format import (attack_cell, attack_header, attack_row, kv_rows, overall_text, plan_traits,
-                                 privacy_rows, summary_header, summary_row, unavailable_notes, utility_rows)
+from audit.report.format import (attack_cell, attack_header, attack_row, evidence_header, evidence_notes,
+                                 evidence_rows, kv_rows, overall_text, plan_traits, privacy_rows, summary_header,
+                                 summary_row, unavailable_notes, utility_rows)
 
 
 def _table(header: List[str], rows: List[List[Any]]) -> List[str]:
@@ -19,6 +20,12 @@ def _table(header: List[str], rows: List[List[Any]]) -> List[str]:
 
 def _summary_section(data: Dict[str, Any]) -> List[str]:
     return ["## Leakage per training step", ""] + _table(summary_header(), [summary_row(s) for s in data["steps"]])
+
+
+def _evidence_section(data: Dict[str, Any]) -> List[str]:
+    rows = [row for s in data["steps"] for row in evidence_rows(s)]
+    return (["## Evidence per private image (against chance)", ""] + _table(evidence_header(), rows) + [""]
+            + [f"- {note}" for note in evidence_notes(data)])
 
 
 def _attack_section(data: Dict[str, Any]) -> List[str]:
@@ -52,7 +59,7 @@ def _definitions(data: Dict[str, Any]) -> List[str]:
     delta = data["risk_delta"]
     return [
         "## Definitions", "",
-        f"- **Verdict thresholds**: {data['thresholds']['rule']}",
+        f"- **Leak rule**: {data['thresholds']['rule']}",
         "- **Worst case**: per private image, the most leaking attack for each metric; averaged over images.",
         f"- **Within delta** (the Bayes paper's empirical adversarial risk): the fraction of private "
         f"images the strongest attack reconstructs within l2 distance delta = {delta['delta']:.3f} "
@@ -108,7 +115,7 @@ def render_markdown(data: Dict[str, Any]) -> str:
             f"(step, attack, image) results. Run `{data['run_key']}`, generated {data['generated']}. "
             "Reconstruction grids: see `report.html`.", "",
             "![PSNR versus training step](psnr_vs_step.png)", ""]
-    sections = [_summary_section, _attack_section, _differences_section, _privacy_section, _definitions,
+    sections = [_summary_section, _evidence_section, _attack_section, _differences_section, _privacy_section, _definitions,
                 _threat_section, _utility_section, _failure_section, _settings_section]
     lines = head
     for section in sections:

@@ -7,7 +7,7 @@ from typing import Any, Dict
 
 def psnr_vs_step_png(data: Dict[str, Any]) -> bytes:
     """Mean PSNR per attack against the training step, the worst case over attacks, and the
-    verdict thresholds; the x axis is symmetric-log so step 0 and step 100 both show."""
+    mean chance level of the private images; the x axis is symmetric-log so step 0 and step 100 both show."""
     import matplotlib
 
     matplotlib.use("Agg", force=False)
@@ -27,7 +27,7 @@ def psnr_vs_step_png(data: Dict[str, Any]) -> bytes:
                  if s["worst_case"]["psnr"] is not None]
         if worst:
             ax.plot(*zip(*worst), color="black", lw=2.4, alpha=0.55, label="worst case")
-        draw_thresholds(ax, data["thresholds"], x=1.0, ha="right")
+        draw_chance_level(ax, data.get("chance_level"), x=1.0, ha="right")
         ax.set_xscale("symlog", linthresh=1)
         if steps:
             ax.set_xticks(steps)
@@ -40,12 +40,14 @@ def psnr_vs_step_png(data: Dict[str, Any]) -> bytes:
         plt.close(fig)
 
 
-def draw_thresholds(ax, thr, *, x: float, ha: str) -> None:
-    """The 'leaks' and 'private' PSNR thresholds as dotted lines, labelled at axis position ``x``."""
-    for value, color, text, va in ((thr["leak_psnr"], "tab:red", f" leaks >= {thr['leak_psnr']:g} dB", "bottom"),
-                                   (thr["private_psnr"], "tab:green", f" private <= {thr['private_psnr']:g} dB", "top")):
-        ax.axhline(value, color=color, ls=":", lw=1)
-        ax.text(x, value, text, color=color, transform=ax.get_yaxis_transform(), va=va, ha=ha, fontsize=8)
+def draw_chance_level(ax, level, *, x: float, ha: str) -> None:
+    """The mean chance level (aligned PSNR of the best guess made without the update) as a
+    dotted line labelled at axis position ``x``; nothing when there is none."""
+    if level is None:
+        return
+    ax.axhline(level, color="tab:gray", ls=":", lw=1)
+    ax.text(x, level, f" chance level {level:.1f} dB (mean, aligned)", color="tab:gray",
+            transform=ax.get_yaxis_transform(), va="bottom", ha=ha, fontsize=8)
 
 
 def png_bytes(fig, ax) -> bytes:

@@ -1,78 +1,45 @@
-"""Risk numbers of the report: per-image judgement, the worst case over attacks, the Bayes
-paper's empirical adversarial risk, and verdicts that fail closed.
+"""Risk numbers of the report: per-image judgement against chance, the worst case over
+attacks, the Bayes paper's empirical adversarial risk, and verdicts that fail closed.
 
+Each private image is judged by :class:`audit.report.rule.LeakRule` from the evidence its
+records carry (aligned PSNR, rank among K candidates) and its null (the chance level).
 Fail closed: a step is "leaks" as soon as one private image is recovered; otherwise any
-missing evidence (an attack that raised, failed to optimise, returned no metrics, or has
+missing evidence (an attack that raised, failed to optimise, returned no evidence, or has
 not run yet) makes it "incomplete", naming the attacks; only a step where every planned
-attack finished on every image can be "partially" or "no recovered image". A step where no
-attack applies is "not judged" with the reason. Batches are judged per private image.
+attack finished on every image can be "partially" or "no recovered image", and it says
+with an exact interval what recovery rate its images can exclude. A step where no attack
+applies is "not judged" with the reason.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+
+from audit.core.evidence import excluded_rate, images_to_exclude
+from audit.core.records import SEVERITY, ImageClass, ImageEvidence, NullEvidence, Status, Verdict
+from audit.report.rule import LeakRule
 
 # metric name -> True when a higher value means more leakage
 METRICS = {"psnr": True, "ssim": True, "lpips": False, "label_acc": True}
 
-RECOVERED, PARTIAL, PRIVATE = "leaks", "partially", "no recovered image"
-INCOMPLETE, NOT_JUDGED = "incomplete", "not judged"
-#: how bad a step verdict is for the defender; "not judged" steps are listed, never ranked
-SEVERITY = {RECOVERED: 3, PARTIAL: 2, INCOMPLETE: 1, PRIVATE: 0}
+RECOVERED, PARTIAL, PRIVATE = Verdict.LEAKS.value, Verdict.PARTIALLY.value, Verdict.PRIVATE.value
+INCOMPLETE, NOT_JUDGED = Verdict.INCOMPLETE.value, Verdict.NOT_JUDGED.value
+#: a rate the report says how many images would exclude
+TARGET_RATE = 0.05
 
 #: record status -> None (evidence), "neutral" (the attack does not apply), or the words
 #: for missing evidence. An unknown status is missing evidence too (fail closed).
 STATUS_EVIDENCE: Dict[str, Optional[str]] = {
-    "ok": None,
-    "not_applicable": "neutral",
-    "error": "failed",
-    "failed_to_optimise": "failed to optimise",
+    Status.OK.value: None,
+    Status.NOT_APPLICABLE.value: "neutral",
+    Status.ERROR.value: "failed",
+    Status.FAILED_TO_OPTIMISE.value: "failed to optimise",
 }
 #: the reference images a record may be scored against: the private original, and (for
 #: input-transforming defenses) the batch the client actually trained on
 REFERENCES = ("metrics", "metrics_trained")
-
-
-@dataclass(frozen=True)
-class Thresholds:
-    """Per-image classification of the worst-case reconstruction.
-
-    * recovered: PSNR >= ``leak_psnr`` dB or SSIM >= ``leak_ssim``;
-    * not recovered (the Refiner paper's "private"): PSNR <= ``private_psnr`` dB and
-      SSIM < ``private_ssim``;
-    * partially recovered otherwise. Both PSNR and SSIM missing: not judged.
-    """
-
-    leak_psnr: float = 20.0
-    leak_ssim: float = 0.5
-    private_psnr: float = 15.0
-    private_ssim: float = 0.5
-
-    def classify(self, psnr: Optional[float], ssim: Optional[float]) -> Optional[str]:
-        """The image's class, or None when neither PSNR nor SSIM is there to judge it by."""
-        if psnr is None and ssim is None:
-            return None
-        if (psnr is not None and psnr >= self.leak_psnr) or (ssim is not None and ssim >= self.leak_ssim):
-            return RECOVERED
-        if (psnr is None or psnr <= self.private_psnr) and (ssim is None or ssim < self.private_ssim):
-            return PRIVATE
-        return PARTIAL
-
-    def describe(self) -> str:
-        return (
-            f"an image counts as recovered if its worst-case PSNR >= {self.leak_psnr:g} dB or "
-            f"SSIM >= {self.leak_ssim:g}; as not recovered (the Refiner paper's 'private') if "
-            f"PSNR <= {self.private_psnr:g} dB and SSIM < {self.private_ssim:g}; partially "
-            "otherwise. Each image of a batch is judged on its own. A step 'leaks' if any image is "
-            "recovered; is 'incomplete' (naming the attacks) if any planned attack raised, failed to "
-            "optimise, has no metrics or has not run; is 'partially' if any image is partially "
-            "recovered, and has 'no recovered image' otherwise; a step where no attack applies is "
-            "'not judged'. The overall verdict is the worst judged step."
-        )
-
-    def as_dict(self) -> Dict[str, Any]:
-        return {**asdict(self), "rule": self.describe()}
+#: a null per private image: (private batch, index in the batch) -> its evidence
+Nulls = Dict[Tuple[int, int], NullEvidence]
 
 
 def default_delta(numel: int, rmse: float = 0.1) -> float:
@@ -125,24 +92,29 @@ def _batch_count(record: Dict[str, Any]) -> int:
     return 1
 
 
-def image_metrics(record: Dict[str, Any]) -> List[Dict[str, Optional[float]]]:
+def image_metrics(record: Dict[str, Any]) -> List[Dict[str, Any]]:
     """Per private image of the record's batch: each metric at its most leaking over the
-    references the record was scored against (original, and what the client trained on)."""
+    references the record was scored against (original, and what the client trained on),
+    and ``evidence``: the :class:`ImageEvidence` against the original (None when missing)."""
     count = _batch_count(record)
     refs = [record[r] for r in REFERENCES if record.get(r)]
+    evidence = (record.get("metrics") or {}).get("evidence")
+    if not (isinstance(evidence, list) and len(evidence) == count):
+        evidence = [None] * count
     out = []
     for j in range(count):
-        entry: Dict[str, Optional[float]] = {}
+        entry: Dict[str, Any] = {}
         for name, higher in METRICS.items():
             entry[name] = _best([_per_image(m, name, count)[j] for m in refs], higher)
         l2s = [m.get("l2") for m in refs]
         entry["l2"] = _best([d[j] if isinstance(d, list) and len(d) == count else None for d in l2s], False)
+        entry["evidence"] = None if evidence[j] is None else ImageEvidence.from_dict(evidence[j])
         out.append(entry)
     return out
 
 
 def _judgeable(record: Dict[str, Any]) -> bool:
-    return any(e["psnr"] is not None or e["ssim"] is not None for e in image_metrics(record))
+    return all(e["evidence"] is not None for e in image_metrics(record))
 
 
 # --------------------------------------------------------------------------- one attack
@@ -200,7 +172,7 @@ def missing_evidence(by_attack: Dict[str, List[Dict[str, Any]]], images: int) ->
             if kind == "neutral":
                 continue
             if kind is None and not _judgeable(rec):
-                kind = "no PSNR/SSIM"
+                kind = "no evidence"
             if kind is not None:
                 gaps.append((image, kind if not rec.get("reason") else f"{kind}: {rec['reason']}"))
         if gaps:
@@ -210,54 +182,81 @@ def missing_evidence(by_attack: Dict[str, List[Dict[str, Any]]], images: int) ->
     return out
 
 
-def worst_case(by_attack: Dict[str, List[Dict[str, Any]]], thresholds: Thresholds) -> Dict[str, Any]:
-    """Per private image (each image of each batch), the most leaking attack for each
-    metric; then the mean over images, the worst image, and the per-image classes. Records
-    that failed to optimise still count when they leak (they can only raise leakage)."""
-    rows: Dict[Tuple[int, int], List[Tuple[str, Dict[str, Optional[float]]]]] = {}
+CLASS_ORDER = {ImageClass.RECOVERED: 2, ImageClass.PARTIAL: 1, ImageClass.NOT_RECOVERED: 0}
+
+
+def worst_case(by_attack: Dict[str, List[Dict[str, Any]]], rule: LeakRule, nulls: Nulls) -> Dict[str, Any]:
+    """Per private image (each image of each batch): its class under ``rule`` at the most
+    leaking attack, that attack, its evidence and chance level, and each metric at its most
+    leaking attack; then the mean over images and the worst image. Records that failed to
+    optimise still count when they leak (they can only raise leakage)."""
+    rows: Dict[Tuple[int, int], List[Tuple[str, Dict[str, Any]]]] = {}
     for attack, recs in by_attack.items():
         for r in recs:
-            if status_of(r) in ("ok", "failed_to_optimise"):
+            if status_of(r) in (Status.OK.value, Status.FAILED_TO_OPTIMISE.value):
                 for j, entry in enumerate(image_metrics(r)):
                     rows.setdefault((r["image"], j), []).append((attack, entry))
     per_image = []
     for (image, j), found in sorted(rows.items()):
-        entry: Dict[str, Any] = {"image": image, "index": j}
+        null = nulls.get((image, j))
+        chance = None if null is None else null.chance_level
+        entry: Dict[str, Any] = {"image": image, "index": j, "chance_level": chance}
         for name, higher in METRICS.items():
             entry[name] = _best([e[name] for _, e in found], higher)
-        top = max(found, key=lambda ae: ae[1]["psnr"] if ae[1]["psnr"] is not None else -math.inf)
-        entry["best_attack"] = top[0]
-        entry["class"] = thresholds.classify(entry["psnr"], entry["ssim"])
+        judged = []
+        for attack, e in found:
+            ev = e["evidence"]
+            cls = None if ev is None else rule.classify(ev.aligned_psnr, ev.rank, chance)
+            if cls is not None:
+                judged.append((CLASS_ORDER[cls], ev.aligned_psnr - chance, attack, cls, ev))
+        if judged:
+            _, _, attack, cls, ev = max(judged, key=lambda t: t[:2])
+            entry.update(best_attack=attack, image_class=cls.value, aligned_psnr=ev.aligned_psnr, rank=ev.rank,
+                         candidates=ev.candidates)
+        else:
+            entry.update(best_attack=None, image_class=None, aligned_psnr=None, rank=None, candidates=None)
         per_image.append(entry)
-    judged = [e for e in per_image if e["class"] is not None]
-    summary: Dict[str, Any] = {name: _mean(e[name] for e in judged) for name in METRICS}
-    summary["psnr_max"] = _best([e["psnr"] for e in judged], True)
-    summary["ssim_max"] = _best([e["ssim"] for e in judged], True)
+    done = [e for e in per_image if e["image_class"] is not None]
+    summary: Dict[str, Any] = {name: _mean(e[name] for e in done) for name in METRICS}
+    summary["psnr_max"] = _best([e["psnr"] for e in done], True)
+    summary["ssim_max"] = _best([e["ssim"] for e in done], True)
+    summary["above_chance_max"] = _best([e["aligned_psnr"] - e["chance_level"] for e in done], True)
     summary["per_image"] = per_image
     return summary
 
 
-def step_verdict(per_image: List[Dict[str, Any]], missing: Sequence[Dict[str, Any]] = (),
+def step_verdict(per_image: List[Dict[str, Any]], rule: LeakRule, missing: Sequence[Dict[str, Any]] = (),
                  attacks: int = 1) -> Dict[str, Any]:
-    """The step's verdict from its judged images and the attacks with missing evidence."""
-    judged = [e for e in per_image if e.get("class") is not None]
-    counts = {c: sum(e["class"] == c for e in judged) for c in (RECOVERED, PARTIAL, PRIVATE)}
-    found = RECOVERED if counts[RECOVERED] else PARTIAL if counts[PARTIAL] else PRIVATE if judged else None
-    out = {"recovered": counts[RECOVERED], "partially": counts[PARTIAL], "not_recovered": counts[PRIVATE],
-           "images": len(judged), "judged": found, "failed_attacks": list(missing)}
-    if found == RECOVERED:
-        label, reason = RECOVERED, ""
+    """The step's verdict from its judged images and the attacks with missing evidence:
+    ``k of n`` images recovered with an exact interval, and for 'no recovered image' the
+    recovery rate it excludes and the images that would exclude :data:`TARGET_RATE`."""
+    judged = [e for e in per_image if e.get("image_class") is not None]
+    counts = {c: sum(e["image_class"] == c.value for e in judged) for c in ImageClass}
+    n = len(judged)
+    found = (Verdict.LEAKS if counts[ImageClass.RECOVERED] else Verdict.PARTIALLY if counts[ImageClass.PARTIAL]
+             else Verdict.PRIVATE if judged else None)
+    rate = rule.interval(counts[ImageClass.RECOVERED], n)
+    identified = rule.interval(sum(e["rank"] is not None and e["rank"] <= rule.identify_rank for e in judged), n)
+    out = {"recovered": counts[ImageClass.RECOVERED], "partially": counts[ImageClass.PARTIAL],
+           "not_recovered": counts[ImageClass.NOT_RECOVERED], "images": n,
+           "judged": None if found is None else found.value, "failed_attacks": list(missing),
+           "recovery_rate": rate.to_dict(), "identification_rate": identified.to_dict()}
+    if found is Verdict.LEAKS:
+        label, reason = Verdict.LEAKS, ""
     elif missing:
-        label = INCOMPLETE
+        label = Verdict.INCOMPLETE
         reason = "; ".join(f"{m['attack']} {m['why']} on batch(es) {', '.join(map(str, m['images']))}"
                            for m in missing)
     elif found is None:
-        label = NOT_JUDGED
+        label = Verdict.NOT_JUDGED
         reason = ("no planned attack" if not attacks else
                   "no attack applies to this step (every attack reported not applicable)")
     else:
         label, reason = found, ""
-    return {"label": label, "reason": reason, **out}
+    if n and counts[ImageClass.RECOVERED] == 0:
+        out["excludes_rate_above"] = excluded_rate(n, rule.level)
+        out["images_to_exclude"] = {"rate": TARGET_RATE, "images": images_to_exclude(TARGET_RATE, rule.level)}
+    return {"label": label.value, "reason": reason, **out}
 
 
 def empirical_risk(by_attack: Dict[str, List[Dict[str, Any]]], delta: float) -> Dict[str, Any]:
@@ -286,20 +285,44 @@ def empirical_risk(by_attack: Dict[str, List[Dict[str, Any]]], delta: float) -> 
             "bayes_risk": 1.0 - success, "per_attack": per_attack}
 
 
-def judge_step(by_attack: Dict[str, List[Dict[str, Any]]], images: int, thresholds: Thresholds) -> Dict[str, Any]:
+def judge_step(by_attack: Dict[str, List[Dict[str, Any]]], images: int, rule: LeakRule, nulls: Nulls) -> Dict[str, Any]:
     """Worst case and verdict of one step with ``images`` planned private batches."""
-    wc = worst_case(by_attack, thresholds)
+    wc = worst_case(by_attack, rule, nulls)
     missing = missing_evidence(by_attack, images)
-    return {"worst_case": wc, "verdict": step_verdict(wc["per_image"], missing, attacks=len(by_attack))}
+    for e in wc["per_image"]:  # an image without a null or evidence is missing evidence, never private
+        if e["image_class"] is None and not any(m for m in missing if e["image"] in m["images"]):
+            missing.append({"attack": "leak rule", "images": [e["image"]], "why": "no null for this image",
+                            "reasons": ["no null for this image"]})
+    return {"worst_case": wc, "verdict": step_verdict(wc["per_image"], rule, missing, attacks=len(by_attack))}
+
+
+def nulls_from_manifest(manifest: Dict[str, Any]) -> Nulls:
+    """The stored null of every private image, keyed by (batch, index in the batch)."""
+    out: Nulls = {}
+    for image, batch in enumerate((manifest.get("null") or {}).get("images") or []):
+        for j, data in enumerate(batch):
+            out[(image, j)] = NullEvidence.from_dict(data)
+    return out
+
+
+def false_positive_rates(rule: LeakRule, nulls: Nulls) -> Dict[str, Any]:
+    """The rule's false-positive rates on the audited data (see :meth:`LeakRule.false_positives`)."""
+    if not nulls:
+        return {"unavailable": "no null was stored for this audit"}
+    recovered, partial = rule.false_positives(nulls.values())
+    return {"recovered": recovered.to_dict(), "partially_or_worse": partial.to_dict(),
+            "how": "every null item (unrelated image or data-only guess) of every private image fed to the rule as "
+                   "its reconstruction, judged against the chance level of the other items (leave-one-out)"}
 
 
 # --------------------------------------------------------------------------- the run
 def overall_verdict(steps: List[Dict[str, Any]]) -> Dict[str, Any]:
     """The worst judged step (leaks > partially > incomplete > no recovered image); steps
     that are not judged are listed with their reasons, and never count as private."""
-    judged = [s for s in steps if s["verdict"]["label"] in SEVERITY]
+    severity = {v.value: rank for v, rank in SEVERITY.items()}
+    judged = [s for s in steps if s["verdict"]["label"] in severity]
     not_judged = [{"step": s["step"], "reason": s["verdict"].get("reason", "")}
-                  for s in steps if s["verdict"]["label"] not in SEVERITY]
+                  for s in steps if s["verdict"]["label"] not in severity]
     incomplete = [s["step"] for s in judged if s["verdict"]["label"] == INCOMPLETE]
     if not judged:
         why = "; ".join(f"step {n['step']}: {n['reason']}" for n in not_judged) or "no audited step"
@@ -307,7 +330,7 @@ def overall_verdict(steps: List[Dict[str, Any]]) -> Dict[str, Any]:
                 "leaking_steps": [], "incomplete_steps": [], "not_judged_steps": not_judged}
 
     def rank(s):
-        return SEVERITY[s["verdict"]["label"]], s["worst_case"].get("psnr_max") or -math.inf
+        return severity[s["verdict"]["label"]], s["worst_case"].get("above_chance_max") or -math.inf
 
     worst = max(judged, key=rank)
     label = worst["verdict"]["label"]

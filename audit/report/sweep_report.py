@@ -141,8 +141,7 @@ def _definitions(data: Dict[str, Any]) -> List[str]:
             "updates; relative = defended / undefended (one undefended run shared by all cells).",
             "Pareto-optimal: no other cell has a lower (or equal) PSNR and a higher (or equal) accuracy, "
             "better in one of them.",
-            f"Thresholds: leaks at PSNR >= {thr['leak_psnr']:g} dB, private at PSNR <= {thr['private_psnr']:g} dB "
-            f"({thr.get('rule', '')})"]
+            f"Verdicts (each cell's report): {thr.get('rule', '')}"]
 
 
 def render_markdown(data: Dict[str, Any]) -> str:

@@ -1,0 +1,118 @@
+"""The leak rule: when a reconstructed image counts as recovered, calibrated to chance.
+
+One place for the thresholds and their wording; ``gia-audit audit --thresholds`` and
+``gia-audit report --thresholds`` set them (the report re-renders without recomputing,
+since every record stores its evidence and the manifest the null's). Why this rule and how
+it was measured: ``docs/evidence.md``.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Any, Dict, Iterable, Optional, Tuple
+
+from audit.core.errors import ConfigError
+from audit.core.evidence import clopper_pearson
+from audit.core.records import ImageClass, Interval, NullEvidence
+
+
+@dataclass(frozen=True)
+class LeakRule:
+    """Per private image, with ``score`` its aligned PSNR, ``chance`` the best aligned PSNR of
+    any null guess on that image, and ``rank`` its rank among K candidates:
+
+    * recovered: ``score >= chance + margin_db`` and ``rank <= identify_rank``;
+    * partially recovered: ``score >= chance`` and ``rank <= partial_rank``;
+    * not recovered otherwise.
+    """
+
+    margin_db: float = 1.0
+    identify_rank: int = 1
+    partial_rank: int = 3
+    level: float = 0.95  # of every interval the report prints
+
+    def __post_init__(self):
+        if not self.margin_db >= 0:
+            raise ConfigError(f"thresholds: margin_db must be >= 0 dB, got {self.margin_db}")
+        if not 1 <= self.identify_rank <= self.partial_rank:
+            raise ConfigError(f"thresholds: need 1 <= identify_rank <= partial_rank, got "
+                              f"{self.identify_rank} and {self.partial_rank}")
+        if not 0.5 <= self.level < 1:
+            raise ConfigError(f"thresholds: level must be in [0.5, 1), got {self.level}")
+
+    def classify(self, score: Optional[float], rank: Optional[int], chance: Optional[float]) -> Optional[ImageClass]:
+        """The image's class, or None when its evidence is missing (never 'not recovered')."""
+        if score is None or rank is None or chance is None:
+            return None
+        if score >= chance + self.margin_db and rank <= self.identify_rank:
+            return ImageClass.RECOVERED
+        if score >= chance and rank <= self.partial_rank:
+            return ImageClass.PARTIAL
+        return ImageClass.NOT_RECOVERED
+
+    def describe(self) -> str:
+        return (
+            f"an image counts as recovered if its reconstruction's PSNR after the best per-channel gain and offset "
+            f"beats the image's chance level (the best any guess made without the shared update reaches on it: "
+            f"unrelated images of the data set and data-only guesses) by at least {self.margin_db:g} dB and it "
+            f"identifies its private image (rank <= {self.identify_rank} among the K candidates: the private image "
+            f"and K-1 unrelated ones); as partially recovered if it reaches the chance level and ranks <= "
+            f"{self.partial_rank}; as not recovered otherwise. A step 'leaks' if any image is recovered; is "
+            "'incomplete' (naming the attacks) if any planned attack raised, failed to optimise, has no evidence or "
+            "has not run; is 'partially' if any image is partially recovered, and has 'no recovered image' "
+            "otherwise; a step where no attack applies is 'not judged'. The overall verdict is the worst judged step."
+        )
+
+    def as_dict(self) -> Dict[str, Any]:
+        return {**asdict(self), "rule": self.describe()}
+
+    @classmethod
+    def from_dict(cls, data: Optional[Dict[str, Any]]) -> "LeakRule":
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in (data or {}).items() if k in names})
+
+    @classmethod
+    def of(cls, value: Any) -> "LeakRule":
+        """A rule from a LeakRule, a dict of its fields, ``"margin_db=2,..."`` text, or None (the default)."""
+        if value is None or isinstance(value, cls):
+            return value or cls()
+        if isinstance(value, dict):
+            return cls.from_dict(value)
+        if isinstance(value, str):
+            return cls().with_text(value)
+        raise ConfigError(f"thresholds must be a LeakRule, a dict or 'name=value,...' text, got {type(value).__name__}")
+
+    def with_text(self, text: Optional[str]) -> "LeakRule":
+        """This rule with ``"margin_db=2,partial_rank=5"`` applied (the CLI's ``--thresholds``)."""
+        if not text:
+            return self
+        kinds = {f.name: f.type for f in fields(self)}
+        changes: Dict[str, Any] = {}
+        for part in text.split(","):
+            name, sep, value = part.partition("=")
+            name = name.strip()
+            if not sep or name not in kinds:
+                raise ConfigError(f"--thresholds takes name=value pairs separated by commas, names: "
+                                  f"{', '.join(kinds)}; got {part!r}")
+            try:
+                changes[name] = int(value) if name.endswith("rank") else float(value)
+            except ValueError:
+                raise ConfigError(f"--thresholds {name}: {value!r} is not a number") from None
+        return replace(self, **changes)
+
+    # ------------------------------------------------------------------ calibration
+    def false_positives(self, nulls: Iterable[NullEvidence]) -> Tuple[Interval, Interval]:
+        """The rule applied to every null item of every private image as if it were the
+        reconstruction, leave-one-out (each item against the chance level of the others):
+        the rate of 'recovered' and of 'partially recovered or worse', with intervals."""
+        recovered = partial = total = 0
+        for null in nulls:
+            for item, (score, rank) in enumerate(zip(null.scores, null.ranks)):
+                found = self.classify(score, rank, null.chance_level_without(item))
+                total += 1
+                recovered += found is ImageClass.RECOVERED
+                partial += found in (ImageClass.RECOVERED, ImageClass.PARTIAL)
+        return self.interval(recovered, total), self.interval(partial, total)
+
+    def interval(self, k: int, n: int) -> Interval:
+        low, high = clopper_pearson(k, n, self.level)
+        return Interval(k, n, low, high, self.level)
