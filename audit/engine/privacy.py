@@ -31,9 +31,26 @@ def _accountant(defense: Any) -> Optional[Callable[[int, float, float], Any]]:
     return None
 
 
-def privacy_report(defense: Any, fl, train_size: int, steps: Sequence[int], delta: float = DELTA) -> Dict[str, Any]:
+def _identification_bound(sigma: Optional[float], local_steps: int, candidates: Optional[int]) -> Dict[str, Any]:
+    """Hayes et al.'s bound for the observed update of a private batch (sampled for sure: q = 1)."""
+    from audit.core.reconstruction_bound import identification_bound
+
+    if sigma is None or not candidates:
+        return {"unavailable": "needs the defense's noise multiplier and the number of candidates K"}
+    value = identification_bound(1.0 / candidates, sigma, steps=local_steps, sample_rate=1.0)
+    return {"bound": value, "candidates": candidates, "noise_multiplier": sigma, "steps": local_steps,
+            "description": f"no attacker identifies a private image among K = {candidates} candidates (chance "
+                           f"1/{candidates}) from one observed update of {local_steps} DP-SGD step(s) with noise "
+                           f"multiplier {sigma:g} with probability above {value:.1%} (Hayes, Mahloujifar & Balle "
+                           "2023: the power of the most powerful test at level 1/K)"}
+
+
+def privacy_report(defense: Any, fl, train_size: int, steps: Sequence[int], delta: float = DELTA,
+                   candidates: Optional[int] = None) -> Dict[str, Any]:
     """Per audited step, the (epsilon, delta) spent by the DP-SGD steps trained before it:
-    ``step x local_steps`` steps at sample rate ``fl.batch_size / the smallest client split``."""
+    ``step x local_steps`` steps at sample rate ``fl.batch_size / the smallest client split``;
+    and, with ``candidates`` (K), the bound on identifying a private image among K that one
+    observed update (``local_steps`` noised steps of the private batch) allows."""
     name = getattr(defense, "name", "defense")
     account = _accountant(defense)
     if account is None:
@@ -52,7 +69,8 @@ def privacy_report(defense: Any, fl, train_size: int, steps: Sequence[int], delt
         return {"applicable": False, "reason": f"defense {name!r}: privacy accounting failed ({err})"}
     accountant = getattr(spent, "accountant", "rdp") if per_step else "rdp"
     sigma = getattr(spent, "noise_multiplier", None) if per_step else None
-    return {"applicable": True, "accountant": accountant, "sample_rate": sample_rate, "delta": delta,
+    bound = _identification_bound(sigma, fl.local_steps, candidates)
+    return {"identification_bound": bound, "applicable": True, "accountant": accountant, "sample_rate": sample_rate, "delta": delta,
             "noise_multiplier": sigma, "per_step": per_step,
             "description": f"RDP accountant ({accountant}) of the subsampled Gaussian mechanism: noise multiplier "
                            f"{sigma}, sample rate {sample_rate:.4g} = train batch size {fl.batch_size} / the "

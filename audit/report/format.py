@@ -148,14 +148,26 @@ def overall_text(verdict: Dict[str, Any]) -> str:
     return text
 
 
-def privacy_rows(privacy: Dict[str, Any]):
-    """``[step, epsilon, delta]`` rows of the (epsilon, delta) the run's steps spend, or
-    ``None`` with why not."""
+def privacy_rows(privacy: Dict[str, Any], steps=()):
+    """``[step, DP-SGD steps, epsilon, delta, identification bound, measured identification]``
+    rows of the (epsilon, delta) the run's steps spend next to the bound on identifying a
+    private image and the rate measured at that step, or ``None`` with why not."""
     if not privacy or not privacy.get("applicable"):
         return None, f"not applicable: {(privacy or {}).get('reason', 'the defense declares no privacy accounting')}"
-    rows = [[p["step"], p["rounds"], "inf" if p["epsilon"] is None else f"{p['epsilon']:.3g}", f"{p['delta']:g}"]
+    bound = privacy.get("identification_bound") or {}
+    measured = {s["step"]: s["verdict"].get("identification_rate") for s in steps}
+    rows = [[p["step"], p["rounds"], "inf" if p["epsilon"] is None else f"{p['epsilon']:.3g}", f"{p['delta']:g}",
+             UNAVAILABLE if bound.get("bound") is None else f"{bound['bound']:.1%}",
+             interval_text(measured.get(p["step"]))]
             for p in privacy.get("per_step", [])]
-    return rows, privacy.get("description", "")
+    note = privacy.get("description", "")
+    if bound.get("description"):
+        note += "; identification bound: " + bound["description"]
+    return rows, note
+
+
+PRIVACY_HEADER = ["audited step", "DP-SGD steps spent", "epsilon", "delta", "identification bound (Hayes et al.)",
+                  "identified (measured, strongest attack per image)"]
 
 
 def clean_rounds_text(plan: Dict[str, Any]) -> Optional[str]:

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from audit.report.format import (attack_cell, attack_header, attack_row, evidence_header, evidence_notes,
-                                 evidence_rows, fmt, kv_rows, overall_text, plan_traits, privacy_rows, summary_header,
+                                 evidence_rows, fmt, kv_rows, overall_text, plan_traits, privacy_rows, PRIVACY_HEADER, summary_header,
                                  summary_row, unavailable_notes, utility_rows)
 from audit.report.images import file_data_uri
 
@@ -91,10 +91,10 @@ def _differences(data: Dict[str, Any]) -> str:
 
 
 def _privacy(data: Dict[str, Any]) -> str:
-    rows, note = privacy_rows(data.get("privacy", {}))
+    rows, note = privacy_rows(data.get("privacy", {}), data["steps"])
     if rows is None:
         return f"<p>{escape(note)}</p>"
-    return html_table(["audited step", "DP-SGD steps spent", "epsilon", "delta"], rows) + f"<p>{escape(note)}</p>"
+    return html_table(PRIVACY_HEADER, rows) + f"<p>{escape(note)}</p>"
 
 
 def _kv(obj: Any) -> str:

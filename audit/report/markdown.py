@@ -5,7 +5,7 @@ import json
 from typing import Any, Dict, List
 
 from audit.report.format import (attack_cell, attack_header, attack_row, evidence_header, evidence_notes,
-                                 evidence_rows, kv_rows, overall_text, plan_traits, privacy_rows, summary_header,
+                                 evidence_rows, kv_rows, overall_text, plan_traits, privacy_rows, PRIVACY_HEADER, summary_header,
                                  summary_row, unavailable_notes, utility_rows)
 
 
@@ -48,11 +48,11 @@ def _differences_section(data: Dict[str, Any]) -> List[str]:
 
 
 def _privacy_section(data: Dict[str, Any]) -> List[str]:
-    rows, note = privacy_rows(data.get("privacy", {}))
+    rows, note = privacy_rows(data.get("privacy", {}), data["steps"])
     lines = ["## Privacy spent ((epsilon, delta))", ""]
     if rows is None:
         return lines + [note]
-    return lines + _table(["audited step", "DP-SGD steps spent", "epsilon", "delta"], rows) + ["", note]
+    return lines + _table(PRIVACY_HEADER, rows) + ["", note]
 
 
 def _definitions(data: Dict[str, Any]) -> List[str]:

@@ -1,0 +1,51 @@
+"""Negative controls: defenses that share the exact gradient of a *decoy* batch, so nothing
+of the private images is in what they share.
+
+An audit of a decoy must come out "no recovered image": the attacks reconstruct the decoy,
+and the leak rule must not mistake a flat or smooth guess for a recovered image
+(``docs/evidence.md``). ``kind="flat"``: every image one fixed colour near the embedded
+data's mean; ``kind="texture"``: one fixed smooth colour texture. Labels are the true ones.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from audit.core.types import Defense, clean_gradients, default_loss_fn
+
+from defenses.common import check_choice, check_range
+from defenses.registry import DEFENSES
+
+KINDS = ("flat", "texture")
+FLAT_COLOUR = (0.52, 0.40, 0.35)  # near the embedded data set's mean colour
+
+
+def decoy_images(kind: str, shape, level: float, device=None, dtype=torch.float32) -> Tensor:
+    """The decoy batch for inputs of ``shape`` ``(B, C, H, W)``: the same image for every row."""
+    b, c, h, w = shape
+    colour = torch.tensor([FLAT_COLOUR[k % 3] for k in range(c)], device=device, dtype=dtype).view(1, c, 1, 1)
+    if kind == "flat":
+        return colour.expand(b, c, h, w).clone()
+    y = torch.linspace(0, 2 * math.pi, h, device=device, dtype=dtype).view(1, 1, h, 1)
+    x = torch.linspace(0, 2 * math.pi, w, device=device, dtype=dtype).view(1, 1, 1, w)
+    phase = torch.arange(c, device=device, dtype=dtype).view(1, c, 1, 1)
+    wave = torch.sin(1.5 * x + phase) * torch.cos(y - 0.7 * phase)
+    return (colour + level * wave).clamp(0, 1).expand(b, c, h, w).clone()
+
+
+@DEFENSES.register("decoy", "Negative control: the exact gradient of a decoy batch (flat colour or smooth texture); "
+                            "shares nothing private")
+class Decoy(Defense):
+    """The clean gradient of :func:`decoy_images` with the true labels."""
+
+    name = "decoy"
+
+    def __init__(self, kind: str = "flat", level: float = 0.25):
+        self.kind = check_choice(self.name, "kind", kind, KINDS)
+        self.level = check_range(self.name, "level", level, 0, 1)
+
+    def __call__(self, model, inputs, labels, *, loss_fn=default_loss_fn, generator=None):
+        decoy = decoy_images(self.kind, tuple(inputs.shape), self.level, inputs.device, inputs.dtype)
+        return [g.detach() for g in clean_gradients(model, decoy, labels, loss_fn, create_graph=False)]
