@@ -9,21 +9,39 @@ import torch
 
 from audit.core.errors import ConfigError
 from audit.report.audit_report import AuditReport, build_report, render
-from audit.report.risk import (INCOMPLETE, NOT_JUDGED, PARTIAL, PRIVATE, RECOVERED, Thresholds, default_delta,
-                               overall_verdict)
+from audit.core.records import ImageClass
+from audit.report.risk import INCOMPLETE, NOT_JUDGED, PARTIAL, PRIVATE, RECOVERED, default_delta, overall_verdict
+from audit.report.rule import LeakRule
 from audit.report.store import ResultStore, settings_key
 
 ATTACKS = [
     {"id": "ig", "name": "ig", "kind": "base", "settings": {}, "reason": "baseline"},
     {"id": "mask-replay", "name": "mask-replay", "kind": "adaptive", "settings": {}, "reason": "sparse"},
 ]
-# (step, attack, image) -> (psnr, ssim, l2)
+# (step, attack, image) -> (psnr, ssim, l2, rank among K); the aligned PSNR is the PSNR here
 NUMBERS = {
-    (0, "ig", 0): (24.0, 0.7, 2.0), (0, "ig", 1): (21.0, 0.6, 3.0),
-    (0, "mask-replay", 0): (30.0, 0.9, 1.0), (0, "mask-replay", 1): (19.0, 0.4, 6.0),
-    (5, "ig", 0): (12.0, 0.1, 9.0), (5, "ig", 1): (11.0, 0.1, 9.5),
-    (5, "mask-replay", 0): (17.0, 0.3, 6.0), (5, "mask-replay", 1): (13.0, 0.2, 8.0),
+    (0, "ig", 0): (24.0, 0.7, 2.0, 1), (0, "ig", 1): (21.0, 0.6, 3.0, 1),
+    (0, "mask-replay", 0): (30.0, 0.9, 1.0, 1), (0, "mask-replay", 1): (19.0, 0.4, 6.0, 2),
+    (5, "ig", 0): (12.0, 0.1, 9.0, 30), (5, "ig", 1): (11.0, 0.1, 9.5, 40),
+    (5, "mask-replay", 0): (17.0, 0.3, 6.0, 2), (5, "mask-replay", 1): (13.0, 0.2, 8.0, 9),
 }
+CHANCE = 15.0  # every private image's chance level in these stores
+
+
+def _null(chance=CHANCE):
+    """A hand-made null: three guesses, the best at ``chance`` dB; the second ranks first (LOO)."""
+    return {"names": ["unrelated 1", "unrelated 2", "mean colour"], "scores": [chance - 4, chance - 0.5, chance],
+            "ranks": [40, 1, 30], "candidates": 64, "pool": 2, "similarity": "test distance"}
+
+
+def _evidence(psnr, rank, **extra):
+    return {"aligned_psnr": psnr, "rank": rank, "candidates": 64, **extra}
+
+
+def _nulls(images, batch=1):
+    return {"images": [[_null()] * batch for _ in range(images)],
+            "description": {"pool": 2, "candidates": 64, "guesses": ["mean colour"], "similarity": "test distance",
+                            "source": "hand-made"}}
 
 
 def _store(root, numbers=NUMBERS, steps=(0, 5), failing=()):
@@ -34,15 +52,16 @@ def _store(root, numbers=NUMBERS, steps=(0, 5), failing=()):
         threat_model={"labels_shared": False}, plan={"traits": {"sparse": True}},
         utility={"accuracy": 0.5, "baseline_accuracy": 0.6, "relative": 0.5 / 0.6, "final_loss": 1.5,
                  "baseline_final_loss": 1.2, "seconds": 2.0, "baseline_seconds": 1.0, "setting": {"steps": 100}},
-        thresholds=Thresholds().as_dict(),
+        thresholds=LeakRule().as_dict(), null=_nulls(2),
         risk_delta={"delta": 5.0, "description": "l2 over 3x16x16 pixels"})
     gen = torch.Generator().manual_seed(0)
     for i in range(2):
         store.save_original(i, torch.rand(1, 3, 16, 16, generator=gen))
-    for (step, attack, image), (psnr, ssim, l2) in numbers.items():
+    for (step, attack, image), (psnr, ssim, l2, rank) in numbers.items():
         store.save_result({"step": step, "attack_id": attack, "attack": attack, "image": image,
                            "status": "ok", "metrics": {"psnr": psnr, "ssim": ssim, "lpips": None,
-                                                       "label_acc": 1.0, "l2": [l2]},
+                                                       "label_acc": 1.0, "l2": [l2],
+                                                       "evidence": [_evidence(psnr, rank)]},
                            "unavailable": {"lpips": "no pretrained weights"}},
                           torch.rand(1, 3, 16, 16, generator=gen))
     for step, attack, image in failing:
@@ -63,22 +82,47 @@ def test_worst_case_risk_and_verdict_follow_the_stated_definitions(tmp_path):
     assert s0["risk"]["strongest_attack"] == "ig" and s0["risk"]["success"] == 1.0
     assert s0["risk"]["bayes_risk"] == 0.0
     assert s5["risk"]["success"] == 0.0 and s5["risk"]["strongest_attack"] == "mask-replay"
-    # verdicts: both images recovered at step 0; at step 5 one partial (17 dB), one private (13 dB)
+    # verdicts against the chance level of 15 dB: both images recovered at step 0 (rank 1, 6 and
+    # 9 dB above chance); at step 5 one partial (17 dB, rank 2), one not recovered (13 dB)
     assert s0["verdict"]["label"] == RECOVERED and s0["verdict"]["recovered"] == 2
+    assert [e["best_attack"] for e in s0["worst_case"]["per_image"]] == ["mask-replay", "ig"]
+    assert s0["verdict"]["recovery_rate"]["k"] == 2 and s0["verdict"]["recovery_rate"]["low"] == pytest.approx(0.158, abs=1e-3)
     assert s5["verdict"]["label"] == PARTIAL
     assert (s5["verdict"]["partially"], s5["verdict"]["not_recovered"]) == (1, 1)
     assert report.verdict == RECOVERED and report.data["verdict"]["leaking_steps"] == [0]
     assert report.psnr(5, "ig") == pytest.approx(11.5)
 
 
-def test_thresholds_classify_at_the_stated_boundaries():
-    t = Thresholds()
-    assert t.classify(20.0, 0.1) == RECOVERED
-    assert t.classify(10.0, 0.5) == RECOVERED
-    assert t.classify(15.0, 0.49) == PRIVATE
-    assert t.classify(15.1, 0.2) == PARTIAL
-    assert "20 dB" in t.describe() and "0.5" in t.describe()
+def test_leak_rule_classifies_at_the_stated_boundaries():
+    t = LeakRule()
+    assert t.classify(16.0, 1, 15.0) == ImageClass.RECOVERED  # 1 dB above chance and identified
+    assert t.classify(15.99, 1, 15.0) == ImageClass.PARTIAL  # above chance, below the margin
+    assert t.classify(40.0, 2, 15.0) == ImageClass.PARTIAL  # far above chance but not identified
+    assert t.classify(15.0, 3, 15.0) == ImageClass.PARTIAL
+    assert t.classify(15.0, 4, 15.0) == ImageClass.NOT_RECOVERED
+    assert t.classify(14.99, 1, 15.0) == ImageClass.NOT_RECOVERED  # identified, but below chance
+    assert t.classify(None, 1, 15.0) is None and t.classify(20.0, 1, None) is None  # no evidence: not judged
+    assert "1 dB" in t.describe() and "rank <= 1" in t.describe()
+    assert t.with_text("margin_db=2.5,partial_rank=5") == LeakRule(margin_db=2.5, partial_rank=5)
+    with pytest.raises(ConfigError, match="name=value"):
+        t.with_text("psnr=20")
+    with pytest.raises(ConfigError, match="identify_rank <= partial_rank"):
+        LeakRule(identify_rank=4, partial_rank=3)
     assert default_delta(3 * 16 * 16) == pytest.approx(0.1 * math.sqrt(768))
+
+
+def test_false_positive_rate_is_measured_leave_one_out():
+    from audit.core.records import NullEvidence
+
+    null = NullEvidence.from_dict(_null())
+    # item 3 (16.5 dB) beats the others' best (15) by 1.5 dB and ranks first: a false positive
+    lucky = NullEvidence.from_dict({**_null(), "scores": [11.0, 14.5, 15.0, 16.5], "ranks": [40, 1, 30, 1],
+                                    "names": ["a", "b", "c", "d"]})
+    recovered, partial = LeakRule().false_positives([null, lucky])
+    assert (recovered.k, recovered.n) == (1, 7)
+    assert partial.k == 1 + 0  # item 'unrelated 2' of the first null ranks 1 but is below its LOO chance (15)
+    assert recovered.high > recovered.rate > recovered.low
+    assert LeakRule(margin_db=2.0).false_positives([lucky])[0].k == 0
 
 
 def test_written_report_is_complete_self_contained_and_nan_free(tmp_path):
@@ -92,7 +136,8 @@ def test_written_report_is_complete_self_contained_and_nan_free(tmp_path):
 
     data = json.loads((tmp_path / "report.json").read_text(), parse_constant=no_nan)
     assert data["verdict"]["label"] == "leaks" and len(data["results"]) == 8
-    assert data["thresholds"]["leak_psnr"] == 20.0 and data["risk_delta"]["delta"] == 5.0
+    assert data["thresholds"]["margin_db"] == 1.0 and data["risk_delta"]["delta"] == 5.0
+    assert data["false_positive_rate"]["recovered"]["n"] == 6  # 3 null items x 2 private images
     html = (tmp_path / "report.html").read_text()
     sources = re.findall(r'src="([^"]*)"', html)
     # plot + 2 originals x 2 steps + 8 reconstructions, all embedded
@@ -147,16 +192,18 @@ def _rec(step, attack, image, status="ok", **fields):
     return {"step": step, "attack_id": attack, "attack": attack, "image": image, "status": status, **fields}
 
 
-def _ok(step, attack, image, psnr, ssim, **extra):
+def _ok(step, attack, image, psnr, ssim, rank=1, **extra):
+    """An ok record whose aligned PSNR is ``psnr`` (no evidence when ``psnr`` is None)."""
+    evidence = {} if psnr is None else {"evidence": [_evidence(psnr, rank)]}
     return _rec(step, attack, image, metrics={"psnr": psnr, "ssim": ssim, "lpips": None, "label_acc": 1.0,
-                                              "l2": [9.0], **extra})
+                                              "l2": [9.0], **evidence, **extra})
 
 
-def _report(records, steps=(0,), images=1, attacks=("ig", "mask-replay"), **manifest):
+def _report(records, steps=(0,), images=1, attacks=("ig", "mask-replay"), batch=1, rule=None, **manifest):
     base = {"defense": {"name": "prune"}, "attacks": [{"id": a, "name": a} for a in attacks], "steps": list(steps),
-            "images": images, "thresholds": Thresholds().as_dict(), "status": "complete",
+            "images": images, "thresholds": LeakRule().as_dict(), "status": "complete", "null": _nulls(images, batch),
             "risk_delta": {"delta": 5.0, "description": "l2"}, **manifest}
-    return AuditReport(build_report(base, records))
+    return AuditReport(build_report(base, records, rule))
 
 
 def test_missing_evidence_never_reads_as_private():
@@ -165,7 +212,7 @@ def test_missing_evidence_never_reads_as_private():
         "raised": _rec(0, "mask-replay", 0, "error", reason="DefenseError: boom"),
         "failed to optimise": _rec(0, "mask-replay", 0, "failed_to_optimise"),
         "failed to optimise (trace)": {**_ok(0, "mask-replay", 0, 11.0, 0.1), "trace": {"failed_to_optimise": True}},
-        "no PSNR/SSIM": _ok(0, "mask-replay", 0, None, None),
+        "no evidence": _ok(0, "mask-replay", 0, None, None),
         "unknown status": _rec(0, "mask-replay", 0, "weird"),
     }
     for case, other in cases.items():
@@ -186,7 +233,7 @@ def test_missing_evidence_never_reads_as_private():
 
 
 def test_overall_is_the_worst_judged_step_and_names_the_steps_not_judged():
-    records = [_ok(0, "ig", 0, 12.0, 0.1), _ok(5, "ig", 0, 17.0, 0.2), _rec(9, "ig", 0, "not_applicable")]
+    records = [_ok(0, "ig", 0, 12.0, 0.1), _ok(5, "ig", 0, 17.0, 0.2, rank=2), _rec(9, "ig", 0, "not_applicable")]
     report = _report(records, steps=(0, 5, 9), attacks=("ig",))
     verdict = report.data["verdict"]
     assert verdict["label"] == PARTIAL and verdict["worst_step"] == 5
@@ -198,24 +245,30 @@ def test_overall_is_the_worst_judged_step_and_names_the_steps_not_judged():
 def test_batches_are_judged_per_image_worst_and_mean_shown():
     # one image of the batch recovered exactly (200 dB), the other not at all: the mean (102.5)
     # and the worst image both show, and the verdict counts one recovered and one private image
-    rec = _ok(0, "ig", 0, 102.5, 0.5, psnr_per_image=[200.0, 5.0], ssim_per_image=[1.0, 0.0], l2=[0.0, 20.0])
-    report = _report([rec], attacks=("ig",))
+    rec = _ok(0, "ig", 0, 102.5, 0.5, psnr_per_image=[200.0, 5.0], ssim_per_image=[1.0, 0.0], l2=[0.0, 20.0],
+              evidence=[_evidence(200.0, 1), _evidence(5.0, 50)])
+    report = _report([rec], attacks=("ig",), batch=2)
     step = report.step(0)
-    assert [e["class"] for e in step["worst_case"]["per_image"]] == [RECOVERED, PRIVATE]
+    assert [e["image_class"] for e in step["worst_case"]["per_image"]] == ["recovered", "not recovered"]
     assert step["worst_case"]["psnr"] == pytest.approx(102.5) and step["worst_case"]["psnr_max"] == 200.0
     assert step["risk"]["success"] == 0.5 and step["attacks"]["ig"]["psnr_max"] == 200.0
-    low = _ok(0, "ig", 0, 16.0, 0.3, psnr_per_image=[21.0, 11.0], ssim_per_image=[0.3, 0.3])
-    assert _report([low], attacks=("ig",)).verdict == RECOVERED  # the batch mean (16 dB) would say partially
+    low = _ok(0, "ig", 0, 16.0, 0.3, psnr_per_image=[21.0, 11.0], ssim_per_image=[0.3, 0.3],
+              evidence=[_evidence(21.0, 1), _evidence(11.0, 9)])
+    assert _report([low], attacks=("ig",), batch=2).verdict == RECOVERED  # the batch mean would say partially
     assert "200.00" in report.to_markdown()  # the worst-image column
 
 
 def test_input_transform_scored_against_both_and_judged_on_the_worse():
-    rec = _ok(0, "ig", 0, 8.0, 0.05)
-    rec["metrics_trained"] = {"psnr": 31.0, "ssim": 0.9, "lpips": None, "label_acc": 1.0, "l2": [0.5]}
+    rec = _ok(0, "ig", 0, 8.0, 0.05, rank=20)
+    rec["metrics_trained"] = {"psnr": 31.0, "ssim": 0.9, "lpips": None, "label_acc": 1.0, "l2": [0.5],
+                              "evidence": [_evidence(31.0, 1, chance_level=24.0)]}
     report = _report([rec], attacks=("ig",), differences=["Operations run on float tensors."])
     summary = report.step(0)["attacks"]["ig"]
     assert (summary["psnr_original"], summary["psnr_trained"]) == (8.0, 31.0)
     assert report.verdict == RECOVERED and report.step(0)["risk"]["success"] == 1.0
+    assert report.step(0)["worst_case"]["per_image"][0]["chance_level"] == 24.0  # the trained batch's own
+    rec["metrics_trained"]["evidence"] = [_evidence(31.0, 1, chance_level=30.5)]  # 0.5 dB above its chance
+    assert _report([rec], attacks=("ig",)).verdict == PARTIAL
     md = report.to_markdown()
     assert "| 8.00 | 31.00 |" in md and "- Operations run on float tensors." in md
     assert "Operations run on float tensors." in report.to_html()
@@ -226,9 +279,25 @@ def test_privacy_section_shows_epsilon_or_says_not_applicable():
                "per_step": [{"step": 0, "rounds": 0, "epsilon": 0.0, "delta": 1e-5},
                             {"step": 5, "rounds": 5, "epsilon": 1.234, "delta": 1e-5}]}
     md = _report([_ok(0, "ig", 0, 12.0, 0.1)], attacks=("ig",), privacy=privacy).to_markdown()
-    assert "| 5 | 5 | 1.23 | 1e-05 |" in md
+    assert "| 5 | 5 | 1.23 | 1e-05 | n/a |" in md
     none = _report([_ok(0, "ig", 0, 12.0, 0.1)], attacks=("ig",)).to_markdown()
     assert "## Privacy spent" in none and "not applicable" in none
+
+
+def test_a_no_recovered_image_verdict_states_what_it_excludes_and_rerendering_rejudges(tmp_path):
+    records = [_ok(0, "ig", i, 15.5, 0.2, rank=1) for i in range(4)]  # 0.5 dB above chance, identified
+    report = _report(records, images=4, attacks=("ig",))
+    verdict = report.step(0)["verdict"]
+    assert verdict["label"] == PARTIAL and verdict["recovered"] == 0
+    assert verdict["excludes_rate_above"] == pytest.approx(1 - 0.05 ** 0.25)  # 53% with 0 of 4
+    assert verdict["images_to_exclude"] == {"rate": 0.05, "images": 59}
+    assert "excludes a recovery rate above 53%" in report.summary() and "59 images" in report.summary()
+    # the same evidence under a smaller margin: recovered, without recomputing anything
+    looser = _report(records, images=4, attacks=("ig",), rule=LeakRule(margin_db=0.5))
+    assert looser.verdict == RECOVERED and looser.step(0)["verdict"]["recovered"] == 4
+    store = _store(tmp_path)
+    assert render(tmp_path, thresholds="margin_db=16").verdict == PARTIAL  # the best is 15 dB above chance
+    assert render(tmp_path).verdict == RECOVERED and store.load_manifest()["thresholds"]["margin_db"] == 1.0
 
 
 def test_rerun_retries_stored_errors_unless_told_not_to(tmp_path):

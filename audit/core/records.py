@@ -57,11 +57,14 @@ class _Record:
 @dataclass(frozen=True)
 class ImageEvidence(_Record):
     """One reconstructed image against its private image: PSNR after the per-channel gain and
-    offset fit (dB), and the private image's rank among ``candidates`` (1 = identified)."""
+    offset fit (dB), and the private image's rank among ``candidates`` (1 = identified);
+    ``chance_level`` only for a reference whose null the audit does not store (the batch an
+    input-transforming defense trained on)."""
 
     aligned_psnr: float
     rank: int
     candidates: int
+    chance_level: Optional[float] = None
 
 
 @dataclass(frozen=True)

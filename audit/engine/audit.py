@@ -256,9 +256,7 @@ class Audit:
             return {**record, "status": "not_applicable", "reason": rec.reason}, None
         if rec.inputs is None or not torch.isfinite(rec.inputs).all():
             return {**record, "status": "error", "reason": f"attack {spec.id!r} returned no finite images"}, None
-        metrics, unavailable, aligned = score_reconstruction(rec, images, labels)
-        if aligned is not None:
-            metrics["evidence"] = [e.to_dict() for e in self.null.score(aligned, images)]
+        metrics, unavailable, aligned = score_reconstruction(rec, images, labels, self.null)
         record.update(status="ok", metrics=metrics, unavailable=unavailable, trace=trace_summary(rec.trace))
         record.update(self.against_trained(rec, record, images, labels))
         return record, aligned
@@ -283,7 +281,7 @@ class Audit:
                                     self.defense_seed(record["step"], record["image"]))
         except Exception as err:  # a broken transform_inputs: say so, keep the original's scores
             return {"trained_reference": f"unavailable: transform_inputs raised {type(err).__name__}: {err}"}
-        return score_against_trained(rec, trained, labels.to(rec.inputs.device))
+        return score_against_trained(rec, trained, labels.to(rec.inputs.device), self.null)
 
     def defense_seed(self, step: int, image: int) -> int:
         """The seed of the defense's generator in the observation of ``(step, image)``."""

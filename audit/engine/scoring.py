@@ -3,6 +3,7 @@ the small JSON-able summary of an attack's trace that the store keeps."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Any, Dict, Optional
 
 import torch
@@ -13,9 +14,12 @@ from audit.core.types import Defense
 PSNR_CAP = 200.0  # an exact reconstruction (MSE 0, PSNR inf) is reported as this many dB
 
 
-def score_reconstruction(rec, images: torch.Tensor, labels: torch.Tensor):
+def score_reconstruction(rec, images: torch.Tensor, labels: torch.Tensor, null=None, own_chance: bool = False):
     """Metrics of a reconstruction (JSON-able), why any is missing, and the reconstruction
-    reordered to match the private batch (for the report's grids)."""
+    reordered to match the private batch (for the report's grids). With ``null`` (the
+    audit's :class:`~audit.engine.null.Null`), ``metrics["evidence"]`` holds each image's
+    evidence for the leak rule; ``own_chance`` adds each reference image's chance level
+    (for references whose null is not stored with the audit)."""
     result = score(rec.inputs, rec.labels, images.to(rec.inputs.device), labels.to(rec.inputs.device))
     names = {"psnr": "psnr", "ssim": "ssim", "lpips": "lpips", "label_acc": "label_accuracy", "mse": "mse"}
     metrics, unavailable = {}, {}
@@ -37,6 +41,12 @@ def score_reconstruction(rec, images: torch.Tensor, labels: torch.Tensor):
     aligned = None
     if result["assignment"] is not None:
         aligned = rec.inputs.detach()[torch.as_tensor(result["assignment"], device=rec.inputs.device)].clamp(0, 1)
+        if null is not None:
+            evidence = null.score(aligned, images)
+            if own_chance:
+                evidence = [replace(e, chance_level=null.evidence(images[j]).chance_level)
+                            for j, e in enumerate(evidence)]
+            metrics["evidence"] = [e.to_dict() for e in evidence]
     return metrics, unavailable, aligned
 
 
@@ -53,12 +63,12 @@ def trained_batch(defense, images: torch.Tensor, seed: int) -> Optional[torch.Te
         return defense.transform_inputs(images, generator).detach().clamp(0, 1)
 
 
-def score_against_trained(rec, trained: Optional[torch.Tensor], labels: torch.Tensor) -> Dict[str, Any]:
+def score_against_trained(rec, trained: Optional[torch.Tensor], labels: torch.Tensor, null=None) -> Dict[str, Any]:
     """Record fields scoring ``rec`` against what the client trained on (``metrics_trained``;
     the verdict takes, per image, the more leaking of this and the original); {} without one."""
     if trained is None or rec.inputs is None:
         return {}
-    metrics, unavailable, _ = score_reconstruction(rec, trained, labels)
+    metrics, unavailable, _ = score_reconstruction(rec, trained, labels, null, own_chance=True)
     return {"metrics_trained": metrics, "unavailable_trained": unavailable,
             "trained_reference": "the defense's transform_inputs of the private batch, with the observation's seed"}
 

@@ -95,12 +95,11 @@ def _batch_count(record: Dict[str, Any]) -> int:
 def image_metrics(record: Dict[str, Any]) -> List[Dict[str, Any]]:
     """Per private image of the record's batch: each metric at its most leaking over the
     references the record was scored against (original, and what the client trained on),
-    and ``evidence``: the :class:`ImageEvidence` against the original (None when missing)."""
+    and ``evidence``: its :class:`ImageEvidence` per reference (empty when missing)."""
     count = _batch_count(record)
     refs = [record[r] for r in REFERENCES if record.get(r)]
-    evidence = (record.get("metrics") or {}).get("evidence")
-    if not (isinstance(evidence, list) and len(evidence) == count):
-        evidence = [None] * count
+    evidence = [m.get("evidence") for m in refs]
+    evidence = [e for e in evidence if isinstance(e, list) and len(e) == count]
     out = []
     for j in range(count):
         entry: Dict[str, Any] = {}
@@ -108,13 +107,13 @@ def image_metrics(record: Dict[str, Any]) -> List[Dict[str, Any]]:
             entry[name] = _best([_per_image(m, name, count)[j] for m in refs], higher)
         l2s = [m.get("l2") for m in refs]
         entry["l2"] = _best([d[j] if isinstance(d, list) and len(d) == count else None for d in l2s], False)
-        entry["evidence"] = None if evidence[j] is None else ImageEvidence.from_dict(evidence[j])
+        entry["evidence"] = [ImageEvidence.from_dict(e[j]) for e in evidence]
         out.append(entry)
     return out
 
 
 def _judgeable(record: Dict[str, Any]) -> bool:
-    return all(e["evidence"] is not None for e in image_metrics(record))
+    return all(e["evidence"] for e in image_metrics(record))
 
 
 # --------------------------------------------------------------------------- one attack
@@ -205,14 +204,15 @@ def worst_case(by_attack: Dict[str, List[Dict[str, Any]]], rule: LeakRule, nulls
             entry[name] = _best([e[name] for _, e in found], higher)
         judged = []
         for attack, e in found:
-            ev = e["evidence"]
-            cls = None if ev is None else rule.classify(ev.aligned_psnr, ev.rank, chance)
-            if cls is not None:
-                judged.append((CLASS_ORDER[cls], ev.aligned_psnr - chance, attack, cls, ev))
+            for ev in e["evidence"]:  # the original, and what the client trained on
+                level = chance if ev.chance_level is None else ev.chance_level
+                cls = rule.classify(ev.aligned_psnr, ev.rank, level)
+                if cls is not None:
+                    judged.append((CLASS_ORDER[cls], ev.aligned_psnr - level, attack, cls, ev, level))
         if judged:
-            _, _, attack, cls, ev = max(judged, key=lambda t: t[:2])
+            _, _, attack, cls, ev, level = max(judged, key=lambda t: t[:2])
             entry.update(best_attack=attack, image_class=cls.value, aligned_psnr=ev.aligned_psnr, rank=ev.rank,
-                         candidates=ev.candidates)
+                         candidates=ev.candidates, chance_level=level)
         else:
             entry.update(best_attack=None, image_class=None, aligned_psnr=None, rank=None, candidates=None)
         per_image.append(entry)
