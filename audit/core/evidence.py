@@ -124,21 +124,29 @@ def ssim_matrix(queries: Tensor, candidates: Tensor, window: int = 7) -> Tensor:
     return out
 
 
-def similarity(prefer_lpips: bool = True, device: torch.device | str = "cpu") -> Tuple[Similarity, Optional[str]]:
-    """LPIPS on standardised images when its weights are installed, else ``1 - SSIM`` on
-    standardised images; with the reason LPIPS was not used (None when it was)."""
-    from audit.core.metrics import MetricUnavailable, lpips_model
+def similarity(shape, prefer_lpips: bool = True,
+               device: torch.device | str = "cpu") -> Tuple[Similarity, Optional[str]]:
+    """For images of ``shape`` ``(C, H, W)``: LPIPS on standardised images when its weights are
+    installed and the images fit AlexNet, else ``1 - SSIM`` on standardised images (or, below
+    3x3 pixels, their squared distance); with the reason LPIPS was not used (None when it was)."""
+    from audit.core.metrics import LPIPS_MIN_SIDE, MetricUnavailable, lpips_model
 
-    if prefer_lpips:
+    channels, side = shape[0], min(shape[1:])
+    why = "LPIPS was not asked for"
+    if prefer_lpips and side < LPIPS_MIN_SIDE:
+        why = f"LPIPS (AlexNet) needs at least {LPIPS_MIN_SIDE}x{LPIPS_MIN_SIDE} pixels"
+    elif prefer_lpips and channels not in (1, 3):
+        why = f"LPIPS needs 1 or 3 channels, these images have {channels}"
+    elif prefer_lpips:
         try:
             model = lpips_model(device)
             return Similarity("LPIPS (AlexNet) on per-channel standardised images",
                               lambda x: lpips_embedding(standardise(x), model), squared_distances), None
         except MetricUnavailable as err:
             why = str(err)
-    else:
-        why = "LPIPS was not asked for"
-
+    if side < 3:
+        return Similarity("squared distance of per-channel standardised images",
+                          lambda x: standardise(x).flatten(1).double(), squared_distances), why
     return Similarity("1 - SSIM on per-channel standardised images", standardise,
                       lambda q, c: 1.0 - ssim_matrix(q, c)), why
 

@@ -80,7 +80,7 @@ class Null:
         names = [f"unrelated train image {int(i)}" for i in index]
         names += ["mean train image", "mean colour", "total-variation prior alone"]
         items = torch.cat([images, mean_image, mean_colour, prior]).to(device)
-        sim, note = similarity(device=device)
+        sim, note = similarity(tuple(train.shape[1:]), device=device)
         prepared = sim.prepare(items)
         distances = sim.between(prepared, prepared[:size]).cpu()
         return cls(names, items, size, k, sim, note, distances, prepared[: k - 1])
