@@ -33,7 +33,7 @@ from audit.core.errors import ConfigError, NotApplicable
 from audit.core.registry import Registry
 from audit.core.types import Observation, Reconstruction
 
-from attacks.engine import OptimizationAttack
+from attacks.optimization import OptimizationAttack
 from attacks.presets import ATTACKS
 
 STRATEGIES = Registry("portfolio strategy")

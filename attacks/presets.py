@@ -15,7 +15,7 @@ from audit.core.registry import Registry
 from priors import PRIORS
 
 from attacks.analytic import AnalyticInversion
-from attacks.engine import OptimizationAttack
+from attacks.optimization import OptimizationAttack
 from attacks.objectives import OBJECTIVES
 from attacks.optimizers import OPTIMIZERS, Watchdog
 

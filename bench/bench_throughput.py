@@ -1,4 +1,4 @@
-"""Throughput of the grouped attack engine: image-iterations per second as the batch of
+"""Throughput of the grouped optimisation attack: image-iterations per second as the batch of
 images x restarts grows, against one image and against a forward+backward of the model.
 
 For each model (the project's ``convnet`` and CIFAR ``resnet18``, 32x32, client in train

@@ -170,10 +170,10 @@ class CellJob:
     cell: Cell
     model: Any
     model_args: Mapping[str, Any]
-    data: DataSettings
-    fl: FLSettings
-    attacks: AttackSettings
-    output: OutputSettings
+    data_settings: DataSettings
+    fl_settings: FLSettings
+    attack_settings: AttackSettings
+    output_settings: OutputSettings
     seed: int
     device: str
     baseline: Optional[Dict[str, Any]] = None  # the undefended training run (measure_utility's)
@@ -187,7 +187,7 @@ class CellAudit(Audit):
 
     def utility(self) -> Dict[str, Any]:
         base = self.baseline
-        if base is None or not self.output.utility or base.get("baseline_accuracy") is None:
+        if base is None or not self.output_settings.utility or base.get("baseline_accuracy") is None:
             return super().utility()
         if self.defense.name == UNDEFENDED and not self.defense.params():
             return base  # the undefended cell *is* the baseline run
@@ -195,21 +195,21 @@ class CellAudit(Audit):
                "seconds": base["baseline_seconds"], "error": None}
         try:
             return measure_utility(self.defense, model=self.model_spec, model_args=self.model_args,
-                                   dataset=self.dataset, steps=self.output.utility_steps, lr=self.fl.lr,
-                                   batch_size=self.fl.batch_size, clients=self.fl.clients,
-                                   local_steps=self.fl.local_steps, seed=self.seed, device=self.device, baseline=run)
+                                   dataset=self.dataset, steps=self.output_settings.utility_steps, lr=self.fl_settings.lr,
+                                   batch_size=self.fl_settings.batch_size, clients=self.fl_settings.clients,
+                                   local_steps=self.fl_settings.local_steps, seed=self.seed, device=self.device, baseline=run)
         except GiaError as err:
             return {"unavailable": f"{type(err).__name__}: {err}"}
 
 
 def _cell_audit(job: CellJob) -> CellAudit:
-    attacks, output = job.attacks, job.output
+    attacks, output = job.attack_settings, job.output_settings
     if job.only is not None:  # the same store; its utility is measured by the cell's last run
         attacks = replace(attacks, steps=(job.only[0],), names=(job.only[1],))
         output = replace(output, utility=False, progress=False)
     audit = CellAudit(job.cell.defense, job.model, defense_args=dict(job.cell.params), model_args=dict(job.model_args),
-                      data=job.data, fl=job.fl, attacks=attacks, output=output, seed=job.seed,
-                      device=job.device)
+                      data_settings=job.data_settings, fl_settings=job.fl_settings, attack_settings=attacks,
+                      output_settings=output, seed=job.seed, device=job.device)
     audit.baseline = job.baseline
     return audit
 
@@ -219,7 +219,7 @@ def run_cell(job: CellJob) -> Dict[str, Any]:
     report = _cell_audit(job).run()
     done = {"key": job.cell.key, "cell": job.cell.describe(), "status": report.data["status"],
             "run_key": report.data["run_key"]}
-    atomic_write_json(Path(job.output.out) / CELL_FILE, done)
+    atomic_write_json(Path(job.output_settings.out) / CELL_FILE, done)
     return done
 
 
@@ -227,12 +227,12 @@ def cell_groups(job: CellJob) -> List[CellJob]:
     """Train the cell's checkpoints once and plan its attacks; its unfinished (step, attack)
     groups as jobs (run by :func:`run_group`)."""
     audit = _cell_audit(job)
-    store = ResultStore.create(job.output.out, audit.key_settings())
-    steps = list(job.attacks.steps)
+    store = ResultStore.create(job.output_settings.out, audit.key_settings())
+    steps = list(job.attack_settings.steps)
     audit.checkpoints(store, steps)
     specs, _ = audit.plan()
     return [replace(job, only=(step, spec.name)) for step in steps for spec in specs
-            if not all(store.has(step, spec.id, i, settings=spec.settings) for i in range(job.data.images))]
+            if not all(store.has(step, spec.id, i, settings=spec.settings) for i in range(job.data_settings.images))]
 
 
 def run_group(job: CellJob) -> str:
@@ -262,15 +262,17 @@ class Sweep:
     ``{"address": "auto", "cpus": 2, "gpus": 1}``)."""
 
     def __init__(self, grid: Any, model: Any = "cnn", *, model_args: Optional[Dict[str, Any]] = None,
-                 data: DataSettings = DataSettings(), fl: FLSettings = FLSettings(),
-                 attacks: AttackSettings = AttackSettings(), output: OutputSettings = OutputSettings(out="sweep-out"),
+                 data_settings: DataSettings = DataSettings(), fl_settings: FLSettings = FLSettings(),
+                 attack_settings: AttackSettings = AttackSettings(),
+                 output_settings: OutputSettings = OutputSettings(out="sweep-out"),
                  seed: int = 0, device: Any = "cpu", step: Optional[int] = None, executor: str = "local",
                  executor_args: Optional[Dict[str, Any]] = None):
         self.model, self.model_args = model, dict(model_args or {})
-        self.data, self.fl, self.attacks, self.output = data, fl, attacks, output
+        self.data_settings, self.fl_settings = data_settings, fl_settings
+        self.attack_settings, self.output_settings = attack_settings, output_settings
         self.seed, self.device = int(seed), resolve_device(device)
-        if step is not None and step not in attacks.steps:
-            raise ConfigError(f"step {step} is not an audited step {list(attacks.steps)}; choose one of them "
+        if step is not None and step not in attack_settings.steps:
+            raise ConfigError(f"step {step} is not an audited step {list(attack_settings.steps)}; choose one of them "
                               "or leave it out for each cell's worst step")
         self.step = step
         self.cells = grid_cells(grid, self._common_key())
@@ -280,30 +282,31 @@ class Sweep:
 
     @property
     def out(self) -> Path:
-        return Path(self.output.out)
+        return Path(self.output_settings.out)
 
     def _data_key(self) -> Dict[str, Any]:
-        data = self.data.data
-        return {**as_dict(self.data), "data": data if isinstance(data, str) else getattr(data, "name", repr(data))}
+        data = self.data_settings.data
+        return {**as_dict(self.data_settings), "data": data if isinstance(data, str) else getattr(data, "name", repr(data))}
 
     def _utility_key(self) -> Dict[str, Any]:
         return {"model": model_identity(self.model, self.model_args), "data": self._data_key(),
-                "fl": as_dict(self.fl), "utility_steps": self.output.utility_steps, "seed": self.seed,
+                "fl": as_dict(self.fl_settings), "utility_steps": self.output_settings.utility_steps, "seed": self.seed,
                 "device": self.device.type}
 
     def _common_key(self) -> Dict[str, Any]:
-        return {**self._utility_key(), "attacks": as_dict(self.attacks), "utility": self.output.utility,
-                "thresholds": self.output.thresholds.as_dict(), "delta": self.output.delta}
+        return {**self._utility_key(), "attacks": as_dict(self.attack_settings), "utility": self.output_settings.utility,
+                "thresholds": self.output_settings.thresholds.as_dict(), "delta": self.output_settings.delta}
 
     def _job(self, cell: Cell, baseline: Optional[Dict[str, Any]] = None) -> CellJob:
-        output = replace(self.output, out=self.out / "cells" / cell.name,
-                         progress=self.output.progress and self.executor.shows_job_progress)
-        return CellJob(cell, self.model, self.model_args, self.data, self.fl, self.attacks, output, self.seed,
+        output = replace(self.output_settings, out=self.out / "cells" / cell.name,
+                         progress=self.output_settings.progress and self.executor.shows_job_progress)
+        return CellJob(cell, self.model, self.model_args, self.data_settings, self.fl_settings, self.attack_settings,
+                       output, self.seed,
                        str(self.device), baseline)
 
     def _baseline(self) -> Optional[Dict[str, Any]]:
         """The undefended training run, stored in ``baseline.json`` (measured once per settings)."""
-        if not self.output.utility:
+        if not self.output_settings.utility:
             return None
         key = settings_key(self._utility_key())
         path = self.out / BASELINE_FILE
@@ -316,8 +319,8 @@ class Sweep:
 
     def settings(self) -> Dict[str, Any]:
         return {"model": model_identity(self.model, self.model_args), "data": self._data_key(),
-                "fl": as_dict(self.fl), "attacks": as_dict(self.attacks), "utility": self.output.utility,
-                "utility_steps": self.output.utility_steps, "seed": self.seed, "device": self.device.type,
+                "fl": as_dict(self.fl_settings), "attacks": as_dict(self.attack_settings), "utility": self.output_settings.utility,
+                "utility_steps": self.output_settings.utility_steps, "seed": self.seed, "device": self.device.type,
                 "executor": self.executor.name}
 
     def run(self) -> SweepReport:
@@ -326,7 +329,7 @@ class Sweep:
         pending = [c for c in self.cells if not cell_finished(self.out, c)]
         computed: List[str] = []
         groups = 0
-        bar = _progress(len(self.cells), len(self.cells) - len(pending), self.output.progress)
+        bar = _progress(len(self.cells), len(self.cells) - len(pending), self.output_settings.progress)
         try:
             if pending:
                 baseline = self._baseline()
@@ -344,7 +347,7 @@ class Sweep:
             bar.close()
             self.executor.close()
         report = SweepReport.from_cells(self.out, [c.describe() for c in self.cells], settings=self.settings(),
-                                        thresholds=self.output.thresholds.as_dict(), step=self.step,
+                                        thresholds=self.output_settings.thresholds.as_dict(), step=self.step,
                                         invocation={"computed": computed, "group_jobs": groups,
                                                     "reused": [c.name for c in self.cells if c.name not in computed],
                                                     "seconds": round(time.perf_counter() - started, 1)})

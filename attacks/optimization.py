@@ -234,7 +234,7 @@ class OptimizationAttack:
         iterations = attack.planned_iterations(budget, cost)
         evaluations = None if budget is None else max(int(budget), cost)
         with seeded_rng(observation.device, seed):
-            run = _Run(attack, observation, int(seed), show_bars=progress is None)
+            run = OptimizationRun(attack, observation, int(seed), show_bars=progress is None)
             rec = run.execute(iterations, progress, max_evaluations=evaluations, cost=cost)[0]
         if why:
             rec.trace["restarts_afforded"] = why
@@ -277,7 +277,7 @@ class OptimizationAttack:
         for start in range(0, len(observations), per_chunk):
             chunk, chunk_seeds = observations[start:start + per_chunk], seeds[start:start + per_chunk]
             with seeded_rng(chunk[0].device, chunk_seeds[0]):
-                run = _Run(self, chunk, chunk_seeds, show_bars=progress is None)
+                run = OptimizationRun(self, chunk, chunk_seeds, show_bars=progress is None)
                 out += run.execute(iterations, progress, max_evaluations=evaluations, cost=cost)
         return out
 
@@ -294,7 +294,7 @@ class OptimizationAttack:
         if images.dim() == 4:
             images = images.unsqueeze(0)
         with seeded_rng(observation.device, seed), torch.enable_grad():
-            run = _Run(self, observation, int(seed), labels)
+            run = OptimizationRun(self, observation, int(seed), labels)
             run.iteration = run.sim_ctx.iteration = iteration
             if run.labels.shape is not None:
                 raise ConfigError("evaluate() needs labels when the attack optimises them (labels='optimize')")
@@ -302,7 +302,7 @@ class OptimizationAttack:
         return {"loss": loss, "terms": terms, "grad": grad, "execution": run.execution}
 
 
-class _Run:
+class OptimizationRun:
     """The state of one ``reconstruct`` call, or of one grouped call over several
     observations of the same model (``reconstruct_many``): ``N`` observations x ``R``
     restarts = ``N * R`` independent members, evaluated as one batched computation (an
