@@ -452,13 +452,13 @@ class OptimizationRun:
         def members(target, fixed, mean, *per_member):
             if self.n > 1 or per_member[0].shape[0] != 1:
                 return inner(target, fixed, mean, *per_member)
-            # a single member without vmap: compiled, 12-22% faster on ResNet-18 (docs/strength.md 15)
+            # a single member runs without vmap: faster compiled (docs/strength.md, section 2)
             grads, (loss, terms) = step(target, fixed, mean, *(v[0] for v in per_member))
             return [g[None] for g in grads], (loss[None], {k: t[None] for k, t in terms.items()})
 
         if not compiled:
             return members
-        if self.device.type == "cpu":  # compiled ResNet-18 on a CPU: 10-29% faster (docs/strength.md 15)
+        if self.device.type == "cpu":  # channels-last weights: faster compiled on a CPU (docs/strength.md, section 2)
             self.replica.channels_last()
         return torch.compile(members, dynamic=False, fullgraph=True)  # a graph break is a failure, not eager
 
@@ -561,7 +561,7 @@ class OptimizationRun:
         optimizer.start(variables, iterations)
         self.unit = max(1, cost // self.attack.restarts)
         history: List[Tuple[Tensor, Tensor]] = []  # (members' start indices, their losses) per iteration
-        with flushed_denormals():  # saturated sigmoids make subnormal floats: 30x slower on CPU
+        with flushed_denormals():  # saturated sigmoids make subnormal floats, slow on a CPU
             for it in range(iterations):
                 if max_evaluations is not None and it > 0 and self.spent + self.restarts * self.unit > max_evaluations:
                     break

@@ -1,21 +1,14 @@
 """Attack strength at the field's standard settings, side by side with breaching 0.1.2.
 
 For every cell (model x batch size x private batch of natural 32x32 photos that are not in
-the embedded training crops) the bench
-
-1. makes the client's observation once (one model, one gradient);
-2. runs breaching 0.1.2's ``invertinggradients`` (1000 iterations) and ``deepleakage``
-   (300 iterations) on that very model (its layers after our Normalize, with the data
-   set's mean / std as breaching's metadata), gradient and labels, in this process;
-3. runs our attacks at **breaching's wall time** (``ig``, ``portfolio``: breaching IG's;
-   ``dlg``: breaching DLG's; ``gi``: breaching IG's): the budget in gradient evaluations is
-   calibrated from two short timed runs (per-evaluation cost and fixed overhead);
-4. scores everything with the same code (PSNR / SSIM / LPIPS, label accuracy, Hungarian
-   matching) and prints Markdown tables: per cell, and the strength targets as differences.
-
-It also times one IG iteration against one forward + backward of the model on the batch
-(``--speed``) and measures adaptive attacks against the same attack on the clean gradient
-(``--adaptive``: mask replay on 90% pruning, layer dropping on Soteria, same image and budget).
+the embedded training crops) the bench makes the client's observation once, runs breaching's
+``invertinggradients`` (1000 iterations) and ``deepleakage`` (300) on that very model (its
+layers after our Normalize, the data set's mean / std as breaching's metadata), gradient and
+labels, in this process; runs our attacks at **breaching's wall time** (a budget in gradient
+evaluations calibrated by timed runs); and scores everything with the same code. ``--speed``
+times one IG iteration against a forward + backward; ``--adaptive`` measures adaptive attacks
+against the same attack on the clean gradient. ``--docs NAME`` writes the table into
+``docs/strength.md``.
 
 breaching is a bench-only extra (``pip install breaching==0.1.2 --no-deps hydra-core``);
 when it cannot be imported the bench says so and runs ours alone, at fixed budgets.

@@ -3,8 +3,8 @@
 The client simulation goes through :func:`call_defense` (checked output); attacks that
 replay the defense on dummy data use :func:`invoke_defense` (round passed, unchecked). Both
 obey :func:`defense_timeout`, the audit's per-call limit. :func:`as_defense` turns a plain
-defended-gradient callable into a :class:`~audit.core.types.Defense` (resolving *names* is
-the audit engine's job).
+defended-gradient callable into a :class:`~audit.core.types.Defense` (a *name* is resolved by
+:func:`defenses.resolve_defense`).
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def as_defense(defense: Any) -> Any:
     if defense is None or isinstance(defense, Defense):
         return defense
     if isinstance(defense, str):
-        raise ConfigError(f"defense {defense!r} is a name; resolve it first (audit.engine.resolve_defense "
+        raise ConfigError(f"defense {defense!r} is a name; resolve it first (defenses.resolve_defense "
                           "or defenses.build_defense)")
     if not callable(defense):
         raise ConfigError(f"defense is a {type(defense).__name__}, not a callable "
