@@ -33,15 +33,10 @@ def friendly_errors(fn):
 
 
 def resolve_device(device: str):
-    import torch
+    """The torch device of ``--device`` (:func:`audit.engine.compose.resolve_device`)."""
+    from audit.engine.compose import resolve_device as resolve
 
-    try:
-        dev = torch.device(device)
-    except RuntimeError as err:
-        raise GiaError(f"--device {device!r} is not a torch device ({err}); use cpu or cuda") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise GiaError("--device cuda was given but no CUDA device is available; use --device cpu")
-    return dev
+    return resolve(device)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})

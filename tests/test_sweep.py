@@ -115,10 +115,10 @@ def test_an_interrupted_sweep_keeps_its_finished_cells(tmp_path, monkeypatch):
     grid = {"prune": {"ratio": [0.5]}, "gaussian": {"sigma": [0.1]}}
     real = sweep_module.run_cell
 
-    def interrupted(job):
+    def interrupted(job, shared):
         if job.cell.name == "gaussian-sigma=0.1":
             raise KeyboardInterrupt
-        return real(job)
+        return real(job, shared)
 
     monkeypatch.setattr(sweep_module, "run_cell", interrupted)
     with pytest.raises(KeyboardInterrupt):

@@ -68,6 +68,28 @@ def check_output(defense: Any, grads: Any, model: nn.Module) -> List[Tensor]:
     return grads
 
 
+def wrap_client_model(defense: Any, model: nn.Module, seed: int) -> nn.Module:
+    """``defense.wrap_model(model)`` under ``seed``: the client's model (an architectural
+    defense such as PRECODE changes it once, before training; a defense without
+    ``wrap_model`` leaves it as is). Its failures are :class:`DefenseError` naming the defense."""
+    wrap = getattr(defense, "wrap_model", None)
+    if not callable(wrap):
+        return model
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        try:
+            wrapped = wrap(model)
+        except GiaError:
+            raise
+        except Exception as err:
+            raise DefenseError(f"defense {defense_name(defense)!r}: wrap_model raised {type(err).__name__}: "
+                               f"{err}") from err
+    if not isinstance(wrapped, nn.Module):
+        raise DefenseError(f"defense {defense_name(defense)!r}: wrap_model returned {type(wrapped).__name__}, "
+                           "not an nn.Module; it must return the (wrapped) model")
+    return wrapped
+
+
 def accepts_round(defense: Any) -> bool:
     """Whether ``defense`` takes the FL round index: its declared ``accepts_round``, else a
     ``round`` keyword in its signature."""

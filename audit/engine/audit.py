@@ -25,8 +25,8 @@ from audit.client.fl import train
 from audit.client.observe import observe
 from audit.core.defense_call import defense_timeout
 from audit.core.errors import ConfigError, DefenseError, GiaError, NotApplicable
-from audit.engine.compose import build_model, client_model, load_data, reconstruct, resolve_defense, resolve_device
-from audit.engine.identity import data_identity, defense_identity, derive_seed, model_identity, versions
+from audit.engine.compose import AuditParts, build_parts, build_shared, reconstruct, resolve_defense
+from audit.engine.identity import data_identity, derive_seed, model_identity, versions
 from audit.engine.privacy import privacy_report
 from audit.engine.scoring import PSNR_CAP, score_against_trained, score_reconstruction, trace_summary, trained_batch
 from audit.engine.settings import (DEFAULT_BUDGET, DEFAULT_STEPS, AttackSettings, DataSettings, FLSettings,
@@ -63,7 +63,9 @@ class AttackSpec:
 class Audit:
     """One audit: resolve the settings, plan, train, attack, score, store, report.
 
-    Use :func:`run`; the class exists so each phase is a small method.
+    Use :func:`run`; the class exists so each phase is a small method. ``parts``: the device,
+    data set, resolved defense and models built already (a sweep's cell); None builds them
+    from ``defense``, ``model`` and the settings.
     """
 
     def __init__(self, defense: Any = DEFAULT_DEFENSE, model: Union[str, nn.Module] = "cnn", *,
@@ -71,22 +73,22 @@ class Audit:
                  data_settings: DataSettings = DataSettings(), fl_settings: FLSettings = FLSettings(),
                  attack_settings: AttackSettings = AttackSettings(),
                  output_settings: OutputSettings = OutputSettings(),
-                 seed: int = 0, device: Union[str, torch.device] = "cpu"):
+                 seed: int = 0, device: Union[str, torch.device] = "cpu", parts: Optional[AuditParts] = None):
         self.data_settings, self.fl_settings = data_settings, fl_settings
         self.attack_settings, self.output_settings = attack_settings, output_settings
         data, output = data_settings, output_settings
-        self.device = resolve_device(device)
         self.seed = int(seed)
-        self.dataset = load_data(data.data, data.image_size, data.data_args)
         self.defense_spec = defense
-        self.defense = resolve_defense(defense, defense_args or {})
-        # hashed once: for user code this reads and hashes its source
-        self.defense_ident = defense_identity(self.defense, self.defense_spec)
         self.model_spec, self.model_args = model, dict(model_args or {})
-        # architectural defenses (PRECODE) change the client model once, before training; the
-        # planner probes the model as it was before (to see what wrap_model changes)
-        self.base_model = build_model(model, self.model_args, self.dataset, self.seed).to(self.device)
-        self.model = client_model(self.defense, copy.deepcopy(self.base_model), self.seed)
+        if parts is None:
+            shared = build_shared(model, self.model_args, data, self.seed, device)
+            parts = build_parts(shared, resolve_defense(defense, defense_args or {}), defense, self.seed)
+        self.parts = parts
+        self.device, self.dataset, self.defense = parts.device, parts.dataset, parts.defense
+        self.defense_ident = parts.defense_ident
+        # the model as built (the planner compares it with the client's model to see what an
+        # architectural defense such as PRECODE changed) and the client's model, wrapped once
+        self.base_model, self.model = parts.base_model, parts.model
         self.numel = int(math.prod(self.dataset.input_shape))
         self.delta = output.delta if output.delta is not None else default_delta(self.numel)
         self.private = _private_batches(self.dataset, data.images, data.batch_size, self.seed)
@@ -116,8 +118,8 @@ class Audit:
     def plan(self) -> Tuple[List[AttackSpec], Dict[str, Any]]:
         """The attacks to run (base + the planner's adaptive ones) and the plan for the report."""
         try:
-            plan = _plan(self.defense, copy.deepcopy(self.base_model), self.dataset, self.seed, self.device,
-                         self.attack_settings.steps)
+            plan = _plan(self.defense, copy.deepcopy(self.base_model), copy.deepcopy(self.model), self.dataset,
+                         self.seed, self.device, self.attack_settings.steps)
             plan_dict = plan.to_dict()
         except GiaError as err:  # e.g. the defense fails on the planner's probe batch
             plan, plan_dict = None, {"error": f"probing the defense failed: {type(err).__name__}: {err}"}
@@ -433,10 +435,11 @@ def _private_batches(dataset, images: int, batch_size: int, seed: int):
             for idx in order[:need].view(images, batch_size)]
 
 
-def _plan(defense, model, dataset, seed: int, device, steps: Sequence[int] = ()):
-    """The planner's probe and plan; the audited steps are among the FL rounds it probes."""
+def _plan(defense, model, wrapped, dataset, seed: int, device, steps: Sequence[int] = ()):
+    """The planner's probe and plan of ``model`` and the client's model ``wrapped``; the
+    audited steps are among the FL rounds it probes."""
     return plan_attacks(defense, model, dataset.input_shape, dataset.num_classes, seed=seed, device=device,
-                        rounds=steps)
+                        rounds=steps, client_model=wrapped)
 
 
 def _check_attacks(specs: Sequence[AttackSpec]) -> None:
@@ -489,8 +492,9 @@ def _measure_utility(audit: "Audit") -> Dict[str, Any]:
                                "(local_lr was given)"}
     return measure_utility(audit.defense, model=audit.model_spec, model_args=audit.model_args,
                            dataset=audit.dataset, steps=audit.output_settings.utility_steps,
-                           lr=audit.fl_settings.lr, batch_size=audit.fl_settings.batch_size, clients=audit.fl_settings.clients,
-                           local_steps=audit.fl_settings.local_steps, seed=audit.seed, device=audit.device)
+                           lr=audit.fl_settings.lr, batch_size=audit.fl_settings.batch_size,
+                           clients=audit.fl_settings.clients, local_steps=audit.fl_settings.local_steps,
+                           seed=audit.seed, device=audit.device, base_model=audit.base_model, client=audit.model)
 
 
 def _delta_description(delta: float, dataset) -> str:
