@@ -1,5 +1,5 @@
-"""The risk report: built from a run's result store, written as ``report.json``,
-``report.md``, ``report.html`` (self-contained) and ``psnr_vs_step.png``.
+"""The risk report: built from a run's result store, written in every registered format
+(:mod:`audit.report.formats`: ``report.json``, ``report.md``, ``report.html``, ``psnr_vs_step.png``).
 
 ``render(DIR)`` re-renders a finished (or interrupted) audit from disk; this is what
 ``gia-audit report DIR`` calls.
@@ -15,9 +15,7 @@ from typing import Any, Dict, List, Optional
 from audit.core.errors import ConfigError
 from audit.report.risk import Thresholds, empirical_risk, judge_step, overall_verdict, status_of, summarize_attack
 from audit.report.format import overall_text, verdict_text
-from audit.report.store import ResultStore, atomic_write_bytes, atomic_write_json, to_jsonable
-
-REPORT_FILES = ("report.json", "report.md", "report.html", "psnr_vs_step.png")
+from audit.report.store import ResultStore, to_jsonable
 
 
 def build_report(manifest: Dict[str, Any], records: List[Dict[str, Any]]) -> Dict[str, Any]:
@@ -83,7 +81,7 @@ class AuditReport:
     """The result of an audit: ``data`` holds every number (the content of ``report.json``).
 
     ``report.verdict``, ``report.steps`` and ``report.psnr(step, attack)`` give quick access;
-    ``report.write(out)`` writes the JSON, Markdown, HTML and plot files.
+    ``report.write(out)`` writes it in every registered format (:mod:`audit.report.formats`).
     """
 
     def __init__(self, data: Dict[str, Any], run_dir: Optional[Path] = None, out: Optional[Path] = None):
@@ -140,16 +138,13 @@ class AuditReport:
         return psnr_vs_step_png(self.data)
 
     def write(self, out: Optional[os.PathLike | str] = None) -> Dict[str, Path]:
-        """Write ``report.json``, ``report.md``, ``report.html`` and ``psnr_vs_step.png``."""
+        """Write the report in every registered format; the paths by file name."""
+        from audit.report.formats import write_report
+
         out = Path(out) if out is not None else self.out
         if out is None:
             raise ValueError("AuditReport.write needs an output directory")
-        out.mkdir(parents=True, exist_ok=True)
-        paths = {name: out / name for name in REPORT_FILES}
-        atomic_write_bytes(paths["psnr_vs_step.png"], self.plot_png())
-        atomic_write_json(paths["report.json"], self.data)
-        atomic_write_bytes(paths["report.md"], self.to_markdown().encode())
-        atomic_write_bytes(paths["report.html"], self.to_html().encode())
+        paths = write_report("audit", self, out)
         self.out = out
         return paths
 
