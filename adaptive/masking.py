@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import List, Optional, Sequence, Union
 
-from attacks.engine import Progress
+from attacks.optimization import Progress
 from audit.core.errors import ConfigError
 from audit.core.types import Observation, Reconstruction, trainable_names
 

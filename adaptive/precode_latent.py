@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from attacks.analytic import AnalyticInversion, invert_linear_input
-from attacks.engine import Progress
+from attacks.optimization import Progress
 from attacks.simulator import ClientReplica, DefenseSimulator
 from audit.core.defense_call import invoke_defense
 from audit.core.types import LatentBottleneck, Observation, Reconstruction

@@ -1,4 +1,4 @@
-"""Gradient inversion attacks: one composable optimisation engine, analytic inversion and
+"""Gradient inversion attacks: one composable optimisation attack, analytic inversion and
 label inference.
 
 * :data:`ATTACKS` -- named attacks, ``ATTACKS.build("ig", restarts=4, tv=1e-3)``;
@@ -10,7 +10,7 @@ label inference.
 from audit.client.observe import observe
 
 from attacks.analytic import AnalyticInversion, invert_linear_input
-from attacks.engine import OptimizationAttack, validate_observation
+from attacks.optimization import OptimizationAttack, validate_observation
 from attacks.labels import LABEL_METHODS, LabelInference, infer_labels
 from attacks.objectives import OBJECTIVES, Objective, build_objective
 from attacks.optimizers import OPTIMIZERS, SCHEDULES

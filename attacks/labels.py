@@ -131,7 +131,7 @@ def infer_labels(observation: Observation, method: str = "auto", seed: int = 0) 
     return LABEL_METHODS.get(method)(observation, seed=seed)
 
 
-# --------------------------------------------------------------------------- engine side
+# --------------------------------------------------------------------------- optimisation side
 @dataclass
 class LabelPlan:
     """How an attack run handles labels: fixed (shared / inferred) or optimised (DLG).

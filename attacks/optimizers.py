@@ -1,6 +1,6 @@
 """Optimisers that treat the leading dimension of every variable as independent restarts.
 
-An optimiser is built by :data:`OPTIMIZERS` with its settings, then driven by the engine:
+An optimiser is built by :data:`OPTIMIZERS` with its settings, then driven by the optimisation run:
 ``opt.start(variables, iterations)`` once, ``opt.step(variables, closure, iteration)`` per
 iteration, where ``closure(variables) -> (loss (R,), grads)`` evaluates every restart at
 once. ``step`` updates the variables in place and returns the per-restart loss at the point
@@ -90,7 +90,7 @@ class Adam:
         return loss
 
     def select(self, index: Tensor) -> None:
-        """Keep only the restarts at ``index`` (the engine dropping the worse restarts)."""
+        """Keep only the restarts at ``index`` (the optimisation run dropping the worse restarts)."""
         self.m, self.v = [m[index] for m in self.m], [v[index] for v in self.v]
         self.t, self.factor = self.t[index], self.factor[index]
 
@@ -327,7 +327,7 @@ class Watchdog:
     first value, is treated the same way. Either way the inner optimiser's ``recover(mask)``
     changes what it does (smaller step, fresh history / moments) and the event is recorded
     in ``events``. :meth:`progress` tells, per restart, whether the loss ever went below its
-    first value by a relative ``tolerance`` (the engine reports "failed to optimise" if not).
+    first value by a relative ``tolerance`` (the optimisation run reports "failed to optimise" if not).
     """
 
     def __init__(self, inner, patience: int = 8, tolerance: float = 1e-4, max_recoveries: int = 4):

@@ -2,25 +2,17 @@
 whose gradient explains the observation best.
 
 An audit is only as trustworthy as its strongest attack, and no single setting of the
-field's attacks is strongest everywhere (measured in ``bench/bench_strength.py``,
-``docs/strength.md``): exact L2 matching with L-BFGS recovers untrained sigmoid / fully
-connected nets to > 50 dB where cosine + TV stalls; a strong TV prior (``ig``'s 5e-2) wins on
-small ConvNets; a weak one (1e-4) is ~18 dB better on ResNet-18. The portfolio runs the
-registered :data:`STRATEGIES` that apply to the observation -- each an existing preset of
-:data:`attacks.presets.ATTACKS`, composed, not copied, with settings a strategy may take from
-the observation (:func:`scaled_tv`: the TV weight from the private pixel count and the
-client's BatchNorm mode) -- on equal shares of a fraction ``explore`` (default half) of the
-budget (labels inferred first, shared by every strategy), then scores every candidate with
-one scale-free gradient-matching loss (cosine distance of the dummy gradient to the observed
-one; never the ground truth). Selection: candidates are visited from the most regularised
-to the least; a later one replaces the current pick only if its matching loss is below
-``ratio`` times the pick's (among reconstructions that explain the gradient about equally
-well, the smoother is the more plausible image; a clearly better fit wins). The chosen
-strategy then spends the rest of the budget (successive halving) -- from its candidate when
-its optimiser has no schedule (L-BFGS) or the rest is short (:data:`FRESH_FROM`), else as a
-fresh run of its whole schedule (a warm start under signed Adam's restarted step size loses
-what it had: -4.1 dB on a 32x32 BN-train ConvNet at 1000 evaluations) -- and the result
-replaces the candidate when it matches at least as well.
+field's attacks is strongest everywhere: exact L2 matching with L-BFGS recovers untrained
+sigmoid / fully connected nets, a strong TV prior wins on small ConvNets, a weak one on
+ResNet-18 (docs/strength.md, section 5). The portfolio runs the registered
+:data:`STRATEGIES` that apply to the observation (existing presets with settings a strategy
+may take from the observation, :func:`scaled_tv`) on equal shares of a fraction ``explore``
+of the budget, labels inferred once for all. It scores every candidate by the cosine distance
+of its gradient to the observed one (never the ground truth) and visits them from the most
+regularised to the least: a later one replaces the pick only if its loss is below ``ratio``
+times the pick's. The chosen strategy spends the rest of the budget, from its candidate or as
+a fresh run of its schedule (:data:`FRESH_FROM`), and its result replaces the candidate when
+it matches at least as well.
 """
 from __future__ import annotations
 
@@ -33,7 +25,7 @@ from audit.core.errors import ConfigError, NotApplicable
 from audit.core.registry import Registry
 from audit.core.types import Observation, Reconstruction
 
-from attacks.engine import OptimizationAttack
+from attacks.optimization import OptimizationAttack
 from attacks.presets import ATTACKS
 
 STRATEGIES = Registry("portfolio strategy")
@@ -52,26 +44,22 @@ class Strategy:
 #: TV weight of a 32x32 batch of one (Inverting Gradients' 5e-2), and the private pixel
 #: values it is tuned for
 TV_REFERENCE, TV_REFERENCE_UNKNOWNS = 5e-2, 3 * 32 * 32
-#: gradient entries per private pixel value of the model the rule was measured on (the
-#: project's ConvNet, 108,170 parameters, at 32x32 batch 1)
+#: gradient entries per private pixel value of the model the rule is tuned on (the project's
+#: ConvNet, 108,170 parameters, at 32x32 batch 1)
 TV_REFERENCE_ENTRIES = 108170 / 3072
 #: TV weight when the client's BatchNorm normalises with the batch's own statistics
 TV_BATCHNORM_TRAIN = 0.5
 
 
 def scaled_tv(obs: Observation) -> Dict[str, Any]:
-    """The smoothing strategies' TV weight from what the server knows (never the ground truth),
-    scale-free defaults measured in ``bench/bench_strength.py`` (docs/strength.md, section 10):
+    """The smoothing strategies' TV weight from what the server knows (never the ground truth).
 
-    * it grows with the private pixel values beyond a 32x32 image: more unknowns per
-      gradient entry need a stronger prior (BN-free ConvNet, 32x32: best TV 5e-2 / 0.2 / 0.5
-      at batch 1 / 4 / 8; at 16x16 batch 4, which has a 32x32 image's unknowns, 5e-2 wins) --
-      but only as far as the gradient has fewer entries per pixel value than that ConvNet
-      (:data:`TV_REFERENCE_ENTRIES`): ResNet-18's 11.2 M entries pin a batch of 4 down
-      (909 per pixel value; at 200 evaluations TV 5e-2 reached 17.65 dB, 0.2 14.82 dB);
-    * with BatchNorm in train mode it is at least :data:`TV_BATCHNORM_TRAIN`: normalising by the
-      batch's statistics removes each channel's scale and offset from the gradient, which the
-      prior has to supply (BN-train ConvNet, 32x32: +3.0 dB at batch 1, +3.7 dB at batch 8).
+    It grows with the private pixel values beyond a 32x32 image (more unknowns per gradient
+    entry need a stronger prior), but only while the gradient has fewer entries per pixel
+    value than the reference ConvNet (:data:`TV_REFERENCE_ENTRIES`); with BatchNorm in train
+    mode it is at least :data:`TV_BATCHNORM_TRAIN`, since the batch statistics remove each
+    channel's scale and offset from the gradient and the prior has to supply them. The
+    measurements behind the rule: docs/strength.md, section 5.
     """
     tv = TV_REFERENCE * max(1.0, min(obs.unknowns / TV_REFERENCE_UNKNOWNS,
                                      TV_REFERENCE_ENTRIES * obs.unknowns / max(1, obs.gradient_entries)))
@@ -104,7 +92,7 @@ ORDER = ("smooth", "bn-prior", "sharp", "exact")
 DEFAULT_BUDGET = 2000  # gradient evaluations when reconstruct() gets none
 #: resume="auto": a scheduled optimiser's continuation reruns its whole schedule only when it
 #: gets at least this many gradient evaluations (shorter schedules do not converge from
-#: scratch: ResNet-18 at 190 evaluations, warm +1.3 dB; BN-train ConvNet at 1000, fresh +4.1 dB)
+#: scratch; docs/strength.md, section 5)
 FRESH_FROM = 250
 
 

@@ -15,7 +15,7 @@ from audit.core.registry import Registry
 from priors import PRIORS
 
 from attacks.analytic import AnalyticInversion
-from attacks.engine import OptimizationAttack
+from attacks.optimization import OptimizationAttack
 from attacks.objectives import OBJECTIVES
 from attacks.optimizers import OPTIMIZERS, Watchdog
 
@@ -52,7 +52,7 @@ KNOBS: Dict[str, tuple] = {
     "simulator": (None, "a GradientSimulator (default: clean gradient, FedAvg unrolled)"),
     "execution": ("auto", "auto, batched or sequential"),
     "compile": (False, "torch.compile the loss and its image gradient: exact, about half the time per "
-                       "iteration after a one-off compilation (a few seconds warm, 8-35 s cold on 2 CPU cores)"),
+                       "iteration after a one-off compilation (docs/strength.md, section 2)"),
 }
 
 _OBJECTIVE_KNOBS = ("sigma", "b", "weights", "masks")

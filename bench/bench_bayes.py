@@ -1,4 +1,5 @@
-"""Issue 7 benchmarks: the Bayes paper's Table 2 and synthetic check, and the learned inverter.
+"""The Bayes-optimal adversary and the learned inverter: the Bayes paper's Table 2 and
+synthetic check, and the learned inverter under defenses.
 
 Three tables, each printed as Markdown:
 

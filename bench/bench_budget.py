@@ -21,6 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 import audit  # noqa: E402
+from bench.docs_table import add_docs_option, publish  # noqa: E402
 
 
 def main(argv=None) -> list:
@@ -32,6 +33,7 @@ def main(argv=None) -> list:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu")
     p.add_argument("--out", default="budget-check")
+    add_docs_option(p, "docs/strength.md")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     rows = []
@@ -48,12 +50,16 @@ def main(argv=None) -> list:
             rows.append((defense, a["step"], a["verdict"]["label"], b["verdict"]["label"],
                          a["worst_case"].get("psnr"), b["worst_case"].get("psnr"),
                          a["worst_case"]["per_image"][0].get("best_attack") if a["worst_case"].get("per_image") else None))
-    print(f"\n| defense | step | verdict at {args.budget} | verdict at {args.factor * args.budget} | "
-          f"worst-case PSNR at {args.budget} | at {args.factor * args.budget} | same verdict |")
-    print("|---|---:|---|---|---:|---:|---|")
+    lines = [f"| defense | step | verdict at {args.budget} | verdict at {args.factor * args.budget} | "
+             f"worst-case PSNR at {args.budget} | at {args.factor * args.budget} | same verdict |",
+             "|---|---:|---|---|---:|---:|---|"]
     for defense, step, v1, v2, p1, p2, _ in rows:
         fmt = lambda v: "n/a" if v is None else f"{v:.2f}"  # noqa: E731
-        print(f"| {defense} | {step} | {v1} | {v2} | {fmt(p1)} | {fmt(p2)} | {'yes' if v1 == v2 else 'NO'} |")
+        lines.append(f"| {defense} | {step} | {v1} | {v2} | {fmt(p1)} | {fmt(p2)} | {'yes' if v1 == v2 else 'NO'} |")
+    table = "\n".join(lines)
+    print("\n" + table)
+    publish(args, "bench_budget.py", argv, table, f"torch {torch.__version__}, {args.threads} thread(s), "
+                                                   f"device {args.device}")
     return rows
 
 

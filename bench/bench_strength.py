@@ -1,21 +1,14 @@
 """Attack strength at the field's standard settings, side by side with breaching 0.1.2.
 
 For every cell (model x batch size x private batch of natural 32x32 photos that are not in
-the embedded training crops) the bench
-
-1. makes the client's observation once (one model, one gradient);
-2. runs breaching 0.1.2's ``invertinggradients`` (1000 iterations) and ``deepleakage``
-   (300 iterations) on that very model (its layers after our Normalize, with the data
-   set's mean / std as breaching's metadata), gradient and labels, in this process;
-3. runs our attacks at **breaching's wall time** (``ig``, ``portfolio``: breaching IG's;
-   ``dlg``: breaching DLG's; ``gi``: breaching IG's): the budget in gradient evaluations is
-   calibrated from two short timed runs (per-evaluation cost and fixed overhead);
-4. scores everything with the same code (PSNR / SSIM / LPIPS, label accuracy, Hungarian
-   matching) and prints Markdown tables: per cell, and the targets of issue 15 as ratios.
-
-It also times one IG iteration against one forward + backward of the model on the batch
-(``--speed``) and measures adaptive attacks against the same attack on the clean gradient
-(``--adaptive``: mask replay on 90% pruning, layer dropping on Soteria, same image and budget).
+the embedded training crops) the bench makes the client's observation once, runs breaching's
+``invertinggradients`` (1000 iterations) and ``deepleakage`` (300) on that very model (its
+layers after our Normalize, the data set's mean / std as breaching's metadata), gradient and
+labels, in this process; runs our attacks at **breaching's wall time** (a budget in gradient
+evaluations calibrated by timed runs); and scores everything with the same code. ``--speed``
+times one IG iteration against a forward + backward; ``--adaptive`` measures adaptive attacks
+against the same attack on the clean gradient. ``--docs NAME`` writes the table into
+``docs/strength.md``.
 
 breaching is a bench-only extra (``pip install breaching==0.1.2 --no-deps hydra-core``);
 when it cannot be imported the bench says so and runs ours alone, at fixed budgets.
@@ -49,6 +42,7 @@ from audit.core.metrics import score  # noqa: E402
 from audit.core.models import build_model  # noqa: E402
 from audit.core.registry import parse_kv_args  # noqa: E402
 from audit.engine.settings import parse_attack_args  # noqa: E402
+from bench.docs_table import add_docs_option, command_line, publish  # noqa: E402
 
 # --------------------------------------------------------------------------- the matrix
 
@@ -346,7 +340,7 @@ def markdown(summary: List[Dict[str, Any]]) -> str:
 
 
 def targets(summary: List[Dict[str, Any]]) -> str:
-    """Issue 15's targets as differences to breaching, from the same run."""
+    """The strength targets as differences to breaching, from the same run."""
     def get(model, batch, tool, attack):
         for r in summary:
             if (r["model"], r["batch"], r["tool"], r["attack"]) == (model, batch, tool, attack):
@@ -439,7 +433,7 @@ def speed(args, log) -> str:
     return "\n".join(lines)
 
 
-# --------------------------------------------------------------------------- adaptive (point 8)
+# --------------------------------------------------------------------------- adaptive
 
 ADAPTIVE_SCENARIOS = [
     # (name, defense, defense args, adaptive attack, its settings)
@@ -510,7 +504,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     p.add_argument("--speed", action="store_true", help="only time an IG iteration against fwd+bwd")
     p.add_argument("--speed-iterations", type=int, default=20)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--adaptive", action="store_true", help="only the adaptive-attack gap (point 8)")
+    p.add_argument("--adaptive", action="store_true", help="only the adaptive-attack gap")
     p.add_argument("--adaptive-model", default="lenet")
     p.add_argument("--adaptive-model-arg", dest="adaptive_model_args", action="append", default=[],
                    metavar="KEY=VALUE", help="a model argument, e.g. batchnorm=false")
@@ -522,6 +516,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     p.add_argument("--device", default="cpu")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write the raw rows here")
+    add_docs_option(p, "docs/strength.md")
     args = p.parse_args(argv)
     try:  # the CLI's own parsers: the same value syntax as `gia-audit --attack-arg / --model-arg`
         args.attack_args = parse_attack_args(args.attack_args)
@@ -539,21 +534,24 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         print(item if isinstance(item, str) else {k: (round(v, 3) if isinstance(v, float) else v)
                                                   for k, v in item.items()}, flush=True)
 
-    command = "python bench/bench_strength.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    header = (f"`{command}` -- torch {torch.__version__}, {args.threads} thread(s), device {args.device}"
-              + (f" ({torch.cuda.get_device_name(0)})" if args.device.startswith("cuda") else ""))
+    command = command_line("bench_strength.py", argv)
+    setting = (f"torch {torch.__version__}, {args.threads} thread(s), device {args.device}"
+               + (f" ({torch.cuda.get_device_name(0)})" if args.device.startswith("cuda") else ""))
+    header = f"`{command}` -- {setting}"
     result: Dict[str, Any] = {"command": command, "header": header}
     if args.speed:
-        result["speed"] = speed(args, log)
-        print(header + "\n\n" + result["speed"])
+        result["speed"] = table = speed(args, log)
+        print(header + "\n\n" + table)
     elif args.adaptive:
-        result["adaptive"] = adaptive_gap(args, log)
-        print(header + "\n\n" + result["adaptive"])
+        result["adaptive"] = table = adaptive_gap(args, log)
+        print(header + "\n\n" + table)
     else:
         rows, note = run_matrix(args, log)
         summary = summarise(rows)
         result.update(rows=rows, summary=summary, breaching=note)
-        print("\n" + header + f"\n\n{note}\n\n" + markdown(summary) + "\n\n" + targets(summary))
+        table = markdown(summary)
+        print("\n" + header + f"\n\n{note}\n\n" + table + "\n\n" + targets(summary))
+    publish(args, "bench_strength.py", argv, table, setting)
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(result, fh, indent=1, default=str)

@@ -1,4 +1,4 @@
-"""Throughput of the grouped attack engine: image-iterations per second as the batch of
+"""Throughput of the grouped optimisation attack: image-iterations per second as the batch of
 images x restarts grows, against one image and against a forward+backward of the model.
 
 For each model (the project's ``convnet`` and CIFAR ``resnet18``, 32x32, client in train
@@ -37,6 +37,7 @@ from audit.core.data import load_dataset  # noqa: E402
 from audit.core.metrics import psnr  # noqa: E402
 from audit.core.models import build_model  # noqa: E402
 from bench_attack import _sync, best_of, training_step_block  # noqa: E402
+from docs_table import add_docs_option, publish  # noqa: E402
 
 
 def observations(model, images, labels, mode: str):
@@ -97,6 +98,7 @@ def main(argv=None) -> dict:
     p.add_argument("--precision-check", action="store_true")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu")
+    add_docs_option(p, "docs/performance.md")
     args = p.parse_args(argv)
 
     torch.set_num_threads(args.threads)
@@ -111,6 +113,9 @@ def main(argv=None) -> dict:
     print(f"IG, 32x32, client {args.client_mode} mode, {name}; {args.iterations} iterations, best of "
           f"{args.repeats}")
     results = {}
+    table = ["| model | group M (images x restarts) | ms / iteration | image-iterations / s | x M=1 | "
+             "x fwd+bwd of 1 image |", "|---|---:|---:|---:|---:|---:|"]
+    ratios = [f"| model | {args.restarts} restarts batched / the same run one after another |", "|---|---:|"]
     for model_name in args.models.split(","):
         model = build_model(model_name, data.input_shape, data.num_classes, mean=data.mean, std=data.std,
                             seed=args.seed).to(device)
@@ -124,21 +129,22 @@ def main(argv=None) -> dict:
         rows = best_of(timers, args.repeats)
         results[model_name] = rows
         floor, one = rows["fwd+bwd (1 image)"], rows[f"M={sizes[0]}"]
-        print(f"\n{model_name}\n| group (images x restarts) | ms / iteration | image-iterations / s | "
-              f"x M=1 | x fwd+bwd |\n|---|---:|---:|---:|---:|")
         for m in sizes:
             t = rows[f"M={m}"]
-            print(f"| {m} | {1e3 * t:.2f} | {m / t:.1f} | {t / one:.2f} | {t / floor:.2f} |")
-        print(f"| fwd+bwd, 1 image | {1e3 * floor:.2f} | | | 1.00 |")
+            table.append(f"| {model_name} | {m} | {1e3 * t:.2f} | {m / t:,.0f} | {t / one:.2f} | {t / floor:.2f} |")
         batched, sequential = rows[f"{r} restarts batched"], rows[f"{r} restarts sequential"]
-        print(f"{r} restarts: batched {1e3 * batched:.2f} ms / iteration, sequential {1e3 * sequential:.2f} "
-              f"ms -> batched / sequential = {batched / sequential:.2f}")
+        ratios.append(f"| {model_name} | {batched / sequential:.2f} |")
+    text = "\n".join(table) + "\n\n" + "\n".join(ratios)
     if args.precision_check and device.type == "cuda":
         checked = precision_check(load_dataset("embedded", size=32), device, 200, 8)
-        print("\nprecision check (convnet, 8 test images, IG 200 iterations): mean PSNR dB, seconds")
+        lines = ["| arithmetic (convnet, 8 test images, IG 200 iterations) | mean PSNR dB | difference | seconds |",
+                 "|---|---:|---:|---:|"]
         for key, (value, seconds) in checked.items():
-            print(f"| {key} | {value:.3f} | {value - checked['float32'][0]:+.3f} dB | {seconds:.1f} s |")
+            lines.append(f"| {key} | {value:.3f} | {value - checked['float32'][0]:+.3f} dB | {seconds:.1f} |")
+        text += "\n\n" + "\n".join(lines)
         results["precision"] = checked
+    print("\n" + text)
+    publish(args, "bench_throughput.py", argv, text, f"torch {torch.__version__}, {name}")
     return results
 
 

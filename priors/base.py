@@ -4,7 +4,7 @@ A prior is called once per restart: ``prior(x, context) -> scalar`` with ``x`` t
 batch ``(B, C, H, W)`` in image space and ``context`` a :class:`PriorContext`. It must be
 pure torch (it runs under ``torch.func.vmap`` over restarts). A prior that needs side
 information names it in ``requires``: ``"bn_stats"`` (the observation model's BatchNorm
-running statistics; checked before the attack starts) or ``"group_mean"`` (the engine then
+running statistics; checked before the attack starts) or ``"group_mean"`` (the optimisation run then
 fills ``context.group_mean``).
 """
 from __future__ import annotations

@@ -1,11 +1,11 @@
-"""The generative prior for the optimisation engine: reconstruct in a generator's latent space.
+"""The generative prior for the optimisation attack: reconstruct in a generator's latent space.
 
 :class:`GeneratorBox` is a search space (a "box" of :mod:`attacks.search_space`, registered
-there as ``generator``): the engine optimises latents ``z`` ``(B, latent_dim)`` per restart
+there as ``generator``): the optimisation attack optimises latents ``z`` ``(B, latent_dim)`` per restart
 and every image it scores is ``G(z, y)``, so any optimisation preset becomes a latent-space
 attack, e.g. ``ATTACKS.build("ig", box="generator")``. The latents start from N(0, I) (the
-engine's pixel initialisation only fixes the shape) and are truncated to
-``[-truncation, truncation]`` after each step. The engine calls :meth:`GeneratorBox.bind`
+attack's pixel initialisation only fixes the shape) and are truncated to
+``[-truncation, truncation]`` after each step. The optimisation run calls :meth:`GeneratorBox.bind`
 once per run with the observation, the label plan and the run's seeded generator.
 """
 from __future__ import annotations
@@ -47,7 +47,7 @@ class GeneratorBox:
         cond, note = condition_labels(gen, fixed, observation.num_classes, self.condition, rng)
         return BoundGeneratorBox(gen, cond, self.truncation, rng, note)
 
-    # an unbound box cannot map latents: the engine binds it first
+    # an unbound box cannot map latents: the optimisation run binds it first
     def image(self, z: Tensor) -> Tensor:
         raise ConfigError("the generator box must be bound to a run (GeneratorBox.bind) before use")
 
@@ -71,7 +71,7 @@ class BoundGeneratorBox:
         return self.gen(z.reshape(-1, z.shape[-1]), y).reshape(*lead, *self.gen.image_shape)
 
     def variable(self, x: Tensor) -> Tensor:
-        """Latents N(0, I) shaped like the engine's initial pixels ``(R, B, C, H, W)`` minus the image dims."""
+        """Latents N(0, I) shaped like the attack's initial pixels ``(R, B, C, H, W)`` minus the image dims."""
         return torch.randn(*x.shape[:-3], self.gen.latent_dim, generator=self.rng, device=x.device)
 
     def project_(self, z: Tensor) -> None:

@@ -1,4 +1,4 @@
-"""The attack engine: reconstruction quality, batched restarts, determinism, the simulator
+"""The optimisation attack: reconstruction quality, batched restarts, determinism, the simulator
 hook, FedAvg unrolling, objectives, presets and the CLI."""
 import json
 
@@ -122,14 +122,14 @@ def test_compiled_attack_matches_eager_and_compiles_once(data16):
 
 
 def test_compile_failure_falls_back_to_the_batched_path(data16, monkeypatch):
-    import attacks.engine as engine
+    import attacks.optimization as optimization
 
     def broken(fn, **kw):
         def call(*a, **k):
             raise RuntimeError("no C++ compiler found")
         return call
 
-    monkeypatch.setattr(engine.torch, "compile", broken)
+    monkeypatch.setattr(optimization.torch, "compile", broken)
     obs = _obs("convnet", data16, model_kw={"width": 8})
     rec = ATTACKS.build("ig", compile=True).reconstruct(obs, 5, 0)
     assert rec.trace["execution"] == "batched (torch.compile failed: RuntimeError: no C++ compiler found)"

@@ -1,4 +1,4 @@
-"""The Bayes-optimal Monte Carlo adversary (issue 7): ball sampling, likelihoods, and the
+"""The Bayes-optimal Monte Carlo adversary: ball sampling, likelihoods, and the
 Bayes paper's two experiments on small models (embedded data, synthetic Gaussian data)."""
 import math
 from types import SimpleNamespace

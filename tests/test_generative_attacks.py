@@ -1,4 +1,4 @@
-"""GGL, GIAS, GIFD and the engine's generator box, with the test generator trained on the
+"""GGL, GIAS, GIFD and the optimisation attack's generator box, with the test generator trained on the
 embedded *train* split, attacking a held-out *test* image (fixed seeds, small budgets)."""
 import threading
 
@@ -149,7 +149,7 @@ def test_dummy_gradient_goes_through_the_defense(gen, case):
     assert "through the observation's defense" in rec.trace["simulator"]
 
 
-def test_generator_box_puts_the_engine_in_latent_space(gen, case, chance):
+def test_generator_box_puts_the_attack_in_latent_space(gen, case, chance):
     box = GeneratorBox(generator=gen)
     attack = OptimizationAttack("cosine", box=box, iterations=60, restarts=2, name="ig-latent")
     rec = attack.reconstruct(case[-1], seed=0)

@@ -13,14 +13,14 @@ from generators import (DCGANGenerator, GeneratorRecipe, ImageGenerator, as_gene
                         check_compatible, default_generator, load_generator, read_checkpoint, save_generator,
                         train_generator)
 
-# The generator every generative test uses: trained once per test session on the embedded
-# *train* split (16x16), cached in the session's temporary directory.
+# The generator every generative test uses: trained once per pytest run on the embedded
+# *train* split (16x16), cached in the run's temporary directory.
 TEST_SHAPE = (3, 16, 16)
 TEST_RECIPE = dict(width=16, latent_dim=16, steps=300, batch_size=32, lr=5e-4, seed=0)
 
 
 def session_generator(tmp_path_factory) -> ImageGenerator:
-    """The test generator, shared by the xdist workers of one session (file lock)."""
+    """The test generator, shared by the xdist workers of one pytest run (file lock)."""
     from filelock import FileLock
 
     base = tmp_path_factory.getbasetemp()

@@ -1,4 +1,4 @@
-"""The learned inverter (issue 7): projection, cache, auxiliary data, and the headline
+"""The learned inverter: projection, cache, auxiliary data, and the headline
 outcome -- trained on the embedded *train* split, it beats an untrained inverter and plain
 IG on held-out *test* images under a defense that defeats IG (99% magnitude pruning)."""
 from types import SimpleNamespace

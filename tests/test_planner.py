@@ -1,4 +1,4 @@
-"""The planner probes a defense as a black box and identifies its traits (issue 6, part 7)."""
+"""The planner probes a defense as a black box and identifies its traits."""
 import pytest
 import torch
 

@@ -1,4 +1,4 @@
-"""Attack strength regressions (issue 15): exact DLG on a sigmoid LeNet, the portfolio beating
+"""Attack strength regressions: exact DLG on a sigmoid LeNet, the portfolio beating
 the previous base attack, and no silent stall. Fixed seeds, a few seconds each."""
 import os
 

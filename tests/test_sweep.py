@@ -72,7 +72,7 @@ def test_bad_grid_on_the_command_line_is_one_line_before_any_work(tmp_path):
 
 def test_sweep_report_resume_and_a_new_grid_value(tmp_path):
     out = tmp_path / "sweep"
-    # the command line of the issue, on tiny settings
+    # the README's sweep command line, on tiny settings
     result = CliRunner().invoke(cli.main, ["sweep", "--defense", "prune", "--grid", "ratio=0.5",
                                            "--defense", "gaussian", "--grid", "sigma=0.1", *TINY_CLI,
                                            "--out", str(out)])
@@ -115,10 +115,10 @@ def test_an_interrupted_sweep_keeps_its_finished_cells(tmp_path, monkeypatch):
     grid = {"prune": {"ratio": [0.5]}, "gaussian": {"sigma": [0.1]}}
     real = sweep_module.run_cell
 
-    def interrupted(job):
+    def interrupted(job, shared):
         if job.cell.name == "gaussian-sigma=0.1":
             raise KeyboardInterrupt
-        return real(job)
+        return real(job, shared)
 
     monkeypatch.setattr(sweep_module, "run_cell", interrupted)
     with pytest.raises(KeyboardInterrupt):

@@ -57,7 +57,7 @@ def kernel_log_likelihood(shared: Sequence[Tensor], draws: Sequence[Sequence[Ten
 # The ball simulator (:class:`adaptive.bayes.simulator.BallSimulator`) returns every
 # parameter's gradient stacked as ``(k, draws, *shape)``: k points of the delta-ball, each
 # through ``draws`` runs of the (possibly random) client. These objectives turn that into
-# the negative Monte Carlo objective of Eq. 3 (the engine minimises). An exact likelihood
+# the negative Monte Carlo objective of Eq. 3 (the optimisation attack minimises). An exact likelihood
 # (or any gradient distance) is averaged over them by ``attacks.objectives.StackedMean(inner,
 # "ball-mean", dims=2)``.
 

@@ -2,7 +2,7 @@
 
 It maximises ``(1/k) sum_i [log p(g | x_i) + beta log p(x_i)]`` with ``x_i`` uniform in the
 delta-ball around the current reconstruction, with Adam. Built entirely from the attack
-engine's pieces: an :class:`~attacks.engine.OptimizationAttack` whose
+optimisation attack's pieces: an :class:`~attacks.optimization.OptimizationAttack` whose
 
 * objective is the defense's likelihood: ``defense.log_prob`` when the defense declares
   it (exact; soft-prune's mixture, additive noise), otherwise a Monte Carlo kernel
@@ -12,7 +12,7 @@ engine's pieces: an :class:`~attacks.engine.OptimizationAttack` whose
 * simulator is the :class:`~adaptive.bayes.simulator.BallSimulator` around the clean
   (or, for the Monte Carlo likelihood, the defended) gradient when ``k > 1``,
   ``delta > 0`` or several defense draws are needed; with ``k = 1, delta = 0`` and an
-  exact likelihood it is the plain engine (the Bayes paper's released setting).
+  exact likelihood it is the plain optimisation attack (the Bayes paper's released setting).
 
 The likelihood is chosen per observation (``likelihood="auto"``), so one attack object
 serves every defense; the choice is recorded in ``trace["likelihood"]``.
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, Optional, Tuple, Union
 
-from attacks.engine import OptimizationAttack, Progress
+from attacks.optimization import OptimizationAttack, Progress
 from attacks.objectives import OBJECTIVES, L2Distance, Objective, ScaledDistance, StackedMean, build_objective
 from attacks.optimizers import OPTIMIZERS
 from attacks.presets import ATTACKS
@@ -152,7 +152,7 @@ class BayesOptimalAttack:
         return prior
 
     def compose(self, observation: Observation, seed: int = 0) -> Tuple[OptimizationAttack, Dict[str, Any]]:
-        """The engine attack that runs this adversary on ``observation``, and what it chose
+        """The optimisation attack that runs this adversary on ``observation``, and what it chose
         (likelihood, prior weight)."""
         kind, description, objective, inner, draws = self.resolve_likelihood(observation)
         prior = self._prior()

@@ -24,7 +24,7 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
-from attacks.engine import Progress, validate_observation
+from attacks.optimization import Progress, validate_observation
 from attacks.labels import infer_labels
 from attacks.presets import ATTACKS
 from audit.core.errors import ConfigError, NotApplicable
@@ -84,7 +84,7 @@ class LearnedInverter:
 
     ``cache_dir`` overrides ``$GIA_AUDIT_CACHE`` / ``~/.cache/gia-audit``; ``cache=False``
     always trains. ``progress`` shows tqdm bars for the pair generation and the training
-    (unless :meth:`reconstruct` gets a progress callback, as the engine's attacks do).
+    (unless :meth:`reconstruct` gets a progress callback, as the optimisation attacks do).
     ``iterations`` is the default number of training steps (the budget).
     """
 

@@ -92,13 +92,15 @@ def plan(
     loss_fn=default_loss_fn,
     device=None,
     rounds: Sequence[int] = (),
+    client_model: Optional[nn.Module] = None,
 ) -> Plan:
     """Probe ``defense`` (any defended-gradient callable) and return the attacks to run.
 
     ``model`` is the probe network (default: a tiny one built for ``input_shape`` and
     ``num_classes``); the defense is treated as a black box, declared knowledge is used
     when present. ``rounds``: FL rounds (the audited steps) probed besides the default ones.
+    ``client_model``: ``model`` as the defense's ``wrap_model`` returned it (None: wrapped here).
     """
-    traits = probe_defense(defense, model, input_shape, num_classes, seed=seed,
-                           batch_size=batch_size, loss_fn=loss_fn, device=device, rounds=rounds)
+    traits = probe_defense(defense, model, input_shape, num_classes, seed=seed, batch_size=batch_size,
+                           loss_fn=loss_fn, device=device, rounds=rounds, client_model=client_model)
     return plan_from_traits(traits)

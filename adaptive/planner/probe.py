@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from audit.core.errors import ConfigError, DefenseError
 from audit.core.models import Normalize
 from audit.core.types import Defense, FunctionDefense, clean_gradients, default_loss_fn, trainable_names
-from audit.core.defense_call import accepts_round, call_defense, defense_name, invoke_defense
+from audit.core.defense_call import accepts_round, call_defense, defense_name, invoke_defense, wrap_client_model
 
 from adaptive.planner.traits import DefenseTraits, LayerProbe
 
@@ -234,14 +234,11 @@ def _declared_stochastic(defense) -> Optional[bool]:
     return None if declared is None else bool(declared)
 
 
-def _wrapped_model(defense, model: nn.Module) -> Tuple[nn.Module, bool]:
-    wrap = getattr(defense, "wrap_model", None)
-    if not callable(wrap):
+def _architecture(defense, model: nn.Module, wrapped: nn.Module) -> Tuple[nn.Module, bool]:
+    """The model to probe and whether ``wrap_model`` changed the architecture (``wrapped``: the
+    client's model, ``model`` as built)."""
+    if wrapped is model:
         return model, False
-    wrapped = wrap(copy.deepcopy(model))
-    if wrapped is None:
-        raise DefenseError(f"defense {defense_name(defense)!r}: wrap_model returned None; "
-                           "it must return the (wrapped) model")
     before = [tuple(p.shape) for p in model.parameters()]
     after = [tuple(p.shape) for p in wrapped.parameters()]
     changed = before != after or type(wrapped) is not type(model) or len(list(wrapped.modules())) != len(list(model.modules()))
@@ -321,6 +318,7 @@ def probe_defense(
     device=None,
     rounds: Sequence[int] = (),
     dtype: Optional[torch.dtype] = None,
+    client_model: Optional[nn.Module] = None,
 ) -> DefenseTraits:
     """Probe ``defense`` as a black box and return its :class:`DefenseTraits`.
 
@@ -330,14 +328,16 @@ def probe_defense(
     :data:`PROBE_ROUNDS` for a defense that sometimes shares the clean gradient (:func:`probe_rounds`).
     ``dtype`` (e.g. ``torch.float64``) runs the probe network and batch in that precision; the
     probe batch is drawn on the CPU and TF32 is off, so the traits do not depend on the device.
+    ``client_model``: ``model`` as the defense's ``wrap_model`` returned it (the audit's client
+    model, wrapped once); None wraps ``model`` here, seeded.
     """
     with exact_math():
         return _probe(defense, model, input_shape, num_classes, seed=seed, batch_size=batch_size,
-                      loss_fn=loss_fn, device=device, rounds=rounds, dtype=dtype)
+                      loss_fn=loss_fn, device=device, rounds=rounds, dtype=dtype, client_model=client_model)
 
 
 def _probe(defense, model, input_shape, num_classes, *, seed, batch_size, loss_fn, device, rounds,
-           dtype) -> DefenseTraits:
+           dtype, client_model) -> DefenseTraits:
     if not callable(defense):
         raise ConfigError(f"plan() needs a defended-gradient callable, got {type(defense).__name__}")
     if batch_size < 2:
@@ -348,7 +348,13 @@ def _probe(defense, model, input_shape, num_classes, *, seed, batch_size, loss_f
         device = next(model.parameters()).device
     device = torch.device(device)
     model = model.to(device) if dtype is None else copy.deepcopy(model).to(device=device, dtype=dtype)
-    model, architectural = _wrapped_model(defense, model)
+    if client_model is None:
+        client_model = wrap_client_model(defense, copy.deepcopy(model), seed)
+    elif dtype is not None:
+        client_model = copy.deepcopy(client_model).to(device=device, dtype=dtype)
+    else:
+        client_model = client_model.to(device)
+    model, architectural = _architecture(defense, model, client_model)
     names = trainable_names(model)
     if not names:
         raise ConfigError("the probe model has no trainable parameter; give a model with parameters")

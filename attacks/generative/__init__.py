@@ -1,6 +1,6 @@
 """Generative-prior attacks: GGL (nevergrad latent search), GIAS (latent then generator
 parameters) and GIFD (intermediate features, l1-ball projection); and the ``generator``
-search space for the optimisation engine (``ATTACKS.build("ig", box="generator")``).
+search space for the optimisation attack (``ATTACKS.build("ig", box="generator")``).
 
 The attacker's generator defaults to a DCGAN trained on the embedded data's *train* split
 (disjoint from the audited test images), cached under ``$GIA_AUDIT_CACHE``; pass

@@ -26,7 +26,7 @@ from generators import CONDITIONS, ImageGenerator, condition_labels, generate, g
 from generators.resolve import GeneratorSpec
 from priors import PRIORS, PriorContext, requiring, weighted_total
 
-from attacks.engine import seeded_rng, validate_observation
+from attacks.optimization import seeded_rng, validate_observation
 from attacks.labels import LABEL_STRATEGIES, plan_labels
 from attacks.objectives import build_objective
 from attacks.simulator import SIMULATORS, DefenseSimulator, GradientSimulator, SimContext

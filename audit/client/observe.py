@@ -59,7 +59,8 @@ def observe(
     """Run one client round on ``(images, labels)`` and return what the server observes.
 
     The model is copied (neither it nor its BatchNorm buffers change). ``defense`` is None,
-    a registered name, a :class:`~audit.core.types.Defense` or a defended-gradient callable; every
+    a :class:`~audit.core.types.Defense` or a defended-gradient callable (a name is resolved
+    first: :func:`defenses.resolve_defense`); every
     local step shares ``defense(model_k, batch_k, labels_k, loss_fn=, generator=)`` (plus
     ``round=step`` for a defense that accepts the FL round index).
     Architectural defenses: pass the client's model, i.e. the one ``defense.wrap_model``

@@ -3,8 +3,8 @@
 The client simulation goes through :func:`call_defense` (checked output); attacks that
 replay the defense on dummy data use :func:`invoke_defense` (round passed, unchecked). Both
 obey :func:`defense_timeout`, the audit's per-call limit. :func:`as_defense` turns a plain
-defended-gradient callable into a :class:`~audit.core.types.Defense` (resolving *names* is
-the audit engine's job).
+defended-gradient callable into a :class:`~audit.core.types.Defense` (a *name* is resolved by
+:func:`defenses.resolve_defense`).
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def as_defense(defense: Any) -> Any:
     if defense is None or isinstance(defense, Defense):
         return defense
     if isinstance(defense, str):
-        raise ConfigError(f"defense {defense!r} is a name; resolve it first (audit.engine.resolve_defense "
+        raise ConfigError(f"defense {defense!r} is a name; resolve it first (defenses.resolve_defense "
                           "or defenses.build_defense)")
     if not callable(defense):
         raise ConfigError(f"defense is a {type(defense).__name__}, not a callable "
@@ -66,6 +66,28 @@ def check_output(defense: Any, grads: Any, model: nn.Module) -> List[Tensor]:
             raise DefenseError(f"defense {name!r}: gradient {i} (shape {tuple(g.shape)}) has {bad} NaN/inf "
                                "entries")
     return grads
+
+
+def wrap_client_model(defense: Any, model: nn.Module, seed: int) -> nn.Module:
+    """``defense.wrap_model(model)`` under ``seed``: the client's model (an architectural
+    defense such as PRECODE changes it once, before training; a defense without
+    ``wrap_model`` leaves it as is). Its failures are :class:`DefenseError` naming the defense."""
+    wrap = getattr(defense, "wrap_model", None)
+    if not callable(wrap):
+        return model
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        try:
+            wrapped = wrap(model)
+        except GiaError:
+            raise
+        except Exception as err:
+            raise DefenseError(f"defense {defense_name(defense)!r}: wrap_model raised {type(err).__name__}: "
+                               f"{err}") from err
+    if not isinstance(wrapped, nn.Module):
+        raise DefenseError(f"defense {defense_name(defense)!r}: wrap_model returned {type(wrapped).__name__}, "
+                           "not an nn.Module; it must return the (wrapped) model")
+    return wrapped
 
 
 def accepts_round(defense: Any) -> bool:

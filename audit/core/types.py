@@ -1,4 +1,4 @@
-"""The public contracts of gia-audit (see DESIGN.md).
+"""The public contracts of gia-audit (the README's "The contracts" explains them for users).
 
 Conventions used everywhere:
 
@@ -371,8 +371,9 @@ class Reconstruction:
 class Attack(Protocol):
     """``attack.reconstruct(observation, budget, seed) -> Reconstruction``.
 
-    ``budget`` is the number of optimisation iterations (or the equivalent unit of work,
-    e.g. CMA-ES evaluations, inverter training steps). Attacks never see the private data.
+    ``budget`` is counted in gradient evaluations of the audited model
+    (:data:`BUDGET_DEFINITION`); each attack maps it to its own iterations. Attacks never see
+    the private data.
     """
 
     name: str

@@ -25,9 +25,9 @@ from audit.client.fl import train
 from audit.client.observe import observe
 from audit.core.defense_call import defense_timeout
 from audit.core.errors import ConfigError, DefenseError, GiaError, NotApplicable
-from audit.engine.compose import build_model, client_model, load_data, reconstruct, resolve_defense, resolve_device
+from audit.engine.compose import AuditParts, build_parts, build_shared, reconstruct, resolve_defense
+from audit.engine.identity import data_identity, derive_seed, model_identity, versions
 from audit.engine.null import Null, null_evidence
-from audit.engine.identity import data_identity, defense_identity, derive_seed, model_identity, versions
 from audit.engine.privacy import privacy_report
 from audit.engine.scoring import PSNR_CAP, score_against_trained, score_reconstruction, trace_summary, trained_batch
 from audit.engine.settings import (DEFAULT_BUDGET, DEFAULT_STEPS, AttackSettings, DataSettings, FLSettings,
@@ -65,27 +65,32 @@ class AttackSpec:
 class Audit:
     """One audit: resolve the settings, plan, train, attack, score, store, report.
 
-    Use :func:`run`; the class exists so each phase is a small method.
+    Use :func:`run`; the class exists so each phase is a small method. ``parts``: the device,
+    data set, resolved defense and models built already (a sweep's cell); None builds them
+    from ``defense``, ``model`` and the settings.
     """
 
     def __init__(self, defense: Any = DEFAULT_DEFENSE, model: Union[str, nn.Module] = "cnn", *,
                  defense_args: Optional[Dict[str, Any]] = None, model_args: Optional[Dict[str, Any]] = None,
-                 data: DataSettings = DataSettings(), fl: FLSettings = FLSettings(),
-                 attacks: AttackSettings = AttackSettings(), output: OutputSettings = OutputSettings(),
-                 seed: int = 0, device: Union[str, torch.device] = "cpu"):
-        self.data, self.fl, self.attacks, self.output = data, fl, attacks, output
-        self.device = resolve_device(device)
+                 data_settings: DataSettings = DataSettings(), fl_settings: FLSettings = FLSettings(),
+                 attack_settings: AttackSettings = AttackSettings(),
+                 output_settings: OutputSettings = OutputSettings(),
+                 seed: int = 0, device: Union[str, torch.device] = "cpu", parts: Optional[AuditParts] = None):
+        self.data_settings, self.fl_settings = data_settings, fl_settings
+        self.attack_settings, self.output_settings = attack_settings, output_settings
+        data, output = data_settings, output_settings
         self.seed = int(seed)
-        self.dataset = load_data(data.data, data.image_size, data.data_args)
         self.defense_spec = defense
-        self.defense = resolve_defense(defense, defense_args or {})
-        # hashed once: for user code this reads and hashes its source
-        self.defense_ident = defense_identity(self.defense, self.defense_spec)
         self.model_spec, self.model_args = model, dict(model_args or {})
-        # architectural defenses (PRECODE) change the client model once, before training; the
-        # planner probes the model as it was before (to see what wrap_model changes)
-        self.base_model = build_model(model, self.model_args, self.dataset, self.seed).to(self.device)
-        self.model = client_model(self.defense, copy.deepcopy(self.base_model), self.seed)
+        if parts is None:
+            shared = build_shared(model, self.model_args, data, self.seed, device)
+            parts = build_parts(shared, resolve_defense(defense, defense_args or {}), defense, self.seed)
+        self.parts = parts
+        self.device, self.dataset, self.defense = parts.device, parts.dataset, parts.defense
+        self.defense_ident = parts.defense_ident
+        # the model as built (the planner compares it with the client's model to see what an
+        # architectural defense such as PRECODE changed) and the client's model, wrapped once
+        self.base_model, self.model = parts.base_model, parts.model
         self.numel = int(math.prod(self.dataset.input_shape))
         self.delta = output.delta if output.delta is not None else default_delta(self.numel)
         self.private = _private_batches(self.dataset, data.images, data.batch_size, self.seed)
@@ -107,26 +112,26 @@ class Audit:
         return {
             "defense": self.defense_ident,
             "model": model_identity(self.model_spec, self.model_args),
-            "data": data_identity(self.dataset, self.data.data_args, self.data.image_size),
-            "fl": asdict(self.fl), "batch_size": self.data.batch_size,
-            "budget": self.attacks.budget_description(),
-            "seed": self.seed, "share_labels": self.data.share_labels, "device": self.device.type,
+            "data": data_identity(self.dataset, self.data_settings.data_args, self.data_settings.image_size),
+            "fl": asdict(self.fl_settings), "batch_size": self.data_settings.batch_size,
+            "budget": self.attack_settings.budget_description(),
+            "seed": self.seed, "share_labels": self.data_settings.share_labels, "device": self.device.type,
             "evidence": {"pool": self.null.pool_size, "candidates": self.null.candidates,
                          "similarity": self.null.similarity.name},
         }
 
     def settings(self) -> Dict[str, Any]:
-        return {**self.key_settings(), "steps": list(self.attacks.steps), "images": self.data.images,
-                "attacks": list(self.attacks.names), "attack_args": self.attacks.args,
-                "utility": self.output.utility, "utility_steps": self.output.utility_steps,
+        return {**self.key_settings(), "steps": list(self.attack_settings.steps), "images": self.data_settings.images,
+                "attacks": list(self.attack_settings.names), "attack_args": self.attack_settings.args,
+                "utility": self.output_settings.utility, "utility_steps": self.output_settings.utility_steps,
                 "risk_delta": self.delta}
 
     # ------------------------------------------------------------------ phases
     def plan(self) -> Tuple[List[AttackSpec], Dict[str, Any]]:
         """The attacks to run (base + the planner's adaptive ones) and the plan for the report."""
         try:
-            plan = _plan(self.defense, copy.deepcopy(self.base_model), self.dataset, self.seed, self.device,
-                         self.attacks.steps)
+            plan = _plan(self.defense, copy.deepcopy(self.base_model), copy.deepcopy(self.model), self.dataset,
+                         self.seed, self.device, self.attack_settings.steps)
             plan_dict = plan.to_dict()
         except GiaError as err:  # e.g. the defense fails on the planner's probe batch
             plan, plan_dict = None, {"error": f"probing the defense failed: {type(err).__name__}: {err}"}
@@ -137,12 +142,12 @@ class Audit:
                 if n not in {p.name for p in proposed}] + proposed
         by_name = {p.name: p for p in proposed}
         specs: Dict[str, AttackSpec] = {}
-        for name in self.attacks.names:  # "auto" may be combined with names
+        for name in self.attack_settings.names:  # "auto" may be combined with names
             for spec in auto if name == "auto" else [by_name.get(name) or AttackSpec(name, {}, "requested by the user")]:
                 specs.setdefault(spec.id, spec)
-        _check_attacks([*specs.values(), *(AttackSpec(n, kv) for n, kv in self.attacks.args.items())])
+        _check_attacks([*specs.values(), *(AttackSpec(n, kv) for n, kv in self.attack_settings.args.items())])
         for spec in specs.values():  # the user's settings override the planner's
-            spec.settings.update(self.attacks.args.get(spec.name, {}))
+            spec.settings.update(self.attack_settings.args.get(spec.name, {}))
         return list(specs.values()), plan_dict
 
     def threat_model(self, specs: Sequence[AttackSpec]) -> Dict[str, Any]:
@@ -155,10 +160,10 @@ class Audit:
             declared = {"unavailable": f"the defense failed on the first observation: {err}"}
         return {
             **declared,
-            "private_data": f"{self.dataset.name} test split: {self.data.images} private batch(es) of "
-                            f"{self.data.batch_size} image(s) of the audited client, never given to the attacker",
+            "private_data": f"{self.dataset.name} test split: {self.data_settings.images} private batch(es) of "
+                            f"{self.data_settings.batch_size} image(s) of the audited client, never given to the attacker",
             "training_data": f"{self.dataset.name} train split ({len(self.dataset.train_labels)} images), "
-                             f"split between {self.fl.clients} client(s); disjoint from the private test split",
+                             f"split between {self.fl_settings.clients} client(s); disjoint from the private test split",
             "attacker_auxiliary_data": f"the {self.dataset.name} train split "
                                        f"({len(self.dataset.train_labels)} images and labels), declared to "
                                        "every attack as extras aux_images / aux_labels; the only data "
@@ -167,9 +172,9 @@ class Audit:
         }
 
     def observe(self, model: nn.Module, images, labels, step: int, image: int):
-        local_lr = self.fl.local_lr if self.fl.local_lr is not None else self.fl.lr
-        return observe(model, images, labels, self.defense, share_labels=self.data.share_labels,
-                       local_steps=self.fl.local_steps, local_lr=local_lr, step=step,
+        local_lr = self.fl_settings.local_lr if self.fl_settings.local_lr is not None else self.fl_settings.lr
+        return observe(model, images, labels, self.defense, share_labels=self.data_settings.share_labels,
+                       local_steps=self.fl_settings.local_steps, local_lr=local_lr, step=step,
                        seed=self.defense_seed(step, image), extra=self.auxiliary_data())
 
     def auxiliary_data(self) -> Dict[str, Any]:
@@ -179,7 +184,7 @@ class Audit:
 
     def utility(self) -> Dict[str, Any]:
         """Accuracy after training with the defense against training without it."""
-        if not self.output.utility:
+        if not self.output_settings.utility:
             return {"unavailable": "utility measurement was switched off (utility=False)"}
         try:
             return _measure_utility(self)
@@ -210,7 +215,7 @@ class Audit:
         start = time.perf_counter()
         try:
             attack = ATTACKS.build(spec.name, **spec.settings)
-            rec = reconstruct(attack, obs, self.attacks.budget, record["seed"], progress)
+            rec = reconstruct(attack, obs, self.attack_settings.budget, record["seed"], progress)
         except NotApplicable as err:
             return {**record, "status": "not_applicable", "reason": str(err)}, None
         except Exception as err:  # an attack, or a defense inside an adaptive attack, failed
@@ -234,7 +239,7 @@ class Audit:
             attack = ATTACKS.build(spec.name, **spec.settings)
             many = getattr(attack, "reconstruct_many", None)
             if many is not None:
-                recs = many([obs for _, obs, _, _ in group], self.attacks.budget, [r["seed"] for r in records],
+                recs = many([obs for _, obs, _, _ in group], self.attack_settings.budget, [r["seed"] for r in records],
                             progress=progress, max_members=self.max_members)
         except Exception as err:  # NotApplicable or a failure: attribute it image by image
             why = f"no: the grouped run failed ({type(err).__name__}: {str(err)[:120]}); one at a time"
@@ -264,7 +269,7 @@ class Audit:
     def _record(self, spec: AttackSpec, step: int, image: int) -> Dict[str, Any]:
         return {"step": step, "attack_id": spec.id, "attack": spec.name, "image": image,
                 "settings": spec.settings, "seed": derive_seed(self.seed, "attack", step, spec.id, image),
-                "defense": self.defense.name, "budget": self.attacks.budget}
+                "defense": self.defense.name, "budget": self.attack_settings.budget}
 
     def _failed(self, record: Dict[str, Any], err: BaseException, step: int) -> Dict[str, Any]:
         kind = "defense" if isinstance(err, DefenseError) else "attack"
@@ -292,18 +297,18 @@ class Audit:
         """Every phase under the per-call defense timeout; the status is 'complete' only when
         no (step, attack, image) result is an error (else the report says 'incomplete')."""
         started = time.perf_counter()
-        store = ResultStore.create(self.output.out, self.key_settings(), retry_errors=self.output.retry_errors)
+        store = ResultStore.create(self.output_settings.out, self.key_settings(), retry_errors=self.output_settings.retry_errors)
         try:
-            with defense_timeout(self.output.defense_timeout):
+            with defense_timeout(self.output_settings.defense_timeout):
                 self._attack_all(store, self._prepare(store))
         except KeyboardInterrupt:  # every finished result is already on disk
             store.update_manifest(status="interrupted")
             if "attacks" in store.load_manifest():
-                AuditReport.from_store(store).write(self.output.out)
+                AuditReport.from_store(store).write(self.output_settings.out)
             raise
         store.update_manifest(status="complete", timing={"last_invocation_s": round(time.perf_counter() - started, 1)})
         report = AuditReport.from_store(store)  # its status: 'incomplete (...)' when evidence is missing
-        report.write(self.output.out)
+        report.write(self.output_settings.out)
         return report
 
     def _prepare(self, store: ResultStore) -> List[AttackSpec]:
@@ -311,12 +316,12 @@ class Audit:
         manifest = store.load_manifest()
         specs, plan = self.plan()
         store.update_manifest(
-            run_key=store.key, status="running", settings=self.settings(), steps=self.attacks.steps,
-            images=self.data.images, attacks=[s.as_dict() for s in specs], plan=plan,
+            run_key=store.key, status="running", settings=self.settings(), steps=self.attack_settings.steps,
+            images=self.data_settings.images, attacks=[s.as_dict() for s in specs], plan=plan,
             defense=self.defense_ident, differences=list(getattr(self.defense, "differences", ()) or ()),
-            privacy=privacy_report(self.defense, self.fl, len(self.dataset.train_labels), self.attacks.steps,
-                                   candidates=self.null.candidates),
-            threat_model=self.threat_model(specs), thresholds=self.output.thresholds.as_dict(),
+            privacy=privacy_report(self.defense, self.fl_settings, len(self.dataset.train_labels),
+                                   self.attack_settings.steps, candidates=self.null.candidates),
+            threat_model=self.threat_model(specs), thresholds=self.output_settings.thresholds.as_dict(),
             null={"description": self.null.describe(),
                   "images": [[e.to_dict() for e in batch] for batch in null_evidence(self.null, self.private)]},
             risk_delta={"delta": self.delta, "description": _delta_description(self.delta, self.dataset)},
@@ -330,14 +335,14 @@ class Audit:
         for i, (x, _) in enumerate(self.private):
             store.save_original(i, x)
         cached = manifest.get("utility_for")
-        if cached != [self.output.utility, self.output.utility_steps]:
-            store.update_manifest(utility=self.utility(), utility_for=[self.output.utility, self.output.utility_steps])
+        if cached != [self.output_settings.utility, self.output_settings.utility_steps]:
+            store.update_manifest(utility=self.utility(), utility_for=[self.output_settings.utility, self.output_settings.utility_steps])
         return specs
 
     def _attack_all(self, store: ResultStore, specs: Sequence[AttackSpec]) -> None:
-        pending = [(s, i, a) for s in self.attacks.steps for i in range(self.data.images) for a in specs
+        pending = [(s, i, a) for s in self.attack_settings.steps for i in range(self.data_settings.images) for a in specs
                    if not store.has(s, a.id, i, settings=a.settings)]
-        total = len(self.attacks.steps) * self.data.images * len(specs)
+        total = len(self.attack_settings.steps) * self.data_settings.images * len(specs)
         if not pending:
             return
         pending_steps = sorted({s for s, _, _ in pending})
@@ -346,7 +351,7 @@ class Audit:
         if failure is not None and failure not in known:
             store.update_manifest(failures=known + [failure])
         cost = self.result_cost()
-        bar = _progress(total * cost, (total - len(pending)) * cost, self.output.progress)
+        bar = _progress(total * cost, (total - len(pending)) * cost, self.output_settings.progress)
         try:
             for step in pending_steps:
                 todo = [(i, a) for s, i, a in pending if s == step]
@@ -361,7 +366,7 @@ class Audit:
     def result_cost(self) -> int:
         """The progress bar's unit count for one result: image-iterations, i.e. gradient
         evaluations (the budget) times the private images in a batch."""
-        return max(1, self.attacks.budget) * self.data.batch_size
+        return max(1, self.attack_settings.budget) * self.data_settings.batch_size
 
     def _observations(self, state, failure, step: int, images: Sequence[int]) -> Dict[int, Any]:
         """The observation of each private batch at ``step`` (or why there is none)."""
@@ -445,10 +450,11 @@ def _private_batches(dataset, images: int, batch_size: int, seed: int):
             for idx in order[:need].view(images, batch_size)]
 
 
-def _plan(defense, model, dataset, seed: int, device, steps: Sequence[int] = ()):
-    """The planner's probe and plan; the audited steps are among the FL rounds it probes."""
+def _plan(defense, model, wrapped, dataset, seed: int, device, steps: Sequence[int] = ()):
+    """The planner's probe and plan of ``model`` and the client's model ``wrapped``; the
+    audited steps are among the FL rounds it probes."""
     return plan_attacks(defense, model, dataset.input_shape, dataset.num_classes, seed=seed, device=device,
-                        rounds=steps)
+                        rounds=steps, client_model=wrapped)
 
 
 def _check_attacks(specs: Sequence[AttackSpec]) -> None:
@@ -473,8 +479,8 @@ def _train(audit: "Audit", last_step: int, wanted: set) -> Tuple[Dict[int, Dict[
     if last_step == 0:
         return captured, None
     try:
-        train(model, audit.dataset, audit.defense, last_step, lr=audit.fl.lr, batch_size=audit.fl.batch_size,
-              clients=audit.fl.clients, local_steps=audit.fl.local_steps, local_lr=audit.fl.local_lr,
+        train(model, audit.dataset, audit.defense, last_step, lr=audit.fl_settings.lr, batch_size=audit.fl_settings.batch_size,
+              clients=audit.fl_settings.clients, local_steps=audit.fl_settings.local_steps, local_lr=audit.fl_settings.local_lr,
               seed=audit.seed, device=audit.device, callback=capture)
     except GiaError as err:  # the defense failed on the model of step done["step"]
         failed = done["step"]
@@ -496,13 +502,14 @@ def _measure_utility(audit: "Audit") -> Dict[str, Any]:
     if not isinstance(audit.model_spec, str):
         return {"unavailable": "utility is measured on a registered model name; a custom nn.Module "
                                "cannot be rebuilt from scratch for the undefended run"}
-    if audit.fl.local_lr is not None:
+    if audit.fl_settings.local_lr is not None:
         return {"unavailable": "utility measurement supports FedSGD / FedAvg with the server lr only "
                                "(local_lr was given)"}
     return measure_utility(audit.defense, model=audit.model_spec, model_args=audit.model_args,
-                           dataset=audit.dataset, steps=audit.output.utility_steps,
-                           lr=audit.fl.lr, batch_size=audit.fl.batch_size, clients=audit.fl.clients,
-                           local_steps=audit.fl.local_steps, seed=audit.seed, device=audit.device)
+                           dataset=audit.dataset, steps=audit.output_settings.utility_steps,
+                           lr=audit.fl_settings.lr, batch_size=audit.fl_settings.batch_size,
+                           clients=audit.fl_settings.clients, local_steps=audit.fl_settings.local_steps,
+                           seed=audit.seed, device=audit.device, base_model=audit.base_model, client=audit.model)
 
 
 def _delta_description(delta: float, dataset) -> str:
@@ -586,7 +593,8 @@ def run(
 
 def audit_settings(**flat: Any) -> Dict[str, Any]:
     """:func:`audit.engine.audit.run`'s flat keyword settings (its defaults where not given) as
-    the keyword objects :class:`Audit` and :class:`Sweep` take (``data``, ``fl``, ...)."""
+    the keyword objects :class:`Audit` and :class:`Sweep` take (``data_settings``,
+    ``fl_settings``, ``attack_settings``, ``output_settings``)."""
     params = inspect.signature(run).parameters
     valid = [p for p in params if p not in ("defense", "defense_args")]
     unknown = sorted(k for k in flat if k not in valid)
@@ -595,9 +603,9 @@ def audit_settings(**flat: Any) -> Dict[str, Any]:
     s = {name: flat.get(name, p.default) for name, p in params.items()}
     return dict(
         model=s["model"], model_args=s["model_args"], seed=s["seed"], device=s["device"],
-        data=DataSettings(s["data"], s["data_args"] or {}, s["image_size"], s["images"], s["batch_size"],
+        data_settings=DataSettings(s["data"], s["data_args"] or {}, s["image_size"], s["images"], s["batch_size"],
                           s["share_labels"]),
-        fl=FLSettings(s["lr"], s["train_batch_size"], s["clients"], s["local_steps"], s["local_lr"]),
-        attacks=AttackSettings(s["steps"], s["attacks"], s["attack_args"] or {}, s["budget"]),
-        output=OutputSettings(s["out"], s["utility"], s["utility_steps"], LeakRule.of(s["thresholds"]),
+        fl_settings=FLSettings(s["lr"], s["train_batch_size"], s["clients"], s["local_steps"], s["local_lr"]),
+        attack_settings=AttackSettings(s["steps"], s["attacks"], s["attack_args"] or {}, s["budget"]),
+        output_settings=OutputSettings(s["out"], s["utility"], s["utility_steps"], LeakRule.of(s["thresholds"]),
                               s["delta"], s["progress"], s["defense_timeout"], s["retry_errors"]))

@@ -1,25 +1,31 @@
-"""Turning what a user gives into the objects an audit runs: the device, the data set, the
-defense (resolved here, and only here), the model, and the client's model (wrapped by an
-architectural defense exactly once)."""
+"""Turning what a user gives into the objects an audit runs, each built once: the device, the
+data set, the resolved defense, the seeded model and the client's model (the defense's
+``wrap_model`` applied once). :class:`AuditParts` carries them to the planner, the client
+simulation, the utility run and every sweep job; nothing downstream rebuilds them."""
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, Optional
 
 import torch
 from torch import nn
 
-from audit.core.errors import ConfigError, DefenseError, GiaError
+from audit.core.defense_call import wrap_client_model
+from audit.engine.identity import defense_identity
+from audit.core.errors import ConfigError
 from audit.core.types import parameter_names
 
 
 def resolve_device(device) -> torch.device:
+    """A torch device from ``cpu``, ``cuda``, ``cuda:1``, ``mps`` or a ``torch.device``."""
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError) as err:
         raise ConfigError(f"device {device!r} is not a torch device ({err}); use cpu or cuda") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("device cuda was given but no CUDA device is available; use device='cpu'")
+        raise ConfigError("device cuda was given but no CUDA device is available; use --device cpu "
+                          "(device='cpu')")
     return dev
 
 
@@ -58,19 +64,58 @@ def build_model(model, model_args: Dict[str, Any], dataset, seed: int) -> nn.Mod
 
 
 def client_model(defense, model: nn.Module, seed: int) -> nn.Module:
-    """``defense.wrap_model(model)`` under a seed: the client's model for the whole run (the
-    only place an architectural defense is applied)."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        try:
-            wrapped = defense.wrap_model(model)
-        except GiaError:
-            raise
-        except Exception as err:
-            raise DefenseError(f"defense {defense.name!r}: wrap_model raised {type(err).__name__}: {err}") from err
-    if not isinstance(wrapped, nn.Module):
-        raise DefenseError(f"defense {defense.name!r}: wrap_model returned {type(wrapped).__name__}, not an nn.Module")
-    return wrapped
+    """The client's model: ``defense.wrap_model(model)`` under ``seed``
+    (:func:`audit.core.defense_call.wrap_client_model`)."""
+    return wrap_client_model(defense, model, seed)
+
+
+@dataclass(frozen=True)
+class SharedParts:
+    """What every audit of one set of settings shares (every cell of a sweep): the device,
+    the data set and the seeded model as built, before any defense changes it."""
+
+    device: torch.device
+    dataset: Any
+    base_model: nn.Module
+
+
+@dataclass(frozen=True)
+class AuditParts:
+    """One audit's objects: the shared parts, the resolved defense, its identity and the
+    client's model (``base_model`` wrapped once by the defense)."""
+
+    shared: SharedParts
+    defense: Any
+    defense_ident: Dict[str, Any]
+    model: nn.Module
+
+    @property
+    def device(self) -> torch.device:
+        return self.shared.device
+
+    @property
+    def dataset(self) -> Any:
+        return self.shared.dataset
+
+    @property
+    def base_model(self) -> nn.Module:
+        return self.shared.base_model
+
+
+def build_shared(model, model_args: Dict[str, Any], data_settings, seed: int, device) -> SharedParts:
+    """The device, the data set (``data_settings``: :class:`~audit.engine.settings.DataSettings`)
+    and the seeded model, each built once."""
+    dev = resolve_device(device)
+    dataset = load_data(data_settings.data, data_settings.image_size, data_settings.data_args)
+    return SharedParts(dev, dataset, build_model(model, model_args, dataset, seed).to(dev))
+
+
+def build_parts(shared: SharedParts, defense: Any, defense_spec: Any, seed: int,
+                defense_ident: Optional[Dict[str, Any]] = None) -> AuditParts:
+    """An audit's parts from the shared ones and a resolved ``defense`` (``defense_spec``: as
+    the user gave it, for its identity; ``defense_ident`` when it is known already)."""
+    ident = defense_ident if defense_ident is not None else defense_identity(defense, defense_spec)
+    return AuditParts(shared, defense, ident, client_model(defense, copy.deepcopy(shared.base_model), seed))
 
 
 def reconstruct(attack: Any, observation: Any, budget: Optional[int], seed: int, progress: Optional[Callable]):

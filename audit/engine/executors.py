@@ -1,9 +1,10 @@
 """Where a sweep's work runs: a small registry of executors.
 
-An executor maps a picklable module-level function over picklable jobs and reports each
-result as it finishes (``done(index, result)``), in any order. Jobs carry their own seeds
-and write their own results to disk, so the numbers do not depend on the executor or the
-order in which jobs finish.
+An executor maps a picklable module-level function ``fn(job, shared)`` over picklable jobs
+and reports each result as it finishes (``done(index, result)``), in any order; ``shared``
+(the data set and models every job uses) is sent once, not with each job. Jobs carry their
+own seeds and write their own results to disk, so the numbers do not depend on the executor
+or the order in which jobs finish.
 
 * ``local``: one job after another in this process (no extra dependency);
 * ``ray``: one Ray task per job with CPU / GPU resource requests, on a local Ray instance or
@@ -36,9 +37,9 @@ class LocalExecutor:
     def __init__(self, device: Any = None):
         self.device = device
 
-    def map(self, fn: Callable[[Any], Any], jobs: Sequence[Any], done: Done) -> None:
+    def map(self, fn: Callable[[Any, Any], Any], jobs: Sequence[Any], done: Done, shared: Any = None) -> None:
         for index, job in enumerate(jobs):
-            done(index, fn(job))
+            done(index, fn(job, shared))
 
     def close(self) -> None:
         pass
@@ -84,13 +85,14 @@ class RayExecutor:
             self._started = True
         return ray
 
-    def map(self, fn: Callable[[Any], Any], jobs: Sequence[Any], done: Done) -> None:
+    def map(self, fn: Callable[[Any, Any], Any], jobs: Sequence[Any], done: Done, shared: Any = None) -> None:
         if not jobs:
             return
         ray = self._ray()
         task = ray.remote(_with_threads).options(num_cpus=self.cpus, num_gpus=self.gpus)
         threads = max(1, int(self.cpus))
-        pending = {task.remote(fn, threads, job): index for index, job in enumerate(jobs)}
+        common = ray.put(shared)  # in the object store once; each task receives the value
+        pending = {task.remote(fn, threads, job, common): index for index, job in enumerate(jobs)}
         try:
             while pending:
                 ready, _ = ray.wait(list(pending), num_returns=1)
@@ -108,11 +110,11 @@ class RayExecutor:
             self._started = False
 
 
-def _with_threads(fn: Callable[[Any], Any], threads: int, job: Any) -> Any:
-    """``fn(job)`` with ``threads`` intra-op torch threads: a Ray worker's own count depends on
-    the first task it ran, and float reductions depend on the count (the same count as a
-    local run gives the same numbers)."""
+def _with_threads(fn: Callable[[Any, Any], Any], threads: int, job: Any, shared: Any) -> Any:
+    """``fn(job, shared)`` with ``threads`` intra-op torch threads: a Ray worker's own count
+    depends on the first task it ran, and float reductions depend on the count (the same
+    count as a local run gives the same numbers)."""
     import torch
 
     torch.set_num_threads(threads)
-    return fn(job)
+    return fn(job, shared)

@@ -1,13 +1,14 @@
 """What ``gia-audit plan`` prints: resolve a defense, probe it, list the planned attacks."""
 from __future__ import annotations
 
+import copy
 import json
 from typing import Any, Dict, Optional
 
 from adaptive.planner.plan import plan
 from audit.core.metrics import to_jsonable
 from audit.core.models import build_model
-from audit.engine.compose import resolve_defense
+from audit.engine.compose import client_model, resolve_defense, resolve_device
 
 
 def plan_report(defense: Any = None, defense_args: Optional[Dict[str, Any]] = None, *, model: Optional[str] = None,
@@ -16,11 +17,14 @@ def plan_report(defense: Any = None, defense_args: Optional[Dict[str, Any]] = No
     """What ``gia-audit plan`` prints: probe a defense given by name / import path / object
     and list the attacks with their reasons (or the plan as JSON)."""
     resolved = resolve_defense(defense, defense_args or {})
+    device = None if device is None else resolve_device(device)
     shape = (int(channels), int(size), int(size))
-    net = None if model is None else build_model(model, shape, num_classes, seed=seed)
-    if net is not None and device is not None:
-        net = net.to(device)
-    result = plan(resolved, net, shape, num_classes, seed=seed, device=device)
+    net = wrapped = None  # no model: the planner's probe network, wrapped by the planner
+    if model is not None:
+        net = build_model(model, shape, num_classes, seed=seed)
+        net = net.to(device) if device is not None else net
+        wrapped = client_model(resolved, copy.deepcopy(net), seed)
+    result = plan(resolved, net, shape, num_classes, seed=seed, device=device, client_model=wrapped)
     if as_json:
         return json.dumps(to_jsonable(result.to_dict()), indent=2)
     return "\n".join(result.summary())

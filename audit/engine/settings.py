@@ -153,6 +153,17 @@ def parse_attack_args(pairs: Sequence[str]) -> Dict[str, Dict[str, Any]]:
     return out
 
 
+def settings_from_options(model_arg: Sequence[str] = (), dataset: Optional[str] = None,
+                          data_path: Optional[str] = None, attack_arg: Sequence[str] = (),
+                          **options: Any) -> Dict[str, Any]:
+    """The audit command's setting options (``NAME=VALUE`` lists as given on the command line)
+    as ``audit.run``'s keyword settings; an option left unset (None) takes run's default."""
+    options.update(data=dataset, model_args=parse_kv_args(list(model_arg)) or None,
+                   attack_args=parse_attack_args(attack_arg) or None,
+                   data_args={"path": data_path} if data_path else None)
+    return {k: v for k, v in options.items() if v is not None}
+
+
 def as_dict(settings: Any) -> Dict[str, Any]:
     """A settings object as a JSON-able dict (paths and tuples made plain)."""
     out = asdict(settings)

@@ -18,7 +18,7 @@ import adaptive  # noqa: F401  (registers the adaptive attacks in ATTACKS)
 from attacks.presets import ATTACKS
 from audit.client.observe import observe
 from audit.core.errors import ConfigError
-from audit.engine.compose import client_model, reconstruct, resolve_defense
+from audit.engine.compose import client_model, reconstruct, resolve_defense, resolve_device
 
 
 def _private_batch(dataset, index: int, batch: int, image: Optional[str], label: int):
@@ -86,7 +86,7 @@ def run_attack(
     from audit.core.models import build_model
     from audit.report.images import batch_to_png_bytes
 
-    device = torch.device(device)
+    device = resolve_device(device)
     data = load_dataset(dataset, data_path, size)
     x, y = _private_batch(data, index, batch, image, label)
     net = build_model(model, data.input_shape, data.num_classes, mean=data.mean, std=data.std, seed=seed,

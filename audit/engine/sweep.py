@@ -28,13 +28,13 @@ from __future__ import annotations
 import itertools
 import re
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from audit.core.errors import ConfigError, GiaError
 from audit.engine.audit import Audit, audit_settings
-from audit.engine.compose import resolve_defense, resolve_device
+from audit.engine.compose import AuditParts, SharedParts, build_parts, build_shared, resolve_defense
 from audit.engine.executors import EXECUTORS
 from audit.engine.identity import defense_identity, model_identity
 from audit.engine.settings import AttackSettings, DataSettings, FLSettings, OutputSettings, as_dict
@@ -52,13 +52,16 @@ BASELINE_FILE = "baseline.json"
 class Cell:
     """One defense at one setting: ``defense`` as given (a name, ``"pkg.mod:attr"``, a Defense
     class, object or defended-gradient callable) with ``params``; ``family`` is its line on
-    the frontier (the defense's name); ``key`` identifies its settings for resuming."""
+    the frontier (the defense's name); ``key`` identifies its settings for resuming;
+    ``built`` is the defense resolved once and ``ident`` its identity."""
 
     defense: Any
     params: Tuple[Tuple[str, Any], ...]
     family: str
     key: str = ""
     undefended: bool = False
+    built: Any = field(default=None, compare=False, repr=False)
+    ident: Optional[Dict[str, Any]] = field(default=None, compare=False, repr=False)
 
     @property
     def setting(self) -> str:
@@ -140,8 +143,8 @@ def pair_options(options: Sequence[Tuple[str, str]]) -> List[Tuple[str, Dict[str
 
 
 def grid_cells(grid: Any, common_key: Dict[str, Any]) -> List[Cell]:
-    """Every cell of the grid (the undefended cell first), each defense built once to check
-    its name, parameters and ranges: a bad one is a one-line ConfigError before any work."""
+    """Every cell of the grid (the undefended cell first), each defense resolved once (a bad
+    name, parameter or range is a one-line ConfigError before any work) and kept on its cell."""
     cells: Dict[str, Cell] = {}
     entries = [(UNDEFENDED, {})] + grid_entries(grid)
     for spec, params in entries:
@@ -154,7 +157,7 @@ def grid_cells(grid: Any, common_key: Dict[str, Any]) -> List[Cell]:
                 raise ConfigError(f"sweep grid, {_label(spec)} {setting}: {err}".replace(" : ", ": ")) from None
             ident = defense_identity(defense, spec)
             cell = Cell(spec, tuple(kv.items()), defense.name, settings_key({"defense": ident, **common_key}),
-                        undefended=defense.name == UNDEFENDED and not kv)
+                        undefended=defense.name == UNDEFENDED and not kv, built=defense, ident=ident)
             other = cells.setdefault(cell.name, cell)
             if other.key != cell.key:
                 raise ConfigError(f"two different sweep cells are both named {cell.name!r}; give each defense "
@@ -165,17 +168,19 @@ def grid_cells(grid: Any, common_key: Dict[str, Any]) -> List[Cell]:
 # --------------------------------------------------------------------------- one cell
 @dataclass(frozen=True)
 class CellJob:
-    """Everything a worker needs to audit one cell (picklable: sent to Ray tasks as is)."""
+    """Everything a worker needs to audit one cell besides the sweep's :class:`SharedParts`
+    (picklable: sent to Ray tasks as is): the settings, the cell's resolved defense and its
+    client model (wrapped once, by the sweep)."""
 
     cell: Cell
     model: Any
     model_args: Mapping[str, Any]
-    data: DataSettings
-    fl: FLSettings
-    attacks: AttackSettings
-    output: OutputSettings
+    data_settings: DataSettings
+    fl_settings: FLSettings
+    attack_settings: AttackSettings
+    output_settings: OutputSettings
     seed: int
-    device: str
+    client_model: Any
     baseline: Optional[Dict[str, Any]] = None  # the undefended training run (measure_utility's)
     only: Optional[Tuple[int, str]] = None  # one (step, attack) group of the cell
 
@@ -187,7 +192,7 @@ class CellAudit(Audit):
 
     def utility(self) -> Dict[str, Any]:
         base = self.baseline
-        if base is None or not self.output.utility or base.get("baseline_accuracy") is None:
+        if base is None or not self.output_settings.utility or base.get("baseline_accuracy") is None:
             return super().utility()
         if self.defense.name == UNDEFENDED and not self.defense.params():
             return base  # the undefended cell *is* the baseline run
@@ -195,55 +200,58 @@ class CellAudit(Audit):
                "seconds": base["baseline_seconds"], "error": None}
         try:
             return measure_utility(self.defense, model=self.model_spec, model_args=self.model_args,
-                                   dataset=self.dataset, steps=self.output.utility_steps, lr=self.fl.lr,
-                                   batch_size=self.fl.batch_size, clients=self.fl.clients,
-                                   local_steps=self.fl.local_steps, seed=self.seed, device=self.device, baseline=run)
+                                   dataset=self.dataset, steps=self.output_settings.utility_steps, lr=self.fl_settings.lr,
+                                   batch_size=self.fl_settings.batch_size, clients=self.fl_settings.clients,
+                                   local_steps=self.fl_settings.local_steps, seed=self.seed, device=self.device,
+                                   baseline=run, base_model=self.base_model, client=self.model)
         except GiaError as err:
             return {"unavailable": f"{type(err).__name__}: {err}"}
 
 
-def _cell_audit(job: CellJob) -> CellAudit:
-    attacks, output = job.attacks, job.output
+def _cell_audit(job: CellJob, shared: SharedParts) -> CellAudit:
+    """The cell's audit on the parts built already: nothing is resolved, loaded or built again."""
+    attacks, output = job.attack_settings, job.output_settings
     if job.only is not None:  # the same store; its utility is measured by the cell's last run
         attacks = replace(attacks, steps=(job.only[0],), names=(job.only[1],))
         output = replace(output, utility=False, progress=False)
+    parts = AuditParts(shared, job.cell.built, job.cell.ident, job.client_model)
     audit = CellAudit(job.cell.defense, job.model, defense_args=dict(job.cell.params), model_args=dict(job.model_args),
-                      data=job.data, fl=job.fl, attacks=attacks, output=output, seed=job.seed,
-                      device=job.device)
+                      data_settings=job.data_settings, fl_settings=job.fl_settings, attack_settings=attacks,
+                      output_settings=output, seed=job.seed, parts=parts)
     audit.baseline = job.baseline
     return audit
 
 
-def run_cell(job: CellJob) -> Dict[str, Any]:
+def run_cell(job: CellJob, shared: SharedParts) -> Dict[str, Any]:
     """Audit one cell (resuming its stored results) and mark it finished; runs in a worker."""
-    report = _cell_audit(job).run()
+    report = _cell_audit(job, shared).run()
     done = {"key": job.cell.key, "cell": job.cell.describe(), "status": report.data["status"],
             "run_key": report.data["run_key"]}
-    atomic_write_json(Path(job.output.out) / CELL_FILE, done)
+    atomic_write_json(Path(job.output_settings.out) / CELL_FILE, done)
     return done
 
 
-def cell_groups(job: CellJob) -> List[CellJob]:
+def cell_groups(job: CellJob, shared: SharedParts) -> List[CellJob]:
     """Train the cell's checkpoints once and plan its attacks; its unfinished (step, attack)
     groups as jobs (run by :func:`run_group`)."""
-    audit = _cell_audit(job)
-    store = ResultStore.create(job.output.out, audit.key_settings())
-    steps = list(job.attacks.steps)
+    audit = _cell_audit(job, shared)
+    store = ResultStore.create(job.output_settings.out, audit.key_settings())
+    steps = list(job.attack_settings.steps)
     audit.checkpoints(store, steps)
     specs, _ = audit.plan()
     return [replace(job, only=(step, spec.name)) for step in steps for spec in specs
-            if not all(store.has(step, spec.id, i, settings=spec.settings) for i in range(job.data.images))]
+            if not all(store.has(step, spec.id, i, settings=spec.settings) for i in range(job.data_settings.images))]
 
 
-def run_group(job: CellJob) -> str:
+def run_group(job: CellJob, shared: SharedParts) -> str:
     """One (step, attack) group of a cell: the cell's audit restricted to it."""
-    _cell_audit(job).run()
+    _cell_audit(job, shared).run()
     return f"{job.cell.name} step {job.only[0]} {job.only[1]}"
 
 
-def baseline_utility(job: CellJob) -> Dict[str, Any]:
+def baseline_utility(job: CellJob, shared: SharedParts) -> Dict[str, Any]:
     """The undefended cell's utility measurement: the training run every cell is compared to."""
-    return _cell_audit(job).utility()
+    return _cell_audit(job, shared).utility()
 
 
 def cell_finished(out: Path, cell: Cell) -> bool:
@@ -262,62 +270,72 @@ class Sweep:
     ``{"address": "auto", "cpus": 2, "gpus": 1}``)."""
 
     def __init__(self, grid: Any, model: Any = "cnn", *, model_args: Optional[Dict[str, Any]] = None,
-                 data: DataSettings = DataSettings(), fl: FLSettings = FLSettings(),
-                 attacks: AttackSettings = AttackSettings(), output: OutputSettings = OutputSettings(out="sweep-out"),
+                 data_settings: DataSettings = DataSettings(), fl_settings: FLSettings = FLSettings(),
+                 attack_settings: AttackSettings = AttackSettings(),
+                 output_settings: OutputSettings = OutputSettings(out="sweep-out"),
                  seed: int = 0, device: Any = "cpu", step: Optional[int] = None, executor: str = "local",
                  executor_args: Optional[Dict[str, Any]] = None):
         self.model, self.model_args = model, dict(model_args or {})
-        self.data, self.fl, self.attacks, self.output = data, fl, attacks, output
-        self.seed, self.device = int(seed), resolve_device(device)
-        if step is not None and step not in attacks.steps:
-            raise ConfigError(f"step {step} is not an audited step {list(attacks.steps)}; choose one of them "
+        self.data_settings, self.fl_settings = data_settings, fl_settings
+        self.attack_settings, self.output_settings = attack_settings, output_settings
+        self.seed = int(seed)
+        if step is not None and step not in attack_settings.steps:
+            raise ConfigError(f"step {step} is not an audited step {list(attack_settings.steps)}; choose one of them "
                               "or leave it out for each cell's worst step")
         self.step = step
+        # the device, the data set and the seeded model: built once for every cell and job
+        self.shared = build_shared(model, self.model_args, data_settings, self.seed, device)
+        self.device = self.shared.device
+        self._clients: Dict[str, Any] = {}
         self.cells = grid_cells(grid, self._common_key())
         self.executor = EXECUTORS.build(executor, device=self.device, **(executor_args or {}))
-        # the data, the model and the private images, checked now rather than in a worker
-        _cell_audit(self._job(self.cells[0]))
+        # the private images, checked now rather than in a worker
+        _cell_audit(self._job(self.cells[0]), self.shared)
 
     @property
     def out(self) -> Path:
-        return Path(self.output.out)
+        return Path(self.output_settings.out)
 
     def _data_key(self) -> Dict[str, Any]:
-        data = self.data.data
-        return {**as_dict(self.data), "data": data if isinstance(data, str) else getattr(data, "name", repr(data))}
+        data = self.data_settings.data
+        return {**as_dict(self.data_settings), "data": data if isinstance(data, str) else getattr(data, "name", repr(data))}
 
     def _utility_key(self) -> Dict[str, Any]:
         return {"model": model_identity(self.model, self.model_args), "data": self._data_key(),
-                "fl": as_dict(self.fl), "utility_steps": self.output.utility_steps, "seed": self.seed,
+                "fl": as_dict(self.fl_settings), "utility_steps": self.output_settings.utility_steps, "seed": self.seed,
                 "device": self.device.type}
 
     def _common_key(self) -> Dict[str, Any]:
-        return {**self._utility_key(), "attacks": as_dict(self.attacks), "utility": self.output.utility,
-                "thresholds": self.output.thresholds.as_dict(), "delta": self.output.delta}
+        return {**self._utility_key(), "attacks": as_dict(self.attack_settings), "utility": self.output_settings.utility,
+                "thresholds": self.output_settings.thresholds.as_dict(), "delta": self.output_settings.delta}
 
     def _job(self, cell: Cell, baseline: Optional[Dict[str, Any]] = None) -> CellJob:
-        output = replace(self.output, out=self.out / "cells" / cell.name,
-                         progress=self.output.progress and self.executor.shows_job_progress)
-        return CellJob(cell, self.model, self.model_args, self.data, self.fl, self.attacks, output, self.seed,
-                       str(self.device), baseline)
+        output = replace(self.output_settings, out=self.out / "cells" / cell.name,
+                         progress=self.output_settings.progress and self.executor.shows_job_progress)
+        if cell.name not in self._clients:  # the cell's client model, wrapped once
+            self._clients[cell.name] = build_parts(self.shared, cell.built, cell.defense, self.seed, cell.ident).model
+        client = self._clients[cell.name]
+        return CellJob(cell, self.model, self.model_args, self.data_settings, self.fl_settings, self.attack_settings,
+                       output, self.seed, client, baseline)
 
     def _baseline(self) -> Optional[Dict[str, Any]]:
         """The undefended training run, stored in ``baseline.json`` (measured once per settings)."""
-        if not self.output.utility:
+        if not self.output_settings.utility:
             return None
         key = settings_key(self._utility_key())
         path = self.out / BASELINE_FILE
         if path.is_file() and read_json(path).get("key") == key:
             return read_json(path)["utility"]
         found: List[Dict[str, Any]] = []
-        self.executor.map(baseline_utility, [self._job(self.cells[0])], lambda _, result: found.append(result))
+        self.executor.map(baseline_utility, [self._job(self.cells[0])], lambda _, result: found.append(result),
+                          self.shared)
         atomic_write_json(path, {"key": key, "utility": found[0]})
         return found[0]
 
     def settings(self) -> Dict[str, Any]:
         return {"model": model_identity(self.model, self.model_args), "data": self._data_key(),
-                "fl": as_dict(self.fl), "attacks": as_dict(self.attacks), "utility": self.output.utility,
-                "utility_steps": self.output.utility_steps, "seed": self.seed, "device": self.device.type,
+                "fl": as_dict(self.fl_settings), "attacks": as_dict(self.attack_settings), "utility": self.output_settings.utility,
+                "utility_steps": self.output_settings.utility_steps, "seed": self.seed, "device": self.device.type,
                 "executor": self.executor.name}
 
     def run(self) -> SweepReport:
@@ -326,7 +344,7 @@ class Sweep:
         pending = [c for c in self.cells if not cell_finished(self.out, c)]
         computed: List[str] = []
         groups = 0
-        bar = _progress(len(self.cells), len(self.cells) - len(pending), self.output.progress)
+        bar = _progress(len(self.cells), len(self.cells) - len(pending), self.output_settings.progress)
         try:
             if pending:
                 baseline = self._baseline()
@@ -339,12 +357,12 @@ class Sweep:
                     bar.set_postfix_str(f"finished {pending[index].name}")
                     bar.update(1)
 
-                self.executor.map(run_cell, jobs, done)
+                self.executor.map(run_cell, jobs, done, self.shared)
         finally:
             bar.close()
             self.executor.close()
         report = SweepReport.from_cells(self.out, [c.describe() for c in self.cells], settings=self.settings(),
-                                        thresholds=self.output.thresholds.as_dict(), step=self.step,
+                                        thresholds=self.output_settings.thresholds.as_dict(), step=self.step,
                                         invocation={"computed": computed, "group_jobs": groups,
                                                     "reused": [c.name for c in self.cells if c.name not in computed],
                                                     "seconds": round(time.perf_counter() - started, 1)})
@@ -355,14 +373,14 @@ class Sweep:
     def _run_groups(self, jobs: Sequence[CellJob], bar) -> int:
         """Every pending (step, attack) group of the ``jobs``' cells as a job of its own; how many."""
         groups: List[CellJob] = []
-        self.executor.map(cell_groups, jobs, lambda _, found: groups.extend(found))
+        self.executor.map(cell_groups, jobs, lambda _, found: groups.extend(found), self.shared)
         finished = [0]
 
         def done(_index: int, label: str) -> None:
             finished[0] += 1
             bar.set_postfix_str(f"(step, attack) groups {finished[0]}/{len(groups)}: {label}")
 
-        self.executor.map(run_group, groups, done)
+        self.executor.map(run_group, groups, done, self.shared)
         return len(groups)
 
 

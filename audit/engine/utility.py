@@ -2,17 +2,18 @@
 fixed budget and compare test accuracy."""
 from __future__ import annotations
 
+import copy
 import time
 from typing import Any, Dict, List, Optional, Sequence
 
-import torch
+from torch import nn
 
 from defenses import DEFENSES
 
 from audit.client.fl import evaluate, train
 from audit.core.errors import DefenseError
 from audit.core.models import build_model
-from audit.engine.compose import client_model, resolve_defense
+from audit.engine.compose import client_model, resolve_defense, resolve_device
 
 
 def _dataset(dataset, size: Optional[int]):
@@ -23,15 +24,19 @@ def _dataset(dataset, size: Optional[int]):
     return dataset
 
 
-def _run(defense, data, *, model, model_args, steps, lr, batch_size, clients, local_steps, seed,
-         device) -> Dict[str, Any]:
-    """One training run; a defense that fails (or makes training diverge) is reported, with
+def _base_model(data, model: str, model_args, seed: int, device) -> nn.Module:
+    return build_model(model, data.input_shape, data.num_classes, mean=data.mean, std=data.std, seed=seed,
+                       **(model_args or {})).to(device)
+
+
+def _run(defense, data, base: nn.Module, wrapped: Optional[nn.Module], *, steps, lr, batch_size, clients,
+         local_steps, seed, device) -> Dict[str, Any]:
+    """One training run from a copy of the client's model ``wrapped`` (None: ``base`` wrapped
+    by the defense here); a defense that fails (or makes training diverge) is reported, with
     the reason, instead of an accuracy."""
-    net = build_model(model, data.input_shape, data.num_classes, mean=data.mean, std=data.std, seed=seed,
-                      **(model_args or {})).to(device)
     start = time.perf_counter()
     try:
-        net = client_model(defense, net, seed)
+        net = copy.deepcopy(wrapped) if wrapped is not None else client_model(defense, copy.deepcopy(base), seed)
         history = train(net, data, defense, steps, lr=lr, batch_size=batch_size, clients=clients,
                         local_steps=local_steps, seed=seed, device=device)
     except DefenseError as err:
@@ -49,20 +54,25 @@ def measure_utility(defense, model: str = "cnn", dataset="embedded", steps: int 
                     defense_params: Optional[Dict[str, Any]] = None, model_args: Optional[Dict[str, Any]] = None,
                     lr: float = 0.05,
                     batch_size: int = 16, clients: int = 1, local_steps: int = 1, size: Optional[int] = None,
-                    seed: int = 0, device="cpu", baseline: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+                    seed: int = 0, device="cpu", baseline: Optional[Dict[str, Any]] = None,
+                    base_model: Optional[nn.Module] = None, client: Optional[nn.Module] = None) -> Dict[str, Any]:
     """Test accuracy after ``steps`` rounds of training with ``defense`` next to the undefended run.
 
     ``dataset`` is a registered name (loaded at ``size`` pixels) or a Dataset-like object;
-    ``baseline`` reuses an undefended result (see :func:`utility_table`). Returns a dict with
-    ``accuracy``, ``baseline_accuracy``, ``relative`` (defended / undefended), losses and times;
-    ``accuracy`` is None, with the reason in ``error``, when training with the defense failed.
+    ``baseline`` reuses an undefended result (see :func:`utility_table`); ``base_model`` (the
+    seeded ``model`` as built) and ``client`` (it wrapped by the defense) are used when given,
+    else built here. Returns ``accuracy``, ``baseline_accuracy``, ``relative`` (defended /
+    undefended), losses and times; ``accuracy`` is None, with the reason in ``error``, when
+    training with the defense failed.
     """
     data = _dataset(dataset, size)
-    setting = dict(model=model, model_args=model_args, steps=steps, lr=lr, batch_size=batch_size, clients=clients,
-                   local_steps=local_steps, seed=seed, device=torch.device(device))
+    setting = dict(steps=steps, lr=lr, batch_size=batch_size, clients=clients, local_steps=local_steps, seed=seed,
+                   device=resolve_device(device))
     built = resolve_defense(defense, defense_params)
-    base = baseline if baseline is not None else _run(resolve_defense("none"), data, **setting)
-    run = _run(built, data, **setting)
+    if base_model is None:
+        base_model = _base_model(data, model, model_args, seed, setting["device"])
+    base = baseline if baseline is not None else _run(resolve_defense("none"), data, base_model, base_model, **setting)
+    run = _run(built, data, base_model, client, **setting)
     ok = run["accuracy"] is not None and base["accuracy"]
     return {
         "defense": built.name,
@@ -92,10 +102,11 @@ def utility_table(defenses: Sequence, model: str = "cnn", dataset="embedded", st
         names += [n for n in DEFENSES.names() if n != "none"] if d == "all" else [d]
     data = _dataset(dataset, size)
     setting = dict(lr=lr, batch_size=batch_size, clients=clients, local_steps=local_steps, seed=seed)
-    base = _run(resolve_defense("none"), data, model=model, model_args=model_args, steps=steps, device=torch.device(device),
-                **setting)
+    device = resolve_device(device)
+    base_model = _base_model(data, model, model_args, seed, device)
+    base = _run(resolve_defense("none"), data, base_model, base_model, steps=steps, device=device, **setting)
     return [measure_utility(d, model, data, steps, defense_params=defense_params, model_args=model_args,
-                            baseline=base, device=device, **setting) for d in names]
+                            baseline=base, device=device, base_model=base_model, **setting) for d in names]
 
 
 def format_utility_table(rows: Sequence[Dict[str, Any]]) -> str:

@@ -1,5 +1,5 @@
-"""The risk report: built from a run's result store, written as ``report.json``,
-``report.md``, ``report.html`` (self-contained) and ``psnr_vs_step.png``.
+"""The risk report: built from a run's result store, written in every registered format
+(:mod:`audit.report.formats`: ``report.json``, ``report.md``, ``report.html``, ``psnr_vs_step.png``).
 
 ``render(DIR)`` re-renders a finished (or interrupted) audit from disk; this is what
 ``gia-audit report DIR`` calls.
@@ -17,9 +17,7 @@ from audit.report.risk import (empirical_risk, false_positive_rates, judge_step,
                                status_of, summarize_attack)
 from audit.report.rule import LeakRule
 from audit.report.format import overall_text, verdict_text
-from audit.report.store import ResultStore, atomic_write_bytes, atomic_write_json, to_jsonable
-
-REPORT_FILES = ("report.json", "report.md", "report.html", "psnr_vs_step.png")
+from audit.report.store import ResultStore, to_jsonable
 
 
 def build_report(manifest: Dict[str, Any], records: List[Dict[str, Any]],
@@ -96,7 +94,7 @@ class AuditReport:
     """The result of an audit: ``data`` holds every number (the content of ``report.json``).
 
     ``report.verdict``, ``report.steps`` and ``report.psnr(step, attack)`` give quick access;
-    ``report.write(out)`` writes the JSON, Markdown, HTML and plot files.
+    ``report.write(out)`` writes it in every registered format (:mod:`audit.report.formats`).
     """
 
     def __init__(self, data: Dict[str, Any], run_dir: Optional[Path] = None, out: Optional[Path] = None):
@@ -153,16 +151,13 @@ class AuditReport:
         return psnr_vs_step_png(self.data)
 
     def write(self, out: Optional[os.PathLike | str] = None) -> Dict[str, Path]:
-        """Write ``report.json``, ``report.md``, ``report.html`` and ``psnr_vs_step.png``."""
+        """Write the report in every registered format; the paths by file name."""
+        from audit.report.formats import write_report
+
         out = Path(out) if out is not None else self.out
         if out is None:
             raise ValueError("AuditReport.write needs an output directory")
-        out.mkdir(parents=True, exist_ok=True)
-        paths = {name: out / name for name in REPORT_FILES}
-        atomic_write_bytes(paths["psnr_vs_step.png"], self.plot_png())
-        atomic_write_json(paths["report.json"], self.data)
-        atomic_write_bytes(paths["report.md"], self.to_markdown().encode())
-        atomic_write_bytes(paths["report.html"], self.to_html().encode())
+        paths = write_report("audit", self, out)
         self.out = out
         return paths
 

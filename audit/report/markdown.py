@@ -4,9 +4,10 @@ from __future__ import annotations
 import json
 from typing import Any, Dict, List
 
-from audit.report.format import (attack_cell, attack_header, attack_row, evidence_header, evidence_notes,
-                                 evidence_rows, kv_rows, overall_text, plan_traits, privacy_rows, PRIVACY_HEADER, summary_header,
-                                 summary_row, unavailable_notes, utility_rows)
+from audit.report.format import (PRIVACY_HEADER, attack_cell, attack_header, attack_row, evidence_header,
+                                 evidence_notes, evidence_rows, kv_rows, overall_text, plan_traits, privacy_rows,
+                                 summary_header, summary_row, unavailable_notes, utility_rows)
+from audit.report.formats.registry import report_file
 
 
 def _table(header: List[str], rows: List[List[Any]]) -> List[str]:
@@ -113,8 +114,8 @@ def render_markdown(data: Dict[str, Any]) -> str:
             "",
             f"Status: {data['status']}, {data['progress']['done']}/{data['progress']['total']} "
             f"(step, attack, image) results. Run `{data['run_key']}`, generated {data['generated']}. "
-            "Reconstruction grids: see `report.html`.", "",
-            "![PSNR versus training step](psnr_vs_step.png)", ""]
+            f"Reconstruction grids: see `{report_file('audit', 'html')}`.", "",
+            f"![PSNR versus training step]({report_file('audit', 'png')})", ""]
     sections = [_summary_section, _evidence_section, _attack_section, _differences_section, _privacy_section, _definitions,
                 _threat_section, _utility_section, _failure_section, _settings_section]
     lines = head

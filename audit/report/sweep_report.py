@@ -1,7 +1,7 @@
 """The sweep's report: one row per cell (worst-case PSNR at the chosen step, or the cell's
-worst step, against test accuracy), Pareto-optimal settings marked, written as
-``sweep.json``, ``sweep.md``, ``sweep.html`` (self-contained, the frontier inlined) and
-``frontier.png``; each row links to the cell's own audit report."""
+worst step, against test accuracy), Pareto-optimal settings marked, written in every
+registered format (:mod:`audit.report.formats`: ``sweep.json``, ``sweep.md``, ``sweep.html``
+with the frontier inlined, ``frontier.png``); each row links to the cell's own audit report."""
 from __future__ import annotations
 
 import datetime as _dt
@@ -11,9 +11,8 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from audit.report.format import UNAVAILABLE, fmt, kv_rows
-from audit.report.store import atomic_write_bytes, atomic_write_json, read_json, to_jsonable
-
-SWEEP_FILES = ("sweep.json", "sweep.md", "sweep.html", "frontier.png")
+from audit.report.formats import MAIN_FORMAT, report_file, write_report
+from audit.report.store import read_json, to_jsonable
 
 
 def pareto_optimal(points: Sequence[Tuple[Optional[float], Optional[float]]]) -> List[bool]:
@@ -48,7 +47,7 @@ def build_sweep(cells: Sequence[Dict[str, Any]], reports: Sequence[Optional[Dict
                 settings: Dict[str, Any], thresholds: Dict[str, Any], step: Optional[int],
                 invocation: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     """Every number of the sweep report as one JSON-able dictionary (``sweep.json``)."""
-    rows = [{**cell, **cell_point(report, step), "report": f"{cell['dir']}/report.html"}
+    rows = [{**cell, **cell_point(report, step), "report": f"{cell['dir']}/{report_file('audit', MAIN_FORMAT)}"}
             for cell, report in zip(cells, reports)]
     for row, optimal in zip(rows, pareto_optimal([(r["psnr"], r["accuracy"]) for r in rows])):
         row["pareto"] = optimal
@@ -77,7 +76,7 @@ class SweepReport:
     @classmethod
     def from_cells(cls, out: Path, cells: Sequence[Dict[str, Any]], **kwargs: Any) -> "SweepReport":
         """Read each cell's ``report.json`` under ``out`` (missing: the cell is pending)."""
-        paths = [Path(out) / c["dir"] / "report.json" for c in cells]
+        paths = [Path(out) / c["dir"] / report_file("audit", "json") for c in cells]
         return cls(build_sweep(cells, [read_json(p) if p.is_file() else None for p in paths], **kwargs), out)
 
     @property
@@ -90,16 +89,16 @@ class SweepReport:
                 return row
         raise KeyError(f"no cell {name!r}; cells: {', '.join(r['name'] for r in self.cells)}")
 
-    def write(self, out: Optional[Path] = None) -> Dict[str, Path]:
-        from audit.report.frontier import frontier_png
+    def to_markdown(self) -> str:
+        return render_markdown(self.data)
 
+    def to_html(self, frontier_png: bytes) -> str:
+        return render_html(self.data, frontier_png)
+
+    def write(self, out: Optional[Path] = None) -> Dict[str, Path]:
+        """Write the report in every registered format; the paths by file name."""
         out = Path(out) if out is not None else self.out
-        paths = {name: out / name for name in SWEEP_FILES}
-        png = frontier_png(self.data)
-        atomic_write_bytes(paths["frontier.png"], png)
-        atomic_write_json(paths["sweep.json"], self.data)
-        atomic_write_bytes(paths["sweep.md"], render_markdown(self.data).encode())
-        atomic_write_bytes(paths["sweep.html"], render_html(self.data, png).encode())
+        paths = write_report("sweep", self, out)
         self.out = out
         return paths
 
@@ -145,7 +144,7 @@ def _definitions(data: Dict[str, Any]) -> List[str]:
 
 
 def render_markdown(data: Dict[str, Any]) -> str:
-    lines = [f"# {data['title']}", "", "![frontier](frontier.png)", "",
+    lines = [f"# {data['title']}", "", f"![frontier]({report_file('sweep', 'png')})", "",
              "| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
     lines += ["| " + " | ".join(row) + " |" for row in _rows(data, lambda r: f"[report]({r['report']})")]
     lines += ["", *[f"- {d}" for d in _definitions(data)], "", "## Settings (every cell)", ""]

@@ -234,7 +234,7 @@ class OptimizationAttack:
         iterations = attack.planned_iterations(budget, cost)
         evaluations = None if budget is None else max(int(budget), cost)
         with seeded_rng(observation.device, seed):
-            run = _Run(attack, observation, int(seed), show_bars=progress is None)
+            run = OptimizationRun(attack, observation, int(seed), show_bars=progress is None)
             rec = run.execute(iterations, progress, max_evaluations=evaluations, cost=cost)[0]
         if why:
             rec.trace["restarts_afforded"] = why
@@ -277,7 +277,7 @@ class OptimizationAttack:
         for start in range(0, len(observations), per_chunk):
             chunk, chunk_seeds = observations[start:start + per_chunk], seeds[start:start + per_chunk]
             with seeded_rng(chunk[0].device, chunk_seeds[0]):
-                run = _Run(self, chunk, chunk_seeds, show_bars=progress is None)
+                run = OptimizationRun(self, chunk, chunk_seeds, show_bars=progress is None)
                 out += run.execute(iterations, progress, max_evaluations=evaluations, cost=cost)
         return out
 
@@ -294,7 +294,7 @@ class OptimizationAttack:
         if images.dim() == 4:
             images = images.unsqueeze(0)
         with seeded_rng(observation.device, seed), torch.enable_grad():
-            run = _Run(self, observation, int(seed), labels)
+            run = OptimizationRun(self, observation, int(seed), labels)
             run.iteration = run.sim_ctx.iteration = iteration
             if run.labels.shape is not None:
                 raise ConfigError("evaluate() needs labels when the attack optimises them (labels='optimize')")
@@ -302,7 +302,7 @@ class OptimizationAttack:
         return {"loss": loss, "terms": terms, "grad": grad, "execution": run.execution}
 
 
-class _Run:
+class OptimizationRun:
     """The state of one ``reconstruct`` call, or of one grouped call over several
     observations of the same model (``reconstruct_many``): ``N`` observations x ``R``
     restarts = ``N * R`` independent members, evaluated as one batched computation (an
@@ -452,13 +452,13 @@ class _Run:
         def members(target, fixed, mean, *per_member):
             if self.n > 1 or per_member[0].shape[0] != 1:
                 return inner(target, fixed, mean, *per_member)
-            # a single member without vmap: compiled, 12-22% faster on ResNet-18 (docs/strength.md 15)
+            # a single member runs without vmap: faster compiled (docs/strength.md, section 2)
             grads, (loss, terms) = step(target, fixed, mean, *(v[0] for v in per_member))
             return [g[None] for g in grads], (loss[None], {k: t[None] for k, t in terms.items()})
 
         if not compiled:
             return members
-        if self.device.type == "cpu":  # compiled ResNet-18 on a CPU: 10-29% faster (docs/strength.md 15)
+        if self.device.type == "cpu":  # channels-last weights: faster compiled on a CPU (docs/strength.md, section 2)
             self.replica.channels_last()
         return torch.compile(members, dynamic=False, fullgraph=True)  # a graph break is a failure, not eager
 
@@ -561,7 +561,7 @@ class _Run:
         optimizer.start(variables, iterations)
         self.unit = max(1, cost // self.attack.restarts)
         history: List[Tuple[Tensor, Tensor]] = []  # (members' start indices, their losses) per iteration
-        with flushed_denormals():  # saturated sigmoids make subnormal floats: 30x slower on CPU
+        with flushed_denormals():  # saturated sigmoids make subnormal floats, slow on a CPU
             for it in range(iterations):
                 if max_evaluations is not None and it > 0 and self.spent + self.restarts * self.unit > max_evaluations:
                     break

@@ -1,0 +1,49 @@
+"""Benchmarks write their own tables into ``docs/``.
+
+``--docs NAME`` on a bench puts the run's command line and its Markdown table between the
+lines ``<!-- bench:NAME:begin -->`` and ``<!-- bench:NAME:end -->`` of the bench's page, so
+rerunning the command written there refreshes that table and nothing else.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Optional, Sequence
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def add_docs_option(parser: argparse.ArgumentParser, page: str) -> None:
+    """``--docs NAME``: write the table into ``page`` (relative to the repository root)."""
+    parser.add_argument("--docs", metavar="NAME", default=None,
+                        help=f"write the table into {page}, between its <!-- bench:NAME:begin/end --> lines")
+    parser.set_defaults(docs_page=page)
+
+
+def command_line(script: str, argv: Optional[Sequence[str]]) -> str:
+    """The command that reproduces this run, as written in the docs."""
+    return " ".join(["python", f"bench/{script}", *(sys.argv[1:] if argv is None else argv)])
+
+
+def write_table(page: str, name: str, command: str, table: str, setting: str = "") -> Path:
+    """Replace the section ``name`` of ``page`` with ``command`` (and ``setting``: torch
+    version, threads, device) and ``table``."""
+    path = ROOT / page
+    text = path.read_text()
+    begin, end = f"<!-- bench:{name}:begin -->", f"<!-- bench:{name}:end -->"
+    if text.count(begin) != 1 or text.count(end) != 1 or text.index(begin) > text.index(end):
+        raise SystemExit(f"{page} has no section {name!r}: add the lines {begin} and {end} where its table belongs")
+    head, rest = text.split(begin)
+    tail = rest.split(end)[1]
+    where = f" ({setting})" if setting else ""
+    path.write_text(f"{head}{begin}\n`{command}`{where}:\n\n{table.strip()}\n{end}{tail}")
+    return path
+
+
+def publish(args: argparse.Namespace, script: str, argv: Optional[Sequence[str]], table: str,
+            setting: str = "") -> None:
+    """Write ``table`` into the docs when ``--docs`` was given."""
+    if getattr(args, "docs", None):
+        path = write_table(args.docs_page, args.docs, command_line(script, argv), table, setting)
+        print(f"wrote table {args.docs!r} into {path}", flush=True)
