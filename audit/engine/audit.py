@@ -30,8 +30,8 @@ from audit.engine.identity import data_identity, derive_seed, model_identity, ve
 from audit.engine.null import Null, null_evidence
 from audit.engine.privacy import privacy_report
 from audit.engine.scoring import PSNR_CAP, score_against_trained, score_reconstruction, trace_summary, trained_batch
-from audit.engine.settings import (DEFAULT_BUDGET, DEFAULT_STEPS, AttackSettings, DataSettings, FLSettings,
-                                   OutputSettings)
+from audit.engine.settings import (DEFAULT_BUDGET, DEFAULT_IMAGES, DEFAULT_STEPS, AttackSettings, DataSettings,
+                                   FLSettings, OutputSettings)
 from audit.report.audit_report import AuditReport
 from audit.report.risk import default_delta
 from audit.report.rule import LeakRule
@@ -541,7 +541,7 @@ def run(
     data: Any = "embedded",
     steps: Union[str, Sequence[int]] = DEFAULT_STEPS,
     attacks: Union[str, Sequence[str]] = "auto",
-    images: int = 4,
+    images: int = DEFAULT_IMAGES,
     budget: int = DEFAULT_BUDGET,
     seed: int = 0,
     out: Union[str, Path] = "audit-out",

@@ -17,6 +17,9 @@ from audit.report.rule import LeakRule
 
 DEFAULT_STEPS = (0, 1, 5, 20)
 DEFAULT_BUDGET = 200
+# private batches per step: with none recovered, 8 images exclude a recovery rate above 31%
+# (one-sided 95%); 59 would exclude 5% (docs/evidence.md)
+DEFAULT_IMAGES = 8
 
 
 def _comma_list(value: Any) -> Any:
@@ -58,7 +61,7 @@ class DataSettings:
     data: Any = "embedded"
     data_args: Mapping[str, Any] = field(default_factory=dict)
     image_size: int = 32
-    images: int = 4
+    images: int = DEFAULT_IMAGES
     batch_size: int = 1
     share_labels: bool = False
 
