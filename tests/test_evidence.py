@@ -1,0 +1,116 @@
+"""The evidence behind a verdict: scores blind to gain and offset, identification among
+candidates, exact intervals, the DP-SGD identification bound, the null of an audit, and
+negative controls (decoy defenses) that must not be judged to leak."""
+import math
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import norm
+
+import audit
+from audit.core.data import load_dataset
+from audit.core.evidence import (aligned_psnr, clopper_pearson, excluded_rate, images_to_exclude, lpips_embedding,
+                                 ssim_matrix)
+from audit.core.metrics import MetricUnavailable, lpips_distance, lpips_model, ssim
+from audit.core.reconstruction_bound import identification_bound
+from audit.core.records import ImageClass
+from audit.engine.null import Null
+from audit.report.rule import LeakRule
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_aligned_psnr_forgives_gain_and_offset_but_not_a_flat_guess():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.rand(2, 3, 8, 8, generator=gen)
+    shifted = x * torch.tensor([0.3, 0.6, 0.4]).view(1, 3, 1, 1) + torch.tensor([0.2, 0.3, 0.5]).view(1, 3, 1, 1)
+    plain = 10 * torch.log10(1 / (shifted - x).pow(2).flatten(1).mean(1))
+    assert (plain < 15).all() and (aligned_psnr(shifted, x) > 100).all()  # the fit undoes it exactly
+    noisy = (shifted + 0.05 * torch.randn(x.shape, generator=gen)).clamp(0, 1)
+    assert (aligned_psnr(noisy, x) > plain + 5).all()
+    # a flat guess fits each channel's mean: its score is the image's own variance, nothing more
+    flat = torch.full_like(x, 0.5)
+    expected = -10 * np.log10(x.double().var((2, 3), unbiased=False).mean(1).numpy())
+    assert np.allclose(aligned_psnr(flat, x).numpy(), expected)
+    # an inverted image gets no credit through a negative gain
+    assert np.allclose(aligned_psnr(1 - x, x).numpy(), expected)
+
+
+def test_similarity_matrices_equal_the_pairwise_metrics():
+    gen = torch.Generator().manual_seed(1)
+    a, b = torch.rand(3, 3, 32, 32, generator=gen), torch.rand(4, 3, 32, 32, generator=gen)
+    pairwise_ssim = torch.stack([ssim(a[i:i + 1].expand(4, -1, -1, -1), b) for i in range(3)])
+    assert torch.allclose(ssim_matrix(a, b), pairwise_ssim, atol=1e-10)
+    try:
+        model = lpips_model()
+    except MetricUnavailable as err:
+        pytest.skip(f"LPIPS weights not installed: {err}")
+    ea, eb = lpips_embedding(a, model), lpips_embedding(b, model)
+    pairwise = torch.stack([lpips_distance(a[i:i + 1].expand(4, -1, -1, -1), b) for i in range(3)])
+    assert torch.allclose((ea[:, None] - eb[None]).pow(2).sum(-1), pairwise, atol=1e-6)
+
+
+def test_exact_binomial_statements():
+    low, high = clopper_pearson(0, 4)
+    assert low == 0 and high == pytest.approx(1 - 0.025 ** 0.25)  # 60.2%
+    assert clopper_pearson(2, 2)[0] == pytest.approx(math.sqrt(0.025))
+    low, high = clopper_pearson(5, 10)
+    assert (round(low, 4), round(high, 4)) == (0.1871, 0.8129)  # the textbook Clopper-Pearson interval
+    assert excluded_rate(4) == pytest.approx(0.5271, abs=1e-4)  # "0 of 4" is consistent with up to 53%
+    assert excluded_rate(8) == pytest.approx(0.3123, abs=1e-4)
+    assert images_to_exclude(0.05) == 59 and excluded_rate(59) <= 0.05 < excluded_rate(58)
+
+
+def test_identification_bound_against_dp_sgd():
+    kappa = 1 / 64
+    # full participation: the Gaussian trade-off, Phi(Phi^-1(kappa) + sqrt(T) / sigma)
+    assert identification_bound(kappa, 1.0) == pytest.approx(norm.cdf(norm.ppf(kappa) + 1.0))
+    assert identification_bound(kappa, 2.0, steps=4) == pytest.approx(norm.cdf(norm.ppf(kappa) + 1.0))
+    # the Monte Carlo Neyman-Pearson test agrees with it as the sampling rate tends to 1
+    assert identification_bound(kappa, 1.0, sample_rate=0.99999, samples=400_000) == pytest.approx(0.124, abs=0.006)
+    # more noise, fewer steps or rarer sampling: closer to chance
+    assert kappa < identification_bound(kappa, 4.0) < identification_bound(kappa, 1.0) < identification_bound(kappa, 0.5)
+    assert identification_bound(kappa, 1.0, steps=1, sample_rate=0.01) < 0.02
+    assert identification_bound(kappa, 0.0) == 1.0 and identification_bound(kappa, 1.0, steps=0) == kappa
+
+
+@pytest.fixture(scope="module")
+def embedded_null():
+    data = load_dataset("embedded", size=32)
+    return data, Null.build(data, seed=0)
+
+
+def test_the_null_on_embedded_data_judges_guesses_as_chance_and_the_truth_as_recovered(embedded_null):
+    data, null = embedded_null
+    rule = LeakRule()
+    private = data.test_images[:12]
+    nulls = [null.evidence(x) for x in private]
+    assert null.pool_size == 127 and null.candidates == 64 and len(nulls[0].scores) == 130
+    recovered, partial = rule.false_positives(nulls)
+    assert recovered.n == 12 * 130 and recovered.rate <= 0.01  # the rule's false-positive rate
+    truth = null.score(private, private)
+    contrast = null.score((private * 0.4 + 0.3), private)  # what train-mode BatchNorm leaves free
+    others = null.score(data.test_images[80:92], private)  # unrelated images of the same data set
+    flat = null.score(private.mean((2, 3), keepdim=True).expand_as(private), private)
+    judge = [lambda e, n=n: rule.classify(e.aligned_psnr, e.rank, n.chance_level) for n in nulls]
+    assert all(j(e) is ImageClass.RECOVERED for j, e in zip(judge, truth))
+    assert all(j(e) is ImageClass.RECOVERED for j, e in zip(judge, contrast))
+    assert sum(j(e) is ImageClass.RECOVERED for j, e in zip(judge, others)) == 0
+    assert all(j(e) is ImageClass.NOT_RECOVERED for j, e in zip(judge, flat))
+
+
+TINY = dict(model="mlp", model_args={"hidden": 32}, image_size=16, budget=5, utility=False, progress=False)
+
+
+@pytest.mark.parametrize("kind", ["flat", "texture"])
+def test_a_decoy_that_shares_nothing_private_is_not_judged_to_leak(tmp_path, kind):
+    """The analytic attack recovers the decoy exactly; the private images stay unrecovered."""
+    report = audit.run(defense="decoy", defense_args={"kind": kind}, steps=[0], attacks=["analytic"], images=4,
+                       out=tmp_path, **TINY)
+    step = report.step(0)
+    assert step["attacks"]["analytic"]["status"] == "ok"
+    assert step["verdict"]["recovered"] == 0 and report.verdict in ("no recovered image", "partially")
+    assert step["verdict"]["excludes_rate_above"] == pytest.approx(excluded_rate(4))
+    honest = audit.run(defense="none", steps=[0], attacks=["analytic"], images=4, out=tmp_path / "none", **TINY)
+    assert honest.verdict == "leaks" and honest.step(0)["verdict"]["recovered"] == 4
