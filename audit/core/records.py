@@ -49,7 +49,9 @@ class _Record:
         return asdict(self)  # type: ignore[call-overload]
 
     @classmethod
-    def from_dict(cls, data: Dict[str, Any]):
+    def from_dict(cls, data: Any):
+        if isinstance(data, cls):
+            return data
         names = {f.name for f in fields(cls)}  # type: ignore[arg-type]
         return cls(**{k: v for k, v in (data or {}).items() if k in names})
 
@@ -125,3 +127,100 @@ class ImageJudgement(_Record):
     chance_level: Optional[float]
     candidates: Optional[int]
     metrics: Dict[str, Optional[float]] = field(default_factory=dict)
+
+
+# --------------------------------------------------------------------------- attack results
+@dataclass
+class Scores(_Record):
+    """A reconstruction scored against one reference batch: batch means, per-image values,
+    l2 distances per image, and the leak rule's :class:`ImageEvidence` per image."""
+
+    psnr: Optional[float] = None
+    ssim: Optional[float] = None
+    lpips: Optional[float] = None
+    label_acc: Optional[float] = None
+    mse: Optional[float] = None
+    psnr_per_image: Optional[List[float]] = None
+    ssim_per_image: Optional[List[float]] = None
+    lpips_per_image: Optional[List[float]] = None
+    l2: Optional[List[float]] = None
+    evidence: List[ImageEvidence] = field(default_factory=list)
+
+    def __post_init__(self):
+        self.evidence = [e if isinstance(e, ImageEvidence) else ImageEvidence.from_dict(e) for e in self.evidence or []]
+
+    def per_image(self, name: str, count: int) -> List[Optional[float]]:
+        """One value of metric ``name`` per image: the per-image list, else the batch value for
+        each (a batch mean never stands in for a worse image when the list is there)."""
+        values = getattr(self, f"{name}_per_image", None)
+        if isinstance(values, list) and len(values) == count:
+            return [None if v is None else float(v) for v in values]
+        value = getattr(self, name, None)
+        return [None if value is None else float(value)] * count
+
+    def count(self) -> int:
+        """How many images the scored batch had (1 when no per-image list says otherwise)."""
+        for values in (self.psnr_per_image, self.ssim_per_image, self.lpips_per_image, self.l2, self.evidence):
+            if values:
+                return len(values)
+        return 1
+
+
+def _status(value: Any) -> Any:
+    """A known status as :class:`Status`; an unknown word stays as it is (read as missing evidence)."""
+    try:
+        return Status(value)
+    except ValueError:
+        return value
+
+
+@dataclass
+class AttackResult(_Record):
+    """One finished (step, attack, image): what ran, its status, and its scores against the
+    private batch (``metrics``) and, for input-transforming defenses, against the batch the
+    client trained on (``metrics_trained``). Written by the engine, stored as JSON by the
+    result store, read by the report."""
+
+    step: int
+    attack_id: str
+    image: int
+    attack: str = ""
+    status: Any = Status.OK
+    seed: Optional[int] = None
+    settings: Dict[str, Any] = field(default_factory=dict)
+    defense: Optional[str] = None
+    budget: Optional[int] = None
+    reason: str = ""
+    failed: Optional[str] = None  # "attack" or "defense" for an error
+    metrics: Optional[Scores] = None
+    unavailable: Dict[str, str] = field(default_factory=dict)
+    metrics_trained: Optional[Scores] = None
+    unavailable_trained: Dict[str, str] = field(default_factory=dict)
+    trained_reference: Optional[str] = None
+    trace: Dict[str, Any] = field(default_factory=dict)
+    time_s: Optional[float] = None
+    png: Optional[str] = None
+
+    def __post_init__(self):
+        self.status = _status(self.status)
+        for name in ("metrics", "metrics_trained"):
+            value = getattr(self, name)
+            if isinstance(value, dict):
+                setattr(self, name, Scores.from_dict(value))
+
+    @property
+    def effective_status(self) -> Any:
+        """The status, with an "ok" whose trace says the optimisation stalled read as
+        :attr:`Status.FAILED_TO_OPTIMISE`."""
+        trace = self.trace or {}
+        stalled = bool(trace.get("failed_to_optimise")) or trace.get("status") == Status.FAILED_TO_OPTIMISE.value
+        return Status.FAILED_TO_OPTIMISE if self.status is Status.OK and stalled else self.status
+
+    def references(self) -> List[Scores]:
+        """The scores this result has: against the original, and against what the client trained on."""
+        return [s for s in (self.metrics, self.metrics_trained) if s is not None]
+
+    def to_dict(self) -> Dict[str, Any]:
+        out = asdict(self)
+        out["status"] = getattr(self.status, "value", self.status)
+        return out

@@ -12,7 +12,7 @@ import copy
 import inspect
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -25,6 +25,7 @@ from audit.client.fl import train
 from audit.client.observe import observe
 from audit.core.defense_call import defense_timeout
 from audit.core.errors import ConfigError, DefenseError, GiaError, NotApplicable
+from audit.core.records import AttackResult, Scores, Status
 from audit.engine.compose import AuditParts, build_parts, build_shared, reconstruct, resolve_defense
 from audit.engine.identity import data_identity, derive_seed, model_identity, versions
 from audit.engine.null import Null, null_evidence
@@ -208,23 +209,23 @@ class Audit:
         return {s: st for s, st in states.items() if st is not None}, failure
 
     def attack_one(self, spec: AttackSpec, obs, images, labels, step: int, image: int,
-                   progress: Optional[Callable] = None) -> Tuple[Dict[str, Any], Optional[torch.Tensor]]:
+                   progress: Optional[Callable] = None) -> Tuple[AttackResult, Optional[torch.Tensor]]:
         """Run one attack on one observation and score it; failures become records.
         ``progress(done, total, loss)`` is forwarded to attacks that report progress."""
         record = self._record(spec, step, image)
         start = time.perf_counter()
         try:
             attack = ATTACKS.build(spec.name, **spec.settings)
-            rec = reconstruct(attack, obs, self.attack_settings.budget, record["seed"], progress)
+            rec = reconstruct(attack, obs, self.attack_settings.budget, record.seed, progress)
         except NotApplicable as err:
-            return {**record, "status": "not_applicable", "reason": str(err)}, None
+            return replace(record, status=Status.NOT_APPLICABLE, reason=str(err)), None
         except Exception as err:  # an attack, or a defense inside an adaptive attack, failed
             return self._failed(record, err, step), None
         return self._scored(spec, record, rec, images, labels, time.perf_counter() - start)
 
     def attack_group(self, spec: AttackSpec, group: Sequence[Tuple[int, Any, torch.Tensor, torch.Tensor]],
                      step: int, progress: Optional[Callable] = None
-                     ) -> List[Tuple[Dict[str, Any], Optional[torch.Tensor]]]:
+                     ) -> List[Tuple[AttackResult, Optional[torch.Tensor]]]:
         """One attack on every pending ``(image, observation, x, y)`` of a step: as one batched
         computation when the attack can group observations (``reconstruct_many``), else (or
         when the grouped run fails) one at a time through :meth:`attack_one`, so every
@@ -239,7 +240,7 @@ class Audit:
             attack = ATTACKS.build(spec.name, **spec.settings)
             many = getattr(attack, "reconstruct_many", None)
             if many is not None:
-                recs = many([obs for _, obs, _, _ in group], self.attack_settings.budget, [r["seed"] for r in records],
+                recs = many([obs for _, obs, _, _ in group], self.attack_settings.budget, [r.seed for r in records],
                             progress=progress, max_members=self.max_members)
         except Exception as err:  # NotApplicable or a failure: attribute it image by image
             why = f"no: the grouped run failed ({type(err).__name__}: {str(err)[:120]}); one at a time"
@@ -247,43 +248,42 @@ class Audit:
             out = [self.attack_one(spec, obs, x, y, step, image, progress=_share(progress, k, len(group)))
                    for k, (image, obs, x, y) in enumerate(group)]
             for record, _ in out:
-                if isinstance(record.get("trace"), dict):
-                    record["trace"].setdefault("grouped", why)
+                record.trace.setdefault("grouped", why)
             return out
         seconds = (time.perf_counter() - start) / len(group)
         return [self._scored(spec, record, rec, x, y, seconds)
                 for record, rec, (_, _, x, y) in zip(records, recs, group)]
 
-    def _scored(self, spec: AttackSpec, record: Dict[str, Any], rec, images, labels,
-                seconds: float) -> Tuple[Dict[str, Any], Optional[torch.Tensor]]:
-        record = {**record, "time_s": round(seconds, 3)}
+    def _scored(self, spec: AttackSpec, record: AttackResult, rec, images, labels,
+                seconds: float) -> Tuple[AttackResult, Optional[torch.Tensor]]:
+        record = replace(record, time_s=round(seconds, 3))
         if not rec.applicable:
-            return {**record, "status": "not_applicable", "reason": rec.reason}, None
+            return replace(record, status=Status.NOT_APPLICABLE, reason=rec.reason), None
         if rec.inputs is None or not torch.isfinite(rec.inputs).all():
-            return {**record, "status": "error", "reason": f"attack {spec.id!r} returned no finite images"}, None
+            return replace(record, status=Status.ERROR, reason=f"attack {spec.id!r} returned no finite images"), None
         metrics, unavailable, aligned = score_reconstruction(rec, images, labels, self.null)
-        record.update(status="ok", metrics=metrics, unavailable=unavailable, trace=trace_summary(rec.trace))
-        record.update(self.against_trained(rec, record, images, labels))
-        return record, aligned
+        record = replace(record, status=Status.OK, metrics=Scores.from_dict(metrics), unavailable=unavailable,
+                         trace=trace_summary(rec.trace))
+        return replace(record, **self.against_trained(rec, record, images, labels)), aligned
 
-    def _record(self, spec: AttackSpec, step: int, image: int) -> Dict[str, Any]:
-        return {"step": step, "attack_id": spec.id, "attack": spec.name, "image": image,
-                "settings": spec.settings, "seed": derive_seed(self.seed, "attack", step, spec.id, image),
-                "defense": self.defense.name, "budget": self.attack_settings.budget}
+    def _record(self, spec: AttackSpec, step: int, image: int) -> AttackResult:
+        return AttackResult(step=step, attack_id=spec.id, attack=spec.name, image=image, settings=spec.settings,
+                            seed=derive_seed(self.seed, "attack", step, spec.id, image), defense=self.defense.name,
+                            budget=self.attack_settings.budget)
 
-    def _failed(self, record: Dict[str, Any], err: BaseException, step: int) -> Dict[str, Any]:
+    def _failed(self, record: AttackResult, err: BaseException, step: int) -> AttackResult:
         kind = "defense" if isinstance(err, DefenseError) else "attack"
         reason = f"{type(err).__name__}: {err}"
         if kind == "defense" and self.defense.name not in reason:
             reason = f"defense {self.defense.name!r} at step {step}: {reason}"
-        return {**record, "status": "error", "failed": kind, "reason": reason}
+        return replace(record, status=Status.ERROR, failed=kind, reason=reason)
 
-    def against_trained(self, rec, record: Dict[str, Any], images, labels) -> Dict[str, Any]:
+    def against_trained(self, rec, record: AttackResult, images, labels) -> Dict[str, Any]:
         """For an input-transforming defense, the record's scores against the batch the client
         trained on (reproduced with the observation's seed); {} for other defenses."""
         try:
             trained = trained_batch(self.defense, images.to(rec.inputs.device),
-                                    self.defense_seed(record["step"], record["image"]))
+                                    self.defense_seed(record.step, record.image))
         except Exception as err:  # a broken transform_inputs: say so, keep the original's scores
             return {"trained_reference": f"unavailable: transform_inputs raised {type(err).__name__}: {err}"}
         return score_against_trained(rec, trained, labels.to(rec.inputs.device), self.null)
@@ -390,8 +390,8 @@ class Audit:
         failed = [i for i in images if isinstance(observations[i], str)]
         cost = self.result_cost()
         for image in failed:  # the defense failed on this batch: nothing to attack
-            store.save_result({**self._record(spec, step, image), "status": "error", "failed": "defense",
-                               "reason": observations[image]})
+            store.save_result(replace(self._record(spec, step, image), status=Status.ERROR, failed="defense",
+                                      reason=observations[image]))
             bar.update(cost)
         group = [(i, observations[i], *self.private[i]) for i in images if i not in failed]
         if not group:

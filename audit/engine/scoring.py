@@ -9,6 +9,7 @@ from typing import Any, Dict, Optional
 import torch
 
 from audit.core.metrics import score
+from audit.core.records import Scores
 from audit.core.types import Defense
 
 PSNR_CAP = 200.0  # an exact reconstruction (MSE 0, PSNR inf) is reported as this many dB
@@ -69,7 +70,7 @@ def score_against_trained(rec, trained: Optional[torch.Tensor], labels: torch.Te
     if trained is None or rec.inputs is None:
         return {}
     metrics, unavailable, _ = score_reconstruction(rec, trained, labels, null, own_chance=True)
-    return {"metrics_trained": metrics, "unavailable_trained": unavailable,
+    return {"metrics_trained": Scores.from_dict(metrics), "unavailable_trained": unavailable,
             "trained_reference": "the defense's transform_inputs of the private batch, with the observation's seed"}
 
 

@@ -10,9 +10,10 @@ import datetime as _dt
 import os
 from collections import defaultdict
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
 from audit.core.errors import ConfigError
+from audit.core.records import AttackResult
 from audit.report.risk import (empirical_risk, false_positive_rates, judge_step, nulls_from_manifest, overall_verdict,
                                status_of, summarize_attack)
 from audit.report.rule import LeakRule
@@ -20,28 +21,29 @@ from audit.report.format import overall_text, verdict_text
 from audit.report.store import ResultStore, to_jsonable
 
 
-def build_report(manifest: Dict[str, Any], records: List[Dict[str, Any]],
+def build_report(manifest: Dict[str, Any], records: Sequence[Any],
                  rule: Optional[LeakRule] = None) -> Dict[str, Any]:
     """Every number of the report, as one JSON-able dictionary; ``rule`` (default: the
     audit's) judges the stored evidence, so other thresholds need no recomputation."""
     thresholds = rule or LeakRule.from_dict(manifest.get("thresholds"))
+    records = [AttackResult.from_dict(r) for r in records]
     nulls = nulls_from_manifest(manifest)
     delta = manifest["risk_delta"]["delta"]
     attack_ids = [a["id"] for a in manifest["attacks"]]
     images = int(manifest["images"])
     by_step: Dict[int, Dict[str, List[Dict[str, Any]]]] = defaultdict(lambda: defaultdict(list))
     for rec in records:
-        by_step[rec["step"]][rec["attack_id"]].append(rec)
+        by_step[rec.step][rec.attack_id].append(rec)
     steps = []
     for step in manifest["steps"]:
         by_attack = {a: by_step[step].get(a, []) for a in attack_ids}
         steps.append({"step": step, "attacks": {a: summarize_attack(recs) for a, recs in by_attack.items()},
                       **judge_step(by_attack, images, thresholds, nulls), "risk": empirical_risk(by_attack, delta)})
     total = len(manifest["steps"]) * len(attack_ids) * images
-    done = sum(1 for r in records if r["step"] in manifest["steps"] and r["attack_id"] in attack_ids)
+    done = sum(1 for r in records if r.step in manifest["steps"] and r.attack_id in attack_ids)
     failures = list(manifest.get("failures", [])) + [
-        {"step": r["step"], "attack": r["attack_id"], "image": r["image"], "defense": r.get("defense"),
-         "status": status_of(r), "error": r.get("reason", "")}
+        {"step": r.step, "attack": r.attack_id, "image": r.image, "defense": r.defense,
+         "status": status_of(r), "error": r.reason}
         for r in records if status_of(r) not in ("ok", "not_applicable")
     ]
     verdict = overall_verdict(steps)
@@ -72,7 +74,7 @@ def build_report(manifest: Dict[str, Any], records: List[Dict[str, Any]],
         "timing": manifest.get("timing", {}),
         "steps": steps,
         "failures": failures,
-        "results": records,
+        "results": [r.to_dict() for r in records],
     })
 
 

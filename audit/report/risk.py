@@ -16,7 +16,7 @@ import math
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from audit.core.evidence import excluded_rate, images_to_exclude
-from audit.core.records import SEVERITY, ImageClass, ImageEvidence, NullEvidence, Status, Verdict
+from audit.core.records import SEVERITY, AttackResult, ImageClass, NullEvidence, Status, Verdict
 from audit.report.rule import LeakRule
 
 # metric name -> True when a higher value means more leakage
@@ -35,9 +35,6 @@ STATUS_EVIDENCE: Dict[str, Optional[str]] = {
     Status.ERROR.value: "failed",
     Status.FAILED_TO_OPTIMISE.value: "failed to optimise",
 }
-#: the reference images a record may be scored against: the private original, and (for
-#: input-transforming defenses) the batch the client actually trained on
-REFERENCES = ("metrics", "metrics_trained")
 #: a null per private image: (private batch, index in the batch) -> its evidence
 Nulls = Dict[Tuple[int, int], NullEvidence]
 
@@ -60,87 +57,58 @@ def _best(values: Iterable[Optional[float]], higher: bool) -> Optional[float]:
 
 
 # --------------------------------------------------------------------------- one record
-def trace_failed(record: Dict[str, Any]) -> bool:
-    """The optimisation engine's stall detection marked the attack as failed to optimise."""
-    trace = record.get("trace") or {}
-    return bool(trace.get("failed_to_optimise")) or trace.get("status") == "failed_to_optimise"
+def status_of(record: AttackResult) -> str:
+    """The record's status word, with an "ok" whose trace says it failed to optimise read as such."""
+    status = record.effective_status
+    return getattr(status, "value", status)
 
 
-def status_of(record: Dict[str, Any]) -> str:
-    """The record's status, with an "ok" whose trace says it failed to optimise read as such."""
-    status = record.get("status", "error")
-    return "failed_to_optimise" if status == "ok" and trace_failed(record) else status
-
-
-def _per_image(metrics: Dict[str, Any], name: str, count: int) -> List[Optional[float]]:
-    """One value per private image of the batch: the ``<name>_per_image`` list, else the
-    batch value for each (a batch mean never stands in for a worse image when the list is there)."""
-    values = metrics.get(f"{name}_per_image")
-    if isinstance(values, list) and len(values) == count:
-        return [None if v is None else float(v) for v in values]
-    value = metrics.get(name)
-    return [None if value is None else float(value)] * count
-
-
-def _batch_count(record: Dict[str, Any]) -> int:
-    for ref in REFERENCES:
-        metrics = record.get(ref) or {}
-        for name in ("psnr", "ssim", "lpips", "l2"):
-            values = metrics.get("l2" if name == "l2" else f"{name}_per_image")
-            if isinstance(values, list) and values:
-                return len(values)
-    return 1
-
-
-def image_metrics(record: Dict[str, Any]) -> List[Dict[str, Any]]:
+def image_metrics(record: AttackResult) -> List[Dict[str, Any]]:
     """Per private image of the record's batch: each metric at its most leaking over the
     references the record was scored against (original, and what the client trained on),
     and ``evidence``: its :class:`ImageEvidence` per reference (empty when missing)."""
-    count = _batch_count(record)
-    refs = [record[r] for r in REFERENCES if record.get(r)]
-    evidence = [m.get("evidence") for m in refs]
-    evidence = [e for e in evidence if isinstance(e, list) and len(e) == count]
+    refs = record.references()
+    count = refs[0].count() if refs else 1
+    evidence = [m.evidence for m in refs if len(m.evidence) == count]
     out = []
     for j in range(count):
         entry: Dict[str, Any] = {}
         for name, higher in METRICS.items():
-            entry[name] = _best([_per_image(m, name, count)[j] for m in refs], higher)
-        l2s = [m.get("l2") for m in refs]
-        entry["l2"] = _best([d[j] if isinstance(d, list) and len(d) == count else None for d in l2s], False)
-        entry["evidence"] = [ImageEvidence.from_dict(e[j]) for e in evidence]
+            entry[name] = _best([m.per_image(name, count)[j] for m in refs], higher)
+        entry["l2"] = _best([m.l2[j] if m.l2 is not None and len(m.l2) == count else None for m in refs], False)
+        entry["evidence"] = [e[j] for e in evidence]
         out.append(entry)
     return out
 
 
-def _judgeable(record: Dict[str, Any]) -> bool:
+def _judgeable(record: AttackResult) -> bool:
     return all(e["evidence"] for e in image_metrics(record))
 
 
 # --------------------------------------------------------------------------- one attack
-def summarize_attack(records: List[Dict[str, Any]]) -> Dict[str, Any]:
+def summarize_attack(records: List[AttackResult]) -> Dict[str, Any]:
     """One attack at one step: means over its judged private images, the worst image, and
     what did not finish."""
-    ok = [r for r in records if status_of(r) == "ok"]
+    ok = [r for r in records if status_of(r) == Status.OK.value]
     images = [e for r in ok for e in image_metrics(r)]
     out: Dict[str, Any] = {"images_done": len(records), "images_ok": len(ok), "status": _attack_status(records)}
     for name in METRICS:
         out[name] = _mean(e[name] for e in images)
     out["psnr_max"] = _best([e["psnr"] for e in images], True)
-    trained = [r["metrics_trained"] for r in ok if r.get("metrics_trained")]
+    trained = [r.metrics_trained for r in ok if r.metrics_trained is not None]
     if trained:  # input-transforming defense: also scored against what the client trained on
-        out["psnr_original"] = _mean(r["metrics"].get("psnr") for r in ok if r.get("metrics"))
-        out["psnr_trained"] = _mean(m.get("psnr") for m in trained)
-    unavailable = {k: v for r in ok for k, v in r.get("unavailable", {}).items()}
+        out["psnr_original"] = _mean(r.metrics.psnr for r in ok if r.metrics is not None)
+        out["psnr_trained"] = _mean(m.psnr for m in trained)
+    unavailable = {k: v for r in ok for k, v in (r.unavailable or {}).items()}
     if unavailable:
         out["unavailable"] = unavailable
-    problems = [r for r in records if status_of(r) != "ok"]
+    problems = [r for r in records if status_of(r) != Status.OK.value]
     if problems:
-        out["problems"] = [{"image": r["image"], "status": status_of(r), "reason": r.get("reason", "")}
-                           for r in problems]
+        out["problems"] = [{"image": r.image, "status": status_of(r), "reason": r.reason} for r in problems]
     return out
 
 
-def _attack_status(records: List[Dict[str, Any]]) -> str:
+def _attack_status(records: List[AttackResult]) -> str:
     statuses = {status_of(r) for r in records}
     if not records:
         return "pending"
@@ -154,12 +122,12 @@ def _attack_status(records: List[Dict[str, Any]]) -> str:
 
 
 # --------------------------------------------------------------------------- one step
-def missing_evidence(by_attack: Dict[str, List[Dict[str, Any]]], images: int) -> List[Dict[str, Any]]:
+def missing_evidence(by_attack: Dict[str, List[AttackResult]], images: int) -> List[Dict[str, Any]]:
     """Per attack, the private batches it gave no evidence on, and why (fail closed: an
     error, a failure to optimise, missing metrics, an unknown status, or not run yet)."""
     out = []
     for attack, recs in by_attack.items():
-        seen = {r["image"]: r for r in recs}
+        seen = {r.image: r for r in recs}
         gaps: List[Tuple[int, str]] = []
         for image in range(images):
             rec = seen.get(image)
@@ -173,7 +141,7 @@ def missing_evidence(by_attack: Dict[str, List[Dict[str, Any]]], images: int) ->
             if kind is None and not _judgeable(rec):
                 kind = "no evidence"
             if kind is not None:
-                gaps.append((image, kind if not rec.get("reason") else f"{kind}: {rec['reason']}"))
+                gaps.append((image, kind if not rec.reason else f"{kind}: {rec.reason}"))
         if gaps:
             kinds = sorted({why.split(":")[0] for _, why in gaps})
             out.append({"attack": attack, "images": [i for i, _ in gaps], "why": ", ".join(kinds),
@@ -184,7 +152,7 @@ def missing_evidence(by_attack: Dict[str, List[Dict[str, Any]]], images: int) ->
 CLASS_ORDER = {ImageClass.RECOVERED: 2, ImageClass.PARTIAL: 1, ImageClass.NOT_RECOVERED: 0}
 
 
-def worst_case(by_attack: Dict[str, List[Dict[str, Any]]], rule: LeakRule, nulls: Nulls) -> Dict[str, Any]:
+def worst_case(by_attack: Dict[str, List[AttackResult]], rule: LeakRule, nulls: Nulls) -> Dict[str, Any]:
     """Per private image (each image of each batch): its class under ``rule`` at the most
     leaking attack, that attack, its evidence and chance level, and each metric at its most
     leaking attack; then the mean over images and the worst image. Records that failed to
@@ -194,7 +162,7 @@ def worst_case(by_attack: Dict[str, List[Dict[str, Any]]], rule: LeakRule, nulls
         for r in recs:
             if status_of(r) in (Status.OK.value, Status.FAILED_TO_OPTIMISE.value):
                 for j, entry in enumerate(image_metrics(r)):
-                    rows.setdefault((r["image"], j), []).append((attack, entry))
+                    rows.setdefault((r.image, j), []).append((attack, entry))
     per_image = []
     for (image, j), found in sorted(rows.items()):
         null = nulls.get((image, j))
@@ -259,7 +227,7 @@ def step_verdict(per_image: List[Dict[str, Any]], rule: LeakRule, missing: Seque
     return {"label": label.value, "reason": reason, **out}
 
 
-def empirical_risk(by_attack: Dict[str, List[Dict[str, Any]]], delta: float) -> Dict[str, Any]:
+def empirical_risk(by_attack: Dict[str, List[AttackResult]], delta: float) -> Dict[str, Any]:
     """The Bayes paper's empirical adversarial risk at radius ``delta``.
 
     For each attack, the fraction of private images it reconstructs within l2 distance
@@ -285,7 +253,7 @@ def empirical_risk(by_attack: Dict[str, List[Dict[str, Any]]], delta: float) -> 
             "bayes_risk": 1.0 - success, "per_attack": per_attack}
 
 
-def judge_step(by_attack: Dict[str, List[Dict[str, Any]]], images: int, rule: LeakRule, nulls: Nulls) -> Dict[str, Any]:
+def judge_step(by_attack: Dict[str, List[AttackResult]], images: int, rule: LeakRule, nulls: Nulls) -> Dict[str, Any]:
     """Worst case and verdict of one step with ``images`` planned private batches."""
     wc = worst_case(by_attack, rule, nulls)
     missing = missing_evidence(by_attack, images)

@@ -29,6 +29,7 @@ from typing import Any, Dict, Iterator, List, Optional
 import torch
 
 from audit.core.errors import ConfigError
+from audit.core.records import AttackResult
 from audit.core.files import atomic_torch_save, atomic_write_bytes
 
 MANIFEST = "manifest.json"
@@ -157,14 +158,11 @@ class ResultStore:
             return False
         return settings is None or record.get("settings") == to_jsonable(settings)
 
-    def save_result(self, record: Dict[str, Any], reconstruction: Optional[torch.Tensor] = None) -> Path:
-        """Write one finished result (and its reconstruction PNG) atomically.
-
-        ``record`` must hold ``step``, ``attack_id`` and ``image``. The PNG is written first
-        so that a JSON on disk always has its picture.
-        """
+    def save_result(self, result: AttackResult, reconstruction: Optional[torch.Tensor] = None) -> Path:
+        """Write one finished result (and its reconstruction PNG) atomically; the PNG is
+        written first so that a JSON on disk always has its picture."""
+        record = AttackResult.from_dict(result).to_dict()
         step, attack_id, image = record["step"], record["attack_id"], record["image"]
-        record = dict(record)
         if reconstruction is not None:
             png = self.result_path(step, attack_id, image, ".png")
             save_png(png, reconstruction)
@@ -173,12 +171,12 @@ class ResultStore:
         atomic_write_json(path, record)
         return path
 
-    def records(self) -> List[Dict[str, Any]]:
+    def records(self) -> List[AttackResult]:
         """Every finished result of this run, ordered by step, attack and image."""
-        out = [read_json(p) for p in sorted((self.dir / "results").glob("*.json"))]
-        return sorted(out, key=lambda r: (r["step"], r["attack_id"], r["image"]))
+        out = [AttackResult.from_dict(read_json(p)) for p in sorted((self.dir / "results").glob("*.json"))]
+        return sorted(out, key=lambda r: (r.step, r.attack_id, r.image))
 
-    def __iter__(self) -> Iterator[Dict[str, Any]]:
+    def __iter__(self) -> Iterator[AttackResult]:
         return iter(self.records())
 
     # -------------------------------------------------------------- originals / checkpoints
