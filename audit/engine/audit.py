@@ -25,6 +25,7 @@ from audit.client.fl import train
 from audit.client.observe import observe
 from audit.core.defense_call import defense_timeout
 from audit.core.errors import ConfigError, DefenseError, GiaError, NotApplicable
+from audit.core.records import AccuracySpread, UtilityResult
 from audit.engine.compose import build_model, client_model, load_data, reconstruct, resolve_defense, resolve_device
 from audit.engine.identity import data_identity, defense_identity, derive_seed, model_identity, versions
 from audit.engine.privacy import privacy_report
@@ -39,6 +40,7 @@ DEFAULT_DEFENSE = "prune"  # 90% magnitude pruning: cheap, and the planner has a
 # the portfolio of plain strategies (docs/strength.md), and IG alone: at small budgets IG's full
 # share can beat the portfolio's pick, and the verdict takes the strongest attack
 BASE_ATTACKS = ("portfolio", "ig")
+UTILITY_FORMAT = "seeds"  # the stored utility record's layout (an older one is measured again)
 
 
 # --------------------------------------------------------------------------- the audit
@@ -107,7 +109,7 @@ class Audit:
         return {**self.key_settings(), "steps": list(self.attacks.steps), "images": self.data.images,
                 "attacks": list(self.attacks.names), "attack_args": self.attacks.args,
                 "utility": self.output.utility, "utility_steps": self.output.utility_steps,
-                "risk_delta": self.delta}
+                "utility_seeds": self.output.utility_seeds, "risk_delta": self.delta}
 
     # ------------------------------------------------------------------ phases
     def plan(self) -> Tuple[List[AttackSpec], Dict[str, Any]]:
@@ -165,16 +167,21 @@ class Audit:
         each time, so learned attacks hash them once)."""
         return {"aux_images": self.dataset.train_images, "aux_labels": self.dataset.train_labels}
 
-    def utility(self) -> Dict[str, Any]:
-        """Accuracy after training with the defense against training without it."""
+    def utility(self, baseline: Optional[AccuracySpread] = None) -> UtilityResult:
+        """Accuracy after training with the defense against training without it (or the given
+        undefended ``baseline`` runs), over seeds."""
         if not self.output.utility:
-            return {"unavailable": "utility measurement was switched off (utility=False)"}
+            return UtilityResult.missing("utility measurement was switched off (utility=False)")
         try:
-            return _measure_utility(self)
+            return _measure_utility(self, baseline)
         except ImportError as err:
-            return {"unavailable": f"the utility module is not installed ({err})"}
+            return UtilityResult.missing(f"the utility module is not installed ({err})")
         except GiaError as err:
-            return {"unavailable": f"{type(err).__name__}: {err}"}
+            return UtilityResult.missing(f"{type(err).__name__}: {err}")
+
+    def utility_for(self) -> List[Any]:
+        """What the stored utility was measured for (a change measures it again)."""
+        return [self.output.utility, self.output.utility_steps, self.output.utility_seeds, UTILITY_FORMAT]
 
     def checkpoints(self, store: ResultStore, needed: Sequence[int]) -> Tuple[Dict[int, Any], Optional[Dict[str, Any]]]:
         """Model states at the ``needed`` steps: from the store, else by FL training with the
@@ -314,9 +321,8 @@ class Audit:
                           "label accuracy: the fraction of private labels recovered (as a multiset)"])
         for i, (x, _) in enumerate(self.private):
             store.save_original(i, x)
-        cached = manifest.get("utility_for")
-        if cached != [self.output.utility, self.output.utility_steps]:
-            store.update_manifest(utility=self.utility(), utility_for=[self.output.utility, self.output.utility_steps])
+        if manifest.get("utility_for") != self.utility_for():
+            store.update_manifest(utility=self.utility().as_dict(), utility_for=self.utility_for())
         return specs
 
     def _attack_all(self, store: ResultStore, specs: Sequence[AttackSpec]) -> None:
@@ -473,21 +479,23 @@ def _state(model: nn.Module) -> Dict[str, torch.Tensor]:
     return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
 
 
-def _measure_utility(audit: "Audit") -> Dict[str, Any]:
-    """Test accuracy after ``utility_steps`` FL rounds with the defense and without it, with
-    the audit's model, data and FL settings."""
+def _measure_utility(audit: "Audit", baseline: Optional[AccuracySpread]) -> UtilityResult:
+    """Test accuracy after ``utility_steps`` FL rounds with the defense and without it (or the
+    given ``baseline`` runs), over ``utility_seeds`` seeds, with the audit's model, data and
+    FL settings."""
     from audit.engine.utility import measure_utility
 
     if not isinstance(audit.model_spec, str):
-        return {"unavailable": "utility is measured on a registered model name; a custom nn.Module "
-                               "cannot be rebuilt from scratch for the undefended run"}
+        return UtilityResult.missing("utility is measured on a registered model name; a custom nn.Module "
+                                     "cannot be rebuilt from scratch for the undefended run")
     if audit.fl.local_lr is not None:
-        return {"unavailable": "utility measurement supports FedSGD / FedAvg with the server lr only "
-                               "(local_lr was given)"}
+        return UtilityResult.missing("utility measurement supports FedSGD / FedAvg with the server lr only "
+                                     "(local_lr was given)")
     return measure_utility(audit.defense, model=audit.model_spec, model_args=audit.model_args,
                            dataset=audit.dataset, steps=audit.output.utility_steps,
                            lr=audit.fl.lr, batch_size=audit.fl.batch_size, clients=audit.fl.clients,
-                           local_steps=audit.fl.local_steps, seed=audit.seed, device=audit.device)
+                           local_steps=audit.fl.local_steps, seed=audit.seed, seeds=audit.output.utility_seeds,
+                           device=audit.device, baseline=baseline)
 
 
 def _delta_description(delta: float, dataset) -> str:
@@ -538,6 +546,7 @@ def run(
     local_lr: Optional[float] = None,
     utility: bool = True,
     utility_steps: int = 100,
+    utility_seeds: int = 3,
     thresholds: Optional[Thresholds] = None,
     delta: Optional[float] = None,
     device: Union[str, torch.device] = "cpu",
@@ -557,7 +566,8 @@ def run(
     ``batch_size`` images. ``budget``: gradient evaluations of the model per attack and
     private batch (each attack maps it to its iterations; see
     :data:`audit.core.types.BUDGET_DEFINITION`). ``utility``: also train
-    ``utility_steps`` rounds with and without the defense and compare test accuracy.
+    ``utility_steps`` rounds with and without the defense, on ``utility_seeds`` seeds each,
+    and compare test accuracy (mean and spread).
     ``defense_timeout``: seconds per defense call before it is abandoned and recorded as an
     error (None: no limit). Results are stored under ``out`` as they finish (a rerun resumes
     and, with ``retry_errors``, retries stored errors); the report is
@@ -585,4 +595,5 @@ def audit_settings(**flat: Any) -> Dict[str, Any]:
         fl=FLSettings(s["lr"], s["train_batch_size"], s["clients"], s["local_steps"], s["local_lr"]),
         attacks=AttackSettings(s["steps"], s["attacks"], s["attack_args"] or {}, s["budget"]),
         output=OutputSettings(s["out"], s["utility"], s["utility_steps"], s["thresholds"] or Thresholds(),
-                              s["delta"], s["progress"], s["defense_timeout"], s["retry_errors"]))
+                              s["delta"], s["progress"], s["defense_timeout"], s["retry_errors"],
+                              utility_seeds=s["utility_seeds"]))

@@ -3,13 +3,14 @@
 A sweep audits a grid of defenses and settings. Every *cell* (one defense with one setting)
 is a full :class:`~audit.engine.audit.Audit` with the same data, FL training, attacks, steps,
 images and seed as every other cell, so cells are comparable, plus its utility (test
-accuracy after defended training) next to one undefended training run shared by all cells.
+accuracy after defended training, over ``utility_seeds`` seeds) next to the undefended
+training runs on the same seeds, shared by all cells.
 The undefended cell (defense ``none``) is always audited too: the frontier's reference point.
 
 Layout under the output folder ``OUT``::
 
     OUT/sweep.json, sweep.md, sweep.html, frontier.png   the sweep's report
-    OUT/baseline.json                                    the shared undefended training run
+    OUT/baseline.json                                    the shared undefended training runs
     OUT/cells/<defense>[-<k>=<v>...]/                    each cell's own audit (report.html, runs/)
     OUT/cells/<cell>/cell.json                           written when the cell's audit finished
 
@@ -32,13 +33,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
-from audit.core.errors import ConfigError, GiaError
-from audit.engine.audit import Audit, audit_settings
+from audit.core.errors import ConfigError
+from audit.core.records import AccuracySpread, UtilityResult
+from audit.engine.audit import UTILITY_FORMAT, Audit, audit_settings
 from audit.engine.compose import resolve_defense, resolve_device
 from audit.engine.executors import EXECUTORS
 from audit.engine.identity import defense_identity, model_identity
 from audit.engine.settings import AttackSettings, DataSettings, FLSettings, OutputSettings, as_dict
-from audit.engine.utility import measure_utility
 from audit.report.store import ResultStore, atomic_write_json, read_json, settings_key
 from audit.report.sweep_report import SweepReport
 
@@ -176,30 +177,22 @@ class CellJob:
     output: OutputSettings
     seed: int
     device: str
-    baseline: Optional[Dict[str, Any]] = None  # the undefended training run (measure_utility's)
+    baseline: Optional[Dict[str, Any]] = None  # the undefended cell's UtilityResult, as stored
     only: Optional[Tuple[int, str]] = None  # one (step, attack) group of the cell
 
 
 class CellAudit(Audit):
-    """An audit whose utility reuses the sweep's undefended training run instead of its own."""
+    """An audit whose utility reuses the sweep's undefended training runs instead of its own."""
 
-    baseline: Optional[Dict[str, Any]] = None
+    baseline: Optional[Dict[str, Any]] = None  # the undefended cell's UtilityResult, as stored
 
-    def utility(self) -> Dict[str, Any]:
-        base = self.baseline
-        if base is None or not self.output.utility or base.get("baseline_accuracy") is None:
-            return super().utility()
+    def utility(self, baseline: Optional[AccuracySpread] = None) -> UtilityResult:
+        stored = UtilityResult.from_dict(self.baseline) if self.baseline else None
+        if stored is None or stored.undefended is None or stored.undefended.mean is None:
+            return super().utility(baseline)
         if self.defense.name == UNDEFENDED and not self.defense.params():
-            return base  # the undefended cell *is* the baseline run
-        run = {"accuracy": base["baseline_accuracy"], "final_loss": base["baseline_final_loss"],
-               "seconds": base["baseline_seconds"], "error": None}
-        try:
-            return measure_utility(self.defense, model=self.model_spec, model_args=self.model_args,
-                                   dataset=self.dataset, steps=self.output.utility_steps, lr=self.fl.lr,
-                                   batch_size=self.fl.batch_size, clients=self.fl.clients,
-                                   local_steps=self.fl.local_steps, seed=self.seed, device=self.device, baseline=run)
-        except GiaError as err:
-            return {"unavailable": f"{type(err).__name__}: {err}"}
+            return stored  # the undefended cell *is* the baseline
+        return super().utility(stored.undefended)
 
 
 def _cell_audit(job: CellJob) -> CellAudit:
@@ -242,8 +235,8 @@ def run_group(job: CellJob) -> str:
 
 
 def baseline_utility(job: CellJob) -> Dict[str, Any]:
-    """The undefended cell's utility measurement: the training run every cell is compared to."""
-    return _cell_audit(job).utility()
+    """The undefended cell's utility measurement: the training runs every cell is compared to."""
+    return _cell_audit(job).utility().as_dict()
 
 
 def cell_finished(out: Path, cell: Cell) -> bool:
@@ -288,7 +281,8 @@ class Sweep:
 
     def _utility_key(self) -> Dict[str, Any]:
         return {"model": model_identity(self.model, self.model_args), "data": self._data_key(),
-                "fl": as_dict(self.fl), "utility_steps": self.output.utility_steps, "seed": self.seed,
+                "fl": as_dict(self.fl), "utility_steps": self.output.utility_steps,
+                "utility_seeds": self.output.utility_seeds, "utility_format": UTILITY_FORMAT, "seed": self.seed,
                 "device": self.device.type}
 
     def _common_key(self) -> Dict[str, Any]:
@@ -317,7 +311,8 @@ class Sweep:
     def settings(self) -> Dict[str, Any]:
         return {"model": model_identity(self.model, self.model_args), "data": self._data_key(),
                 "fl": as_dict(self.fl), "attacks": as_dict(self.attacks), "utility": self.output.utility,
-                "utility_steps": self.output.utility_steps, "seed": self.seed, "device": self.device.type,
+                "utility_steps": self.output.utility_steps, "utility_seeds": self.output.utility_seeds,
+                "seed": self.seed, "device": self.device.type,
                 "executor": self.executor.name}
 
     def run(self) -> SweepReport:
