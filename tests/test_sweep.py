@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 import audit
@@ -12,6 +13,7 @@ from audit.core.errors import ConfigError
 from audit.core.data import load_dataset
 from audit.core.records import UtilityResult
 from audit.core.types import clean_gradients
+from audit.engine.audit import Audit, audit_settings
 from audit.engine.sweep import pair_options
 from audit.engine.utility import measure_utility
 from audit.report.sweep_report import pareto_optimal
@@ -168,13 +170,28 @@ def test_an_interrupted_sweep_keeps_its_finished_cells(tmp_path, monkeypatch):
 def test_ray_executor_gives_the_local_numbers(tmp_path):
     pytest.importorskip("ray")
     grid = {"prune": {"ratio": [0.5]}}  # two cells: the undefended one and prune
-    settings = {**TINY, "images": 2}  # (step, attack) groups of two private images
+    # (step, attack) groups of two private images; LeNet at 16 px: its training loss depends on the thread count
+    settings = {**TINY, "model": "lenet", "model_args": {"width": 4}, "image_size": 16, "images": 2,
+                "utility_seeds": 2}
     local = audit.sweep(grid, out=tmp_path / "local", **settings)
     ray_run = audit.sweep(grid, out=tmp_path / "ray", executor="ray", executor_args={"num_cpus": 2}, **settings)
     assert sorted(ray_run.data["invocation"]["computed"]) == ["none", "prune-ratio=0.5"]
     assert ray_run.data["invocation"]["group_jobs"] == 4  # 2 cells x 2 steps x ig, each a Ray task
-    for a, b in zip(local.cells, ray_run.cells):
-        assert (a["name"], a["psnr"], a["ssim"], a["accuracy"]) == (b["name"], b["psnr"], b["ssim"], b["accuracy"])
-        results = [json.loads((tmp_path / run / a["dir"] / "report.json").read_text())["results"]
-                   for run in ("local", "ray")]
-        assert [r["metrics"] for r in results[0]] == [r["metrics"] for r in results[1]]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # an audit in a process on more threads than a Ray task: the same utility
+    try:
+        wide = [Audit(spec, defense_args=args, **audit_settings(**settings, out=tmp_path / "wide")).utility()
+                for spec, args in (("none", {}), ("prune", {"ratio": 0.5}))]
+    finally:
+        torch.set_num_threads(threads)
+
+    def numbers(utility):  # every per-seed number, defended and undefended (the run times aside)
+        return [(r.seed, r.accuracy, r.final_loss) for r in utility.defended.runs + utility.undefended.runs]
+
+    for a, b, c in zip(local.cells, ray_run.cells, wide):
+        assert (a["name"], a["psnr"], a["ssim"]) == (b["name"], b["psnr"], b["ssim"])
+        results = [json.loads((tmp_path / run / a["dir"] / "report.json").read_text()) for run in ("local", "ray")]
+        assert [r["metrics"] for r in results[0]["results"]] == [r["metrics"] for r in results[1]["results"]]
+        utility = [UtilityResult.from_dict(r["utility"]) for r in results]
+        assert len(numbers(utility[0])) == 4 and None not in numbers(utility[0])[0]
+        assert numbers(utility[0]) == numbers(utility[1]) == numbers(c)
