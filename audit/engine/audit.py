@@ -79,8 +79,8 @@ class Audit:
         self.dataset = load_data(data.data, data.image_size, data.data_args)
         self.defense_spec = defense
         self.defense = resolve_defense(defense, defense_args or {})
-        # hashed once: for user code this reads and hashes its source
-        self.defense_ident = defense_identity(self.defense, self.defense_spec)
+        # computed once: hashes the defense's code and values and runs it on a fixed probe
+        self.defense_ident = defense_identity(self.defense, self.defense_spec, timeout=output.defense_timeout)
         self.model_spec, self.model_args = model, dict(model_args or {})
         # architectural defenses (PRECODE) change the client model once, before training; the
         # planner probes the model as it was before (to see what wrap_model changes)

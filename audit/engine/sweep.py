@@ -140,7 +140,7 @@ def pair_options(options: Sequence[Tuple[str, str]]) -> List[Tuple[str, Dict[str
     return entries
 
 
-def grid_cells(grid: Any, common_key: Dict[str, Any]) -> List[Cell]:
+def grid_cells(grid: Any, common_key: Dict[str, Any], timeout: Optional[float] = None) -> List[Cell]:
     """Every cell of the grid (the undefended cell first), each defense built once to check
     its name, parameters and ranges: a bad one is a one-line ConfigError before any work."""
     cells: Dict[str, Cell] = {}
@@ -153,7 +153,7 @@ def grid_cells(grid: Any, common_key: Dict[str, Any]) -> List[Cell]:
             except ConfigError as err:
                 setting = " ".join(f"{k}={v}" for k, v in kv.items())
                 raise ConfigError(f"sweep grid, {_label(spec)} {setting}: {err}".replace(" : ", ": ")) from None
-            ident = defense_identity(defense, spec)
+            ident = defense_identity(defense, spec, timeout=timeout)
             cell = Cell(spec, tuple(kv.items()), defense.name, settings_key({"defense": ident, **common_key}),
                         undefended=defense.name == UNDEFENDED and not kv)
             other = cells.setdefault(cell.name, cell)
@@ -266,7 +266,7 @@ class Sweep:
             raise ConfigError(f"step {step} is not an audited step {list(attacks.steps)}; choose one of them "
                               "or leave it out for each cell's worst step")
         self.step = step
-        self.cells = grid_cells(grid, self._common_key())
+        self.cells = grid_cells(grid, self._common_key(), self.output.defense_timeout)
         self.executor = EXECUTORS.build(executor, device=self.device, **(executor_args or {}))
         # the data, the model and the private images, checked now rather than in a worker
         _cell_audit(self._job(self.cells[0]))
