@@ -9,10 +9,9 @@ accuracy), so an audit, a local sweep and a Ray sweep give identical numbers.
 """
 from __future__ import annotations
 
-import contextlib
 import math
 import time
-from typing import Any, Dict, Iterator, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 from torch import nn
@@ -25,7 +24,7 @@ from audit.core.models import build_model
 from audit.core.records import AccuracySpread, TrainingRun, UtilityResult
 from audit.core.types import NoDefense
 from audit.engine.compose import client_model, resolve_defense
-from audit.engine.identity import derive_seed
+from audit.engine.identity import derive_seed, torch_threads
 from audit.report.format import spread_text
 
 DEFAULT_SEEDS = 3
@@ -43,20 +42,6 @@ def _dataset(dataset, size: Optional[int]):
 def utility_seeds(seed: int, seeds: int) -> List[int]:
     """The training seeds of a utility measurement (the same for defended and undefended runs)."""
     return [derive_seed(seed, "utility", k) for k in range(seeds)]
-
-
-@contextlib.contextmanager
-def _pinned_threads(device: torch.device) -> Iterator[None]:
-    """``UTILITY_THREADS`` intra-op threads on the CPU within the block (restored after)."""
-    if device.type != "cpu":
-        yield
-        return
-    before = torch.get_num_threads()
-    torch.set_num_threads(UTILITY_THREADS)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 class _Diverged(Exception):
@@ -133,7 +118,7 @@ def _train_once(defense, data, *, model, model_args, steps, lr, batch_size, clie
 
 def train_over_seeds(defense, data, seeds: Sequence[int], **setting: Any) -> AccuracySpread:
     """:func:`_train_once` for each seed, on ``UTILITY_THREADS`` threads on the CPU."""
-    with _pinned_threads(setting["device"]):
+    with torch_threads(UTILITY_THREADS, setting["device"]):
         return AccuracySpread(tuple(_train_once(defense, data, seed=s, **setting) for s in seeds))
 
 
