@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -55,7 +55,7 @@ def _finite(model: nn.Module) -> bool:
 
 
 def accuracy_left(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, classes: int,
-                  batch_size: int = 256) -> tuple:
+                  batch_size: int = 256) -> Tuple[float, int]:
     """Top-1 accuracy of ``model`` (eval mode, restored after) and how many test examples had
     non-finite outputs: each of those counts as a constant guess, 1/``classes`` correct (the
     expected accuracy of guessing one fixed class)."""
