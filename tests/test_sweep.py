@@ -167,8 +167,19 @@ def test_an_interrupted_sweep_keeps_its_finished_cells(tmp_path, monkeypatch):
     assert resumed.data["progress"] == {"done": 3, "total": 3}
 
 
-def test_ray_executor_gives_the_local_numbers(tmp_path):
-    pytest.importorskip("ray")
+@pytest.fixture
+def local_ray():
+    """A local Ray instance with 2 CPUs (the sweep uses it as it is), or a skip where Ray cannot start."""
+    ray = pytest.importorskip("ray")
+    try:
+        ray.init(num_cpus=2, include_dashboard=False)
+    except Exception as err:  # e.g. no shared memory or sockets in this environment
+        pytest.skip(f"Ray cannot start here: {type(err).__name__}: {err}")
+    yield
+    ray.shutdown()
+
+
+def test_ray_executor_gives_the_local_numbers(tmp_path, local_ray):
     grid = {"prune": {"ratio": [0.5]}}  # two cells: the undefended one and prune
     # (step, attack) groups of two private images; LeNet at 16 px: its training loss depends on the thread count
     settings = {**TINY, "model": "lenet", "model_args": {"width": 4}, "image_size": 16, "images": 2,
