@@ -135,6 +135,8 @@ def weights_lpips_cmd(path, source, force, seed, device):
 @click.option("--no-utility", "utility", flag_value=False, default=None, help="skip the utility measurement")
 @click.option("--utility-steps", default=None, type=int,
               help="FL rounds trained with and without the defense for the utility section  [default: 100]")
+@click.option("--utility-seeds", default=None, type=int,
+              help="training seeds per arm of the utility section (mean and spread)  [default: 3]")
 @click.option("--defense-timeout", default=None, type=float, metavar="SECONDS",
               help="abandon a defense call after SECONDS and record it as an error naming the defense  "
                    "[default: no limit]")
@@ -145,7 +147,7 @@ def weights_lpips_cmd(path, source, force, seed, device):
 @friendly_errors
 def audit_cmd(defense, defense_arg, model, model_arg, dataset, data_path, image_size, steps, attacks, attack_arg,
               images, batch_size, budget, share_labels, lr, train_batch_size, clients, local_steps, local_lr, delta,
-              thresholds, utility, utility_steps, defense_timeout, quiet, out, seed, device):
+              thresholds, utility, utility_steps, utility_seeds, defense_timeout, quiet, out, seed, device):
     """Audit a defense: attack it at several training steps and write the risk report."""
     from audit.core.registry import parse_kv_args
     from audit.engine.audit import run
@@ -157,7 +159,7 @@ def audit_cmd(defense, defense_arg, model, model_arg, dataset, data_path, image_
         model=model, image_size=image_size, steps=steps, attacks=attacks, images=images, batch_size=batch_size,
         budget=budget, share_labels=share_labels, lr=lr, train_batch_size=train_batch_size, clients=clients,
         local_steps=local_steps, local_lr=local_lr, delta=delta, thresholds=thresholds, utility=utility,
-        utility_steps=utility_steps, out=out, defense_timeout=defense_timeout)
+        utility_steps=utility_steps, utility_seeds=utility_seeds, out=out, defense_timeout=defense_timeout)
     report = run(**settings, seed=seed, device=resolve_device(device), progress=not quiet)
     click.echo(report.summary())
     click.echo(files_message("audit", report.out))
@@ -186,7 +188,8 @@ class _KeepsOptionOrder(click.Command):
 # the audit command's setting options that a sweep shares (the same for every cell)
 SWEEP_SHARES = ("model", "model_arg", "dataset", "data_path", "image_size", "steps", "attacks", "attack_arg",
                 "images", "batch_size", "budget", "share_labels", "lr", "train_batch_size", "clients",
-                "local_steps", "local_lr", "delta", "thresholds", "utility", "utility_steps", "defense_timeout")
+                "local_steps", "local_lr", "delta", "thresholds", "utility", "utility_steps", "utility_seeds",
+                "defense_timeout")
 
 
 @main.command("sweep", cls=_KeepsOptionOrder)
@@ -321,16 +324,17 @@ def plan_cmd(defense, defense_arg, model, size, as_json, seed, device):
 @click.option("--batch-size", default=16, show_default=True, type=int, help="client batch size")
 @click.option("--clients", default=1, show_default=True, type=int, help="clients per round")
 @click.option("--local-steps", default=1, show_default=True, type=int, help="FedAvg local steps")
+@click.option("--seeds", default=3, show_default=True, type=int, help="training seeds per defense (mean and spread)")
 @common_options
 @friendly_errors
 def utility_cmd(defenses, defense_args, model, dataset, size, steps, lr, batch_size, clients, local_steps,
-                seed, device):
-    """Test accuracy after training with the defended updates, next to the undefended run."""
+                seeds, seed, device):
+    """Test accuracy after training with the defended updates (mean and spread over seeds), next to the undefended runs."""
     from audit.engine.utility import utility_report
 
     click.echo(utility_report(defenses, defense_args, model=model, dataset=dataset, size=size, steps=steps,
                               lr=lr, batch_size=batch_size, clients=clients, local_steps=local_steps,
-                              seed=seed, device=resolve_device(device)))
+                              seed=seed, seeds=seeds, device=resolve_device(device)))
 
 
 if __name__ == "__main__":

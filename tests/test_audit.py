@@ -9,6 +9,7 @@ from click.testing import CliRunner
 import audit
 import cli
 from audit.engine.audit import Audit
+from audit.core.records import UtilityResult
 from audit.core.types import clean_gradients
 
 TINY = dict(model="mlp", model_args={"hidden": 32}, image_size=16, budget=5, utility=False, progress=False)
@@ -60,19 +61,28 @@ def test_custom_callable_from_python(tmp_path):
     assert 0 < report.psnr(0, "analytic") < 60
 
 
-def test_utility_compares_training_with_and_without_the_defense(tmp_path):
+def test_utility_compares_training_with_and_without_the_defense_over_seeds(tmp_path):
     settings = {**TINY, "model": "lenet", "model_args": None, "utility": True, "utility_steps": 3}
     report = audit.run(defense=noisy_defense, steps=[0], attacks=["analytic"], images=1, out=tmp_path, **settings)
-    utility = report.data["utility"]
-    assert utility["setting"]["steps"] == 3 and 0 <= utility["accuracy"] <= 1
-    assert utility["final_loss"] != utility["baseline_final_loss"]  # the noise changed training
+    utility = UtilityResult.from_dict(report.data["utility"])
+    assert utility.setting["steps"] == 3 and len(utility.defended.runs) == 3 == len(utility.undefended.runs)
+    # the noise changed training, seed by seed
+    assert all(d.final_loss != u.final_loss for d, u in zip(utility.defended.runs, utility.undefended.runs))
     md = (tmp_path / "report.md").read_text()
-    assert "| test accuracy |" in md and "relative accuracy (defended / undefended)" in md
+    assert "| test accuracy: mean ± std (min-max) |" in md and "relative accuracy (mean defended" in md
+    assert "3 seeds" in md
+    # other utility seeds: the utility is measured again, every attack result is reused
+    result = next((tmp_path / "runs").glob("*/results/*.json"))
+    before = result.stat().st_mtime_ns
+    fewer = audit.run(defense=noisy_defense, steps=[0], attacks=["analytic"], images=1, out=tmp_path,
+                      **{**settings, "utility_seeds": 2})
+    assert len(UtilityResult.from_dict(fewer.data["utility"]).defended.runs) == 2
+    assert result.stat().st_mtime_ns == before and fewer.data["run_key"] == report.data["run_key"]
     with_args = audit.run(defense=noisy_defense, steps=[0], attacks=["analytic"], images=1,
-                          out=tmp_path / "args", **{**settings, "model_args": {"width": 4}})
-    measured = with_args.data["utility"]  # the model arguments reach the utility runs
-    assert measured["setting"]["model_args"] == {"width": 4} and 0 <= measured["accuracy"] <= 1
-    assert measured["baseline_final_loss"] != utility["baseline_final_loss"]  # another (narrower) model
+                          out=tmp_path / "args", **{**settings, "model_args": {"width": 4}, "utility_seeds": 1})
+    measured = UtilityResult.from_dict(with_args.data["utility"])  # the model arguments reach the utility runs
+    assert measured.setting["model_args"] == {"width": 4} and measured.defended.std is None  # one seed: no spread
+    assert measured.undefended.runs[0].final_loss != utility.undefended.runs[0].final_loss  # a narrower model
 
 
 def test_custom_callable_through_module_attr_on_the_cli(tmp_path):

@@ -115,28 +115,58 @@ def test_bad_training_arguments():
         train(mlp(), synthetic(), "prune", 1, lr=0.1, batch_size=4)
 
 
-def test_utility_measures_the_defense_against_the_undefended_run():
+def test_utility_measures_the_defense_against_the_undefended_run_over_seeds():
     data = synthetic()
     small = dict(model_args={"hidden": (32,)}, lr=0.2, batch_size=8)
     result = measure_utility("prune", "mlp", data, 30, defense_params={"ratio": 0.5}, **small)
-    assert result["defense"] == "prune" and result["params"]["ratio"] == 0.5
-    assert result["baseline_accuracy"] >= 0.9
-    assert result["relative"] == pytest.approx(result["accuracy"] / result["baseline_accuracy"])
-    # clipping every update to a negligible norm stops training: the untrained accuracy is measured
-    destroyed = measure_utility("clip", "mlp", data, 30, defense_params={"bound": 1e-6}, **small)
-    untrained = build_model("mlp", SHAPE, 4, mean=data.mean, std=data.std, seed=0, hidden=(32,))
-    assert destroyed["accuracy"] == evaluate(untrained, data.test_images, data.test_labels)
-    assert destroyed["accuracy"] <= destroyed["baseline_accuracy"] - 0.4
+    assert result.defense == "prune" and result.params["ratio"] == 0.5
+    seeds = [run.seed for run in result.defended.runs]
+    assert len(set(seeds)) == 3 and seeds == [run.seed for run in result.undefended.runs]  # paired seeds
+    assert result.undefended.min >= 0.9
+    assert result.relative == pytest.approx(result.defended.mean / result.undefended.mean)
+    # clipping every update to a negligible norm stops training: each seed's untrained accuracy
+    destroyed = measure_utility("clip", "mlp", data, 30, defense_params={"bound": 1e-6}, seeds=2, **small)
+    untrained = [evaluate(build_model("mlp", SHAPE, 4, mean=data.mean, std=data.std, seed=run.seed, hidden=(32,)),
+                          data.test_images, data.test_labels) for run in destroyed.defended.runs]
+    assert destroyed.defended.accuracies == untrained and destroyed.defended.std > 0  # seeds differ
+    assert destroyed.defended.max <= destroyed.undefended.min - 0.4
+    table = format_utility_table([result, destroyed])
+    assert "prune" in table and "bound=1e-06" in table and "(3 training seeds)" in table
 
-    def nan_after_a_while(model, inputs, labels, *, loss_fn, generator):
-        return [torch.full_like(p, float("nan")) for p in trainable_parameters(model)]
 
-    failed = measure_utility(nan_after_a_while, "mlp", data, 5, **small)
-    assert failed["accuracy"] is None and "NaN" in failed["error"] and failed["relative"] is None
-    table = format_utility_table([result, destroyed, failed])
-    assert "prune" in table and "bound=1e-06" in table and "n/a: training failed" in table
+def test_a_diverging_run_is_scored_on_the_model_it_left():
+    data = synthetic()
+    small = dict(model_args={"hidden": (32,)}, lr=0.2, batch_size=8, seeds=2)
+
+    def nan_from_round_2(model, inputs, labels, *, loss_fn, generator, round):
+        grads = clean_gradients(model, inputs, labels, loss_fn)
+        return [g * float("nan") for g in grads] if round >= 2 else grads
+
+    nan = measure_utility(nan_from_round_2, "mlp", data, 10, **small)
+    assert [r.diverged_at for r in nan.defended.runs] == [2, 2] and "update was not finite" in nan.defended.runs[0].note
+    two_rounds = measure_utility("none", "mlp", data, 2, **small)  # what training left: the model after round 1
+    assert nan.defended.accuracies == two_rounds.defended.accuracies
+
+    def overflow(model, inputs, labels, *, loss_fn, generator):  # finite, but lr x update overflows float32
+        return [torch.full_like(p, 3e38) for p in trainable_parameters(model)]
+
+    blown = measure_utility(overflow, "mlp", data, 10, **{**small, "lr": 2.0})
+    # the parameters are infinite after round 0: every output is non-finite, a constant guess of 1/4
+    assert [r.diverged_at for r in blown.defended.runs] == [0, 0] and "parameters" in blown.defended.runs[0].note
+    assert blown.defended.accuracies == [0.25, 0.25] and "constant guess" in blown.defended.runs[0].note
+    assert blown.relative == pytest.approx(0.25 / blown.undefended.mean)
+
+    def broken(model, inputs, labels, *, loss_fn, generator):
+        raise RuntimeError("boom")
+
+    failed = measure_utility(broken, "mlp", data, 3, **small)
+    assert failed.defended.mean is None and "boom" in failed.defended.error and failed.relative is None
+    table = format_utility_table([nan, blown, failed])
+    assert "diverged at round 2 of 10" in table and "training failed" in table
     with pytest.raises(ConfigError, match="single --defense"):
         utility_report(["prune", "clip"], ["ratio=0.5"], dataset=data)
+    with pytest.raises(ConfigError, match="utility seeds must be a positive integer"):
+        measure_utility("none", "mlp", data, 1, seeds=0)
 
 
 def test_utility_cli_prints_the_table():

@@ -94,20 +94,21 @@ def test_a_defense_sharing_the_raw_gradient_is_found_out(tmp_path):
 
 
 def test_rerun_retries_the_stored_errors(tmp_path):
-    broken = {"now": True}
+    broken = tmp_path / "broken"  # outside the defense's code and values: the same defense
+    broken.touch()
 
     def flaky(model, inputs, labels, *, loss_fn, generator, round=None):
-        """Fails at round 1 while ``broken`` (a transient failure: a timeout, a full disk, ...)."""
-        if round == 1 and broken["now"]:
+        """Fails at round 1 while ``broken`` exists (a transient failure: a timeout, a full disk, ...)."""
+        if round == 1 and broken.exists():
             raise RuntimeError("transient")
         return clean_gradients(model, inputs, labels, loss_fn)
 
     settings = {**TINY, "steps": [1]}
-    assert audit.run(defense=flaky, out=tmp_path, **settings).verdict == INCOMPLETE
-    broken["now"] = False
-    kept = audit.run(defense=flaky, out=tmp_path, retry_errors=False, **settings)
+    assert audit.run(defense=flaky, out=tmp_path / "out", **settings).verdict == INCOMPLETE
+    broken.unlink()
+    kept = audit.run(defense=flaky, out=tmp_path / "out", retry_errors=False, **settings)
     assert kept.verdict == INCOMPLETE  # told not to retry: the stored error stands
-    again = audit.run(defense=flaky, out=tmp_path, **settings)
+    again = audit.run(defense=flaky, out=tmp_path / "out", **settings)
     assert again.data["status"] == "complete" and again.verdict == RECOVERED
 
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from audit.core.errors import ConfigError
+from audit.core.records import AccuracySpread, ImageClass, TrainingRun, UtilityResult
 from audit.report.audit_report import AuditReport, build_report, render
-from audit.core.records import ImageClass
 from audit.report.risk import INCOMPLETE, NOT_JUDGED, PARTIAL, PRIVATE, RECOVERED, default_delta, overall_verdict
 from audit.report.rule import LeakRule
 from audit.report.store import ResultStore, settings_key
@@ -50,8 +50,10 @@ def _store(root, numbers=NUMBERS, steps=(0, 5), failing=()):
         run_key=store.key, status="complete", defense={"name": "prune", "params": {"ratio": 0.9}},
         attacks=ATTACKS, steps=list(steps), images=2, settings={"images": 2, "steps": list(steps)},
         threat_model={"labels_shared": False}, plan={"traits": {"sparse": True}},
-        utility={"accuracy": 0.5, "baseline_accuracy": 0.6, "relative": 0.5 / 0.6, "final_loss": 1.5,
-                 "baseline_final_loss": 1.2, "seconds": 2.0, "baseline_seconds": 1.0, "setting": {"steps": 100}},
+        utility=UtilityResult("prune", {"ratio": 0.9}, {"steps": 100},
+                              AccuracySpread((TrainingRun(1, 0.5, 1.5, 1.0),
+                                              TrainingRun(2, 0.6, 1.4, 1.0, diverged_at=7, note="diverged at round 7"))),
+                              AccuracySpread((TrainingRun(1, 0.6, 1.2, 0.5), TrainingRun(2, 0.6, 1.2, 0.5)))),
         thresholds=LeakRule().as_dict(), null=_nulls(2),
         risk_delta={"delta": 5.0, "description": "l2 over 3x16x16 pixels"})
     gen = torch.Generator().manual_seed(0)
@@ -148,7 +150,8 @@ def test_written_report_is_complete_self_contained_and_nan_free(tmp_path):
     assert "| 0 | 25.50 |" in md  # worst-case PSNR of step 0
     assert "LPIPS unavailable: no pretrained weights" in md
     assert md.count("n/a") >= 4
-    assert "| test accuracy | 50.0% | 60.0% |" in md and "relative accuracy (defended / undefended): 0.83" in md
+    assert "| test accuracy: mean ± std (min-max) | 55.0% ± 7.1 (50.0-60.0%, 2 seeds) | 60.0% ± 0.0 (60.0-60.0%, 2 seeds) |" in md
+    assert "| diverged | seed 2 at round 7 | no |" in md and "mean defended / mean undefended): 0.92" in md
 
 
 def test_failures_and_pending_work_are_reported_not_hidden(tmp_path):

@@ -3,14 +3,19 @@
 import json
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 import audit
 import audit.engine.sweep as sweep_module
 import cli
 from audit.core.errors import ConfigError
+from audit.core.data import load_dataset
+from audit.core.records import UtilityResult
 from audit.core.types import clean_gradients
+from audit.engine.audit import Audit, audit_settings
 from audit.engine.sweep import pair_options
+from audit.engine.utility import measure_utility
 from audit.report.sweep_report import pareto_optimal
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -26,6 +31,12 @@ def halved(model, inputs, labels, *, loss_fn, generator):
     return [0.5 * g for g in clean_gradients(model, inputs, labels, loss_fn)]
 
 
+def nan_from_round_1(model, inputs, labels, *, loss_fn, generator, round):
+    """A user's defense whose update turns NaN from FL round 1 on: training diverges there."""
+    grads = clean_gradients(model, inputs, labels, loss_fn)
+    return [g * float("nan") for g in grads] if round >= 1 else grads
+
+
 def result_files(out):
     """Every stored (step, attack, image) result of every cell, with its modification time."""
     return {str(p.relative_to(out)): p.stat().st_mtime_ns for p in out.glob("cells/*/runs/*/results/*.json")}
@@ -35,6 +46,18 @@ def test_pareto_optimal_on_a_constructed_example():
     # (worst-case PSNR, accuracy): lower PSNR and higher accuracy are better
     points = [(10.0, 0.5), (12.0, 0.6), (11.0, 0.4), (None, 0.9), (10.0, 0.5), (15.0, 0.6), (9.0, 0.1)]
     assert pareto_optimal(points) == [True, True, False, False, True, False, True]
+
+
+def test_a_cell_is_dominated_only_beyond_the_accuracy_noise():
+    # (worst-case PSNR, mean accuracy, its std over seeds)
+    a, b = (10.0, 0.50, 0.02), (10.0, 0.55, 0.02)
+    assert pareto_optimal([a, b]) == [False, True]  # 5 points apart, more than 2 + 2
+    a, b = (10.0, 0.50, 0.03), (10.0, 0.55, 0.03)
+    assert pareto_optimal([a, b]) == [True, True]  # within 3 + 3: neither is worse beyond the noise
+    assert pareto_optimal([(10.0, 0.50, None), (10.0, 0.55, None)]) == [False, True]  # one seed: no noise known
+    # a lower PSNR at a mean accuracy no lower dominates; a lower PSNR at a lower accuracy is a trade-off
+    b, leakier, lower = (10.0, 0.55, 0.03), (12.0, 0.54, 0.03), (9.0, 0.53, 0.03)
+    assert pareto_optimal([b, leakier, lower]) == [True, False, True]
 
 
 def test_grid_options_pair_in_command_line_order():
@@ -82,13 +105,15 @@ def test_sweep_report_resume_and_a_new_grid_value(tmp_path):
     assert names == ["none", "prune-ratio=0.5", "gaussian-sigma=0.1"]
     assert data["defenses"] == ["prune", "gaussian"] and data["undefended"]["name"] == "none"
     assert data["pareto"] == [c["name"] for c, p in zip(data["cells"], pareto_optimal(
-        [(c["psnr"], c["accuracy"]) for c in data["cells"]])) if p]
-    baseline = json.loads((out / "cells/none/report.json").read_text())["utility"]
+        [(c["psnr"], c["accuracy"], c["accuracy_std"]) for c in data["cells"]])) if p]
+    baseline = UtilityResult.from_dict(json.loads((out / "cells/none/report.json").read_text())["utility"])
     for cell in data["cells"]:  # each row holds its cell's own audit numbers, at its worst step
         report = json.loads((out / cell["dir"] / "report.json").read_text())
+        utility = UtilityResult.from_dict(report["utility"])
         assert cell["psnr"] == max(s["worst_case"]["psnr"] for s in report["steps"])
-        assert cell["accuracy"] == report["utility"]["accuracy"]
-        assert report["utility"]["baseline_accuracy"] == baseline["accuracy"]  # one shared undefended run
+        assert (cell["accuracy"], cell["accuracy_std"]) == (utility.defended.mean, utility.defended.std)
+        assert len(utility.defended.runs) == 3 and cell["accuracy_text"].endswith("3 seeds)")
+        assert utility.undefended == baseline.defended  # one shared set of undefended runs
         assert (out / cell["report"]).is_file()
     html = (out / "sweep.html").read_text()
     assert "data:image/png;base64," in html and 'href="cells/prune-ratio=0.5/report.html"' in html
@@ -111,6 +136,19 @@ def test_sweep_report_resume_and_a_new_grid_value(tmp_path):
     assert grown.cell("halved")["defense"] == "halved"
 
 
+def test_a_diverged_cell_is_scored_on_what_it_left_and_stays_on_the_frontier(tmp_path):
+    report = audit.sweep([nan_from_round_1], out=tmp_path, **{**TINY, "steps": [0], "utility_seeds": 2})
+    cell = report.cell("nan_from_round_1")
+    assert cell["diverged_runs"] == 2 and cell["diverged"].count("at round 1") == 2
+    # what training left is the model after round 0, i.e. one undefended round, seed by seed
+    left = measure_utility("none", "mlp", load_dataset("embedded", size=8), 1, model_args={"hidden": 16}, lr=0.1,
+                           batch_size=8, seeds=2)
+    assert cell["accuracy"] == left.defended.mean and cell["accuracy_std"] == left.defended.std
+    assert cell["pareto"] == pareto_optimal([(c["psnr"], c["accuracy"], c["accuracy_std"]) for c in report.cells])[1]
+    assert "| nan_from_round_1 | defaults |" in (tmp_path / "sweep.md").read_text()
+    assert "at round 1" in (tmp_path / "sweep.md").read_text()
+
+
 def test_an_interrupted_sweep_keeps_its_finished_cells(tmp_path, monkeypatch):
     grid = {"prune": {"ratio": [0.5]}, "gaussian": {"sigma": [0.1]}}
     real = sweep_module.run_cell
@@ -129,16 +167,42 @@ def test_an_interrupted_sweep_keeps_its_finished_cells(tmp_path, monkeypatch):
     assert resumed.data["progress"] == {"done": 3, "total": 3}
 
 
-def test_ray_executor_gives_the_local_numbers(tmp_path):
-    pytest.importorskip("ray")
+@pytest.fixture
+def local_ray():
+    """A local Ray instance with 2 CPUs (the sweep uses it as it is), or a skip where Ray cannot start."""
+    ray = pytest.importorskip("ray")
+    try:
+        ray.init(num_cpus=2, include_dashboard=False)
+    except Exception as err:  # e.g. no shared memory or sockets in this environment
+        pytest.skip(f"Ray cannot start here: {type(err).__name__}: {err}")
+    yield
+    ray.shutdown()
+
+
+def test_ray_executor_gives_the_local_numbers(tmp_path, local_ray):
     grid = {"prune": {"ratio": [0.5]}}  # two cells: the undefended one and prune
-    settings = {**TINY, "images": 2}  # (step, attack) groups of two private images
+    # (step, attack) groups of two private images; LeNet at 16 px: its training loss depends on the thread count
+    settings = {**TINY, "model": "lenet", "model_args": {"width": 4}, "image_size": 16, "images": 2,
+                "utility_seeds": 2}
     local = audit.sweep(grid, out=tmp_path / "local", **settings)
     ray_run = audit.sweep(grid, out=tmp_path / "ray", executor="ray", executor_args={"num_cpus": 2}, **settings)
     assert sorted(ray_run.data["invocation"]["computed"]) == ["none", "prune-ratio=0.5"]
     assert ray_run.data["invocation"]["group_jobs"] == 4  # 2 cells x 2 steps x ig, each a Ray task
-    for a, b in zip(local.cells, ray_run.cells):
-        assert (a["name"], a["psnr"], a["ssim"], a["accuracy"]) == (b["name"], b["psnr"], b["ssim"], b["accuracy"])
-        results = [json.loads((tmp_path / run / a["dir"] / "report.json").read_text())["results"]
-                   for run in ("local", "ray")]
-        assert [r["metrics"] for r in results[0]] == [r["metrics"] for r in results[1]]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # an audit in a process on more threads than a Ray task: the same utility
+    try:
+        wide = [Audit(spec, defense_args=args, **audit_settings(**settings, out=tmp_path / "wide")).utility()
+                for spec, args in (("none", {}), ("prune", {"ratio": 0.5}))]
+    finally:
+        torch.set_num_threads(threads)
+
+    def numbers(utility):  # every per-seed number, defended and undefended (the run times aside)
+        return [(r.seed, r.accuracy, r.final_loss) for r in utility.defended.runs + utility.undefended.runs]
+
+    for a, b, c in zip(local.cells, ray_run.cells, wide):
+        assert (a["name"], a["psnr"], a["ssim"]) == (b["name"], b["psnr"], b["ssim"])
+        results = [json.loads((tmp_path / run / a["dir"] / "report.json").read_text()) for run in ("local", "ray")]
+        assert [r["metrics"] for r in results[0]["results"]] == [r["metrics"] for r in results[1]["results"]]
+        utility = [UtilityResult.from_dict(r["utility"]) for r in results]
+        assert len(numbers(utility[0])) == 4 and None not in numbers(utility[0])[0]
+        assert numbers(utility[0]) == numbers(utility[1]) == numbers(c)

@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterator, List, Optional
 import torch
 from torch import Tensor, nn
 
-from audit.core.errors import ConfigError, DefenseError, GiaError
+from audit.core.errors import ConfigError, DefenseError, GiaError, NonFiniteUpdate
 from audit.core.types import Defense, FunctionDefense, default_loss_fn, takes_round, trainable_parameters
 
 
@@ -63,7 +63,7 @@ def check_output(defense: Any, grads: Any, model: nn.Module) -> List[Tensor]:
                                "return gradients on the model's device")
         if not bool(torch.isfinite(g).all()):
             bad = int((~torch.isfinite(g)).sum())
-            raise DefenseError(f"defense {name!r}: gradient {i} (shape {tuple(g.shape)}) has {bad} NaN/inf "
+            raise NonFiniteUpdate(f"defense {name!r}: gradient {i} (shape {tuple(g.shape)}) has {bad} NaN/inf "
                                "entries")
     return grads
 

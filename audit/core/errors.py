@@ -21,5 +21,9 @@ class DefenseError(GiaError):
     """A defense that raised, returned the wrong number / shapes of tensors, or NaN."""
 
 
+class NonFiniteUpdate(DefenseError):
+    """A defense's shared update holds NaN/inf (training diverged, or the defense is broken)."""
+
+
 class NotApplicable(GiaError):
     """An attack that cannot run on this observation (e.g. analytic inversion, no FC bias)."""

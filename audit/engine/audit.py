@@ -25,9 +25,9 @@ from audit.client.fl import train
 from audit.client.observe import observe
 from audit.core.defense_call import defense_timeout
 from audit.core.errors import ConfigError, DefenseError, GiaError, NotApplicable
-from audit.core.records import AttackResult, Scores, Status
+from audit.core.records import AccuracySpread, AttackResult, Scores, Status, UtilityResult
 from audit.engine.compose import AuditParts, build_parts, build_shared, reconstruct, resolve_defense
-from audit.engine.identity import data_identity, derive_seed, model_identity, versions
+from audit.engine.identity import data_identity, defense_identity, derive_seed, model_identity, versions
 from audit.engine.null import Null, null_evidence
 from audit.engine.privacy import privacy_report
 from audit.engine.scoring import PSNR_CAP, score_against_trained, score_reconstruction, trace_summary, trained_batch
@@ -42,6 +42,7 @@ DEFAULT_DEFENSE = "prune"  # 90% magnitude pruning: cheap, and the planner has a
 # the portfolio of plain strategies (docs/strength.md), and IG alone: at small budgets IG's full
 # share can beat the portfolio's pick, and the verdict takes the strongest attack
 BASE_ATTACKS = ("portfolio", "ig")
+UTILITY_FORMAT = "seeds"  # the stored utility record's layout (an older one is measured again)
 
 
 # --------------------------------------------------------------------------- the audit
@@ -85,7 +86,10 @@ class Audit:
         self.model_spec, self.model_args = model, dict(model_args or {})
         if parts is None:
             shared = build_shared(model, self.model_args, data, self.seed, device)
-            parts = build_parts(shared, resolve_defense(defense, defense_args or {}), defense, self.seed)
+            resolved = resolve_defense(defense, defense_args or {})
+            # hashes the defense's code and values and runs it on a fixed probe
+            ident = defense_identity(resolved, defense, timeout=output.defense_timeout)
+            parts = build_parts(shared, resolved, defense, self.seed, defense_ident=ident)
         self.parts = parts
         self.device, self.dataset, self.defense = parts.device, parts.dataset, parts.defense
         self.defense_ident = parts.defense_ident
@@ -125,7 +129,7 @@ class Audit:
         return {**self.key_settings(), "steps": list(self.attack_settings.steps), "images": self.data_settings.images,
                 "attacks": list(self.attack_settings.names), "attack_args": self.attack_settings.args,
                 "utility": self.output_settings.utility, "utility_steps": self.output_settings.utility_steps,
-                "risk_delta": self.delta}
+                "utility_seeds": self.output_settings.utility_seeds, "risk_delta": self.delta}
 
     # ------------------------------------------------------------------ phases
     def plan(self) -> Tuple[List[AttackSpec], Dict[str, Any]]:
@@ -183,16 +187,22 @@ class Audit:
         each time, so learned attacks hash them once)."""
         return {"aux_images": self.dataset.train_images, "aux_labels": self.dataset.train_labels}
 
-    def utility(self) -> Dict[str, Any]:
-        """Accuracy after training with the defense against training without it."""
+    def utility(self, baseline: Optional[AccuracySpread] = None) -> UtilityResult:
+        """Accuracy after training with the defense against training without it (or the given
+        undefended ``baseline`` runs), over seeds."""
         if not self.output_settings.utility:
-            return {"unavailable": "utility measurement was switched off (utility=False)"}
+            return UtilityResult.missing("utility measurement was switched off (utility=False)")
         try:
-            return _measure_utility(self)
+            return _measure_utility(self, baseline)
         except ImportError as err:
-            return {"unavailable": f"the utility module is not installed ({err})"}
+            return UtilityResult.missing(f"the utility module is not installed ({err})")
         except GiaError as err:
-            return {"unavailable": f"{type(err).__name__}: {err}"}
+            return UtilityResult.missing(f"{type(err).__name__}: {err}")
+
+    def utility_for(self) -> List[Any]:
+        """What the stored utility was measured for (a change measures it again)."""
+        out = self.output_settings
+        return [out.utility, out.utility_steps, out.utility_seeds, UTILITY_FORMAT]
 
     def checkpoints(self, store: ResultStore, needed: Sequence[int]) -> Tuple[Dict[int, Any], Optional[Dict[str, Any]]]:
         """Model states at the ``needed`` steps: from the store, else by FL training with the
@@ -334,9 +344,8 @@ class Audit:
                           "label accuracy: the fraction of private labels recovered (as a multiset)"])
         for i, (x, _) in enumerate(self.private):
             store.save_original(i, x)
-        cached = manifest.get("utility_for")
-        if cached != [self.output_settings.utility, self.output_settings.utility_steps]:
-            store.update_manifest(utility=self.utility(), utility_for=[self.output_settings.utility, self.output_settings.utility_steps])
+        if manifest.get("utility_for") != self.utility_for():
+            store.update_manifest(utility=self.utility().as_dict(), utility_for=self.utility_for())
         return specs
 
     def _attack_all(self, store: ResultStore, specs: Sequence[AttackSpec]) -> None:
@@ -494,22 +503,23 @@ def _state(model: nn.Module) -> Dict[str, torch.Tensor]:
     return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
 
 
-def _measure_utility(audit: "Audit") -> Dict[str, Any]:
-    """Test accuracy after ``utility_steps`` FL rounds with the defense and without it, with
-    the audit's model, data and FL settings."""
+def _measure_utility(audit: "Audit", baseline: Optional[AccuracySpread]) -> UtilityResult:
+    """Test accuracy after ``utility_steps`` FL rounds with the defense and without it (or the
+    given ``baseline`` runs), over ``utility_seeds`` seeds, with the audit's model, data and
+    FL settings."""
     from audit.engine.utility import measure_utility
 
     if not isinstance(audit.model_spec, str):
-        return {"unavailable": "utility is measured on a registered model name; a custom nn.Module "
-                               "cannot be rebuilt from scratch for the undefended run"}
+        return UtilityResult.missing("utility is measured on a registered model name; a custom nn.Module "
+                                     "cannot be rebuilt from scratch for the undefended run")
     if audit.fl_settings.local_lr is not None:
-        return {"unavailable": "utility measurement supports FedSGD / FedAvg with the server lr only "
-                               "(local_lr was given)"}
+        return UtilityResult.missing("utility measurement supports FedSGD / FedAvg with the server lr only "
+                                     "(local_lr was given)")
     return measure_utility(audit.defense, model=audit.model_spec, model_args=audit.model_args,
                            dataset=audit.dataset, steps=audit.output_settings.utility_steps,
-                           lr=audit.fl_settings.lr, batch_size=audit.fl_settings.batch_size,
-                           clients=audit.fl_settings.clients, local_steps=audit.fl_settings.local_steps,
-                           seed=audit.seed, device=audit.device, base_model=audit.base_model, client=audit.model)
+                           lr=audit.fl_settings.lr, batch_size=audit.fl_settings.batch_size, clients=audit.fl_settings.clients,
+                           local_steps=audit.fl_settings.local_steps, seed=audit.seed, seeds=audit.output_settings.utility_seeds,
+                           device=audit.device, baseline=baseline)
 
 
 def _delta_description(delta: float, dataset) -> str:
@@ -560,6 +570,7 @@ def run(
     local_lr: Optional[float] = None,
     utility: bool = True,
     utility_steps: int = 100,
+    utility_seeds: int = 3,
     thresholds: Union[LeakRule, Dict[str, Any], str, None] = None,
     delta: Optional[float] = None,
     device: Union[str, torch.device] = "cpu",
@@ -579,7 +590,8 @@ def run(
     ``batch_size`` images. ``budget``: gradient evaluations of the model per attack and
     private batch (each attack maps it to its iterations; see
     :data:`audit.core.types.BUDGET_DEFINITION`). ``utility``: also train
-    ``utility_steps`` rounds with and without the defense and compare test accuracy.
+    ``utility_steps`` rounds with and without the defense, on ``utility_seeds`` seeds each,
+    and compare test accuracy (mean and spread).
     ``defense_timeout``: seconds per defense call before it is abandoned and recorded as an
     error (None: no limit). Results are stored under ``out`` as they finish (a rerun resumes
     and, with ``retry_errors``, retries stored errors); the report is
@@ -608,4 +620,5 @@ def audit_settings(**flat: Any) -> Dict[str, Any]:
         fl_settings=FLSettings(s["lr"], s["train_batch_size"], s["clients"], s["local_steps"], s["local_lr"]),
         attack_settings=AttackSettings(s["steps"], s["attacks"], s["attack_args"] or {}, s["budget"]),
         output_settings=OutputSettings(s["out"], s["utility"], s["utility_steps"], LeakRule.of(s["thresholds"]),
-                              s["delta"], s["progress"], s["defense_timeout"], s["retry_errors"]))
+                              s["delta"], s["progress"], s["defense_timeout"], s["retry_errors"],
+                              utility_seeds=s["utility_seeds"]))

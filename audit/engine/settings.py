@@ -111,7 +111,7 @@ class AttackSettings:
 @dataclass(frozen=True)
 class OutputSettings:
     """Where and what is written: the output folder, the utility measurement (``utility_steps``
-    FL rounds with and without the defense), the verdict thresholds, the risk radius ``delta``
+    FL rounds with and without the defense, on ``utility_seeds`` seeds each), the verdict thresholds, the risk radius ``delta``
     (None: RMSE 0.1 per pixel) and the progress bar; how the run treats a defense:
     ``defense_timeout`` seconds per call (None: no limit; a call past it is abandoned and
     recorded as an error), and whether a rerun retries stored errors (``retry_errors``)."""
@@ -124,10 +124,12 @@ class OutputSettings:
     progress: bool = True
     defense_timeout: Optional[float] = None
     retry_errors: bool = True
+    utility_seeds: int = 3
 
     def __post_init__(self):
         _set(self, out=Path(self.out), utility=bool(self.utility),
              utility_steps=_positive("utility_steps", self.utility_steps),
+             utility_seeds=_positive("utility_seeds", self.utility_seeds),
              thresholds=LeakRule.of(self.thresholds),
              delta=None if self.delta is None else _positive("delta", self.delta, float),
              defense_timeout=None if self.defense_timeout is None else _positive(

@@ -3,13 +3,14 @@
 A sweep audits a grid of defenses and settings. Every *cell* (one defense with one setting)
 is a full :class:`~audit.engine.audit.Audit` with the same data, FL training, attacks, steps,
 images and seed as every other cell, so cells are comparable, plus its utility (test
-accuracy after defended training) next to one undefended training run shared by all cells.
+accuracy after defended training, over ``utility_seeds`` seeds) next to the undefended
+training runs on the same seeds, shared by all cells.
 The undefended cell (defense ``none``) is always audited too: the frontier's reference point.
 
 Layout under the output folder ``OUT``::
 
     OUT/sweep.json, sweep.md, sweep.html, frontier.png   the sweep's report
-    OUT/baseline.json                                    the shared undefended training run
+    OUT/baseline.json                                    the shared undefended training runs
     OUT/cells/<defense>[-<k>=<v>...]/                    each cell's own audit (report.html, runs/)
     OUT/cells/<cell>/cell.json                           written when the cell's audit finished
 
@@ -32,13 +33,13 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
-from audit.core.errors import ConfigError, GiaError
-from audit.engine.audit import Audit, audit_settings
+from audit.core.errors import ConfigError
+from audit.core.records import AccuracySpread, UtilityResult
+from audit.engine.audit import UTILITY_FORMAT, Audit, audit_settings
 from audit.engine.compose import AuditParts, SharedParts, build_parts, build_shared, resolve_defense
 from audit.engine.executors import EXECUTORS
 from audit.engine.identity import defense_identity, model_identity
 from audit.engine.settings import AttackSettings, DataSettings, FLSettings, OutputSettings, as_dict
-from audit.engine.utility import measure_utility
 from audit.report.store import ResultStore, atomic_write_json, read_json, settings_key
 from audit.report.sweep_report import SweepReport
 
@@ -142,7 +143,7 @@ def pair_options(options: Sequence[Tuple[str, str]]) -> List[Tuple[str, Dict[str
     return entries
 
 
-def grid_cells(grid: Any, common_key: Dict[str, Any]) -> List[Cell]:
+def grid_cells(grid: Any, common_key: Dict[str, Any], timeout: Optional[float] = None) -> List[Cell]:
     """Every cell of the grid (the undefended cell first), each defense resolved once (a bad
     name, parameter or range is a one-line ConfigError before any work) and kept on its cell."""
     cells: Dict[str, Cell] = {}
@@ -155,7 +156,7 @@ def grid_cells(grid: Any, common_key: Dict[str, Any]) -> List[Cell]:
             except ConfigError as err:
                 setting = " ".join(f"{k}={v}" for k, v in kv.items())
                 raise ConfigError(f"sweep grid, {_label(spec)} {setting}: {err}".replace(" : ", ": ")) from None
-            ident = defense_identity(defense, spec)
+            ident = defense_identity(defense, spec, timeout=timeout)
             cell = Cell(spec, tuple(kv.items()), defense.name, settings_key({"defense": ident, **common_key}),
                         undefended=defense.name == UNDEFENDED and not kv, built=defense, ident=ident)
             other = cells.setdefault(cell.name, cell)
@@ -181,31 +182,22 @@ class CellJob:
     output_settings: OutputSettings
     seed: int
     client_model: Any
-    baseline: Optional[Dict[str, Any]] = None  # the undefended training run (measure_utility's)
+    baseline: Optional[Dict[str, Any]] = None  # the undefended cell's UtilityResult, as stored
     only: Optional[Tuple[int, str]] = None  # one (step, attack) group of the cell
 
 
 class CellAudit(Audit):
-    """An audit whose utility reuses the sweep's undefended training run instead of its own."""
+    """An audit whose utility reuses the sweep's undefended training runs instead of its own."""
 
-    baseline: Optional[Dict[str, Any]] = None
+    baseline: Optional[Dict[str, Any]] = None  # the undefended cell's UtilityResult, as stored
 
-    def utility(self) -> Dict[str, Any]:
-        base = self.baseline
-        if base is None or not self.output_settings.utility or base.get("baseline_accuracy") is None:
-            return super().utility()
+    def utility(self, baseline: Optional[AccuracySpread] = None) -> UtilityResult:
+        stored = UtilityResult.from_dict(self.baseline) if self.baseline else None
+        if stored is None or stored.undefended is None or stored.undefended.mean is None:
+            return super().utility(baseline)
         if self.defense.name == UNDEFENDED and not self.defense.params():
-            return base  # the undefended cell *is* the baseline run
-        run = {"accuracy": base["baseline_accuracy"], "final_loss": base["baseline_final_loss"],
-               "seconds": base["baseline_seconds"], "error": None}
-        try:
-            return measure_utility(self.defense, model=self.model_spec, model_args=self.model_args,
-                                   dataset=self.dataset, steps=self.output_settings.utility_steps, lr=self.fl_settings.lr,
-                                   batch_size=self.fl_settings.batch_size, clients=self.fl_settings.clients,
-                                   local_steps=self.fl_settings.local_steps, seed=self.seed, device=self.device,
-                                   baseline=run, base_model=self.base_model, client=self.model)
-        except GiaError as err:
-            return {"unavailable": f"{type(err).__name__}: {err}"}
+            return stored  # the undefended cell *is* the baseline
+        return super().utility(stored.undefended)
 
 
 def _cell_audit(job: CellJob, shared: SharedParts) -> CellAudit:
@@ -250,8 +242,8 @@ def run_group(job: CellJob, shared: SharedParts) -> str:
 
 
 def baseline_utility(job: CellJob, shared: SharedParts) -> Dict[str, Any]:
-    """The undefended cell's utility measurement: the training run every cell is compared to."""
-    return _cell_audit(job, shared).utility()
+    """The undefended cell's utility measurement: the training runs every cell is compared to."""
+    return _cell_audit(job, shared).utility().as_dict()
 
 
 def cell_finished(out: Path, cell: Cell) -> bool:
@@ -287,7 +279,7 @@ class Sweep:
         self.shared = build_shared(model, self.model_args, data_settings, self.seed, device)
         self.device = self.shared.device
         self._clients: Dict[str, Any] = {}
-        self.cells = grid_cells(grid, self._common_key())
+        self.cells = grid_cells(grid, self._common_key(), self.output_settings.defense_timeout)
         self.executor = EXECUTORS.build(executor, device=self.device, **(executor_args or {}))
         # the private images, checked now rather than in a worker
         _cell_audit(self._job(self.cells[0]), self.shared)
@@ -302,7 +294,8 @@ class Sweep:
 
     def _utility_key(self) -> Dict[str, Any]:
         return {"model": model_identity(self.model, self.model_args), "data": self._data_key(),
-                "fl": as_dict(self.fl_settings), "utility_steps": self.output_settings.utility_steps, "seed": self.seed,
+                "fl": as_dict(self.fl_settings), "utility_steps": self.output_settings.utility_steps,
+                "utility_seeds": self.output_settings.utility_seeds, "utility_format": UTILITY_FORMAT, "seed": self.seed,
                 "device": self.device.type}
 
     def _common_key(self) -> Dict[str, Any]:
@@ -335,7 +328,8 @@ class Sweep:
     def settings(self) -> Dict[str, Any]:
         return {"model": model_identity(self.model, self.model_args), "data": self._data_key(),
                 "fl": as_dict(self.fl_settings), "attacks": as_dict(self.attack_settings), "utility": self.output_settings.utility,
-                "utility_steps": self.output_settings.utility_steps, "seed": self.seed, "device": self.device.type,
+                "utility_steps": self.output_settings.utility_steps, "utility_seeds": self.output_settings.utility_seeds,
+                "seed": self.seed, "device": self.device.type,
                 "executor": self.executor.name}
 
     def run(self) -> SweepReport:

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional
 
+from audit.core.records import AccuracySpread, UtilityResult
+
 UNAVAILABLE = "n/a"
 
 # metric -> (column title, formatter)
@@ -213,17 +215,41 @@ def plan_traits(plan: Dict[str, Any]) -> Dict[str, Any]:
     return traits
 
 
+def spread_text(spread: Optional[AccuracySpread]) -> str:
+    """``41.2% ± 3.1 (37.5-44.4%, 3 seeds)``: mean ± standard deviation (points), min-max;
+    ``n/a`` when no run has an accuracy."""
+    if spread is None or spread.mean is None:
+        return UNAVAILABLE
+    std = "" if spread.std is None else f" ± {100 * spread.std:.1f}"
+    n = len(spread.accuracies)
+    return f"{spread.mean:.1%}{std} ({100 * spread.min:.1f}-{spread.max:.1%}, {n} seed{'s' * (n != 1)})"
+
+
+def diverged_text(spread: Optional[AccuracySpread]) -> str:
+    """``seed 7 at round 3, seed 9 at round 5`` or ``no``."""
+    runs = spread.diverged if spread else []
+    return ", ".join(f"seed {r.seed} at round {r.diverged_at}" for r in runs) or "no"
+
+
 def utility_rows(utility: Dict[str, Any]):
     """``[quantity, with the defense, without it]`` rows, or ``None`` with the reason why not."""
-    if not utility or utility.get("unavailable"):
-        return None, (utility or {}).get("unavailable", "not measured")
+    result = UtilityResult.from_dict(utility)
+    if result.unavailable or result.defended is None:
+        return None, result.unavailable or "not measured"
+    arms = (result.defended, result.undefended)
+
+    def row(label: str, value) -> List[str]:
+        return [label] + [UNAVAILABLE if a is None else value(a) for a in arms]
 
     def num(v: Any, spec: str) -> str:
         return UNAVAILABLE if not isinstance(v, (int, float)) else format(v, spec)
 
-    rows = [["test accuracy", num(utility.get("accuracy"), ".1%"), num(utility.get("baseline_accuracy"), ".1%")],
-            ["final training loss", num(utility.get("final_loss"), ".3f"), num(utility.get("baseline_final_loss"), ".3f")],
-            ["training time (s)", num(utility.get("seconds"), ".1f"), num(utility.get("baseline_seconds"), ".1f")]]
-    setting = ", ".join(f"{k} {v}" for k, v in (utility.get("setting") or {}).items())
-    note = f"relative accuracy (defended / undefended): {num(utility.get('relative'), '.2f')}"
-    return rows, note + (f"; trained with {setting}" if setting else "")
+    rows = [row("test accuracy: mean ± std (min-max)", spread_text),
+            row("per seed", lambda a: ", ".join(num(r.accuracy, ".1%") for r in a.runs)),
+            row("diverged", diverged_text),
+            row("final training loss (mean)", lambda a: num(a.final_loss, ".3f")),
+            row("training time (s, all seeds)", lambda a: num(a.seconds, ".1f"))]
+    setting = ", ".join(f"{k} {v}" for k, v in result.setting.items() if k != "seeds")
+    note = f"relative accuracy (mean defended / mean undefended): {num(result.relative, '.2f')}"
+    notes = [f"seed {r.seed}: {r.error or r.note}" for r in result.defended.runs if r.error or r.note]
+    return rows, "; ".join([note + (f"; trained with {setting}" if setting else "")] + notes)

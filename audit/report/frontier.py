@@ -1,5 +1,8 @@
-"""The sweep's frontier plot: worst-case PSNR against test accuracy, one line per defense
-(one point per setting), the undefended point and the Pareto-optimal points ringed
+"""The sweep's frontier plot: worst-case PSNR against mean test accuracy, one line per
+defense (one point per setting), the accuracy's seed-to-seed spread as error bars (± one
+standard deviation; the min-max range as a thin line), runs that diverged marked, the
+undefended point, Pareto-optimal points ringed (the noise-aware rule of
+:data:`~audit.report.sweep_report.DOMINANCE_RULE`)
 (rendered off-screen to PNG bytes)."""
 from __future__ import annotations
 
@@ -12,6 +15,16 @@ def _short(setting: str) -> str:
     """``ratio=0.9`` -> ``0.9`` (one parameter); several stay ``k=v`` pairs."""
     parts = setting.split(", ")
     return parts[0].partition("=")[2] if len(parts) == 1 and "=" in parts[0] else setting
+
+
+def _spread(ax, cells, color) -> None:
+    """± one standard deviation (capped bars) and the min-max range (a thin line) of each cell's accuracy."""
+    for c in cells:
+        if c.get("accuracy_min") is not None and c.get("accuracy_max") is not None:
+            ax.plot([c["accuracy_min"], c["accuracy_max"]], [c["psnr"]] * 2, color=color, lw=0.6, alpha=0.6)
+        if c.get("accuracy_std") is not None:
+            ax.errorbar([c["accuracy"]], [c["psnr"]], xerr=[c["accuracy_std"]], fmt="none", ecolor=color,
+                        elinewidth=1.2, capsize=3)
 
 
 def frontier_png(data: Dict[str, Any]) -> bytes:
@@ -29,11 +42,17 @@ def frontier_png(data: Dict[str, Any]) -> bytes:
             if not pts:
                 continue
             line, = ax.plot([c["accuracy"] for c in pts], [c["psnr"] for c in pts], "-o", ms=5, lw=1.3, label=family)
+            _spread(ax, pts, line.get_color())
             for c in pts:
                 ax.annotate(_short(c["setting"]), (c["accuracy"], c["psnr"]), textcoords="offset points",
                             xytext=(4, 4), fontsize=7, color=line.get_color())
         for c in (c for c in cells if c["undefended"]):
             ax.plot([c["accuracy"]], [c["psnr"]], "*", color="black", ms=13, label="undefended")
+            _spread(ax, [c], "black")
+        diverged = [c for c in cells if c.get("diverged_runs")]
+        if diverged:
+            ax.scatter([c["accuracy"] for c in diverged], [c["psnr"] for c in diverged], marker="x", s=60,
+                       color="tab:red", label="training diverged (seeds scored on what they left)", zorder=4)
         pareto = [c for c in cells if c["pareto"]]
         if pareto:
             ax.scatter([c["accuracy"] for c in pareto], [c["psnr"] for c in pareto], s=190, facecolors="none",
@@ -41,7 +60,9 @@ def frontier_png(data: Dict[str, Any]) -> bytes:
         step = data["step"]
         ax.set_ylabel("worst-case PSNR (dB)" + (" at each cell's worst step" if step == "worst" else f" at step {step}"))
         steps = data["settings"].get("utility_steps")
-        ax.set_xlabel(f"test accuracy after {steps} FL rounds with the defense" if steps else "test accuracy")
+        seeds = data["settings"].get("utility_seeds")
+        ax.set_xlabel((f"test accuracy after {steps} FL rounds with the defense" if steps else "test accuracy")
+                      + (f" (mean ± std over {seeds} seeds)" if seeds else ""))
         ax.xaxis.set_major_formatter(PercentFormatter(1.0))
         ax.set_title("privacy-utility frontier (lower and to the right is better)", fontsize=10)
         if not cells:

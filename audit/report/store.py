@@ -18,6 +18,7 @@ temporary name and renamed, so an interrupt (Ctrl-C) never leaves a half-written
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -51,6 +52,8 @@ def to_jsonable(obj: Any) -> Any:
     """
     if isinstance(obj, dict):
         return {str(k): to_jsonable(v) for k, v in obj.items()}
+    if dataclasses.is_dataclass(obj) and hasattr(obj, "as_dict"):  # a typed record
+        return to_jsonable(obj.as_dict())
     if isinstance(obj, (list, tuple)):
         return [to_jsonable(v) for v in obj]
     if isinstance(obj, torch.Tensor):

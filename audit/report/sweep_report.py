@@ -10,37 +10,60 @@ from html import escape
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from audit.report.format import UNAVAILABLE, fmt, kv_rows
+from audit.core.records import UtilityResult
+from audit.report.format import UNAVAILABLE, diverged_text, fmt, kv_rows, spread_text
 from audit.report.formats import MAIN_FORMAT, report_file, write_report
 from audit.report.store import read_json, to_jsonable
 
 
-def pareto_optimal(points: Sequence[Tuple[Optional[float], Optional[float]]]) -> List[bool]:
-    """Whether each ``(psnr, accuracy)`` point is Pareto-optimal: no other point leaks less or
-    as much (lower PSNR) with at least as much accuracy, better in one. Points missing
-    either number are never optimal."""
-    known = [(i, p, a) for i, (p, a) in enumerate(points) if p is not None and a is not None]
-    out = [False] * len(points)
-    for i, p, a in known:
-        out[i] = not any(q <= p and b >= a and (q < p or b > a) for j, q, b in known if j != i)
-    return out
+DOMINANCE_RULE = ("a cell is dominated by another that leaks no more (worst-case PSNR lower or equal) and has at "
+                  "least its mean test accuracy, and is better in one of them beyond the noise: a lower PSNR, or "
+                  "a mean accuracy higher by more than the two cells' seed-to-seed standard deviations added (a "
+                  "spread not measured counts as 0); Pareto-optimal: dominated by no cell")
+
+
+def dominates(b: Sequence[Optional[float]], a: Sequence[Optional[float]]) -> bool:
+    """Whether point ``b`` dominates point ``a`` under :data:`DOMINANCE_RULE`; a point is
+    ``(psnr, accuracy)`` or ``(psnr, accuracy, accuracy_std)``."""
+    (p, acc, *sa), (q, bcc, *sb) = a, b
+    if None in (p, acc, q, bcc):
+        return False
+    noise = (sa[0] if sa and sa[0] is not None else 0.0) + (sb[0] if sb and sb[0] is not None else 0.0)
+    return q <= p and bcc >= acc and (q < p or bcc - acc > noise)
+
+
+def pareto_optimal(points: Sequence[Sequence[Optional[float]]]) -> List[bool]:
+    """Whether each point (see :func:`dominates`) is dominated by no other point; points
+    missing the PSNR or the accuracy are never optimal."""
+    known = [i for i, (p, a, *_) in enumerate(points) if p is not None and a is not None]
+    return [i in known and not any(dominates(points[j], points[i]) for j in known if j != i)
+            for i in range(len(points))]
 
 
 def cell_point(report: Optional[Dict[str, Any]], step: Optional[int]) -> Dict[str, Any]:
     """A cell's frontier numbers from its audit report: worst-case PSNR / SSIM and verdict at
-    ``step`` (None: the step with the highest worst-case PSNR), accuracy and relative accuracy."""
+    ``step`` (None: the step with the highest worst-case PSNR), and its utility: mean test
+    accuracy over seeds with its spread, the undefended mean and the ratio."""
     if report is None:
         return {"status": "pending", "psnr": None, "ssim": None, "step": step, "verdict": None,
-                "accuracy": None, "baseline_accuracy": None, "relative": None}
+                **utility_point(UtilityResult.missing("pending"))}
     steps = [s for s in report["steps"] if step is None or s["step"] == step]
     judged = [s for s in steps if s["worst_case"]["psnr"] is not None]
     chosen = max(judged, key=lambda s: s["worst_case"]["psnr"]) if judged else (steps[0] if steps else None)
-    utility = report.get("utility") or {}
     wc = chosen["worst_case"] if chosen else {}
     return {"status": report["status"], "psnr": wc.get("psnr"), "ssim": wc.get("ssim"),
             "step": chosen["step"] if chosen else step, "verdict": chosen["verdict"]["label"] if chosen else None,
-            "accuracy": utility.get("accuracy"), "baseline_accuracy": utility.get("baseline_accuracy"),
-            "relative": utility.get("relative"), "utility_note": utility.get("unavailable") or utility.get("error")}
+            **utility_point(UtilityResult.from_dict(report.get("utility")))}
+
+
+def utility_point(utility: UtilityResult) -> Dict[str, Any]:
+    """A cell's utility numbers for the frontier (``accuracy``: the mean over seeds)."""
+    d, u = utility.defended, utility.undefended
+    return {"accuracy": d and d.mean, "accuracy_std": d and d.std, "accuracy_min": d and d.min,
+            "accuracy_max": d and d.max, "accuracy_text": spread_text(d), "seeds": len(d.runs) if d else 0,
+            "diverged": diverged_text(d), "diverged_runs": len(d.diverged) if d else 0,
+            "baseline_accuracy": u and u.mean, "relative": utility.relative,
+            "utility_note": utility.unavailable or (d.error if d else "")}
 
 
 def build_sweep(cells: Sequence[Dict[str, Any]], reports: Sequence[Optional[Dict[str, Any]]], *,
@@ -49,7 +72,7 @@ def build_sweep(cells: Sequence[Dict[str, Any]], reports: Sequence[Optional[Dict
     """Every number of the sweep report as one JSON-able dictionary (``sweep.json``)."""
     rows = [{**cell, **cell_point(report, step), "report": f"{cell['dir']}/{report_file('audit', MAIN_FORMAT)}"}
             for cell, report in zip(cells, reports)]
-    for row, optimal in zip(rows, pareto_optimal([(r["psnr"], r["accuracy"]) for r in rows])):
+    for row, optimal in zip(rows, pareto_optimal([(r["psnr"], r["accuracy"], r["accuracy_std"]) for r in rows])):
         row["pareto"] = optimal
     undefended = next((r for r in rows if r["undefended"]), None)
     return to_jsonable({
@@ -58,7 +81,8 @@ def build_sweep(cells: Sequence[Dict[str, Any]], reports: Sequence[Optional[Dict
         "step": "worst" if step is None else step,
         "progress": {"done": sum(r["status"] == "complete" for r in rows), "total": len(rows)},
         "defenses": list(dict.fromkeys(r["defense"] for r in rows if not r["undefended"])),
-        "undefended": undefended and {k: undefended[k] for k in ("name", "psnr", "step", "accuracy")},
+        "undefended": undefended and {k: undefended[k] for k in ("name", "psnr", "step", "accuracy", "accuracy_std")},
+        "dominance_rule": DOMINANCE_RULE,
         "pareto": [r["name"] for r in rows if r["pareto"]],
         "thresholds": thresholds,
         "settings": settings,
@@ -107,7 +131,7 @@ class SweepReport:
         lines = [f"{self.data['title']}  [{self.data['progress']['done']}/{self.data['progress']['total']} cells]"]
         for r in self.cells:
             lines.append(f"  {r['name']:<28} PSNR {fmt('psnr', r['psnr']):>6} dB at step {r['step']} "
-                         f"({r['verdict'] or r['status']}), accuracy {_num(r['accuracy'], '.1%')}"
+                         f"({r['verdict'] or r['status']}), accuracy {r['accuracy_text']}"
                          f"{'  Pareto-optimal' if r['pareto'] else ''}")
         return "\n".join(lines)
 
@@ -116,8 +140,8 @@ class SweepReport:
 
 
 # --------------------------------------------------------------------------- rendering
-HEADER = ["defense", "setting", "worst-case PSNR (dB)", "at step", "verdict", "test accuracy", "relative",
-          "Pareto-optimal", "report"]
+HEADER = ["defense", "setting", "worst-case PSNR (dB)", "at step", "verdict",
+          "test accuracy: mean ± std (min-max)", "diverged", "relative", "Pareto-optimal", "report"]
 
 
 def _num(value: Optional[float], spec: str) -> str:
@@ -127,7 +151,7 @@ def _num(value: Optional[float], spec: str) -> str:
 def _rows(data: Dict[str, Any], link) -> List[List[str]]:
     """One row per cell (the columns of ``HEADER``); ``link(row)`` renders the report column."""
     return [[f"{r['defense']}{' (undefended)' if r['undefended'] else ''}", r["setting"], fmt("psnr", r["psnr"]),
-             str(r["step"]), r["verdict"] or r["status"], _num(r["accuracy"], ".1%"), _num(r["relative"], ".2f"),
+             str(r["step"]), r["verdict"] or r["status"], r["accuracy_text"], r["diverged"], _num(r["relative"], ".2f"),
              "yes" if r["pareto"] else "", link(r)] for r in data["cells"]]
 
 
@@ -137,9 +161,12 @@ def _definitions(data: Dict[str, Any]) -> List[str]:
     where = "each cell's worst audited step" if step == "worst" else f"training step {step}"
     return [f"Worst-case PSNR: per private image the most leaking attack, averaged over images, at {where}.",
             f"Test accuracy: after {data['settings'].get('utility_steps')} FL rounds trained with the defended "
-            "updates; relative = defended / undefended (one undefended run shared by all cells).",
-            "Pareto-optimal: no other cell has a lower (or equal) PSNR and a higher (or equal) accuracy, "
-            "better in one of them.",
+            f"updates, on {data['settings'].get('utility_seeds')} seeds: mean ± sample standard deviation "
+            "(percentage points) and min-max; relative = mean defended / mean undefended (the undefended runs, "
+            "on the same seeds, are shared by all cells). A run that diverged (non-finite loss, update or "
+            "parameters) is scored on the model it left, outputs that are not finite counting as a constant "
+            "guess (1/classes).",
+            f"Pareto-optimal: {data.get('dominance_rule', DOMINANCE_RULE)}.",
             f"Verdicts (each cell's report): {thr.get('rule', '')}"]
 
 
