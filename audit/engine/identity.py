@@ -165,8 +165,7 @@ def probe_fingerprint(defense: Any, timeout: Optional[float] = None) -> str:
     0, one CPU thread), hashed after rounding; a defense that fails the probe is fingerprinted
     by its failure (``"failed: ..."``), never a crash. Runs on a copy of the defense."""
     from adaptive.planner.probe import exact_math, probe_network, random_batch
-    from audit.core.defense_call import call_defense, defense_timeout
-    from audit.engine.compose import client_model
+    from audit.core.defense_call import call_defense, defense_timeout, wrap_client_model
 
     try:
         probed = copy.deepcopy(defense)
@@ -175,7 +174,7 @@ def probe_fingerprint(defense: Any, timeout: Optional[float] = None) -> str:
     with torch.random.fork_rng(devices=[]), torch_threads(1), exact_math(), defense_timeout(timeout):
         torch.manual_seed(PROBE_SEED)  # a defense drawing from the global generator
         try:
-            model = client_model(probed, probe_network(PROBE_SHAPE, PROBE_CLASSES, seed=PROBE_SEED), PROBE_SEED)
+            model = wrap_client_model(probed, probe_network(PROBE_SHAPE, PROBE_CLASSES, seed=PROBE_SEED), PROBE_SEED)
             x, y = random_batch(PROBE_BATCH, PROBE_SHAPE, PROBE_CLASSES, PROBE_SEED, "cpu")
             out = call_defense(probed, model, x, y, generator=torch.Generator().manual_seed(PROBE_SEED), round=0)
             return f"sha256:{_rounded_digest(out)}"
