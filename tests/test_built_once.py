@@ -40,7 +40,9 @@ def test_a_sweep_builds_the_data_the_model_and_each_defense_once(tmp_path, monke
     assert report.data["progress"] == {"done": 3, "total": 3}
     assert counters["load_data"].calls == counters["build_model"].calls == counters["resolve_device"].calls == 1
     assert counters["resolve_defense"].calls == 3  # none, prune 0.5, prune 0.9
-    assert counters["wrap_client_model"].calls == 3  # one client model per cell
+    # one client model per cell, plus the utility's own: each of its 3 seeds starts from its own
+    # initialisation, for the shared undefended arm and the two defended cells
+    assert counters["wrap_client_model"].calls == 3 + 3 * 3
 
 
 def test_the_planner_probes_the_audits_client_model(tmp_path, monkeypatch):

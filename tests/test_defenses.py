@@ -15,7 +15,7 @@ from defenses.augment import AUGMENTATIONS
 from defenses.evaluator import NoiseRatioNet, load_or_train_evaluator, train_evaluator
 
 SHAPE = (3, 8, 8)
-ALL = ["ats", "censor", "clip", "dp-sgd", "gaussian", "laplacian", "none", "precode", "prune",
+ALL = ["ats", "censor", "clip", "decoy", "dp-sgd", "gaussian", "laplacian", "none", "precode", "prune",
        "quantize", "refiner", "soft-prune", "soteria", "svdefense"]
 
 
@@ -565,7 +565,7 @@ def test_seeded_defense_is_reproducible(name, evaluator):
     assert differs == defense.stochastic, f"{name}: stochastic={defense.stochastic}, differs={differs}"
 
 
-@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("name", [n for n in ALL if n != "decoy"])  # a decoy ignores its inputs: below
 def test_defense_is_differentiable_wrt_the_inputs(name, evaluator):
     x, y = batch(2)
     defense = build_defense(name, **small_params(name, evaluator))
@@ -574,3 +574,14 @@ def test_defense_is_differentiable_wrt_the_inputs(name, evaluator):
     shared = defense(model, dummy, y, generator=torch.Generator().manual_seed(0))
     (grad,) = torch.autograd.grad(sum((g ** 2).sum() for g in shared), dummy)
     assert torch.isfinite(grad).all() and float(grad.abs().sum()) > 0
+
+
+@pytest.mark.parametrize("kind", ["flat", "texture"])
+def test_a_decoy_shares_the_same_gradient_whatever_the_private_images(kind):
+    x, y = batch(2)
+    defense, model = build_defense("decoy", kind=kind), mlp()
+    a = defense(model, x, y, generator=torch.Generator().manual_seed(0))
+    b = defense(model, torch.rand_like(x), y, generator=torch.Generator().manual_seed(1))
+    assert all(torch.equal(u, v) for u, v in zip(a, b))
+    other_labels = defense(model, x, (y + 1) % 10, generator=torch.Generator().manual_seed(0))
+    assert not all(torch.equal(u, v) for u, v in zip(a, other_labels))  # the true labels are used
