@@ -1,8 +1,9 @@
 """Before/after table: each adaptive attack against the naive attack it adapts, on the same
 observations (small models, 16x16 embedded images, batch 1, fixed seeds).
 
-``python bench/bench_adaptive.py [--images N] [--scenario NAME ...]`` prints a Markdown table
-of mean PSNR per attack; :func:`run_scenarios` returns the rows.
+``python bench/bench_adaptive.py [--images N] [--scenario NAME ...] [--docs adaptive]`` prints a
+Markdown table of mean PSNR per attack (and writes it into ``docs/adaptive.md``);
+:func:`run_scenarios` returns the rows.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from audit.core.models import build_model  # noqa: E402
+from bench.docs_table import add_docs_option, publish  # noqa: E402
 
 Attack = Tuple[str, Dict[str, Any]]
 
@@ -114,9 +116,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--images", type=int, default=4)
     parser.add_argument("--scenario", action="append", choices=[s.name for s in SCENARIOS])
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1 is fastest here)")
+    add_docs_option(parser, "docs/adaptive.md")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    print(markdown(run_scenarios(args.scenario, args.images)))
+    table = markdown(run_scenarios(args.scenario, args.images))
+    print(table)
+    publish(args, "bench_adaptive.py", argv, table, f"torch {torch.__version__}, {args.threads} thread(s), cpu")
 
 
 if __name__ == "__main__":

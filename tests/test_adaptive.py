@@ -1,7 +1,7 @@
 """Adaptive attacks beat the naive attack they adapt, on the same observation.
 
 Small models, 16x16 images of the embedded data set, one image, fixed seeds. The numbers
-asserted are the measured outcomes (`bench/bench_adaptive.py` prints the PSNR table).
+asserted are the measured outcomes (the PSNR table: `docs/adaptive.md`).
 """
 import pytest
 
