@@ -124,13 +124,33 @@ def weights_lpips_cmd(path, source, force, seed, device):
         click.echo(f"not the default location: export {ENV_VAR}={out}")
 
 
+MODEL_HELP = ("model name (`gia-audit list models`), or package.module:attr of your model: a factory (called "
+              "with num_classes=, input_shape= when it takes it, and --model-arg keywords) or an nn.Module")
+
+
+def model_options(fn):
+    """``--model-normalize`` and ``--checkpoint``: the inputs the model expects, its weights."""
+    fn = click.option("--checkpoint", default=None, type=click.Path(dir_okay=False),
+                      help="state_dict file (or a dict holding one under state_dict / model) the model's weights "
+                           "start from: audited step 0 is this state  [default: a fresh seeded initialisation]")(fn)
+    fn = click.option("--model-normalize", default=None, metavar="data|none|M1,M2,M3/S1,S2,S3",
+                      help="inputs the model expects: normalised with the data set's statistics (data), pixels in "
+                           "[0, 1] (none) or normalised with these per-channel mean/std; attacks optimise pixels "
+                           "through it, scores are in pixel space  [default: data; none for an nn.Module object]")(fn)
+    return fn
+
+
 @main.command("audit")
 @click.option("--defense", default=None,
               help="built-in defense name (`gia-audit list defenses`), or package.module:attr of your "
                    "defended-gradient callable  [default: prune]")
 @click.option("--defense-arg", multiple=True, metavar="NAME=VALUE", help="defense parameter (repeatable)")
-@click.option("--model", default=None, help="model name (`gia-audit list models`)  [default: cnn]")
-@click.option("--model-arg", multiple=True, metavar="NAME=VALUE", help="model parameter (repeatable)")
+@click.option("--model", default=None, help=MODEL_HELP + "  [default: cnn]")
+@click.option("--model-arg", multiple=True, metavar="NAME=VALUE", help="model (or factory) keyword (repeatable)")
+@model_options
+@click.option("--client-mode", type=click.Choice(["train", "eval"]), default=None,
+              help="mode the audited client computes its update in (BatchNorm: the batch's statistics in train, "
+                   "the running ones in eval; FL training always runs in train mode)  [default: train]")
 @click.option("--dataset", default=None, help="data set name (`gia-audit list datasets`)  [default: embedded]")
 @click.option("--data-path", default=None, help="local path of the data set (cifar10, mnist, folder)")
 @click.option("--image-size", default=None, type=int, help="image side in pixels  [default: 32]")
@@ -161,15 +181,16 @@ def weights_lpips_cmd(path, source, force, seed, device):
               help="output folder (results, report.json/.md/.html)  [default: audit-out]")
 @common_options
 @friendly_errors
-def audit_cmd(defense, defense_arg, model, model_arg, dataset, data_path, image_size, steps, attacks, attack_arg,
-              images, batch_size, budget, share_labels, lr, train_batch_size, clients, local_steps, local_lr, delta,
-              utility, utility_steps, defense_timeout, quiet, out, seed, device):
+def audit_cmd(defense, defense_arg, model, model_arg, model_normalize, checkpoint, client_mode, dataset, data_path,
+              image_size, steps, attacks, attack_arg, images, batch_size, budget, share_labels, lr, train_batch_size,
+              clients, local_steps, local_lr, delta, utility, utility_steps, defense_timeout, quiet, out, seed, device):
     """Audit a defense: attack it at several training steps and write the risk report."""
     from audit.engine.audit import run
     from audit.engine.settings import parse_attack_args
     from audit.core.registry import parse_kv_args
 
-    options = dict(defense=defense, model=model, data=dataset, image_size=image_size, steps=steps,
+    options = dict(defense=defense, model=model, model_normalize=model_normalize, checkpoint=checkpoint,
+                   client_mode=client_mode, data=dataset, image_size=image_size, steps=steps,
                    attacks=attacks, attack_args=parse_attack_args(attack_arg) or None, images=images,
                    batch_size=batch_size, budget=budget, share_labels=share_labels, lr=lr,
                    train_batch_size=train_batch_size, clients=clients, local_steps=local_steps, local_lr=local_lr,
@@ -203,7 +224,7 @@ class _KeepsOptionOrder(click.Command):
 
 
 # the audit command's setting options that a sweep shares (the same for every cell)
-SWEEP_SHARES = ("model", "model_arg", "dataset", "data_path", "image_size", "steps", "attacks", "attack_arg",
+SWEEP_SHARES = ("model", "model_arg", "model_normalize", "checkpoint", "client_mode", "dataset", "data_path", "image_size", "steps", "attacks", "attack_arg",
                 "images", "batch_size", "budget", "share_labels", "lr", "train_batch_size", "clients",
                 "local_steps", "local_lr", "delta", "utility", "utility_steps", "defense_timeout")
 
@@ -280,8 +301,9 @@ def report_cmd(directory, run_key, seed, device):
 @main.command("attack")
 @click.option("--attack", "attack_name", default="ig", show_default=True, help="attack name (`gia-audit list attacks`)")
 @click.option("--attack-arg", multiple=True, metavar="NAME=VALUE", help="attack setting, e.g. tv=1e-3 (repeatable)")
-@click.option("--model", default="convnet", show_default=True, help="model name (`gia-audit list models`)")
-@click.option("--model-arg", multiple=True, metavar="NAME=VALUE", help="model parameter (repeatable)")
+@click.option("--model", default="convnet", show_default=True, help=MODEL_HELP)
+@click.option("--model-arg", multiple=True, metavar="NAME=VALUE", help="model (or factory) keyword (repeatable)")
+@model_options
 @click.option("--dataset", default="embedded", show_default=True, help="data set (`gia-audit list datasets`)")
 @click.option("--data-path", default=None, help="local path of the data set (cifar10, mnist, folder)")
 @click.option("--size", default=32, show_default=True, type=int, help="image side in pixels")
@@ -302,7 +324,7 @@ def report_cmd(directory, run_key, seed, device):
 @click.option("--out", default="out", show_default=True, type=click.Path(file_okay=False), help="output folder")
 @common_options
 @friendly_errors
-def attack_cmd(attack_name, attack_arg, model, model_arg, dataset, data_path, size, index, image, label, batch,
+def attack_cmd(attack_name, attack_arg, model, model_arg, model_normalize, checkpoint, dataset, data_path, size, index, image, label, batch,
                budget, restarts, defense, defense_arg, share_labels, client_mode, local_steps, local_lr, quiet,
                out, seed, device):
     """Attack one private batch; write original/reconstruction PNGs and metrics.json to --out."""
@@ -312,7 +334,7 @@ def attack_cmd(attack_name, attack_arg, model, model_arg, dataset, data_path, si
     metrics = run_attack(
         attack_name, model=model, dataset=dataset, data_path=data_path, size=size, index=index, image=image,
         label=label, batch=batch, budget=budget, restarts=restarts, attack_args=parse_kv_args(attack_arg),
-        model_args=parse_kv_args(model_arg), defense=defense, defense_args=parse_kv_args(defense_arg),
+        model_args=parse_kv_args(model_arg), model_normalize=model_normalize, checkpoint=checkpoint, defense=defense, defense_args=parse_kv_args(defense_arg),
         share_labels=share_labels, client_mode=client_mode, local_steps=local_steps, local_lr=local_lr,
         out=out, seed=seed, device=resolve_device(device), progress=not quiet)
     click.echo(metrics["summary"])

@@ -25,12 +25,14 @@ from audit.client.fl import train
 from audit.client.observe import observe
 from audit.core.defense_call import defense_timeout
 from audit.core.errors import ConfigError, DefenseError, GiaError, NotApplicable
-from audit.engine.compose import build_model, client_model, load_data, reconstruct, resolve_defense, resolve_device
+from audit.core.preflight import runs
+from audit.engine.compose import (build_model, check_model, client_model, load_data, reconstruct, resolve_defense,
+                                  resolve_device)
 from audit.engine.identity import data_identity, defense_identity, derive_seed, model_identity, versions
 from audit.engine.privacy import privacy_report
 from audit.engine.scoring import PSNR_CAP, score_against_trained, score_reconstruction, trace_summary, trained_batch
 from audit.engine.settings import (DEFAULT_BUDGET, DEFAULT_STEPS, AttackSettings, DataSettings, FLSettings,
-                                   OutputSettings)
+                                   ModelSettings, OutputSettings, model_settings)
 from audit.report.audit_report import AuditReport
 from audit.report.risk import Thresholds, default_delta
 from audit.report.store import ResultStore
@@ -66,7 +68,7 @@ class Audit:
     Use :func:`run`; the class exists so each phase is a small method.
     """
 
-    def __init__(self, defense: Any = DEFAULT_DEFENSE, model: Union[str, nn.Module] = "cnn", *,
+    def __init__(self, defense: Any = DEFAULT_DEFENSE, model: Union[str, nn.Module, ModelSettings] = "cnn", *,
                  defense_args: Optional[Dict[str, Any]] = None, model_args: Optional[Dict[str, Any]] = None,
                  data: DataSettings = DataSettings(), fl: FLSettings = FLSettings(),
                  attacks: AttackSettings = AttackSettings(), output: OutputSettings = OutputSettings(),
@@ -79,10 +81,15 @@ class Audit:
         self.defense = resolve_defense(defense, defense_args or {})
         # hashed once: for user code this reads and hashes its source
         self.defense_ident = defense_identity(self.defense, self.defense_spec)
-        self.model_spec, self.model_args = model, dict(model_args or {})
+        self.model_settings = model_settings(model, model_args)
+        self.model_spec, self.model_args = self.model_settings.model, self.model_settings.args
         # architectural defenses (PRECODE) change the client model once, before training; the
         # planner probes the model as it was before (to see what wrap_model changes)
-        self.base_model = build_model(model, self.model_args, self.dataset, self.seed).to(self.device)
+        self.base_model = build_model(self.model_settings, self.dataset, self.seed).to(self.device)
+        trained = max(attacks.steps) > 0 or output.utility
+        check_model(self.base_model, self.model_settings, self.dataset, data.batch_size, fl.client_mode,
+                    fl.batch_size if trained else None, self.device)
+        self.model_ident = {**self.model_settings.describe(), **model_identity(self.base_model, {})}
         self.model = client_model(self.defense, copy.deepcopy(self.base_model), self.seed)
         self.numel = int(math.prod(self.dataset.input_shape))
         self.delta = output.delta if output.delta is not None else default_delta(self.numel)
@@ -96,7 +103,7 @@ class Audit:
         are left out on purpose: adding a step, an image or an attack reuses the rest."""
         return {
             "defense": self.defense_ident,
-            "model": model_identity(self.model_spec, self.model_args),
+            "model": self.model_ident,
             "data": data_identity(self.dataset, self.data.data_args, self.data.image_size),
             "fl": asdict(self.fl), "batch_size": self.data.batch_size,
             "budget": self.attacks.budget_description(),
@@ -105,6 +112,7 @@ class Audit:
 
     def settings(self) -> Dict[str, Any]:
         return {**self.key_settings(), "steps": list(self.attacks.steps), "images": self.data.images,
+                "checkpoint": None if self.model_settings.checkpoint is None else str(self.model_settings.checkpoint),
                 "attacks": list(self.attacks.names), "attack_args": self.attacks.args,
                 "utility": self.output.utility, "utility_steps": self.output.utility_steps,
                 "risk_delta": self.delta}
@@ -112,10 +120,10 @@ class Audit:
     # ------------------------------------------------------------------ phases
     def plan(self) -> Tuple[List[AttackSpec], Dict[str, Any]]:
         """The attacks to run (base + the planner's adaptive ones) and the plan for the report."""
+        probe_model, probe_note = planner_model(self.base_model, self.dataset)
         try:
-            plan = _plan(self.defense, copy.deepcopy(self.base_model), self.dataset, self.seed, self.device,
-                         self.attacks.steps)
-            plan_dict = plan.to_dict()
+            plan = _plan(self.defense, probe_model, self.dataset, self.seed, self.device, self.attacks.steps)
+            plan_dict = {**plan.to_dict(), **({"model_mode": probe_note} if probe_note else {})}
         except GiaError as err:  # e.g. the defense fails on the planner's probe batch
             plan, plan_dict = None, {"error": f"probing the defense failed: {type(err).__name__}: {err}"}
         proposed = [] if plan is None else [
@@ -152,12 +160,14 @@ class Audit:
                                        "every attack as extras aux_images / aux_labels; the only data "
                                        "learned attacks may use",
             "attacks_run": [s.id for s in specs],
+            "client_mode": CLIENT_MODE_TEXT[self.fl.client_mode],
+            "model_state": _state_description(self.model_settings, self.seed),
         }
 
     def observe(self, model: nn.Module, images, labels, step: int, image: int):
         local_lr = self.fl.local_lr if self.fl.local_lr is not None else self.fl.lr
         return observe(model, images, labels, self.defense, share_labels=self.data.share_labels,
-                       local_steps=self.fl.local_steps, local_lr=local_lr, step=step,
+                       local_steps=self.fl.local_steps, local_lr=local_lr, client_mode=self.fl.client_mode, step=step,
                        seed=self.defense_seed(step, image), extra=self.auxiliary_data())
 
     def auxiliary_data(self) -> Dict[str, Any]:
@@ -436,6 +446,35 @@ def _plan(defense, model, dataset, seed: int, device, steps: Sequence[int] = ())
                         rounds=steps)
 
 
+def planner_model(model: nn.Module, dataset) -> Tuple[nn.Module, Optional[str]]:
+    """A copy of ``model`` for the planner, whose probe runs single images too: in eval mode
+    (with the reason) when train-mode BatchNorm cannot run a batch of 1 (a 1x1 feature map)."""
+    probe = copy.deepcopy(model)
+    if runs(probe, dataset.input_shape, dataset.num_classes, 1, "train"):
+        return probe, None
+    return probe.eval(), ("eval: the model cannot run one image in train mode (BatchNorm over a 1x1 feature "
+                          "map), so the planner probed the defense on it in eval mode")
+
+
+def _state_description(settings: ModelSettings, seed: int) -> str:
+    """What the model of audited step 0 is, for the threat model."""
+    if settings.checkpoint is not None:
+        start = f"the weights of checkpoint {settings.checkpoint}"
+    elif isinstance(settings.model, nn.Module):
+        start = "the weights of the given module"
+    else:
+        start = f"a fresh initialisation (seed {seed})"
+    return f"step 0 is {start}; step N is N FL rounds of defended training after it"
+
+
+CLIENT_MODE_TEXT = {
+    "train": "train: the client computes its update in train mode (BatchNorm normalises with the private "
+             "batch's own statistics, as clients train)",
+    "eval": "eval: the client computes its update in eval mode (BatchNorm uses the running statistics in the "
+            "model's buffers, which the attacker sees)",
+}
+
+
 def _check_attacks(specs: Sequence[AttackSpec]) -> None:
     for spec in specs:
         ATTACKS.get(spec.name)  # an unknown name raises ConfigError listing the valid ones
@@ -478,13 +517,10 @@ def _measure_utility(audit: "Audit") -> Dict[str, Any]:
     the audit's model, data and FL settings."""
     from audit.engine.utility import measure_utility
 
-    if not isinstance(audit.model_spec, str):
-        return {"unavailable": "utility is measured on a registered model name; a custom nn.Module "
-                               "cannot be rebuilt from scratch for the undefended run"}
     if audit.fl.local_lr is not None:
         return {"unavailable": "utility measurement supports FedSGD / FedAvg with the server lr only "
                                "(local_lr was given)"}
-    return measure_utility(audit.defense, model=audit.model_spec, model_args=audit.model_args,
+    return measure_utility(audit.defense, model=audit.model_settings,
                            dataset=audit.dataset, steps=audit.output.utility_steps,
                            lr=audit.fl.lr, batch_size=audit.fl.batch_size, clients=audit.fl.clients,
                            local_steps=audit.fl.local_steps, seed=audit.seed, device=audit.device)
@@ -515,7 +551,7 @@ def _progress(total: int, initial: int, enabled: bool):
 # --------------------------------------------------------------------------- public entry point
 def run(
     defense: Any = DEFAULT_DEFENSE,
-    model: Union[str, nn.Module] = "cnn",
+    model: Any = "cnn",
     data: Any = "embedded",
     steps: Union[str, Sequence[int]] = DEFAULT_STEPS,
     attacks: Union[str, Sequence[str]] = "auto",
@@ -527,6 +563,9 @@ def run(
     attack_args: Optional[Dict[str, Dict[str, Any]]] = None,
     defense_args: Optional[Dict[str, Any]] = None,
     model_args: Optional[Dict[str, Any]] = None,
+    model_normalize: Any = None,
+    checkpoint: Optional[Union[str, Path]] = None,
+    client_mode: str = "train",
     data_args: Optional[Dict[str, Any]] = None,
     image_size: int = 32,
     batch_size: int = 1,
@@ -549,7 +588,12 @@ def run(
 
     ``defense``: a built-in name (``defense_args`` are its parameters), a ``Defense`` object,
     any ``defense(model, inputs, labels, *, loss_fn, generator) -> list[Tensor]`` callable,
-    or ``"package.module:attr"``. ``steps``: audited training steps (the model is trained
+    or ``"package.module:attr"``. ``model``: a registered name, ``"package.module:attr"`` or
+    a factory (called with ``num_classes=``, ``input_shape=`` when it names it, and
+    ``model_args``), or an ``nn.Module``; ``model_normalize``: the inputs it expects
+    (``"data"``, ``"none"``, ``(mean, std)``; see :mod:`audit.core.model_source`);
+    ``checkpoint``: a state_dict file its weights start from; ``client_mode``: ``"train"`` or
+    ``"eval"``, the mode of the audited client's update. ``steps``: audited training steps (the model is trained
     between them with the defended updates: FedSGD, or FedAvg with ``local_steps`` /
     ``local_lr``, over ``clients`` clients). ``attacks``: ``"auto"`` (base attacks plus the
     planner's adaptive attacks) or a list of names (``attack_args``: per-attack settings,
@@ -579,10 +623,11 @@ def audit_settings(**flat: Any) -> Dict[str, Any]:
         raise ConfigError(f"unknown audit setting(s) {', '.join(unknown)}; valid settings: {', '.join(valid)}")
     s = {name: flat.get(name, p.default) for name, p in params.items()}
     return dict(
-        model=s["model"], model_args=s["model_args"], seed=s["seed"], device=s["device"],
+        model=ModelSettings(s["model"], s["model_args"] or {}, s["model_normalize"], s["checkpoint"]),
+        seed=s["seed"], device=s["device"],
         data=DataSettings(s["data"], s["data_args"] or {}, s["image_size"], s["images"], s["batch_size"],
                           s["share_labels"]),
-        fl=FLSettings(s["lr"], s["train_batch_size"], s["clients"], s["local_steps"], s["local_lr"]),
+        fl=FLSettings(s["lr"], s["train_batch_size"], s["clients"], s["local_steps"], s["local_lr"], s["client_mode"]),
         attacks=AttackSettings(s["steps"], s["attacks"], s["attack_args"] or {}, s["budget"]),
         output=OutputSettings(s["out"], s["utility"], s["utility_steps"], s["thresholds"] or Thresholds(),
                               s["delta"], s["progress"], s["defense_timeout"], s["retry_errors"]))

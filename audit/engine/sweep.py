@@ -36,8 +36,9 @@ from audit.core.errors import ConfigError, GiaError
 from audit.engine.audit import Audit, audit_settings
 from audit.engine.compose import resolve_defense, resolve_device
 from audit.engine.executors import EXECUTORS
-from audit.engine.identity import defense_identity, model_identity
-from audit.engine.settings import AttackSettings, DataSettings, FLSettings, OutputSettings, as_dict
+from audit.engine.identity import defense_identity
+from audit.engine.settings import (AttackSettings, DataSettings, FLSettings, ModelSettings, OutputSettings, as_dict,
+                                   model_settings)
 from audit.engine.utility import measure_utility
 from audit.report.store import ResultStore, atomic_write_json, read_json, settings_key
 from audit.report.sweep_report import SweepReport
@@ -168,8 +169,7 @@ class CellJob:
     """Everything a worker needs to audit one cell (picklable: sent to Ray tasks as is)."""
 
     cell: Cell
-    model: Any
-    model_args: Mapping[str, Any]
+    model: ModelSettings
     data: DataSettings
     fl: FLSettings
     attacks: AttackSettings
@@ -194,8 +194,7 @@ class CellAudit(Audit):
         run = {"accuracy": base["baseline_accuracy"], "final_loss": base["baseline_final_loss"],
                "seconds": base["baseline_seconds"], "error": None}
         try:
-            return measure_utility(self.defense, model=self.model_spec, model_args=self.model_args,
-                                   dataset=self.dataset, steps=self.output.utility_steps, lr=self.fl.lr,
+            return measure_utility(self.defense, model=self.model_settings, dataset=self.dataset, steps=self.output.utility_steps, lr=self.fl.lr,
                                    batch_size=self.fl.batch_size, clients=self.fl.clients,
                                    local_steps=self.fl.local_steps, seed=self.seed, device=self.device, baseline=run)
         except GiaError as err:
@@ -207,8 +206,7 @@ def _cell_audit(job: CellJob) -> CellAudit:
     if job.only is not None:  # the same store; its utility is measured by the cell's last run
         attacks = replace(attacks, steps=(job.only[0],), names=(job.only[1],))
         output = replace(output, utility=False, progress=False)
-    audit = CellAudit(job.cell.defense, job.model, defense_args=dict(job.cell.params), model_args=dict(job.model_args),
-                      data=job.data, fl=job.fl, attacks=attacks, output=output, seed=job.seed,
+    audit = CellAudit(job.cell.defense, job.model, defense_args=dict(job.cell.params), data=job.data, fl=job.fl, attacks=attacks, output=output, seed=job.seed,
                       device=job.device)
     audit.baseline = job.baseline
     return audit
@@ -266,17 +264,19 @@ class Sweep:
                  attacks: AttackSettings = AttackSettings(), output: OutputSettings = OutputSettings(out="sweep-out"),
                  seed: int = 0, device: Any = "cpu", step: Optional[int] = None, executor: str = "local",
                  executor_args: Optional[Dict[str, Any]] = None):
-        self.model, self.model_args = model, dict(model_args or {})
+        self.model = model_settings(model, model_args)
         self.data, self.fl, self.attacks, self.output = data, fl, attacks, output
         self.seed, self.device = int(seed), resolve_device(device)
         if step is not None and step not in attacks.steps:
             raise ConfigError(f"step {step} is not an audited step {list(attacks.steps)}; choose one of them "
                               "or leave it out for each cell's worst step")
         self.step = step
-        self.cells = grid_cells(grid, self._common_key())
         self.executor = EXECUTORS.build(executor, device=self.device, **(executor_args or {}))
-        # the data, the model and the private images, checked now rather than in a worker
-        _cell_audit(self._job(self.cells[0]))
+        # the data, the model and the private images, checked now rather than in a worker; the
+        # built model's digests key every cell
+        reference = _cell_audit(self._job(Cell(UNDEFENDED, (), UNDEFENDED, undefended=True)))
+        self.model_ident = reference.model_ident
+        self.cells = grid_cells(grid, self._common_key())
 
     @property
     def out(self) -> Path:
@@ -287,7 +287,7 @@ class Sweep:
         return {**as_dict(self.data), "data": data if isinstance(data, str) else getattr(data, "name", repr(data))}
 
     def _utility_key(self) -> Dict[str, Any]:
-        return {"model": model_identity(self.model, self.model_args), "data": self._data_key(),
+        return {"model": self.model_ident, "data": self._data_key(),
                 "fl": as_dict(self.fl), "utility_steps": self.output.utility_steps, "seed": self.seed,
                 "device": self.device.type}
 
@@ -298,8 +298,7 @@ class Sweep:
     def _job(self, cell: Cell, baseline: Optional[Dict[str, Any]] = None) -> CellJob:
         output = replace(self.output, out=self.out / "cells" / cell.name,
                          progress=self.output.progress and self.executor.shows_job_progress)
-        return CellJob(cell, self.model, self.model_args, self.data, self.fl, self.attacks, output, self.seed,
-                       str(self.device), baseline)
+        return CellJob(cell, self.model, self.data, self.fl, self.attacks, output, self.seed, str(self.device), baseline)
 
     def _baseline(self) -> Optional[Dict[str, Any]]:
         """The undefended training run, stored in ``baseline.json`` (measured once per settings)."""
@@ -315,7 +314,7 @@ class Sweep:
         return found[0]
 
     def settings(self) -> Dict[str, Any]:
-        return {"model": model_identity(self.model, self.model_args), "data": self._data_key(),
+        return {"model": self.model_ident, "data": self._data_key(),
                 "fl": as_dict(self.fl), "attacks": as_dict(self.attacks), "utility": self.output.utility,
                 "utility_steps": self.output.utility_steps, "seed": self.seed, "device": self.device.type,
                 "executor": self.executor.name}

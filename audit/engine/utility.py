@@ -11,8 +11,8 @@ from defenses import DEFENSES
 
 from audit.client.fl import evaluate, train
 from audit.core.errors import DefenseError
-from audit.core.models import build_model
-from audit.engine.compose import client_model, resolve_defense
+from audit.engine.compose import build_model, client_model, resolve_defense
+from audit.engine.settings import model_settings
 
 
 def _dataset(dataset, size: Optional[int]):
@@ -27,8 +27,7 @@ def _run(defense, data, *, model, model_args, steps, lr, batch_size, clients, lo
          device) -> Dict[str, Any]:
     """One training run; a defense that fails (or makes training diverge) is reported, with
     the reason, instead of an accuracy."""
-    net = build_model(model, data.input_shape, data.num_classes, mean=data.mean, std=data.std, seed=seed,
-                      **(model_args or {})).to(device)
+    net = build_model(model_settings(model, model_args), data, seed).to(device)
     start = time.perf_counter()
     try:
         net = client_model(defense, net, seed)
@@ -45,19 +44,22 @@ def _run(defense, data, *, model, model_args, steps, lr, batch_size, clients, lo
     }
 
 
-def measure_utility(defense, model: str = "cnn", dataset="embedded", steps: int = 300, *,
+def measure_utility(defense, model: Any = "cnn", dataset="embedded", steps: int = 300, *,
                     defense_params: Optional[Dict[str, Any]] = None, model_args: Optional[Dict[str, Any]] = None,
                     lr: float = 0.05,
                     batch_size: int = 16, clients: int = 1, local_steps: int = 1, size: Optional[int] = None,
                     seed: int = 0, device="cpu", baseline: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     """Test accuracy after ``steps`` rounds of training with ``defense`` next to the undefended run.
 
+    ``model``: a model spec (``model_args`` its keywords) or
+    :class:`~audit.engine.settings.ModelSettings` (both runs start from its checkpoint, if any);
     ``dataset`` is a registered name (loaded at ``size`` pixels) or a Dataset-like object;
     ``baseline`` reuses an undefended result (see :func:`utility_table`). Returns a dict with
     ``accuracy``, ``baseline_accuracy``, ``relative`` (defended / undefended), losses and times;
     ``accuracy`` is None, with the reason in ``error``, when training with the defense failed.
     """
     data = _dataset(dataset, size)
+    described = model_settings(model, model_args).describe()
     setting = dict(model=model, model_args=model_args, steps=steps, lr=lr, batch_size=batch_size, clients=clients,
                    local_steps=local_steps, seed=seed, device=torch.device(device))
     built = resolve_defense(defense, defense_params)
@@ -75,7 +77,7 @@ def measure_utility(defense, model: str = "cnn", dataset="embedded", steps: int 
         "baseline_final_loss": base["final_loss"],
         "seconds": run["seconds"],
         "baseline_seconds": base["seconds"],
-        "setting": {"model": model, "model_args": dict(model_args or {}), "dataset": getattr(data, "name", str(dataset)), "steps": steps, "lr": lr,
+        "setting": {"model": described["model"], "model_args": described["args"], "dataset": getattr(data, "name", str(dataset)), "steps": steps, "lr": lr,
                     "batch_size": batch_size, "clients": clients, "local_steps": local_steps, "seed": seed},
     }
 
