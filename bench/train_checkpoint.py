@@ -37,8 +37,13 @@ def train_checkpoint(model: str, data, rounds: int, out: Path, *, lr: float, bat
     net = build_audited_model(model, {}, data.input_shape, data.num_classes, mean=data.mean, std=data.std,
                               normalize="none", seed=seed)
     start = time.perf_counter()
+
+    def report(step: int, _model) -> None:
+        if step and step % 50 == 0:
+            print(f"round {step}/{rounds}: {time.perf_counter() - start:.0f} s", flush=True)
+
     train(with_normalization(net, data.mean, data.std), data, None, rounds, lr=lr, batch_size=batch_size,
-          clients=clients, local_steps=local_steps, seed=seed)
+          clients=clients, local_steps=local_steps, seed=seed, callback=report)
     seconds = time.perf_counter() - start
     accuracy = evaluate(with_normalization(net, data.mean, data.std), data.test_images, data.test_labels)
     info = {"model": model, "rounds": rounds, "lr": lr, "batch_size": batch_size, "clients": clients,
