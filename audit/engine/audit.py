@@ -593,7 +593,8 @@ def run(
     ``model_args``), or an ``nn.Module``; ``model_normalize``: the inputs it expects
     (``"data"``, ``"none"``, ``(mean, std)``; see :mod:`audit.core.model_source`);
     ``checkpoint``: a state_dict file its weights start from; ``client_mode``: ``"train"`` or
-    ``"eval"``, the mode of the audited client's update. ``steps``: audited training steps (the model is trained
+    ``"eval"``, the mode of the audited client's update (see ``docs/own-model.md``).
+    ``steps``: audited training steps (the model is trained
     between them with the defended updates: FedSGD, or FedAvg with ``local_steps`` /
     ``local_lr``, over ``clients`` clients). ``attacks``: ``"auto"`` (base attacks plus the
     planner's adaptive attacks) or a list of names (``attack_args``: per-attack settings,
