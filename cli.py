@@ -361,7 +361,7 @@ def plan_cmd(defense, defense_arg, model, size, as_json, seed, device):
 @click.option("--defense", "defenses", multiple=True, required=True,
               help="defense name (repeatable), 'all', or package.module:attr")
 @click.option("--defense-arg", "defense_args", multiple=True, help="defense parameter k=v (repeatable)")
-@click.option("--model", default="cnn", show_default=True, help="model name (gia-audit list models)")
+@click.option("--model", default="cnn", show_default=True, help="model name (gia-audit list models) or package.module:attr of a factory or nn.Module")
 @click.option("--dataset", default="embedded", show_default=True, help="data set name")
 @click.option("--size", default=32, show_default=True, type=int, help="image size in pixels")
 @click.option("--steps", default=300, show_default=True, type=int, help="training rounds")
