@@ -173,6 +173,8 @@ def test_attacks_see_the_normalised_model_and_are_scored_in_pixel_space(tmp_path
                        steps=[0], attacks=["analytic"], out=tmp_path, **cifar_run(cifar))
     assert report.psnr(0, "analytic") > 60
     assert report.data["settings"]["model"]["normalize"] == {"mean": [0.5] * 3, "std": [0.1] * 3}
+    assert ModelSettings(f"{__name__}:linear_net").describe()["normalize"] == "data"
+    assert ModelSettings(SHARED_NET).describe()["normalize"] == "none"
 
 
 # --------------------------------------------------------------------------- checkpoints

@@ -72,8 +72,11 @@ class ModelSettings:
 
     def describe(self) -> Dict[str, Any]:
         """JSON-able, for the report and the run key (with the built model's digests)."""
-        normalize = self.normalize if self.normalize is None or isinstance(self.normalize, str) else {
-            "mean": list(self.normalize[0]), "std": list(self.normalize[1])}
+        normalize = self.normalize
+        if normalize is None:  # the default, as it applies
+            normalize = "none" if source_kind(self.model) == "module" else "data"
+        elif not isinstance(normalize, str):
+            normalize = {"mean": list(normalize[0]), "std": list(normalize[1])}
         return {"model": self.model if isinstance(self.model, str) else model_label(self.model),
                 "args": {k: repr(v) if not isinstance(v, (int, float, str, bool, type(None), list, tuple)) else v
                          for k, v in self.args.items()},
