@@ -103,13 +103,33 @@ def weights_lpips_cmd(path, source, force, seed, device):
     click.echo("\n".join(install_lpips_weights(path, source=source, force=force)))
 
 
+MODEL_HELP = ("model name (`gia-audit list models`), or package.module:attr of your model: a factory (called "
+              "with num_classes=, input_shape= when it takes it, and --model-arg keywords) or an nn.Module")
+
+
+def model_options(fn):
+    """``--model-normalize`` and ``--checkpoint``: the inputs the model expects, its weights."""
+    fn = click.option("--checkpoint", default=None, type=click.Path(dir_okay=False),
+                      help="state_dict file (or a dict holding one under state_dict / model) the model's weights "
+                           "start from: audited step 0 is this state  [default: a fresh seeded initialisation]")(fn)
+    fn = click.option("--model-normalize", default=None, metavar="data|none|M1,M2,M3/S1,S2,S3",
+                      help="inputs the model expects: normalised with the data set's statistics (data), pixels in "
+                           "[0, 1] (none) or normalised with these per-channel mean/std; attacks optimise pixels "
+                           "through it, scores are in pixel space  [default: data; none for an nn.Module object]")(fn)
+    return fn
+
+
 @main.command("audit")
 @click.option("--defense", default=None,
               help="built-in defense name (`gia-audit list defenses`), or package.module:attr of your "
                    "defended-gradient callable  [default: prune]")
 @click.option("--defense-arg", multiple=True, metavar="NAME=VALUE", help="defense parameter (repeatable)")
-@click.option("--model", default=None, help="model name (`gia-audit list models`)  [default: cnn]")
-@click.option("--model-arg", multiple=True, metavar="NAME=VALUE", help="model parameter (repeatable)")
+@click.option("--model", default=None, help=MODEL_HELP + "  [default: cnn]")
+@click.option("--model-arg", multiple=True, metavar="NAME=VALUE", help="model (or factory) keyword (repeatable)")
+@model_options
+@click.option("--client-mode", type=click.Choice(["train", "eval"]), default=None,
+              help="mode the audited client computes its update in (BatchNorm: the batch's statistics in train, "
+                   "the running ones in eval; FL training always runs in train mode)  [default: train]")
 @click.option("--dataset", default=None, help="data set name (`gia-audit list datasets`)  [default: embedded]")
 @click.option("--data-path", default=None, help="local path of the data set (cifar10, mnist, folder)")
 @click.option("--image-size", default=None, type=int, help="image side in pixels  [default: 32]")
@@ -145,9 +165,10 @@ def weights_lpips_cmd(path, source, force, seed, device):
               help="output folder (the results and the report in every format)  [default: audit-out]")
 @common_options
 @friendly_errors
-def audit_cmd(defense, defense_arg, model, model_arg, dataset, data_path, image_size, steps, attacks, attack_arg,
-              images, batch_size, budget, share_labels, lr, train_batch_size, clients, local_steps, local_lr, delta,
-              thresholds, utility, utility_steps, utility_seeds, defense_timeout, quiet, out, seed, device):
+def audit_cmd(defense, defense_arg, model, model_arg, model_normalize, checkpoint, client_mode, dataset, data_path,
+              image_size, steps, attacks, attack_arg, images, batch_size, budget, share_labels, lr, train_batch_size,
+              clients, local_steps, local_lr, delta, thresholds, utility, utility_steps, utility_seeds, defense_timeout,
+              quiet, out, seed, device):
     """Audit a defense: attack it at several training steps and write the risk report."""
     from audit.core.registry import parse_kv_args
     from audit.engine.audit import run
@@ -156,7 +177,8 @@ def audit_cmd(defense, defense_arg, model, model_arg, dataset, data_path, image_
 
     settings = settings_from_options(
         model_arg, dataset, data_path, attack_arg, defense=defense, defense_args=parse_kv_args(defense_arg) or None,
-        model=model, image_size=image_size, steps=steps, attacks=attacks, images=images, batch_size=batch_size,
+        model=model, model_normalize=model_normalize, checkpoint=checkpoint,
+        client_mode=client_mode, image_size=image_size, steps=steps, attacks=attacks, images=images, batch_size=batch_size,
         budget=budget, share_labels=share_labels, lr=lr, train_batch_size=train_batch_size, clients=clients,
         local_steps=local_steps, local_lr=local_lr, delta=delta, thresholds=thresholds, utility=utility,
         utility_steps=utility_steps, utility_seeds=utility_seeds, out=out, defense_timeout=defense_timeout)
@@ -186,8 +208,8 @@ class _KeepsOptionOrder(click.Command):
 
 
 # the audit command's setting options that a sweep shares (the same for every cell)
-SWEEP_SHARES = ("model", "model_arg", "dataset", "data_path", "image_size", "steps", "attacks", "attack_arg",
-                "images", "batch_size", "budget", "share_labels", "lr", "train_batch_size", "clients",
+SWEEP_SHARES = ("model", "model_arg", "model_normalize", "checkpoint", "client_mode", "dataset", "data_path",
+                "image_size", "steps", "attacks", "attack_arg", "images", "batch_size", "budget", "share_labels", "lr", "train_batch_size", "clients",
                 "local_steps", "local_lr", "delta", "thresholds", "utility", "utility_steps", "utility_seeds",
                 "defense_timeout")
 
@@ -257,8 +279,9 @@ def report_cmd(directory, run_key, thresholds, seed, device):
 @main.command("attack")
 @click.option("--attack", "attack_name", default="ig", show_default=True, help="attack name (`gia-audit list attacks`)")
 @click.option("--attack-arg", multiple=True, metavar="NAME=VALUE", help="attack setting, e.g. tv=1e-3 (repeatable)")
-@click.option("--model", default="convnet", show_default=True, help="model name (`gia-audit list models`)")
-@click.option("--model-arg", multiple=True, metavar="NAME=VALUE", help="model parameter (repeatable)")
+@click.option("--model", default="convnet", show_default=True, help=MODEL_HELP)
+@click.option("--model-arg", multiple=True, metavar="NAME=VALUE", help="model (or factory) keyword (repeatable)")
+@model_options
 @click.option("--dataset", default="embedded", show_default=True, help="data set (`gia-audit list datasets`)")
 @click.option("--data-path", default=None, help="local path of the data set (cifar10, mnist, folder)")
 @click.option("--size", default=32, show_default=True, type=int, help="image side in pixels")
@@ -279,7 +302,7 @@ def report_cmd(directory, run_key, thresholds, seed, device):
 @click.option("--out", default="out", show_default=True, type=click.Path(file_okay=False), help="output folder")
 @common_options
 @friendly_errors
-def attack_cmd(attack_name, attack_arg, model, model_arg, dataset, data_path, size, index, image, label, batch,
+def attack_cmd(attack_name, attack_arg, model, model_arg, model_normalize, checkpoint, dataset, data_path, size, index, image, label, batch,
                budget, restarts, defense, defense_arg, share_labels, client_mode, local_steps, local_lr, quiet,
                out, seed, device):
     """Attack one private batch; write original/reconstruction PNGs and metrics.json to --out."""
@@ -289,7 +312,7 @@ def attack_cmd(attack_name, attack_arg, model, model_arg, dataset, data_path, si
     metrics = run_attack(
         attack_name, model=model, dataset=dataset, data_path=data_path, size=size, index=index, image=image,
         label=label, batch=batch, budget=budget, restarts=restarts, attack_args=parse_kv_args(attack_arg),
-        model_args=parse_kv_args(model_arg), defense=defense, defense_args=parse_kv_args(defense_arg),
+        model_args=parse_kv_args(model_arg), model_normalize=model_normalize, checkpoint=checkpoint, defense=defense, defense_args=parse_kv_args(defense_arg),
         share_labels=share_labels, client_mode=client_mode, local_steps=local_steps, local_lr=local_lr,
         out=out, seed=seed, device=resolve_device(device), progress=not quiet)
     click.echo(metrics["summary"])
@@ -316,7 +339,7 @@ def plan_cmd(defense, defense_arg, model, size, as_json, seed, device):
 @click.option("--defense", "defenses", multiple=True, required=True,
               help="defense name (repeatable), 'all', or package.module:attr")
 @click.option("--defense-arg", "defense_args", multiple=True, help="defense parameter k=v (repeatable)")
-@click.option("--model", default="cnn", show_default=True, help="model name (gia-audit list models)")
+@click.option("--model", default="cnn", show_default=True, help="model name (gia-audit list models) or package.module:attr of a factory or nn.Module")
 @click.option("--dataset", default="embedded", show_default=True, help="data set name")
 @click.option("--size", default=32, show_default=True, type=int, help="image size in pixels")
 @click.option("--steps", default=300, show_default=True, type=int, help="training rounds")

@@ -2,39 +2,16 @@
 :class:`~audit.core.types.Defense`, and checking what a defense returns."""
 from __future__ import annotations
 
-import importlib
 import inspect
 from typing import Any, Dict, Optional
 
 
 from audit.core.defense_call import call_defense, check_output, defense_name  # noqa: F401 (re-exported)
 from audit.core.errors import ConfigError
+from audit.core.registry import import_attr
 from audit.core.types import Defense, FunctionDefense
 
 from defenses.registry import DEFENSES, build_defense
-
-
-def _import_attr(spec: str) -> Any:
-    module_name, _, attr = spec.partition(":")
-    if not module_name or not attr:
-        raise ConfigError(f"defense {spec!r}: write an import path as 'package.module:attribute'")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as err:  # an import can fail with any error inside the user's module
-        raise ConfigError(
-            f"defense {spec!r}: cannot import module {module_name!r} ({type(err).__name__}: {err}); "
-            "check that it is on PYTHONPATH"
-        ) from None
-    obj = module
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            public = sorted(n for n in dir(module) if not n.startswith("_"))
-            raise ConfigError(
-                f"defense {spec!r}: module {module_name!r} has no attribute {attr!r}; "
-                f"it defines: {', '.join(public) or '(nothing public)'}"
-            )
-        obj = getattr(obj, part)
-    return obj
 
 
 def _from_object(obj: Any, params: Dict[str, Any], label: str) -> Defense:
@@ -65,7 +42,7 @@ def resolve_defense(spec: Any = None, params: Optional[Dict[str, Any]] = None) -
         spec = "none"
     if isinstance(spec, str):
         if ":" in spec:
-            return _from_object(_import_attr(spec), params, repr(spec))
+            return _from_object(import_attr(spec, "defense"), params, repr(spec))
         if spec not in DEFENSES:
             DEFENSES.get(spec)  # raises, listing the valid names
         return build_defense(spec, **params)

@@ -6,6 +6,7 @@ Every user-facing name is looked up in a :class:`Registry`; an unknown name rais
 from __future__ import annotations
 
 import difflib
+import importlib
 import inspect
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, Tuple
@@ -115,3 +116,34 @@ def _parse_value(raw: str) -> Any:
     if "," in raw:
         return tuple(_parse_value(p) for p in raw.split(","))
     return raw
+
+
+MAX_LISTED = 20  # names an error lists at most
+
+
+def import_attr(spec: str, kind: str) -> Any:
+    """The object a ``"package.module:attr"`` string names (``attr`` may be dotted); a bad
+    path is a ConfigError naming the ``kind`` ("defense", "model") and what the module defines."""
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise ConfigError(f"{kind} {spec!r}: write an import path as 'package.module:attribute'")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as err:  # an import can fail with any error inside the user's module
+        raise ConfigError(
+            f"{kind} {spec!r}: cannot import module {module_name!r} ({type(err).__name__}: {err}); "
+            "check that it is on PYTHONPATH"
+        ) from None
+    obj = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            public = sorted(n for n in dir(obj) if not n.startswith("_"))
+            close = difflib.get_close_matches(part, public, n=1)
+            shown = ", ".join(public[:MAX_LISTED]) + (f" (+{len(public) - MAX_LISTED} more)"
+                                                       if len(public) > MAX_LISTED else "")
+            raise ConfigError(
+                f"{kind} {spec!r}: module {module_name!r} has no attribute {attr!r};"
+                f"{f' did you mean {close[0]!r}?' if close else ''} it defines: {shown or '(nothing public)'}"
+            )
+        obj = getattr(obj, part)
+    return obj

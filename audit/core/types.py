@@ -3,8 +3,8 @@
 Conventions used everywhere:
 
 * **Images are in [0, 1]**, shape ``(B, C, H, W)``. Normalisation lives *inside* the model
-  (the model registry prepends a :class:`~audit.core.models.Normalize` layer); a user model that
-  expects normalised inputs is wrapped with :func:`audit.core.models.with_normalization`.
+  (the model registry prepends a :class:`~audit.core.models.Normalize` layer, and so does
+  :mod:`audit.core.model_source` for a user model that expects normalised inputs).
 * **A defended-gradient function** is any callable
   ``defense(model, inputs, labels, *, loss_fn, generator) -> list[Tensor]`` returning one
   tensor per trainable parameter (same order and shapes as

@@ -25,14 +25,15 @@ from audit.client.fl import train
 from audit.client.observe import observe
 from audit.core.defense_call import defense_timeout
 from audit.core.errors import ConfigError, DefenseError, GiaError, NotApplicable
+from audit.core.preflight import runs
 from audit.core.records import AccuracySpread, AttackResult, Scores, Status, UtilityResult
-from audit.engine.compose import AuditParts, build_parts, build_shared, reconstruct, resolve_defense
+from audit.engine.compose import AuditParts, build_parts, build_shared, check_model, reconstruct, resolve_defense
 from audit.engine.identity import data_identity, defense_identity, derive_seed, model_identity, versions
 from audit.engine.null import Null, null_evidence
 from audit.engine.privacy import privacy_report
 from audit.engine.scoring import PSNR_CAP, score_against_trained, score_reconstruction, trace_summary, trained_batch
 from audit.engine.settings import (DEFAULT_BUDGET, DEFAULT_IMAGES, DEFAULT_STEPS, AttackSettings, DataSettings,
-                                   FLSettings, OutputSettings)
+                                   FLSettings, ModelSettings, OutputSettings, model_settings)
 from audit.report.audit_report import AuditReport
 from audit.report.risk import default_delta
 from audit.report.rule import LeakRule
@@ -72,7 +73,7 @@ class Audit:
     from ``defense``, ``model`` and the settings.
     """
 
-    def __init__(self, defense: Any = DEFAULT_DEFENSE, model: Union[str, nn.Module] = "cnn", *,
+    def __init__(self, defense: Any = DEFAULT_DEFENSE, model: Union[str, nn.Module, ModelSettings] = "cnn", *,
                  defense_args: Optional[Dict[str, Any]] = None, model_args: Optional[Dict[str, Any]] = None,
                  data_settings: DataSettings = DataSettings(), fl_settings: FLSettings = FLSettings(),
                  attack_settings: AttackSettings = AttackSettings(),
@@ -83,9 +84,10 @@ class Audit:
         data, output = data_settings, output_settings
         self.seed = int(seed)
         self.defense_spec = defense
-        self.model_spec, self.model_args = model, dict(model_args or {})
+        self.model_settings = model_settings(model, model_args)
+        self.model_spec, self.model_args = self.model_settings.model, self.model_settings.args
         if parts is None:
-            shared = build_shared(model, self.model_args, data, self.seed, device)
+            shared = build_shared(self.model_settings, data, self.seed, device)
             resolved = resolve_defense(defense, defense_args or {})
             # hashes the defense's code and values and runs it on a fixed probe
             ident = defense_identity(resolved, defense, timeout=output.defense_timeout)
@@ -96,6 +98,10 @@ class Audit:
         # the model as built (the planner compares it with the client's model to see what an
         # architectural defense such as PRECODE changed) and the client's model, wrapped once
         self.base_model, self.model = parts.base_model, parts.model
+        trained = max(self.attack_settings.steps) > 0 or output.utility
+        check_model(self.base_model, self.model_settings, self.dataset, data.batch_size, fl_settings.client_mode,
+                    fl_settings.batch_size if trained else None, self.device)
+        self.model_ident = {**self.model_settings.describe(), **model_identity(self.base_model, {})}
         self.numel = int(math.prod(self.dataset.input_shape))
         self.delta = output.delta if output.delta is not None else default_delta(self.numel)
         self.private = _private_batches(self.dataset, data.images, data.batch_size, self.seed)
@@ -116,7 +122,7 @@ class Audit:
         are left out on purpose: adding a step, an image or an attack reuses the rest."""
         return {
             "defense": self.defense_ident,
-            "model": model_identity(self.model_spec, self.model_args),
+            "model": self.model_ident,
             "data": data_identity(self.dataset, self.data_settings.data_args, self.data_settings.image_size),
             "fl": asdict(self.fl_settings), "batch_size": self.data_settings.batch_size,
             "budget": self.attack_settings.budget_description(),
@@ -127,6 +133,7 @@ class Audit:
 
     def settings(self) -> Dict[str, Any]:
         return {**self.key_settings(), "steps": list(self.attack_settings.steps), "images": self.data_settings.images,
+                "checkpoint": None if self.model_settings.checkpoint is None else str(self.model_settings.checkpoint),
                 "attacks": list(self.attack_settings.names), "attack_args": self.attack_settings.args,
                 "utility": self.output_settings.utility, "utility_steps": self.output_settings.utility_steps,
                 "utility_seeds": self.output_settings.utility_seeds, "risk_delta": self.delta}
@@ -134,10 +141,12 @@ class Audit:
     # ------------------------------------------------------------------ phases
     def plan(self) -> Tuple[List[AttackSpec], Dict[str, Any]]:
         """The attacks to run (base + the planner's adaptive ones) and the plan for the report."""
+        probe_model, probe_note = planner_model(self.base_model, self.dataset)
         try:
-            plan = _plan(self.defense, copy.deepcopy(self.base_model), copy.deepcopy(self.model), self.dataset,
-                         self.seed, self.device, self.attack_settings.steps)
-            plan_dict = plan.to_dict()
+            client_probe, _ = planner_model(self.model, self.dataset)
+            plan = _plan(self.defense, probe_model, client_probe, self.dataset, self.seed, self.device,
+                         self.attack_settings.steps)
+            plan_dict = {**plan.to_dict(), **({"model_mode": probe_note} if probe_note else {})}
         except GiaError as err:  # e.g. the defense fails on the planner's probe batch
             plan, plan_dict = None, {"error": f"probing the defense failed: {type(err).__name__}: {err}"}
         proposed = [] if plan is None else [
@@ -174,12 +183,15 @@ class Audit:
                                        "every attack as extras aux_images / aux_labels; the only data "
                                        "learned attacks may use",
             "attacks_run": [s.id for s in specs],
+            "client_mode": CLIENT_MODE_TEXT[self.fl_settings.client_mode],
+            "model_state": _state_description(self.model_settings, self.seed),
         }
 
     def observe(self, model: nn.Module, images, labels, step: int, image: int):
         local_lr = self.fl_settings.local_lr if self.fl_settings.local_lr is not None else self.fl_settings.lr
         return observe(model, images, labels, self.defense, share_labels=self.data_settings.share_labels,
-                       local_steps=self.fl_settings.local_steps, local_lr=local_lr, step=step,
+                       local_steps=self.fl_settings.local_steps, local_lr=local_lr,
+                       client_mode=self.fl_settings.client_mode, step=step,
                        seed=self.defense_seed(step, image), extra=self.auxiliary_data())
 
     def auxiliary_data(self) -> Dict[str, Any]:
@@ -466,6 +478,35 @@ def _plan(defense, model, wrapped, dataset, seed: int, device, steps: Sequence[i
                         rounds=steps, client_model=wrapped)
 
 
+def planner_model(model: nn.Module, dataset) -> Tuple[nn.Module, Optional[str]]:
+    """A copy of ``model`` for the planner, whose probe runs single images too: in eval mode
+    (with the reason) when train-mode BatchNorm cannot run a batch of 1 (a 1x1 feature map)."""
+    probe = copy.deepcopy(model)
+    if runs(probe, dataset.input_shape, dataset.num_classes, 1, "train"):
+        return probe, None
+    return probe.eval(), ("eval: the model cannot run one image in train mode (BatchNorm over a 1x1 feature "
+                          "map), so the planner probed the defense on it in eval mode")
+
+
+def _state_description(settings: ModelSettings, seed: int) -> str:
+    """What the model of audited step 0 is, for the threat model."""
+    if settings.checkpoint is not None:
+        start = f"the weights of checkpoint {settings.checkpoint}"
+    elif isinstance(settings.model, nn.Module):
+        start = "the weights of the given module"
+    else:
+        start = f"a fresh initialisation (seed {seed})"
+    return f"step 0 is {start}; step N is N FL rounds of defended training after it"
+
+
+CLIENT_MODE_TEXT = {
+    "train": "train: the client computes its update in train mode (BatchNorm normalises with the private "
+             "batch's own statistics, as clients train)",
+    "eval": "eval: the client computes its update in eval mode (BatchNorm uses the running statistics in the "
+            "model's buffers, which the attacker sees)",
+}
+
+
 def _check_attacks(specs: Sequence[AttackSpec]) -> None:
     for spec in specs:
         ATTACKS.get(spec.name)  # an unknown name raises ConfigError listing the valid ones
@@ -509,17 +550,14 @@ def _measure_utility(audit: "Audit", baseline: Optional[AccuracySpread]) -> Util
     FL settings."""
     from audit.engine.utility import measure_utility
 
-    if not isinstance(audit.model_spec, str):
-        return UtilityResult.missing("utility is measured on a registered model name; a custom nn.Module "
-                                     "cannot be rebuilt from scratch for the undefended run")
     if audit.fl_settings.local_lr is not None:
         return UtilityResult.missing("utility measurement supports FedSGD / FedAvg with the server lr only "
                                      "(local_lr was given)")
-    return measure_utility(audit.defense, model=audit.model_spec, model_args=audit.model_args,
-                           dataset=audit.dataset, steps=audit.output_settings.utility_steps,
-                           lr=audit.fl_settings.lr, batch_size=audit.fl_settings.batch_size, clients=audit.fl_settings.clients,
-                           local_steps=audit.fl_settings.local_steps, seed=audit.seed, seeds=audit.output_settings.utility_seeds,
-                           device=audit.device, baseline=baseline)
+    return measure_utility(audit.defense, model=audit.model_settings, dataset=audit.dataset,
+                           steps=audit.output_settings.utility_steps, lr=audit.fl_settings.lr,
+                           batch_size=audit.fl_settings.batch_size, clients=audit.fl_settings.clients,
+                           local_steps=audit.fl_settings.local_steps, seed=audit.seed,
+                           seeds=audit.output_settings.utility_seeds, device=audit.device, baseline=baseline)
 
 
 def _delta_description(delta: float, dataset) -> str:
@@ -547,7 +585,7 @@ def _progress(total: int, initial: int, enabled: bool):
 # --------------------------------------------------------------------------- public entry point
 def run(
     defense: Any = DEFAULT_DEFENSE,
-    model: Union[str, nn.Module] = "cnn",
+    model: Any = "cnn",
     data: Any = "embedded",
     steps: Union[str, Sequence[int]] = DEFAULT_STEPS,
     attacks: Union[str, Sequence[str]] = "auto",
@@ -559,6 +597,9 @@ def run(
     attack_args: Optional[Dict[str, Dict[str, Any]]] = None,
     defense_args: Optional[Dict[str, Any]] = None,
     model_args: Optional[Dict[str, Any]] = None,
+    model_normalize: Any = None,
+    checkpoint: Optional[Union[str, Path]] = None,
+    client_mode: str = "train",
     data_args: Optional[Dict[str, Any]] = None,
     image_size: int = 32,
     batch_size: int = 1,
@@ -582,7 +623,13 @@ def run(
 
     ``defense``: a built-in name (``defense_args`` are its parameters), a ``Defense`` object,
     any ``defense(model, inputs, labels, *, loss_fn, generator) -> list[Tensor]`` callable,
-    or ``"package.module:attr"``. ``steps``: audited training steps (the model is trained
+    or ``"package.module:attr"``. ``model``: a registered name, ``"package.module:attr"`` or
+    a factory (called with ``num_classes=``, ``input_shape=`` when it names it, and
+    ``model_args``), or an ``nn.Module``; ``model_normalize``: the inputs it expects
+    (``"data"``, ``"none"``, ``(mean, std)``; see :mod:`audit.core.model_source`);
+    ``checkpoint``: a state_dict file its weights start from; ``client_mode``: ``"train"`` or
+    ``"eval"``, the mode of the audited client's update (see ``docs/own-model.md``).
+    ``steps``: audited training steps (the model is trained
     between them with the defended updates: FedSGD, or FedAvg with ``local_steps`` /
     ``local_lr``, over ``clients`` clients). ``attacks``: ``"auto"`` (base attacks plus the
     planner's adaptive attacks) or a list of names (``attack_args``: per-attack settings,
@@ -614,11 +661,13 @@ def audit_settings(**flat: Any) -> Dict[str, Any]:
         raise ConfigError(f"unknown audit setting(s) {', '.join(unknown)}; valid settings: {', '.join(valid)}")
     s = {name: flat.get(name, p.default) for name, p in params.items()}
     return dict(
-        model=s["model"], model_args=s["model_args"], seed=s["seed"], device=s["device"],
+        model=ModelSettings(s["model"], s["model_args"] or {}, s["model_normalize"], s["checkpoint"]),
+        seed=s["seed"], device=s["device"],
         data_settings=DataSettings(s["data"], s["data_args"] or {}, s["image_size"], s["images"], s["batch_size"],
-                          s["share_labels"]),
-        fl_settings=FLSettings(s["lr"], s["train_batch_size"], s["clients"], s["local_steps"], s["local_lr"]),
+                                   s["share_labels"]),
+        fl_settings=FLSettings(s["lr"], s["train_batch_size"], s["clients"], s["local_steps"], s["local_lr"],
+                               s["client_mode"]),
         attack_settings=AttackSettings(s["steps"], s["attacks"], s["attack_args"] or {}, s["budget"]),
         output_settings=OutputSettings(s["out"], s["utility"], s["utility_steps"], LeakRule.of(s["thresholds"]),
-                              s["delta"], s["progress"], s["defense_timeout"], s["retry_errors"],
-                              utility_seeds=s["utility_seeds"]))
+                                       s["delta"], s["progress"], s["defense_timeout"], s["retry_errors"],
+                                       utility_seeds=s["utility_seeds"]))

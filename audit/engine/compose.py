@@ -48,19 +48,30 @@ def resolve_defense(spec: Any, args: Dict[str, Any] = None):
     return resolve(spec, args or {})
 
 
-def build_model(model, model_args: Dict[str, Any], dataset, seed: int) -> nn.Module:
-    """A registered model name built for ``dataset`` (seeded), or a copy of a user's module."""
-    from audit.core.models import build_model as build
+def build_model(settings, dataset, seed: int) -> nn.Module:
+    """The audited model of :class:`~audit.engine.settings.ModelSettings` for ``dataset``:
+    built under ``seed``, its checkpoint loaded, taking images in [0, 1]."""
+    from audit.core.model_source import build_audited_model
 
-    if isinstance(model, nn.Module):
-        if model_args:
-            raise ConfigError("model_args apply to a model name, not to a built model")
-        return copy.deepcopy(model)
-    if not isinstance(model, str):
-        raise ConfigError(f"model must be a registered name (see `gia-audit list models`) or an "
-                          f"nn.Module taking images in [0, 1], got {type(model).__name__}")
-    return build(model, dataset.input_shape, dataset.num_classes, mean=dataset.mean,
-                       std=dataset.std, seed=seed, **model_args)
+    return build_audited_model(settings.model, settings.args, dataset.input_shape, dataset.num_classes,
+                               mean=dataset.mean, std=dataset.std, normalize=settings.normalize,
+                               checkpoint=settings.checkpoint, seed=seed)
+
+
+def check_model(model: nn.Module, settings, dataset, client_batch: int, client_mode: str,
+                train_batch: Optional[int], device, batch_option: str = "--batch-size / batch_size") -> None:
+    """One forward / backward of ``model`` for the audited client's update (``client_batch``
+    images in ``client_mode``) and, when the model is trained (``train_batch`` not None), for
+    FL training; a one-line ConfigError naming the fix before any work (see
+    :func:`audit.core.preflight.check_model`)."""
+    from audit.core.model_source import model_label
+    from audit.core.preflight import ModelUse, check_model as check
+
+    uses = [ModelUse(client_batch, client_mode, "the audited client's update", batch_option,
+                     "--client-mode eval / client_mode='eval'" if client_mode == "train" else None)]
+    if train_batch is not None:
+        uses.append(ModelUse(train_batch, "train", "FL training", "--train-batch-size / train_batch_size"))
+    check(model, dataset.input_shape, dataset.num_classes, uses, model_label(settings.model), device)
 
 
 def client_model(defense, model: nn.Module, seed: int) -> nn.Module:

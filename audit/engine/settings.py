@@ -1,5 +1,5 @@
-"""The audit's settings: four small dataclasses (data, FL training, attacks, output), each
-validated when built, so a bad value fails before any work starts with a one-line error.
+"""The audit's settings: five small dataclasses (model, data, FL training, attacks, output),
+each validated when built, so a bad value fails before any work starts with a one-line error.
 
 ``audit.run(...)`` takes them flat (``images=4, budget=200, ...``) and builds these;
 :class:`~audit.engine.audit.Audit` and the sweep take them as objects.
@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from audit.core.errors import ConfigError
+from audit.core.model_source import model_label, parse_normalize, source_kind
 from audit.core.registry import parse_kv_args
 from audit.core.types import BUDGET_DEFINITION, BUDGET_UNIT
 from audit.report.rule import LeakRule
@@ -20,6 +21,7 @@ DEFAULT_BUDGET = 200
 # private batches per step: with none recovered, 8 images exclude a recovery rate above 31%
 # (one-sided 95%); 59 would exclude 5% (docs/evidence.md)
 DEFAULT_IMAGES = 8
+CLIENT_MODES = ("train", "eval")
 
 
 def _comma_list(value: Any) -> Any:
@@ -53,6 +55,48 @@ def _set(obj: Any, **values: Any) -> None:
 
 
 @dataclass(frozen=True)
+class ModelSettings:
+    """The audited model (built by :func:`audit.core.model_source.build_audited_model`):
+    ``model`` a registered name, ``"package.module:attr"``, a factory or an ``nn.Module``;
+    ``args`` the name's or factory's keywords; ``normalize`` the inputs it expects ("data",
+    "none" or (mean, std); None: "data" for a model the audit builds, "none" for a built
+    module); ``checkpoint`` a state_dict file its weights start from: the audited steps and
+    the utility's training count from there."""
+
+    model: Any = "cnn"
+    args: Mapping[str, Any] = field(default_factory=dict)
+    normalize: Any = None
+    checkpoint: Optional[Union[str, Path]] = None
+
+    def __post_init__(self):
+        source_kind(self.model)  # a model of no known kind is an error now
+        _set(self, args=dict(self.args or {}), normalize=parse_normalize(self.normalize),
+             checkpoint=None if self.checkpoint is None else Path(self.checkpoint).expanduser())
+
+    def describe(self) -> Dict[str, Any]:
+        """JSON-able, for the report and the run key (with the built model's digests)."""
+        normalize = self.normalize
+        if normalize is None:  # the default, as it applies
+            normalize = "none" if source_kind(self.model) == "module" else "data"
+        elif not isinstance(normalize, str):
+            normalize = {"mean": list(normalize[0]), "std": list(normalize[1])}
+        return {"model": self.model if isinstance(self.model, str) else model_label(self.model),
+                "args": {k: repr(v) if not isinstance(v, (int, float, str, bool, type(None), list, tuple)) else v
+                         for k, v in self.args.items()},
+                "normalize": normalize}
+
+
+def model_settings(model: Any, model_args: Optional[Mapping[str, Any]] = None) -> ModelSettings:
+    """``model`` as :class:`ModelSettings`: as it is when it already is one (then without
+    ``model_args``), else built from the spec and ``model_args``."""
+    if isinstance(model, ModelSettings):
+        if model_args:
+            raise ConfigError("model_args go into ModelSettings(args=...) when the model is given as ModelSettings")
+        return model
+    return ModelSettings(model, model_args or {})
+
+
+@dataclass(frozen=True)
 class DataSettings:
     """The private data: a data set (name or :class:`~audit.core.data.Dataset`; ``data_args``
     e.g. ``{"path": ...}``) at ``image_size`` pixels; ``images`` private batches of
@@ -74,15 +118,21 @@ class DataSettings:
 @dataclass(frozen=True)
 class FLSettings:
     """How the model is trained between audited checkpoints (see :func:`audit.client.fl.train`):
-    FedSGD, or FedAvg with ``local_steps`` / ``local_lr``, over ``clients`` clients."""
+    FedSGD, or FedAvg with ``local_steps`` / ``local_lr``, over ``clients`` clients (in train
+    mode). ``client_mode``: the mode the audited client runs the model in for the update the
+    attacker sees ("train": BatchNorm normalises with the batch's statistics, as clients
+    train; "eval": with the running statistics of the model's buffers)."""
 
     lr: float = 0.1
     batch_size: int = 8
     clients: int = 1
     local_steps: int = 1
     local_lr: Optional[float] = None
+    client_mode: str = "train"
 
     def __post_init__(self):
+        if self.client_mode not in CLIENT_MODES:
+            raise ConfigError(f"client_mode must be 'train' or 'eval', got {self.client_mode!r}")
         _set(self, lr=_positive("lr", self.lr, float), batch_size=_positive("train_batch_size", self.batch_size),
              clients=_positive("clients", self.clients), local_steps=_positive("local_steps", self.local_steps),
              local_lr=None if self.local_lr is None else _positive("local_lr", self.local_lr, float))

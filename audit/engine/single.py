@@ -18,7 +18,8 @@ import adaptive  # noqa: F401  (registers the adaptive attacks in ATTACKS)
 from attacks.presets import ATTACKS
 from audit.client.observe import observe
 from audit.core.errors import ConfigError
-from audit.engine.compose import client_model, reconstruct, resolve_defense, resolve_device
+from audit.engine.compose import build_model, check_model, client_model, reconstruct, resolve_defense, resolve_device
+from audit.engine.settings import CLIENT_MODES, ModelSettings
 
 
 def _private_batch(dataset, index: int, batch: int, image: Optional[str], label: int):
@@ -57,7 +58,7 @@ def _progress_bar(total: int, enabled: bool, label: str):
 def run_attack(
     attack: str = "ig",
     *,
-    model: str = "convnet",
+    model: Any = "convnet",
     dataset: str = "embedded",
     data_path: Optional[str] = None,
     size: int = 32,
@@ -69,6 +70,8 @@ def run_attack(
     restarts: Optional[int] = None,
     attack_args: Optional[Dict[str, Any]] = None,
     model_args: Optional[Dict[str, Any]] = None,
+    model_normalize: Any = None,
+    checkpoint: Optional[str] = None,
     defense: Optional[str] = None,
     defense_args: Optional[Dict[str, Any]] = None,
     share_labels: bool = False,
@@ -80,17 +83,20 @@ def run_attack(
     device: Any = "cpu",
     progress: bool = True,
 ) -> Dict[str, Any]:
-    """Attack one private batch and write images + metrics to ``out``; returns the metrics."""
+    """Attack one private batch and write images + metrics to ``out``; returns the metrics.
+    ``model``, ``model_args``, ``model_normalize``, ``checkpoint``: as :func:`audit.run`'s."""
     from audit.core.data import load_dataset
     from audit.core.metrics import score, to_jsonable
-    from audit.core.models import build_model
     from audit.report.images import batch_to_png_bytes
 
     device = resolve_device(device)
     data = load_dataset(dataset, data_path, size)
     x, y = _private_batch(data, index, batch, image, label)
-    net = build_model(model, data.input_shape, data.num_classes, mean=data.mean, std=data.std, seed=seed,
-                      **(model_args or {})).to(device)
+    settings = ModelSettings(model, model_args or {}, model_normalize, checkpoint)
+    net = build_model(settings, data, seed).to(device)
+    if client_mode not in CLIENT_MODES:
+        raise ConfigError(f"client_mode must be 'train' or 'eval', got {client_mode!r}")
+    check_model(net, settings, data, batch, client_mode, None, device, batch_option="--batch / batch")
     if defense is not None:
         defense = resolve_defense(defense, defense_args)
         net = client_model(defense, net, seed)
@@ -117,7 +123,7 @@ def run_attack(
     metrics = {"attack": attack, "applicable": rec.applicable, "reason": rec.reason, "scores": scores,
                "true_labels": y.tolist(), "recovered_labels": None if rec.labels is None else rec.labels.tolist(),
                "threat_model": obs.threat_model(), "defense": None if defense is None else repr(defense),
-               "model": model, "dataset": dataset, "index": index if image is None else None, "image": image,
+               "model": settings.describe(), "checkpoint": None if checkpoint is None else str(checkpoint), "dataset": dataset, "index": index if image is None else None, "image": image,
                "seed": seed, "trace": trace}
     if rec.applicable:
         matched = rec.inputs[torch.tensor(scores["assignment"])] if scores.get("assignment") else rec.inputs

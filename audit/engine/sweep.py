@@ -39,7 +39,8 @@ from audit.engine.audit import UTILITY_FORMAT, Audit, audit_settings
 from audit.engine.compose import AuditParts, SharedParts, build_parts, build_shared, resolve_defense
 from audit.engine.executors import EXECUTORS
 from audit.engine.identity import defense_identity, model_identity
-from audit.engine.settings import AttackSettings, DataSettings, FLSettings, OutputSettings, as_dict
+from audit.engine.settings import (AttackSettings, DataSettings, FLSettings, ModelSettings, OutputSettings, as_dict,
+                                   model_settings)
 from audit.report.store import ResultStore, atomic_write_json, read_json, settings_key
 from audit.report.sweep_report import SweepReport
 
@@ -174,8 +175,7 @@ class CellJob:
     client model (wrapped once, by the sweep)."""
 
     cell: Cell
-    model: Any
-    model_args: Mapping[str, Any]
+    model: ModelSettings
     data_settings: DataSettings
     fl_settings: FLSettings
     attack_settings: AttackSettings
@@ -207,7 +207,7 @@ def _cell_audit(job: CellJob, shared: SharedParts) -> CellAudit:
         attacks = replace(attacks, steps=(job.only[0],), names=(job.only[1],))
         output = replace(output, utility=False, progress=False)
     parts = AuditParts(shared, job.cell.built, job.cell.ident, job.client_model)
-    audit = CellAudit(job.cell.defense, job.model, defense_args=dict(job.cell.params), model_args=dict(job.model_args),
+    audit = CellAudit(job.cell.defense, job.model, defense_args=dict(job.cell.params),
                       data_settings=job.data_settings, fl_settings=job.fl_settings, attack_settings=attacks,
                       output_settings=output, seed=job.seed, parts=parts)
     audit.baseline = job.baseline
@@ -267,7 +267,7 @@ class Sweep:
                  output_settings: OutputSettings = OutputSettings(out="sweep-out"),
                  seed: int = 0, device: Any = "cpu", step: Optional[int] = None, executor: str = "local",
                  executor_args: Optional[Dict[str, Any]] = None):
-        self.model, self.model_args = model, dict(model_args or {})
+        self.model = model_settings(model, model_args)
         self.data_settings, self.fl_settings = data_settings, fl_settings
         self.attack_settings, self.output_settings = attack_settings, output_settings
         self.seed = int(seed)
@@ -276,8 +276,10 @@ class Sweep:
                               "or leave it out for each cell's worst step")
         self.step = step
         # the device, the data set and the seeded model: built once for every cell and job
-        self.shared = build_shared(model, self.model_args, data_settings, self.seed, device)
+        self.shared = build_shared(self.model, data_settings, self.seed, device)
         self.device = self.shared.device
+        # the built model's digests key every cell
+        self.model_ident = {**self.model.describe(), **model_identity(self.shared.base_model, {})}
         self._clients: Dict[str, Any] = {}
         self.cells = grid_cells(grid, self._common_key(), self.output_settings.defense_timeout)
         self.executor = EXECUTORS.build(executor, device=self.device, **(executor_args or {}))
@@ -293,7 +295,7 @@ class Sweep:
         return {**as_dict(self.data_settings), "data": data if isinstance(data, str) else getattr(data, "name", repr(data))}
 
     def _utility_key(self) -> Dict[str, Any]:
-        return {"model": model_identity(self.model, self.model_args), "data": self._data_key(),
+        return {"model": self.model_ident, "data": self._data_key(),
                 "fl": as_dict(self.fl_settings), "utility_steps": self.output_settings.utility_steps,
                 "utility_seeds": self.output_settings.utility_seeds, "utility_format": UTILITY_FORMAT, "seed": self.seed,
                 "device": self.device.type}
@@ -308,7 +310,7 @@ class Sweep:
         if cell.name not in self._clients:  # the cell's client model, wrapped once
             self._clients[cell.name] = build_parts(self.shared, cell.built, cell.defense, self.seed, cell.ident).model
         client = self._clients[cell.name]
-        return CellJob(cell, self.model, self.model_args, self.data_settings, self.fl_settings, self.attack_settings,
+        return CellJob(cell, self.model, self.data_settings, self.fl_settings, self.attack_settings,
                        output, self.seed, client, baseline)
 
     def _baseline(self) -> Optional[Dict[str, Any]]:
@@ -326,7 +328,7 @@ class Sweep:
         return found[0]
 
     def settings(self) -> Dict[str, Any]:
-        return {"model": model_identity(self.model, self.model_args), "data": self._data_key(),
+        return {"model": self.model_ident, "data": self._data_key(),
                 "fl": as_dict(self.fl_settings), "attacks": as_dict(self.attack_settings), "utility": self.output_settings.utility,
                 "utility_steps": self.output_settings.utility_steps, "utility_seeds": self.output_settings.utility_seeds,
                 "seed": self.seed, "device": self.device.type,

@@ -20,11 +20,11 @@ from defenses import DEFENSES
 
 from audit.client.fl import train
 from audit.core.errors import ConfigError, DefenseError, NonFiniteUpdate
-from audit.core.models import build_model
 from audit.core.records import AccuracySpread, TrainingRun, UtilityResult
 from audit.core.types import NoDefense
-from audit.engine.compose import client_model, resolve_defense
+from audit.engine.compose import build_model, client_model, resolve_defense
 from audit.engine.identity import derive_seed, torch_threads
+from audit.engine.settings import model_settings
 from audit.report.format import spread_text
 
 DEFAULT_SEEDS = 3
@@ -81,8 +81,7 @@ def _train_once(defense, data, *, model, model_args, steps, lr, batch_size, clie
     """One training run: the accuracy of what it left. A run that diverges (a non-finite loss,
     shared update or parameters) stops there and is scored as it stands; a defense that fails
     otherwise is reported with the reason instead of an accuracy."""
-    net = build_model(model, data.input_shape, data.num_classes, mean=data.mean, std=data.std, seed=seed,
-                      **(model_args or {})).to(device)
+    net = build_model(model_settings(model, model_args), data, seed).to(device)
     start = time.perf_counter()
     at = {"round": 0}
     diverged, why = None, ""
@@ -122,7 +121,7 @@ def train_over_seeds(defense, data, seeds: Sequence[int], **setting: Any) -> Acc
         return AccuracySpread(tuple(_train_once(defense, data, seed=s, **setting) for s in seeds))
 
 
-def measure_utility(defense, model: str = "cnn", dataset="embedded", steps: int = 300, *,
+def measure_utility(defense, model: Any = "cnn", dataset="embedded", steps: int = 300, *,
                     defense_params: Optional[Dict[str, Any]] = None, model_args: Optional[Dict[str, Any]] = None,
                     lr: float = 0.05, batch_size: int = 16, clients: int = 1, local_steps: int = 1,
                     size: Optional[int] = None, seed: int = 0, seeds: int = DEFAULT_SEEDS, device="cpu",
@@ -130,12 +129,15 @@ def measure_utility(defense, model: str = "cnn", dataset="embedded", steps: int 
     """Test accuracy after ``steps`` rounds of training with ``defense``, over ``seeds``
     seeds, next to the undefended runs on the same seeds.
 
+    ``model``: a model spec (``model_args`` its keywords) or
+    :class:`~audit.engine.settings.ModelSettings` (both runs start from its checkpoint, if any);
     ``dataset`` is a registered name (loaded at ``size`` pixels) or a Dataset-like object;
     ``baseline`` reuses the undefended runs (see :func:`utility_table`).
     """
     if isinstance(seeds, bool) or not isinstance(seeds, int) or seeds < 1:
         raise ConfigError(f"utility seeds must be a positive integer (training runs per arm), got {seeds!r}")
     data = _dataset(dataset, size)
+    described = model_settings(model, model_args).describe()
     setting = dict(model=model, model_args=model_args, steps=steps, lr=lr, batch_size=batch_size, clients=clients,
                    local_steps=local_steps, device=torch.device(device))
     order = utility_seeds(seed, seeds)
@@ -145,7 +147,7 @@ def measure_utility(defense, model: str = "cnn", dataset="embedded", steps: int 
     run = base if undefended else train_over_seeds(built, data, order, **setting)
     return UtilityResult(
         built.name, built.params(),
-        {"model": model, "model_args": dict(model_args or {}), "dataset": getattr(data, "name", str(dataset)),
+        {"model": described["model"], "model_args": described["args"], "dataset": getattr(data, "name", str(dataset)),
          "steps": steps, "lr": lr, "batch_size": batch_size, "clients": clients, "local_steps": local_steps,
          "seed": seed, "seeds": order, "threads": UTILITY_THREADS if setting["device"].type == "cpu" else None},
         run, base)

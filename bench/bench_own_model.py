@@ -1,0 +1,165 @@
+"""A reference audit of one's own model: torchvision's ResNet-18 by ``package.module:attr`` on
+CIFAR-10-format data from a local path, FedAvg clients, audited from scratch and at a
+checkpoint trained for a few hundred FedAvg rounds on the same data, side by side: what leaks
+at each state, which attacks carry it, and what the audit costs (seconds per (step, attack,
+image) and in total). Both audits run the ``gia-audit audit`` command line printed first;
+``--doc`` rewrites the tables of ``docs/own-model.md``.
+
+Usage (run on purpose, not in CI; the data ~5 s, the checkpoint ~15-30 min, the two audits
+~30 min on 2 shared CPU cores)::
+
+    python bench/bench_own_model.py --doc docs/own-model.md
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, List
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import cli  # noqa: E402
+from audit.report.store import read_json  # noqa: E402
+from bench import make_cifar_format, train_checkpoint  # noqa: E402
+
+BEGIN, END = "<!-- bench_own_model: begin -->", "<!-- bench_own_model: end -->"
+
+
+def _command(args, out: Path, checkpoint: str = None) -> List[str]:
+    """The ``gia-audit audit`` arguments of one of the two audits."""
+    cmd = ["audit", "--model", args.model, "--dataset", "cifar10", "--data-path", args.data_path,
+           "--defense", args.defense, "--batch-size", str(args.batch_size), "--images", str(args.images),
+           "--steps", args.steps, "--clients", str(args.clients), "--local-steps", str(args.local_steps),
+           "--lr", str(args.lr), "--train-batch-size", str(args.train_batch_size),
+           "--utility-steps", str(args.utility_steps), "--seed", str(args.seed), "--quiet", "--out", str(out)]
+    return cmd + (["--checkpoint", checkpoint] if checkpoint else [])
+
+
+def _run(cmd: List[str]) -> float:
+    start = time.perf_counter()
+    try:
+        cli.main(cmd, standalone_mode=False)
+    except SystemExit as err:  # a one-line error: stop the bench with it
+        if err.code:
+            raise
+    return time.perf_counter() - start
+
+
+def _fmt(value, digits: int = 1) -> str:
+    return "n/a" if value is None else f"{value:.{digits}f}"
+
+
+def _leak_table(reports: Dict[str, Dict[str, Any]]) -> List[str]:
+    """Per audited step and state: verdict, worst-case PSNR, the strongest attack, every attack's PSNR."""
+    attacks = sorted({a for r in reports.values() for s in r["steps"] for a in s["attacks"]})
+    lines = ["| model state | step | verdict | worst-case PSNR (dB) | strongest attack | "
+             + " | ".join(f"{a} PSNR" for a in attacks) + " |",
+             "|---|---:|---|---:|---|" + "---:|" * len(attacks)]
+    for state, report in reports.items():
+        for step in report["steps"]:
+            per = step["attacks"]
+            verdict = step["verdict"]
+            lines.append(f"| {state} | {step['step']} | {verdict['label']} ({verdict.get('recovered', 0)} of "
+                         f"{verdict.get('images', '?')} recovered) | {_fmt(step['worst_case'].get('psnr'), 2)} | "
+                         f"{step.get('risk', {}).get('strongest_attack') or 'n/a'} | "
+                         + " | ".join(_fmt(per.get(a, {}).get('psnr'), 2) for a in attacks) + " |")
+    return lines
+
+
+def _cost_table(reports: Dict[str, Dict[str, Any]], walls: Dict[str, float]) -> List[str]:
+    """Seconds per (step, attack, image), by attack, and the audit's wall time and utility share."""
+    lines = ["| model state | attack | results | s per (step, attack, image): mean | min | max |",
+             "|---|---|---:|---:|---:|---:|"]
+    for state, report in reports.items():
+        by_attack: Dict[str, List[float]] = {}
+        for rec in report["results"]:
+            if rec.get("time_s") is not None:
+                by_attack.setdefault(rec["attack"], []).append(float(rec["time_s"]))
+        for attack, times in sorted(by_attack.items()):
+            lines.append(f"| {state} | {attack} | {len(times)} | {statistics.mean(times):.1f} | {min(times):.1f} | "
+                         f"{max(times):.1f} |")
+    lines += ["", "| model state | whole audit (s) | of which utility: two training runs (s) | test accuracy "
+                  "(undefended) after the utility's rounds |", "|---|---:|---:|---:|"]
+    for state, report in reports.items():
+        util = report.get("utility") or {}
+        seconds = sum(util.get(k) or 0 for k in ("seconds", "baseline_seconds")) or None
+        lines.append(f"| {state} | {walls[state]:.0f} | {_fmt(seconds, 0)} | {_fmt(util.get('baseline_accuracy'), 3)} |")
+    return lines
+
+
+def _write_doc(doc: Path, text: str) -> None:
+    page = doc.read_text()
+    if BEGIN not in page or END not in page:
+        raise SystemExit(f"{doc} has no {BEGIN} ... {END} section to rewrite")
+    head, _, rest = page.partition(BEGIN)
+    doc.write_text(head + BEGIN + "\n" + text + "\n" + END + rest.partition(END)[2])
+
+
+def main(argv=None) -> str:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="torchvision.models:resnet18")
+    p.add_argument("--data-path", default="bench-data/cifar-photos")
+    p.add_argument("--checkpoint", default="bench-data/resnet18-r300.pt")
+    p.add_argument("--rounds", type=int, default=300, help="FedAvg rounds of the checkpoint (trained if missing)")
+    p.add_argument("--defense", default="none")
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--images", type=int, default=2)
+    p.add_argument("--steps", default="0,10")
+    p.add_argument("--clients", type=int, default=2)
+    p.add_argument("--local-steps", type=int, default=4)
+    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--train-batch-size", type=int, default=8)
+    p.add_argument("--utility-steps", type=int, default=50)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="bench-data/own-model")
+    p.add_argument("--doc", default=None, help="rewrite the tables of this page (docs/own-model.md)")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    if not (Path(args.data_path) / "cifar-10-batches-py" / "test_batch").is_file():
+        make_cifar_format.main(["--out", args.data_path, "--seed", str(args.seed)])
+    trained = None
+    if not Path(args.checkpoint).is_file():
+        trained = train_checkpoint.main(["--model", args.model, "--data-path", args.data_path, "--rounds",
+                                         str(args.rounds), "--lr", str(args.lr), "--train-batch-size",
+                                         str(args.train_batch_size), "--clients", str(args.clients),
+                                         "--local-steps", str(args.local_steps), "--threads", str(args.threads),
+                                         "--seed", str(args.seed), "--out", args.checkpoint])
+    info = torch.load(args.checkpoint, map_location="cpu", weights_only=True)
+    runs = {"from scratch": _command(args, Path(args.out) / "scratch"),
+            f"checkpoint, round {info.get('rounds', '?')}": _command(args, Path(args.out) / "checkpoint",
+                                                                     args.checkpoint)}
+    walls, reports = {}, {}
+    for state, cmd in runs.items():
+        print("gia-audit " + shlex.join(cmd), flush=True)
+        walls[state] = _run(cmd)
+        reports[state] = read_json(Path(cmd[cmd.index("--out") + 1]) / "report.json")
+        print(f"{state}: {walls[state]:.0f} s, verdict {reports[state]['verdict']}", flush=True)
+    text = "\n".join([
+        f"Measured with `python bench/bench_own_model.py --doc docs/own-model.md` ({args.threads} torch threads, "
+        f"{platform.processor() or platform.machine()}, torch {torch.__version__}); the checkpoint: "
+        f"{info.get('rounds', '?')} FedAvg rounds ({info.get('clients', '?')} clients x {info.get('local_steps', '?')} "
+        f"local steps, batch {info.get('batch_size', '?')}, lr {info.get('lr', '?')}), test accuracy "
+        f"{_fmt(info.get('test_accuracy'), 3)}, trained in {_fmt(info.get('seconds'), 0)} s"
+        + (" (this run)." if trained else "."), "",
+        "The two commands:", "", "```bash",
+        *[f"gia-audit {shlex.join(cmd)}" for cmd in runs.values()], "```", "",
+        "What leaks, per audited step:", "", *_leak_table(reports), "",
+        "What it costs (the seconds of a (step, attack, image) are its share of the (step, attack) group, "
+        "which runs every private batch of the step at once):", "", *_cost_table(reports, walls)])
+    print("\n" + text)
+    if args.doc:
+        _write_doc(Path(args.doc), text)
+    return text
+
+
+if __name__ == "__main__":
+    main()
