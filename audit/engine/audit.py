@@ -629,9 +629,8 @@ def run(
     (``"data"``, ``"none"``, ``(mean, std)``; see :mod:`audit.core.model_source`);
     ``checkpoint``: a state_dict file its weights start from; ``client_mode``: ``"train"`` or
     ``"eval"``, the mode of the audited client's update (see ``docs/own-model.md``).
-    ``steps``: audited training steps (the model is trained
-    between them with the defended updates: FedSGD, or FedAvg with ``local_steps`` /
-    ``local_lr``, over ``clients`` clients). ``attacks``: ``"auto"`` (base attacks plus the
+    ``steps``: audited training steps (trained between them with the defended updates:
+    FedSGD, or FedAvg with ``local_steps`` / ``local_lr``, over ``clients`` clients). ``attacks``: ``"auto"`` (base attacks plus the
     planner's adaptive attacks) or a list of names (``attack_args``: per-attack settings,
     ``{"ig": {"restarts": 2}}``, over the planner's). ``images``: private batches of
     ``batch_size`` images. ``budget``: gradient evaluations of the model per attack and
@@ -640,11 +639,10 @@ def run(
     ``utility_steps`` rounds with and without the defense, on ``utility_seeds`` seeds each,
     and compare test accuracy (mean and spread).
     ``defense_timeout``: seconds per defense call before it is abandoned and recorded as an
-    error (None: no limit). Results are stored under ``out`` as they finish (a rerun resumes
-    and, with ``retry_errors``, retries stored errors); the report is
-    written there and returned. The same settings as objects: :class:`Audit` with
-    :mod:`audit.engine.settings`' ``DataSettings``, ``FLSettings``, ``AttackSettings`` and
-    ``OutputSettings``.
+    error (None: no limit). ``thresholds``: the leak rule (``docs/evidence.md``). Results
+    are stored under ``out`` as they finish (a rerun resumes and, with ``retry_errors``,
+    retries stored errors); the report is written there and returned. The same settings as
+    objects: :class:`Audit` with :mod:`audit.engine.settings`' settings classes.
     """
     flat = {name: value for name, value in locals().items() if name not in ("defense", "defense_args")}
     return Audit(defense, defense_args=defense_args, **audit_settings(**flat)).run()

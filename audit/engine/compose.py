@@ -113,12 +113,13 @@ class AuditParts:
         return self.shared.base_model
 
 
-def build_shared(model, model_args: Dict[str, Any], data_settings, seed: int, device) -> SharedParts:
+def build_shared(model_settings, data_settings, seed: int, device) -> SharedParts:
     """The device, the data set (``data_settings``: :class:`~audit.engine.settings.DataSettings`)
-    and the seeded model, each built once."""
+    and the seeded model (``model_settings``: :class:`~audit.engine.settings.ModelSettings`),
+    each built once."""
     dev = resolve_device(device)
     dataset = load_data(data_settings.data, data_settings.image_size, data_settings.data_args)
-    return SharedParts(dev, dataset, build_model(model, model_args, dataset, seed).to(dev))
+    return SharedParts(dev, dataset, build_model(model_settings, dataset, seed).to(dev))
 
 
 def build_parts(shared: SharedParts, defense: Any, defense_spec: Any, seed: int,
