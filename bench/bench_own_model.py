@@ -20,7 +20,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Tuple
 
 import torch
 
@@ -43,14 +43,15 @@ def _command(args, out: Path, checkpoint: str = None) -> List[str]:
     return cmd + (["--checkpoint", checkpoint] if checkpoint else [])
 
 
-def _run(cmd: List[str]) -> float:
-    start = time.perf_counter()
+def _run(cmd: List[str]) -> Tuple[float, float]:
+    """Wall and CPU seconds (this process, all threads) of one ``gia-audit`` command."""
+    start, cpu = time.perf_counter(), time.process_time()
     try:
         cli.main(cmd, standalone_mode=False)
     except SystemExit as err:  # a one-line error: stop the bench with it
         if err.code:
             raise
-    return time.perf_counter() - start
+    return time.perf_counter() - start, time.process_time() - cpu
 
 
 def _fmt(value, digits: int = 1) -> str:
@@ -74,7 +75,7 @@ def _leak_table(reports: Dict[str, Dict[str, Any]]) -> List[str]:
     return lines
 
 
-def _cost_table(reports: Dict[str, Dict[str, Any]], walls: Dict[str, float]) -> List[str]:
+def _cost_table(reports: Dict[str, Dict[str, Any]], walls: Dict[str, Tuple[float, float]]) -> List[str]:
     """Seconds per (step, attack, image), by attack, and the audit's wall time and utility share."""
     lines = ["| model state | attack | results | s per (step, attack, image): mean | min | max |",
              "|---|---|---:|---:|---:|---:|"]
@@ -86,12 +87,14 @@ def _cost_table(reports: Dict[str, Dict[str, Any]], walls: Dict[str, float]) -> 
         for attack, times in sorted(by_attack.items()):
             lines.append(f"| {state} | {attack} | {len(times)} | {statistics.mean(times):.1f} | {min(times):.1f} | "
                          f"{max(times):.1f} |")
-    lines += ["", "| model state | whole audit (s) | of which utility: two training runs (s) | test accuracy "
-                  "(undefended) after the utility's rounds |", "|---|---:|---:|---:|"]
+    lines += ["", "| model state | whole audit: wall (s) | CPU (s) | of which utility, two training runs: wall (s) | "
+                  "test accuracy (undefended) after the utility's rounds |", "|---|---:|---:|---:|---:|"]
     for state, report in reports.items():
         util = report.get("utility") or {}
         seconds = sum(util.get(k) or 0 for k in ("seconds", "baseline_seconds")) or None
-        lines.append(f"| {state} | {walls[state]:.0f} | {_fmt(seconds, 0)} | {_fmt(util.get('baseline_accuracy'), 3)} |")
+        wall, cpu = walls[state]
+        lines.append(f"| {state} | {wall:.0f} | {cpu:.0f} | {_fmt(seconds, 0)} | "
+                     f"{_fmt(util.get('baseline_accuracy'), 3)} |")
     return lines
 
 
@@ -142,10 +145,12 @@ def main(argv=None) -> str:
         print("gia-audit " + shlex.join(cmd), flush=True)
         walls[state] = _run(cmd)
         reports[state] = read_json(Path(cmd[cmd.index("--out") + 1]) / "report.json")
-        print(f"{state}: {walls[state]:.0f} s, verdict {reports[state]['verdict']}", flush=True)
+        print(f"{state}: {walls[state][0]:.0f} s wall, {walls[state][1]:.0f} s CPU, verdict "
+              f"{reports[state]['verdict']}", flush=True)
     text = "\n".join([
         f"Measured with `python bench/bench_own_model.py --doc docs/own-model.md` ({args.threads} torch threads, "
-        f"{platform.processor() or platform.machine()}, torch {torch.__version__}); the checkpoint: "
+        f"{os.cpu_count()} CPU cores, load average {os.getloadavg()[0]:.1f} at the end, {platform.machine()}, "
+        f"torch {torch.__version__}); the checkpoint: "
         f"{info.get('rounds', '?')} FedAvg rounds ({info.get('clients', '?')} clients x {info.get('local_steps', '?')} "
         f"local steps, batch {info.get('batch_size', '?')}, lr {info.get('lr', '?')}), test accuracy "
         f"{_fmt(info.get('test_accuracy'), 3)}, trained in {_fmt(info.get('seconds'), 0)} s"
