@@ -1,5 +1,5 @@
 # Two entry points; each builds the virtual environment first when it is missing.
-#   make demo   - a real audit of a built-in defense on the embedded data (about 3 minutes with the set-up, 2 CPU cores)
+#   make demo   - a real audit of a built-in defense on the embedded data, 4 images a step (about 3 minutes with the set-up, 2 CPU cores)
 #   make test   - the test suite
 PYTHON ?= python3
 VENV ?= .venv
@@ -20,7 +20,7 @@ weights: venv
 	$(VENV)/bin/gia-audit weights lpips
 
 demo: weights
-	$(VENV)/bin/gia-audit audit --out $(OUT)
+	$(VENV)/bin/gia-audit audit --images 4 --out $(OUT)
 
 test: venv
 	$(PY) -m pytest -q -n 2 --dist loadfile
