@@ -113,7 +113,7 @@ class Interval(_Record):
     def text(self) -> str:
         if not self.n:
             return "0 of 0"
-        return f"{self.k} of {self.n} ({self.rate:.0%}; {self.level:.0%} CI {self.low:.1%}-{self.high:.1%})"
+        return f"{self.k} of {self.n} ({self.rate:.1%}; {self.level:.0%} CI {self.low:.2%}-{self.high:.2%})"
 
 
 @dataclass(frozen=True)

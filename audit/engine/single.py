@@ -92,11 +92,11 @@ def run_attack(
     device = resolve_device(device)
     data = load_dataset(dataset, data_path, size)
     x, y = _private_batch(data, index, batch, image, label)
-    settings = ModelSettings(model, model_args or {}, model_normalize, checkpoint)
-    net = build_model(settings, data, seed).to(device)
+    model_cfg = ModelSettings(model, model_args or {}, model_normalize, checkpoint)
+    net = build_model(model_cfg, data, seed).to(device)
     if client_mode not in CLIENT_MODES:
         raise ConfigError(f"client_mode must be 'train' or 'eval', got {client_mode!r}")
-    check_model(net, settings, data, batch, client_mode, None, device, batch_option="--batch / batch")
+    check_model(net, model_cfg, data, batch, client_mode, None, device, batch_option="--batch / batch")
     if defense is not None:
         defense = resolve_defense(defense, defense_args)
         net = client_model(defense, net, seed)
@@ -123,7 +123,8 @@ def run_attack(
     metrics = {"attack": attack, "applicable": rec.applicable, "reason": rec.reason, "scores": scores,
                "true_labels": y.tolist(), "recovered_labels": None if rec.labels is None else rec.labels.tolist(),
                "threat_model": obs.threat_model(), "defense": None if defense is None else repr(defense),
-               "model": settings.describe(), "checkpoint": None if checkpoint is None else str(checkpoint), "dataset": dataset, "index": index if image is None else None, "image": image,
+               "model": model_cfg.describe(), "checkpoint": None if checkpoint is None else str(checkpoint),
+               "dataset": dataset, "index": index if image is None else None, "image": image,
                "seed": seed, "trace": trace}
     if rec.applicable:
         matched = rec.inputs[torch.tensor(scores["assignment"])] if scores.get("assignment") else rec.inputs
