@@ -109,3 +109,8 @@ def per_example_gradients(
             clean_gradients(model, inputs[i:i + 1], labels[i:i + 1], loss_fn)
             for i in range(inputs.shape[0])
         ]
+
+
+def stack_draws(per_batch: Sequence[Sequence[Tensor]]) -> List[Tensor]:
+    """``[batch][parameter]`` tensors ``(draws, *shape)`` -> per parameter ``(N, draws, *shape)``."""
+    return [torch.stack(column) for column in zip(*per_batch)]

@@ -1,0 +1,394 @@
+"""What a defense costs: one call against a clean gradient and against its algorithmic floor,
+and each defense's default audit against the default ``prune`` audit.
+
+**Calls** (``--calls``): for every model configuration (``--configs``, default the ``cnn``
+at batch 1 and ResNet-18 at batch 1 and 8, 32x32, client in train mode) and every built-in
+defense, one defense call on one private batch, timed right after a clean gradient of the
+same batch; the ratio is taken per repeat and its median reported (the shared cores drift,
+ratios taken side by side do not). The floor is what the defense's published algorithm
+cannot skip, in units measured in the same repeat: forward+backward passes, forwards,
+input-gradient (VJP) passes, the random numbers it draws, and for SVDefense one Gram
+matrix + symmetric eigendecomposition per weight tensor (:data:`FLOORS` says which, per
+defense).
+
+**Audits** (``--audits``): ``gia-audit audit`` of each named defense (``--audit-defenses``)
+as a subprocess on ``--threads`` threads with a fresh cache (the Refiner's evaluation
+network copied in, it is one-off set-up), wall time and the sum of each attack's result
+times, side by side with the default ``prune`` audit of the same settings in the same run.
+
+Usage (run on purpose, not in CI)::
+
+    python bench/bench_defenses.py --calls --threads 2 --write docs/performance.md
+    python bench/bench_defenses.py --audits --threads 2 --write docs/performance.md
+    python bench/bench_defenses.py --calls --configs cnn:1 --defenses censor,refiner
+
+``--write`` replaces the tables between ``<!-- bench:defenses:begin/end -->`` (calls) and
+``<!-- bench:defense-audits:begin/end -->`` (audits) in the page.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Tuple
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+from audit.core.models import build_model, last_linear  # noqa: E402
+from audit.core.types import clean_gradients, trainable_parameters  # noqa: E402
+from defenses import DEFENSES, build_defense  # noqa: E402
+
+CALL_MARK = "defenses"
+AUDIT_MARK = "defense-audits"
+CENSOR_AUDIT = ("censor", ["--steps", "0,20", "--images", "2", "--no-utility"])
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn: Callable[[], object], device: torch.device) -> float:
+    """Seconds of one ``fn()``."""
+    _sync(device)
+    start = time.perf_counter()
+    fn()
+    _sync(device)
+    return time.perf_counter() - start
+
+
+# --------------------------------------------------------------------------- floor units
+@dataclass
+class Units:
+    """Timers of the floor's units for one model configuration (each returns seconds)."""
+
+    fb: Callable[[], float]  # clean gradient (forward + backward), batch B
+    fb1: Callable[[], float]  # clean gradient of one example
+    fwd64: Callable[[], float]  # forward in float64, batch B, no grad
+    match: Callable[[], float]  # one gradient-matching step w.r.t. the input, batch B
+    vjp_x: Callable[[], float]  # one VJP from the last linear layer's input to the input
+    evaluator_fb: Callable[[], float]  # Refiner's evaluation network, forward + input gradient
+    normals: Callable[[int], float]
+    uniforms: Callable[[int], float]
+    gram_eigh: Callable[[], float]  # Gram matrix + eigh of every weight gradient
+
+
+def units_for(model: nn.Module, x, y, device, evaluator: Optional[nn.Module]) -> Units:
+    params = trainable_parameters(model)
+    n_params = sum(p.numel() for p in params)
+    model64 = copy.deepcopy(model).double()
+    x64 = x.double()
+    gen = torch.Generator(device=device).manual_seed(0)
+    clean = [g.detach() for g in clean_gradients(model, x, y)]
+    mats = [g.reshape(g.shape[0], -1) for g in clean if g.dim() >= 2]
+    _, head = last_linear(model)
+    captured: Dict[str, torch.Tensor] = {}
+    head.register_forward_hook(lambda m, i, o: captured.__setitem__("r", i[0]))
+
+    def fb() -> float:
+        return timed(lambda: clean_gradients(model, x, y), device)
+
+    def fb1() -> float:
+        return timed(lambda: clean_gradients(model, x[:1], y[:1]), device)
+
+    def fwd64() -> float:
+        with torch.no_grad():
+            return timed(lambda: model64(x64), device)
+
+    def match() -> float:
+        def step():
+            dummy = x.detach().clone().requires_grad_(True)
+            grads = clean_gradients(model, dummy, y, create_graph=True)
+            loss = sum(((g - c) ** 2).sum() for g, c in zip(grads, clean))
+            torch.autograd.grad(loss, dummy)
+        return timed(step, device)
+
+    def vjp_x() -> float:
+        dummy = x.detach().clone().requires_grad_(True)
+        model(dummy)
+        r = captured["r"]
+        seed = torch.zeros_like(r)
+        seed[:, 0] = 1
+        return timed(lambda: torch.autograd.grad(r, dummy, seed), device)
+
+    def evaluator_fb() -> float:
+        if evaluator is None:
+            return 0.0
+        def step():
+            dummy = x.detach().clone().requires_grad_(True)
+            torch.autograd.grad(evaluator(dummy).sum(), dummy)
+        return timed(step, device)
+
+    def normals(count: int) -> float:
+        return timed(lambda: torch.randn(count, generator=gen, device=device), device)
+
+    def uniforms(count: int) -> float:
+        return timed(lambda: torch.rand(count, generator=gen, device=device), device)
+
+    def gram_eigh() -> float:
+        def work():
+            for m in mats:
+                t = m if m.shape[0] <= m.shape[1] else m.T
+                torch.linalg.eigh(t @ t.T)
+        return timed(work, device)
+
+    units = Units(fb, fb1, fwd64, match, vjp_x, evaluator_fb, normals, uniforms, gram_eigh)
+    units.n_params = n_params  # type: ignore[attr-defined]
+    units.n_features = head.in_features  # type: ignore[attr-defined]
+    units.input_numel = x.numel()  # type: ignore[attr-defined]
+    return units
+
+
+# defense -> (floor in words, floor in seconds from the units)
+Floor = Tuple[str, Callable[[Units, int], float]]
+
+
+def _censor_floor(u: Units, batch: int, trials: int = 20) -> float:
+    return u.fb() + (batch - 1) * u.fb1() + trials * u.fwd64() + u.normals(trials * u.n_params)
+
+
+def _refiner_floor(u: Units, batch: int, iota: int = 10) -> float:
+    return 2 * u.fb() + iota * (u.match() + u.evaluator_fb()) + u.uniforms(u.input_numel)
+
+
+FLOORS: Dict[str, Floor] = {
+    "none": ("1 fb", lambda u, b: u.fb()),
+    "clip": ("1 fb", lambda u, b: u.fb()),
+    "quantize": ("1 fb", lambda u, b: u.fb()),
+    "prune": ("1 fb", lambda u, b: u.fb()),
+    "ats": ("1 fb", lambda u, b: u.fb()),
+    "precode": ("1 fb", lambda u, b: u.fb()),
+    "gaussian": ("1 fb + n normals", lambda u, b: u.fb() + u.normals(u.n_params)),
+    "laplacian": ("1 fb + n uniforms", lambda u, b: u.fb() + u.uniforms(u.n_params)),
+    "soft-prune": ("1 fb + n uniforms + n normals",
+                   lambda u, b: u.fb() + u.uniforms(u.n_params) + u.normals(u.n_params)),
+    "dp-sgd": ("1 fb (per-example) + n normals", lambda u, b: u.fb() + u.normals(u.n_params)),
+    "censor": ("1 fb (+ B-1 per-example) + T=20 float64 forwards + 20n normals", _censor_floor),
+    "soteria": ("1 fb + f VJPs to the input (f: the last layer's input features)",
+                lambda u, b: u.fb() + u.n_features * u.vjp_x()),
+    "svdefense": ("1 fb + Gram + eigh per weight tensor", lambda u, b: u.fb() + u.gram_eigh()),
+    "refiner": ("2 fb + iota=10 x (gradient-matching step + D fwd/bwd) + input-size uniforms",
+                _refiner_floor),
+}
+
+
+# --------------------------------------------------------------------------- calls
+def _median(values: List[float]) -> float:
+    return statistics.median(values) if values else math.nan
+
+
+def bench_calls(config: str, names: List[str], repeats: int, device, seed: int) -> List[dict]:
+    """One row per defense: median ms, median x clean gradient, floor, median x floor."""
+    model_name, batch = config.split(":")
+    batch = int(batch)
+    model = build_model(model_name, (3, 32, 32), 10, seed=seed).to(device).train()
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.rand(batch, 3, 32, 32, generator=gen).to(device)
+    y = torch.randint(0, 10, (batch,), generator=gen).to(device)
+    defenses, models = {}, {}
+    for name in names:
+        defense = build_defense(name)
+        models[name] = defense.wrap_model(copy.deepcopy(model))
+        defenses[name] = defense
+    evaluator = defenses["refiner"].evaluator(x.shape[1:], device) if "refiner" in defenses else None
+    units = {name: units_for(models[name], x, y, device, evaluator) for name in names}
+    state = {name: copy.deepcopy(models[name].state_dict()) for name in names}
+    rows = {name: {"ms": [], "clean": [], "floor": [], "error": None} for name in names}
+
+    def call(name: str, k: int) -> float:
+        return timed(lambda: defenses[name](models[name], x, y,
+                                            generator=torch.Generator(device=device).manual_seed(k)), device)
+
+    for name in names:  # warm-up (and a failure is reported, not raised)
+        try:
+            call(name, 0)
+            units[name].fb()
+        except Exception as err:  # noqa: BLE001 (the bench reports any failure)
+            rows[name]["error"] = f"{type(err).__name__}: {str(err)[:80]}"
+        models[name].load_state_dict(state[name])
+    for r in range(repeats):
+        for name in names:
+            if rows[name]["error"]:
+                continue
+            clean = units[name].fb()
+            ms = call(name, r + 1)
+            models[name].load_state_dict(state[name])
+            floor = FLOORS[name][1](units[name], batch) if name in FLOORS else math.nan
+            rows[name]["ms"].append(ms)
+            rows[name]["clean"].append(ms / clean)
+            rows[name]["floor"].append(ms / floor)
+            print(f"  {config} {name:10s} repeat {r}: {1e3 * ms:9.1f} ms  {ms / clean:7.1f}x clean  "
+                  f"{ms / floor:6.2f}x floor", flush=True)
+    return [{"config": config, "defense": name, "error": rows[name]["error"],
+             "ms": 1e3 * _median(rows[name]["ms"]), "x_clean": _median(rows[name]["clean"]),
+             "x_floor": _median(rows[name]["floor"]), "floor": FLOORS.get(name, ("?",))[0]}
+            for name in names]
+
+
+def calls_table(rows: List[dict], configs: List[str]) -> str:
+    by = {(r["config"], r["defense"]): r for r in rows}
+    names = list(dict.fromkeys(r["defense"] for r in rows))
+    head = "| defense | floor |" + "".join(f" {c} ms | x clean | x floor |" for c in configs)
+    lines = [head, "|---|---|" + "---:|---:|---:|" * len(configs)]
+    for name in names:
+        cells = [f"| {name} | {FLOORS.get(name, ('?',))[0]} |"]
+        for c in configs:
+            r = by.get((c, name))
+            if r is None:
+                cells.append(" | | |")
+            elif r["error"]:
+                cells.append(f" fails: {r['error']} | | |")
+            else:
+                cells.append(f" {r['ms']:.1f} | {r['x_clean']:.1f} | {r['x_floor']:.2f} |")
+        lines.append("".join(cells))
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- audits
+def run_audit(defense: str, extra: List[str], threads: int, cache: Path, out: Path, tree: Path) -> dict:
+    """Wall time of one ``gia-audit audit`` (subprocess) and the attacks' summed result times."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
+           "GIA_AUDIT_CACHE": str(cache), "PYTHONPATH": str(tree)}
+    cmd = [sys.executable, "-c", "import cli; cli.main()", "audit", "--defense", defense, "--quiet",
+           "--out", str(out), *extra]
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    per_attack: Dict[str, float] = {}
+    verdict = None
+    report = out / "report.json"
+    if report.exists():
+        data = json.loads(report.read_text())
+        for rec in _records(out):
+            per_attack[rec["attack_id"]] = per_attack.get(rec["attack_id"], 0.0) + float(rec.get("time_s", 0.0))
+        verdict = _verdict(data)
+    return {"defense": defense, "args": " ".join(extra), "wall_s": wall, "rc": proc.returncode,
+            "per_attack": per_attack, "verdict": verdict, "stderr": proc.stderr[-400:]}
+
+
+def _records(out: Path) -> List[dict]:
+    found = []
+    for path in sorted(out.rglob("*.json")):
+        try:
+            data = json.loads(path.read_text())
+        except (ValueError, OSError):
+            continue
+        if isinstance(data, dict) and "attack_id" in data and "time_s" in data:
+            found.append(data)
+    return found
+
+
+def _verdict(report: dict) -> Optional[str]:
+    for key in ("verdict", "risk"):
+        value = report.get(key)
+        if isinstance(value, dict):
+            return value.get("verdict") or value.get("level") or json.dumps(value)[:80]
+        if isinstance(value, str):
+            return value
+    return None
+
+
+def audits_table(results: List[dict], prune_wall: Dict[str, float]) -> str:
+    lines = ["| defense | settings | wall s | x prune (same settings) | per attack (s, summed over results) |",
+             "|---|---|---:|---:|---|"]
+    for r in results:
+        ref = prune_wall.get(r["args"])
+        ratio = f"{r['wall_s'] / ref:.2f}" if ref and r["defense"] != "prune" else ""
+        attacks = ", ".join(f"{k} {v:.1f}" for k, v in sorted(r["per_attack"].items(), key=lambda kv: -kv[1]))
+        status = "" if r["rc"] == 0 else f" (exit {r['rc']})"
+        lines.append(f"| {r['defense']}{status} | `{r['args']}` | {r['wall_s']:.0f} | {ratio} | {attacks} |")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- docs
+def write_section(page: Path, mark: str, body: str) -> None:
+    """Replace the text between ``<!-- bench:MARK:begin -->`` and ``<!-- bench:MARK:end -->``."""
+    text = page.read_text()
+    begin, end = f"<!-- bench:{mark}:begin -->", f"<!-- bench:{mark}:end -->"
+    if begin not in text:
+        raise SystemExit(f"{page} has no {begin} marker; add the section first")
+    pattern = re.compile(re.escape(begin) + ".*?" + re.escape(end), re.S)
+    page.write_text(pattern.sub(lambda _: f"{begin}\n{body}\n{end}", text))
+
+
+def machine(threads: int, device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu, {threads} thread(s), torch {torch.__version__}"
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--calls", action="store_true", help="time one call of each defense")
+    p.add_argument("--audits", action="store_true", help="time each defense's default audit against prune's")
+    p.add_argument("--configs", default="cnn:1,resnet18:1,resnet18:8", help="model:batch, comma-separated")
+    p.add_argument("--defenses", default=",".join(DEFENSES.names()))
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--audit-defenses", default="prune,soteria,svdefense,refiner,censor")
+    p.add_argument("--audit-args", default="--steps 0,5 --images 4",
+                   help="settings of every audit but CENSOR's (which runs --steps 0,20 --images 2 --no-utility)")
+    p.add_argument("--tree", default=str(ROOT), help="source tree the audits run from")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--write", help="Markdown page whose bench sections to replace")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    if not (args.calls or args.audits):
+        raise SystemExit("choose --calls and/or --audits")
+    if args.calls:
+        configs = args.configs.split(",")
+        rows = []
+        for config in configs:
+            rows += bench_calls(config, args.defenses.split(","), args.repeats, device, args.seed)
+        table = calls_table(rows, configs)
+        header = (f"{machine(args.threads, device)}; median of {args.repeats} repeats; x clean and x floor "
+                  "are medians of per-repeat ratios.")
+        print("\n" + header + "\n\n" + table)
+        if args.write:
+            write_section(Path(args.write), CALL_MARK, header + "\n\n" + table)
+    if args.audits:
+        results, prune_wall = [], {}
+        base = args.audit_args.split()
+        tree = Path(args.tree)
+        with tempfile.TemporaryDirectory() as tmp:
+            for name in args.audit_defenses.split(","):
+                extra = CENSOR_AUDIT[1] if name == CENSOR_AUDIT[0] else base
+                for settings in [extra]:
+                    cache = Path(tmp) / f"cache-{name}"
+                    cache.mkdir()
+                    for d_net in (Path.home() / ".cache" / "gia-audit").glob("refiner-evaluator-*.pt"):
+                        shutil.copy(d_net, cache)
+                    r = run_audit(name, settings, args.threads, cache, Path(tmp) / f"out-{name}", tree)
+                    print(f"  audit {name} {' '.join(settings)}: {r['wall_s']:.0f} s (exit {r['rc']}) "
+                          f"{r['per_attack']}", flush=True)
+                    if r["rc"]:
+                        print(r["stderr"])
+                    if name == "prune":
+                        prune_wall[r["args"]] = r["wall_s"]
+                    results.append(r)
+        table = audits_table(results, prune_wall)
+        header = f"{machine(args.threads, device)}; one run, the audits one after another."
+        print("\n" + header + "\n\n" + table)
+        if args.write:
+            write_section(Path(args.write), AUDIT_MARK, header + "\n\n" + table)
+
+
+if __name__ == "__main__":
+    main()

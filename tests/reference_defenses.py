@@ -1,0 +1,67 @@
+"""Straightforward reference implementations of the defenses whose built-in versions are
+batched for speed: one loop per candidate, feature or layer, in the plainest precision.
+The tests compare the built-in defenses with these (same generator draws where the draw
+order is kept, else the same distribution)."""
+from __future__ import annotations
+
+import math
+from typing import List
+
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call
+
+from audit.core.models import last_linear, preserved_buffers
+from audit.core.types import clean_gradients, default_loss_fn, trainable_parameters
+
+
+def _flat(tensors) -> Tensor:
+    return torch.cat([t.reshape(-1) for t in tensors])
+
+
+# --------------------------------------------------------------------------- CENSOR
+def censor(model: nn.Module, inputs: Tensor, labels: Tensor, *, trials: int = 20, eta: float = 1e-4,
+           layerwise: bool = True, generator=None, loss_fn=default_loss_fn) -> List[Tensor]:
+    """Per group (layer, or the whole model): ``trials`` Gaussian draws ``(trials, n)`` from the
+    generator, projected (float64, twice) off the span of the batch and per-example gradients
+    and rescaled to the clean norm; every candidate scored one at a time in float64, eval mode."""
+    grads = clean_gradients(model, inputs, labels, loss_fn)
+    spans = [[g] for g in grads]
+    with preserved_buffers(model):
+        for i in range(inputs.shape[0] - 1 if inputs.shape[0] > 1 else 0):
+            for span, g in zip(spans, clean_gradients(model, inputs[i:i + 1], labels[i:i + 1], loss_fn)):
+                span.append(g)
+    groups = [[i] for i in range(len(grads))] if layerwise else [list(range(len(grads)))]
+    cands: List[Tensor] = [None] * len(grads)  # type: ignore[list-item]
+    for group in groups:
+        clean = _flat([grads[i] for i in group])
+        draws = torch.randn((trials, clean.numel()), generator=generator, dtype=clean.dtype)
+        norm = clean.norm()
+        if float(norm.detach()) == 0.0:
+            cand = torch.zeros_like(draws)
+        else:
+            span = torch.stack([_flat([spans[i][k] for i in group]) for k in range(len(spans[group[0]]))]).double()
+            basis = (span[0] / span[0].norm()).unsqueeze(1) if span.shape[0] == 1 else torch.linalg.qr(span.T)[0]
+            out = draws.double()
+            for _ in range(2):
+                out = out - (out @ basis) @ basis.T
+            cand = (out * (norm.double() / out.norm(dim=1, keepdim=True))).to(clean.dtype)
+        start = 0
+        for i in group:
+            cands[i] = cand[:, start:start + grads[i].numel()].reshape(trials, *grads[i].shape)
+            start += grads[i].numel()
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    params = {n: p.detach().double() for n, p in model.named_parameters()}
+    buffers = {n: b.detach().double() if b.is_floating_point() else b for n, b in model.named_buffers()}
+    losses = []
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        for t in range(trials):
+            moved = dict(params)
+            for n, c in zip(names, cands):
+                moved[n] = params[n] - eta * c[t].detach().double()
+            losses.append(float(loss_fn(functional_call(model, (moved, buffers), (inputs.detach().double(),)), labels)))
+    model.train(was_training)
+    best = min(range(trials), key=lambda t: losses[t])
+    return [c[best] for c in cands]
