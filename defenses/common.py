@@ -96,6 +96,22 @@ def eval_mode(model: nn.Module) -> Iterator[nn.Module]:
             m.train(flag)
 
 
+@contextlib.contextmanager
+def untracked_batchnorm(model: nn.Module) -> Iterator[nn.Module]:
+    """Within the block, BatchNorm layers in train mode normalise with the batch statistics
+    as before but leave their running statistics alone (``track_running_stats`` off), so a
+    forward pass mutates no buffer and runs under ``torch.func`` transforms."""
+    norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)
+             and m.training and m.track_running_stats]
+    for m in norms:
+        m.track_running_stats = False
+    try:
+        yield model
+    finally:
+        for m in norms:
+            m.track_running_stats = True
+
+
 # --------------------------------------------------------------------------- gradients
 def per_example_gradients(
     model: nn.Module, inputs: Tensor, labels: Tensor, loss_fn: LossFn = default_loss_fn
