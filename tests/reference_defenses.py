@@ -65,3 +65,61 @@ def censor(model: nn.Module, inputs: Tensor, labels: Tensor, *, trials: int = 20
     model.train(was_training)
     best = min(range(trials), key=lambda t: losses[t])
     return [c[best] for c in cands]
+
+
+# --------------------------------------------------------------------------- Soteria
+def soteria_scores(model: nn.Module, inputs: Tensor) -> Tensor:
+    """``sum_b ||d r_bf / d x|| / |r_bf|`` per input feature ``f`` of the last linear layer,
+    one backward pass per feature (the forward's buffer updates undone)."""
+    _, layer = last_linear(model)
+    captured = {}
+    hook = layer.register_forward_hook(lambda m, i, o: captured.setdefault("r", i[0]))
+    x = inputs.detach().requires_grad_(True)
+    with torch.enable_grad(), preserved_buffers(model):
+        model(x)
+        hook.remove()
+        r = captured["r"]
+        rows = []
+        for f in range(r.shape[1]):
+            seed = torch.zeros_like(r)
+            seed[:, f] = 1.0
+            (jac,) = torch.autograd.grad(r, x, seed, retain_graph=True)
+            rows.append(jac.flatten(1).norm(dim=1))
+    return (torch.stack(rows, dim=1) / (r.detach().abs() + 1e-12)).sum(0)
+
+
+def soteria(model: nn.Module, inputs: Tensor, labels: Tensor, *, ratio: float = 0.8,
+            loss_fn=default_loss_fn) -> List[Tensor]:
+    """The clean gradient with the last linear layer's weight columns of the ``ratio`` fraction
+    of lowest-scoring features zeroed."""
+    score = soteria_scores(model, inputs)
+    keep = score.numel() - int(round(ratio * score.numel()))
+    mask = torch.zeros(score.numel(), dtype=torch.bool)
+    mask[torch.argsort(score, descending=True)[:keep]] = True
+    grads = clean_gradients(model, inputs, labels, loss_fn)
+    _, layer = last_linear(model)
+    return [g * mask.to(g.dtype) if p is layer.weight else g for g, p in zip(grads, trainable_parameters(model))]
+
+
+# --------------------------------------------------------------------------- SVDefense
+def svdefense(grads: List[Tensor], *, eta: float = 0.3, energy=None, weighting: str = "sqrt") -> List[Tensor]:
+    """Per weight tensor: rows weighted by their norms (``sqrt``) or squared norms, a float32
+    SVD, the smallest rank keeping ``E = 1 - exp(-eta H)`` of the spectral energy (or
+    ``energy``), and ``W^-1 U_k U_k^T W G``; 1-D tensors unchanged."""
+    out = []
+    for g in grads:
+        matrix = g.reshape(g.shape[0], -1) if g.dim() >= 2 else None
+        w = None if matrix is None else (matrix ** 2).sum(1)
+        if matrix is None or float(w.max()) == 0.0:
+            out.append(g)
+            continue
+        w = w.sqrt() if weighting == "sqrt" else w
+        u, s, _ = torch.linalg.svd(w[:, None] * matrix, full_matrices=False)
+        p = (s ** 2 / (s ** 2).sum())
+        p = p[p > 0]
+        e = energy if energy is not None else min(1.0, 1.0 - math.exp(-eta * float(-(p * p.log()).sum())))
+        cum = torch.cumsum(s.double() ** 2, 0)
+        k = max(1, min(int((cum < e * cum[-1] * (1 - 1e-12)).sum()) + 1, s.numel()))
+        inv = torch.where(w > 0, 1.0 / torch.where(w > 0, w, torch.ones_like(w)), torch.zeros_like(w))
+        out.append((inv[:, None] * (u[:, :k] @ (u[:, :k].T @ (w[:, None] * matrix)))).reshape(g.shape))
+    return out
