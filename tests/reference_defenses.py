@@ -123,3 +123,36 @@ def svdefense(grads: List[Tensor], *, eta: float = 0.3, energy=None, weighting: 
         inv = torch.where(w > 0, 1.0 / torch.where(w > 0, w, torch.ones_like(w)), torch.zeros_like(w))
         out.append((inv[:, None] * (u[:, :k] @ (u[:, :k].T @ (w[:, None] * matrix)))).reshape(g.shape))
     return out
+
+
+# --------------------------------------------------------------------------- Refiner
+def refiner(model: nn.Module, inputs: Tensor, labels: Tensor, d_net: nn.Module, *, eps: float = 0.1,
+            alpha: float = 0.5, beta: float = 1.0, iota: int = 10, tau: float = 0.95, lr: float = 1.0,
+            unroll: bool = False, generator=None, loss_fn=default_loss_fn) -> List[Tensor]:
+    """``x*`` by ``iota`` plain-autograd steps on ``||w (grad L(x*) - grad L(x))||^2 - beta D(x*)``
+    from ``(1 - alpha) x + alpha U(0, 1)``, clamped to [0, 1]; the gradient at ``x*`` projected
+    onto the ``eps``-ball around the clean gradient."""
+    differentiable = bool(inputs.requires_grad) and unroll
+    with preserved_buffers(model):
+        grads = clean_gradients(model, inputs, labels, loss_fn)
+        fixed = grads if differentiable else [g.detach() for g in grads]
+        owners: dict = {}
+        layer = [owners.setdefault(n.rpartition(".")[0], len(owners))
+                 for n, p in model.named_parameters() if p.requires_grad]
+        weights = [(g * p.detach() * tau ** i).abs() for g, p, i in zip(fixed, trainable_parameters(model), layer)]
+        start = (1 - alpha) * inputs + alpha * torch.rand(inputs.shape, generator=generator, dtype=inputs.dtype)
+        x_star = start
+        for _ in range(iota):
+            if not differentiable:
+                x_star = x_star.detach().requires_grad_(True)
+            robust = clean_gradients(model, x_star, labels, loss_fn, create_graph=True)
+            value = sum(((w * (r - g)) ** 2).sum() for w, r, g in zip(weights, robust, fixed)) - beta * d_net(x_star).sum()
+            (step,) = torch.autograd.grad(value, x_star, create_graph=differentiable)
+            x_star = (x_star - lr * step).clamp(0, 1)
+    if not differentiable:
+        x_star = start + (x_star - start).detach() if inputs.requires_grad else x_star.detach()
+    robust = clean_gradients(model, x_star, labels, loss_fn, create_graph=bool(inputs.requires_grad))
+    diff = [r - g for r, g in zip(robust, grads)]
+    dist = torch.sqrt(sum((d.double() ** 2).sum() for d in diff)).to(diff[0].dtype)
+    scale = torch.clamp(eps / (dist + 1e-12), max=1.0)
+    return [g + scale * d for g, d in zip(grads, diff)]
