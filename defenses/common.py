@@ -79,6 +79,19 @@ def unflatten(vector: Tensor, like: Sequence[Tensor]) -> List[Tensor]:
     return out
 
 
+def squared_norms(stack: Tensor, chunk: int = 4096) -> Tensor:
+    """Per row of ``stack`` ``(B, ...)``, the sum of squares in float64: float32 norms of
+    ``chunk``-entry pieces combined in float64 (float64 accuracy without a float64 copy)."""
+    flat = stack.flatten(1)
+    whole = flat.shape[1] // chunk * chunk
+    total = flat.new_zeros(flat.shape[0], dtype=torch.float64)
+    if whole:
+        total = total + flat[:, :whole].reshape(flat.shape[0], -1, chunk).norm(dim=2).double().pow(2).sum(1)
+    if whole < flat.shape[1]:
+        total = total + flat[:, whole:].norm(dim=1).double().pow(2)
+    return total
+
+
 def global_norm(tensors: Sequence[Tensor]) -> Tensor:
     return torch.sqrt(sum((t.double() ** 2).sum() for t in tensors)).to(tensors[0].dtype)
 
@@ -118,13 +131,20 @@ def per_example_gradients(
 ) -> List[List[Tensor]]:
     """One clean gradient per example (``[example][parameter]``), without touching buffers.
 
-    Stays differentiable w.r.t. ``inputs`` when ``inputs.requires_grad``.
+    Stays differentiable w.r.t. ``inputs`` when ``inputs.requires_grad``. (One backward pass
+    per example: on CPU this is as fast as ``vmap`` for small models and faster for ResNets.)
     """
     with preserved_buffers(model):
         return [
             clean_gradients(model, inputs[i:i + 1], labels[i:i + 1], loss_fn)
             for i in range(inputs.shape[0])
         ]
+
+
+def per_example_stack(model: nn.Module, inputs: Tensor, labels: Tensor, loss_fn: LossFn = default_loss_fn
+                      ) -> List[Tensor]:
+    """:func:`per_example_gradients` stacked: per parameter ``(B, *shape)``."""
+    return [torch.stack(column) for column in zip(*per_example_gradients(model, inputs, labels, loss_fn))]
 
 
 def stack_draws(per_batch: Sequence[Sequence[Tensor]]) -> List[Tensor]:

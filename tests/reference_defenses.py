@@ -156,3 +156,25 @@ def refiner(model: nn.Module, inputs: Tensor, labels: Tensor, d_net: nn.Module, 
     dist = torch.sqrt(sum((d.double() ** 2).sum() for d in diff)).to(diff[0].dtype)
     scale = torch.clamp(eps / (dist + 1e-12), max=1.0)
     return [g + scale * d for g, d in zip(grads, diff)]
+
+
+# --------------------------------------------------------------------------- DP-SGD
+def dp_sgd(model: nn.Module, inputs: Tensor, labels: Tensor, *, clip: float = 1.0, noise_multiplier: float = 1.0,
+           per_layer: bool = False, generator=None, loss_fn=default_loss_fn) -> List[Tensor]:
+    """Each example's gradient (one backward pass each) clipped to ``clip`` (whole model) or
+    ``clip / sqrt(L)`` per tensor, averaged, plus ``N(0, (noise_multiplier clip / B)^2)``."""
+    rows = []
+    with preserved_buffers(model):
+        for i in range(inputs.shape[0]):
+            grads = clean_gradients(model, inputs[i:i + 1], labels[i:i + 1], loss_fn)
+            if per_layer:
+                bound = clip / math.sqrt(len(grads))
+                rows.append([g * torch.clamp(bound / (g.norm() + 1e-12), max=1.0) for g in grads])
+            else:
+                norm = torch.sqrt(sum((g.double() ** 2).sum() for g in grads)).to(grads[0].dtype)
+                rows.append([g * torch.clamp(clip / (norm + 1e-12), max=1.0) for g in grads])
+    mean = [torch.stack(column).mean(0) for column in zip(*rows)]
+    with torch.no_grad():
+        model(inputs.detach())
+    std = noise_multiplier * clip / inputs.shape[0]
+    return [m + std * torch.randn(m.shape, generator=generator, dtype=m.dtype) for m in mean] if noise_multiplier else mean
