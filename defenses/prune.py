@@ -15,19 +15,13 @@ from defenses.registry import DEFENSES
 
 
 def topk_mask(values: Tensor, ratio: float) -> Tensor:
-    """Boolean mask keeping the ``n - round(ratio * n)`` entries of largest magnitude (of
-    entries tied at the cut, the first ones). One selection (``kthvalue``) and a few
-    element-wise passes, no sort; pure tensor ops, so it runs under vmap (an adaptive
-    attack's batched replay)."""
-    flat = values.detach().reshape(-1).abs()
-    n = flat.numel()
-    keep = n - int(round(ratio * n))
-    if keep <= 0 or keep >= n:
-        return torch.full_like(flat, keep > 0, dtype=torch.bool).view_as(values)
-    cut = torch.kthvalue(flat, n - keep + 1).values  # the keep-th largest magnitude
-    above, tied = flat > cut, flat == cut
-    missing = keep - above.sum()
-    return (above | (tied & (torch.cumsum(tied, 0) <= missing))).view_as(values)
+    """Boolean mask keeping the ``n - round(ratio * n)`` entries of largest magnitude."""
+    flat = values.detach().reshape(-1)
+    keep = flat.numel() - int(round(ratio * flat.numel()))
+    mask = torch.zeros_like(flat, dtype=torch.bool)
+    if keep > 0:  # out-of-place scatter: runs under vmap (an adaptive attack's batched replay)
+        mask = mask.scatter(0, torch.topk(flat.abs(), keep, sorted=False).indices, True)
+    return mask.view_as(values)
 
 
 @DEFENSES.register("prune", "Zero the `ratio` fraction of smallest-magnitude entries, per layer or global; ratio=0.9")
