@@ -33,6 +33,7 @@ import json
 import math
 import os
 import re
+import resource
 import shutil
 import statistics
 import subprocess
@@ -55,7 +56,6 @@ from defenses import DEFENSES, build_defense  # noqa: E402
 
 CALL_MARK = "defenses"
 AUDIT_MARK = "defense-audits"
-CENSOR_AUDIT = ("censor", ["--steps", "0,20", "--images", "2", "--no-utility"])
 
 
 def _sync(device: torch.device) -> None:
@@ -299,24 +299,30 @@ def calls_table(rows: List[dict], configs: List[str]) -> str:
 
 # --------------------------------------------------------------------------- audits
 def run_audit(defense: str, extra: List[str], threads: int, cache: Path, out: Path, tree: Path) -> dict:
-    """Wall time of one ``gia-audit audit`` (subprocess) and the attacks' summed result times."""
+    """One ``gia-audit audit`` as a subprocess of ``tree``: wall and CPU seconds, each attack's
+    summed result times, the verdict and each (step, attack)'s mean PSNR."""
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
            "GIA_AUDIT_CACHE": str(cache), "PYTHONPATH": str(tree)}
     cmd = [sys.executable, "-c", "import cli; cli.main()", "audit", "--defense", defense, "--quiet",
            "--out", str(out), *extra]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     proc = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     per_attack: Dict[str, float] = {}
-    verdict = None
+    psnr: Dict[str, List[float]] = {}
+    for rec in _records(out):
+        per_attack[rec["attack_id"]] = per_attack.get(rec["attack_id"], 0.0) + float(rec.get("time_s", 0.0))
+        value = (rec.get("metrics") or {}).get("psnr")
+        if value is not None:
+            psnr.setdefault(f"s{rec['step']} {rec['attack_id']}", []).append(float(value))
     report = out / "report.json"
-    if report.exists():
-        data = json.loads(report.read_text())
-        for rec in _records(out):
-            per_attack[rec["attack_id"]] = per_attack.get(rec["attack_id"], 0.0) + float(rec.get("time_s", 0.0))
-        verdict = _verdict(data)
-    return {"defense": defense, "args": " ".join(extra), "wall_s": wall, "rc": proc.returncode,
-            "per_attack": per_attack, "verdict": verdict, "stderr": proc.stderr[-400:]}
+    verdict = (json.loads(report.read_text()).get("verdict") or {}).get("label") if report.exists() else None
+    return {"defense": defense, "args": " ".join(extra), "tree": str(tree), "wall_s": wall, "cpu_s": cpu,
+            "rc": proc.returncode, "per_attack": per_attack, "verdict": verdict, "stderr": proc.stderr[-400:],
+            "psnr": {k: sum(v) / len(v) for k, v in sorted(psnr.items())}}
 
 
 def _records(out: Path) -> List[dict]:
@@ -331,26 +337,50 @@ def _records(out: Path) -> List[dict]:
     return found
 
 
-def _verdict(report: dict) -> Optional[str]:
-    for key in ("verdict", "risk"):
-        value = report.get(key)
-        if isinstance(value, dict):
-            return value.get("verdict") or value.get("level") or json.dumps(value)[:80]
-        if isinstance(value, str):
-            return value
-    return None
-
-
-def audits_table(results: List[dict], prune_wall: Dict[str, float]) -> str:
-    lines = ["| defense | settings | wall s | x prune (same settings) | per attack (s, summed over results) |",
-             "|---|---|---:|---:|---|"]
+def audits_table(results: List[dict], clock: str) -> str:
+    """One row per audit; ``x prune``: against the ``prune`` audit of the same settings and tree."""
+    key = "cpu_s" if clock == "cpu" else "wall_s"
+    prune = {(r["args"], r["tree"]): r[key] for r in results if r["defense"] == "prune" and r["rc"] == 0}
+    trees = list(dict.fromkeys(r["tree"] for r in results))
+    lines = ["| defense | tree | settings | wall s | CPU s | x prune | verdict | per attack (s, summed over results) |",
+             "|---|---|---|---:|---:|---:|---|---|"]
     for r in results:
-        ref = prune_wall.get(r["args"])
-        ratio = f"{r['wall_s'] / ref:.2f}" if ref and r["defense"] != "prune" else ""
-        attacks = ", ".join(f"{k} {v:.1f}" for k, v in sorted(r["per_attack"].items(), key=lambda kv: -kv[1]))
+        ref = prune.get((r["args"], r["tree"]))
+        ratio = f"{r[key] / ref:.2f}" if ref and r["defense"] != "prune" else ""
+        attacks = ", ".join(f"{k} {v:.0f}" for k, v in sorted(r["per_attack"].items(), key=lambda kv: -kv[1]))
         status = "" if r["rc"] == 0 else f" (exit {r['rc']})"
-        lines.append(f"| {r['defense']}{status} | `{r['args']}` | {r['wall_s']:.0f} | {ratio} | {attacks} |")
+        tree = "this" if r["tree"] == trees[0] else "baseline"
+        lines.append(f"| {r['defense']}{status} | {tree} | `{r['args']}` | {r['wall_s']:.0f} | {r['cpu_s']:.0f} | "
+                     f"{ratio} | {r['verdict']} | {attacks} |")
     return "\n".join(lines)
+
+
+def bench_audits(args, device) -> None:
+    """Every audit of ``--audit-defenses`` from this tree (and, interleaved, from
+    ``--baseline-tree``), one after another, each with a fresh cache."""
+    results = []
+    trees = [Path(args.tree)] + ([Path(args.baseline_tree)] if args.baseline_tree else [])
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.audit_defenses.split(","):
+            extra = (args.censor_args if name == "censor" else args.audit_args).split()
+            for k, tree in enumerate(trees):
+                cache = Path(tmp) / f"cache-{name}-{k}"
+                cache.mkdir()
+                for d_net in (Path.home() / ".cache" / "gia-audit").glob("refiner-evaluator-*.pt"):
+                    shutil.copy(d_net, cache)  # one-off set-up, shared by every audit
+                r = run_audit(name, extra, args.threads, cache, Path(tmp) / f"out-{name}-{k}", tree)
+                print(f"  audit {name} ({tree}) {' '.join(extra)}: {r['wall_s']:.0f} s wall, {r['cpu_s']:.0f} s CPU, "
+                      f"exit {r['rc']}, verdict {r['verdict']}\n    per attack {r['per_attack']}\n"
+                      f"    PSNR {r['psnr']}", flush=True)
+                if r["rc"]:
+                    print(r["stderr"])
+                results.append(r)
+    table = audits_table(results, args.clock)
+    header = (f"{machine(args.threads, device)}; one run, the audits one after another; x prune by "
+              f"{'CPU' if args.clock == 'cpu' else 'wall'} time.")
+    print("\n" + header + "\n\n" + table)
+    if args.write:
+        write_section(Path(args.write), AUDIT_MARK, header + "\n\n" + table)
 
 
 # --------------------------------------------------------------------------- docs
@@ -378,9 +408,10 @@ def main(argv=None) -> None:
     p.add_argument("--defenses", default=",".join(DEFENSES.names()))
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--audit-defenses", default="prune,soteria,svdefense,refiner,censor")
-    p.add_argument("--audit-args", default="--steps 0,5 --images 4",
-                   help="settings of every audit but CENSOR's (which runs --steps 0,20 --images 2 --no-utility)")
+    p.add_argument("--audit-args", default="--steps 0,5 --images 4", help="settings of every audit but CENSOR's")
+    p.add_argument("--censor-args", default="--steps 0,20 --images 2 --no-utility")
     p.add_argument("--tree", default=str(ROOT), help="source tree the audits run from")
+    p.add_argument("--baseline-tree", help="another source tree whose audits run interleaved (before / after)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--clock", default="wall", choices=sorted(CLOCK),
                    help="wall time, or the process's CPU time (work, not waiting, on a loaded machine)")
@@ -407,30 +438,7 @@ def main(argv=None) -> None:
         if args.write:
             write_section(Path(args.write), CALL_MARK, header + "\n\n" + table + "\n\n" + footer)
     if args.audits:
-        results, prune_wall = [], {}
-        base = args.audit_args.split()
-        tree = Path(args.tree)
-        with tempfile.TemporaryDirectory() as tmp:
-            for name in args.audit_defenses.split(","):
-                extra = CENSOR_AUDIT[1] if name == CENSOR_AUDIT[0] else base
-                for settings in [extra]:
-                    cache = Path(tmp) / f"cache-{name}"
-                    cache.mkdir()
-                    for d_net in (Path.home() / ".cache" / "gia-audit").glob("refiner-evaluator-*.pt"):
-                        shutil.copy(d_net, cache)
-                    r = run_audit(name, settings, args.threads, cache, Path(tmp) / f"out-{name}", tree)
-                    print(f"  audit {name} {' '.join(settings)}: {r['wall_s']:.0f} s (exit {r['rc']}) "
-                          f"{r['per_attack']}", flush=True)
-                    if r["rc"]:
-                        print(r["stderr"])
-                    if name == "prune":
-                        prune_wall[r["args"]] = r["wall_s"]
-                    results.append(r)
-        table = audits_table(results, prune_wall)
-        header = f"{machine(args.threads, device)}; one run, the audits one after another."
-        print("\n" + header + "\n\n" + table)
-        if args.write:
-            write_section(Path(args.write), AUDIT_MARK, header + "\n\n" + table)
+        bench_audits(args, device)
 
 
 if __name__ == "__main__":

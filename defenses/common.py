@@ -93,7 +93,8 @@ def squared_norms(stack: Tensor, chunk: int = 4096) -> Tensor:
 
 
 def global_norm(tensors: Sequence[Tensor]) -> Tensor:
-    return torch.sqrt(sum((t.double() ** 2).sum() for t in tensors)).to(tensors[0].dtype)
+    """The L2 norm of all tensors together, accumulated in float64 (see :func:`squared_norms`)."""
+    return torch.sqrt(sum(squared_norms(t.reshape(1, -1))[0] for t in tensors)).to(tensors[0].dtype)
 
 
 # --------------------------------------------------------------------------- model state
