@@ -100,6 +100,7 @@ class Units:
     normals: Callable[[int], float]
     uniforms: Callable[[int], float]
     gram_eigh: Callable[[], float]  # Gram matrix + eigh of every weight gradient
+    topk: Callable[[], float]  # torch.topk of every gradient's magnitudes, 10% kept (the selection)
 
 
 def units_for(model: nn.Module, x, y, device, evaluator: Optional[nn.Module]) -> Units:
@@ -161,7 +162,14 @@ def units_for(model: nn.Module, x, y, device, evaluator: Optional[nn.Module]) ->
                 torch.linalg.eigh(t @ t.T)
         return timed(work, device)
 
-    units = Units(fb, fb1, fwd64, match, vjp_x, evaluator_fb, normals, uniforms, gram_eigh)
+    def topk() -> float:
+        def work():
+            for g in clean:
+                flat = g.reshape(-1).abs()
+                torch.topk(flat, max(1, flat.numel() - round(0.9 * flat.numel())), sorted=False)
+        return timed(work, device)
+
+    units = Units(fb, fb1, fwd64, match, vjp_x, evaluator_fb, normals, uniforms, gram_eigh, topk)
     units.n_params = n_params  # type: ignore[attr-defined]
     units.n_features = head.in_features  # type: ignore[attr-defined]
     units.input_numel = x.numel()  # type: ignore[attr-defined]
@@ -184,7 +192,7 @@ FLOORS: Dict[str, Floor] = {
     "none": ("1 fb", lambda u, b: u.fb()),
     "clip": ("1 fb", lambda u, b: u.fb()),
     "quantize": ("1 fb", lambda u, b: u.fb()),
-    "prune": ("1 fb", lambda u, b: u.fb()),
+    "prune": ("1 fb + top-k of each tensor", lambda u, b: u.fb() + u.topk()),
     "ats": ("1 fb", lambda u, b: u.fb()),
     "precode": ("1 fb", lambda u, b: u.fb()),
     "gaussian": ("1 fb + n normals", lambda u, b: u.fb() + u.normals(u.n_params)),
