@@ -31,7 +31,8 @@ from torch.func import functional_call, grad, vjp, vmap
 from audit.core.types import Defense, clean_gradients, default_loss_fn, trainable_names
 
 from defenses.common import (
-    check_range, global_norm, preserved_buffers, rand, resolve_generator, stack_draws, untracked_batchnorm,
+    check_range, global_norm, preserved_buffers, rand, resolve_generator, squared_norms, stack_draws,
+    untracked_batchnorm,
 )
 from defenses.evaluator import load_or_train_evaluator
 from defenses.registry import DEFENSES
@@ -60,9 +61,10 @@ CHUNK_FLOATS = 2 ** 24  # parameter-gradient entries of the problems optimised a
 
 class _Problems:
     """Refiner's optimisation for a stack of problems ``p``: a batch ``x_p`` with its labels,
-    the clean gradient ``g_p`` and twice the squared importance ``2 w_p^2`` (lists of ``(P, *shape)``).
-    ``direction`` gives each problem's ``d (UM - beta D) / d x`` (and the objective), batched
-    with ``vmap`` where the model allows it."""
+    the clean gradient ``g_p`` and twice the squared importance ``2 w_p^2`` (lists of
+    ``(P, *shape)``). :meth:`direction` gives one problem's ``d (UM - beta D) / d x`` (and the
+    objective); :meth:`map` runs a function over all problems, vmap-batched where the model
+    allows it."""
 
     def __init__(self, model: nn.Module, loss_fn, d_net: nn.Module, beta: float):
         self.model, self.loss_fn, self.d_net, self.beta = model, loss_fn, d_net, beta
@@ -79,7 +81,7 @@ class _Problems:
         out = grad(loss)(self.params)
         return [out[n] for n in self.names]
 
-    def _one(self, x, y, g, w2, with_value: bool) -> Tuple[Tensor, Tensor]:
+    def direction(self, x, y, g, w2, with_value: bool) -> Tuple[Tensor, Tensor]:
         robust, pullback = vjp(lambda z: self.gradient(z, y), x)
         diff = [r - c for r, c in zip(robust, g)]
         value = sum((w * d * d).sum() for w, d in zip(w2, diff)) if with_value else None
@@ -111,7 +113,7 @@ class _Problems:
         with_value = trace is not None
         x = start
         for k in range(steps + (1 if with_value else 0)):
-            step, value = self.map(lambda *a: self._one(*a, with_value), x, labels, g, w2)
+            step, value = self.map(lambda *a: self.direction(*a, with_value), x, labels, g, w2)
             if with_value:
                 for p, v in enumerate(value.tolist()):
                     trace[p].append(v)
@@ -223,13 +225,13 @@ class Refiner(Defense):
         batch, draw by draw, as that many calls in a row would."""
         gen = resolve_generator(generator, inputs.device)
         numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        per = max(1, CHUNK_FLOATS // max(numel, 1))
+        per = max(1, CHUNK_FLOATS // max(numel, 1) // draws)  # batches per chunk
         out: List[List[Tensor]] = []
         with untracked_batchnorm(model), preserved_buffers(model):
             problems = _Problems(model, loss_fn, self.evaluator(inputs.shape[2:], inputs.device, inputs.dtype),
                                  self.beta)
-            for lo in range(0, len(inputs), max(1, per // draws)):
-                x, y = inputs[lo:lo + max(1, per // draws)], labels[lo:lo + max(1, per // draws)]
+            for lo in range(0, len(inputs), per):
+                x, y = inputs[lo:lo + per], labels[lo:lo + per]
                 clean = problems.map(problems.gradient, x, y)
                 noise = torch.stack([rand(x.shape[1:], generator=gen, device=x.device, dtype=x.dtype)
                                      for _ in range(len(x) * draws)]).view(len(x), draws, *x.shape[1:])
@@ -237,8 +239,7 @@ class Refiner(Defense):
                 y_rep = y.repeat_interleave(draws, 0)
                 g_rep = [g.repeat_interleave(draws, 0) for g in clean]
                 x_star = self._optimise(model, start, y_rep, g_rep, loss_fn, bool(inputs.requires_grad))
-                robust = problems.map(problems.gradient, x_star, y_rep)
-                shared = project_stacked(robust, g_rep, self.eps)
+                shared = project_stacked(problems.map(problems.gradient, x_star, y_rep), g_rep, self.eps)
                 out += [[s[k * draws:(k + 1) * draws] for s in shared] for k in range(len(x))]
         return stack_draws(out)
 
@@ -253,6 +254,6 @@ class Refiner(Defense):
 def project_stacked(shared: List[Tensor], center: List[Tensor], eps: float) -> List[Tensor]:
     """:func:`project_to_ball` for stacks ``(P, *shape)``: each problem on its own ball."""
     diff = [s - c for s, c in zip(shared, center)]
-    dist = torch.sqrt(sum((d.double() ** 2).flatten(1).sum(1) for d in diff)).to(diff[0].dtype)
+    dist = torch.sqrt(sum(squared_norms(d) for d in diff)).to(diff[0].dtype)
     scale = torch.clamp(eps / (dist + 1e-12), max=1.0)
     return [c + scale.view(-1, *[1] * (d.dim() - 1)) * d for c, d in zip(center, diff)]

@@ -46,7 +46,8 @@ def rel(a, b):
 
 
 def input_gradient(fn, x, params):
-    """d/dx of a fixed random linear functional of the defended gradient."""
+    """d/dx of a fixed random linear functional of the defended gradient (shaped like ``params``,
+    broadcast over leading draw dimensions)."""
     w = [torch.randn(p.shape, generator=gen(9)) for p in params]
     dummy = x.clone().requires_grad_(True)
     out = fn(dummy)
@@ -223,3 +224,16 @@ def test_eot_draws_are_the_defense_calls_on_the_dummy(name, evaluator):
     g = gen(4)
     calls = [invoke_defense(defense, replica.model, dummy, y, generator=g, round=obs.step) for _ in range(3)]
     assert rel(stacked, [torch.stack(column) for column in zip(*calls)]) < 1e-6
+
+    def eot(d):  # the attack's gradient through the batched draws and through the calls
+        ctx = SimContext(obs, generator=gen(4), capture_features=False)
+        return EOTSimulator(3).client_gradients(replica, d, y, functional=False, context=ctx)[0]
+
+    def by_calls(d):
+        g = gen(4)
+        draws = [invoke_defense(defense, replica.model, d, y, generator=g, round=obs.step) for _ in range(3)]
+        return [torch.stack(column) for column in zip(*draws)]
+
+    got = input_gradient(eot, dummy, [s[0] for s in stacked])
+    want = input_gradient(by_calls, dummy, [s[0] for s in stacked])
+    assert float((got - want).norm() / want.norm()) < 1e-4
