@@ -32,6 +32,7 @@ from defenses.common import (
 )
 from defenses.registry import DEFENSES
 
+
 def orthonormal_basis(vectors: Tensor) -> Tensor:
     """Orthonormal columns spanning the rows of ``vectors`` (``(k, n)`` -> ``(n, k)``), float64."""
     if vectors.shape[0] == 1:

@@ -66,7 +66,9 @@ def check_choice(defense: str, name: str, value, choices: Sequence[str]) -> str:
 
 # --------------------------------------------------------------------------- flattening
 def flatten(tensors: Sequence[Tensor]) -> Tensor:
-    """Concatenate tensors into one vector."""
+    """Concatenate tensors into one vector (a view, not a copy, of a single contiguous tensor)."""
+    if len(tensors) == 1:
+        return tensors[0].reshape(-1)
     return torch.cat([t.reshape(-1) for t in tensors])
 
 
