@@ -7,7 +7,9 @@ gradient then ``transform``; noise, pruning, quantisation, SVDefense, user
 ``@gradient_transform`` functions) is applied to every local step's gradient, so FedAvg
 observations are replayed too, and for one local step the dummy's clean gradient is
 computed once per evaluation and only the cheap ``transform`` is sampled ``samples``
-times. Any other callable runs on the dummy data ``samples`` times (one local step).
+times. Any other callable runs on the dummy data once for all ``samples`` draws
+(``Defense.many``: the clean gradient and whatever else the draws share is paid once; a
+plain callable is called ``samples`` times), one local step.
 """
 from __future__ import annotations
 
@@ -67,7 +69,12 @@ class EOTSimulator(GradientSimulator):
             transform = DefenseTransform(obs.defense)
             draws = [transform(clean, context) for _ in range(self.samples)]
         else:
-            client, draws, feats = defended_client(obs.defense), [], {}
+            client = defended_client(obs.defense)
+            batched = getattr(client, "batched_draws", None)
+            stacked = None if batched is None else batched(replica, x.unsqueeze(0), y, self.samples, context)
+            if stacked is not None:
+                return [g[0] for g in stacked], {}
+            draws, feats = [], {}
             for _ in range(self.samples):
                 grads, feats = client(replica, x, y, functional=functional, context=context)
                 draws.append(grads)

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, replace_all_batch_norm_modules_
 
-from audit.core.defense_call import invoke_defense
+from audit.core.defense_call import invoke_defense, invoke_defense_many
 from audit.core.errors import ConfigError, NotApplicable
 from audit.core.registry import Registry
 from audit.core.types import Observation
@@ -226,18 +226,36 @@ class DefenseSimulator(GradientSimulator):
 
     vmappable = False
 
-    def client_gradients(self, replica, x, y, *, functional, context):
-        obs = replica.observation
+    @staticmethod
+    def _check(obs: Observation) -> None:
         if obs.defense is None:
             raise NotApplicable("the 'defense' simulator needs observation.defense (white-box "
                                 "access to the mechanism); use the default 'clean' simulator")
         if obs.local_steps != 1:
             raise NotApplicable("the 'defense' simulator runs one defended gradient; the "
                                 f"observation has {obs.local_steps} local steps")
+
+    def client_gradients(self, replica, x, y, *, functional, context):
+        obs = replica.observation
+        self._check(obs)
         with replica.capturing(context.capture_features) as bn:
             grads = invoke_defense(obs.defense, replica.model, x, y, loss_fn=replica.loss_fn,
                                    generator=context.generator, round=obs.step)
         return list(grads), {"bn": list(bn)}
+
+    def batched_draws(self, replica: ClientReplica, xs: Tensor, y: Tensor, draws: int,
+                      context: SimContext) -> Optional[List[Tensor]]:
+        """``draws`` defended gradients of each dummy batch ``xs[i]``, per parameter ``(len(xs),
+        draws, *shape)``, from one batched defense call (``Defense.many``); the generator is
+        consumed as by the calls one after another. None where the calls must run one by one:
+        a prior needs the BatchNorm statistics of each call's own forward passes."""
+        obs = replica.observation
+        self._check(obs)
+        if context.capture_features and replica.norm_layers:
+            return None
+        labels = y.unsqueeze(0).expand(len(xs), *y.shape)
+        return invoke_defense_many(obs.defense, replica.model, xs, labels, draws=draws, loss_fn=replica.loss_fn,
+                                   generator=context.generator, round=obs.step)
 
 
 SIMULATORS.add("clean", GradientSimulator, "clean gradient of the observation's model (FedAvg unrolled)")

@@ -10,19 +10,25 @@ lowest-loss candidate is kept even when no candidate lowers the loss.
 ``active_rounds=N`` follows the paper's schedule (CENSOR "only in the first epochs"): rounds
 ``0 .. N-1`` are defended and later rounds share the clean gradient. The round comes from the
 client simulation (``round=`` keyword); a call without one counts as an early round.
+
+Cost: the ``trials`` draws are written into one reused buffer, projected as one matrix per
+layer and scored in float64 (the loss changes between candidates are of order ``eta^2``, far
+below float32's resolution) through reused float64 parameters; only the chosen candidate is
+rebuilt with autograd when the inputs require grad. :meth:`Censor.many` computes the clean
+gradient and its span once for all draws of a batch. Measured: ``docs/performance.md``.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
-from torch.func import functional_call, vmap
+from torch.func import functional_call
 
 from audit.core.types import Defense, clean_gradients, default_loss_fn, trainable_names
 
 from defenses.common import (
-    check_range, eval_mode, flatten, per_example_gradients, randn, resolve_generator,
+    check_range, eval_mode, flatten, per_example_gradients, preserved_buffers, resolve_generator, stack_draws,
 )
 from defenses.registry import DEFENSES
 
@@ -37,13 +43,24 @@ def orthonormal_basis(vectors: Tensor) -> Tensor:
 
 
 def orthogonal_candidates(directions: Tensor, basis: Tensor, target_norm: Tensor) -> Tensor:
-    """Project ``directions`` ``(T, n)`` onto the complement of ``basis`` (twice, for exact
-    orthogonality in floating point) and rescale each row to ``target_norm``."""
-    out = directions.double()
+    """Project the rows of ``directions`` ``(T, n)`` onto the complement of ``basis``
+    ``(n, k)`` (twice, for orthogonality to the working precision) and rescale each row to
+    ``target_norm``; in ``directions``' dtype, in place when nothing requires grad."""
+    return _project(directions, basis, target_norm)[0]
+
+
+def _project(directions: Tensor, basis: Tensor, target_norm: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+    """:func:`orthogonal_candidates` plus what undoes it: ``directions = out / scale +
+    coeff @ basis.T`` (``coeff`` ``(T, k)``, ``scale`` ``(T, 1)``)."""
+    q = basis.to(directions.dtype)
+    inplace = not (directions.requires_grad or q.requires_grad or target_norm.requires_grad)
+    out, total = directions, None
     for _ in range(2):
-        out = out - (out @ basis) @ basis.T
-    out = out * (target_norm.double() / out.norm(dim=1, keepdim=True))
-    return out
+        coeff = out @ q
+        total = coeff if total is None else total + coeff
+        out = out.addmm_(coeff, q.T, alpha=-1) if inplace else torch.addmm(out, coeff, q.T, alpha=-1)
+    scale = target_norm.to(out.dtype) / out.norm(dim=1, keepdim=True)
+    return (out.mul_(scale) if inplace else out * scale), total, scale
 
 
 @DEFENSES.register("censor", "Orthogonal-subspace sampling: best of `trials` (20) random orthogonal updates, eta=1e-4")
@@ -64,12 +81,11 @@ class Censor(Defense):
         "public code projects out only the batch gradient.",
     )
 
-    def __init__(self, trials: int = 20, eta: float = 1e-4, layerwise: bool = True, chunk: int = 10,
+    def __init__(self, trials: int = 20, eta: float = 1e-4, layerwise: bool = True,
                  active_rounds: Optional[int] = None):
         self.trials = check_range(self.name, "trials", trials, 1, None, integer=True)
         self.eta = check_range(self.name, "eta", eta, 0, None, low_open=True)
         self.layerwise = bool(layerwise)
-        self.chunk = check_range(self.name, "chunk", chunk, 1, None, integer=True)
         self.active_rounds = None if active_rounds is None else check_range(
             self.name, "active_rounds", active_rounds, 1, None, integer=True)
 
@@ -89,51 +105,138 @@ class Censor(Defense):
                     span.append(g)
         return spans
 
+    def _groups(self, count: int) -> List[List[int]]:
+        return [[i] for i in range(count)] if self.layerwise else [list(range(count))]
+
+    def _bases(self, grads: Sequence[Tensor], spans: List[List[Tensor]]) -> List[Tuple[Tensor, Optional[Tensor]]]:
+        """Per group: the clean norm and the orthonormal basis to project out (None: zero gradient)."""
+        out = []
+        for group in self._groups(len(grads)):
+            norm = flatten([grads[i] for i in group]).norm()
+            if float(norm.detach()) == 0.0:  # nothing to hide; zero keeps the norm and orthogonality
+                out.append((norm, None))
+                continue
+            span = torch.stack([flatten([spans[i][k] for i in group]) for k in range(len(spans[group[0]]))])
+            out.append((norm, orthonormal_basis(span)))
+        return out
+
     def candidates(self, grads: Sequence[Tensor], spans: List[List[Tensor]], generator) -> List[Tensor]:
         """``trials`` orthogonal candidates, one ``(T, *shape)`` tensor per parameter."""
         gen = resolve_generator(generator, grads[0].device)
-        groups = [list(range(len(grads)))] if not self.layerwise else [[i] for i in range(len(grads))]
+        return self._draw(grads, self._bases(grads, spans), gen, self._workspace(grads, gen))[0]
+
+    def _workspace(self, grads: Sequence[Tensor], gen: torch.Generator) -> List[Tensor]:
+        """One ``(T, n_group)`` buffer per group, on the generator's device, reused by every draw."""
+        flat = torch.empty(self.trials * sum(g.numel() for g in grads), device=gen.device, dtype=grads[0].dtype)
+        out, start = [], 0
+        for group in self._groups(len(grads)):
+            n = sum(grads[i].numel() for i in group)
+            out.append(flat[start:start + self.trials * n].view(self.trials, n))
+            start += self.trials * n
+        return out
+
+    def _draw(self, grads, bases, gen, workspace) -> Tuple[List[Tensor], List[Tuple]]:
+        """Draw (as ``randn((trials, n_group))`` per group, in order) and project ``trials``
+        candidates: one ``(T, *shape)`` view per parameter, and per group the ``(coeff, scale)``
+        that give back the raw draws (see :func:`_project`)."""
         out: List[Tensor] = [None] * len(grads)  # type: ignore[list-item]
-        for group in groups:
-            clean = flatten([grads[i] for i in group])
-            n = clean.numel()
-            draws = randn((self.trials, n), generator=gen, device=clean.device, dtype=clean.dtype)
-            norm = clean.norm()
-            if float(norm.detach()) == 0.0:  # nothing to hide; zero keeps the norm and orthogonality
-                cand = torch.zeros_like(draws)
+        undo = []
+        for group, (norm, basis), buf in zip(self._groups(len(grads)), bases, workspace):
+            draws = buf.normal_(generator=gen).to(grads[0].device)
+            if basis is None:
+                cand, coeff, scale = draws.zero_(), None, None
             else:
-                span = torch.stack([flatten([spans[i][k] for i in group]) for k in range(len(spans[group[0]]))])
-                cand = orthogonal_candidates(draws, orthonormal_basis(span), norm).to(clean.dtype)
+                cand, coeff, scale = _project(draws, basis.detach(), norm.detach())
+            undo.append((coeff, scale))
             start = 0
             for i in group:
                 size = grads[i].numel()
-                out[i] = cand[:, start:start + size].reshape(self.trials, *grads[i].shape)
+                out[i] = cand[:, start:start + size].view(self.trials, *grads[i].shape)
                 start += size
-        return out
+        return out, undo
 
     # ------------------------------------------------------------------ selection
     def candidate_losses(self, model: nn.Module, inputs, labels, loss_fn, cands: List[Tensor]) -> Tensor:
         """Loss of ``theta - eta * G_t`` for every candidate (eval mode, float64, no grad)."""
+        return self._scorer(model, inputs, labels, loss_fn)(cands)
+
+    def _scorer(self, model, inputs, labels, loss_fn):
+        """``cands -> losses``: one functional forward per candidate through float64 parameter
+        buffers made once and reused."""
         names = trainable_names(model)
-        params = {n: p.detach().double() for n, p in model.named_parameters()}
+        # a copy even when the model is float64 already: these buffers are written in place
+        moved = {n: p.detach().to(torch.float64, copy=True) for n, p in model.named_parameters()}
+        base = {n: moved[n].clone() for n in names}
         buffers = {n: b.detach().double() if b.is_floating_point() else b for n, b in model.named_buffers()}
         x = inputs.detach().double()
-        steps = {n: c.detach().double() for n, c in zip(names, cands)}
 
-        def loss_of(step: Dict[str, Tensor]) -> Tensor:
-            moved = dict(params)
-            for n, s in step.items():
-                moved[n] = params[n] - self.eta * s
-            return loss_fn(functional_call(model, (moved, buffers), (x,)), labels)
+        def score(cands: List[Tensor]) -> Tensor:
+            losses = []
+            with torch.no_grad(), eval_mode(model):
+                for t in range(cands[0].shape[0]):
+                    for n, c in zip(names, cands):  # p - eta * c in float64
+                        torch.add(base[n], moved[n].copy_(c[t]), alpha=-self.eta, out=moved[n])
+                    losses.append(loss_fn(functional_call(model, (moved, buffers), (x,)), labels))
+            return torch.stack(losses)
 
-        with torch.no_grad(), eval_mode(model):
-            return vmap(loss_of, chunk_size=self.chunk)(steps)
+        return score
+
+    def _chosen(self, grads, bases, chosen: List[Tensor], undo: List[Tuple]) -> List[Tensor]:
+        """The chosen candidates ``(D, *shape)`` as they are, and where the clean gradient
+        requires grad, with the gradient of projecting their raw draws (the randomness fixed)."""
+        if not any(g.requires_grad for g in grads):
+            return chosen
+        out = list(chosen)
+        for j, (group, (norm, basis)) in enumerate(zip(self._groups(len(grads)), bases)):
+            if basis is None:
+                continue
+            coeff, scale = torch.cat([u[j][0] for u in undo]), torch.cat([u[j][1] for u in undo])
+            picked = flatten_rows([chosen[i] for i in group])
+            raw = torch.addmm(picked / scale, coeff, basis.detach().to(picked.dtype).T)
+            rebuilt = orthogonal_candidates(raw, basis, norm)
+            start = 0
+            for i in group:
+                size = grads[i].numel()
+                part = rebuilt[:, start:start + size].reshape(chosen[i].shape)
+                out[i] = chosen[i] + (part - part.detach())
+                start += size
+        return out
+
+    def _select(self, model, inputs, labels, loss_fn, grads, generator, draws: int) -> List[Tensor]:
+        """``draws`` CENSOR outputs for one batch whose clean gradient is ``grads``, stacked
+        ``(draws, *shape)``; the generator is consumed as by ``draws`` calls in a row."""
+        gen = resolve_generator(generator, grads[0].device)
+        bases = self._bases(grads, self._spans(model, inputs, labels, loss_fn, grads))
+        score, workspace = self._scorer(model, inputs, labels, loss_fn), self._workspace(grads, gen)
+        chosen, undo = [], []
+        for _ in range(draws):
+            cands, how = self._draw(grads, bases, gen, workspace)
+            best = int(torch.argmin(score(cands)))
+            chosen.append([c[best].clone() for c in cands])
+            undo.append([(None, None) if c is None else (c[best:best + 1].clone(), s[best:best + 1].clone())
+                         for c, s in how])
+        return self._chosen(grads, bases, [torch.stack(column) for column in zip(*chosen)], undo)
 
     def __call__(self, model, inputs, labels, *, loss_fn=default_loss_fn, generator=None, round=None):
         grads = clean_gradients(model, inputs, labels, loss_fn)
         if not self.active(round):
             return grads
-        spans = self._spans(model, inputs, labels, loss_fn, grads)
-        cands = self.candidates(grads, spans, generator)
-        best = int(torch.argmin(self.candidate_losses(model, inputs, labels, loss_fn, cands)))
-        return [c[best] for c in cands]
+        return [g[0] for g in self._select(model, inputs, labels, loss_fn, grads, generator, 1)]
+
+    def many(self, model, inputs, labels, *, draws=1, loss_fn=default_loss_fn, generator=None, round=None):
+        """``draws`` outputs for each batch of ``inputs`` ``(N, B, ...)``, ``(N, draws, *shape)``
+        per parameter: the clean gradient and its span once per batch, not once per draw."""
+        out = []
+        for x, y in zip(inputs, labels):
+            with preserved_buffers(model):
+                grads = clean_gradients(model, x, y, loss_fn)
+                if self.active(round):
+                    out.append(self._select(model, x, y, loss_fn, grads, generator, draws))
+                else:
+                    out.append([g.unsqueeze(0).expand(draws, *g.shape) for g in grads])
+        return stack_draws(out)
+
+
+def flatten_rows(tensors: Sequence[Tensor]) -> Tensor:
+    """``(D, *shape_i)`` tensors -> ``(D, sum numel_i)``."""
+    return torch.cat([t.reshape(t.shape[0], -1) for t in tensors], dim=1)

@@ -66,7 +66,9 @@ def check_choice(defense: str, name: str, value, choices: Sequence[str]) -> str:
 
 # --------------------------------------------------------------------------- flattening
 def flatten(tensors: Sequence[Tensor]) -> Tensor:
-    """Concatenate tensors into one vector."""
+    """Concatenate tensors into one vector (a view, not a copy, of a single contiguous tensor)."""
+    if len(tensors) == 1:
+        return tensors[0].reshape(-1)
     return torch.cat([t.reshape(-1) for t in tensors])
 
 
@@ -79,8 +81,22 @@ def unflatten(vector: Tensor, like: Sequence[Tensor]) -> List[Tensor]:
     return out
 
 
+def squared_norms(stack: Tensor, chunk: int = 4096) -> Tensor:
+    """Per row of ``stack`` ``(B, ...)``, the sum of squares in float64: float32 norms of
+    ``chunk``-entry pieces combined in float64 (float64 accuracy without a float64 copy)."""
+    flat = stack.flatten(1)
+    whole = flat.shape[1] // chunk * chunk
+    total = flat.new_zeros(flat.shape[0], dtype=torch.float64)
+    if whole:
+        total = total + flat[:, :whole].reshape(flat.shape[0], -1, chunk).norm(dim=2).double().pow(2).sum(1)
+    if whole < flat.shape[1]:
+        total = total + flat[:, whole:].norm(dim=1).double().pow(2)
+    return total
+
+
 def global_norm(tensors: Sequence[Tensor]) -> Tensor:
-    return torch.sqrt(sum((t.double() ** 2).sum() for t in tensors)).to(tensors[0].dtype)
+    """The L2 norm of all tensors together, accumulated in float64 (see :func:`squared_norms`)."""
+    return torch.sqrt(sum(squared_norms(t.reshape(1, -1))[0] for t in tensors)).to(tensors[0].dtype)
 
 
 # --------------------------------------------------------------------------- model state
@@ -96,16 +112,44 @@ def eval_mode(model: nn.Module) -> Iterator[nn.Module]:
             m.train(flag)
 
 
+@contextlib.contextmanager
+def untracked_batchnorm(model: nn.Module) -> Iterator[nn.Module]:
+    """Within the block, BatchNorm layers in train mode normalise with the batch statistics
+    as before but leave their running statistics alone (``track_running_stats`` off), so a
+    forward pass mutates no buffer and runs under ``torch.func`` transforms."""
+    norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)
+             and m.training and m.track_running_stats]
+    for m in norms:
+        m.track_running_stats = False
+    try:
+        yield model
+    finally:
+        for m in norms:
+            m.track_running_stats = True
+
+
 # --------------------------------------------------------------------------- gradients
 def per_example_gradients(
     model: nn.Module, inputs: Tensor, labels: Tensor, loss_fn: LossFn = default_loss_fn
 ) -> List[List[Tensor]]:
     """One clean gradient per example (``[example][parameter]``), without touching buffers.
 
-    Stays differentiable w.r.t. ``inputs`` when ``inputs.requires_grad``.
+    Stays differentiable w.r.t. ``inputs`` when ``inputs.requires_grad``. (One backward pass
+    per example: on CPU this is as fast as ``vmap`` for small models and faster for ResNets.)
     """
     with preserved_buffers(model):
         return [
             clean_gradients(model, inputs[i:i + 1], labels[i:i + 1], loss_fn)
             for i in range(inputs.shape[0])
         ]
+
+
+def per_example_stack(model: nn.Module, inputs: Tensor, labels: Tensor, loss_fn: LossFn = default_loss_fn
+                      ) -> List[Tensor]:
+    """:func:`per_example_gradients` stacked: per parameter ``(B, *shape)``."""
+    return [torch.stack(column) for column in zip(*per_example_gradients(model, inputs, labels, loss_fn))]
+
+
+def stack_draws(per_batch: Sequence[Sequence[Tensor]]) -> List[Tensor]:
+    """``[batch][parameter]`` tensors ``(draws, *shape)`` -> per parameter ``(N, draws, *shape)``."""
+    return [torch.stack(column) for column in zip(*per_batch)]

@@ -25,8 +25,7 @@ from scipy import integrate, special
 from audit.core.errors import ConfigError
 from audit.core.types import Defense, default_loss_fn
 
-from defenses.clip import clip_by_norm
-from defenses.common import check_choice, check_range, per_example_gradients
+from defenses.common import check_choice, check_range, per_example_stack, squared_norms
 from defenses.noise import add_noise
 from defenses.registry import DEFENSES
 
@@ -138,6 +137,16 @@ def privacy_spent(steps: int, sample_rate: float, noise_multiplier: float, delta
     return PrivacySpent(eps, delta, steps, q, sigma, order, name)
 
 
+def clip_stacked(per_example: Sequence[torch.Tensor], bound: float, per_layer: bool) -> list:
+    """:func:`~defenses.clip.clip_by_norm` of every example of ``(B, *shape)`` stacks at once."""
+    if per_layer:
+        norms = [g.flatten(1).norm(dim=1) for g in per_example]
+    else:  # the whole gradient's norm, accumulated in float64 as global_norm does
+        norms = [sum(squared_norms(g) for g in per_example).sqrt()] * len(per_example)
+    return [g * torch.clamp(bound / (n.to(g.dtype) + 1e-12), max=1.0).view(-1, *[1] * (g.dim() - 1))
+            for g, n in zip(per_example, norms)]
+
+
 @DEFENSES.register(
     "dp-sgd", "Per-example clipping to `clip` + Gaussian noise of std noise_multiplier*clip/batch"
 )
@@ -175,10 +184,9 @@ class DPSGD(Defense):
         return privacy_spent(steps, sample_rate, self.noise_multiplier, delta, accountant=accountant)
 
     def __call__(self, model, inputs, labels, *, loss_fn=default_loss_fn, generator=None):
-        per_example = per_example_gradients(model, inputs, labels, loss_fn)
-        bound = self.clip_bound(len(per_example[0]))
-        clipped = [clip_by_norm(g, bound, self.per_layer) for g in per_example]
-        mean = [torch.stack(column).mean(0) for column in zip(*clipped)]
+        per_example = per_example_stack(model, inputs, labels, loss_fn)  # (B, *shape) per parameter
+        bound = self.clip_bound(len(per_example))
+        mean = [g.mean(0) for g in clip_stacked(per_example, bound, self.per_layer)]
         # the per-example passes leave buffers untouched; update them once, as a client would
         with torch.no_grad():
             model(inputs.detach())

@@ -14,14 +14,15 @@ from defenses.registry import DEFENSES
 
 
 def gaussian_noise(shape, scale: float, *, generator, device, dtype) -> Tensor:
-    return scale * randn(shape, generator=generator, device=device, dtype=dtype)
+    return randn(shape, generator=generator, device=device, dtype=dtype).mul_(scale)
 
 
 def laplace_noise(shape, scale: float, *, generator, device, dtype) -> Tensor:
     """Inverse-CDF sampling: ``-b sign(u) log(1 - 2|u|)`` with ``u ~ U(-1/2, 1/2)``."""
-    u = rand(shape, generator=generator, device=device, dtype=dtype) - 0.5
+    u = rand(shape, generator=generator, device=device, dtype=dtype).sub_(0.5)
     tiny = torch.finfo(dtype).tiny
-    return -scale * torch.sign(u) * torch.log((1 - 2 * u.abs()).clamp_min(tiny))
+    magnitude = u.abs().mul_(-2).add_(1).clamp_min_(tiny).log_()
+    return magnitude.mul_(u.sign_().mul_(-scale))
 
 
 def gaussian_log_density(x: Tensor, scale: float) -> Tensor:
@@ -45,7 +46,7 @@ def add_noise(grads: Sequence[Tensor], kind: str, scale: float, generator) -> Li
     """``g + noise`` for every tensor, randomness from ``generator`` only."""
     sample = NOISES[kind][0]
     gen = resolve_generator(generator, grads[0].device)
-    return [g + sample(g.shape, scale, generator=gen, device=g.device, dtype=g.dtype) for g in grads]
+    return [sample(g.shape, scale, generator=gen, device=g.device, dtype=g.dtype).add_(g) for g in grads]
 
 
 class AdditiveNoise(Defense):

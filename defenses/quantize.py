@@ -17,13 +17,13 @@ def quantize_tensor(g: Tensor, bits: int, noise: Tensor | None = None) -> Tensor
     The value is the quantised one; the gradient w.r.t. ``g`` is the identity (straight
     through), so attackers can differentiate through the defense.
     """
-    lo, hi = g.detach().min(), g.detach().max()
+    lo, hi = torch.aminmax(g.detach())
     step = (hi - lo) / (2 ** bits - 1)
     if step == 0:
         return g
-    scaled = (g.detach() - lo) / step
-    levels = torch.floor(scaled + noise) if noise is not None else torch.round(scaled)
-    q = levels.clamp(0, 2 ** bits - 1) * step + lo
+    scaled = (g.detach() - lo).div_(step)
+    levels = scaled.add_(noise).floor_() if noise is not None else scaled.round_()
+    q = levels.clamp_(0, 2 ** bits - 1).mul_(step).add_(lo)
     return g + (q - g).detach()
 
 

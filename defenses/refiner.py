@@ -13,17 +13,27 @@ which keeps the value exact and the path through the noise-blended initialisatio
 
 D defaults to ``d_width=32`` filters (32/64/128): the paper's 128/256/512 (``d_width=128``)
 costs about 16x the CPU time; D is trained once per setting and cached on disk.
+
+Cost: a step's direction is one ``torch.func`` pullback of the parameter gradient along
+``2 w^2 (grad L(x*) - grad L(x))`` plus D's input gradient; :meth:`Refiner.many` runs the
+optimisations of many batches and draws as one ``vmap``-batched computation (one at a time
+for models vmap cannot double-differentiate, e.g. BatchNorm in train mode). Measured cost:
+``docs/performance.md``.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
+from torch.func import functional_call, grad, vjp, vmap
 
 from audit.core.types import Defense, clean_gradients, default_loss_fn, trainable_names
 
-from defenses.common import check_range, global_norm, preserved_buffers, rand, resolve_generator
+from defenses.common import (
+    check_range, global_norm, preserved_buffers, rand, resolve_generator, squared_norms, stack_draws,
+    untracked_batchnorm,
+)
 from defenses.evaluator import load_or_train_evaluator
 from defenses.registry import DEFENSES
 
@@ -44,6 +54,86 @@ def project_to_ball(shared: List[Tensor], center: List[Tensor], eps: float) -> L
     dist = global_norm(diff)
     scale = torch.clamp(eps / (dist + 1e-12), max=1.0)
     return [c + scale * d for c, d in zip(center, diff)]
+
+
+CHUNK_FLOATS = 2 ** 24  # parameter-gradient entries of the problems optimised at once (64 MiB)
+
+
+class _Problems:
+    """Refiner's optimisation for a stack of problems ``p``: a batch ``x_p`` with its labels,
+    the clean gradient ``g_p`` and twice the squared importance ``2 w_p^2`` (lists of
+    ``(P, *shape)``). :meth:`direction` gives one problem's ``d (UM - beta D) / d x`` (and the
+    objective); :meth:`map` runs a function over all problems, vmap-batched where the model
+    allows it."""
+
+    def __init__(self, model: nn.Module, loss_fn, d_net: nn.Module, beta: float):
+        self.model, self.loss_fn, self.d_net, self.beta = model, loss_fn, d_net, beta
+        self.names = trainable_names(model)
+        named = dict(model.named_parameters())
+        self.params = {n: named[n].detach() for n in self.names}
+        self.others = {**{n: p.detach() for n, p in named.items() if n not in self.params},
+                       **dict(model.named_buffers())}
+        self.batched: Optional[bool] = None  # decided at the first call
+
+    def gradient(self, x: Tensor, y: Tensor) -> List[Tensor]:
+        """The parameter gradient of one batch (differentiable w.r.t. ``x`` by outer autograd)."""
+        loss = lambda p: self.loss_fn(functional_call(self.model, (p, self.others), (x,)), y)  # noqa: E731
+        out = grad(loss)(self.params)
+        return [out[n] for n in self.names]
+
+    def direction(self, x, y, g, w2, with_value: bool) -> Tuple[Tensor, Tensor]:
+        robust, pullback = vjp(lambda z: self.gradient(z, y), x)
+        diff = [r - c for r, c in zip(robust, g)]
+        value = sum((w * d * d).sum() for w, d in zip(w2, diff)) if with_value else None
+        (gx,) = pullback([d.mul_(w) for w, d in zip(w2, diff)])  # w2 holds 2 w^2
+        d_value, d_pullback = vjp(lambda z: self.d_net(z).sum(), x)
+        (gd,) = d_pullback(torch.ones_like(d_value))
+        value = value / 2 - self.beta * d_value if with_value else d_value.new_zeros(())
+        return gx - self.beta * gd, value
+
+    def map(self, fn: Callable, *stacks) -> Tuple:
+        """``fn`` over the leading dimension of ``stacks``: one vmap call, or a loop where vmap
+        cannot run the model (decided once) or there is one problem."""
+        if self.batched is not False and _length(stacks[0]) > 1:
+            try:
+                out = vmap(fn)(*stacks)
+                self.batched = True
+                return out
+            except Exception:  # an op vmap cannot batch (e.g. BatchNorm's double backward)
+                if self.batched:
+                    raise
+                self.batched = False
+        rows = [fn(*[_index(s, p) for s in stacks]) for p in range(_length(stacks[0]))]
+        return _restack(rows)
+
+    def optimise(self, start: Tensor, labels: Tensor, g: List[Tensor], w2: List[Tensor], steps: int, lr: float,
+                 trace: Optional[List[List[float]]] = None) -> Tensor:
+        """``steps`` clamped gradient steps from ``start`` ``(P, B, ...)``; ``trace[p]`` receives
+        problem ``p``'s objective before each step and after the last."""
+        with_value = trace is not None
+        x = start
+        for k in range(steps + (1 if with_value else 0)):
+            step, value = self.map(lambda *a: self.direction(*a, with_value), x, labels, g, w2)
+            if with_value:
+                for p, v in enumerate(value.tolist()):
+                    trace[p].append(v)
+            if k < steps:
+                x = (x - lr * step).clamp(0, 1)
+        return x
+
+
+def _index(stack, p):
+    return [t[p] for t in stack] if isinstance(stack, list) else stack[p]
+
+
+def _length(stack) -> int:
+    return len(stack[0]) if isinstance(stack, list) else len(stack)
+
+
+def _restack(rows):
+    if isinstance(rows[0], (tuple, list)) and not isinstance(rows[0], Tensor):
+        return type(rows[0])(_restack([r[i] for r in rows]) for i in range(len(rows[0])))
+    return torch.stack(rows)
 
 
 @DEFENSES.register("refiner", "Gradient of robust data (evaluation network + weighted utility), eps-projected (eps=0.1)")
@@ -89,7 +179,7 @@ class Refiner(Defense):
         return self._evaluators[key]
 
     def importance(self, model: nn.Module, grads: List[Tensor]) -> List[Tensor]:
-        """``w = |grad * theta * tau^i|`` per parameter."""
+        """``w = |grad * theta * tau^i|`` per parameter (per problem for stacked ``grads``)."""
         params = [p.detach() for p in model.parameters() if p.requires_grad]
         return [(g * p * self.tau ** i).abs() for g, p, i in zip(grads, params, layer_indices(model))]
 
@@ -99,39 +189,59 @@ class Refiner(Defense):
 
         ``trace``, when a list, receives the objective ``UM - beta * D`` before each of the
         ``iota`` steps and after the last one (one more gradient evaluation)."""
-        differentiable = bool(inputs.requires_grad) and self.unroll
         gen = resolve_generator(generator, inputs.device)
-        d_net = self.evaluator(inputs.shape[1:], inputs.device, inputs.dtype)
-        with preserved_buffers(model):
-            if grads is None:
+        if grads is None:
+            with preserved_buffers(model):
                 grads = clean_gradients(model, inputs, labels, loss_fn)
-            if not differentiable:
-                grads = [g.detach() for g in grads]
-            weights = self.importance(model, grads)
-            noise = rand(inputs.shape, generator=gen, device=inputs.device, dtype=inputs.dtype)
-            # the optimisation itself runs on constants unless it is unrolled
-            start = (1 - self.alpha) * inputs + self.alpha * noise
+        noise = rand(inputs.shape, generator=gen, device=inputs.device, dtype=inputs.dtype)
+        start = (1 - self.alpha) * inputs + self.alpha * noise
+        traces = None if trace is None else [trace]
+        x_star = self._optimise(model, start.unsqueeze(0), labels.unsqueeze(0), [g.unsqueeze(0) for g in grads],
+                                loss_fn, bool(inputs.requires_grad), traces)[0]
+        return x_star
 
-            def objective(x: Tensor) -> Tensor:
-                robust = clean_gradients(model, x, labels, loss_fn, create_graph=True)
-                utility = sum(((w * (r - g)) ** 2).sum() for w, r, g in zip(weights, robust, grads))
-                return utility - self.beta * d_net(x).sum()
-
-            x_star = start
-            for _ in range(self.iota):
-                if not differentiable:
-                    x_star = x_star.detach().requires_grad_(True)
-                value = objective(x_star)
-                if trace is not None:
-                    trace.append(float(value.detach()))
-                (step,) = torch.autograd.grad(value, x_star, create_graph=differentiable)
-                x_star = (x_star - self.lr * step).clamp(0, 1)
-            if trace is not None:
-                with torch.enable_grad():
-                    trace.append(float(objective(x_star.detach().requires_grad_(True)).detach()))
-        if differentiable or not inputs.requires_grad:
-            return x_star if differentiable else x_star.detach()
+    def _optimise(self, model, start: Tensor, labels: Tensor, grads: List[Tensor], loss_fn, differentiable: bool,
+                  trace: Optional[List[List[float]]] = None) -> Tensor:
+        """``x*`` for a stack of problems (``start`` ``(P, B, ...)``, ``grads`` ``(P, *shape)``);
+        unrolled through the steps when ``unroll`` and ``differentiable``, else the steps as a
+        constant offset from the (differentiable) start."""
+        unroll = differentiable and self.unroll
+        d_net = self.evaluator(start.shape[2:], start.device, start.dtype)
+        if not unroll:
+            grads = [g.detach() for g in grads]
+        w2 = [2 * w * w for w in self.importance(model, grads)]
+        with untracked_batchnorm(model), preserved_buffers(model):
+            problems = _Problems(model, loss_fn, d_net, self.beta)
+            x_star = problems.optimise(start if unroll else start.detach(), labels, grads, w2, self.iota, self.lr,
+                                       trace)
+        if unroll or not differentiable:
+            return x_star if unroll else x_star.detach()
         return start + (x_star - start).detach()
+
+    def many(self, model, inputs, labels, *, draws=1, loss_fn=default_loss_fn, generator=None):
+        """``draws`` shared gradients for each batch of ``inputs`` ``(N, B, ...)``, ``(N, draws,
+        *shape)`` per parameter: the clean gradients of all batches, then every (batch, draw)
+        optimisation as one stack of problems (chunked by memory); the noise is drawn batch by
+        batch, draw by draw, as that many calls in a row would."""
+        gen = resolve_generator(generator, inputs.device)
+        numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        per = max(1, CHUNK_FLOATS // max(numel, 1) // draws)  # batches per chunk
+        out: List[List[Tensor]] = []
+        with untracked_batchnorm(model), preserved_buffers(model):
+            problems = _Problems(model, loss_fn, self.evaluator(inputs.shape[2:], inputs.device, inputs.dtype),
+                                 self.beta)
+            for lo in range(0, len(inputs), per):
+                x, y = inputs[lo:lo + per], labels[lo:lo + per]
+                clean = problems.map(problems.gradient, x, y)
+                noise = torch.stack([rand(x.shape[1:], generator=gen, device=x.device, dtype=x.dtype)
+                                     for _ in range(len(x) * draws)]).view(len(x), draws, *x.shape[1:])
+                start = ((1 - self.alpha) * x.unsqueeze(1) + self.alpha * noise).flatten(0, 1)
+                y_rep = y.repeat_interleave(draws, 0)
+                g_rep = [g.repeat_interleave(draws, 0) for g in clean]
+                x_star = self._optimise(model, start, y_rep, g_rep, loss_fn, bool(inputs.requires_grad))
+                shared = project_stacked(problems.map(problems.gradient, x_star, y_rep), g_rep, self.eps)
+                out += [[s[k * draws:(k + 1) * draws] for s in shared] for k in range(len(x))]
+        return stack_draws(out)
 
     def __call__(self, model, inputs, labels, *, loss_fn=default_loss_fn, generator=None):
         with preserved_buffers(model):
@@ -139,3 +249,11 @@ class Refiner(Defense):
         x_star = self.robust_data(model, inputs, labels, loss_fn=loss_fn, generator=generator, grads=grads)
         robust = clean_gradients(model, x_star, labels, loss_fn, create_graph=bool(inputs.requires_grad))
         return project_to_ball(robust, grads, self.eps)
+
+
+def project_stacked(shared: List[Tensor], center: List[Tensor], eps: float) -> List[Tensor]:
+    """:func:`project_to_ball` for stacks ``(P, *shape)``: each problem on its own ball."""
+    diff = [s - c for s, c in zip(shared, center)]
+    dist = torch.sqrt(sum(squared_norms(d) for d in diff)).to(diff[0].dtype)
+    scale = torch.clamp(eps / (dist + 1e-12), max=1.0)
+    return [c + scale.view(-1, *[1] * (d.dim() - 1)) * d for c, d in zip(center, diff)]

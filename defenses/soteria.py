@@ -7,7 +7,7 @@ zeroed. Every other gradient tensor (bias included) is shared unchanged.
 """
 from __future__ import annotations
 
-from typing import List, Tuple
+from typing import Dict, List, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -16,7 +16,7 @@ from audit.core.errors import ConfigError
 from audit.core.models import last_linear
 from audit.core.types import Defense, clean_gradients, default_loss_fn, trainable_parameters
 
-from defenses.common import check_range, preserved_buffers
+from defenses.common import check_range, preserved_buffers, untracked_batchnorm
 from defenses.prune import topk_mask
 from defenses.registry import DEFENSES
 
@@ -33,7 +33,7 @@ class Soteria(Defense):
     name = "soteria"
     stochastic = False
 
-    def __init__(self, ratio: float = 0.8, layer="last", chunk: int = 256):
+    def __init__(self, ratio: float = 0.8, layer="last", chunk: int = 64):
         self.ratio = check_range(self.name, "ratio", ratio, 0, 1, high_open=True)
         self.layer = str(layer)
         self.chunk = check_range(self.name, "chunk", chunk, 1, None, integer=True)
@@ -60,30 +60,46 @@ class Soteria(Defense):
         return [i for i, p in enumerate(trainable_parameters(model)) if p is layer.weight]
 
     def feature_mask(self, model: nn.Module, inputs: Tensor) -> Tensor:
-        """Boolean keep-mask over the defended layer's input features (a constant)."""
+        """Boolean keep-mask over the defended layer's input features (a constant).
+
+        One forward, then the ``f`` VJPs ``d r_f / d x`` (``f`` the layer's input features)
+        as batched ``torch.func`` pullbacks, ``chunk`` features at a time (plain autograd for a
+        model whose forward ``torch.func`` cannot run)."""
         _, layer = self.defended_layer(model)
-        captured = {}
+        captured: Dict[str, Tensor] = {}
+
         def record(mod, inp, out):  # returns None: a returned value would replace the layer's output
             captured.setdefault("r", inp[0])
 
-        hook = layer.register_forward_hook(record)
-        x = inputs.detach().requires_grad_(True)
-        try:
-            with torch.enable_grad(), preserved_buffers(model):
+        def features(x: Tensor) -> Tensor:
+            captured.clear()
+            hook = layer.register_forward_hook(record)
+            try:
                 model(x)
-        finally:
-            hook.remove()
-        r = captured["r"]
-        if r.dim() != 2:
-            raise ConfigError(f"soteria: the defended layer's input must be (batch, features), got {tuple(r.shape)}")
-        n_feat = r.shape[1]
-        sensitivity = []
-        for start in range(0, n_feat, self.chunk):
-            idx = torch.arange(start, min(n_feat, start + self.chunk), device=r.device)
-            seeds = torch.zeros(len(idx), *r.shape, device=r.device, dtype=r.dtype)
-            seeds[torch.arange(len(idx)), :, idx] = 1.0
-            (jac,) = torch.autograd.grad(r, x, seeds, retain_graph=True, is_grads_batched=True)
-            sensitivity.append(jac.flatten(2).norm(dim=2))  # (chunk, batch)
+            finally:
+                hook.remove()
+            return captured["r"]
+
+        # BatchNorm leaves its buffers alone; other state the forward changes is restored
+        with torch.enable_grad(), untracked_batchnorm(model), preserved_buffers(model):
+            try:
+                r, pullback = torch.func.vjp(features, inputs.detach())
+                pullbacks = torch.func.vmap(pullback)
+            except RuntimeError:  # e.g. a forward that updates its own state in place
+                x = inputs.detach().requires_grad_(True)
+                r = features(x)
+                pullbacks = lambda seeds: torch.autograd.grad(r, x, seeds, retain_graph=True,  # noqa: E731
+                                                              is_grads_batched=True)
+            if r.dim() != 2:
+                raise ConfigError(f"soteria: the defended layer's input must be (batch, features), got {tuple(r.shape)}")
+            n_feat = r.shape[1]
+            sensitivity = []
+            for start in range(0, n_feat, self.chunk):
+                idx = torch.arange(start, min(n_feat, start + self.chunk), device=r.device)
+                seeds = torch.zeros(len(idx), *r.shape, device=r.device, dtype=r.dtype)
+                seeds[torch.arange(len(idx)), :, idx] = 1.0
+                (jac,) = pullbacks(seeds)
+                sensitivity.append(jac.flatten(2).norm(dim=2))  # (chunk, batch)
         dr_dx = torch.cat(sensitivity).T  # (batch, features)
         score = (dr_dx / (r.detach().abs() + 1e-12)).sum(0)  # >= 0: top-k by magnitude = by score
         return topk_mask(score, self.ratio)

@@ -6,6 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from adaptive.inverter import pairs
 from adaptive.inverter.pairs import defended_features, pair_indices
 from adaptive.inverter.sketch import GradientSketch
 from adaptive.inverter.attack import LearnedInverter, applies
@@ -169,7 +170,8 @@ def test_applies_to_every_perturbing_defense():
 
 
 def test_batched_pairs_match_the_client_round(lenet, data):
-    """The vmapped path for gradient-transform defenses gives the client's own numbers."""
+    """The vmapped path for gradient-transform defenses gives the numbers of the client's own
+    calls (a plain callable: one call per batch)."""
     x, y = _held_out(data, 0)
     defense = build_defense("soft-prune", sigma=0.01)
     images, labels = data.train_images[:40], data.train_labels[:40]
@@ -182,5 +184,21 @@ def test_batched_pairs_match_the_client_round(lenet, data):
         made[how] = defended_features(obs, images, labels, index, sketch, torch.Generator().manual_seed(5),
                                       progress=False, info=info)
         made[how + " path"] = info["pairs_path"]
-    assert made["batched path"].startswith("batched") and made["client path"].startswith("per batch")
+    assert made["batched path"].startswith("batched clean") and made["client path"].startswith("batched defense")
     assert torch.allclose(made["batched"], made["client"], rtol=1e-4, atol=1e-6)
+
+
+def test_pairs_through_defense_many_match_the_client_rounds(lenet, data):
+    """A defense with its own batched calls (CENSOR) makes the same pairs as one client round
+    per batch, the generator drawn in the same order."""
+    x, y = _held_out(data, 0)
+    images, labels = data.train_images[:20], data.train_labels[:20]
+    index = pair_indices(20, 5, 2, torch.Generator().manual_seed(0))
+    obs = observe(lenet, torch.cat([x, x]), torch.cat([y, y]), build_defense("censor", trials=3))
+    sketch = GradientSketch(sum(p.numel() for p in lenet.parameters()), 256)
+    made = {}
+    for how, run in (("many", pairs._many), ("client", pairs._per_batch)):
+        out = torch.empty(len(index), sketch.out_dim)
+        run(obs, images, labels, index, sketch, torch.Generator().manual_seed(5), out, SimpleNamespace(update=lambda n: None))
+        made[how] = out
+    assert torch.allclose(made["many"], made["client"], rtol=1e-4, atol=1e-6)

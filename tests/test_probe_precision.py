@@ -17,7 +17,14 @@ def test_float32_and_float64_probes_read_the_same_traits(name, params, one_threa
     double = probe_defense(build_defense(name, **params), seed=0, dtype=torch.float64).to_dict()
     differing = {k: (single[k], double[k]) for k in single if k not in MEASURED and single[k] != double[k]}
     assert not differing
-    assert double["noise_std"] is None or single["noise_std"] == pytest.approx(double["noise_std"], rel=0.25)  # a measurement: other draws
+    if double["noise_std"] is not None:
+        # a measurement from two draws, and the precisions draw differently: compare the
+        # mean over a few probe seeds (one CENSOR reading ranges over 0.7-1.2x its mean)
+        assert _mean_noise(name, params, None) == pytest.approx(_mean_noise(name, params, torch.float64), rel=0.25)
+
+
+def _mean_noise(name, params, dtype, seeds=range(4)):
+    return sum(probe_defense(build_defense(name, **params), seed=s, dtype=dtype).noise_std for s in seeds) / len(seeds)
 
 
 def test_the_probe_batch_is_drawn_on_the_cpu():

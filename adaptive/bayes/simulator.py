@@ -4,7 +4,8 @@ It wraps any :class:`~attacks.simulator.GradientSimulator`: the dummy batch ``x`
 ball's centre) is moved to ``k`` points ``x_i = x + u_i``, ``u_i`` uniform in the L2 ball
 of radius ``delta`` (fresh points at every evaluation), and each point goes ``draws`` times
 through the inner simulator (``draws > 1`` samples the defense's randomness for the Monte
-Carlo likelihood). The gradients come back stacked as ``(k, draws, *param_shape)`` for
+Carlo likelihood; a defense simulator runs them all as one batched defense call,
+``Defense.many``). The gradients come back stacked as ``(k, draws, *param_shape)`` for
 :mod:`adaptive.bayes.likelihood`'s objectives; the points are in
 ``features["ball_points"]`` for :class:`adaptive.bayes.priors.BallAveragedPrior`.
 """
@@ -51,6 +52,10 @@ class BallSimulator(GradientSimulator):
     def client_gradients(self, replica: ClientReplica, x: Tensor, y: Tensor, *, functional: bool,
                          context: SimContext) -> Tuple[List[Tensor], Dict[str, Any]]:
         points = self.points(x, context)
+        batched = getattr(self.inner, "batched_draws", None)
+        stacked = None if batched is None else batched(replica, points, y, self.draws, context)
+        if stacked is not None:  # one batched defense call for every point and draw
+            return stacked, {"ball_points": points}
         features: Dict[str, Any] = {}
         per_point = []
         for i in range(self.k):

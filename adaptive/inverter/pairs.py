@@ -2,11 +2,13 @@
 
 Every auxiliary batch goes through one client round exactly as the client ran it: the
 observation's defense with a seeded generator, FedAvg unrolled, the client's BatchNorm
-mode. Where the defense is a pure gradient transform (a :class:`~audit.core.types.Defense`
-that keeps the base ``__call__``: clean gradient, then ``transform``) and the client runs
-one local step, the clean gradients of a whole chunk of batches come from one
-``torch.func.vmap`` call and only the transform runs per batch; otherwise (any other
-callable, FedAvg, or a model vmap cannot handle) each batch runs the client round itself.
+mode. Where the client runs one local step: for a pure gradient transform (a
+:class:`~audit.core.types.Defense` that keeps the base ``__call__``: clean gradient, then
+``transform``) the clean gradients of a whole chunk of batches come from one
+``torch.func.vmap`` call and only the transform runs per batch; any other defense gets a
+chunk of batches in one batched call (``Defense.many``, which a plain callable answers call
+by call). Under FedAvg (or where vmap cannot handle the model) each batch runs the client
+round itself.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from attacks.simulator import ClientReplica, param_grads
 from audit.core.errors import DefenseError, GiaError
 from audit.client.observe import client_round
 from audit.core.types import Defense, Observation, is_gradient_only
-from audit.core.defense_call import check_output
+from audit.core.defense_call import call_defense_many, check_output
 
 from adaptive.inverter.sketch import GradientSketch, flatten_gradients
 
@@ -63,6 +65,9 @@ def defended_features(observation: Observation, images: Tensor, labels: Tensor, 
             done = _batched(observation, images, labels, index, sketch, generator, out, bar)
             how = ("batched clean gradients (vmap), per-batch transform" if done else
                    "per batch (client round; vmap could not batch this model's gradient)")
+        elif observation.local_steps == 1:
+            done = _many(observation, images, labels, index, sketch, generator, out, bar)
+            how = "batched defense calls (Defense.many), one per chunk of batches"
         _per_batch(observation, images, labels, index[done:], sketch, generator, out[done:], bar)
     finally:
         bar.close()
@@ -85,6 +90,24 @@ def _per_batch(obs: Observation, images, labels, index, sketch, generator, out, 
         out[p] = sketch(flatten_gradients(shared).detach().float())
         work.load_state_dict(state)
         bar.update(1)
+
+
+def _many(obs: Observation, images, labels, index, sketch, generator, out, bar) -> int:
+    """The defense on chunks of batches, one :func:`call_defense_many` each, on a private model
+    copy in the client's mode (the call leaves its buffers as they are, as a restored client
+    round does); returns the number of pairs done (all)."""
+    work = copy.deepcopy(obs.model)
+    work.train(obs.client_mode == "train")
+    numel = sum(p.numel() for p in work.parameters() if p.requires_grad)
+    chunk = max(1, min(256, CHUNK_FLOATS // max(numel, 1)))
+    for start in range(0, len(index), chunk):
+        rows = index[start:start + chunk].to(images.device)
+        shared = call_defense_many(obs.defense, work, images[rows], labels[rows], draws=1, loss_fn=obs.loss_fn,
+                                   generator=generator, round=obs.step)
+        for p in range(rows.shape[0]):
+            out[start + p] = sketch(flatten_gradients([g[p, 0] for g in shared]).detach().float())
+            bar.update(1)
+    return len(index)
 
 
 def _batched(obs: Observation, images, labels, index, sketch, generator, out, bar) -> int:

@@ -1,8 +1,10 @@
 """Calling a defense: run it, check what it returned, name it in errors.
 
 The client simulation goes through :func:`call_defense` (checked output); attacks that
-replay the defense on dummy data use :func:`invoke_defense` (round passed, unchecked). Both
-obey :func:`defense_timeout`, the audit's per-call limit. :func:`as_defense` turns a plain
+replay the defense on dummy data use :func:`invoke_defense` (round passed, unchecked), and
+:func:`invoke_defense_many` / :func:`call_defense_many` for many batches and draws in one
+batched call (``Defense.many``). All obey :func:`defense_timeout`, the audit's per-call limit
+(times the number of calls a batched one stands for). :func:`as_defense` turns a plain
 defended-gradient callable into a :class:`~audit.core.types.Defense` (a *name* is resolved by
 :func:`defenses.resolve_defense`).
 """
@@ -174,3 +176,38 @@ def call_defense(defense: Any, model: nn.Module, inputs: Tensor, labels: Tensor,
     except Exception as err:
         raise DefenseError(f"defense {defense_name(defense)!r} raised {type(err).__name__}: {err}") from err
     return check_output(defense, grads, model)
+
+
+def invoke_defense_many(defense: Any, model: nn.Module, inputs: Tensor, labels: Tensor, *, draws: int = 1,
+                        loss_fn=default_loss_fn, generator=None, round=None) -> List[Tensor]:
+    """``draws`` defended gradients of each batch of ``inputs`` ``(N, B, ...)`` as one batched
+    call (``Defense.many``; a plain callable is wrapped and called once per batch and draw),
+    per parameter ``(N, draws, *shape)``; unchecked, like :func:`invoke_defense`."""
+    wrapped = as_defense(defense)
+    extra = {"round": int(round)} if round is not None and takes_round(wrapped.many) else {}
+    seconds = _TIMEOUT.get()
+    limit = None if seconds is None else seconds * len(inputs) * draws
+    return _with_timeout(lambda: list(wrapped.many(model, inputs, labels, draws=draws, loss_fn=loss_fn,
+                                                   generator=generator, **extra)),
+                         defense_name(defense), limit)
+
+
+def call_defense_many(defense: Any, model: nn.Module, inputs: Tensor, labels: Tensor, *, draws: int = 1,
+                      loss_fn=default_loss_fn, generator=None, round=None) -> List[Tensor]:
+    """:func:`invoke_defense_many` with :func:`call_defense`'s checks on every output."""
+    try:
+        stacked = invoke_defense_many(defense, model, inputs, labels, draws=draws, loss_fn=loss_fn,
+                                      generator=generator, round=round)
+    except GiaError:
+        raise
+    except Exception as err:
+        raise DefenseError(f"defense {defense_name(defense)!r} raised {type(err).__name__}: {err}") from err
+    expected = (len(inputs), draws)
+    for g in stacked:
+        if not isinstance(g, Tensor) or tuple(g.shape[:2]) != expected:
+            raise DefenseError(f"defense {defense_name(defense)!r}: many() must return one tensor per parameter "
+                               f"shaped (batches, draws, *shape) = {expected + ('...',)}")
+    for n in range(len(inputs)):
+        for d in range(draws):
+            check_output(defense, [g[n, d] for g in stacked], model)
+    return stacked

@@ -1,7 +1,5 @@
 """The public contracts of gia-audit (the README's "The contracts" explains them for users).
 
-Conventions used everywhere:
-
 * **Images are in [0, 1]**, shape ``(B, C, H, W)``. Normalisation lives *inside* the model
   (the model registry prepends a :class:`~audit.core.models.Normalize` layer, and so does
   :mod:`audit.core.model_source` for a user model that expects normalised inputs).
@@ -19,6 +17,12 @@ Conventions used everywhere:
   ``wrap_model``, ``transform_inputs``, ``transform`` (gradient-only defenses),
   ``latent_bottlenecks(model)`` (architectural bottlenecks, :class:`LatentBottleneck`) and
   ``channel_weights()`` (weighted low-rank defenses). Any user defense can declare them.
+* **Batched calls (optional)**: ``defense.many(model, inputs, labels, *, draws, loss_fn,
+  generator[, round])`` with ``inputs`` ``(N, B, ...)`` returns per parameter ``(N, draws,
+  *shape)``: what ``N x draws`` calls would share, batch by batch and draw by draw from one
+  generator, each on the model as it is (its buffers are left unchanged). EOT, Monte Carlo
+  and the learned inverter's training pairs use it; :meth:`Defense.many` falls back to those
+  calls, and a plain callable may declare its own ``many``.
 """
 from __future__ import annotations
 
@@ -137,6 +141,15 @@ class Defense:
     def wrap_model(self, model: nn.Module) -> nn.Module:
         return model
 
+    def many(self, model: nn.Module, inputs: Tensor, labels: Tensor, *, draws: int = 1,
+             loss_fn: LossFn = default_loss_fn, generator: Optional[torch.Generator] = None,
+             round: Optional[int] = None) -> List[Tensor]:
+        """``draws`` defended gradients of each batch of ``inputs`` ``(N, B, ...)``, per parameter
+        ``(N, draws, *shape)`` (see the module docstring). Here: the calls themselves, with one
+        clean gradient per batch for a gradient-only defense; subclasses batch their own work."""
+        return calls_stacked(self, model, inputs, labels, draws=draws, loss_fn=loss_fn, generator=generator,
+                             round=round)
+
     # declared knowledge for adaptive attacks (white-box, Kerckhoffs); defaults: nothing declared
     def latent_bottlenecks(self, model: nn.Module) -> List["LatentBottleneck"]:
         """The modules of the client model (as ``wrap_model`` returned it) that draw a random
@@ -212,6 +225,14 @@ class FunctionDefense(Defense):
     def params(self) -> Dict[str, Any]:
         return {"callable": f"{getattr(self.fn, '__module__', '?')}.{self.name}"}
 
+    def many(self, model, inputs, labels, *, draws=1, loss_fn=default_loss_fn, generator=None, round=None):
+        declared = getattr(self.fn, "many", None)
+        if not callable(declared):
+            return calls_stacked(self, model, inputs, labels, draws=draws, loss_fn=loss_fn, generator=generator,
+                                 round=round)
+        extra = {"round": round} if round is not None and takes_round(declared) else {}
+        return list(declared(model, inputs, labels, draws=draws, loss_fn=loss_fn, generator=generator, **extra))
+
     # a callable object may declare the protocol itself
     def latent_bottlenecks(self, model: nn.Module) -> List[LatentBottleneck]:
         declared = getattr(self.fn, "latent_bottlenecks", None)
@@ -253,6 +274,29 @@ def gradient_transform(fn: Optional[Callable] = None, *, stochastic: bool = Fals
         return GradientTransformDefense(f, name=name, stochastic=stochastic)
 
     return deco(fn) if fn is not None else deco
+
+
+def calls_stacked(defense: "Defense", model: nn.Module, inputs: Tensor, labels: Tensor, *, draws: int,
+                  loss_fn: LossFn, generator: Optional[torch.Generator], round: Optional[int]) -> List[Tensor]:
+    """:meth:`Defense.many` by calls: batch by batch, draw by draw, each call's buffer changes
+    undone; a gradient-only defense computes each batch's clean gradient once and samples its
+    ``transform`` ``draws`` times."""
+    from audit.core.models import preserved_buffers
+
+    kwargs = {"round": int(round)} if round is not None and defense.accepts_round else {}
+    out = []
+    for x, y in zip(inputs, labels):
+        if is_gradient_only(defense):
+            with preserved_buffers(model):
+                clean = clean_gradients(model, x, y, loss_fn)
+            runs = [defense.transform(list(clean), generator=generator, model=model) for _ in range(draws)]
+        else:
+            runs = []
+            for _ in range(draws):
+                with preserved_buffers(model):
+                    runs.append(list(defense(model, x, y, loss_fn=loss_fn, generator=generator, **kwargs)))
+        out.append([torch.stack(column) for column in zip(*runs)])
+    return [torch.stack(column) for column in zip(*out)]
 
 
 def takes_round(fn: Callable) -> bool:
