@@ -382,6 +382,8 @@ def bench_audits(args, device) -> None:
                 if r["rc"]:
                     print(r["stderr"])
                 results.append(r)
+                if args.json:
+                    Path(args.json).write_text(json.dumps(results, indent=1))
     table = audits_table(results, args.clock)
     header = (f"{machine(args.threads, device)}; one run, the audits one after another; x prune by "
               f"{'CPU' if args.clock == 'cpu' else 'wall'} time.")
@@ -423,6 +425,7 @@ def main(argv=None) -> None:
     p.add_argument("--clock", default="wall", choices=sorted(CLOCK),
                    help="wall time, or the process's CPU time (work, not waiting, on a loaded machine)")
     p.add_argument("--write", help="Markdown page whose bench sections to replace")
+    p.add_argument("--json", help="also save the measured rows here (after each configuration / audit)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu")
     args = p.parse_args(argv)
@@ -436,6 +439,8 @@ def main(argv=None) -> None:
         rows = []
         for config in configs:
             rows += bench_calls(config, args.defenses.split(","), args.repeats, device, args.seed)
+            if args.json:  # a long run keeps what it has measured
+                Path(args.json).write_text(json.dumps(rows, indent=1))
         table = calls_table(rows, configs)
         header = (f"{machine(args.threads, device)}, {args.clock} clock; median of {args.repeats} repeats; "
                   "x clean and x floor are medians of per-repeat ratios.")

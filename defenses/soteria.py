@@ -63,8 +63,8 @@ class Soteria(Defense):
         """Boolean keep-mask over the defended layer's input features (a constant).
 
         One forward, then the ``f`` VJPs ``d r_f / d x`` (``f`` the layer's input features)
-        as batched ``torch.func`` pullbacks, ``chunk`` features at a time (plain autograd for a
-        model whose forward ``torch.func`` cannot run)."""
+        as batched ``torch.func`` pullbacks, ``chunk / batch`` features at a time (plain autograd
+        for a model whose forward ``torch.func`` cannot run)."""
         _, layer = self.defended_layer(model)
         captured: Dict[str, Tensor] = {}
 
@@ -93,9 +93,10 @@ class Soteria(Defense):
             if r.dim() != 2:
                 raise ConfigError(f"soteria: the defended layer's input must be (batch, features), got {tuple(r.shape)}")
             n_feat = r.shape[1]
+            per = max(1, self.chunk // r.shape[0])  # features per batched call: chunk examples' backward
             sensitivity = []
-            for start in range(0, n_feat, self.chunk):
-                idx = torch.arange(start, min(n_feat, start + self.chunk), device=r.device)
+            for start in range(0, n_feat, per):
+                idx = torch.arange(start, min(n_feat, start + per), device=r.device)
                 seeds = torch.zeros(len(idx), *r.shape, device=r.device, dtype=r.dtype)
                 seeds[torch.arange(len(idx)), :, idx] = 1.0
                 (jac,) = pullbacks(seeds)
