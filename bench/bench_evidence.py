@@ -129,7 +129,7 @@ def part_null(args) -> str:
 
 # --------------------------------------------------------------------------- verdicts
 CASES: Dict[str, Dict[str, object]] = {
-    "default audit (prune 0.9, cnn)": {"steps": [0, 1]},
+    "default audit (prune 0.9, cnn)": {"steps": [0, 1, 5, 20]},
     "prune 0.9, LeNet": {"model": "lenet", "steps": [0], "images": 4},
     "soft-prune, LeNet": {"defense": "soft-prune", "model": "lenet", "steps": [0], "images": 4},
     "decoy: flat colour": {"defense": "decoy", "defense_args": {"kind": "flat"}, "steps": [0]},

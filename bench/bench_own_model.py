@@ -3,12 +3,12 @@ CIFAR-10-format data from a local path, FedAvg clients, audited from scratch and
 checkpoint trained for a few hundred FedAvg rounds on the same data, side by side: what leaks
 at each state, which attacks carry it, and what the audit costs (seconds per (step, attack,
 image) and in total). Both audits run the ``gia-audit audit`` command line printed first;
-``--doc`` rewrites the tables of ``docs/own-model.md``.
+``--docs own-model`` rewrites the tables of ``docs/own-model.md``.
 
 Usage (run on purpose, not in CI; the data ~5 s, the checkpoint ~15-30 min, the two audits
 ~30 min on 2 shared CPU cores)::
 
-    python bench/bench_own_model.py --doc docs/own-model.md
+    python bench/bench_own_model.py --docs own-model
 """
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ import platform
 import shlex
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Dict, List, Tuple
@@ -27,10 +28,10 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import cli  # noqa: E402
+from audit.core.cache import CACHE_ENV  # noqa: E402
 from audit.report.store import read_json  # noqa: E402
 from bench import make_cifar_format, train_checkpoint  # noqa: E402
-
-BEGIN, END = "<!-- bench_own_model: begin -->", "<!-- bench_own_model: end -->"
+from bench.docs_table import add_docs_option, publish  # noqa: E402
 
 
 def _command(args, out: Path, checkpoint: str = None) -> List[str]:
@@ -87,23 +88,18 @@ def _cost_table(reports: Dict[str, Dict[str, Any]], walls: Dict[str, Tuple[float
         for attack, times in sorted(by_attack.items()):
             lines.append(f"| {state} | {attack} | {len(times)} | {statistics.mean(times):.1f} | {min(times):.1f} | "
                          f"{max(times):.1f} |")
-    lines += ["", "| model state | whole audit: wall (s) | CPU (s) | of which utility, two training runs: wall (s) | "
-                  "test accuracy (undefended) after the utility's rounds |", "|---|---:|---:|---:|---:|"]
+    lines += ["", "| model state | whole audit: wall (s) | CPU (s) | of which utility training, all runs: CPU-thread (s) | "
+                  "test accuracy after the utility's rounds, undefended: mean ± std (seeds) |", "|---|---:|---:|---:|---:|"]
     for state, report in reports.items():
         util = report.get("utility") or {}
-        seconds = sum(util.get(k) or 0 for k in ("seconds", "baseline_seconds")) or None
+        runs = [run for key in ("defended", "undefended") for run in ((util.get(key) or {}).get("runs") or ())]
+        seconds = sum(run.get("seconds") or 0 for run in runs) or None
+        base = util.get("undefended") or {}
+        accuracy = (f"{base['mean']:.3f} ± {_fmt(base.get('std'), 3)} ({base.get('seeds')})"
+                    if base.get("mean") is not None else util.get("unavailable") or "n/a")
         wall, cpu = walls[state]
-        lines.append(f"| {state} | {wall:.0f} | {cpu:.0f} | {_fmt(seconds, 0)} | "
-                     f"{_fmt(util.get('baseline_accuracy'), 3)} |")
+        lines.append(f"| {state} | {wall:.0f} | {cpu:.0f} | {_fmt(seconds, 0)} | {accuracy} |")
     return lines
-
-
-def _write_doc(doc: Path, text: str) -> None:
-    page = doc.read_text()
-    if BEGIN not in page or END not in page:
-        raise SystemExit(f"{doc} has no {BEGIN} ... {END} section to rewrite")
-    head, _, rest = page.partition(BEGIN)
-    doc.write_text(head + BEGIN + "\n" + text + "\n" + END + rest.partition(END)[2])
 
 
 def main(argv=None) -> str:
@@ -124,7 +120,7 @@ def main(argv=None) -> str:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench-data/own-model")
-    p.add_argument("--doc", default=None, help="rewrite the tables of this page (docs/own-model.md)")
+    add_docs_option(p, "docs/own-model.md")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     if not (Path(args.data_path) / "cifar-10-batches-py" / "test_batch").is_file():
@@ -141,6 +137,8 @@ def main(argv=None) -> str:
             f"checkpoint, round {info.get('rounds', '?')}": _command(args, Path(args.out) / "checkpoint",
                                                                      args.checkpoint)}
     walls, reports = {}, {}
+    # a fresh cache of trained artefacts (the learned inverter): the wall time is a first audit's
+    os.environ[CACHE_ENV] = tempfile.mkdtemp(prefix="own-model-cache-")
     for state, cmd in runs.items():
         print("gia-audit " + shlex.join(cmd), flush=True)
         walls[state] = _run(cmd)
@@ -148,9 +146,8 @@ def main(argv=None) -> str:
         print(f"{state}: {walls[state][0]:.0f} s wall, {walls[state][1]:.0f} s CPU, verdict "
               f"{reports[state]['verdict']}", flush=True)
     text = "\n".join([
-        f"Measured with `python bench/bench_own_model.py --doc docs/own-model.md` ({args.threads} torch threads, "
-        f"{os.cpu_count()} CPU cores, load average {os.getloadavg()[0]:.1f} at the end, {platform.machine()}, "
-        f"torch {torch.__version__}); the checkpoint: "
+        f"Machine: {args.threads} torch threads, {os.cpu_count()} CPU cores, load average "
+        f"{os.getloadavg()[0]:.1f} at the end, {platform.machine()}, torch {torch.__version__}. The checkpoint: "
         f"{info.get('rounds', '?')} FedAvg rounds ({info.get('clients', '?')} clients x {info.get('local_steps', '?')} "
         f"local steps, batch {info.get('batch_size', '?')}, lr {info.get('lr', '?')}), test accuracy "
         f"{_fmt(info.get('test_accuracy'), 3)}, trained in {_fmt(info.get('seconds'), 0)} s"
@@ -161,8 +158,7 @@ def main(argv=None) -> str:
         "What it costs (the seconds of a (step, attack, image) are its share of the (step, attack) group, "
         "which runs every private batch of the step at once):", "", *_cost_table(reports, walls)])
     print("\n" + text)
-    if args.doc:
-        _write_doc(Path(args.doc), text)
+    publish(args, "bench_own_model.py", argv, text)
     return text
 
 
