@@ -17,12 +17,13 @@ network copied in, it is one-off set-up), wall time and the sum of each attack's
 times, side by side with the default ``prune`` audit of the same settings in the same run.
 
 Usage (run on purpose, not in CI)::
-    python bench/bench_defenses.py --calls --threads 2 --write docs/performance.md
-    python bench/bench_defenses.py --audits --threads 2 --write docs/performance.md
+    python bench/bench_defenses.py --calls --threads 2 --docs defenses
+    python bench/bench_defenses.py --audits --threads 2 --docs defense-audits
     python bench/bench_defenses.py --calls --configs cnn:1 --defenses censor,refiner
 
-``--write`` replaces the tables between ``<!-- bench:defenses:begin/end -->`` (calls) and
-``<!-- bench:defense-audits:begin/end -->`` (audits) in the page.
+``--docs NAME`` writes the part's table into ``docs/performance.md`` (``defenses``: the calls,
+``defense-audits``: the audits); ``--json PATH`` keeps the rows measured so far, and
+``--from-json PATH`` writes the table of a finished run's rows without measuring again.
 """
 from __future__ import annotations
 
@@ -31,7 +32,6 @@ import copy
 import json
 import math
 import os
-import re
 import resource
 import shutil
 import statistics
@@ -51,10 +51,12 @@ from torch import nn  # noqa: E402
 
 from audit.core.models import build_model, last_linear  # noqa: E402
 from audit.core.types import clean_gradients, trainable_parameters  # noqa: E402
+from bench.docs_table import add_docs_option, publish  # noqa: E402
 from defenses import DEFENSES, build_defense  # noqa: E402
 
 CALL_MARK = "defenses"
 AUDIT_MARK = "defense-audits"
+PAGE = "docs/performance.md"
 
 
 def _sync(device: torch.device) -> None:
@@ -384,25 +386,37 @@ def bench_audits(args, device) -> None:
                 results.append(r)
                 if args.json:
                     Path(args.json).write_text(json.dumps(results, indent=1))
+    return results
+
+
+def publish_audits(args, argv, device, results: List[dict]) -> None:
     table = audits_table(results, args.clock)
     header = (f"{machine(args.threads, device)}; one run, the audits one after another; x prune by "
               f"{'CPU' if args.clock == 'cpu' else 'wall'} time.")
     print("\n" + header + "\n\n" + table)
-    if args.write:
-        write_section(Path(args.write), AUDIT_MARK, header + "\n\n" + table)
+    publish(args, "bench_defenses.py", _without_from_json(argv), header + "\n\n" + table)
+
+
+def publish_calls(args, argv, device, rows: List[dict], configs: List[str]) -> None:
+    table = calls_table(rows, configs)
+    header = (f"{machine(args.threads, device)}, {args.clock} clock; median of {args.repeats} repeats; "
+              "x clean and x floor are medians of per-repeat ratios.")
+    missed = not_reached(rows)
+    footer = "Not reached in this run: " + (" ".join(missed) if missed else "none.")
+    print("\n" + header + "\n\n" + table + "\n\n" + footer)
+    publish(args, "bench_defenses.py", _without_from_json(argv), header + "\n\n" + table + "\n\n" + footer)
+
+
+def _without_from_json(argv) -> List[str]:
+    """The command line that measures what ``--from-json`` publishes."""
+    words = list(sys.argv[1:] if argv is None else argv)
+    while "--from-json" in words:
+        i = words.index("--from-json")
+        del words[i:i + 2]
+    return words
 
 
 # --------------------------------------------------------------------------- docs
-def write_section(page: Path, mark: str, body: str) -> None:
-    """Replace the text between ``<!-- bench:MARK:begin -->`` and ``<!-- bench:MARK:end -->``."""
-    text = page.read_text()
-    begin, end = f"<!-- bench:{mark}:begin -->", f"<!-- bench:{mark}:end -->"
-    if begin not in text:
-        raise SystemExit(f"{page} has no {begin} marker; add the section first")
-    pattern = re.compile(re.escape(begin) + ".*?" + re.escape(end), re.S)
-    page.write_text(pattern.sub(lambda _: f"{begin}\n{body}\n{end}", text))
-
-
 def machine(threads: int, device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
@@ -424,33 +438,31 @@ def main(argv=None) -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--clock", default="wall", choices=sorted(CLOCK),
                    help="wall time, or the process's CPU time (work, not waiting, on a loaded machine)")
-    p.add_argument("--write", help="Markdown page whose bench sections to replace")
+    add_docs_option(p, PAGE)
     p.add_argument("--json", help="also save the measured rows here (after each configuration / audit)")
+    p.add_argument("--from-json", help="publish the rows a run saved with --json instead of measuring")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     _CLOCK[0] = args.clock
     device = torch.device(args.device)
-    if not (args.calls or args.audits):
-        raise SystemExit("choose --calls and/or --audits")
+    if args.calls == args.audits:
+        raise SystemExit("choose one of --calls and --audits")
+    part = CALL_MARK if args.calls else AUDIT_MARK
+    if args.docs and args.docs != part:
+        raise SystemExit(f"--docs {args.docs}: this part's section is {part!r}")
+    saved = json.loads(Path(args.from_json).read_text()) if args.from_json else None
     if args.calls:
         configs = args.configs.split(",")
-        rows = []
-        for config in configs:
+        rows = saved or []
+        for config in ([] if saved else configs):
             rows += bench_calls(config, args.defenses.split(","), args.repeats, device, args.seed)
             if args.json:  # a long run keeps what it has measured
                 Path(args.json).write_text(json.dumps(rows, indent=1))
-        table = calls_table(rows, configs)
-        header = (f"{machine(args.threads, device)}, {args.clock} clock; median of {args.repeats} repeats; "
-                  "x clean and x floor are medians of per-repeat ratios.")
-        missed = not_reached(rows)
-        footer = "Not reached in this run: " + (" ".join(missed) if missed else "none.")
-        print("\n" + header + "\n\n" + table + "\n\n" + footer)
-        if args.write:
-            write_section(Path(args.write), CALL_MARK, header + "\n\n" + table + "\n\n" + footer)
-    if args.audits:
-        bench_audits(args, device)
+        publish_calls(args, argv, device, rows, configs)
+    else:
+        publish_audits(args, argv, device, saved or bench_audits(args, device))
 
 
 if __name__ == "__main__":

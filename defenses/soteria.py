@@ -21,6 +21,10 @@ from defenses.prune import topk_mask
 from defenses.registry import DEFENSES
 
 
+def _batchnorm_in_train_mode(model: nn.Module) -> bool:
+    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training for m in model.modules())
+
+
 def _linear_layers(model: nn.Module) -> List[Tuple[str, nn.Linear]]:
     return [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
 
@@ -63,8 +67,10 @@ class Soteria(Defense):
         """Boolean keep-mask over the defended layer's input features (a constant).
 
         One forward, then the ``f`` VJPs ``d r_f / d x`` (``f`` the layer's input features)
-        as batched ``torch.func`` pullbacks, ``chunk / batch`` features at a time (plain autograd
-        for a model whose forward ``torch.func`` cannot run)."""
+        as batched ``torch.func`` pullbacks, ``chunk / batch`` features at a time. A model with
+        BatchNorm in train mode (vmapped, its backward holds memory per seed: 6 GB for 64 seeds
+        of ResNet-18 at 32x32) or whose forward ``torch.func`` cannot run takes one autograd
+        VJP per feature."""
         _, layer = self.defended_layer(model)
         captured: Dict[str, Tensor] = {}
 
@@ -82,14 +88,19 @@ class Soteria(Defense):
 
         # BatchNorm leaves its buffers alone; other state the forward changes is restored
         with torch.enable_grad(), untracked_batchnorm(model), preserved_buffers(model):
-            try:
-                r, pullback = torch.func.vjp(features, inputs.detach())
-                pullbacks = torch.func.vmap(pullback)
-            except RuntimeError:  # e.g. a forward that updates its own state in place
+            pullbacks = None
+            if not _batchnorm_in_train_mode(model):
+                try:
+                    r, pullback = torch.func.vjp(features, inputs.detach())
+                    pullbacks = torch.func.vmap(pullback)
+                except RuntimeError:  # e.g. a forward that updates its own state in place
+                    pullbacks = None
+            if pullbacks is None:
                 x = inputs.detach().requires_grad_(True)
                 r = features(x)
-                pullbacks = lambda seeds: torch.autograd.grad(r, x, seeds, retain_graph=True,  # noqa: E731
-                                                              is_grads_batched=True)
+
+                def pullbacks(seeds: Tensor) -> Tuple[Tensor]:  # one backward's memory at a time
+                    return (torch.stack([torch.autograd.grad(r, x, seed, retain_graph=True)[0] for seed in seeds]),)
             if r.dim() != 2:
                 raise ConfigError(f"soteria: the defended layer's input must be (batch, features), got {tuple(r.shape)}")
             n_feat = r.shape[1]
