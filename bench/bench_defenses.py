@@ -21,9 +21,8 @@ Usage (run on purpose, not in CI)::
     python bench/bench_defenses.py --audits --threads 2 --docs defense-audits
     python bench/bench_defenses.py --calls --configs cnn:1 --defenses censor,refiner
 
-``--docs NAME`` writes the part's table into ``docs/performance.md`` (``defenses``: the calls,
-``defense-audits``: the audits); ``--json PATH`` keeps the rows measured so far, and
-``--from-json PATH`` writes the table of a finished run's rows without measuring again.
+``--docs NAME`` writes the part's table into ``docs/performance.md``; ``--json PATH`` keeps the
+rows measured so far; ``--from-json PATH`` publishes a finished run's rows without measuring.
 """
 from __future__ import annotations
 
