@@ -194,6 +194,7 @@ FLOORS: Dict[str, Floor] = {
     "quantize": ("1 fb", lambda u, b: u.fb()),
     "prune": ("1 fb + top-k of each tensor", lambda u, b: u.fb() + u.topk()),
     "ats": ("1 fb", lambda u, b: u.fb()),
+    "decoy": ("1 fb (of the decoy batch)", lambda u, b: u.fb()),
     "precode": ("1 fb", lambda u, b: u.fb()),
     "gaussian": ("1 fb + n normals", lambda u, b: u.fb() + u.normals(u.n_params)),
     "laplacian": ("1 fb + n uniforms", lambda u, b: u.fb() + u.uniforms(u.n_params)),
@@ -300,7 +301,8 @@ def calls_table(rows: List[dict], configs: List[str]) -> str:
             elif r["error"]:
                 cells.append(f" fails: {r['error']} | | |")
             else:
-                cells.append(f" {r['ms']:.1f} | {r['x_clean']:.1f} | {r['x_floor']:.2f} |")
+                floor = "n/a" if math.isnan(r["x_floor"]) else f"{r['x_floor']:.2f}"  # no floor known then
+                cells.append(f" {r['ms']:.1f} | {r['x_clean']:.1f} | {floor} |")
         lines.append("".join(cells))
     return "\n".join(lines)
 
@@ -407,11 +409,12 @@ def publish_calls(args, argv, device, rows: List[dict], configs: List[str]) -> N
 
 
 def _without_from_json(argv) -> List[str]:
-    """The command line that measures what ``--from-json`` publishes."""
+    """The command line that measures what is published (without ``--json`` / ``--from-json``)."""
     words = list(sys.argv[1:] if argv is None else argv)
-    while "--from-json" in words:
-        i = words.index("--from-json")
-        del words[i:i + 2]
+    for option in ("--from-json", "--json"):  # where the rows went is not part of the measurement
+        while option in words:
+            i = words.index(option)
+            del words[i:i + 2]
     return words
 
 
