@@ -39,6 +39,17 @@ def _first_biased_linear(layers) -> Optional[Tuple[int, str, nn.Linear]]:
     return None
 
 
+def _no_linear_reason(layers) -> str:
+    """Why no first fully connected layer was found: none at all, or one inside a module whose
+    forward is not a plain sequence of layers (the layers before it are unknown)."""
+    for name, layer in layers:
+        if any(isinstance(m, nn.Linear) and m.bias is not None for m in layer.modules()):
+            return (f"the fully connected layers are inside {type(layer).__name__} ({name!r}), whose forward is "
+                    "not a plain sequence of layers: what comes before them is unknown (analytic inversion "
+                    "needs nn.Sequential layers up to the first fully connected one)")
+    return "the model has no fully connected layer with a bias"
+
+
 def invert_linear_input(observation: Observation, layer: str) -> Tuple[Tensor, int, float]:
     """``(z, row, |db[row]|)``: the recovered input of the Linear layer named ``layer``."""
     names = trainable_names(observation.model)
@@ -61,7 +72,7 @@ class AnalyticInversion:
         layers = leaf_layers(observation.model)
         found = _first_biased_linear(layers)
         if found is None:
-            return Reconstruction.not_applicable("the model has no fully connected layer with a bias")
+            return Reconstruction.not_applicable(_no_linear_reason(layers))
         index, name, linear = found
         blockers = [(n, layer) for n, layer in layers[:index] if not isinstance(layer, _INVERTIBLE)]
         if blockers:

@@ -57,3 +57,20 @@ def test_batch_and_bias_free_models_are_not_applicable():
     no_bias = nn.Sequential(nn.Flatten(), nn.Linear(64, 4, bias=False))
     rec = ATTACKS.build("analytic").reconstruct(observe(no_bias, x[:1], torch.tensor([0])), None, 0)
     assert not rec.applicable and "no fully connected layer with a bias" in rec.reason
+
+
+class Residual(nn.Module):
+    """A forward that is not a sequence of its children (a skip connection)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body, self.head = nn.Conv2d(1, 1, 3, padding=1), nn.Linear(64, 4)
+
+    def forward(self, x):
+        return self.head((x + self.body(x)).flatten(1))
+
+
+def test_a_model_that_is_not_a_sequence_is_named_in_the_reason():
+    model = with_normalization(Residual(), (0.5,), (0.2,))
+    rec = ATTACKS.build("analytic").reconstruct(observe(model, _image(4, (1, 8, 8)), torch.tensor([1])), None, 0)
+    assert not rec.applicable and "inside Residual ('1')" in rec.reason and "not a plain sequence" in rec.reason
