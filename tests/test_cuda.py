@@ -10,7 +10,7 @@ from audit.core.metrics import psnr
 from audit.core.models import build_model
 from defenses import build_defense
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="compares cpu with cuda results: runs where a CUDA GPU is present")
 SHAPE = (3, 16, 16)
 
 

@@ -403,7 +403,8 @@ def test_privacy_spent_matches_opacus_numbers():
 
 
 def test_privacy_spent_agrees_with_opacus_when_installed():
-    pytest.importorskip("opacus")
+    pytest.importorskip("opacus", reason="checks our accountant against opacus, the optional [dp] extra "
+                        "(pip install -e '.[dp]')")
     from defenses.dpsgd import privacy_spent
 
     for q, sigma, steps in [(0.001, 0.8, 1), (0.01, 1.1, 1000), (0.1, 0.5, 50), (0.5, 2.0, 10000)]:
