@@ -104,21 +104,13 @@ def _cost_table(reports: Dict[str, Dict[str, Any]], walls: Dict[str, Tuple[float
 
 def main(argv=None) -> str:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="torchvision.models:resnet18")
-    p.add_argument("--data-path", default="bench-data/cifar-photos")
-    p.add_argument("--checkpoint", default="bench-data/resnet18-r300.pt")
-    p.add_argument("--rounds", type=int, default=300, help="FedAvg rounds of the checkpoint (trained if missing)")
+    train_checkpoint.add_training_options(p)
+    p.add_argument("--checkpoint", default="bench-data/resnet18-r300.pt", help="trained first when missing")
     p.add_argument("--defense", default="none")
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--images", type=int, default=2)
     p.add_argument("--steps", default="0,10")
-    p.add_argument("--clients", type=int, default=2)
-    p.add_argument("--local-steps", type=int, default=4)
-    p.add_argument("--lr", type=float, default=0.05)
-    p.add_argument("--train-batch-size", type=int, default=8)
     p.add_argument("--utility-steps", type=int, default=50)
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench-data/own-model")
     add_docs_option(p, "docs/own-model.md")
     args = p.parse_args(argv)
@@ -127,11 +119,7 @@ def main(argv=None) -> str:
         make_cifar_format.main(["--out", args.data_path, "--seed", str(args.seed)])
     trained = None
     if not Path(args.checkpoint).is_file():
-        trained = train_checkpoint.main(["--model", args.model, "--data-path", args.data_path, "--rounds",
-                                         str(args.rounds), "--lr", str(args.lr), "--train-batch-size",
-                                         str(args.train_batch_size), "--clients", str(args.clients),
-                                         "--local-steps", str(args.local_steps), "--threads", str(args.threads),
-                                         "--seed", str(args.seed), "--out", args.checkpoint])
+        trained = train_checkpoint.train_from_options(args, Path(args.checkpoint))
     info = torch.load(args.checkpoint, map_location="cpu", weights_only=True)
     runs = {"from scratch": _command(args, Path(args.out) / "scratch"),
             f"checkpoint, round {info.get('rounds', '?')}": _command(args, Path(args.out) / "checkpoint",

@@ -53,24 +53,34 @@ def train_checkpoint(model: str, data, rounds: int, out: Path, *, lr: float, bat
     return info
 
 
-def main(argv=None) -> Dict[str, Any]:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_training_options(p: argparse.ArgumentParser) -> None:
+    """The model, data and FedAvg settings the checkpoint is trained with (shared with the
+    reference audit, which trains the checkpoint when it is missing)."""
     p.add_argument("--model", default="torchvision.models:resnet18")
     p.add_argument("--data-path", default="bench-data/cifar-photos")
-    p.add_argument("--rounds", type=int, default=300)
+    p.add_argument("--rounds", type=int, default=300, help="FedAvg rounds of the checkpoint")
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--train-batch-size", type=int, default=8)
     p.add_argument("--clients", type=int, default=2)
     p.add_argument("--local-steps", type=int, default=4)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
+
+
+def train_from_options(args: argparse.Namespace, out: Path) -> Dict[str, Any]:
+    """:func:`train_checkpoint` with the settings of :func:`add_training_options`."""
+    data = load_dataset("cifar10", args.data_path)
+    return train_checkpoint(args.model, data, args.rounds, out, lr=args.lr, batch_size=args.train_batch_size,
+                            clients=args.clients, local_steps=args.local_steps, seed=args.seed)
+
+
+def main(argv=None) -> Dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_training_options(p)
     p.add_argument("--out", default="bench-data/resnet18-r300.pt")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    data = load_dataset("cifar10", args.data_path)
-    info = train_checkpoint(args.model, data, args.rounds, Path(args.out), lr=args.lr,
-                            batch_size=args.train_batch_size, clients=args.clients, local_steps=args.local_steps,
-                            seed=args.seed)
+    info = train_from_options(args, Path(args.out))
     print(f"saved {args.out}: {info}")
     return info
 
