@@ -62,6 +62,7 @@ BENCH_MODELS: Dict[str, ModelCell] = {
     "convnet-bn-train": ModelCell("convnet", {}, "train"),         # the audit's default client
     "convnet-bn-eval": ModelCell("convnet", {}, "eval"),
     "resnet18": ModelCell("resnet18", {}, "eval"),                 # CIFAR ResNet-18
+    "resnet18-bn-train": ModelCell("resnet18", {}, "train"),       # the same, client in train mode
 }
 ATTACK_NAMES = ("dlg", "ig", "gi", "portfolio")
 BREACHING_ITERATIONS = {"ig": 1000, "dlg": 300}
