@@ -11,15 +11,20 @@ lowest-loss candidate is kept even when no candidate lowers the loss.
 ``0 .. N-1`` are defended and later rounds share the clean gradient. The round comes from the
 client simulation (``round=`` keyword); a call without one counts as an early round.
 
-Cost: the ``trials`` draws are written into one reused buffer, projected as one matrix per
-layer and scored in float64 (the loss changes between candidates are of order ``eta^2``, far
-below float32's resolution) through reused float64 parameters; only the chosen candidate is
-rebuilt with autograd when the inputs require grad. :meth:`Censor.many` computes the clean
-gradient and its span once for all draws of a batch. Measured: ``docs/performance.md``.
+Cost: the ``trials`` draws come from parallel random streams seeded by the generator
+(:mod:`defenses.streams`: fixed in number, so the numbers do not depend on the machine)
+and are projected by the stream that drew them, in one scratch buffer kept between calls;
+the candidates are scored in float64 (the loss changes between candidates are of order
+``eta^2``, far below float32's resolution) through float64 parameters made once per call
+(once per :meth:`Censor.many`); only the chosen candidate is rebuilt with autograd when the
+inputs require grad. :meth:`Censor.many` computes the clean gradient and its span once for
+all draws of a batch. Measured: ``docs/performance.md``.
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+import copy
+import queue
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -31,6 +36,7 @@ from defenses.common import (
     check_range, eval_mode, flatten, per_example_gradients, preserved_buffers, resolve_generator, stack_draws,
 )
 from defenses.registry import DEFENSES
+from defenses.streams import Workspaces, fill_normal
 
 
 def orthonormal_basis(vectors: Tensor) -> Tensor:
@@ -123,11 +129,11 @@ class Censor(Defense):
     def candidates(self, grads: Sequence[Tensor], spans: List[List[Tensor]], generator) -> List[Tensor]:
         """``trials`` orthogonal candidates, one ``(T, *shape)`` tensor per parameter."""
         gen = resolve_generator(generator, grads[0].device)
-        return self._draw(grads, self._bases(grads, spans), gen, self._workspace(grads, gen))[0]
-
-    def _workspace(self, grads: Sequence[Tensor], gen: torch.Generator) -> List[Tensor]:
-        """One ``(T, n_group)`` buffer per group, on the generator's device, reused by every draw."""
         flat = torch.empty(self.trials * sum(g.numel() for g in grads), device=gen.device, dtype=grads[0].dtype)
+        return self._draw(grads, self._bases(grads, spans), gen, self._workspace(grads, flat))[0]
+
+    def _workspace(self, grads: Sequence[Tensor], flat: Tensor) -> List[Tensor]:
+        """One ``(T, n_group)`` view of ``flat`` per group, reused by every draw."""
         out, start = [], 0
         for group in self._groups(len(grads)):
             n = sum(grads[i].numel() for i in group)
@@ -135,51 +141,58 @@ class Censor(Defense):
             start += self.trials * n
         return out
 
-    def _draw(self, grads, bases, gen, workspace) -> Tuple[List[Tensor], List[Tuple]]:
-        """Draw (as ``randn((trials, n_group))`` per group, in order) and project ``trials``
-        candidates: one ``(T, *shape)`` view per parameter, and per group the ``(coeff, scale)``
-        that give back the raw draws (see :func:`_project`)."""
-        out: List[Tensor] = [None] * len(grads)  # type: ignore[list-item]
-        undo = []
-        for group, (norm, basis), buf in zip(self._groups(len(grads)), bases, workspace):
-            draws = buf.normal_(generator=gen).to(grads[0].device)
-            if basis is None:
-                cand, coeff, scale = draws.zero_(), None, None
-            else:
-                cand, coeff, scale = _project(draws, basis.detach(), norm.detach())
-            undo.append((coeff, scale))
-            start = 0
-            for i in group:
-                size = grads[i].numel()
-                out[i] = cand[:, start:start + size].view(self.trials, *grads[i].shape)
-                start += size
-        return out, undo
+    def _draw(self, grads, bases, gen, workspace, score: Optional[Callable] = None
+              ) -> Tuple[List[Tensor], List[Tuple], Optional[Tensor]]:
+        """Draw (:func:`~defenses.streams.fill_normal`: :data:`~defenses.streams.STREAMS`
+        streams seeded from ``gen``, each filling its rows of every group in order) and project
+        ``trials`` candidates: one ``(T, *shape)`` view per parameter, per group the
+        ``(coeff, scale)`` that give back the raw draws (see :func:`_project`), and
+        ``score(candidates)`` of the rows (None without ``score``). Where the draws sit on the
+        gradients' device, the stream that drew rows projects them in place and, for a
+        ``score`` that runs on any thread, scores them."""
+        device = grads[0].device
+        parts: dict = {}
+
+        def views(lo: int, hi: int) -> List[Tensor]:
+            out: List[Tensor] = [None] * len(grads)  # type: ignore[list-item]
+            for group, buf in zip(self._groups(len(grads)), workspace):
+                start = 0
+                for i in group:
+                    size = grads[i].numel()
+                    out[i] = buf[lo:hi, start:start + size].view(hi - lo, *grads[i].shape)
+                    start += size
+            return out
+
+        def project(lo: int, hi: int) -> None:
+            for j, ((norm, basis), buf) in enumerate(zip(bases, workspace)):
+                parts[j, lo] = (None, None) if basis is None else _project(buf[lo:hi], basis.detach(),
+                                                                            norm.detach())[1:]
+                if basis is None:
+                    buf[lo:hi].zero_()
+            if score is not None and getattr(score, "any_thread", False):
+                parts["losses", lo] = score(views(lo, hi))
+
+        if workspace[0].device != device:
+            fill_normal(workspace, gen)
+            workspace = [buf.to(device) for buf in workspace]
+            project(0, self.trials)
+        else:
+            fill_normal(workspace, gen, then=project)
+        starts = sorted(lo for key, lo in parts if key == 0)
+        undo = [(None, None) if parts[j, 0][0] is None else
+                (torch.cat([parts[j, lo][0] for lo in starts]), torch.cat([parts[j, lo][1] for lo in starts]))
+                for j in range(len(workspace))]
+        cands = views(0, self.trials)
+        losses = None
+        if score is not None:
+            done = sorted(lo for key, lo in parts if key == "losses")
+            losses = torch.cat([parts["losses", lo] for lo in done]) if done else score(cands)
+        return cands, undo, losses
 
     # ------------------------------------------------------------------ selection
     def candidate_losses(self, model: nn.Module, inputs, labels, loss_fn, cands: List[Tensor]) -> Tensor:
         """Loss of ``theta - eta * G_t`` for every candidate (eval mode, float64, no grad)."""
-        return self._scorer(model, inputs, labels, loss_fn)(cands)
-
-    def _scorer(self, model, inputs, labels, loss_fn):
-        """``cands -> losses``: one functional forward per candidate through float64 parameter
-        buffers made once and reused."""
-        names = trainable_names(model)
-        # a copy even when the model is float64 already: these buffers are written in place
-        moved = {n: p.detach().to(torch.float64, copy=True) for n, p in model.named_parameters()}
-        base = {n: moved[n].clone() for n in names}
-        buffers = {n: b.detach().double() if b.is_floating_point() else b for n, b in model.named_buffers()}
-        x = inputs.detach().double()
-
-        def score(cands: List[Tensor]) -> Tensor:
-            losses = []
-            with torch.no_grad(), eval_mode(model):
-                for t in range(cands[0].shape[0]):
-                    for n, c in zip(names, cands):  # p - eta * c in float64
-                        torch.add(base[n], moved[n].copy_(c[t]), alpha=-self.eta, out=moved[n])
-                    losses.append(loss_fn(functional_call(model, (moved, buffers), (x,)), labels))
-            return torch.stack(losses)
-
-        return score
+        return _Scorer(model, self.eta)(cands, inputs, labels, loss_fn)
 
     def _chosen(self, grads, bases, chosen: List[Tensor], undo: List[Tuple]) -> List[Tensor]:
         """The chosen candidates ``(D, *shape)`` as they are, and where the clean gradient
@@ -202,19 +215,26 @@ class Censor(Defense):
                 start += size
         return out
 
-    def _select(self, model, inputs, labels, loss_fn, grads, generator, draws: int) -> List[Tensor]:
+    def _select(self, model, inputs, labels, loss_fn, grads, generator, draws: int,
+                scorer: Optional["_Scorer"] = None) -> List[Tensor]:
         """``draws`` CENSOR outputs for one batch whose clean gradient is ``grads``, stacked
         ``(draws, *shape)``; the generator is consumed as by ``draws`` calls in a row."""
         gen = resolve_generator(generator, grads[0].device)
         bases = self._bases(grads, self._spans(model, inputs, labels, loss_fn, grads))
-        score, workspace = self._scorer(model, inputs, labels, loss_fn), self._workspace(grads, gen)
-        chosen, undo = [], []
-        for _ in range(draws):
-            cands, how = self._draw(grads, bases, gen, workspace)
-            best = int(torch.argmin(score(cands)))
-            chosen.append([c[best].clone() for c in cands])
-            undo.append([(None, None) if c is None else (c[best:best + 1].clone(), s[best:best + 1].clone())
-                         for c, s in how])
+        scorer = scorer or _Scorer(model, self.eta)
+        flat = _WORKSPACES.take(self.trials * sum(g.numel() for g in grads), gen.device, grads[0].dtype)
+        try:
+            workspace = self._workspace(grads, flat)
+            chosen, undo = [], []
+            score = scorer.bind(inputs, labels, loss_fn)
+            for _ in range(draws):
+                cands, how, losses = self._draw(grads, bases, gen, workspace, score)
+                best = int(torch.argmin(losses))
+                chosen.append([c[best].clone() for c in cands])
+                undo.append([(None, None) if c is None else (c[best:best + 1].clone(), s[best:best + 1].clone())
+                             for c, s in how])
+        finally:
+            _WORKSPACES.give(flat)
         return self._chosen(grads, bases, [torch.stack(column) for column in zip(*chosen)], undo)
 
     def __call__(self, model, inputs, labels, *, loss_fn=default_loss_fn, generator=None, round=None):
@@ -226,15 +246,107 @@ class Censor(Defense):
     def many(self, model, inputs, labels, *, draws=1, loss_fn=default_loss_fn, generator=None, round=None):
         """``draws`` outputs for each batch of ``inputs`` ``(N, B, ...)``, ``(N, draws, *shape)``
         per parameter: the clean gradient and its span once per batch, not once per draw."""
-        out = []
+        out, scorer = [], _Scorer(model, self.eta)  # the parameters' float64 copy made once
         for x, y in zip(inputs, labels):
             with preserved_buffers(model):
                 grads = clean_gradients(model, x, y, loss_fn)
                 if self.active(round):
-                    out.append(self._select(model, x, y, loss_fn, grads, generator, draws))
+                    out.append(self._select(model, x, y, loss_fn, grads, generator, draws, scorer))
                 else:
                     out.append([g.unsqueeze(0).expand(draws, *g.shape) for g in grads])
         return stack_draws(out)
+
+
+class _Scorer:
+    """``(cands, inputs, labels, loss_fn) -> losses``: the loss of ``theta - eta * G_t`` for
+    every candidate, one float64 forward each in eval mode. The forwards run on float64 twins
+    of the model (copies without hooks, made once per call or :meth:`Censor.many`, one per
+    thread that scores at once) whose parameters are rewritten in place, so several threads
+    score at once; a model that cannot be copied is scored through ``functional_call`` on
+    the calling thread. The model's buffers are read at each call (a train-mode client's
+    clean gradient has just updated its BatchNorm statistics)."""
+
+    def __init__(self, model: nn.Module, eta: float):
+        self.model, self.eta = model, eta
+        self.names = trainable_names(model)
+        self._free: "queue.SimpleQueue[_Twin]" = queue.SimpleQueue()
+        try:
+            self._free.put(_Twin(model, self.names))
+            self.any_thread = True
+        except Exception:  # e.g. a model holding something deepcopy cannot copy
+            self.any_thread = False
+            self._functional = _Twin.functional(model, self.names)
+
+    def bind(self, inputs: Tensor, labels: Tensor, loss_fn) -> Callable[[List[Tensor]], Tensor]:
+        """``cands -> losses`` for this batch (``any_thread`` tells whether it may run off the caller's thread)."""
+        x = inputs.detach().double()
+        buffers = {n: b.detach() for n, b in self.model.named_buffers()}
+
+        def score(cands: List[Tensor]) -> Tensor:
+            if not self.any_thread:
+                with eval_mode(self.model):
+                    return self._functional(cands, x, labels, loss_fn, buffers, self.eta)
+            try:
+                twin = self._free.get_nowait()
+            except queue.Empty:
+                twin = _Twin(self.model, self.names)
+            try:
+                return twin(cands, x, labels, loss_fn, buffers, self.eta)
+            finally:
+                self._free.put(twin)
+
+        score.any_thread = self.any_thread  # type: ignore[attr-defined]
+        return score
+
+    def __call__(self, cands: List[Tensor], inputs: Tensor, labels: Tensor, loss_fn) -> Tensor:
+        return self.bind(inputs, labels, loss_fn)(cands)
+
+
+class _Twin:
+    """A float64 eval-mode copy of a model without its hooks: ``base`` holds the trainable
+    parameters, ``params`` (the copy's own) receive ``base - eta * candidate``."""
+
+    def __init__(self, model: nn.Module, names: List[str]):
+        no_hooks = {id(v): type(v)() for m in model.modules() for k, v in vars(m).items()
+                    if k.endswith("hooks") and isinstance(v, dict)}
+        self.net = copy.deepcopy(model, no_hooks).to(torch.float64).eval().requires_grad_(False)
+        named = dict(self.net.named_parameters())
+        self.params = [named[n] for n in names]
+        self.base = [p.detach().clone() for p in self.params]
+        self.buffers = dict(self.net.named_buffers())
+
+    def __call__(self, cands, x, labels, loss_fn, buffers: Dict[str, Tensor], eta: float) -> Tensor:
+        losses = []
+        with torch.no_grad():
+            for n, b in buffers.items():
+                self.buffers[n].copy_(b)
+            for t in range(cands[0].shape[0]):
+                for base, p, c in zip(self.base, self.params, cands):  # p - eta * c in float64
+                    torch.add(base, c[t], alpha=-eta, out=p)
+                losses.append(loss_fn(self.net(x), labels))
+        return torch.stack(losses)
+
+    @staticmethod
+    def functional(model: nn.Module, names: List[str]) -> Callable:
+        """The same scoring through ``functional_call`` on ``model`` itself (one thread only)."""
+        # a copy even when the model is float64 already: these tensors are written in place
+        moved = {n: p.detach().to(torch.float64, copy=True) for n, p in model.named_parameters()}
+        base = {n: moved[n].clone() for n in names}
+
+        def run(cands, x, labels, loss_fn, buffers: Dict[str, Tensor], eta: float) -> Tensor:
+            floats = {n: b.double() if b.is_floating_point() else b for n, b in buffers.items()}
+            losses = []
+            with torch.no_grad():
+                for t in range(cands[0].shape[0]):
+                    for n, c in zip(names, cands):
+                        torch.add(base[n], c[t], alpha=-eta, out=moved[n])
+                    losses.append(loss_fn(functional_call(model, (moved, floats), (x,)), labels))
+            return torch.stack(losses)
+
+        return run
+
+
+_WORKSPACES = Workspaces()  # the candidates' buffer, kept between calls
 
 
 def flatten_rows(tensors: Sequence[Tensor]) -> Tensor:

@@ -22,8 +22,9 @@ def _flat(tensors) -> Tensor:
 # --------------------------------------------------------------------------- CENSOR
 def censor(model: nn.Module, inputs: Tensor, labels: Tensor, *, trials: int = 20, eta: float = 1e-4,
            layerwise: bool = True, generator=None, loss_fn=default_loss_fn) -> List[Tensor]:
-    """Per group (layer, or the whole model): ``trials`` Gaussian draws ``(trials, n)`` from the
-    generator, projected (float64, twice) off the span of the batch and per-example gradients
+    """Per group (layer, or the whole model): ``trials`` Gaussian draws ``(trials, n)``, the rows
+    split in 4 near-equal parts, part ``j`` from a generator seeded with the ``j``-th of 4 seeds
+    drawn from ``generator`` (each part's rows of every group in turn), projected (float64, twice) off the span of the batch and per-example gradients
     and rescaled to the clean norm; every candidate scored one at a time in float64, eval mode."""
     grads = clean_gradients(model, inputs, labels, loss_fn)
     spans = [[g] for g in grads]
@@ -33,9 +34,13 @@ def censor(model: nn.Module, inputs: Tensor, labels: Tensor, *, trials: int = 20
                 span.append(g)
     groups = [[i] for i in range(len(grads))] if layerwise else [list(range(len(grads)))]
     cands: List[Tensor] = [None] * len(grads)  # type: ignore[list-item]
+    seeds = torch.randint(0, 2 ** 62, (4,), generator=generator).tolist()
+    streams = [torch.Generator().manual_seed(int(s)) for s in seeds]
+    bounds = [trials * j // 4 for j in range(5)]
     for group in groups:
         clean = _flat([grads[i] for i in group])
-        draws = torch.randn((trials, clean.numel()), generator=generator, dtype=clean.dtype)
+        draws = torch.cat([torch.randn((bounds[j + 1] - bounds[j], clean.numel()), generator=streams[j],
+                                       dtype=clean.dtype) for j in range(4)])
         norm = clean.norm()
         if float(norm.detach()) == 0.0:
             cand = torch.zeros_like(draws)

@@ -2,6 +2,8 @@
 (tests/reference_defenses.py): the same outputs on the same generator (every rewritten
 defense keeps its order of draws), the same input gradients, the same buffers; and
 ``Defense.many`` gives what the calls one after another give."""
+import threading
+
 import pytest
 import torch
 from torch import nn
@@ -15,6 +17,7 @@ from audit.core.models import build_model
 from audit.core.types import FunctionDefense, clean_gradients
 from defenses import DEFENSES, build_defense
 from defenses.evaluator import train_evaluator
+from defenses.streams import fill_normal
 
 SHAPE = (3, 8, 8)
 
@@ -90,6 +93,36 @@ def test_censor_leaves_a_float64_models_parameters_alone():
     assert same_buffers(before, buffers(m))  # the float64 scoring buffers are copies, not the parameters
     m.load_state_dict(before)
     assert rel(shared, ref.censor(m, x.double(), y, trials=6, layerwise=True, generator=gen(0))) < 1e-9
+
+
+def test_censor_scores_without_the_models_hooks_and_without_a_copy_when_it_cannot_copy():
+    m, (x, y) = model("convnet"), batch(2)
+    expected = ref.censor(m, x, y, trials=6, generator=gen(1))
+    calls = []
+    handle = m.register_forward_hook(lambda mod, inp, out: calls.append(1))
+    shared = build_defense("censor", trials=6)(m, x, y, generator=gen(1))
+    handle.remove()
+    assert len(calls) == 2  # the clean gradient and the one per-example gradient, not the 6 candidates
+    assert rel(shared, expected) < 1e-5
+    m.lock = threading.Lock()  # deepcopy cannot copy it: the candidates are scored on the model itself
+    assert rel(build_defense("censor", trials=6)(m, x, y, generator=gen(1)), expected) < 1e-5
+
+
+def test_parallel_streams_give_the_same_numbers_on_any_number_of_threads():
+    threads = torch.get_num_threads()
+    try:
+        out = []
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            buffers = [torch.empty(5, 7), torch.empty(5, 300)]
+            fill_normal(buffers, gen(3))
+            out.append(buffers)
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(a, b) for other in out[1:] for a, b in zip(out[0], other))
+    fresh = [torch.empty(5, 7), torch.empty(5, 300)]
+    fill_normal(fresh, gen(4))
+    assert not torch.equal(fresh[1], out[0][1])
 
 
 # --------------------------------------------------------------------------- Soteria
