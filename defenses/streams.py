@@ -74,12 +74,27 @@ def _in_transform() -> bool:
 
 
 def _pool() -> ThreadPoolExecutor:
+    """The worker threads, each running torch on one thread: a worker's own intra-op pool
+    would put more OpenMP threads than cores on the machine, and the OpenMP runtime then stops
+    spinning between parallel regions, slowing every later small operation of the process."""
     global _POOL
     with _POOL_LOCK:
         if _POOL is None:
-            _POOL = ThreadPoolExecutor(max_workers=min(STREAMS, max(2, torch.get_num_threads())),
-                                       thread_name_prefix="gia-normal")
+            workers = min(STREAMS, max(2, torch.get_num_threads()))
+            ready = threading.Barrier(workers + 1)
+            _POOL = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="gia-normal")
+            main = torch.get_num_threads()
+            for _ in range(workers):  # start every worker now, each holding until all are single-threaded
+                _POOL.submit(_single_threaded, ready)
+            ready.wait()
+            torch.set_num_threads(main)  # the setting new threads inherit, as it was
         return _POOL
+
+
+def _single_threaded(ready: threading.Barrier) -> None:
+    torch.get_num_threads()  # torch's per-thread set-up first: it would later reset what follows
+    torch.set_num_threads(1)
+    ready.wait()
 
 
 class Workspaces:
