@@ -13,8 +13,9 @@ defense).
 
 **Audits** (``--audits``): ``gia-audit audit`` of each named defense (``--audit-defenses``)
 as a subprocess on ``--threads`` threads with a fresh cache (the Refiner's evaluation
-network copied in, it is one-off set-up), wall time and the sum of each attack's result
-times, side by side with the default ``prune`` audit of the same settings in the same run.
+network copied in, it is one-off set-up), wall time, the utility measurement's training time
+and the sum of each attack's result times, side by side with the default ``prune`` audit of
+the same settings in the same run.
 
 Usage (run on purpose, not in CI)::
     python bench/bench_defenses.py --calls --threads 2 --docs defenses
@@ -332,11 +333,19 @@ def run_audit(defense: str, extra: List[str], threads: int, cache: Path, out: Pa
         value = (rec.get("metrics") or {}).get("psnr")
         if value is not None:
             psnr.setdefault(f"s{rec['step']} {rec['attack_id']}", []).append(float(value))
-    report = out / "report.json"
-    verdict = (json.loads(report.read_text()).get("verdict") or {}).get("label") if report.exists() else None
+    report = json.loads((out / "report.json").read_text()) if (out / "report.json").exists() else {}
+    verdict = (report.get("verdict") or {}).get("label")
     return {"defense": defense, "args": " ".join(extra), "tree": str(tree), "wall_s": wall, "cpu_s": cpu,
+            "utility_s": utility_seconds(report),
             "rc": proc.returncode, "per_attack": per_attack, "verdict": verdict, "stderr": proc.stderr[-400:],
             "psnr": {k: sum(v) / len(v) for k, v in sorted(psnr.items())}}
+
+
+def utility_seconds(report: dict) -> Optional[float]:
+    """Seconds of the report's utility training runs (defended and undefended); None without any."""
+    utility = report.get("utility") or {}
+    runs = [run for part in ("defended", "undefended") for run in (utility.get(part) or {}).get("runs", [])]
+    return sum(float(run.get("seconds") or 0.0) for run in runs) if runs else None
 
 
 def _records(out: Path) -> List[dict]:
@@ -356,16 +365,18 @@ def audits_table(results: List[dict], clock: str) -> str:
     key = "cpu_s" if clock == "cpu" else "wall_s"
     prune = {(r["args"], r["tree"]): r[key] for r in results if r["defense"] == "prune" and r["rc"] == 0}
     trees = list(dict.fromkeys(r["tree"] for r in results))
-    lines = ["| defense | tree | settings | wall s | CPU s | x prune | verdict | per attack (s, summed over results) |",
-             "|---|---|---|---:|---:|---:|---|---|"]
+    lines = ["| defense | tree | settings | wall s | CPU s | utility s | x prune | verdict | "
+             "per attack (s, summed over results) |",
+             "|---|---|---|---:|---:|---:|---:|---|---|"]
     for r in results:
         ref = prune.get((r["args"], r["tree"]))
         ratio = f"{r[key] / ref:.2f}" if ref and r["defense"] != "prune" else ""
         attacks = ", ".join(f"{k} {v:.0f}" for k, v in sorted(r["per_attack"].items(), key=lambda kv: -kv[1]))
         status = "" if r["rc"] == 0 else f" (exit {r['rc']})"
         tree = "this" if r["tree"] == trees[0] else "baseline"
+        utility = "" if r.get("utility_s") is None else f"{r['utility_s']:.0f}"
         lines.append(f"| {r['defense']}{status} | {tree} | `{r['args']}` | {r['wall_s']:.0f} | {r['cpu_s']:.0f} | "
-                     f"{ratio} | {r['verdict']} | {attacks} |")
+                     f"{utility} | {ratio} | {r['verdict']} | {attacks} |")
     return "\n".join(lines)
 
 

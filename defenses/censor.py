@@ -15,8 +15,8 @@ Cost: the ``trials`` draws come from parallel random streams seeded by the gener
 (:mod:`defenses.streams`: fixed in number, so the numbers do not depend on the machine)
 and are projected by the stream that drew them, in one scratch buffer kept between calls;
 the candidates are scored in float64 (the loss changes between candidates are of order
-``eta^2``, far below float32's resolution) through float64 parameters made once per call
-(once per :meth:`Censor.many`); only the chosen candidate is rebuilt with autograd when the
+``eta^2``, far below float32's resolution) by the same streams, on float64 copies of the
+model made once per call (once per :meth:`Censor.many`); only the chosen candidate is rebuilt with autograd when the
 inputs require grad. :meth:`Censor.many` computes the clean gradient and its span once for
 all draws of a batch. Measured: ``docs/performance.md``.
 """

@@ -19,6 +19,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
+from audit.core.defense_call import in_functorch_transform
+
 STREAMS = 4  # random streams per draw; fixed so the numbers do not depend on the machine's cores
 _POOL: Optional[ThreadPoolExecutor] = None
 _POOL_LOCK = threading.Lock()
@@ -65,12 +67,7 @@ def fill_normal(buffers: Sequence[Tensor], generator: torch.Generator,
 
 def in_threads(device) -> bool:
     """Whether :func:`fill_normal` runs the streams (and their ``then``) on worker threads."""
-    return torch.device(device).type == "cpu" and torch.get_num_threads() >= 2 and not _in_transform()
-
-
-def _in_transform() -> bool:
-    level = getattr(torch._C._functorch, "maybe_current_level", None)
-    return level is not None and level() is not None
+    return torch.device(device).type == "cpu" and torch.get_num_threads() >= 2 and not in_functorch_transform()
 
 
 def _pool() -> ThreadPoolExecutor:

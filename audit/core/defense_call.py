@@ -117,8 +117,9 @@ def defense_timeout(seconds: Optional[float]) -> Iterator[None]:
         _TIMEOUT.reset(token)
 
 
-def _in_functorch_transform() -> bool:
-    """Inside vmap / grad the call must stay on this thread (the transforms are thread-local)."""
+def in_functorch_transform() -> bool:
+    """Whether a torch.func transform (vmap, grad) is active here: work inside one must stay
+    on this thread (the transforms are thread-local)."""
     level = getattr(torch._C._functorch, "maybe_current_level", None)
     return level is not None and level() is not None
 
@@ -130,7 +131,7 @@ def _with_timeout(fn: Callable[[], Any], name: str, seconds: Optional[float]) ->
     stops waiting for; Python cannot kill a thread, so a timed-out call is *abandoned*: it
     keeps running in the background until it returns, and its result is dropped.
     """
-    if seconds is None or _in_functorch_transform():
+    if seconds is None or in_functorch_transform():
         return fn()
     box: dict = {}
     grad_enabled = torch.is_grad_enabled()
