@@ -13,9 +13,8 @@ defense).
 
 **Audits** (``--audits``): ``gia-audit audit`` of each named defense (``--audit-defenses``)
 as a subprocess on ``--threads`` threads with a fresh cache (the Refiner's evaluation
-network copied in, it is one-off set-up), wall time, the utility measurement's training time
-and the sum of each attack's result times, side by side with the default ``prune`` audit of
-the same settings in the same run.
+network copied in), wall time, utility training time and each attack's summed result times,
+beside the default ``prune`` audit of the same settings in the same run.
 
 Usage (run on purpose, not in CI)::
     python bench/bench_defenses.py --calls --threads 2 --docs defenses

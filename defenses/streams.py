@@ -8,7 +8,7 @@ threads. The number of streams is fixed, so the same generator state gives the s
 on any machine; the caller's generator advances by the :data:`STREAMS` seeds it hands out.
 
 :class:`Workspaces` keeps large scratch buffers between calls: writing into fresh memory
-costs the page faults of its first touch (about a third of a draw on the default ``cnn``).
+costs the page faults of its first touch, a large share of a draw on a small model.
 """
 from __future__ import annotations
 
