@@ -96,7 +96,8 @@ def _has_cxx() -> bool:
     return any(shutil.which(c) for c in (os.environ.get("CXX", "g++"), "c++", "clang++"))
 
 
-@pytest.mark.skipif(not _has_cxx(), reason="torch.compile's CPU backend needs a C++ compiler")
+@pytest.mark.skipif(not _has_cxx(), reason="checks a torch.compile'd attack against eager: torch.compile's CPU "
+                    "backend needs a C++ compiler (g++, c++, clang++ or $CXX)")
 def test_compiled_attack_matches_eager_and_compiles_once(data16):
     from torch._dynamo.utils import counters
 

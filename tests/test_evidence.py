@@ -45,7 +45,8 @@ def test_similarity_matrices_equal_the_pairwise_metrics():
     try:
         model = lpips_model()
     except MetricUnavailable as err:
-        pytest.skip(f"LPIPS weights not installed: {err}")
+        pytest.skip(f"checks the LPIPS similarity matrix against pairwise LPIPS: needs the backbone weights "
+                    f"(`gia-audit weights lpips`; {err})")
     ea, eb = lpips_embedding(a, model), lpips_embedding(b, model)
     pairwise = torch.stack([lpips_distance(a[i:i + 1].expand(4, -1, -1, -1), b) for i in range(3)])
     assert torch.allclose((ea[:, None] - eb[None]).pow(2).sum(-1), pairwise, atol=1e-6)

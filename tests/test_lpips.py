@@ -104,7 +104,8 @@ def test_cli_weights_lpips(tmp_path):
     assert res.exit_code == 2 and "neither auto" in res.output
 
 
-@pytest.mark.skipif(not AVAILABLE, reason=f"LPIPS backbone weights not installed ({REASON})")
+@pytest.mark.skipif(not AVAILABLE, reason=f"checks LPIPS against the reference values: needs the backbone weights "
+                                           f"(`gia-audit weights lpips`; {REASON})")
 def test_lpips_reference_values_with_real_weights():
     ref, p0, p1 = (load_image(str(EXAMPLES / f"{n}.png"), 64) for n in ("ex_ref", "ex_p0", "ex_p1"))
     d = lpips_distance(torch.cat([ref, ref]), torch.cat([p0, p1]))

@@ -170,11 +170,13 @@ def test_an_interrupted_sweep_keeps_its_finished_cells(tmp_path, monkeypatch):
 @pytest.fixture
 def local_ray():
     """A local Ray instance with 2 CPUs (the sweep uses it as it is), or a skip where Ray cannot start."""
-    ray = pytest.importorskip("ray")
+    ray = pytest.importorskip("ray", reason="runs the sweep on Ray: needs the optional [ray] extra "
+                                           "(pip install -e '.[ray]')")
     try:
         ray.init(num_cpus=2, include_dashboard=False)
     except Exception as err:  # e.g. no shared memory or sockets in this environment
-        pytest.skip(f"Ray cannot start here: {type(err).__name__}: {err}")
+        pytest.skip(f"runs the sweep on Ray, which cannot start here (shared memory and local sockets "
+                    f"needed): {type(err).__name__}: {err}")
     yield
     ray.shutdown()
 
