@@ -151,7 +151,8 @@ class Censor(Defense):
         gradients' device, the stream that drew rows projects them in place and, for a
         ``score`` that runs on any thread, scores them."""
         device = grads[0].device
-        parts: dict = {}
+        projected: Dict[int, List[Tuple]] = {}  # first row of a stream -> per group (coeff, scale)
+        scored: Dict[int, Tensor] = {}  # first row of a stream -> its rows' losses
 
         def views(lo: int, hi: int) -> List[Tensor]:
             out: List[Tensor] = [None] * len(grads)  # type: ignore[list-item]
@@ -164,13 +165,16 @@ class Censor(Defense):
             return out
 
         def project(lo: int, hi: int) -> None:
-            for j, ((norm, basis), buf) in enumerate(zip(bases, workspace)):
-                parts[j, lo] = (None, None) if basis is None else _project(buf[lo:hi], basis.detach(),
-                                                                            norm.detach())[1:]
+            undo_rows = []
+            for (norm, basis), buf in zip(bases, workspace):
                 if basis is None:
                     buf[lo:hi].zero_()
+                    undo_rows.append((None, None))
+                else:
+                    undo_rows.append(_project(buf[lo:hi], basis.detach(), norm.detach())[1:])
+            projected[lo] = undo_rows
             if score is not None and getattr(score, "any_thread", False):
-                parts["losses", lo] = score(views(lo, hi))
+                scored[lo] = score(views(lo, hi))
 
         if workspace[0].device != device:
             fill_normal(workspace, gen)
@@ -178,15 +182,14 @@ class Censor(Defense):
             project(0, self.trials)
         else:
             fill_normal(workspace, gen, then=project)
-        starts = sorted(lo for key, lo in parts if key == 0)
-        undo = [(None, None) if parts[j, 0][0] is None else
-                (torch.cat([parts[j, lo][0] for lo in starts]), torch.cat([parts[j, lo][1] for lo in starts]))
-                for j in range(len(workspace))]
+        starts = sorted(projected)
+        undo = [(None, None) if basis is None else
+                (torch.cat([projected[lo][j][0] for lo in starts]), torch.cat([projected[lo][j][1] for lo in starts]))
+                for j, (_, basis) in enumerate(bases)]
         cands = views(0, self.trials)
         losses = None
         if score is not None:
-            done = sorted(lo for key, lo in parts if key == "losses")
-            losses = torch.cat([parts["losses", lo] for lo in done]) if done else score(cands)
+            losses = torch.cat([scored[lo] for lo in starts]) if scored else score(cands)
         return cands, undo, losses
 
     # ------------------------------------------------------------------ selection

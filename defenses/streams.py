@@ -95,8 +95,9 @@ def _single_threaded(ready: threading.Barrier) -> None:
 
 
 class Workspaces:
-    """Scratch buffers reused between calls: :meth:`take` hands out a free buffer of that
-    size (or a new one), :meth:`give` returns it; one free buffer is kept per key."""
+    """Scratch buffers reused between calls: :meth:`take` hands out the free buffer of that
+    size, device and dtype (or a new one), :meth:`give` returns it; only the buffer returned
+    last is kept free, so a change of model frees the old size."""
 
     def __init__(self) -> None:
         self._free: Dict[Tuple, Tensor] = {}
@@ -111,5 +112,5 @@ class Workspaces:
     def give(self, buf: Tensor) -> None:
         key = (buf.numel(), str(buf.device), buf.dtype)
         with self._lock:
-            self._free.clear()  # only the latest size is kept: a model change frees the old one
+            self._free.clear()
             self._free[key] = buf
