@@ -15,8 +15,8 @@ from defenses.augment import AUGMENTATIONS
 from defenses.evaluator import NoiseRatioNet, load_or_train_evaluator, train_evaluator
 
 SHAPE = (3, 8, 8)
-ALL = ["ats", "censor", "clip", "decoy", "dp-sgd", "gaussian", "laplacian", "none", "precode", "prune",
-       "quantize", "refiner", "soft-prune", "soteria", "svdefense"]
+ALL = ["ats", "censor", "clip", "decoy", "dp-sgd", "flower-fixedclipping", "flower-localdp", "gaussian", "laplacian",
+       "none", "precode", "prune", "quantize", "refiner", "soft-prune", "soteria", "svdefense"]
 
 
 @pytest.fixture(scope="module")
@@ -531,7 +531,7 @@ def test_the_client_simulation_passes_the_round():
 
 # --------------------------------------------------------------------------- declared differences
 def test_every_defense_declares_its_differences_as_sentences():
-    documented = {"ats", "censor", "dp-sgd", "refiner", "svdefense"}
+    documented = {"ats", "censor", "dp-sgd", "flower-fixedclipping", "flower-localdp", "refiner", "svdefense"}
     for name in ALL:
         differences = DEFENSES.get(name).differences
         assert isinstance(differences, tuple) and all(isinstance(d, str) and d.endswith(".") for d in differences)
