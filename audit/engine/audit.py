@@ -341,8 +341,7 @@ class Audit:
             run_key=store.key, status="running", settings=self.settings(), steps=self.attack_settings.steps,
             images=self.data_settings.images, attacks=[s.as_dict() for s in specs], plan=plan,
             defense=self.defense_ident, differences=list(getattr(self.defense, "differences", ()) or ()),
-            privacy=privacy_report(self.defense, self.fl_settings, len(self.dataset.train_labels),
-                                   self.attack_settings.steps, candidates=self.null.candidates),
+            privacy=self.privacy(),
             threat_model=self.threat_model(specs), thresholds=self.output_settings.thresholds.as_dict(),
             null={"description": self.null.describe(),
                   "images": [[e.to_dict() for e in batch] for batch in null_evidence(self.null, self.private)]},
@@ -359,6 +358,12 @@ class Audit:
         if manifest.get("utility_for") != self.utility_for():
             store.update_manifest(utility=self.utility().as_dict(), utility_for=self.utility_for())
         return specs
+
+    def privacy(self) -> Dict[str, Any]:
+        """Per audited step, the (epsilon, delta) spent before it, for a defense that accounts
+        (:func:`audit.engine.privacy.privacy_report`)."""
+        return privacy_report(self.defense, self.fl_settings, len(self.dataset.train_labels),
+                              self.attack_settings.steps, candidates=self.null.candidates)
 
     def _attack_all(self, store: ResultStore, specs: Sequence[AttackSpec]) -> None:
         pending = [(s, i, a) for s in self.attack_settings.steps for i in range(self.data_settings.images) for a in specs
