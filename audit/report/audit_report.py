@@ -49,6 +49,7 @@ def build_report(manifest: Dict[str, Any], records: Sequence[Any],
     verdict = overall_verdict(steps)
     return to_jsonable({
         "title": f"gia-audit report: {manifest['defense']['name']}",
+        "step_name": manifest.get("step_name", "step"),
         "generated": _dt.datetime.now().isoformat(timespec="seconds"),
         "run_key": manifest.get("run_key"),
         "status": run_status(manifest.get("status", "unknown"), steps),
@@ -165,6 +166,7 @@ class AuditReport:
 
     def summary(self) -> str:
         """A few lines for the terminal."""
+        column = self.data.get("step_name") or "step"
         lines = [f"{self.data['title']}  [{self.data['status']}, "
                  f"{self.data['progress']['done']}/{self.data['progress']['total']} results]"]
         for entry in self.steps:
@@ -172,9 +174,9 @@ class AuditReport:
             psnr = "n/a" if wc["psnr"] is None else f"{wc['psnr']:.2f} dB"
             success = "n/a" if risk["success"] is None else f"{risk['success']:.0%}"
             worst = "" if wc.get("psnr_max") is None else f" (worst image {wc['psnr_max']:.2f} dB)"
-            lines.append(f"  step {entry['step']:>5}: worst-case PSNR {psnr}{worst}, within delta {success}, "
+            lines.append(f"  {column} {entry['step']:>5}: worst-case PSNR {psnr}{worst}, within delta {success}, "
                          f"verdict: {verdict_text(entry['verdict'])}")
-        lines.append(f"verdict: {overall_text(self.data['verdict'])}")
+        lines.append(f"verdict: {overall_text(self.data['verdict'], column)}")
         if self.failures:
             lines.append(f"{len(self.failures)} failure(s); see the report's 'Failures' section")
         return "\n".join(lines)

@@ -16,6 +16,21 @@ COLUMNS = {
 }
 
 
+#: what a report's audited points are called: an audit's training steps, a federation's rounds
+STEP_NAMES: Dict[str, Dict[str, str]] = {
+    "step": {"column": "step", "title": "training step", "axis": "training step of the audited checkpoint",
+             "spent": "DP-SGD steps spent"},
+    "round": {"column": "round", "title": "federation round", "axis": "federation round of the audited global model",
+              "spent": "noised updates spent"},
+}
+
+
+def step_name(data: Dict[str, Any]) -> Dict[str, str]:
+    """The words for the report's audited points (``data["step_name"]``, a key of :data:`STEP_NAMES`;
+    its ``column`` is the key itself)."""
+    return STEP_NAMES[data.get("step_name") or "step"]
+
+
 def fmt(metric: str, value: Optional[float]) -> str:
     return UNAVAILABLE if value is None else COLUMNS[metric][1](value)
 
@@ -24,9 +39,9 @@ def fmt_fraction(value: Optional[float]) -> str:
     return UNAVAILABLE if value is None else f"{value:.0%}"
 
 
-def summary_header():
+def summary_header(column: str = "step"):
     """The per-step table's columns: worst case per metric (mean over images), the worst image."""
-    return (["step"] + [f"worst-case {COLUMNS[m][0]}" for m in COLUMNS]
+    return ([column] + [f"worst-case {COLUMNS[m][0]}" for m in COLUMNS]
             + ["worst image PSNR (dB)", "within delta (strongest attack)", "verdict"])
 
 
@@ -36,8 +51,8 @@ def summary_row(step: Dict[str, Any]):
             + [fmt("psnr", wc.get("psnr_max")), risk_text(step["risk"]), verdict_text(step["verdict"])])
 
 
-def attack_header():
-    return ["step"] + [COLUMNS[m][0] for m in COLUMNS] + ["worst image PSNR", "PSNR vs original",
+def attack_header(column: str = "step"):
+    return [column] + [COLUMNS[m][0] for m in COLUMNS] + ["worst image PSNR", "PSNR vs original",
                                                          "PSNR vs trained-on batch", "ok/done"]
 
 
@@ -97,9 +112,9 @@ def verdict_text(verdict: Dict[str, Any]) -> str:
     return f"{label} ({counts})"
 
 
-def evidence_header():
+def evidence_header(column: str = "step"):
     """The per-image evidence table: the leak rule's inputs and its class per private image."""
-    return ["step", "image", "class", "by attack", "aligned PSNR (dB)", "chance level (dB)", "above chance (dB)",
+    return [column, "image", "class", "by attack", "aligned PSNR (dB)", "chance level (dB)", "above chance (dB)",
             "rank among K", "PSNR (dB)", "SSIM"]
 
 
@@ -134,19 +149,20 @@ def evidence_notes(data: Dict[str, Any]) -> List[str]:
     return notes
 
 
-def overall_text(verdict: Dict[str, Any]) -> str:
-    """The overall verdict with the worst step, and the steps that were not judged."""
+def overall_text(verdict: Dict[str, Any], column: str = "step") -> str:
+    """The overall verdict with the worst step, and the steps that were not judged (``column``:
+    what a step is called, e.g. "round")."""
     label = verdict.get("label", "not judged")
     text = label
     if verdict.get("worst_step") is not None:
-        text += f" (worst at step {verdict['worst_step']})"
+        text += f" (worst at {column} {verdict['worst_step']})"
     if label in ("incomplete", "not judged") and verdict.get("reason"):
         text += f": {verdict['reason']}"
     skipped = verdict.get("not_judged_steps") or []
     if skipped and label != "not judged":
-        text += "; not judged: " + "; ".join(f"step {n['step']} ({n['reason']})" for n in skipped)
+        text += "; not judged: " + "; ".join(f"{column} {n['step']} ({n['reason']})" for n in skipped)
     if verdict.get("incomplete_steps") and label != "incomplete":
-        text += "; incomplete steps: " + ", ".join(map(str, verdict["incomplete_steps"]))
+        text += f"; incomplete {column}s: " + ", ".join(map(str, verdict["incomplete_steps"]))
     return text
 
 
@@ -168,8 +184,11 @@ def privacy_rows(privacy: Dict[str, Any], steps=()):
     return rows, note
 
 
-PRIVACY_HEADER = ["audited step", "DP-SGD steps spent", "epsilon", "delta", "identification bound (Hayes et al.)",
-                  "identified (measured, strongest attack per image)"]
+def privacy_header(column: str = "step") -> List[str]:
+    """The privacy table's columns for a report whose audited points are ``column``s (:data:`STEP_NAMES`)."""
+    return [f"audited {column}", STEP_NAMES[column]["spent"], "epsilon", "delta", "identification bound (Hayes et al.)",
+            "identified (measured, strongest attack per image)"]
+
 
 
 def clean_rounds_text(plan: Dict[str, Any]) -> Optional[str]:

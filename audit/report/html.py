@@ -7,8 +7,8 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from audit.report.format import (attack_cell, attack_header, attack_row, evidence_header, evidence_notes,
-                                 evidence_rows, fmt, kv_rows, overall_text, plan_traits, privacy_rows, PRIVACY_HEADER, summary_header,
-                                 summary_row, unavailable_notes, utility_rows)
+                                 evidence_rows, fmt, kv_rows, overall_text, plan_traits, privacy_header, privacy_rows,
+                                 step_name, summary_header, summary_row, unavailable_notes, utility_rows)
 from audit.report.images import file_data_uri
 
 CSS = """
@@ -45,10 +45,12 @@ def _img(run_dir: Optional[Path], rel: Optional[str], alt: str) -> str:
 
 
 def _grid(data: Dict[str, Any], step: Dict[str, Any], run_dir: Optional[Path]) -> str:
-    """Rows: the private batches, then each attack; columns: the audited images."""
+    """Rows: the private batches, then each attack; columns: the audited images. The private
+    batches' pictures are in ``step["originals"]`` (default ``originals``) under ``run_dir``."""
     images = range(int(data["settings"].get("images", 0)))
     records = {(r["attack_id"], r["image"]): r for r in data["results"] if r["step"] == step["step"]}
-    rows = [["original"] + [_img(run_dir, f"originals/i{i}.png", f"private image {i}") for i in images]]
+    originals = step.get("originals", "originals")
+    rows = [["original"] + [_img(run_dir, f"{originals}/i{i}.png", f"private image {i}") for i in images]]
     for attack in data["attacks"]:
         row = [escape(attack["id"])]
         for i in images:
@@ -67,15 +69,16 @@ def _grid(data: Dict[str, Any], step: Dict[str, Any], run_dir: Optional[Path]) -
 
 
 def _summary(data: Dict[str, Any]) -> str:
-    return html_table(summary_header(), [summary_row(s) for s in data["steps"]])
+    return html_table(summary_header(step_name(data)["column"]), [summary_row(s) for s in data["steps"]])
 
 
 def _per_attack(data: Dict[str, Any]) -> str:
-    ids = [a["id"] for a in data["attacks"]]
-    parts = [html_table(["step"] + ids, [[s["step"]] + [attack_cell(s["attacks"][a]) for a in ids]
-                                     for s in data["steps"]])]
+    ids, column = [a["id"] for a in data["attacks"]], step_name(data)["column"]
+    parts = [html_table([column] + ids, [[s["step"]] + [attack_cell(s["attacks"][a]) for a in ids]
+                                         for s in data["steps"]])]
     for aid in ids:
-        parts.append(f"<h3>{escape(aid)}</h3>" + html_table(attack_header(), [attack_row(s, aid) for s in data["steps"]]))
+        parts.append(f"<h3>{escape(aid)}</h3>"
+                     + html_table(attack_header(column), [attack_row(s, aid) for s in data["steps"]]))
     notes = unavailable_notes(data)
     if notes:
         parts.append("<ul>" + "".join(f"<li>{escape(m.upper())} unavailable: {escape(why)}</li>"
@@ -94,7 +97,7 @@ def _privacy(data: Dict[str, Any]) -> str:
     rows, note = privacy_rows(data.get("privacy", {}), data["steps"])
     if rows is None:
         return f"<p>{escape(note)}</p>"
-    return html_table(PRIVACY_HEADER, rows) + f"<p>{escape(note)}</p>"
+    return html_table(privacy_header(step_name(data)["column"]), rows) + f"<p>{escape(note)}</p>"
 
 
 def _kv(obj: Any) -> str:
@@ -122,32 +125,32 @@ def _failures(data: Dict[str, Any]) -> str:
         return "<p>none</p>"
     rows = [[f.get("step", ""), f.get("attack", ""), f.get("image", ""), f.get("defense", ""),
              f.get("status", f.get("phase", "")), f.get("error", "")] for f in data["failures"]]
-    return html_table(["step", "attack", "image", "defense", "status", "error"], rows)
+    return html_table([step_name(data)["column"], "attack", "image", "defense", "status", "error"], rows)
 
 
 def _evidence(data: Dict[str, Any]) -> str:
     rows = [row for s in data["steps"] for row in evidence_rows(s)]
     notes = "".join(f"<li>{escape(n)}</li>" for n in evidence_notes(data))
-    return html_table(evidence_header(), rows) + f"<ul>{notes}</ul>"
+    return html_table(evidence_header(step_name(data)["column"]), rows) + f"<ul>{notes}</ul>"
 
 
 def render_html(data: Dict[str, Any], run_dir: Optional[Path]) -> str:
     from audit.report.images import data_uri
     from audit.report.plots import psnr_vs_step_png
 
-    verdict = data["verdict"]
+    verdict, name = data["verdict"], step_name(data)
     delta = data["risk_delta"]
-    worst = f" &mdash; {escape(overall_text(verdict))}"
+    worst = f" &mdash; {escape(overall_text(verdict, name['column']))}"
     notes = "".join(f"<li>{escape(n)}</li>" for n in data.get("metric_notes", []))
-    grids = "".join(f"<h3>step {s['step']}</h3>{_grid(data, s, run_dir)}" for s in data["steps"])
+    grids = "".join(f"<h3>{name['column']} {s['step']}</h3>{_grid(data, s, run_dir)}" for s in data["steps"])
     body = f"""
 <h1>{escape(data['title'])}</h1>
 <p>{_verdict_badge(verdict['label'])}{worst}</p>
 <p class="muted">Status: {escape(data['status'])}, {data['progress']['done']}/{data['progress']['total']}
-(step, attack, image) results &middot; run {escape(str(data['run_key']))} &middot; generated {escape(data['generated'])}</p>
-<h2>Leakage per training step</h2>{_summary(data)}
+({name['column']}, attack, image) results &middot; run {escape(str(data['run_key']))} &middot; generated {escape(data['generated'])}</p>
+<h2>Leakage per {name['title']}</h2>{_summary(data)}
 <h2>Evidence per private image (against chance)</h2>{_evidence(data)}
-<p><img alt="PSNR versus training step" src="{data_uri(psnr_vs_step_png(data))}"></p>
+<p><img alt="PSNR versus {name['title']}" src="{data_uri(psnr_vs_step_png(data))}"></p>
 <h2>Reconstructions</h2>{grids}
 <h2>Metrics per attack</h2>{_per_attack(data)}
 <h2>Where this defense differs from its paper / the authors' code</h2>{_differences(data)}

@@ -4,9 +4,9 @@ from __future__ import annotations
 import json
 from typing import Any, Dict, List
 
-from audit.report.format import (PRIVACY_HEADER, attack_cell, attack_header, attack_row, evidence_header,
-                                 evidence_notes, evidence_rows, kv_rows, overall_text, plan_traits, privacy_rows,
-                                 summary_header, summary_row, unavailable_notes, utility_rows)
+from audit.report.format import (attack_cell, attack_header, attack_row, evidence_header, evidence_notes,
+                                 evidence_rows, kv_rows, overall_text, plan_traits, privacy_header, privacy_rows,
+                                 step_name, summary_header, summary_row, unavailable_notes, utility_rows)
 from audit.report.formats.registry import report_file
 
 
@@ -20,21 +20,24 @@ def _table(header: List[str], rows: List[List[Any]]) -> List[str]:
 
 
 def _summary_section(data: Dict[str, Any]) -> List[str]:
-    return ["## Leakage per training step", ""] + _table(summary_header(), [summary_row(s) for s in data["steps"]])
+    name = step_name(data)
+    return ([f"## Leakage per {name['title']}", ""]
+            + _table(summary_header(name["column"]), [summary_row(s) for s in data["steps"]]))
 
 
 def _evidence_section(data: Dict[str, Any]) -> List[str]:
     rows = [row for s in data["steps"] for row in evidence_rows(s)]
-    return (["## Evidence per private image (against chance)", ""] + _table(evidence_header(), rows) + [""]
+    return (["## Evidence per private image (against chance)", ""]
+            + _table(evidence_header(step_name(data)["column"]), rows) + [""]
             + [f"- {note}" for note in evidence_notes(data)])
 
 
 def _attack_section(data: Dict[str, Any]) -> List[str]:
-    ids = [a["id"] for a in data["attacks"]]
+    ids, column = [a["id"] for a in data["attacks"]], step_name(data)["column"]
     rows = [[s["step"]] + [attack_cell(s["attacks"][a]) for a in ids] for s in data["steps"]]
-    lines = ["## PSNR (dB) per attack", ""] + _table(["step"] + ids, rows)
+    lines = ["## PSNR (dB) per attack", ""] + _table([column] + ids, rows)
     for aid in ids:
-        lines += ["", f"### {aid}", ""] + _table(attack_header(), [attack_row(s, aid) for s in data["steps"]])
+        lines += ["", f"### {aid}", ""] + _table(attack_header(column), [attack_row(s, aid) for s in data["steps"]])
     notes = unavailable_notes(data)
     if notes:
         lines += [""] + [f"- {m.upper()} unavailable: {why}" for m, why in notes.items()]
@@ -53,7 +56,7 @@ def _privacy_section(data: Dict[str, Any]) -> List[str]:
     lines = ["## Privacy spent ((epsilon, delta))", ""]
     if rows is None:
         return lines + [note]
-    return lines + _table(PRIVACY_HEADER, rows) + ["", note]
+    return lines + _table(privacy_header(step_name(data)["column"]), rows) + ["", note]
 
 
 def _definitions(data: Dict[str, Any]) -> List[str]:
@@ -95,7 +98,8 @@ def _failure_section(data: Dict[str, Any]) -> List[str]:
         return []
     rows = [[f.get("step", ""), f.get("attack", ""), f.get("image", ""), f.get("defense", ""),
              f.get("status", f.get("phase", "")), f.get("error", "")] for f in data["failures"]]
-    return ["## Failures", ""] + _table(["step", "attack", "image", "defense", "status", "error"], rows)
+    return ["## Failures", ""] + _table([step_name(data)["column"], "attack", "image", "defense", "status", "error"],
+                                        rows)
 
 
 def _settings_section(data: Dict[str, Any]) -> List[str]:
@@ -108,14 +112,14 @@ def _settings_section(data: Dict[str, Any]) -> List[str]:
 
 
 def render_markdown(data: Dict[str, Any]) -> str:
-    verdict = data["verdict"]
+    verdict, name = data["verdict"], step_name(data)
     head = [f"# {data['title']}", "",
-            f"**Verdict: {overall_text(verdict)}**",
+            f"**Verdict: {overall_text(verdict, name['column'])}**",
             "",
             f"Status: {data['status']}, {data['progress']['done']}/{data['progress']['total']} "
-            f"(step, attack, image) results. Run `{data['run_key']}`, generated {data['generated']}. "
+            f"({name['column']}, attack, image) results. Run `{data['run_key']}`, generated {data['generated']}. "
             f"Reconstruction grids: see `{report_file('audit', 'html')}`.", "",
-            f"![PSNR versus training step]({report_file('audit', 'png')})", ""]
+            f"![PSNR versus {name['title']}]({report_file('audit', 'png')})", ""]
     sections = [_summary_section, _evidence_section, _attack_section, _differences_section, _privacy_section, _definitions,
                 _threat_section, _utility_section, _failure_section, _settings_section]
     lines = head

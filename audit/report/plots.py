@@ -13,6 +13,8 @@ def psnr_vs_step_png(data: Dict[str, Any]) -> bytes:
     matplotlib.use("Agg", force=False)
     import matplotlib.pyplot as plt
 
+    from audit.report.format import step_name
+
     steps = [s["step"] for s in data["steps"]]
     fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=110)
     try:
@@ -32,7 +34,7 @@ def psnr_vs_step_png(data: Dict[str, Any]) -> bytes:
         if steps:
             ax.set_xticks(steps)
             ax.set_xticklabels([str(s) for s in steps])
-        ax.set_xlabel("training step of the audited checkpoint")
+        ax.set_xlabel(step_name(data)["axis"])
         ax.set_ylabel("PSNR (dB), mean over private images")
         ax.set_title(f"{data['defense']['name']}: reconstruction quality over training", fontsize=10)
         return png_bytes(fig, ax)
