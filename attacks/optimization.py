@@ -31,6 +31,7 @@ from audit.core.errors import ConfigError, GiaError, NotApplicable
 from audit.core.types import Observation, Reconstruction, iterations_for, parameter_names, trainable_parameters
 from priors import PRIORS, Prior, PriorContext, requiring, weighted_total
 
+from attacks import capture as capturing
 from attacks.labels import LABEL_STRATEGIES, LabelPlan, plan_labels
 from attacks.objectives import Objective, build_objective
 from attacks.optimizers import OPTIMIZERS
@@ -112,7 +113,8 @@ class OptimizationAttack:
     ``priors`` is a list of ``(prior, weight)`` (prior: a :data:`priors.PRIORS` name or a
     callable ``prior(x, context)``); ``init`` / ``box`` / ``optimizer`` are registry names
     or objects; ``label_strategy`` is ``infer`` / ``shared`` / ``optimize`` / a label method;
-    ``execution`` is ``auto`` / ``batched`` / ``sequential``.
+    ``execution`` is ``auto`` / ``batched`` / ``sequential``; ``capture`` is ``auto`` / ``on`` /
+    ``off`` / a route of :data:`attacks.capture.ROUTES` (the whole iteration as one program).
     """
 
     def __init__(
@@ -133,6 +135,7 @@ class OptimizationAttack:
         keep_best_after: float = 0.0,
         per_restart: Union[int, str] = 0,
         compile: bool = False,
+        capture: str = "auto",
     ):
         if not (per_restart == "unknowns" or (isinstance(per_restart, int) and per_restart >= 0)):
             raise ConfigError(f"per_restart must be 'unknowns' or an int >= 0 (0: off), got {per_restart!r}")
@@ -142,6 +145,9 @@ class OptimizationAttack:
             raise ConfigError(f"keep_best_after must be in [0, 1) (a fraction of the budget), got {keep_best_after}")
         if execution not in EXECUTIONS:
             raise ConfigError(f"execution must be one of {EXECUTIONS}, got {execution!r}")
+        if capture not in capturing.SETTINGS and capture not in capturing.ROUTES:
+            raise ConfigError(f"capture must be one of {capturing.SETTINGS} or a route "
+                              f"({', '.join(capturing.ROUTES.names())}), got {capture!r}")
         if label_strategy not in LABEL_STRATEGIES:
             raise ConfigError(f"unknown label strategy {label_strategy!r}; valid: {', '.join(LABEL_STRATEGIES)}")
         self.objective = build_objective(objective)
@@ -160,6 +166,7 @@ class OptimizationAttack:
         self.keep_best_after = float(keep_best_after) if restarts > 1 else 0.0
         self.per_restart = per_restart
         self.compile = bool(compile)
+        self.capture = capture
         self.label_strategy = label_strategy
         self.simulator = simulator if simulator is not None else GradientSimulator()
         self.execution = execution
@@ -177,6 +184,7 @@ class OptimizationAttack:
             **({"keep_best_after": self.keep_best_after} if self.keep_best_after else {}),
             **({"per_restart": self.per_restart} if self.per_restart else {}),
             **({"compile": True} if self.compile else {}),
+            **({"capture": self.capture} if self.capture != "auto" else {}),
             "labels": self.label_strategy, "simulator": self.simulator.describe(),
             **self.settings,
         }
@@ -339,6 +347,7 @@ class OptimizationRun:
         self.needs_group_mean = bool(requiring(attack.priors, "group_mean"))
         members = self.n * attack.restarts
         self._step: Optional[Callable] = None  # the (compiled) batched loss-and-gradient function
+        self._inputs: Optional[Tuple[List[Tensor], Optional[Tensor]]] = None  # step_inputs(), once made
         uncompiled = self._uncompiled_because() if attack.compile else ""
         self.compiled = attack.compile and not uncompiled  # False again if compiling fails
         if self.compiled:
@@ -469,19 +478,32 @@ class OptimizationRun:
         an outer vmap over them with their targets and labels."""
         if self._step is None:
             self._step = self._batched_step(compiled=self.compiled)
-        group_mean = self._group_mean(variables[0])
-        detached = [v.detach() for v in variables]
+        targets, fixed = self.step_inputs()
+        loss, terms, grads = self.batched_call(self._step, targets, fixed, self._group_mean(variables[0]),
+                                               [v.detach() for v in variables])
+        return loss.detach(), {k: v.detach() for k, v in terms.items()}, [g.detach() for g in grads]
+
+    def step_inputs(self) -> Tuple[List[Tensor], Optional[Tensor]]:
+        """The observations' targets stacked per layer ``(N, ...)`` and their fixed labels
+        ``(N, B)`` (None when the labels are optimised), made once per run."""
+        if self._inputs is None:
+            self._inputs = ([torch.stack(layer) for layer in zip(*self.targets)],
+                            None if self.labels.fixed is None else torch.stack([p.fixed for p in self.plans]))
+        return self._inputs
+
+    def batched_call(self, step: Callable, targets: List[Tensor], fixed: Optional[Tensor],
+                     group_mean: Optional[Tensor], variables: List[Tensor]):
+        """``step`` (from :meth:`_batched_step`) on the members' ``variables`` ``(N*R, ...)``:
+        the flat per-member loss ``(N*R,)``, terms and gradients."""
         if self.n == 1:
             mean = None if group_mean is None else group_mean[0]
-            grads, (loss, terms) = self._step(self.target, self.labels.fixed, mean, *detached)
-        else:
-            split = [v.reshape(self.n, -1, *v.shape[1:]) for v in detached]
-            targets = [torch.stack(layer) for layer in zip(*self.targets)]
-            fixed = None if self.labels.fixed is None else torch.stack([p.fixed for p in self.plans])
-            grads, (loss, terms) = self._step(targets, fixed, group_mean, *split)
-            flat = lambda t: t.reshape(-1, *t.shape[2:])  # noqa: E731
-            grads, loss, terms = [flat(g) for g in grads], flat(loss), {k: flat(v) for k, v in terms.items()}
-        return loss.detach(), {k: v.detach() for k, v in terms.items()}, [g.detach() for g in grads]
+            grads, (loss, terms) = step([t[0] for t in targets], None if fixed is None else fixed[0], mean,
+                                        *variables)
+            return loss, terms, grads
+        split = [v.reshape(self.n, -1, *v.shape[1:]) for v in variables]
+        grads, (loss, terms) = step(targets, fixed, group_mean, *split)
+        flat = lambda t: t.reshape(-1, *t.shape[2:])  # noqa: E731
+        return flat(loss), {k: flat(v) for k, v in terms.items()}, [flat(g) for g in grads]
 
     def _sequential(self, variables):
         """One member at a time with ``torch.autograd`` (no torch.func transforms)."""
@@ -561,18 +583,25 @@ class OptimizationRun:
         optimizer.start(variables, iterations)
         self.unit = max(1, cost // self.attack.restarts)
         history: List[Tuple[Tensor, Tensor]] = []  # (members' start indices, their losses) per iteration
+        steps = capturing.stepper(self, variables, optimizer, iterations)  # optimiser step + projection
+        shown = float("inf")
         with flushed_denormals():  # saturated sigmoids make subnormal floats, slow on a CPU
             for it in range(iterations):
                 if max_evaluations is not None and it > 0 and self.spent + self.restarts * self.unit > max_evaluations:
                     break
                 self.iteration = self.sim_ctx.iteration = it
-                loss = optimizer.step(variables, self.closure, it)
-                self.box.project_(variables[0])
+                loss = steps.step(it)
                 history.append((self.alive, loss))
                 if progress is not None:
-                    progress(it + 1, iterations, float(torch.nan_to_num(loss, nan=float("inf")).min()))
+                    if it % steps.read_every == 0 or it + 1 == iterations:  # a read waits for the device
+                        shown = float(torch.nan_to_num(loss, nan=float("inf")).min())
+                    progress(it + 1, iterations, shown)
                 if self._due(it, iterations, max_evaluations):
+                    steps.release()
                     self.keep_best(variables, optimizer, loss, it)
+            steps.release()
+        if steps.captured and self.compiled:  # the final evaluation need not compile the loss again
+            self._step = self._batched_step(compiled=False)
         # the optimiser's watchdog (attacks.optimizers.Watchdog): interventions and progress
         events = optimizer.all_events() if hasattr(optimizer, "all_events") else []
         progressed = optimizer.progress() if hasattr(optimizer, "progress") and history else None
@@ -599,6 +628,7 @@ class OptimizationRun:
                 "attack": self.attack.name,
                 "settings": self.attack.describe(),
                 "execution": self.execution,
+                "capture": steps.describe(),
                 "iterations": len(history),
                 "evaluations": self.evaluations,
                 "gradient_evaluations": self.spent,

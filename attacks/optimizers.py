@@ -6,11 +6,15 @@ iteration, where ``closure(variables) -> (loss (R,), grads)`` evaluates every re
 once. ``step`` updates the variables in place and returns the per-restart loss at the point
 it evaluated. Adam is element-wise (restarts cannot interact); L-BFGS keeps a history and
 a line search per restart. Learning-rate schedules: :data:`SCHEDULES`.
+
+Capture (``attacks.capture``): an optimiser whose ``uncapturable`` is ``""`` also offers
+``update(variables, loss, grads, lr, iteration)`` (in place, no host synchronisation), ``state()`` (its
+per-restart tensors) and ``lr_at(iteration)``, so its step runs inside a captured iteration.
 """
 from __future__ import annotations
 
 import math
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -57,6 +61,7 @@ class Adam:
     and a learning-rate schedule."""
 
     name = "adam"
+    uncapturable = ""  # elementwise: its update runs inside a captured iteration
 
     def __init__(self, lr: float = 0.1, schedule: str = "step", signed: bool = False,
                  betas: Tuple[float, float] = (0.9, 0.999), eps: float = 1e-8):
@@ -74,12 +79,23 @@ class Adam:
         self.factor = torch.ones(variables[0].shape[0], device=variables[0].device)
         self.evaluations = 0
 
+    def lr_at(self, iteration: int) -> float:
+        """The scheduled learning rate of ``iteration`` (before the per-restart factor)."""
+        return self.lr * self.schedule(iteration / self.iterations)
+
     def step(self, variables: List[Tensor], closure: Closure, iteration: int) -> Tensor:
         loss, grads = closure(variables)
         self.evaluations += 1
+        self.update(variables, loss, grads, self.lr_at(iteration), iteration)
+        return loss
+
+    def update(self, variables: List[Tensor], loss: Tensor, grads: Sequence[Tensor], lr, iteration) -> None:
+        """One Adam step in place, with no host synchronisation (capture-safe): ``lr`` is the
+        scheduled rate, ``iteration`` the step, each a number or a 0-dim tensor (inputs of a
+        captured program); ``loss`` is not used."""
         b1, b2 = self.betas
         self.t += 1
-        lr = self.lr * self.schedule(iteration / self.iterations) * self.factor
+        lr = lr * self.factor
         with torch.no_grad():
             for var, g, m, v in zip(variables, grads, self.m, self.v):
                 g = torch.nan_to_num(g.sign() if self.signed else g)
@@ -87,7 +103,12 @@ class Adam:
                 v.mul_(b2).addcmul_(g, g, value=1 - b2)
                 denom = (v / _expand(1 - b2 ** self.t, v)).sqrt_().add_(self.eps)
                 var.sub_(_expand(lr / (1 - b1 ** self.t), var) * m / denom)
-        return loss
+
+    def state(self) -> Dict[str, Tensor]:
+        """The per-restart tensors (leading dimension: restarts) that :meth:`update` reads and
+        writes in place."""
+        return {**{f"m{i}": m for i, m in enumerate(self.m)}, **{f"v{i}": v for i, v in enumerate(self.v)},
+                "t": self.t, "factor": self.factor}
 
     def select(self, index: Tensor) -> None:
         """Keep only the restarts at ``index`` (the optimisation run dropping the worse restarts)."""
@@ -96,12 +117,25 @@ class Adam:
 
     def recover(self, restarts: Tensor) -> str:
         """Restarts (boolean mask) that stalled or diverged: step x0.1, moments reset."""
-        self.factor = torch.where(restarts, self.factor * 0.1, self.factor)
+        self.recover_(restarts)
+        return self.recovery_message(self.recovery_note()[restarts])
+
+    def recover_(self, restarts: Tensor) -> None:
+        """:meth:`recover` in place with no host synchronisation (capture-safe)."""
+        self.factor.copy_(torch.where(restarts, self.factor * 0.1, self.factor))
         for m, v in zip(self.m, self.v):
             m.mul_(_expand(~restarts, m))
             v.mul_(_expand(~restarts, v))
-        self.t = torch.where(restarts, torch.zeros_like(self.t), self.t)
-        return f"adam step x0.1 (now {float(self.factor[restarts].min()):.3g} x lr), moments reset"
+        self.t.copy_(torch.where(restarts, torch.zeros_like(self.t), self.t))
+
+    def recovery_note(self) -> Tensor:
+        """Per restart, the number a recovery message reports (the step factor)."""
+        return self.factor
+
+    @staticmethod
+    def recovery_message(notes: Tensor) -> str:
+        """What a recovery of the restarts with these :meth:`recovery_note` values did."""
+        return f"adam step x0.1 (now {float(notes.min()):.3g} x lr), moments reset"
 
     def settings(self) -> dict:
         return {"optimizer": "adam", "lr": self.lr, "schedule": self.schedule_name, "signed": self.signed}
@@ -123,6 +157,7 @@ class LBFGS:
     """
 
     name = "lbfgs"
+    uncapturable = "the lbfgs line search accepts or halves each step on the host"
 
     def __init__(self, lr: float = 1.0, history: int = 100, backtracks: int = 6, schedule: str = "constant",
                  nonmonotone: int = 1):
@@ -337,6 +372,10 @@ class Watchdog:
         self.max_recoveries = int(max_recoveries)
         self.name = getattr(inner, "name", type(inner).__name__)
 
+    @property
+    def uncapturable(self) -> str:
+        return getattr(self.inner, "uncapturable", f"optimizer {self.name!r} declares no capture-safe update")
+
     def start(self, variables: List[Tensor], iterations: int) -> None:
         self.inner.start(variables, iterations)
         r = variables[0].shape[0]
@@ -347,39 +386,96 @@ class Watchdog:
         self.since = torch.zeros(r, dtype=torch.long, device=device)
         self.recoveries = torch.zeros(r, dtype=torch.long, device=device)
         self.events: List[dict] = []
+        # the captured path's log of recoveries: per restart and recovery, the iteration
+        # (-1: none), whether the loss was non-finite, and the inner optimiser's note
+        self.log_at = torch.full((r, self.max_recoveries), -1, dtype=torch.long, device=device)
+        self.log_nonfinite = torch.zeros((r, self.max_recoveries), dtype=torch.bool, device=device)
+        self.log_note = torch.zeros((r, self.max_recoveries), device=device)
 
     @property
     def evaluations(self) -> int:
         return self.inner.evaluations
 
+    def lr_at(self, iteration: int) -> float:
+        return self.inner.lr_at(iteration)
+
     def step(self, variables: List[Tensor], closure: Closure, iteration: int) -> Tensor:
         before = [v.detach().clone() for v in variables]
         loss = self.inner.step(variables, closure, iteration).detach()
+        stalled, finite = self._track(variables, before, loss)
+        if stalled.any() and hasattr(self.inner, "recover"):
+            self._back_to_best(variables, stalled)
+            what = self.inner.recover(stalled)
+            self.events.append({"iteration": int(iteration), "restarts": stalled.nonzero().flatten().tolist(),
+                                "event": f"{self._why(finite[stalled])}: {what}"})
+        return loss
+
+    def update(self, variables: List[Tensor], loss: Tensor, grads: Sequence[Tensor], lr, iteration: Tensor) -> None:
+        """:meth:`step` given the evaluated ``loss`` and ``grads``, in place and with no host
+        synchronisation (capture-safe): every restart's recovery is applied by mask and
+        logged at ``iteration`` (a 0-dim tensor) for :meth:`flush_log`."""
+        before = [v.detach().clone() for v in variables]
+        self.inner.update(variables, loss, grads, lr, iteration)
+        stalled, finite = self._track(variables, before, loss.detach())
+        column = self.recoveries.clamp(max=self.max_recoveries - 1)[:, None]
+        self._log(self.log_at, column, stalled, iteration.to(self.log_at.dtype))
+        self._log(self.log_nonfinite, column, stalled, ~finite[:, None])
+        self.inner.recover_(stalled)
+        self._log(self.log_note, column, stalled, self.inner.recovery_note()[:, None])
+        self._back_to_best(variables, stalled)
+
+    @staticmethod
+    def _log(log: Tensor, column: Tensor, stalled: Tensor, value: Tensor) -> None:
+        log.scatter_(1, column, torch.where(stalled[:, None], value, log.gather(1, column)))
+
+    def _track(self, variables: List[Tensor], before: List[Tensor], loss: Tensor) -> Tuple[Tensor, Tensor]:
+        """Update the best loss and point; the restarts to recover now, and which losses are finite."""
         finite = torch.isfinite(loss)
-        self.first = torch.where(torch.isnan(self.first) & finite, loss, self.first)
+        self.first.copy_(torch.where(torch.isnan(self.first) & finite, loss, self.first))
         improved = finite & (loss < self.best)
         with torch.no_grad():
             for point, v, b in zip(self.best_point, variables, before):
                 # the loss was evaluated at the point before an Adam step, after an L-BFGS step
                 at = v if getattr(self.inner, "name", "") == "lbfgs" else b
                 point.copy_(torch.where(_expand(improved, point), at, point))
-        self.best = torch.where(improved, loss, self.best)
-        self.since = torch.where(improved, torch.zeros_like(self.since), self.since + 1)
+        self.best.copy_(torch.where(improved, loss, self.best))
+        self.since.copy_(torch.where(improved, torch.zeros_like(self.since), self.since + 1))
         never = ~(self.best < self.first - self.tolerance * self.first.abs())
         stalled = (~finite) | ((self.since >= self.patience) & never)
-        stalled &= self.recoveries < self.max_recoveries
-        if stalled.any() and hasattr(self.inner, "recover"):
-            with torch.no_grad():  # back to the best point seen (or the start)
-                for v, point in zip(variables, self.best_point):
-                    v.copy_(torch.where(_expand(stalled, v), point, v))
-            what = self.inner.recover(stalled)
-            why = "non-finite loss" if not bool(finite[stalled].all()) else \
-                f"no decrease in {self.patience} steps"
-            self.events.append({"iteration": int(iteration), "restarts": stalled.nonzero().flatten().tolist(),
-                                "event": f"{why}: {what}"})
-            self.recoveries += stalled.long()
-            self.since = torch.where(stalled, torch.zeros_like(self.since), self.since)
-        return loss
+        return stalled & (self.recoveries < self.max_recoveries), finite
+
+    def _back_to_best(self, variables: List[Tensor], stalled: Tensor) -> None:
+        """Send the ``stalled`` restarts back to their best point (or the start)."""
+        with torch.no_grad():
+            for v, point in zip(variables, self.best_point):
+                v.copy_(torch.where(_expand(stalled, v), point, v))
+        self.recoveries += stalled.long()
+        self.since.copy_(torch.where(stalled, torch.zeros_like(self.since), self.since))
+
+    def _why(self, finite: Tensor) -> str:
+        return "non-finite loss" if not bool(finite.all()) else f"no decrease in {self.patience} steps"
+
+    def state(self) -> Dict[str, Tensor]:
+        """The per-restart tensors :meth:`update` reads and writes, the inner optimiser's included."""
+        return {**{f"inner.{k}": v for k, v in self.inner.state().items()},
+                **{f"best_point{i}": p for i, p in enumerate(self.best_point)},
+                "first": self.first, "best": self.best, "since": self.since, "recoveries": self.recoveries,
+                "log_at": self.log_at, "log_nonfinite": self.log_nonfinite, "log_note": self.log_note}
+
+    def flush_log(self) -> None:
+        """Turn the logged recoveries into ``events`` (one per iteration, as :meth:`step`
+        records them) and clear the log."""
+        at = self.log_at.cpu()
+        for iteration in sorted(set(at[at >= 0].tolist())):
+            hit = at == iteration
+            restarts = hit.any(1)
+            self.events.append({
+                "iteration": int(iteration), "restarts": restarts.nonzero().flatten().tolist(),
+                "event": f"{self._why(~self.log_nonfinite.cpu()[hit])}: "
+                         f"{self.inner.recovery_message(self.log_note.cpu()[hit])}"})
+        self.log_at.fill_(-1)
+        self.log_nonfinite.fill_(False)
+        self.log_note.zero_()
 
     def select(self, index: Tensor) -> None:
         """Keep only the restarts at ``index``, here and in the inner optimiser."""
@@ -387,6 +483,7 @@ class Watchdog:
         self.first, self.best, self.since = self.first[index], self.best[index], self.since[index]
         self.recoveries = self.recoveries[index]
         self.best_point = [p[index] for p in self.best_point]
+        self.log_at, self.log_nonfinite, self.log_note = self.log_at[index], self.log_nonfinite[index], self.log_note[index]
 
     def progress(self) -> Tensor:
         """Per restart: did the loss ever go below its first value (relative ``tolerance``)?"""

@@ -53,6 +53,8 @@ KNOBS: Dict[str, tuple] = {
     "execution": ("auto", "auto, batched or sequential"),
     "compile": (False, "torch.compile the loss and its image gradient: exact, about half the time per "
                        "iteration after a one-off compilation (docs/strength.md, section 2)"),
+    "capture": ("auto", "the whole iteration as one program: auto (CUDA only, by the run's size), on, off, or a "
+                        "route: eager, compiled, graph, compiled-graph (docs/performance.md, the capture rule)"),
 }
 
 _OBJECTIVE_KNOBS = ("sigma", "b", "weights", "masks")
@@ -94,7 +96,7 @@ def compose(name: str, explicit: Optional[Iterable[str]] = None, **s: Any) -> Op
         objective, priors, init=s["init"], box=s["box"], optimizer=Watchdog(optimizer), iterations=s["iterations"],
         restarts=s["restarts"], label_strategy=s["labels"], simulator=s["simulator"], execution=s["execution"],
         name=name, keep_best_after=s["keep_best_after"], per_restart=s["per_restart"],
-        compile=s["compile"],
+        compile=s["compile"], capture=s["capture"],
     )
 
 

@@ -1,0 +1,449 @@
+"""An optimisation run's whole iteration as one captured program (docs/performance.md,
+"The capture rule").
+
+One iteration -- the batched loss and image gradient (the run's functional ``vmap(grad_and_value)``
+composition), the optimiser's in-place update (Adam with the watchdog's bookkeeping and its
+recoveries applied by mask) and the box's projection -- is one function of static buffers: the
+members' variables and optimiser state, the targets and labels, the model's weights and buffers,
+and two 0-dim inputs (the scheduled learning rate and the iteration). A route (:data:`ROUTES`)
+makes it a program: ``eager`` calls it, ``compiled`` calls it through ``torch.compile``,
+``graph`` captures it in a CUDA graph after warm-up iterations on a side stream and replays it,
+``compiled-graph`` does the same with the compiled function. Warm-up iterations are real ones.
+
+Programs are kept in the process (:data:`PROGRAMS`), keyed by what shapes them (attack settings,
+the bound objective and priors, the model's architecture and tensor shapes, the observation's
+metadata, the group shape, the device); a run copies its weights, targets and state into a kept
+program's buffers, so the next step or group of that shape replays it without compiling again.
+On CUDA a group is padded to :data:`PADDED_MEMBERS` with copies of its last observation, so
+shapes repeat. A run that cannot be captured, or whose capture fails, runs the eager batched
+loop; its trace's ``capture`` says why.
+"""
+from __future__ import annotations
+
+import copy
+import hashlib
+import itertools
+import math
+import time
+import types
+from collections import OrderedDict
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from audit.core.errors import GiaError
+from audit.core.registry import Registry
+
+from attacks.search_space import Box, ClampBox, SigmoidBox
+from attacks.simulator import GradientSimulator
+
+ROUTES = Registry("capture route")
+SETTINGS = ("auto", "on", "off")  # or a route name
+#: the rule's thresholds (docs/performance.md, "The capture rule")
+GRAPH_MIN_ITERATIONS = 10
+COMPILE_MIN_MEMBER_ITERATIONS = 35_000
+#: member counts a group is padded to, per device type (none listed: no padding)
+PADDED_MEMBERS: Dict[str, Tuple[int, ...]] = {"cuda": (1, 8, 64, 256)}
+MAX_PROGRAMS = 8
+#: programs built, torch.compile calls and CUDA graphs captured in this process
+STATS = {"built": 0, "compiled": 0, "captured": 0}
+#: boxes whose ``project_`` is pure in-place tensor work
+CAPTURABLE_BOXES = (Box, ClampBox, SigmoidBox)
+
+
+class Route:
+    """How a program runs its iteration function: ``prepare`` once, ``warm`` for the first
+    ``warmup`` calls, then ``capture`` gives the callable that replays it."""
+
+    name = "eager"
+    cuda_only = False
+    compiles = False
+    pads = False
+    warmup = 0
+    fallback: Optional[str] = None
+
+    def prepare(self, fn: Callable[[], Tensor]) -> Callable[[], Tensor]:
+        return fn
+
+    def warm(self, fn: Callable[[], Tensor]) -> Tensor:
+        return fn()
+
+    def capture(self, fn: Callable[[], Tensor]) -> Callable[[], Tensor]:
+        return fn
+
+
+class Compiled(Route):
+    name, compiles = "compiled", True
+
+    def prepare(self, fn):
+        STATS["compiled"] += 1
+        return torch.compile(_own_code(fn), fullgraph=True, dynamic=False)
+
+
+class Graph(Route):
+    name, cuda_only, pads, warmup = "graph", True, True, 3
+
+    def warm(self, fn):
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            out = fn()
+        torch.cuda.current_stream().wait_stream(side)
+        return out
+
+    def capture(self, fn):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = fn()
+        STATS["captured"] += 1
+
+        def replay() -> Tensor:
+            graph.replay()
+            return out
+
+        replay.graph = graph  # keeps the graph (and its memory pool) with the program
+        return replay
+
+
+class CompiledGraph(Graph):
+    name, compiles, fallback = "compiled-graph", True, "graph"
+    prepare = Compiled.prepare
+
+
+ROUTES.add("eager", Route(), "the iteration function called as is (the reference)")
+ROUTES.add("compiled", Compiled(), "torch.compile(fullgraph=True) of the iteration (inductor kernels)")
+ROUTES.add("graph", Graph(), "the eager iteration captured in a CUDA graph and replayed")
+ROUTES.add("compiled-graph", CompiledGraph(), "the compiled iteration captured in a CUDA graph and replayed")
+
+_SERIAL = itertools.count()
+
+
+def _own_code(fn: Callable) -> Callable:
+    """``fn`` with a code object of its own: torch.compile keeps its compiled graphs per code
+    object, so each program gets its own cache instead of recompiling a shared one."""
+    code = fn.__code__.replace(co_name=f"{fn.__name__}_{next(_SERIAL)}")
+    return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
+
+
+# -- the rule
+def _blockers(run) -> List[str]:
+    attack = run.attack
+    return [why for why in (
+        "execution='sequential' was requested" if attack.execution == "sequential" else "",
+        "" if run.simulator.batchable else f"{run.simulator.describe()} is not functional",
+        "the group-consistency prior changes with the iteration" if run.needs_group_mean else "",
+        "" if type(run.box) in CAPTURABLE_BOXES else f"box {getattr(run.box, 'name', type(run.box).__name__)!r} "
+                                                     "is not known to project with pure tensor operations",
+        getattr(run.attack.optimizer, "uncapturable",
+                f"optimizer {type(run.attack.optimizer).__name__} declares no capture-safe update"),
+    ) if why]
+
+
+def decide(run, iterations: int) -> Tuple[Optional[Route], str]:
+    """The route for ``run`` (None: the eager loop) and why, from its ``capture`` setting, the
+    device and its planned ``iterations`` x members (docs/performance.md, "The capture rule")."""
+    setting, device = run.attack.capture, run.device.type
+    if setting == "off":
+        return None, "off: capture='off'"
+    blockers = _blockers(run)
+    if blockers:
+        return None, f"off: {'; '.join(blockers)}"
+    if setting in ROUTES:
+        route = ROUTES.get(setting)
+        if route.cuda_only and device != "cuda":
+            return None, f"off: route {setting!r} needs a CUDA device, the run is on {device}"
+        return route, f"capture={setting!r}"
+    member_iterations = iterations * run.n * run.attack.restarts
+    if device != "cuda":
+        if setting == "on":
+            return ROUTES.get("compiled"), "capture='on' on a CPU: torch.compile of the iteration"
+        return None, (f"off: capture='auto' captures on CUDA only (on a {device} the eager batched loop "
+                      "has no launch overhead to remove)")
+    if setting == "auto" and iterations < GRAPH_MIN_ITERATIONS:
+        return None, f"off: {iterations} iteration(s) < {GRAPH_MIN_ITERATIONS}, too few to repay a capture"
+    if run.attack.compile or member_iterations >= COMPILE_MIN_MEMBER_ITERATIONS:
+        why = "compile=true" if run.attack.compile else \
+            f"{member_iterations} member-iterations >= {COMPILE_MIN_MEMBER_ITERATIONS}"
+        return ROUTES.get("compiled-graph"), why
+    return ROUTES.get("graph"), f"{member_iterations} member-iterations < {COMPILE_MIN_MEMBER_ITERATIONS}"
+
+
+def padded_observations(n: int, restarts: int, device: torch.device) -> int:
+    """Observations a group of ``n`` x ``restarts`` members is padded to on ``device``."""
+    members = n * restarts
+    sizes = [s for s in PADDED_MEMBERS.get(device.type, ()) if s >= members]
+    return max(n, math.ceil(sizes[0] / restarts)) if sizes else n
+
+
+# -- what a program is keyed by
+def fingerprint(value: Any, depth: int = 0) -> Any:
+    """A hashable summary of ``value``'s content: tensors by their bytes, functions by name,
+    defaults and closure, objects by type and attributes (by identity below a few levels)."""
+    if isinstance(value, Tensor):
+        data = value.detach().cpu().contiguous()
+        return ("tensor", tuple(data.shape), str(data.dtype), hashlib.sha1(data.numpy().tobytes()).hexdigest())
+    if value is None or isinstance(value, (bool, int, float, str, torch.dtype, torch.device)):
+        return value
+    if depth > 4:
+        return ("object", id(value))
+    if isinstance(value, (list, tuple)):
+        return tuple(fingerprint(v, depth + 1) for v in value)
+    if isinstance(value, dict):
+        return tuple(sorted((str(k), fingerprint(v, depth + 1)) for k, v in value.items()))
+    if isinstance(value, torch.nn.Module):
+        return ("module", repr(value), tuple((n, tuple(t.shape), str(t.dtype), t.requires_grad)
+                                             for n, t in itertools.chain(value.named_parameters(),
+                                                                         value.named_buffers())))
+    if isinstance(value, types.FunctionType):
+        cells = tuple(c.cell_contents for c in value.__closure__ or ())
+        return ("function", value.__module__, value.__qualname__, fingerprint((value.__defaults__, cells), depth + 1))
+    if hasattr(value, "__dict__"):
+        return (type(value).__module__, type(value).__qualname__, fingerprint(vars(value), depth + 1))
+    return ("object", id(value))
+
+
+_OBSERVATION_FIELDS = ("input_shape", "num_classes", "batch_size", "local_steps", "local_lr", "local_batch_size",
+                       "client_mode", "labels_shared", "data_mean", "data_std", "loss_fn")
+
+
+def program_key(run, n_padded: int, restarts: int) -> Tuple:
+    """What shapes a program. A simulator other than the plain clean gradient may read the
+    observation while it runs: its programs serve one run only."""
+    sim = run.simulator
+    plain = type(sim) is GradientSimulator and not sim.transforms and not sim.step_transforms
+    return (
+        str(run.device), n_padded, restarts, run.labels.shape, run.labels.fixed is None,
+        fingerprint(run.attack.describe()), fingerprint(run.objective),
+        fingerprint([(k, p, w) for k, p, w in run.attack.priors]),
+        fingerprint(run.obs.model), tuple(fingerprint(getattr(run.obs, f)) for f in _OBSERVATION_FIELDS),
+        ("shared",) if plain else ("run", id(run)),
+    )
+
+
+# -- programs
+def _fill(static: Tensor, real: Tensor, per: int) -> None:
+    """Copy ``real`` into the first rows of ``static``; the rows after it repeat its last
+    ``per`` rows (a padded observation is a copy of the last real one)."""
+    n = real.shape[0]
+    static[:n].copy_(real)
+    if static.shape[0] > n:
+        pad = static[n:].view(-1, per, *static.shape[1:])
+        pad.copy_(real[n - per:].unsqueeze(0).expand_as(pad))
+
+
+class Program:
+    """One iteration function over static buffers (a template run over the padded group
+    holds the weights, targets and labels) and its route's callable."""
+
+    def __init__(self, run, variables: Sequence[Tensor], route: Route):
+        n_padded = padded_observations(run.n, run.restarts, run.device)
+        self.route, self.n_padded, self.restarts = route, n_padded, run.restarts
+        with torch.random.fork_rng(devices=[run.device] if run.device.type == "cuda" else []):
+            padded = run.group + [run.group[-1]] * (n_padded - run.n)
+            self.template = type(run)(run.attack, padded, [0] * n_padded, show_bars=False)
+        members = n_padded * run.restarts
+        self.variables = [torch.zeros((members, *v.shape[1:]), dtype=v.dtype, device=v.device) for v in variables]
+        self.optimizer = copy.deepcopy(run.attack.optimizer)
+        self.optimizer.start(self.variables, 1)
+        self.targets, self.fixed = self.template.step_inputs()
+        self.lr = torch.zeros((), dtype=variables[0].dtype, device=run.device)
+        self.clock = torch.zeros((), dtype=torch.long, device=run.device)
+        step, template, box = self.template._batched_step(compiled=False), self.template, self.template.box
+        statics, optimizer, lr, clock = self.variables, self.optimizer, self.lr, self.clock
+        targets, fixed = self.targets, self.fixed
+
+        def iteration() -> Tensor:
+            loss, _, grads = template.batched_call(step, targets, fixed, None, statics)
+            optimizer.update(statics, loss, grads, lr, clock)
+            box.project_(statics[0])
+            return loss
+
+        start = time.perf_counter()
+        self.fn = route.prepare(iteration)
+        self.build_s = time.perf_counter() - start
+        self.replay: Optional[Callable[[], Tensor]] = None
+        self.calls = 0
+        STATS["built"] += 1
+
+    def weights(self, run) -> List[Tensor]:
+        """The model tensors the iteration reads (the template's are the static ones)."""
+        replica = run.replica
+        bn = [t for pair in replica.bn_running or () for t in pair]
+        return [*replica.params.values(), *replica.frozen.values(), *bn]
+
+    def load(self, run, variables: Sequence[Tensor], optimizer) -> None:
+        """Copy ``run``'s weights, targets, labels, variables and optimiser state in."""
+        with torch.no_grad():
+            for static, real in zip(self.weights(self.template), self.weights(run)):
+                static.copy_(real)
+            targets, fixed = run.step_inputs()
+            for static, real in zip(self.targets, targets):
+                _fill(static, real, 1)
+            if fixed is not None:
+                _fill(self.fixed, fixed, 1)
+            for static, real in zip(self.variables, variables):
+                _fill(static, real, self.restarts)
+            own = optimizer.state()
+            for name, static in self.optimizer.state().items():
+                _fill(static, own[name], self.restarts)
+
+    def store(self, variables: Sequence[Tensor], optimizer) -> None:
+        """Copy the real members' variables and optimiser state back out."""
+        with torch.no_grad():
+            for static, real in zip(self.variables, variables):
+                real.copy_(static[:real.shape[0]])
+            own = optimizer.state()
+            for name, static in self.optimizer.state().items():
+                own[name].copy_(static[:own[name].shape[0]])
+
+    def __call__(self, lr: float, iteration: int) -> Tensor:
+        """One iteration: the padded group's per-member loss at the point it evaluated."""
+        self.lr.fill_(lr)
+        self.clock.fill_(iteration)
+        if self.replay is None and self.calls >= self.route.warmup:
+            self.replay = self.route.capture(self.fn)
+        out = self.replay() if self.replay is not None else self.route.warm(self.fn)
+        self.calls += 1
+        return out
+
+
+#: programs kept in this process, least recently used first
+PROGRAMS: "OrderedDict[Tuple, Program]" = OrderedDict()
+#: keys whose capture failed, and why (not tried again)
+FAILED: Dict[Tuple, str] = {}
+
+
+def program_for(run, variables: Sequence[Tensor], route: Route) -> Tuple[Program, bool]:
+    """The kept program for ``run``'s key (one of ``route``, or a compiled one already paid
+    for), or a new one; and whether it was reused."""
+    key = program_key(run, padded_observations(run.n, run.restarts, run.device), run.restarts)
+    kept = PROGRAMS.get(key)
+    if kept is not None and (kept.route is route or kept.route.compiles):
+        PROGRAMS.move_to_end(key)
+        return kept, True
+    if (key, route.name) in FAILED:
+        raise CaptureFailed(FAILED[(key, route.name)])
+    program = Program(run, variables, route)
+    PROGRAMS[key] = program
+    while len(PROGRAMS) > MAX_PROGRAMS:
+        PROGRAMS.popitem(last=False)
+    return program, False
+
+
+class CaptureFailed(RuntimeError):
+    """A program could not be built, warmed up or captured."""
+
+
+# -- the loop's step, captured or not
+class EagerSteps:
+    """The eager batched loop's step: the optimiser's ``step`` with the run's closure, then
+    the box's projection."""
+
+    read_every = 1
+    captured = False
+
+    def __init__(self, run, variables: List[Tensor], optimizer, note: str):
+        self.run, self.variables, self.optimizer, self.note = run, variables, optimizer, note
+
+    def step(self, iteration: int) -> Tensor:
+        loss = self.optimizer.step(self.variables, self.run.closure, iteration)
+        self.run.box.project_(self.variables[0])
+        return loss
+
+    def release(self) -> None:
+        """Nothing to hand back: the run's tensors are the loop's."""
+
+    def describe(self) -> str:
+        return self.note
+
+
+class CapturedSteps(EagerSteps):
+    """Steps through a kept program: the run's state is copied in at the first step (and
+    after each :meth:`release`) and back out by :meth:`release`. A failure before the first
+    replay hands the state back and continues with the fallback route or the eager loop."""
+
+    read_every = 16  # the progress callback's loss is read from the device this often
+
+    def __init__(self, run, variables, optimizer, route: Route, note: str):
+        super().__init__(run, variables, optimizer, note)
+        self.route, self.program, self.eager = route, None, None
+        self.replays, self.warm, self.reused, self.built_s = 0, 0, [], 0.0
+
+    def step(self, iteration: int) -> Tensor:
+        if self.eager is not None:
+            return self.eager.step(iteration)
+        run = self.run
+        try:
+            if self.program is None:
+                self.program, reused = program_for(run, self.variables, self.route)
+                self.reused.append(reused)
+                self.built_s += 0.0 if reused else self.program.build_s
+                self.program.load(run, self.variables, self.optimizer)
+            replaying = self.program.replay is not None
+            loss = self.program(self.optimizer.lr_at(iteration), iteration)
+        except GiaError:
+            raise
+        except Exception as err:  # breaks capture: the fallback route, else the eager loop
+            return self._fall_back(err, iteration)
+        self.replays += replaying
+        self.warm += not replaying
+        run.evaluations += 1
+        run._count()
+        return loss[:self.variables[0].shape[0]].clone()
+
+    @property
+    def captured(self) -> bool:
+        return self.eager is None
+
+    def _fall_back(self, err: Exception, iteration: int) -> Tensor:
+        program, self.program = self.program, None
+        first_line = (str(err).strip().splitlines() or [""])[0][:200]
+        why = f"{self.route.name} failed: {type(err).__name__}: {first_line}"
+        if program is not None:
+            if program.calls:  # the completed iterations are the run's
+                program.store(self.variables, self.optimizer)
+                self._flush()
+            key = next((k for k, p in PROGRAMS.items() if p is program), None)
+            if key is not None:
+                del PROGRAMS[key]
+                FAILED[(key, self.route.name)] = why
+        self.note += f"; {why}"
+        if self.route.fallback is not None:
+            self.route = ROUTES.get(self.route.fallback)
+            self.note += f"; {self.route.name} instead"
+            return self.step(iteration)
+        self.eager = EagerSteps(self.run, self.variables, self.optimizer, "")
+        self.note = f"off: {self.note}"
+        return self.eager.step(iteration)
+
+    def _flush(self) -> None:
+        flush = getattr(self.optimizer, "flush_log", None)
+        if flush is not None:
+            flush()
+
+    def release(self) -> None:
+        """Copy the run's members back out of the program (before the restart selection and at
+        the end); the next step copies them in again."""
+        if self.program is not None:
+            self.program.store(self.variables, self.optimizer)
+            self._flush()
+            self.program = None
+
+    def describe(self) -> str:
+        if self.eager is not None:
+            return self.note + (f"; {self.replays} iteration(s) replayed before" if self.replays else "")
+        kept = "reused from an earlier run" if all(self.reused) else \
+            f"built in {self.built_s:.2f} s" + (" (and reused)" if any(self.reused) else "")
+        return (f"{self.route.name}: {self.note}; the whole iteration as one program over "
+                f"{self.run.n * self.run.attack.restarts} member(s) (padded to "
+                f"{padded_observations(self.run.n, self.run.attack.restarts, self.run.device) * self.run.attack.restarts}), "
+                f"{self.replays} iteration(s) replayed, {self.warm} run to warm up; program {kept}")
+
+
+def stepper(run, variables: List[Tensor], optimizer, iterations: int) -> EagerSteps:
+    """The loop's step for ``run``: captured where :func:`decide` picks a route."""
+    route, why = decide(run, iterations)
+    if route is None:
+        return EagerSteps(run, variables, optimizer, why)
+    return CapturedSteps(run, variables, optimizer, route, why)
