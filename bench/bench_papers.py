@@ -320,6 +320,12 @@ def at_paper_budget(row: Row, summary: Dict[str, Any]) -> bool:
     return budget >= wanted and summary["call"]["model_args"] == row.model_args
 
 
+def budget_full_is_paper(row: Row) -> bool:
+    """``--full`` runs the row's attacks at the paper's budget on the paper's model."""
+    return (row.budget("full") >= max([a.paper_budget for a in row.attacks] or [0])
+            and row.run_model_args("full") == row.model_args)
+
+
 def conclude(row: Row, summary: Optional[Dict[str, Any]]) -> Conclusion:
     """The row's conclusion from its stored summary (see :mod:`bench.papers_verdict`)."""
     if summary is None:

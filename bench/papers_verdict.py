@@ -1,12 +1,10 @@
 """Reading a paper's claim against the audit's evidence: the per-cell numbers and the per-row
 conclusion of ``bench/bench_papers.py`` (``docs/papers.md``).
 
-A *cell* is a set of attacks of one audit (the paper's own attack, the planner's attacks, a
-named adaptive attack) at some of its steps. Its evidence is the engine's
-(:func:`audit.report.risk.judge_step`): per private image the most leaking of the cell's
-attacks, the mean PSNR / SSIM / LPIPS of those, how many images are *identified* (rank 1
-among the K candidates) and how many are *recovered* by the calibrated rule, each with its
-exact 95% interval.
+A *cell* is a set of attacks of one audit at some of its steps, judged by the engine
+(:func:`audit.report.risk.judge_step`): per private image its most leaking attack, the mean
+PSNR / SSIM / LPIPS, how many images are *identified* (rank 1 among K candidates) and
+*recovered* (the calibrated rule), with exact 95% intervals.
 
 A row's conclusion is decided by the identification rate's interval, never by a PSNR
 threshold:
