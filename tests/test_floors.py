@@ -23,8 +23,11 @@ ALLOWED = {
     "audit.engine": {"audit.core", "audit.client", "audit.report", "defenses", "generators", "priors",
                      "attacks", "adaptive", "audit.engine", "audit"},
     "audit": {"audit", "audit.core", "audit.engine"},  # the package door: the version, `audit.run` (lazily)
+    # FL frameworks driving the engine from inside a federation (optional extras; only cli.py imports them)
+    "audit.integrations": {"audit.core", "audit.report", "defenses", "attacks", "adaptive", "audit.engine",
+                           "audit.integrations"},
     "cli": {"audit.core", "audit.client", "audit.report", "defenses", "generators", "priors", "attacks",
-            "adaptive", "audit.engine", "audit"},
+            "adaptive", "audit.engine", "audit", "audit.integrations"},
 }
 
 

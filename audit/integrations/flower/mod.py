@@ -1,0 +1,152 @@
+"""The Flower client mod: on an audited round, audit the global model the client received with
+the client's own data and defense; hand back the client's reply untouched.
+
+Add it to the ``ClientApp`` (``ClientApp(mods=[AuditMod(...)])``, or ``@app.train(mods=[...])``).
+On a train message of an audited round it copies the arriving state, lets the client train,
+draws the audited images from ``data(context)`` and writes the round's job under
+``OUT/<client>/round-<r>/`` (:mod:`audit.integrations.flower.job`); the audit then runs in a
+background process (or inline with ``blocking=True``) and writes the same report as
+``gia-audit audit`` with the round in place of the training step, plus the client's per-round
+report in ``OUT/<client>/``. The reply is the object the client returned, never read nor
+changed, and nothing of the audit is sent anywhere: the reports stay in ``OUT`` on the
+client's machine. Any failure of the audit is recorded in the round's report as incomplete
+and logged; it never fails the client's round.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+from typing import Any, Dict, Optional
+
+from audit.integrations.flower.defenses import flower_defense, is_flower_mod
+from audit.integrations.flower.job import (LOG_FILE, RoundJob, client_images, round_dir, save_job,
+                                           write_status)
+from audit.integrations.flower.rounds import combine_rounds
+from audit.integrations.flower.settings import mod_settings
+from audit.integrations.flower.worker import one_line, run_round
+
+LOG = logging.getLogger("gia_audit.flower")
+# the launcher: start argv[2:] in a new session, its output appended to the log argv[1], and exit
+DETACH = ("import subprocess, sys; subprocess.Popen(sys.argv[2:], stdin=subprocess.DEVNULL, "
+          "stdout=open(sys.argv[1], 'ab'), stderr=subprocess.STDOUT, start_new_session=True)")
+
+
+class AuditMod:
+    """A Flower client mod ``(msg, context, call_next) -> Message`` that audits the global
+    model of the ``rounds`` given (``docs/flower.md``).
+
+    ``model``: the deployment's model: a factory (class or function; ``model_args`` its
+    keywords), ``"package.module:attr"`` or an ``nn.Module``, loaded with the round's arrays
+    (``arrays_key``: the ArrayRecord's key when the message holds several); ``model_normalize``:
+    the inputs it expects ("none": the images as ``data`` returns them; or ``"m1,m2,m3/s1,s2,s3"``);
+    ``num_classes``: read from the model's output unless given. ``data``: a callable taking
+    Flower's ``Context`` and returning the client's ``(images, labels)``, images ``(N, C, H, W)``
+    in [0, 1]; ``images`` batches of ``batch_size`` are audited, up to ``reference`` others are
+    the null and the attacker's auxiliary data. ``defense``: what the client shares, as for
+    ``gia-audit audit`` (a built-in name with ``defense_args``, a Defense, any defended-gradient
+    callable, ``"package.module:attr"``), or the Flower privacy mod the ``ClientApp`` runs
+    (``LocalDpMod(...)``, ``fixedclipping_mod``, ``adaptiveclipping_mod``), mirrored at its
+    settings; ``lr``: the client's local learning rate (one local SGD step: update = -lr *
+    gradient). ``budget``, ``attacks``, ``attack_args``, ``thresholds``, ``client_mode``,
+    ``share_labels``, ``defense_timeout``, ``seed``, ``device``: as for ``gia-audit audit``.
+    ``out``: the output folder on the client's machine. ``blocking``: audit inline before the
+    reply is returned (default: a background process after it). ``timeout``: seconds before a
+    round's audit is stopped and reported incomplete. ``threads``: torch threads of the
+    background audit. ``round_key``: the ConfigRecord key of the server round (Flower's
+    strategies send ``server-round``).
+    """
+
+    def __init__(self, **options: Any):
+        self.data = options.get("data")
+        self.settings = mod_settings(**options)
+
+    # ------------------------------------------------------------------ the mod
+    def __call__(self, msg: Any, context: Any, call_next: Any) -> Any:
+        planned = self._plan(msg)
+        reply = call_next(msg, context)
+        if planned is not None:
+            self._start(planned, msg, context)
+        return reply
+
+    def _plan(self, msg: Any) -> Optional[Dict[str, Any]]:
+        """The round and a copy of the arriving state when ``msg`` is a train message of an
+        audited round (before the client trains, which may consume the message's arrays)."""
+        try:
+            if not str(msg.metadata.message_type).startswith("train"):
+                return None
+            round_ = self._round(msg)
+            if round_ not in self.settings.rounds:
+                return None
+            return {"round": round_, "state": self._state(msg)}
+        except Exception as err:  # reading the message must never fail the client's round
+            LOG.warning("gia-audit: no audit of this train message: %s", one_line(err))
+            return None
+
+    def _round(self, msg: Any) -> Optional[int]:
+        for record in msg.content.config_records.values():
+            if self.settings.round_key in record:
+                return int(record[self.settings.round_key])
+        return None
+
+    def _state(self, msg: Any) -> Dict[str, Any]:
+        records = msg.content.array_records
+        key = self.settings.arrays_key
+        if key is None:
+            if len(records) != 1:
+                raise ValueError(f"the train message holds {len(records)} ArrayRecords ({', '.join(records)}); give "
+                                 "the mod arrays_key=")
+            key = next(iter(records))
+        return {k: v.clone() for k, v in records[key].to_torch_state_dict().items()}
+
+    # ------------------------------------------------------------------ the round's audit
+    def _start(self, planned: Dict[str, Any], msg: Any, context: Any) -> None:
+        round_, client = planned["round"], client_name(context)
+        folder = round_dir(self.settings.out, client, round_)
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            spec, args = self._defense(msg)
+            write_status(folder, state="queued", round=round_, client=client, defense=_name(spec), reason="")
+            private, reference = client_images(self.data(context), self.settings)
+            origin = (f"round {round_}: the global model the server sent to this client ({client}) in the train "
+                      "message of that round, loaded into the deployment's model")
+            save_job(folder, RoundJob(round_, client, origin, self.settings, spec, args, private, reference),
+                     planned["state"])
+            if self.settings.blocking:
+                run_round(folder)
+            else:
+                self._spawn(folder)
+        except Exception as err:  # recorded as the round's result; the client's round goes on
+            LOG.warning("gia-audit: the audit of round %s (%s) failed: %s", round_, client, one_line(err))
+            try:
+                write_status(folder, state="failed", round=round_, client=client, reason=one_line(err))
+                combine_rounds(folder.parent)
+            except Exception as report_err:
+                LOG.warning("gia-audit: and its failure could not be recorded: %s", one_line(report_err))
+
+    def _defense(self, msg: Any):
+        s = self.settings
+        if is_flower_mod(s.defense):
+            return flower_defense(s.defense, msg, s.fl.lr)
+        return s.defense, dict(s.defense_args)
+
+    def _spawn(self, folder) -> None:
+        """Start the round's audit as a detached process: a launcher starts it in a session of
+        its own and exits, so the audit outlives the client process (a simulation's workers
+        end, and take their children with them, when the federation does)."""
+        threads = str(self.settings.threads)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p), "GIA_AUDIT_THREADS": threads,
+               "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
+        subprocess.run([sys.executable, "-c", DETACH, str(folder / LOG_FILE), sys.executable, "-m",
+                        "audit.integrations.flower", str(folder)], env=env, check=True, timeout=120,
+                       stdin=subprocess.DEVNULL, capture_output=True)
+
+def client_name(context: Any) -> str:
+    """The client's folder name: its partition in a simulation, else its node id."""
+    partition = (getattr(context, "node_config", None) or {}).get("partition-id")
+    return f"partition-{partition}" if partition is not None else f"node-{context.node_id}"
+
+
+def _name(spec: Any) -> str:
+    return spec if isinstance(spec, str) else getattr(spec, "name", None) or getattr(spec, "__name__", type(spec).__name__)
