@@ -74,6 +74,7 @@ class Row:
     steps: Tuple[int, ...] = (0,)
     default_steps: Optional[Tuple[int, ...]] = None  # fewer steps in the default profile
     adaptive_steps: Optional[Tuple[int, ...]] = None  # steps of the adaptive cell (default: all)
+    paper_steps: Optional[Tuple[int, ...]] = None  # steps of the paper's attack cells (default: all)
     model_args: Dict[str, Any] = field(default_factory=dict)
     default_model_args: Optional[Dict[str, Any]] = None  # a smaller model in the default profile
     default_budget: int = 200
@@ -171,7 +172,7 @@ ROWS: List[Row] = [
         leak_cell="adaptive", paper_psnr=3.57, paper_data="MNIST", default_budget=200, attack_args=INVERTER, **R18),
     Row("svd-censor", "SVDefense", "Table I, CENSOR (first 5 rounds): IG at round 0 -> IG at rounds 5+",
         "8.19 -> 16.41 dB", "leaks", defense="censor", defense_args={"trials": 20, "active_rounds": 5},
-        attacks=(SVD_IG,), steps=(0, 5), adaptive_steps=(5,),
+        attacks=(SVD_IG,), steps=(0, 5), adaptive_steps=(5,), paper_steps=(0,),
         adaptive=AttackRef("ig", SVD_IG.args, "IG at round 5, CENSOR off", 4000), leak_cell="adaptive",
         paper_psnr=8.19, paper_data="MNIST", default_budget=200, notes=CENSOR_NOTES,
         deviation="rounds of FedSGD instead of epochs", attack_args=INVERTER, **R18),
@@ -270,6 +271,45 @@ def _store_of(report) -> Tuple[Dict[str, Any], List[Dict[str, Any]]]:
     return store.load_manifest(), [r.to_dict() for r in store.records()]
 
 
+def planner_attacks(manifest: Dict[str, Any]) -> List[str]:
+    """The attacks ``auto`` ran: the base attacks and the planner's picks (a name the row also
+    asks for runs once, with the row's settings)."""
+    from audit.engine.audit import BASE_ATTACKS
+
+    return [a["id"] for a in manifest["attacks"] if a.get("reason") != USER or a["id"] in BASE_ATTACKS]
+
+
+def row_cells(row: Row, call: Dict[str, Any], manifest: Dict[str, Any],
+              records: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
+    """Each cell's evidence, from the row's stored audit."""
+    steps = list(call["steps"])
+    cells: Dict[str, Any] = {}
+    for a in row.attacks:
+        paper_steps = [s for s in (row.paper_steps or steps) if s in steps]
+        cells[f"paper:{a.name}"] = cell_evidence(manifest, records, [a.name], paper_steps).to_dict()
+    cells["planner"] = cell_evidence(manifest, records, planner_attacks(manifest), steps).to_dict()
+    if row.adaptive:
+        adaptive_steps = [s for s in (row.adaptive_steps or steps) if s in steps]
+        cells["adaptive"] = cell_evidence(manifest, records, [row.adaptive.name], adaptive_steps).to_dict()
+    return cells
+
+
+def refresh(row: Row, summary: Dict[str, Any]) -> Dict[str, Any]:
+    """``summary`` with its cells, planned attacks and utility read again from the row's result
+    store (as stored when the store is gone)."""
+    from audit.report.store import ResultStore
+
+    call = summary["call"]
+    store = ResultStore(call["out"], summary.get("run_key", ""))
+    if not summary.get("run_key") or not store.manifest_path.is_file():
+        return summary
+    manifest = store.load_manifest()
+    out = {**summary, "utility": manifest.get("utility"), "planned": planner_attacks(manifest)}
+    if row.claim != "utility":
+        out["cells"] = row_cells(row, call, manifest, [r.to_dict() for r in store.records()])
+    return out
+
+
 def run_row(row: Row, profile: Profile, data: str, data_args: Dict[str, Any], out: Path) -> Dict[str, Any]:
     """Run (or resume) the row's audit and return its summary: each cell's evidence."""
     import audit
@@ -277,28 +317,10 @@ def run_row(row: Row, profile: Profile, data: str, data_args: Dict[str, Any], ou
     call = audit_call(row, profile, data, data_args, out)
     started = time.perf_counter()
     report = audit.run(**call)
-    seconds = time.perf_counter() - started
-    manifest, records = _store_of(report)
-    steps = list(call["steps"])
-    planned = [a["id"] for a in manifest["attacks"] if a.get("reason") != USER]
-    cells: Dict[str, Any] = {}
-    if row.claim == "utility":
-        return {"row": row.id, "profile": profile.name, "call": _jsonable(call), "seconds": seconds,
-                "utility": manifest.get("utility"), "cells": {}, "run_key": report.data["run_key"]}
-    for a in row.attacks:
-        cells[f"paper:{a.name}"] = cell_evidence(manifest, records, [a.name], steps).to_dict()
-    cells["planner"] = cell_evidence(manifest, records, planned, steps).to_dict()
-    if row.adaptive:
-        adaptive_steps = [s for s in (row.adaptive_steps or steps) if s in steps]
-        cells["adaptive"] = cell_evidence(manifest, records, [row.adaptive.name], adaptive_steps).to_dict()
-    if row.id == "svd-censor":  # the paper's non-adaptive number is at round 0 only
-        cells[f"paper:{row.attacks[0].name}"] = cell_evidence(manifest, records, [row.attacks[0].name],
-                                                              [0]).to_dict()
-    attempted = {a["id"]: a for a in manifest["attacks"]}
-    return {"row": row.id, "profile": profile.name, "call": _jsonable(call), "seconds": round(seconds, 1),
-            "planned": planned, "reasons": {k: attempted[k].get("reason", "") for k in planned},
-            "cells": cells, "run_key": report.data["run_key"], "status": report.data["status"],
-            "utility": manifest.get("utility")}
+    summary = {"row": row.id, "profile": profile.name, "call": _jsonable(call),
+               "seconds": round(time.perf_counter() - started, 1), "run_key": report.data["run_key"],
+               "status": report.data["status"]}
+    return refresh(row, summary)
 
 
 def _jsonable(obj: Any) -> Any:
@@ -444,7 +466,7 @@ def render(rows: Sequence[Row], out: Path, profile: str, data: str) -> str:
         lines = [f"### {paper}", "", HEADER]
         for row in chosen:
             path = summary_path(out, row, profile, data)
-            summary = json.loads(path.read_text()) if path.is_file() else None
+            summary = refresh(row, json.loads(path.read_text())) if path.is_file() else None
             lines.append(row_line(row, summary, profile, data))
         parts.append("\n".join(lines))
     return "\n\n".join(parts)

@@ -142,3 +142,15 @@ def test_the_page_marks_rows_not_yet_run_and_renders_stored_ones(tmp_path):
     page = bp.render([row], tmp_path, "default", "embedded")
     assert "not yet run" not in page and "16 of 16 identified" in page
     assert "the claim holds" in page  # the undefended model leaks, as the paper says
+
+
+def test_the_planner_cell_is_what_auto_ran_and_the_paper_cell_only_the_papers_attack():
+    manifest = {"attacks": [{"id": "ig", "reason": bp.USER}, {"id": "portfolio", "reason": "naive baseline"},
+                            {"id": "mask-replay", "reason": "sparse"}, {"id": "dlg", "reason": bp.USER}]}
+    assert bp.planner_attacks(manifest) == ["ig", "portfolio", "mask-replay"]  # auto always runs ig
+    row = bp.BY_ID["svd-censor"]  # the paper's IG at round 0, its adaptive attack at round 5
+    records = [_record(s, "ig", i, 20.0, 1 if s == 5 else 30) for s in (0, 5) for i in range(2)]
+    cells = bp.row_cells(row, {"steps": [0, 5]}, {**_manifest(2), **manifest}, records)
+    assert cells["paper:ig"]["steps"] == [0] and cells["paper:ig"]["identified"] == 0
+    assert cells["adaptive"]["steps"] == [5] and cells["adaptive"]["identified"] == 2
+    assert bp.conclude(row, {"call": {"budget": 200, "model_args": {"width": 16}}, "cells": cells}).outcome == pv.HOLDS
