@@ -62,6 +62,7 @@ class FlowerFixedClipping(Defense):
 
     name = "flower-fixedclipping"
     stochastic = False
+    whole_update = True  # the transform of a round's whole update: one local step, never per step
     differences = mirror_differences("clips")
 
     def __init__(self, clipping_norm: float = 1.0, lr: float = 0.1):

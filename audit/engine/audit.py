@@ -95,6 +95,7 @@ class Audit:
         self.parts = parts
         self.device, self.dataset, self.defense = parts.device, parts.dataset, parts.defense
         self.defense_ident = parts.defense_ident
+        _check_local_steps(self.defense, fl_settings)
         # the model as built (the planner compares it with the client's model to see what an
         # architectural defense such as PRECODE changed) and the client's model, wrapped once
         self.base_model, self.model = parts.base_model, parts.model
@@ -510,6 +511,14 @@ CLIENT_MODE_TEXT = {
     "eval": "eval: the client computes its update in eval mode (BatchNorm uses the running statistics in the "
             "model's buffers, which the attacker sees)",
 }
+
+
+def _check_local_steps(defense, fl: FLSettings) -> None:
+    """A defense that transforms a round's whole one-step update (Flower's update mods, mirrored
+    with ``whole_update = True``) cannot be applied to each of several local steps."""
+    if fl.local_steps > 1 and getattr(defense, "whole_update", False):
+        raise ConfigError(f"defense {defense.name!r} transforms the round's whole update of one local SGD step; "
+                          f"audit it with local_steps=1 (--local-steps 1), got {fl.local_steps}")
 
 
 def _check_attacks(specs: Sequence[AttackSpec]) -> None:
