@@ -276,6 +276,26 @@ def report_cmd(directory, run_key, thresholds, seed, device):
     click.echo(files_message("audit", report.out))
 
 
+@main.command("flower-report")
+@click.argument("directory", type=click.Path(exists=True, file_okay=False))
+@click.option("--thresholds", default=None, metavar="NAME=VALUE,...",
+              help="re-judge every round's stored evidence under other leak-rule thresholds, e.g. margin_db=2")
+@common_options
+@friendly_errors
+def flower_report_cmd(directory, thresholds, seed, device):
+    """Rebuild a Flower client's per-round report (OUT/<client> of the gia-audit mod, docs/flower.md)."""
+    from audit.report.formats import files_message
+
+    try:
+        from audit.integrations.flower import combine_rounds
+    except ImportError as err:
+        click.echo(f"error: {err}", err=True)
+        sys.exit(2)
+    report = combine_rounds(directory, thresholds)
+    click.echo(report.summary())
+    click.echo(files_message("audit", report.out))
+
+
 @main.command("attack")
 @click.option("--attack", "attack_name", default="ig", show_default=True, help="attack name (`gia-audit list attacks`)")
 @click.option("--attack-arg", multiple=True, metavar="NAME=VALUE", help="attack setting, e.g. tv=1e-3 (repeatable)")
