@@ -381,6 +381,8 @@ def likely_cause(row: Row, summary: Dict[str, Any], ours: Optional[float]) -> st
         causes.append(f"model ({row.model} {summary['call']['model_args']})")
     if summary["call"]["data"] != "cifar10" or "CIFAR-10" not in row.paper_data:
         causes.append(f"data ({summary['call']['data']} here, {row.paper_data} in the paper)")
+    if row.deviation:
+        causes.append(row.deviation)
     causes.extend(f"code: {n}" for n in row.notes)
     return f"{ours - row.paper_psnr:+.1f} dB from the paper; likely: " + "; ".join(causes or ["unexplained"])
 

@@ -154,3 +154,25 @@ def test_the_planner_cell_is_what_auto_ran_and_the_paper_cell_only_the_papers_at
     assert cells["paper:ig"]["steps"] == [0] and cells["paper:ig"]["identified"] == 0
     assert cells["adaptive"]["steps"] == [5] and cells["adaptive"]["identified"] == 2
     assert bp.conclude(row, {"call": {"budget": 200, "model_args": {"width": 16}}, "cells": cells}).outcome == pv.HOLDS
+
+
+def test_svdefense_appendix_attacks_need_no_new_attack_here():
+    """The page's reasons: a hidden learning rate only scales a FedSGD update, to which IG's
+    cosine objective is blind; ``quantize`` shares dequantised values, so each tensor's range
+    (what mixed quantisation hides) is read off the observation exactly."""
+    import torch
+
+    from attacks.objectives import OBJECTIVES
+    from defenses import build_defense
+
+    gen = torch.Generator().manual_seed(0)
+    target = [torch.randn(4, 3, generator=gen), torch.randn(4, generator=gen)]
+    dummy = [torch.randn(4, 3, generator=gen), torch.randn(4, generator=gen)]
+    cosine = OBJECTIVES.build("cosine")
+    assert float(cosine(dummy, [0.37 * t for t in target])) == pytest.approx(float(cosine(dummy, target)), rel=1e-5)
+    l2 = OBJECTIVES.build("l2")
+    assert float(l2(dummy, [0.37 * t for t in target])) != pytest.approx(float(l2(dummy, target)), rel=1e-3)
+    shared = build_defense("quantize", bits=4).transform(target)
+    for s, g in zip(shared, target):
+        assert float(s.min()) == pytest.approx(float(g.min())) and float(s.max()) == pytest.approx(float(g.max()))
+        assert len(torch.unique(s)) <= 16
