@@ -331,6 +331,36 @@ def summary_path(out: Path, row: Row, profile: str, data: str) -> Path:
     return out / "summaries" / f"{profile}-{data}" / f"{row.id}.json"
 
 
+def _matches(settings: Dict[str, Any], call: Dict[str, Any]) -> bool:
+    """Whether a stored run's settings are the ``call``'s (an unfinished row has no summary yet)."""
+    params = (settings.get("defense") or {}).get("params") or {}
+    return (all(params.get(k) == v for k, v in call["defense_args"].items())
+            and (settings.get("model") or {}).get("args") == call["model_args"]
+            and (settings.get("budget") or {}).get("value") == call["budget"]
+            and (settings.get("data") or {}).get("name") == call["data"]
+            and (settings.get("fl") or {}).get("lr") == call["lr"] and settings.get("utility") == call["utility"])
+
+
+def stored_summary(row: Row, profile: Profile, data: str, data_args: Dict[str, Any],
+                   out: Path) -> Optional[Dict[str, Any]]:
+    """The row's summary as last written, or for a row still running, its partial run found by
+    its settings (``partial``: the cells show what has finished), or None."""
+    path = summary_path(out, row, profile.name, data)
+    if path.is_file():
+        return refresh(row, json.loads(path.read_text()))
+    call = _jsonable(audit_call(row, profile, data, data_args, out))
+    runs = sorted(Path(call["out"]).glob("runs/*/manifest.json"), key=lambda p: p.stat().st_mtime, reverse=True)
+    for manifest in runs:
+        try:
+            settings = json.loads(manifest.read_text()).get("settings") or {}
+        except (OSError, ValueError):
+            continue
+        if _matches(settings, call):
+            return refresh(row, {"row": row.id, "profile": profile.name, "call": call, "seconds": None,
+                                 "run_key": manifest.parent.name, "partial": True})
+    return None
+
+
 # --------------------------------------------------------------------------- judging a row
 def _cells(summary: Optional[Dict[str, Any]]) -> Dict[str, CellEvidence]:
     return {k: CellEvidence.from_dict(v) for k, v in ((summary or {}).get("cells") or {}).items()}
@@ -395,7 +425,7 @@ def _f(v: Optional[float], digits: int = 2) -> str:
 
 
 def cell_text(c: Optional[CellEvidence], label: str = "") -> str:
-    if c is None:
+    if c is None or (c.images == 0 and c.missing):
         return "not yet run"
     head = f"{label}: " if label else ""
     text = (f"{head}{_f(c.psnr)} dB / {_f(c.ssim, 3)} / {_f(c.lpips, 3)}; {identification_text(c)}; "
@@ -439,7 +469,8 @@ def row_line(row: Row, summary: Optional[Dict[str, Any]], profile: str, data: st
         return f"| {row.figure} | {row.paper_number} | {conclusion.detail or '-'} | - | - | {dev} | **{conclusion.text()}** |"
     cells = _cells(summary)
     if summary is None:
-        paper_cell = planner_cell = adaptive_cell = "not yet run"
+        paper_cell = planner_cell = "not yet run"
+        adaptive_cell = "not yet run" if row.adaptive else "-"
     else:
         paper_cell = "<br>".join(cell_text(cells.get(f"paper:{a.name}"), a.label) for a in row.attacks)
         planner = cells.get("planner")
@@ -450,6 +481,9 @@ def row_line(row: Row, summary: Optional[Dict[str, Any]], profile: str, data: st
         first = cells.get(f"paper:{row.attacks[0].name}")
         cause = likely_cause(row, summary, first.psnr if first else None)
     verdict = conclusion.text() + (f"; {cause}" if cause else "")
+    if summary is not None and summary.get("partial"):
+        started = any(c.images for c in cells.values())
+        verdict = f"still running: {verdict}" if started else "not yet run (its audit has started)"
     return (f"| {row.figure} | {row.paper_number} | {paper_cell} | {planner_cell} | {adaptive_cell} | {dev} | "
             f"**{verdict}** |")
 
@@ -459,7 +493,7 @@ HEADER = ("| figure | paper | the paper's attack, ours: PSNR / SSIM / LPIPS; ide
           "|---|---|---|---|---|---|---|")
 
 
-def render(rows: Sequence[Row], out: Path, profile: str, data: str) -> str:
+def render(rows: Sequence[Row], out: Path, profile: Profile, data: str, data_args: Dict[str, Any]) -> str:
     parts = []
     for paper in PAPERS:
         chosen = [r for r in rows if r.paper == paper]
@@ -467,9 +501,8 @@ def render(rows: Sequence[Row], out: Path, profile: str, data: str) -> str:
             continue
         lines = [f"### {paper}", "", HEADER]
         for row in chosen:
-            path = summary_path(out, row, profile, data)
-            summary = refresh(row, json.loads(path.read_text())) if path.is_file() else None
-            lines.append(row_line(row, summary, profile, data))
+            summary = stored_summary(row, profile, data, data_args, out)
+            lines.append(row_line(row, summary, profile.name, data))
         parts.append("\n".join(lines))
     return "\n\n".join(parts)
 
@@ -526,7 +559,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     tag = f"{name}-{data}"
 
     def publish() -> None:
-        table = render(rows, out, name, data)
+        table = render(rows, out, profile, data, data_args)
         if args.docs and not args.quick:
             setting = (f"torch {torch.__version__}, {args.threads} thread(s), {args.device}, {profile.images} "
                        f"images a cell, {timing(rows, out, name, data)}")
@@ -545,7 +578,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             path.write_text(json.dumps(summary, indent=1))
             print(f"  {summary['seconds']:.0f} s; {conclude(row, summary).text()}", flush=True)
             publish()
-    table = render(rows, out, name, data)
+    table = render(rows, out, profile, data, data_args)
     print(table)
     publish()
     print(f"results: {out} ({tag})")

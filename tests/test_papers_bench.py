@@ -127,7 +127,7 @@ def test_every_row_follows_its_paper_and_states_its_deviation():
 
 def test_the_page_marks_rows_not_yet_run_and_renders_stored_ones(tmp_path):
     row = bp.BY_ID["censor-none"]
-    page = bp.render([row], tmp_path, "default", "embedded")
+    page = bp.render([row], tmp_path, bp.Profile("default", 16), "embedded", {})
     assert "not yet run" in page and "| Table II, CIFAR-10, IG, no defense |" in page
     call = bp.audit_call(row, bp.Profile("default", 16), "embedded", {}, tmp_path)
     records = [_record(0, "ig", i, 25.0, 1) for i in range(16)] + [_record(0, "portfolio", i, 20.0, 2)
@@ -139,7 +139,7 @@ def test_the_page_marks_rows_not_yet_run_and_renders_stored_ones(tmp_path):
     path = bp.summary_path(tmp_path, row, "default", "embedded")
     path.parent.mkdir(parents=True)
     path.write_text(json.dumps(summary))
-    page = bp.render([row], tmp_path, "default", "embedded")
+    page = bp.render([row], tmp_path, bp.Profile("default", 16), "embedded", {})
     assert "not yet run" not in page and "16 of 16 identified" in page
     assert "the claim holds" in page  # the undefended model leaks, as the paper says
 
