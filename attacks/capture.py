@@ -14,9 +14,9 @@ Programs are kept in the process (:data:`PROGRAMS`), keyed by what shapes them (
 the bound objective and priors, the model's architecture and tensor shapes, the observation's
 metadata, the group shape, the device); a run copies its weights, targets and state into a kept
 program's buffers, so the next step or group of that shape replays it without compiling again.
-On CUDA a group is padded to :data:`PADDED_MEMBERS` with copies of its last observation, so
-shapes repeat. A run that cannot be captured, or whose capture fails, runs the eager batched
-loop; its trace's ``capture`` says why.
+On CUDA a group is padded to a few member counts (each route's ``sizes``) with copies of its
+last observation, so shapes repeat. A run that cannot be captured, or whose capture fails,
+runs the eager batched loop; its trace's ``capture`` says why.
 """
 from __future__ import annotations
 
@@ -43,9 +43,8 @@ SETTINGS = ("auto", "on", "off")  # or a route name
 #: the rule's thresholds (docs/performance.md, "The capture rule")
 GRAPH_MIN_ITERATIONS = 10
 COMPILE_MIN_MEMBER_ITERATIONS = 35_000
-#: member counts a group is padded to, per device type (none listed: no padding)
-PADDED_MEMBERS: Dict[str, Tuple[int, ...]] = {"cuda": (1, 8, 64, 256)}
 MAX_PROGRAMS = 8
+MEMORY_FRACTION = 0.5  # kept CUDA programs are dropped, oldest first, while more than this is allocated
 #: programs built, torch.compile calls and CUDA graphs captured in this process
 STATS = {"built": 0, "compiled": 0, "captured": 0}
 #: boxes whose ``project_`` is pure in-place tensor work
@@ -59,7 +58,7 @@ class Route:
     name = "eager"
     cuda_only = False
     compiles = False
-    pads = False
+    sizes: Tuple[int, ...] = ()  # member counts a group is padded to (none: not padded)
     warmup = 0
     fallback: Optional[str] = None
 
@@ -82,7 +81,8 @@ class Compiled(Route):
 
 
 class Graph(Route):
-    name, cuda_only, pads, warmup = "graph", True, True, 3
+    name, cuda_only, warmup = "graph", True, 3
+    sizes = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # a capture is cheap: shapes may be many, waste is at most 2x
 
     def warm(self, fn):
         side = torch.cuda.Stream()
@@ -108,6 +108,7 @@ class Graph(Route):
 
 class CompiledGraph(Graph):
     name, compiles, fallback = "compiled-graph", True, "graph"
+    sizes = (1, 8, 64, 256)  # a compilation is not: few shapes
     prepare = Compiled.prepare
 
 
@@ -169,10 +170,10 @@ def decide(run, iterations: int) -> Tuple[Optional[Route], str]:
     return ROUTES.get("graph"), f"{member_iterations} member-iterations < {COMPILE_MIN_MEMBER_ITERATIONS}"
 
 
-def padded_observations(n: int, restarts: int, device: torch.device) -> int:
-    """Observations a group of ``n`` x ``restarts`` members is padded to on ``device``."""
+def padded_observations(n: int, restarts: int, route: Route) -> int:
+    """Observations a group of ``n`` x ``restarts`` members is padded to for ``route``."""
     members = n * restarts
-    sizes = [s for s in PADDED_MEMBERS.get(device.type, ()) if s >= members]
+    sizes = [s for s in route.sizes if s >= members]
     return max(n, math.ceil(sizes[0] / restarts)) if sizes else n
 
 
@@ -182,7 +183,8 @@ def fingerprint(value: Any, depth: int = 0) -> Any:
     defaults and closure, objects by type and attributes (by identity below a few levels)."""
     if isinstance(value, Tensor):
         data = value.detach().cpu().contiguous()
-        return ("tensor", tuple(data.shape), str(data.dtype), hashlib.sha1(data.numpy().tobytes()).hexdigest())
+        digest = hashlib.sha1(data.reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+        return ("tensor", tuple(data.shape), str(data.dtype), digest)
     if value is None or isinstance(value, (bool, int, float, str, torch.dtype, torch.device)):
         return value
     if depth > 4:
@@ -237,7 +239,8 @@ class Program:
     holds the weights, targets and labels) and its route's callable."""
 
     def __init__(self, run, variables: Sequence[Tensor], route: Route):
-        n_padded = padded_observations(run.n, run.restarts, run.device)
+        start = time.perf_counter()
+        n_padded = padded_observations(run.n, run.restarts, route)
         self.route, self.n_padded, self.restarts = route, n_padded, run.restarts
         with torch.random.fork_rng(devices=[run.device] if run.device.type == "cuda" else []):
             padded = run.group + [run.group[-1]] * (n_padded - run.n)
@@ -259,11 +262,10 @@ class Program:
             box.project_(statics[0])
             return loss
 
-        start = time.perf_counter()
         self.fn = route.prepare(iteration)
-        self.build_s = time.perf_counter() - start
         self.replay: Optional[Callable[[], Tensor]] = None
         self.calls = 0
+        self.setup_s = time.perf_counter() - start  # building, compiling, warming up, capturing
         STATS["built"] += 1
 
     def weights(self, run) -> List[Tensor]:
@@ -301,10 +303,16 @@ class Program:
         """One iteration: the padded group's per-member loss at the point it evaluated."""
         self.lr.fill_(lr)
         self.clock.fill_(iteration)
-        if self.replay is None and self.calls >= self.route.warmup:
-            self.replay = self.route.capture(self.fn)
-        out = self.replay() if self.replay is not None else self.route.warm(self.fn)
         self.calls += 1
+        if self.replay is not None:
+            return self.replay()
+        start = time.perf_counter()
+        if self.calls > self.route.warmup:
+            self.replay = self.route.capture(self.fn)
+            out = self.replay()
+        else:
+            out = self.route.warm(self.fn)
+        self.setup_s += time.perf_counter() - start
         return out
 
 
@@ -317,18 +325,29 @@ FAILED: Dict[Tuple, str] = {}
 def program_for(run, variables: Sequence[Tensor], route: Route) -> Tuple[Program, bool]:
     """The kept program for ``run``'s key (one of ``route``, or a compiled one already paid
     for), or a new one; and whether it was reused."""
-    key = program_key(run, padded_observations(run.n, run.restarts, run.device), run.restarts)
+    key = program_key(run, padded_observations(run.n, run.restarts, route), run.restarts)
     kept = PROGRAMS.get(key)
     if kept is not None and (kept.route is route or kept.route.compiles):
         PROGRAMS.move_to_end(key)
         return kept, True
     if (key, route.name) in FAILED:
         raise CaptureFailed(FAILED[(key, route.name)])
+    _make_room(run.device)
     program = Program(run, variables, route)
     PROGRAMS[key] = program
     while len(PROGRAMS) > MAX_PROGRAMS:
         PROGRAMS.popitem(last=False)
     return program, False
+
+
+def _make_room(device: torch.device) -> None:
+    """Drop kept programs, oldest first, while the device's memory is more than
+    :data:`MEMORY_FRACTION` allocated (a captured graph keeps its activations' memory)."""
+    if device.type != "cuda":
+        return
+    total = torch.cuda.get_device_properties(device).total_memory
+    while PROGRAMS and torch.cuda.memory_allocated(device) > MEMORY_FRACTION * total:
+        PROGRAMS.popitem(last=False)
 
 
 class CaptureFailed(RuntimeError):
@@ -368,7 +387,7 @@ class CapturedSteps(EagerSteps):
     def __init__(self, run, variables, optimizer, route: Route, note: str):
         super().__init__(run, variables, optimizer, note)
         self.route, self.program, self.eager = route, None, None
-        self.replays, self.warm, self.reused, self.built_s = 0, 0, [], 0.0
+        self.replays, self.warm, self.built = 0, 0, []  # programs this run built
 
     def step(self, iteration: int) -> Tensor:
         if self.eager is not None:
@@ -377,17 +396,16 @@ class CapturedSteps(EagerSteps):
         try:
             if self.program is None:
                 self.program, reused = program_for(run, self.variables, self.route)
-                self.reused.append(reused)
-                self.built_s += 0.0 if reused else self.program.build_s
+                self.built += [] if reused else [self.program]
                 self.program.load(run, self.variables, self.optimizer)
-            replaying = self.program.replay is not None
             loss = self.program(self.optimizer.lr_at(iteration), iteration)
         except GiaError:
             raise
         except Exception as err:  # breaks capture: the fallback route, else the eager loop
             return self._fall_back(err, iteration)
-        self.replays += replaying
-        self.warm += not replaying
+        replayed = self.program.replay is not None  # this call replayed (the capturing one included)
+        self.replays += replayed
+        self.warm += not replayed
         run.evaluations += 1
         run._count()
         return loss[:self.variables[0].shape[0]].clone()
@@ -433,12 +451,16 @@ class CapturedSteps(EagerSteps):
     def describe(self) -> str:
         if self.eager is not None:
             return self.note + (f"; {self.replays} iteration(s) replayed before" if self.replays else "")
-        kept = "reused from an earlier run" if all(self.reused) else \
-            f"built in {self.built_s:.2f} s" + (" (and reused)" if any(self.reused) else "")
-        return (f"{self.route.name}: {self.note}; the whole iteration as one program over "
-                f"{self.run.n * self.run.attack.restarts} member(s) (padded to "
-                f"{padded_observations(self.run.n, self.run.attack.restarts, self.run.device) * self.run.attack.restarts}), "
-                f"{self.replays} iteration(s) replayed, {self.warm} run to warm up; program {kept}")
+        kept = f"set up in {sum(p.setup_s for p in self.built):.2f} s" if self.built else \
+            "reused from an earlier run"
+        members, padded = self.run.n * self.run.attack.restarts, self.program_members()
+        return (f"{self.route.name}: {self.note}; the whole iteration as one program over {members} member(s) "
+                f"(padded to {padded}), {self.replays} iteration(s) replayed, {self.warm} run to warm up; "
+                f"program {kept}")
+
+    def program_members(self) -> int:
+        restarts = self.run.attack.restarts
+        return padded_observations(self.run.n, restarts, self.route) * restarts
 
 
 def stepper(run, variables: List[Tensor], optimizer, iterations: int) -> EagerSteps:

@@ -1,16 +1,18 @@
 """The cuda path: the same attack, plan and audit numbers on a GPU as on the CPU (within
-float tolerance). Skipped where no GPU is present."""
+float tolerance), and the captured iteration (CUDA graphs) as the eager loop. Skipped where no
+GPU is present."""
 import pytest
 import torch
 
 import adaptive
 import audit
-from attacks import ATTACKS, observe
+from attacks import ATTACKS, capture, observe
 from audit.core.metrics import psnr
 from audit.core.models import build_model
 from defenses import build_defense
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="compares cpu with cuda results: runs where a CUDA GPU is present")
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="compares cpu with cuda results and the "
+                                "captured iteration (CUDA graphs) with the eager loop: runs where a CUDA GPU is present")
 SHAPE = (3, 16, 16)
 
 
@@ -48,3 +50,83 @@ def test_audit_on_cuda_matches_the_cpu_audit(tmp_path):
     assert [a["id"] for a in cpu.data["attacks"]] == [a["id"] for a in cuda.data["attacks"]]
     for step in (0, 2):
         assert abs(cpu.psnr(step) - cuda.psnr(step)) < 1.0
+
+
+@pytest.fixture
+def deterministic_cudnn():
+    """cuDNN's deterministic kernels: the eager and the captured run then add in one order."""
+    saved = torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+    yield
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = saved
+
+
+def _cuda_group(n, seed=0):
+    model = build_model("cnn", SHAPE, 4, seed=seed).to("cuda")
+    x = torch.rand(n, *SHAPE, generator=torch.Generator().manual_seed(seed)).to("cuda")
+    return [observe(model, x[i:i + 1], torch.tensor([i % 4], device="cuda"), seed=i) for i in range(n)], x.cpu()
+
+
+def _ig(obs, budget, **settings):
+    return ATTACKS.build("ig", **settings).reconstruct_many(obs, budget, list(range(len(obs))))
+
+
+def test_the_replayed_graph_gives_the_eager_loops_images(deterministic_cudnn):
+    obs, _ = _cuda_group(8)  # 8 members: no padding, the same kernels as the eager loop
+    eager, graph = _ig(obs, 40, capture="off"), _ig(obs, 40, capture="graph")
+    trace = graph[0].trace["capture"]
+    assert trace.startswith("graph: capture='graph'; the whole iteration as one program over 8 member(s)"), trace
+    assert "37 iteration(s) replayed, 3 run to warm up" in trace
+    for a, b in zip(eager, graph):
+        torch.testing.assert_close(b.inputs, a.inputs, atol=1e-4, rtol=0)
+        assert b.trace["optimizer_events"] == a.trace["optimizer_events"]
+
+
+def test_a_padded_graph_recovers_what_the_eager_loop_recovers(deterministic_cudnn):
+    obs, x = _cuda_group(3)  # 3 x 2 restarts padded to 8 members
+    eager, graph = _ig(obs, 2 * 40, restarts=2, capture="off"), _ig(obs, 2 * 40, restarts=2, capture="graph")
+    assert "over 6 member(s) (padded to 8)" in graph[0].trace["capture"]
+    for i, (a, b) in enumerate(zip(eager, graph)):
+        assert abs(float(psnr(a.inputs.cpu(), x[i:i + 1])) - float(psnr(b.inputs.cpu(), x[i:i + 1]))) < 1.0
+
+
+def test_a_kept_graph_replays_for_the_next_group_with_its_weights(deterministic_cudnn):
+    _ig(_cuda_group(8, seed=0)[0], 20, capture="graph")
+    captured = capture.STATS["captured"]
+    obs, _ = _cuda_group(8, seed=1)  # another model's weights, other images: copied into the graph's buffers
+    again = _ig(obs, 20, capture="graph")
+    assert capture.STATS["captured"] == captured and again[0].trace["capture"].endswith("reused from an earlier run")
+    for a, b in zip(_ig(obs, 20, capture="off"), again):
+        torch.testing.assert_close(b.inputs, a.inputs, atol=1e-4, rtol=0)
+
+
+def test_the_rule_captures_on_cuda_and_says_why_not():
+    obs, _ = _cuda_group(2)
+    assert _ig(obs, 40)[0].trace["capture"].startswith("graph: 80 member-iterations < ")
+    assert _ig(obs, 4)[0].trace["capture"].startswith("off: 4 iteration(s) < ")
+    dlg = ATTACKS.build("dlg", restarts=1).reconstruct(obs[0], 20, 0)
+    assert dlg.trace["capture"] == "off: the lbfgs line search accepts or halves each step on the host"
+
+
+def test_a_graph_that_cannot_be_captured_runs_eagerly_with_the_reason(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(capture.torch.cuda, "graph", refuse)
+    monkeypatch.setattr(capture, "FAILED", {})  # the failure is this test's own: not kept for the others
+    obs, _ = _cuda_group(2, seed=5)
+    recs = _ig(obs, 20, capture="graph")
+    trace = recs[0].trace["capture"]
+    assert trace.startswith("off: capture='graph'; graph failed: RuntimeError: operation not permitted"), trace
+    assert recs[0].trace["iterations"] == 20
+
+
+@pytest.mark.slow
+def test_the_compiled_graph_matches_and_compiles_once_per_shape(deterministic_cudnn):
+    first, _ = _cuda_group(8, seed=2)
+    for a, b in zip(_ig(first, 20, capture="off"), _ig(first, 20, capture="compiled-graph")):
+        torch.testing.assert_close(b.inputs, a.inputs, atol=1e-3, rtol=0)
+    compiled = capture.STATS["compiled"]
+    second, _ = _cuda_group(8, seed=3)
+    again = _ig(second, 20, capture="compiled-graph")
+    assert capture.STATS["compiled"] == compiled and again[0].trace["capture"].startswith("compiled-graph")
