@@ -49,26 +49,27 @@ def client_data(context: Context):
     return data.train_images[part::parts], data.train_labels[part::parts]
 
 
+def train(msg: Message, context: Context) -> Message:
+    """The client's round: one local SGD step on a batch of its data from the global model."""
+    model = Net()
+    model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
+    images, labels = client_data(context)
+    seed = 1000 * int(context.node_config["partition-id"]) + int(msg.content["config"]["server-round"])
+    pick = torch.randperm(len(labels), generator=torch.Generator().manual_seed(seed))[:BATCH]
+    loss = nn.functional.cross_entropy(model(images[pick]), labels[pick])
+    loss.backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            p -= LR * p.grad
+    content = RecordDict({"arrays": ArrayRecord(model.state_dict()),
+                          "metrics": MetricRecord({"num-examples": BATCH, "loss": float(loss.detach())})})
+    return Message(content=content, reply_to=msg)
+
+
 def client_app(mods=()) -> ClientApp:
-    """The ClientApp: one local SGD step on a batch of its data per round, after ``mods``."""
+    """The ClientApp: ``train`` behind ``mods`` (application-wide)."""
     app = ClientApp(mods=list(mods))
-
-    @app.train()
-    def train(msg: Message, context: Context) -> Message:
-        model = Net()
-        model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
-        images, labels = client_data(context)
-        seed = 1000 * int(context.node_config["partition-id"]) + int(msg.content["config"]["server-round"])
-        pick = torch.randperm(len(labels), generator=torch.Generator().manual_seed(seed))[:BATCH]
-        loss = nn.functional.cross_entropy(model(images[pick]), labels[pick])
-        loss.backward()
-        with torch.no_grad():
-            for p in model.parameters():
-                p -= LR * p.grad
-        content = RecordDict({"arrays": ArrayRecord(model.state_dict()),
-                              "metrics": MetricRecord({"num-examples": BATCH, "loss": float(loss.detach())})})
-        return Message(content=content, reply_to=msg)
-
+    app.train()(train)
     return app
 
 

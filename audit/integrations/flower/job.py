@@ -13,6 +13,7 @@ null and the attacker's auxiliary data.
 from __future__ import annotations
 
 import json
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +30,7 @@ from audit.integrations.flower.settings import ModSettings
 STATUS, JOB, STATE, LOG_FILE = "audit.json", "job.pkl", "global_model.pt", "worker.log"
 PENDING = ("queued", "running")  # an audit in these states has no verdict yet
 FINISHED = "finished"
+_WRITING = threading.Lock()  # one status write at a time in a process (an inline audit runs on a thread)
 
 
 @dataclass
@@ -65,10 +67,12 @@ def read_status(folder: Path) -> Dict[str, Any]:
         return {}
 
 
-def write_status(folder: Path, **fields: Any) -> Dict[str, Any]:
-    """Merge ``fields`` into the round's status (written atomically) and return it."""
-    status = {**read_status(folder), **fields, "updated": time.strftime("%Y-%m-%dT%H:%M:%S")}
-    atomic_write_bytes(Path(folder) / STATUS, json.dumps(status, indent=2).encode())
+def write_status(folder: Path, fresh: bool = False, **fields: Any) -> Dict[str, Any]:
+    """Merge ``fields`` into the round's status (``fresh``: replace it), written atomically;
+    the status."""
+    with _WRITING:
+        status = {**({} if fresh else read_status(folder)), **fields, "updated": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        atomic_write_bytes(Path(folder) / STATUS, json.dumps(status, indent=2).encode())
     return status
 
 

@@ -23,9 +23,8 @@ from typing import Any, Dict, Optional
 from audit.integrations.flower.defenses import flower_defense, is_flower_mod
 from audit.integrations.flower.job import (LOG_FILE, RoundJob, client_images, round_dir, save_job,
                                            write_status)
-from audit.integrations.flower.rounds import combine_rounds
 from audit.integrations.flower.settings import mod_settings
-from audit.integrations.flower.worker import one_line, run_round
+from audit.integrations.flower.worker import finish_round, one_line, run_round
 
 LOG = logging.getLogger("gia_audit.flower")
 # the launcher: start argv[2:] in a new session, its output appended to the log argv[1], and exit
@@ -43,8 +42,8 @@ class AuditMod:
     the inputs it expects ("none": the images as ``data`` returns them; or ``"m1,m2,m3/s1,s2,s3"``);
     ``num_classes``: read from the model's output unless given. ``data``: a callable taking
     Flower's ``Context`` and returning the client's ``(images, labels)``, images ``(N, C, H, W)``
-    in [0, 1]; ``images`` batches of ``batch_size`` are audited, up to ``reference`` others are
-    the null and the attacker's auxiliary data. ``defense``: what the client shares, as for
+    in [0, 1], or None to leave this client unaudited; ``images`` batches of ``batch_size`` are
+    audited, up to ``reference`` others are the null and the attacker's auxiliary data. ``defense``: what the client shares, as for
     ``gia-audit audit`` (a built-in name with ``defense_args``, a Defense, any defended-gradient
     callable, ``"package.module:attr"``), or the Flower privacy mod the ``ClientApp`` runs
     (``LocalDpMod(...)``, ``fixedclipping_mod``, ``adaptiveclipping_mod``), mirrored at its
@@ -105,10 +104,13 @@ class AuditMod:
         round_, client = planned["round"], client_name(context)
         folder = round_dir(self.settings.out, client, round_)
         try:
+            got = self.data(context)
+            if got is None:  # the data function leaves this client (or this round) unaudited
+                return
             folder.mkdir(parents=True, exist_ok=True)
             spec, args = self._defense(msg)
-            write_status(folder, state="queued", round=round_, client=client, defense=_name(spec), reason="")
-            private, reference = client_images(self.data(context), self.settings)
+            write_status(folder, fresh=True, state="queued", round=round_, client=client, defense=_name(spec))
+            private, reference = client_images(got, self.settings)
             origin = (f"round {round_}: the global model the server sent to this client ({client}) in the train "
                       "message of that round, loaded into the deployment's model")
             save_job(folder, RoundJob(round_, client, origin, self.settings, spec, args, private, reference),
@@ -120,8 +122,7 @@ class AuditMod:
         except Exception as err:  # recorded as the round's result; the client's round goes on
             LOG.warning("gia-audit: the audit of round %s (%s) failed: %s", round_, client, one_line(err))
             try:
-                write_status(folder, state="failed", round=round_, client=client, reason=one_line(err))
-                combine_rounds(folder.parent)
+                finish_round(folder, state="failed", round=round_, client=client, reason=one_line(err))
             except Exception as report_err:
                 LOG.warning("gia-audit: and its failure could not be recorded: %s", one_line(report_err))
 

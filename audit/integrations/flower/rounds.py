@@ -181,11 +181,12 @@ def client_folders(out) -> List[Path]:
 
 
 def wait_for_audits(out, timeout: Optional[float] = None, poll: float = 1.0) -> Dict[str, str]:
-    """Wait until no audited round under ``out`` is queued or running (at most ``timeout``
-    seconds); the state of every round folder, by path."""
+    """Wait until no audited round under ``out`` is queued, running or has its client's report
+    still to write (at most ``timeout`` seconds); the state of every round folder, by path."""
     deadline = None if timeout is None else time.monotonic() + timeout
     while True:
-        states = {str(f): read_status(f).get("state", "unknown") for c in client_folders(out) for f in round_folders(c)}
-        if not any(s in PENDING for s in states.values()) or (deadline is not None and time.monotonic() > deadline):
-            return states
+        statuses = {str(f): read_status(f) for c in client_folders(out) for f in round_folders(c)}
+        busy = any(s.get("state") in PENDING or s.get("report") == "pending" for s in statuses.values())
+        if not busy or (deadline is not None and time.monotonic() > deadline):
+            return {path: s.get("state", "unknown") for path, s in statuses.items()}
         time.sleep(poll)

@@ -85,7 +85,7 @@ def run_round(folder: Path) -> str:
     try:
         job = load_job(folder)
     except Exception as err:
-        write_status(folder, state="failed", reason=f"the round's job could not be read ({one_line(err)})")
+        finish_round(folder, state="failed", reason=f"the round's job could not be read ({one_line(err)})")
         return "failed"
     write_status(folder, state="running", pid=os.getpid(), started=time.strftime("%Y-%m-%dT%H:%M:%S"))
     outcome: Dict[str, Any] = {}
@@ -99,14 +99,22 @@ def run_round(folder: Path) -> str:
         final = {"state": "failed", "reason": outcome["error"]}
     else:
         final = {"state": FINISHED, "reason": "", **outcome}
-    write_status(folder, seconds=round(time.time() - started, 1), **final)
     (folder / JOB).unlink(missing_ok=True)
+    finish_round(folder, seconds=round(time.time() - started, 1), **final)
+    return final["state"]
+
+
+def finish_round(folder: Path, **final: Any) -> None:
+    """Write the round's final status, then rebuild the client's per-round report from it; the
+    status says ``report: pending`` until the report is written (what :func:`wait_for_audits`
+    waits for)."""
+    write_status(folder, report="pending", **final)
     try:
         combine_rounds(folder.parent)
+        write_status(folder, report="written")
     except Exception as err:  # the round's own report and status are written; say why the summary is not
-        LOG.warning("gia-audit: the per-round report of %s was not rebuilt: %s: %s", folder.parent,
-                    type(err).__name__, err)
-    return final["state"]
+        write_status(folder, report=f"not written: {one_line(err)}")
+        LOG.warning("gia-audit: the per-round report of %s was not rebuilt: %s", folder.parent, one_line(err))
 
 
 def main(argv=None) -> None:
