@@ -146,11 +146,29 @@ def test_fixedclipping_mirror_reads_the_rounds_norm_and_clips_as_flower_does(cli
         flower_defense(fixedclipping_mod, train_message(state, 2), flower_app.LR)
 
 
-def test_a_whole_update_defense_refuses_several_local_steps():
-    from audit.engine.audit import run
+def test_the_cli_takes_flowers_defenses_by_name_and_an_audit_accounts_for_localdp():
+    from click.testing import CliRunner
 
-    with pytest.raises(ConfigError, match="local_steps=1"):
-        run(defense="flower-localdp", steps=[0], images=1, local_steps=2, utility=False, progress=False)
+    import cli
+    from audit.engine.privacy import privacy_report
+    from audit.engine.settings import FLSettings
+
+    listed = CliRunner().invoke(cli.main, ["list", "defenses"])
+    assert "flower-localdp" in listed.output and "flower-fixedclipping" in listed.output
+    for extra, fragment in ((["--defense-arg", "epsilon=-1"], "epsilon must be in (0, inf]"),
+                            (["--local-steps", "2"], "local_steps=1")):
+        done = CliRunner().invoke(cli.main, ["audit", "--defense", "flower-localdp", *extra, "--quiet", "--seed", "0",
+                                             "--device", "cpu"])
+        assert done.exit_code == 2 and fragment in done.output and len(done.output.strip().splitlines()) == 1
+
+    # what `gia-audit audit --defense flower-localdp ...` reports: FedSGD on the client's 480 images, batch 8
+    defense = build_defense("flower-localdp", clipping_norm=0.05, sensitivity=0.05, epsilon=2.0)
+    privacy = privacy_report(defense, FLSettings(), 480, [0, 2], candidates=64)
+    z, q = 0.05 * math.sqrt(2 * math.log(1.25 / 1e-5)) / 2.0 / (2 * 0.05), 8 / 480
+    assert privacy["applicable"] and privacy["noise_multiplier"] == pytest.approx(z, rel=1e-12)
+    assert [p["epsilon"] for p in privacy["per_step"]] == pytest.approx(
+        [0.0, privacy_spent(2, q, z, 1e-5).epsilon], rel=1e-9)
+    assert privacy["identification_bound"]["bound"] == pytest.approx(identification_bound(1 / 64, z), rel=1e-9)
 
 
 # --------------------------------------------------------------------------- the mod's options
