@@ -65,7 +65,11 @@ class AdaptedAttack:
 
     def reconstruct(self, observation: Observation, budget: Optional[int] = None, seed: int = 0,
                     progress: Optional[Progress] = None) -> Reconstruction:
-        adaptation = self.adapt(observation)
+        return self.adapted_one(observation, self.adapt(observation), budget, seed, progress)
+
+    def adapted_one(self, observation: Observation, adaptation: Adaptation, budget: Optional[int], seed: int,
+                    progress: Optional[Progress]) -> Reconstruction:
+        """The preset with ``adaptation``'s knobs on one observation."""
         if adaptation.skip:
             return Reconstruction.not_applicable(f"{self.name}: {adaptation.skip}", **adaptation.notes)
         rec = self.compose(observation, adaptation).reconstruct(observation, budget, seed, progress)
@@ -76,18 +80,28 @@ class AdaptedAttack:
                          seeds: Optional[Sequence[int]] = None, progress: Optional[Progress] = None,
                          max_members: int = 64) -> List[Reconstruction]:
         """Several observations of one model as one batched run when every observation gets
-        the same adaptation (replay, EOT, dropped layers); one at a time, with the reason in
-        the trace, when the adaptation is per observation (masks read from each gradient) or
-        the attack reconstructs in its own way."""
+        the same adaptation (replay, EOT, dropped layers, masks read from each target); one at
+        a time, with the reason in the trace, when the adaptation holds per-observation
+        tensors or the attack reconstructs in its own way."""
         seeds = list(seeds) if seeds is not None else [0] * len(observations)
-        adaptations = [self.adapt(o) for o in observations]
-        signatures = {_signature(a) for a in adaptations}
-        why = ("the attack reconstructs in its own way" if type(self).reconstruct is not AdaptedAttack.reconstruct
-               else "it does not apply to some observations" if any(a.skip for a in adaptations)
-               else "the adaptation depends on each observation (e.g. masks read from its gradient)"
-               if None in signatures or len(signatures) > 1 else "")
-        if why:
+        if type(self).reconstruct is not AdaptedAttack.reconstruct:
             out = [self.reconstruct(o, budget, s, progress) for o, s in zip(observations, seeds)]
+            for rec in out:
+                rec.trace["grouped"] = "no: the attack reconstructs in its own way"
+            return out
+        return self.adapted_many(observations, [self.adapt(o) for o in observations], budget, seeds, progress,
+                                 max_members)
+
+    def adapted_many(self, observations: Sequence[Observation], adaptations: Sequence[Adaptation],
+                     budget: Optional[int], seeds: Sequence[int], progress: Optional[Progress],
+                     max_members: int) -> List[Reconstruction]:
+        """:meth:`adapted_one` for each observation, as one batched run where the adaptations agree."""
+        signatures = {_signature(a) for a in adaptations}
+        why = ("it does not apply to some observations" if any(a.skip for a in adaptations)
+               else "the adaptation holds tensors of each observation" if None in signatures or len(signatures) > 1
+               else "")
+        if why:
+            out = [self.adapted_one(o, a, budget, s, progress) for o, a, s in zip(observations, adaptations, seeds)]
             for rec in out:
                 rec.trace["grouped"] = f"no: {why}"
             return out

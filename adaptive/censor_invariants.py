@@ -34,12 +34,13 @@ class InvariantObjective(Objective):
         total = dummy_grads[0].new_zeros(())
         for g, s in zip(dummy_grads, target_grads):
             s_norm = s.norm()
-            if float(s_norm) == 0.0:
-                continue
+            shared = s_norm > 0  # a zero layer is skipped: a mask, not a branch, so it runs under vmap
+            s_norm = torch.where(shared, s_norm, torch.ones_like(s_norm))
             g_norm = torch.sqrt(g.pow(2).sum() + 1e-30)
-            total = total + (g_norm / s_norm - 1.0) ** 2
+            term = (g_norm / s_norm - 1.0) ** 2
             if self.orthogonality:
-                total = total + self.orthogonality * ((g * s).sum() / (g_norm * s_norm)) ** 2
+                term = term + self.orthogonality * ((g * s).sum() / (g_norm * s_norm)) ** 2
+            total = total + torch.where(shared, term, torch.zeros_like(term))
         return total
 
     def __repr__(self) -> str:

@@ -9,8 +9,9 @@
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Union
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
+from attacks.objectives import OBSERVED
 from attacks.optimization import Progress
 from audit.core.errors import ConfigError
 from audit.core.types import Observation, Reconstruction, trainable_names
@@ -31,7 +32,9 @@ class MaskReplay(AdaptedAttack):
             return Adaptation(skip="the observed gradient has no exact zeros: there is no mask to replay")
         names = trainable_names(observation.model)
         kept = {n: round(float(m.float().mean()), 4) for n, m in zip(names, masks) if m is not None}
-        return Adaptation({"masks": masks}, {"kept_fraction": kept})
+        # the objective reads each observation's mask from its own target (masks=observed), so
+        # every observation gets the same knobs and a step's images run as one group
+        return Adaptation({"masks": OBSERVED}, {"kept_fraction": kept})
 
 
 class LayerDrop(AdaptedAttack):
@@ -86,23 +89,36 @@ class LayerDrop(AdaptedAttack):
 
     def reconstruct(self, observation: Observation, budget: Optional[int] = None, seed: int = 0,
                     progress: Optional[Progress] = None) -> Reconstruction:
-        adaptation = self.adapt(observation)
-        if adaptation.notes.get("mode") != "search":
-            return super().reconstruct(observation, budget, seed, progress)
-        names = trainable_names(observation.model)
-        candidates = [i for i, g in enumerate(observation.gradients) if g.dim() >= 2]
-        best, losses = None, {}
+        return self.reconstruct_many([observation], budget, [seed], progress)[0]
+
+    def reconstruct_many(self, observations: Sequence[Observation], budget: Optional[int] = None,
+                         seeds: Optional[Sequence[int]] = None, progress: Optional[Progress] = None,
+                         max_members: int = 64) -> List[Reconstruction]:
+        """Detected or given layers: one batched run. Search: one batched run over the
+        observations per candidate tensor; each keeps its lowest final matching loss."""
+        seeds = list(seeds) if seeds is not None else [0] * len(observations)
+        adaptations = [self.adapt(o) for o in observations]
+        if any(a.notes.get("mode") != "search" for a in adaptations):
+            return self.adapted_many(observations, adaptations, budget, seeds, progress, max_members)
+        first = observations[0]
+        names = trainable_names(first.model)
+        candidates = [i for i, g in enumerate(first.gradients) if g.dim() >= 2]
+        best: List[Optional[Tuple[str, Reconstruction]]] = [None] * len(observations)
+        losses: List[Dict[str, float]] = [{} for _ in observations]
         for i in candidates:
-            knobs = {"weights": self._weights(len(names), [i])}
-            rec = self.compose(observation, Adaptation(knobs)).reconstruct(observation, budget, seed, progress)
-            losses[names[i]] = float(rec.trace["final_terms"]["match"])
-            if best is None or losses[names[i]] < losses[best[0]]:
-                best = (names[i], rec)
-        rec = best[1]
-        rec.trace["adaptive"] = {"attack": self.name, "base": self.base, "mode": "search",
-                                 "dropped": [best[0]], "match_loss_per_candidate": losses,
-                                 "selection": "lowest final matching loss (the attack's own objective)"}
-        return rec
+            attack = self.compose(first, Adaptation({"weights": self._weights(len(names), [i])}))
+            for k, rec in enumerate(attack.reconstruct_many(observations, budget, seeds, progress,
+                                                            max_members=max_members)):
+                losses[k][names[i]] = float(rec.trace["final_terms"]["match"])
+                if best[k] is None or losses[k][names[i]] < losses[k][best[k][0]]:
+                    best[k] = (names[i], rec)
+        out = []
+        for (name, rec), tried in zip(best, losses):
+            rec.trace["adaptive"] = {"attack": self.name, "base": self.base, "mode": "search",
+                                     "dropped": [name], "match_loss_per_candidate": tried,
+                                     "selection": "lowest final matching loss (the attack's own objective)"}
+            out.append(rec)
+        return out
 
 
 register(MaskReplay, "prune-mask replay: match only where the observed gradient is non-zero")

@@ -13,7 +13,7 @@ projection is the defense's own oblique one (see :class:`SubspaceProjection`).
 from __future__ import annotations
 
 import copy
-from typing import List, Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -60,27 +60,49 @@ class SubspaceProjection:
 
     ``weighting=None``: orthogonal ``U U^T G' V V^T`` (any truncated SVD). ``"sqrt"`` /
     ``"square"`` (SVDefense's channel weighting ``D``, known white-box): the oblique
-    ``D'^-1 Q Q^T D' G'`` with ``D'`` from the dummy and ``Q`` an orthonormal basis of
+    ``D'^-1 P D' G'`` with ``D'`` from the dummy and ``P`` the orthogonal projector onto
     ``D' U`` -- exactly the defense's output when the dummy equals the private data.
+
+    The bases are read from each observation (:meth:`observed`: ``U`` and ``V`` of every
+    projected layer at its observed rank, zero-padded to the layer's full rank so that every
+    observation's bases have one shape), so a step's images run as one group.
     """
 
-    __name__ = "subspace-projection"
     vmappable = True
 
-    def __init__(self, bases: List[Optional[Tuple[Tensor, Tensor]]], weighting: Optional[str] = None):
-        self.bases, self.weighting = bases, weighting
+    def __init__(self, layers: Sequence[int], weighting: Optional[str] = None):
+        self.layers, self.weighting = tuple(int(i) for i in layers), weighting
+        self.observed_slots = tuple(f"{kind}{i}" for i in self.layers for kind in ("U", "V"))
+        self.__name__ = f"subspace-projection(tensors {list(self.layers)}, {weighting or 'orthogonal'})"
+
+    def observed(self, observation: Observation) -> List[Tensor]:
+        """``U``, ``V`` per projected layer of ``observation``'s own gradient, zero-padded."""
+        out = []
+        for i in self.layers:
+            m = matrix_view(observation.gradients[i])
+            u, v = subspace(m, numerical_rank(m))
+            full = min(m.shape)
+            out += [torch.nn.functional.pad(u, (0, full - u.shape[1])),
+                    torch.nn.functional.pad(v, (0, full - v.shape[1]))]
+        return out
 
     def project(self, m: Tensor, u: Tensor, v: Tensor) -> Tensor:
         if self.weighting is None:
             return u @ (u.T @ m @ v) @ v.T
+        # the projector onto span(D U) as A (A^T A)^-1 A^T, A = D U, in float64; the padding's
+        # zero columns get a unit diagonal so the Gram matrix stays invertible and they add nothing
+        # (a QR of the padded A would have a singular R, and no gradient through it)
         d = row_weights(m, self.weighting)
-        q, _ = torch.linalg.qr(d[:, None] * u)
-        return (q @ (q.T @ (d[:, None] * m))) / d[:, None]
+        a = (d[:, None] * u).double()
+        padding = (u.abs().sum(0) == 0).double()
+        coef = torch.linalg.solve(a.T @ a + torch.diag(padding), a.T @ (d[:, None] * m).double())
+        return ((a @ coef) / d[:, None].double()).to(m.dtype)
 
     def __call__(self, grads: List[Tensor], context: SimContext) -> List[Tensor]:
-        out = []
-        for g, basis in zip(grads, self.bases):
-            out.append(g if basis is None else self.project(matrix_view(g), *basis).reshape(g.shape))
+        out = list(grads)
+        bases = context.observed
+        for k, i in enumerate(self.layers):
+            out[i] = self.project(matrix_view(grads[i]), bases[2 * k], bases[2 * k + 1]).reshape(grads[i].shape)
         return out
 
 
@@ -113,8 +135,6 @@ class SVDSubspace(AdaptedAttack):
         if all(r is None for r in ranks):
             return Adaptation(skip="no layer of the observed gradient has a lower rank than a clean gradient "
                                    "of this batch size: nothing was truncated")
-        bases = [None if r is None else subspace(matrix_view(g), r[0])
-                 for g, r in zip(observation.gradients, ranks)]
         names = trainable_names(observation.model)
         declared = getattr(observation.defense, "channel_weights", None)
         weighting = declared() if callable(declared) else None
@@ -123,7 +143,8 @@ class SVDSubspace(AdaptedAttack):
                                for n, r in zip(names, ranks) if r is not None},
                  "projection": f"oblique, {weighting} channel weights (declared by the defense)" if weighting
                  else "orthogonal on the observed row and column spaces"}
-        return Adaptation({"simulator": GradientSimulator([SubspaceProjection(bases, weighting)])}, notes)
+        layers = [i for i, r in enumerate(ranks) if r is not None]
+        return Adaptation({"simulator": GradientSimulator([SubspaceProjection(layers, weighting)])}, notes)
 
 
 register(SVDSubspace, "SVDefense: match the dummy gradient projected on the transmitted low-rank subspaces")

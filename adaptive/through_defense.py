@@ -21,6 +21,7 @@ from torch import Tensor
 from attacks.objectives import OBJECTIVES, StackedMean
 from attacks.simulator import ClientReplica, DefenseSimulator, GradientSimulator, SimContext
 from audit.core.errors import ConfigError
+from audit.core.randomness import VMAP_DRAWS
 from audit.core.types import Defense, Observation, is_gradient_only
 
 from adaptive.adapted import Adaptation, AdaptedAttack, register
@@ -51,21 +52,37 @@ def defended_client(defense: Any) -> GradientSimulator:
 class EOTSimulator(GradientSimulator):
     """``samples`` defended gradients of the same dummy batch, stacked ``(samples, *shape)``
     per parameter (:class:`~attacks.objectives.StackedMean` averages the objective over them). A gradient-only
-    defense on a single-step observation reuses one clean gradient for all samples."""
+    defense on a single-step observation reuses one clean gradient for all samples.
+
+    ``in_program``: the defense draws its randomness inside the batched program
+    (``Defense.vmap_draws``; :mod:`audit.core.randomness`), so every member of a group (images
+    x restarts x draws) runs as one ``vmap``; otherwise members run one after another."""
 
     vmappable = False
 
-    def __init__(self, samples: int):
+    def __init__(self, samples: int, in_program: bool = False):
         super().__init__()
         if samples < 1:
             raise ConfigError(f"EOT needs samples >= 1, got {samples}")
         self.samples = int(samples)
+        self.vmappable = bool(in_program)
+
+    @staticmethod
+    def draws_in_program(observation: Observation) -> bool:
+        """Whether the observation's defense can draw inside one batched program."""
+        defense = observation.defense
+        return (is_gradient_only(defense) and observation.local_steps == 1
+                and bool(getattr(defense, "vmap_draws", False)))
 
     def client_gradients(self, replica: ClientReplica, x: Tensor, y: Tensor, *, functional: bool,
                          context: SimContext) -> Tuple[List[Tensor], Dict[str, Any]]:
         obs = replica.observation
         if is_gradient_only(obs.defense) and obs.local_steps == 1:
             clean, feats = super().client_gradients(replica, x, y, functional=functional, context=context)
+            if functional and self.vmappable:
+                draws = [list(obs.defense.transform(list(clean), generator=VMAP_DRAWS, model=obs.model))
+                         for _ in range(self.samples)]
+                return [torch.stack(layer) for layer in zip(*draws)], feats
             transform = DefenseTransform(obs.defense)
             draws = [transform(clean, context) for _ in range(self.samples)]
         else:
@@ -80,13 +97,25 @@ class EOTSimulator(GradientSimulator):
                 draws.append(grads)
         return [torch.stack(layer) for layer in zip(*draws)], feats
 
+    def many_members(self, replica: ClientReplica, xs: Tensor, ys: Tensor,
+                     context: SimContext) -> Tuple[List[Tensor], Dict[str, Tensor]]:
+        """``samples`` defended gradients of every member's dummy batch from one batched call of
+        the defense callable, per parameter ``(M, samples, *shape)``."""
+        return DefenseSimulator().many_members(replica, xs, ys, context, draws=self.samples)
+
+    def cannot_stack(self, observation: Observation) -> str:
+        if is_gradient_only(observation.defense):
+            return ("the defense's transform draws from a generator (no Defense.vmap_draws): its draws run "
+                    "member by member")
+        return ""
+
     def gradient_evaluations(self, observation: Observation) -> int:
         if is_gradient_only(observation.defense) and observation.local_steps == 1:
             return 1  # one clean gradient, the transform sampled on it
         return self.samples * super().gradient_evaluations(observation)
 
     def describe(self) -> str:
-        return f"EOTSimulator(samples={self.samples})"
+        return f"EOTSimulator(samples={self.samples}{', draws in program' if self.vmappable else ''})"
 
 
 def _applicability(observation: Observation) -> str:
@@ -133,7 +162,10 @@ class ThroughDefense(AdaptedAttack):
         if isinstance(objective, str):
             args = {k: self.settings[k] for k in ("sigma", "b", "weights", "masks") if self.settings[k] is not None}
             objective = OBJECTIVES.build(objective, **args)
-        knobs = {"simulator": EOTSimulator(samples), "objective": StackedMean(objective, "eot-mean"),
+        in_program = EOTSimulator.draws_in_program(observation)
+        notes["draws"] = ("in the batched program (one vmap over images x restarts x draws)" if in_program else
+                          "one member after another: the defense draws from a generator outside the program")
+        knobs = {"simulator": EOTSimulator(samples, in_program), "objective": StackedMean(objective, "eot-mean"),
                  "sigma": None, "b": None, "weights": None, "masks": None}
         return Adaptation(knobs, notes)
 

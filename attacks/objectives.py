@@ -6,13 +6,14 @@ objective`` (called once per attack run; the default returns the objective itsel
 Objectives must be pure torch so they run under ``torch.func.vmap`` (one restart at a time).
 
 Registry :data:`OBJECTIVES`: ``l2``, ``l1``, ``cosine`` (per-layer ``weights`` and
-``masks``), ``gaussian(sigma)``, ``laplacian(b)`` (negative log-likelihoods of the shared
+``masks``; ``masks="observed"`` masks every layer by the non-zeros of the observed gradient,
+so every observation of a grouped run gets its own mask), ``gaussian(sigma)``, ``laplacian(b)`` (negative log-likelihoods of the shared
 gradient under additive noise) and ``defense`` (``-observation.defense.log_prob``).
 """
 from __future__ import annotations
 
 import copy
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 import torch
 from torch import Tensor
@@ -22,6 +23,10 @@ from audit.core.registry import Registry
 from audit.core.types import Observation
 
 OBJECTIVES = Registry("objective")
+#: ``masks=OBSERVED``: each layer is masked by the non-zero entries of the target gradient
+#: itself (the pruning mask a defense left in the observation), read inside the objective so
+#: a grouped run over several observations matches each with its own mask
+OBSERVED = "observed"
 
 
 class Objective:
@@ -41,25 +46,28 @@ class Objective:
 
 class GradientDistance(Objective):
     """Sum over layers of ``w_l * d(m_l * g_l, m_l * t_l)``; ``weights`` / ``masks`` are
-    sequences aligned with the gradient list (``None`` entries mean 1 / no mask).
-    A weight of 0 drops a layer (e.g. the layer a defense perturbs)."""
+    sequences aligned with the gradient list (``None`` entries mean 1 / no mask), or
+    ``masks=OBSERVED``: ``m_l = (t_l != 0)``. A weight of 0 drops a layer (e.g. the layer a
+    defense perturbs)."""
 
     def __init__(self, weights: Optional[Sequence[Optional[float]]] = None,
-                 masks: Optional[Sequence[Optional[Tensor]]] = None):
+                 masks: Union[None, str, Sequence[Optional[Tensor]]] = None):
+        if isinstance(masks, str) and masks != OBSERVED:
+            raise ConfigError(f"objective masks must be per-layer tensors or {OBSERVED!r}, got {masks!r}")
         self.weights = None if weights is None else list(weights)
-        self.masks = None if masks is None else list(masks)
+        self.masks = masks if masks is None or masks == OBSERVED else list(masks)
 
     def bind(self, observation: Observation) -> "GradientDistance":
         n = len(observation.gradients)
         for what, seq in (("weights", self.weights), ("masks", self.masks)):
-            if seq is not None and len(seq) != n:
+            if seq is not None and seq != OBSERVED and len(seq) != n:
                 raise ConfigError(f"objective {self.name!r}: {len(seq)} per-layer {what} for {n} "
                                   "gradient tensors; give one entry per trainable parameter (None = default)")
         if self.weights is not None and all(w == 0 for w in self.weights if w is not None) \
                 and None not in self.weights:
             raise ConfigError(f"objective {self.name!r}: every per-layer weight is 0, nothing is matched")
         bound = copy.copy(self)
-        if self.masks is not None:
+        if self.masks is not None and self.masks != OBSERVED:
             for i, (m, g) in enumerate(zip(self.masks, observation.gradients)):
                 if m is not None and tuple(m.shape) != tuple(g.shape):
                     raise ConfigError(f"objective {self.name!r}: mask {i} has shape {tuple(m.shape)}, "
@@ -74,7 +82,7 @@ class GradientDistance(Objective):
             w = 1.0 if self.weights is None or self.weights[i] is None else float(self.weights[i])
             if w == 0.0:
                 continue
-            m = None if self.masks is None else self.masks[i]
+            m = None if self.masks is None else (t != 0) if self.masks == OBSERVED else self.masks[i]
             if m is not None:
                 m = m.to(g.dtype)
                 g, t = g * m, t * m
@@ -91,7 +99,7 @@ class GradientDistance(Objective):
         if self.weights is not None:
             parts.append(f"weights={self.weights}")
         if self.masks is not None:
-            parts.append("masks=[...]")
+            parts.append(f"masks={OBSERVED}" if self.masks == OBSERVED else "masks=[...]")
         return f"{self.name}({', '.join(parts)})" if parts else self.name
 
 

@@ -32,6 +32,7 @@ from audit.core.types import Observation, Reconstruction, iterations_for, parame
 from priors import PRIORS, Prior, PriorContext, requiring, weighted_total
 
 from attacks import capture as capturing
+from attacks import stacking
 from attacks.labels import LABEL_STRATEGIES, LabelPlan, plan_labels
 from attacks.objectives import Objective, build_objective
 from attacks.optimizers import OPTIMIZERS
@@ -309,6 +310,22 @@ class OptimizationAttack:
             loss, terms, (grad,) = run.evaluate([self.box.variable(images)])
         return {"loss": loss, "terms": terms, "grad": grad, "execution": run.execution}
 
+    def evaluate_many(self, observations: Sequence[Observation], images: Sequence[Tensor],
+                      labels: Sequence[Tensor], seeds: Sequence[int]) -> Tensor:
+        """The attack loss of one batch ``images[i]`` (with ``labels[i]``) per observation, as
+        one batched evaluation over observations of the same model: ``(N,)``. Observations
+        that cannot be grouped are evaluated one at a time."""
+        observations = list(observations)
+        if len(observations) == 1 or ungroupable(observations):
+            return torch.cat([self.evaluate(o, x, y, seed=s)["loss"]
+                              for o, x, y, s in zip(observations, images, labels, seeds)])
+        device = observations[0].device
+        variables = torch.stack([self.box.variable(x.to(device)) for x in images])
+        with seeded_rng(device, seeds[0]), torch.enable_grad():
+            run = OptimizationRun(self, observations, list(seeds), list(labels), show_bars=False)
+            loss, _, _ = run.evaluate([variables])
+        return loss
+
 
 class OptimizationRun:
     """The state of one ``reconstruct`` call, or of one grouped call over several
@@ -325,17 +342,22 @@ class OptimizationRun:
         self.device = self.obs.device
         self.generators = [torch.Generator(device=self.device).manual_seed(s) for s in seeds]
         self.generator = self.generators[0]
-        self.targets = [[g.detach() for g in o.gradients] for o in group]
+        self.simulator = attack.simulator
+        # each observation's target: its gradients, then the tensors the simulator reads from
+        # it (``observed_data``), so a grouped run hands every member its own
+        self.layers = len(self.obs.gradients)
+        self.targets = [[g.detach() for g in o.gradients] + list(self.simulator.observed_data(o)) for o in group]
         self.target = self.targets[0]
         self.objective = attack.objective.bind(self.obs)
-        self.simulator = attack.simulator
         self.replica = self.simulator.prepare(self.obs)
         bn_priors = requiring(attack.priors, "bn_stats")
         if bn_priors and self.replica.bn_running is None:
             raise NotApplicable(f"prior {bn_priors[0]!r} needs BatchNorm layers with running statistics; the "
                                 "observation's model has none (set its weight to 0)")
-        self.plans = [plan_labels(attack.label_strategy, o, s) for o, s in zip(group, seeds)] if labels is None else \
-            [LabelPlan(labels.to(self.device).long(), None, {"method": "given", "note": "labels given to evaluate()"})]
+        given = labels if isinstance(labels, (list, tuple)) else None if labels is None else [labels]
+        self.plans = [plan_labels(attack.label_strategy, o, s) for o, s in zip(group, seeds)] if given is None else \
+            [LabelPlan(y.to(self.device).long(), None, {"method": "given", "note": "labels given to evaluate()"})
+             for y in given]
         self.labels = self.plans[0]
         self.sim_ctx = SimContext(self.obs, generator=self.generator, capture_features=bool(bn_priors))
         self.box = attack.box
@@ -346,6 +368,7 @@ class OptimizationRun:
         self.iteration = 0
         self.needs_group_mean = bool(requiring(attack.priors, "group_mean"))
         members = self.n * attack.restarts
+        self.stacked = False  # members through one call of a simulator that cannot be vmapped
         self._step: Optional[Callable] = None  # the (compiled) batched loss-and-gradient function
         self._inputs: Optional[Tuple[List[Tensor], Optional[Tensor]]] = None  # step_inputs(), once made
         uncompiled = self._uncompiled_because() if attack.compile else ""
@@ -359,7 +382,11 @@ class OptimizationRun:
             if attack.execution == "batched":
                 raise ConfigError(f"simulator {self.simulator.describe()} cannot be vmapped; "
                                   "use execution='auto' or 'sequential'")
-            self.batched, self.execution = False, f"sequential ({self.simulator.describe()} is not vmappable)"
+            why = stacking.unstackable(self)
+            self.batched, self.stacked = False, not why
+            self.execution = (f"stacked (one call of the defense over {members} member(s) per evaluation: "
+                              f"{self.simulator.describe()} is not vmappable)" if not why else
+                              f"sequential ({self.simulator.describe()} is not vmappable; {why})")
         elif members == 1 and attack.execution == "auto":
             self.batched, self.execution = False, "single restart (eager autograd, no vmap overhead)"
         elif self.n == 1:
@@ -395,8 +422,10 @@ class OptimizationRun:
         image = self.box.image(z)
         plan = plan or self.labels
         labels = fixed if fixed is not None else plan.targets(y)
+        target = self.target if target is None else target
+        self.sim_ctx.observed = list(target[self.layers:])
         grads, feats = self.simulator(self.replica, image, labels, functional=functional, context=self.sim_ctx)
-        terms = {"match": self.objective(grads, self.target if target is None else target)}
+        terms = {"match": self.objective(grads, target[:self.layers])}
         ctx = PriorContext(self.sim_ctx, feats, self.replica.bn_running, group_mean, self.obs)  # step read on use
         for key, prior, _ in self.attack.priors:
             terms[key] = prior(image, ctx)
@@ -424,6 +453,19 @@ class OptimizationRun:
                     raise
                 self.batched = False
                 self.execution = f"sequential (vmap failed: {type(err).__name__}: {str(err)[:200]})"
+        if self.stacked:
+            try:
+                out = stacking.evaluate(self, variables)
+                self.evaluations += 1
+                self._count()
+                return out
+            except GiaError:
+                raise
+            except Exception as err:  # a defense whose many() cannot take the members: one at a time
+                if self.evaluations > 0:
+                    raise
+                self.stacked = False
+                self.execution = f"sequential (the stacked call failed: {type(err).__name__}: {str(err)[:200]})"
         out = self._sequential(variables)
         self.evaluations += 1
         self._count()
@@ -539,8 +581,8 @@ class OptimizationRun:
         shape = (self.attack.restarts, self.obs.batch_size, *self.obs.input_shape)
         per_obs = []
         takes_observation = "observation" in parameter_names(self.attack.init)
-        for gen in self.generators:
-            drawn = (self.attack.init(shape, gen, self.device, observation=self.obs) if takes_observation
+        for obs, gen in zip(self.group, self.generators):
+            drawn = (self.attack.init(shape, gen, self.device, observation=obs) if takes_observation
                      else self.attack.init(shape, gen, self.device))
             z = self.box.variable(drawn)
             variables = [z.detach().clone()]
@@ -665,7 +707,9 @@ class OptimizationRun:
             if not history:  # budget 0: the initialisation itself, nothing was optimised
                 trace["failed_to_optimise"] = True
                 trace["failure"] = "attack failed to optimise: no iteration ran (budget 0)"
-            if self.n > 1:
+            if self.n > 1 and (self.batched or self.stacked):
                 trace["grouped"] = f"one batched run over {self.n} observations of the same model ({seconds:.2f} s)"
+            elif self.n > 1:
+                trace["grouped"] = f"no: one member after another, {self.execution}"
             out.append(Reconstruction(images, labels, trace))
         return out

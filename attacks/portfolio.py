@@ -17,7 +17,7 @@ it matches at least as well.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -25,7 +25,7 @@ from audit.core.errors import ConfigError, NotApplicable
 from audit.core.registry import Registry
 from audit.core.types import Observation, Reconstruction
 
-from attacks.optimization import OptimizationAttack
+from attacks.optimization import OptimizationAttack, ungroupable
 from attacks.presets import ATTACKS
 
 STRATEGIES = Registry("portfolio strategy")
@@ -128,36 +128,62 @@ class PortfolioAttack:
         return ATTACKS.build(strategy.preset, **{**strategy.settings, **strategy.tuned(observation),
                                                  **self.knobs, **extra})
 
-    def _candidate(self, name: str, phase: str, observation: Observation, rec: Reconstruction,
-                   seed: int) -> Dict[str, Any]:
-        return {"strategy": name, "phase": phase, "match": self.match(observation, rec, seed),
+    def _candidate(self, name: str, phase: str, rec: Reconstruction, match: float) -> Dict[str, Any]:
+        return {"strategy": name, "phase": phase, "match": match,
                 "gradient_evaluations": rec.trace.get("gradient_evaluations"),
                 "failed_to_optimise": bool(rec.trace.get("failed_to_optimise")),
                 "time_s": rec.trace.get("time_s")}
 
     def match(self, observation: Observation, rec: Reconstruction, seed: int) -> float:
         """The scale-free matching loss (cosine distance of gradients) of a candidate."""
-        out = self.scorer.evaluate(observation, rec.inputs, rec.labels, seed=seed)
-        value = float(out["terms"]["match"][0])
-        return value if value == value else float("inf")
+        return self.matches([observation], [rec], [seed])[0]
+
+    def matches(self, observations: Sequence[Observation], recs: Sequence[Reconstruction],
+                seeds: Sequence[int]) -> List[float]:
+        """:meth:`match` of one candidate per observation, as one batched evaluation."""
+        loss = self.scorer.evaluate_many(observations, [r.inputs for r in recs], [r.labels for r in recs], seeds)
+        return [v if v == v else float("inf") for v in loss.tolist()]
 
     def reconstruct(self, observation: Observation, budget: Optional[int] = None, seed: int = 0,
                     progress: Optional[Callable[[int, int, float], None]] = None) -> Reconstruction:
         """Explore the applicable strategies on equal shares of half of ``budget`` gradient
         evaluations, then continue the chosen one with the rest."""
+        return self.reconstruct_many([observation], budget, [seed], progress)[0]
+
+    def reconstruct_many(self, observations: Sequence[Observation], budget: Optional[int] = None,
+                         seeds: Optional[Sequence[int]] = None,
+                         progress: Optional[Callable[[int, int, float], None]] = None,
+                         max_members: int = 64) -> List[Reconstruction]:
+        """:meth:`reconstruct` for observations of one model as one group: every strategy
+        explores all of them in one batched run, the candidates are scored in one batched
+        evaluation, and each continuation runs once for the observations that chose it."""
+        observations = list(observations)
+        seeds = list(seeds) if seeds is not None else [0] * len(observations)
+        if len(seeds) != len(observations):
+            raise ConfigError(f"portfolio: {len(seeds)} seeds for {len(observations)} observations")
+        why = ungroupable(observations) if len(observations) > 1 else ""
+        if why:
+            out = [self.reconstruct_many([o], budget, [s], progress, max_members)[0]
+                   for o, s in zip(observations, seeds)]
+            for rec in out:
+                rec.trace["grouped"] = f"no: {why}"
+            return out
         budget = DEFAULT_BUDGET if budget is None else int(budget)
         if budget < 0:
             raise ConfigError(f"budget must be >= 0 gradient evaluations, got {budget}")
-        chosen = [(n, STRATEGIES.get(n).applies(observation)) for n in self.strategies]
+        first = observations[0]
+        chosen = [(n, STRATEGIES.get(n).applies(first)) for n in self.strategies]
         skipped = {n: why for n, why in chosen if why}
         run = [n for n, why in chosen if not why]
         if not run:
-            return Reconstruction.not_applicable(f"no portfolio strategy applies: {skipped}", attack=self.name)
+            return [Reconstruction.not_applicable(f"no portfolio strategy applies: {skipped}", attack=self.name)
+                    for _ in observations]
         # successive halving: half the budget explores (equal shares), the chosen strategy
         # continues from its candidate with the other half (scoring costs one evaluation each)
         share = max(1, int(budget * self.explore) // len(run))
-        candidates: List[Dict[str, Any]] = []
-        results: Dict[str, Reconstruction] = {}
+        members = range(len(observations))
+        candidates: List[List[Dict[str, Any]]] = [[] for _ in members]
+        results: List[Dict[str, Reconstruction]] = [{} for _ in members]
 
         def scaled(offset: int, span: int, total: int):
             def sub_progress(done, part, loss):
@@ -167,45 +193,69 @@ class PortfolioAttack:
 
         for i, name in enumerate(run):
             try:
-                rec = self._attack(name, observation).reconstruct(observation, share, seed,
-                                                     progress=scaled(i * share, share, budget))
+                recs = self._attack(name, first).reconstruct_many(
+                    observations, share, seeds, progress=scaled(i * share, share, budget), max_members=max_members)
             except NotApplicable as err:
                 skipped[name] = str(err)
                 continue
-            results[name] = rec
-            candidates.append(self._candidate(name, "explore", observation, rec, seed))
-        if not candidates:
-            return Reconstruction.not_applicable(f"no portfolio strategy applies: {skipped}", attack=self.name)
+            for k, (rec, value) in enumerate(zip(recs, self.matches(observations, recs, seeds))):
+                results[k][name] = rec
+                candidates[k].append(self._candidate(name, "explore", rec, value))
+        if not candidates[0]:
+            return [Reconstruction.not_applicable(f"no portfolio strategy applies: {skipped}", attack=self.name)
+                    for _ in observations]
+        picks = [self._pick(c) for c in candidates]
+        continuations: Dict[Tuple[str, int], List[int]] = {}
+        for k in members:
+            spent = sum(c["gradient_evaluations"] or 0 for c in candidates[k]) + len(candidates[k])
+            rest = budget - spent - 1
+            if rest >= share:  # continue the chosen strategy from its candidate
+                continuations.setdefault((picks[k]["strategy"], rest), []).append(k)
+        for (name, rest), ks in continuations.items():
+            spent = budget - rest - 1
+            attack = self._attack(name, first)
+            warm = self.resume == "warm" or (self.resume == "auto" and (
+                rest < FRESH_FROM or attack.optimizer.settings().get("schedule") == "constant"))
+            group = [observations[k] for k in ks]
+            if warm:
+                attack = self._attack(name, first, init=_warm_start(
+                    {id(observations[k]): results[k][name].inputs for k in ks}))
+            recs = attack.reconstruct_many(group, rest, [seeds[k] for k in ks],
+                                           progress=scaled(spent, rest, budget), max_members=max_members)
+            for k, rec, value in zip(ks, recs, self.matches(group, recs, [seeds[k] for k in ks])):
+                more = self._candidate(name, "continue", rec, value)
+                more["resumed"] = ("warm: from its candidate (a schedule-free optimiser or a short rest)" if warm else
+                                   "fresh: the whole schedule again on the rest (a scheduled step size restarts "
+                                   "high)")
+                candidates[k].append(more)
+                if more["match"] <= picks[k]["match"]:
+                    picks[k], results[k][name] = more, rec
+        return [self._result(candidates[k], picks[k], results[k], skipped, share, len(observations))
+                for k in members]
+
+    def _pick(self, candidates: List[Dict[str, Any]]) -> Dict[str, Any]:
+        """Most regularised first; a later candidate wins only below ``ratio`` x the pick's loss."""
         pick = candidates[0]
         for c in candidates[1:]:
             if c["match"] < self.ratio * pick["match"]:
                 pick = c
-        spent = sum(c["gradient_evaluations"] or 0 for c in candidates) + len(candidates)
-        rest = budget - spent - 1
-        if rest >= share:  # continue the chosen strategy from its candidate
-            start = results[pick["strategy"]]
-            attack = self._attack(pick["strategy"], observation)
-            warm = self.resume == "warm" or (self.resume == "auto" and (
-                rest < FRESH_FROM or attack.optimizer.settings().get("schedule") == "constant"))
-            if warm:
-                attack = self._attack(pick["strategy"], observation, init=_warm_start(start.inputs))
-            rec = attack.reconstruct(observation, rest, seed, progress=scaled(spent, rest, budget))
-            more = self._candidate(pick["strategy"], "continue", observation, rec, seed)
-            more["resumed"] = ("warm: from its candidate (a schedule-free optimiser or a short rest)" if warm else
-                               "fresh: the whole schedule again on the rest (a scheduled step size restarts high)")
-            candidates.append(more)
-            if more["match"] <= pick["match"]:
-                pick, results[pick["strategy"]] = more, rec
+        return pick
+
+    def _result(self, candidates, pick, results, skipped, share: int, group: int) -> Reconstruction:
         best = results[pick["strategy"]]
         trace = dict(best.trace)
         trace.update({
             "attack": self.name, "chosen_strategy": pick["strategy"], "chosen_phase": pick["phase"],
-            "candidates": candidates, "skipped_strategies": skipped, "budget_share": share,
+            "candidates": candidates, "skipped_strategies": dict(skipped), "budget_share": share,
             "selection": (f"lowest cosine gradient-matching loss, most regularised first, a later candidate "
                           f"wins only below {self.ratio:g} x the pick's; the pick gets the rest of the budget "
                           f"(from its candidate, or its whole schedule afresh); ground truth unused"),
             "gradient_evaluations": sum(c["gradient_evaluations"] or 0 for c in candidates) + len(candidates),
         })
+        trace.pop("grouped", None)
+        if group > 1:
+            trace["grouped"] = (f"one batched run over {group} observations per strategy, and per continued "
+                                "strategy over the observations that chose it")
         failed = all(c["failed_to_optimise"] for c in candidates)
         trace.pop("failed_to_optimise", None)
         trace.pop("failure", None)
@@ -215,10 +265,11 @@ class PortfolioAttack:
         return Reconstruction(best.inputs, best.labels, trace)
 
 
-def _warm_start(images: torch.Tensor) -> Callable:
-    """An initialisation that starts every restart at ``images`` (a candidate to continue)."""
-    def init(shape, generator, device):
-        return images.detach().to(device).unsqueeze(0).expand(tuple(shape)).clone()
+def _warm_start(images: Dict[int, torch.Tensor]) -> Callable:
+    """An initialisation that starts every restart of an observation at its candidate
+    (``images``, keyed by the observation's ``id``) to continue it."""
+    def init(shape, generator, device, observation=None):
+        return images[id(observation)].detach().to(device).unsqueeze(0).expand(tuple(shape)).clone()
     init.__name__ = "warm-start"
     return init
 

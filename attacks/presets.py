@@ -27,7 +27,8 @@ KNOBS: Dict[str, tuple] = {
     "sigma": (None, "noise std of the gaussian objective"),
     "b": (None, "noise scale of the laplacian objective"),
     "weights": (None, "per-layer objective weights (one per gradient tensor; 0 drops a layer)"),
-    "masks": (None, "per-layer objective masks (tensors shaped like the gradients)"),
+    "masks": (None, "per-layer objective masks (tensors shaped like the gradients), or 'observed': the non-zeros "
+                    "of each observed gradient"),
     "tv": (0.0, "total-variation weight"),
     "tv_kind": ("anisotropic", "anisotropic or isotropic TV"),
     "l2": (0.0, "image-L2 weight"),

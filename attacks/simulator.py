@@ -50,6 +50,9 @@ class SimContext:
     iteration: int = 0
     capture_features: bool = True
     extra: Dict[str, Any] = field(default_factory=dict)
+    #: the tensors of the observation being matched that the transforms read
+    #: (:meth:`GradientSimulator.observed_data`); per member under vmap
+    observed: List[Tensor] = field(default_factory=list)
 
 
 class ClientReplica:
@@ -201,9 +204,33 @@ class GradientSimulator:
     def __call__(self, replica: ClientReplica, x: Tensor, y: Tensor, *, functional: bool,
                  context: SimContext) -> Tuple[List[Tensor], Dict[str, Any]]:
         grads, feats = self.client_gradients(replica, x, y, functional=functional, context=context)
+        observed, offset = context.observed, 0
         for transform in self.transforms:
-            grads = list(transform(grads, context))
+            count = len(getattr(transform, "observed_slots", ()))
+            if count:  # the transform reads its own slice of the observation's tensors
+                transform_context = copy.copy(context)
+                transform_context.observed = observed[offset:offset + count]
+                offset += count
+                grads = list(transform(grads, transform_context))
+            else:
+                grads = list(transform(grads, context))
         return grads, feats
+
+    def observed_data(self, observation: Observation) -> List[Tensor]:
+        """Tensors the transforms read from each observation (``transform.observed(observation)``,
+        one per entry of its ``observed_slots``). The run hands them to the transform through
+        ``context.observed`` with the observation's target, so a grouped run (one vmap over
+        observations) gives every member its own, e.g. the subspaces of its own gradient."""
+        out: List[Tensor] = []
+        for transform in self.transforms:
+            slots = getattr(transform, "observed_slots", ())
+            if slots:
+                data = list(transform.observed(observation))
+                if len(data) != len(slots):
+                    raise ConfigError(f"{getattr(transform, '__name__', transform)}: observed() gave {len(data)} "
+                                      f"tensors for its {len(slots)} observed_slots")
+                out += data
+        return out
 
     def gradient_evaluations(self, observation: Observation) -> int:
         """Model gradients one call costs (one per local step; the budget's unit)."""
@@ -242,6 +269,22 @@ class DefenseSimulator(GradientSimulator):
             grads = invoke_defense(obs.defense, replica.model, x, y, loss_fn=replica.loss_fn,
                                    generator=context.generator, round=obs.step)
         return list(grads), {"bn": list(bn)}
+
+    def many_members(self, replica: ClientReplica, xs: Tensor, ys: Tensor, context: SimContext,
+                     draws: int = 0) -> Tuple[List[Tensor], Dict[str, Tensor]]:
+        """The defended gradients of every member's dummy batch ``xs[m]`` (labels ``ys[m]``) from one
+        batched defense call (``Defense.many``), per parameter ``(M, *shape)``, or ``(M, draws,
+        *shape)`` with ``draws`` >= 1 (EOT), differentiable w.r.t. ``xs``; and per-member
+        features (``{name: (M, ...)}``, none here)."""
+        obs = replica.observation
+        self._check(obs)
+        stacked = invoke_defense_many(obs.defense, replica.model, xs, ys, draws=max(1, draws),
+                                      loss_fn=replica.loss_fn, generator=context.generator, round=obs.step)
+        return (list(stacked) if draws else [g[:, 0] for g in stacked]), {}
+
+    def cannot_stack(self, observation: Observation) -> str:
+        """Why the members cannot share one defense call ('' when they can)."""
+        return "" if not self.transforms else "the simulator transforms each member's defended gradient"
 
     def batched_draws(self, replica: ClientReplica, xs: Tensor, y: Tensor, draws: int,
                       context: SimContext) -> Optional[List[Tensor]]:

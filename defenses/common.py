@@ -10,27 +10,36 @@ import torch
 from torch import Tensor, nn
 
 from audit.core.errors import ConfigError
+from audit.core.randomness import is_vmap_draws
 from audit.core.models import preserved_buffers  # noqa: F401 (used by the defenses)
 from audit.core.types import LossFn, clean_gradients, default_loss_fn
 
 
 # --------------------------------------------------------------------------- randomness
 def resolve_generator(generator: Optional[torch.Generator], device) -> torch.Generator:
-    """``generator`` itself, or a fresh default-seeded generator on ``device`` when None."""
+    """``generator`` itself (or :data:`~audit.core.randomness.VMAP_DRAWS`), or a fresh
+    default-seeded generator on ``device`` when None."""
     if generator is not None:
         return generator
     return torch.Generator(device=torch.device(device))
 
 
 def randn(shape, *, generator: Optional[torch.Generator], device, dtype=torch.float32) -> Tensor:
-    """Standard normal samples drawn from ``generator`` (any device) and moved to ``device``."""
+    """Standard normal samples drawn from ``generator`` (any device) and moved to ``device``;
+    with :data:`~audit.core.randomness.VMAP_DRAWS`, from the global generator on ``device``
+    (independent per member under ``vmap(randomness="different")``)."""
     gen = resolve_generator(generator, device)
+    if is_vmap_draws(gen):
+        return torch.randn(tuple(shape), device=device, dtype=dtype)
     return torch.randn(tuple(shape), generator=gen, device=gen.device, dtype=dtype).to(device)
 
 
 def rand(shape, *, generator: Optional[torch.Generator], device, dtype=torch.float32) -> Tensor:
-    """Uniform [0, 1) samples drawn from ``generator`` (any device) and moved to ``device``."""
+    """Uniform [0, 1) samples drawn from ``generator`` (any device) and moved to ``device``
+    (``VMAP_DRAWS``: as in :func:`randn`)."""
     gen = resolve_generator(generator, device)
+    if is_vmap_draws(gen):
+        return torch.rand(tuple(shape), device=device, dtype=dtype)
     return torch.rand(tuple(shape), generator=gen, device=gen.device, dtype=dtype).to(device)
 
 

@@ -54,6 +54,7 @@ class AdditiveNoise(Defense):
 
     noise: str = "gaussian"
     stochastic = True
+    vmap_draws = True
 
     def __init__(self, sigma: float = 0.1):
         self.sigma = check_range(self.name, "sigma", sigma, 0, None, low_open=True)

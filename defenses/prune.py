@@ -59,6 +59,7 @@ class SoftPrune(Defense):
 
     name = "soft-prune"
     stochastic = True
+    vmap_draws = True
 
     def __init__(self, prune_prob: float = 0.5, sigma: float = 0.1, noise: str = "gaussian"):
         self.prune_prob = check_range(self.name, "prune_prob", prune_prob, 0, 1)

@@ -185,7 +185,7 @@ def test_ball_points_run_batched_and_sequential_with_the_same_seed_semantics():
     assert first.trace["execution"].startswith("batched")
     assert torch.equal(first.inputs, second.inputs)
     mc = ATTACKS.build("bayes-optimal", k=2, delta=0.1, likelihood="monte-carlo", mc_draws=2).reconstruct(obs, 5, 0)
-    assert mc.trace["execution"].startswith("sequential") and math.isfinite(mc.trace["final_losses"][0])
+    assert mc.trace["execution"].startswith("stacked") and math.isfinite(mc.trace["final_losses"][0])
 
 
 def test_applies_to_likelihoods_and_stochastic_defenses():

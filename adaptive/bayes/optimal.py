@@ -19,9 +19,9 @@ serves every defense; the choice is recorded in ``trace["likelihood"]``.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
-from attacks.optimization import OptimizationAttack, Progress
+from attacks.optimization import OptimizationAttack, Progress, ungroupable
 from attacks.objectives import OBJECTIVES, L2Distance, Objective, ScaledDistance, StackedMean, build_objective
 from attacks.optimizers import OPTIMIZERS
 from attacks.presets import ATTACKS
@@ -36,6 +36,8 @@ from adaptive.bayes.scale import draw_information, fisher_information
 from adaptive.bayes.simulator import BallSimulator
 
 LIKELIHOODS = ("auto", "defense", "monte-carlo")
+#: the seed of the random batch the prior weight is probed on (:meth:`BayesOptimalAttack.prior_scale`)
+PROBE_SEED = 0
 
 
 class BayesOptimalAttack:
@@ -126,9 +128,12 @@ class BayesOptimalAttack:
         settings = {k: v for k, v in (("sigma", self.sigma), ("b", self.b)) if v is not None}
         return build_objective(choice, **settings)
 
-    def prior_scale(self, observation: Observation, kind: str, objective: Objective, seed: int) -> Tuple[float, str]:
+    def prior_scale(self, observation: Observation, kind: str, objective: Objective,
+                    seed: int = PROBE_SEED) -> Tuple[float, str]:
         """``(beta, how it was set)``: the given ``beta``, else ``prior_weight`` times half the
-        likelihood's per-coordinate Fisher information (:mod:`adaptive.bayes.scale`)."""
+        likelihood's per-coordinate Fisher information (:mod:`adaptive.bayes.scale`), probed on a
+        random batch drawn from ``seed``: a property of the defense at the model, the same for
+        every private image, so a step's images share one attack."""
         if self.beta is not None:
             return self.beta, "given"
         if kind == "defense":
@@ -151,13 +156,13 @@ class BayesOptimalAttack:
                               f"prior(x, context) or None, got {type(prior).__name__}")
         return prior
 
-    def compose(self, observation: Observation, seed: int = 0) -> Tuple[OptimizationAttack, Dict[str, Any]]:
-        """The optimisation attack that runs this adversary on ``observation``, and what it chose
-        (likelihood, prior weight)."""
+    def compose(self, observation: Observation) -> Tuple[OptimizationAttack, Dict[str, Any]]:
+        """The optimisation attack that runs this adversary on ``observation`` (and on every
+        observation of the same model and defense), and what it chose (likelihood, prior weight)."""
         kind, description, objective, inner, draws = self.resolve_likelihood(observation)
         prior = self._prior()
         beta, beta_source = (0.0, "no prior") if prior is None else \
-            self.prior_scale(observation, kind, objective, seed)
+            self.prior_scale(observation, kind, objective)
         simulator: GradientSimulator = inner
         if self.k > 1 or self.delta > 0 or draws > 1:
             simulator = BallSimulator(inner, k=self.k, delta=self.delta, draws=draws)
@@ -176,10 +181,29 @@ class BayesOptimalAttack:
     def reconstruct(self, observation: Observation, budget: Optional[int] = None, seed: int = 0,
                     progress: Optional[Progress] = None) -> Reconstruction:
         """Run the adversary; ``budget`` overrides the number of Adam iterations."""
-        attack, chosen = self.compose(observation, seed)
+        attack, chosen = self.compose(observation)
         rec = attack.reconstruct(observation, budget, seed, progress)
         rec.trace.update(chosen)
         return rec
+
+    def reconstruct_many(self, observations: Sequence[Observation], budget: Optional[int] = None,
+                         seeds: Optional[Sequence[int]] = None, progress: Optional[Progress] = None,
+                         max_members: int = 64) -> List[Reconstruction]:
+        """:meth:`reconstruct` for observations of one model as one grouped run (the likelihood
+        and prior weight are the defense's, the same for each; see :meth:`prior_scale`)."""
+        observations = list(observations)
+        why = ungroupable(observations) if len(observations) > 1 else ""
+        if why:
+            out = [self.reconstruct(o, budget, s, progress)
+                   for o, s in zip(observations, seeds or [0] * len(observations))]
+            for rec in out:
+                rec.trace["grouped"] = f"no: {why}"
+            return out
+        attack, chosen = self.compose(observations[0])
+        out = attack.reconstruct_many(observations, budget, seeds, progress, max_members=max_members)
+        for rec in out:
+            rec.trace.update(chosen)
+        return out
 
     def describe(self) -> Dict[str, Any]:
         return {"likelihood": repr(self.likelihood), "k": self.k, "delta": self.delta, "mc_draws": self.mc_draws,

@@ -68,6 +68,21 @@ class BallSimulator(GradientSimulator):
         stacked = [torch.stack(layer) for layer in zip(*per_point)]
         return stacked, {**features, "ball_points": points}
 
+    def many_members(self, replica: ClientReplica, xs: Tensor, ys: Tensor,
+                     context: SimContext) -> Tuple[List[Tensor], Dict[str, Tensor]]:
+        """Every member's ``k`` points x ``draws`` through one stacked call of ``inner``, per
+        parameter ``(M, k, draws, *shape)``; the points in ``features["ball_points"]``."""
+        points = torch.stack([self.points(x, context) for x in xs])
+        labels = ys.repeat_interleave(self.k, 0)
+        stacked, _ = self.inner.many_members(replica, points.flatten(0, 1), labels, context, draws=self.draws)
+        return [g.reshape(len(xs), self.k, *g.shape[1:]) for g in stacked], {"ball_points": points}
+
+    def cannot_stack(self, observation: Observation) -> str:
+        if not callable(getattr(self.inner, "many_members", None)):
+            return f"{self.inner.describe()} has no stacked call (many_members)"
+        why = getattr(self.inner, "cannot_stack", None)
+        return why(observation) if callable(why) else ""
+
     def gradient_evaluations(self, observation: Observation) -> int:
         return self.k * self.draws * self.inner.gradient_evaluations(observation)
 

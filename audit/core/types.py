@@ -106,6 +106,9 @@ class Defense:
     and set the class attributes that apply:
 
     * ``stochastic`` -- the output depends on ``generator`` (EOT / Monte Carlo attacks).
+    * ``vmap_draws`` -- :meth:`transform` draws all its randomness through
+      ``defenses.common.randn`` / ``rand`` and runs under ``torch.func.vmap``, so an EOT
+      attack can draw it inside one batched program (:mod:`audit.core.randomness`).
     * ``log_prob(shared, clean)`` -- exact log-likelihood of a shared gradient given the
       clean one (Bayes adversary); ``None`` where there is no closed form.
     * ``wrap_model(model)`` -- architectural defenses (PRECODE) change the client model.
@@ -119,6 +122,7 @@ class Defense:
 
     name: str = "defense"
     stochastic: bool = False
+    vmap_draws: bool = False
     log_prob: Optional[Callable[[Sequence[Tensor], Sequence[Tensor]], Tensor]] = None
     differences: Tuple[str, ...] = ()
 

@@ -1,0 +1,65 @@
+"""Stacked execution: every member of a run (observations x restarts) through ONE call of a
+simulator that cannot run under ``torch.func.vmap``.
+
+A defense that computes its own gradient with ``torch.autograd`` (CENSOR, Soteria, PRECODE,
+Refiner, DP-SGD, a user's callable) cannot be vmapped, so matching through it used to run one
+member after another, one defense call each. Its batched entry point ``Defense.many`` takes
+every member's dummy batch at once (``(M, B, C, H, W)``) and returns their defended
+gradients stacked, differentiable w.r.t. the dummies; the objective and priors are then
+evaluated per member (no model call) and one backward pass gives every member's image
+gradient. How few model calls that costs is the defense's own ``many``: CENSOR and Refiner
+batch theirs; the default runs the calls one after another.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Dict, List, Tuple
+
+import torch
+from torch import Tensor
+
+from priors import PriorContext, requiring
+
+if TYPE_CHECKING:  # the run is the caller's; no import at run time
+    from attacks.optimization import OptimizationRun
+
+
+def unstackable(run: "OptimizationRun") -> str:
+    """Why the run's members cannot go through one simulator call ('' when they can)."""
+    simulator = run.simulator
+    if not callable(getattr(simulator, "many_members", None)):
+        return f"{simulator.describe()} has no stacked call (many_members)"
+    why = simulator.cannot_stack(run.obs) if callable(getattr(simulator, "cannot_stack", None)) else ""
+    if why:
+        return why
+    if run.labels.shape is not None:
+        return "the labels are optimised with the images"
+    if requiring(run.attack.priors, "bn_stats"):
+        return "a prior needs the BatchNorm statistics of each member's own forward pass"
+    if run.attack.execution == "sequential":
+        return "execution='sequential' was requested"
+    return ""
+
+
+def evaluate(run: "OptimizationRun", variables: List[Tensor]) -> Tuple[Tensor, Dict[str, Tensor], List[Tensor]]:
+    """Per-member loss ``(M,)``, terms and the gradient w.r.t. the members' variables."""
+    z = variables[0].detach().requires_grad_(True)
+    members = z.shape[0]
+    owner = [m // run.restarts if run.n > 1 else 0 for m in range(members)]
+    group_mean = run._group_mean(variables[0])
+    with torch.enable_grad():
+        images = run.box.image(z)
+        labels = torch.stack([run.plans[n].fixed for n in owner])
+        stacked, features = run.simulator.many_members(run.replica, images, labels, run.sim_ctx)
+        losses, rows = [], []
+        for m, n in enumerate(owner):
+            terms = {"match": run.objective([g[m] for g in stacked], run.targets[n][:run.layers])}
+            ctx = PriorContext(run.sim_ctx, {k: v[m] for k, v in features.items()}, run.replica.bn_running,
+                               None if group_mean is None else group_mean[n], run.obs)
+            for key, prior, _ in run.attack.priors:
+                terms[key] = prior(images[m], ctx)
+            losses.append(run.total(terms))
+            rows.append(terms)
+        loss = torch.stack(losses)
+        (grad,) = torch.autograd.grad(loss.sum(), [z])
+    terms = {k: torch.stack([torch.as_tensor(r[k]).detach() for r in rows]) for k in rows[0]}
+    return loss.detach(), terms, [grad.detach()]
