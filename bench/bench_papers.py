@@ -261,7 +261,7 @@ def audit_call(row: Row, profile: Profile, data: str, data_args: Dict[str, Any],
                 utility_steps=(row.utility_steps if profile.name == "full" else
                                row.default_utility_steps if profile.name == "default" else 4),
                 utility_seeds=3 if profile.name != "quick" else 2, device=profile.device,
-                out=str(out / f"{row.defense}-{row.model}"), progress=False)
+                out=str(out / f"{row.defense}-{row.model}"), progress=profile.name != "quick")
 
 
 def _store_of(report) -> Tuple[Dict[str, Any], List[Dict[str, Any]]]:
