@@ -6,6 +6,7 @@ import json
 import math
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -80,6 +81,16 @@ def test_without_flwr_the_integration_names_the_extra():
     assert done.returncode != 0
     assert done.stderr.strip().splitlines()[-1] == \
         'ImportError: the Flower integration needs flwr: pip install "gia-audit[flower]"'
+
+
+def test_the_documented_app_is_the_one_that_runs():
+    """docs/flower.md shows bench/flower_app.py's app verbatim (from ``class Net`` to ``main``)."""
+    root = Path(__file__).resolve().parents[1]
+    source = (root / "bench" / "flower_app.py").read_text()
+    app_code = source[source.index("class Net"):source.index("\ndef main(")].strip()
+    page = (root / "docs" / "flower.md").read_text()
+    shown = page.split("<!-- app:begin -->")[1].split("<!-- app:end -->")[0].strip()
+    assert shown == f"```python\n{app_code}\n```"
 
 
 # --------------------------------------------------------------------------- Flower's mods, mirrored
@@ -179,6 +190,7 @@ def test_the_cli_takes_flowers_defenses_by_name_and_an_audit_accounts_for_locald
     ({"attacks": "ig,no-such-attack"}, "no-such-attack"),
     ({"defense": "flower-localdp", "defense_args": {"epsilon": -1}}, "epsilon"),
     ({"timeout": 0}, "timeout"),
+    ({"round": 3}, "unknown AuditMod option(s) round"),
 ])
 def test_bad_mod_options_are_one_line_errors(options, fragment):
     from audit.integrations.flower import AuditMod

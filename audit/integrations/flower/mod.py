@@ -14,12 +14,15 @@ and logged; it never fails the client's round.
 """
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import subprocess
 import sys
-from typing import Any, Dict, Optional
+import time
+from typing import Any, Callable, Dict, Optional
 
+from audit.core.errors import ConfigError
 from audit.integrations.flower.defenses import flower_defense, is_flower_mod
 from audit.integrations.flower.job import (LOG_FILE, RoundJob, client_images, round_dir, save_job,
                                            write_status)
@@ -34,39 +37,45 @@ DETACH = ("import subprocess, sys; subprocess.Popen(sys.argv[2:], stdin=subproce
 
 class AuditMod:
     """A Flower client mod ``(msg, context, call_next) -> Message`` that audits the global
-    model of the ``rounds`` given (``docs/flower.md``).
+    model of the ``rounds`` given (``docs/flower.md`` has every option with its default).
 
-    ``model``: the deployment's model: a factory (class or function; ``model_args`` its
-    keywords), ``"package.module:attr"`` or an ``nn.Module``, loaded with the round's arrays
-    (``arrays_key``: the ArrayRecord's key when the message holds several); ``model_normalize``:
-    the inputs it expects ("none": the images as ``data`` returns them; or ``"m1,m2,m3/s1,s2,s3"``);
-    ``num_classes``: read from the model's output unless given. ``data``: a callable taking
-    Flower's ``Context`` and returning the client's ``(images, labels)``, images ``(N, C, H, W)``
-    in [0, 1], or None to leave this client unaudited; ``images`` batches of ``batch_size`` are
-    audited, up to ``reference`` others are the null and the attacker's auxiliary data. ``defense``: what the client shares, as for
-    ``gia-audit audit`` (a built-in name with ``defense_args``, a Defense, any defended-gradient
-    callable, ``"package.module:attr"``), or the Flower privacy mod the ``ClientApp`` runs
-    (``LocalDpMod(...)``, ``fixedclipping_mod``, ``adaptiveclipping_mod``), mirrored at its
-    settings; ``lr``: the client's local learning rate (one local SGD step: update = -lr *
-    gradient). ``budget``, ``attacks``, ``attack_args``, ``thresholds``, ``client_mode``,
-    ``share_labels``, ``defense_timeout``, ``seed``, ``device``: as for ``gia-audit audit``.
-    ``out``: the output folder on the client's machine. ``blocking``: audit inline before the
-    reply is returned (default: a background process after it). ``timeout``: seconds before a
-    round's audit is stopped and reported incomplete. ``threads``: torch threads of the
-    background audit. ``round_key``: the ConfigRecord key of the server round (Flower's
-    strategies send ``server-round``).
+    ``model``: the deployment's model: a factory (``model_args`` its keywords),
+    ``"package.module:attr"`` or an ``nn.Module``; ``model_normalize``: the inputs it expects
+    ("none": the images as ``data`` returns them, or ``"m1,m2,m3/s1,s2,s3"``); ``num_classes``:
+    the model's output width unless given. ``data``: ``data(context) -> (images, labels)``, the
+    client's images ``(N, C, H, W)`` in [0, 1], or None to leave this client unaudited;
+    ``images`` batches of ``batch_size`` are audited, up to ``reference`` others are the null
+    and the attacker's auxiliary data. ``defense``: as for ``gia-audit audit`` (a built-in name
+    with ``defense_args``, a Defense, any defended-gradient callable, ``"package.module:attr"``),
+    or the Flower privacy mod the ``ClientApp`` runs, mirrored at its settings; ``lr``: the
+    client's local learning rate (update = -lr x gradient). ``budget``, ``attacks``,
+    ``attack_args``, ``thresholds``, ``client_mode``, ``share_labels``, ``defense_timeout``,
+    ``seed``, ``device``: as for ``gia-audit audit``. ``out``: the output folder on the
+    client's machine. ``blocking``: audit inline before the reply is returned (default: a
+    detached process after it). ``timeout``: seconds before a round's audit is given up and
+    reported incomplete (a background audit is stopped; an inline one's thread is left to end
+    on its own, its round stays timed out). ``threads``: torch threads of a background audit.
+    ``arrays_key`` / ``round_key``: the train message's ArrayRecord (when it holds several) and
+    the ConfigRecord key of the round (Flower's strategies send ``server-round``).
     """
 
-    def __init__(self, **options: Any):
-        self.data = options.get("data")
-        self.settings = mod_settings(**options)
+    def __init__(self, *, rounds: Any, model: Any, data: Callable, **options: Any):
+        known = set(inspect.signature(mod_settings).parameters)
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ConfigError(f"unknown AuditMod option(s) {', '.join(unknown)}; valid options: "
+                              f"{', '.join(sorted(known))}")
+        self.data = data
+        self.settings = mod_settings(rounds=rounds, model=model, data=data, **options)
 
     # ------------------------------------------------------------------ the mod
     def __call__(self, msg: Any, context: Any, call_next: Any) -> Any:
+        began = time.perf_counter()
         planned = self._plan(msg)
+        planned_s = time.perf_counter() - began
         reply = call_next(msg, context)
         if planned is not None:
-            self._start(planned, msg, context)
+            self._start(planned, msg, context, planned_s)
         return reply
 
     def _plan(self, msg: Any) -> Optional[Dict[str, Any]]:
@@ -100,7 +109,9 @@ class AuditMod:
         return {k: v.clone() for k, v in records[key].to_torch_state_dict().items()}
 
     # ------------------------------------------------------------------ the round's audit
-    def _start(self, planned: Dict[str, Any], msg: Any, context: Any) -> None:
+    def _start(self, planned: Dict[str, Any], msg: Any, context: Any, planned_s: float) -> None:
+        """Prepare the round's audit and start it; ``planned_s``: the seconds :meth:`_plan` took."""
+        began = time.perf_counter()
         round_, client = planned["round"], client_name(context)
         folder = round_dir(self.settings.out, client, round_)
         try:
@@ -115,6 +126,8 @@ class AuditMod:
                       "message of that round, loaded into the deployment's model")
             save_job(folder, RoundJob(round_, client, origin, self.settings, spec, args, private, reference),
                      planned["state"])
+            # what the mod adds to the client's round before the audit starts
+            write_status(folder, prepared_s=round(planned_s + time.perf_counter() - began, 3))
             if self.settings.blocking:
                 run_round(folder)
             else:
@@ -133,13 +146,13 @@ class AuditMod:
         return s.defense, dict(s.defense_args)
 
     def _spawn(self, folder) -> None:
-        """Start the round's audit as a detached process: a launcher starts it in a session of
-        its own and exits, so the audit outlives the client process (a simulation's workers
-        end, and take their children with them, when the federation does)."""
+        """Start the round's audit as a detached process: a launcher starts it in its own
+        process group and exits, so the audit outlives the client process (a simulation's
+        workers end, and take their children with them, when the federation does)."""
         threads = str(self.settings.threads)
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p), "GIA_AUDIT_THREADS": threads,
                "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
-        subprocess.run([sys.executable, "-c", DETACH, str(folder / LOG_FILE), sys.executable, "-m",
+        subprocess.run([sys.executable, "-I", "-S", "-c", DETACH, str(folder / LOG_FILE), sys.executable, "-m",
                         "audit.integrations.flower", str(folder)], env=env, check=True, timeout=120,
                        stdin=subprocess.DEVNULL, capture_output=True)
 

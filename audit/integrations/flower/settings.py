@@ -104,6 +104,8 @@ def mod_settings(*, rounds, model, data: Callable, defense: Any = "none", defens
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
         raise ConfigError(f"timeout must be a positive number of seconds, got {timeout!r}")
     resolve_device(device)
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ConfigError(f"seed must be an integer, got {seed!r}")
     attack_settings = AttackSettings(steps=(1,), names=attacks, args=attack_args or {}, budget=budget)
     _check_attack_names(attack_settings)
     return ModSettings(
@@ -114,7 +116,7 @@ def mod_settings(*, rounds, model, data: Callable, defense: Any = "none", defens
         output=OutputSettings(out=out, utility=False, thresholds=thresholds, progress=False,
                               defense_timeout=defense_timeout),
         num_classes=_check_classes(model, num_classes), reference=_positive_int("reference", reference),
-        seed=int(seed), device=str(device), blocking=bool(blocking), timeout=float(timeout),
+        seed=seed, device=str(device), blocking=bool(blocking), timeout=float(timeout),
         threads=_positive_int("threads", threads), arrays_key=arrays_key, round_key=str(round_key))
 
 
