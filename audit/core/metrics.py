@@ -13,7 +13,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -222,30 +222,70 @@ IMAGE_METRICS: Dict[str, Callable[[Tensor, Tensor], Tensor]] = {
 }
 
 
-def _image_scores(recon: Optional[Tensor], truth: Tensor, lpips: bool) -> Tuple[Optional[Tensor], Dict[str, MetricValue]]:
-    names = list(IMAGE_METRICS)
+def _matched(recon: Optional[Tensor], truth: Tensor) -> Tuple[Optional[Tensor], Optional[Tensor], Optional[str]]:
+    """``(perm, matched reconstruction, None)`` or ``(None, None, why there is none)``."""
     if recon is None:
-        return None, {n: MetricValue.missing("the attack returned no images") for n in names}
+        return None, None, "the attack returned no images"
     recon = recon.detach().to(truth.device)
     if recon.ndim != 4 or recon.shape[1:] != truth.shape[1:]:
         raise DataError(f"reconstruction {tuple(recon.shape)} does not match the private batch "
                         f"{tuple(truth.shape)}: expected (B, C, H, W) images of the same shape")
     bad = [i for i in range(len(recon)) if not torch.isfinite(recon[i]).all()]
     if bad:
-        reason = f"reconstructed image(s) {bad} contain NaN/inf values"
-        return None, {n: MetricValue.missing(reason) for n in names}
+        return None, None, f"reconstructed image(s) {bad} contain NaN/inf values"
     perm = match_batches(recon, truth)
-    matched = recon[perm.to(recon.device)].clamp(0.0, 1.0)
-    scores = {}
+    return perm, recon[perm.to(recon.device)].clamp(0.0, 1.0), None
+
+
+def _image_scores_many(recons: Sequence[Optional[Tensor]], truths: Sequence[Tensor], lpips: bool
+                       ) -> List[Tuple[Optional[Tensor], Dict[str, MetricValue]]]:
+    """Per (reconstruction, private batch): the assignment and the image metrics, each metric
+    computed once over every matched image of all the batches (one LPIPS forward for a group)."""
+    names = list(IMAGE_METRICS)
+    matched = [_matched(r, t) for r, t in zip(recons, truths)]
+    out: List[Tuple[Optional[Tensor], Dict[str, MetricValue]]] = [
+        (None, {n: MetricValue.missing(why) for n in names}) if why else (perm, {})
+        for perm, _, why in matched]
+    live = [k for k, (_, m, _) in enumerate(matched) if m is not None]
+    if not live:
+        return out
+    sizes = [len(truths[k]) for k in live]
+    every_recon = torch.cat([matched[k][1] for k in live])
+    every_truth = torch.cat([truths[k].to(every_recon.device) for k in live])
     for name, fn in IMAGE_METRICS.items():
         if name == "lpips" and not lpips:
-            scores[name] = MetricValue.missing("not computed (lpips=False)")
-            continue
-        try:
-            scores[name] = MetricValue.of(fn(matched, truth))
-        except MetricUnavailable as err:
-            scores[name] = MetricValue.missing(str(err))
-    return perm, scores
+            values = [MetricValue.missing("not computed (lpips=False)")] * len(live)
+        else:
+            try:
+                values = [MetricValue.of(part) for part in fn(every_recon, every_truth).split(sizes)]
+            except MetricUnavailable as err:
+                values = [MetricValue.missing(str(err))] * len(live)
+        for k, value in zip(live, values):
+            out[k][1][name] = value
+    return out
+
+
+def score_many(recon_images: Sequence[Optional[Tensor]], recon_labels: Sequence[Optional[Tensor]],
+               true_images: Sequence[Tensor], true_labels: Sequence[Tensor], lpips: bool = True
+               ) -> List[Dict[str, Any]]:
+    """:func:`score` for several reconstructions and their private batches at once: each image
+    metric runs once over all of them (on the images' device), then is split per batch."""
+    truths = []
+    for truth in true_images:
+        truth = truth.detach()
+        if truth.ndim != 4 or len(truth) == 0 or not torch.isfinite(truth).all():
+            raise DataError(f"the private batch must be a non-empty finite (B, C, H, W) tensor, "
+                            f"got shape {tuple(truth.shape)}")
+        truths.append(truth)
+    out = []
+    for (perm, scores), labels, truth_labels in zip(_image_scores_many(recon_images, truths, lpips),
+                                                    recon_labels, true_labels):
+        if labels is None:
+            scores["label_accuracy"] = MetricValue.missing("the attack returned no labels")
+        else:
+            scores["label_accuracy"] = MetricValue.scalar(label_accuracy(labels, truth_labels))
+        out.append({"assignment": None if perm is None else perm.tolist(), **scores})
+    return out
 
 
 def score(recon_images: Optional[Tensor], recon_labels: Optional[Tensor], true_images: Tensor,
@@ -256,13 +296,4 @@ def score(recon_images: Optional[Tensor], recon_labels: Optional[Tensor], true_i
     MetricValue}``; ``assignment[i]`` is the reconstruction matched to private image ``i``
     (``None`` when there are no usable images). Reconstructions are clamped to [0, 1] first.
     """
-    truth = true_images.detach()
-    if truth.ndim != 4 or len(truth) == 0 or not torch.isfinite(truth).all():
-        raise DataError(f"the private batch must be a non-empty finite (B, C, H, W) tensor, "
-                        f"got shape {tuple(truth.shape)}")
-    perm, scores = _image_scores(recon_images, truth, lpips)
-    if recon_labels is None:
-        scores["label_accuracy"] = MetricValue.missing("the attack returned no labels")
-    else:
-        scores["label_accuracy"] = MetricValue.scalar(label_accuracy(recon_labels, true_labels))
-    return {"assignment": None if perm is None else perm.tolist(), **scores}
+    return score_many([recon_images], [recon_labels], [true_images], [true_labels], lpips)[0]

@@ -31,7 +31,8 @@ from audit.engine.compose import AuditParts, build_parts, build_shared, check_mo
 from audit.engine.identity import data_identity, defense_identity, derive_seed, model_identity, versions
 from audit.engine.null import Null, null_evidence
 from audit.engine.privacy import privacy_report
-from audit.engine.scoring import PSNR_CAP, score_against_trained, score_reconstruction, trace_summary, trained_batch
+from audit.engine.scoring import (PSNR_CAP, score_against_trained, score_reconstructions, trace_summary,
+                                  trained_batch)
 from audit.engine.settings import (DEFAULT_BUDGET, DEFAULT_IMAGES, DEFAULT_STEPS, AttackSettings, DataSettings,
                                    FLSettings, ModelSettings, OutputSettings, model_settings)
 from audit.report.audit_report import AuditReport
@@ -274,20 +275,33 @@ class Audit:
                 record.trace.setdefault("grouped", why)
             return out
         seconds = (time.perf_counter() - start) / len(group)
-        return [self._scored(spec, record, rec, x, y, seconds)
-                for record, rec, (_, _, x, y) in zip(records, recs, group)]
+        return self._scored_group(spec, records, recs, [x for *_, x, _ in group], [y for *_, y in group], seconds)
 
     def _scored(self, spec: AttackSpec, record: AttackResult, rec, images, labels,
                 seconds: float) -> Tuple[AttackResult, Optional[torch.Tensor]]:
-        record = replace(record, time_s=round(seconds, 3))
-        if not rec.applicable:
-            return replace(record, status=Status.NOT_APPLICABLE, reason=rec.reason), None
-        if rec.inputs is None or not torch.isfinite(rec.inputs).all():
-            return replace(record, status=Status.ERROR, reason=f"attack {spec.id!r} returned no finite images"), None
-        metrics, unavailable, aligned = score_reconstruction(rec, images, labels, self.null)
-        record = replace(record, status=Status.OK, metrics=Scores.from_dict(metrics), unavailable=unavailable,
-                         trace=trace_summary(rec.trace))
-        return replace(record, **self.against_trained(rec, record, images, labels)), aligned
+        return self._scored_group(spec, [record], [rec], [images], [labels], seconds)[0]
+
+    def _scored_group(self, spec: AttackSpec, records: Sequence[AttackResult], recs, images, labels,
+                      seconds: float) -> List[Tuple[AttackResult, Optional[torch.Tensor]]]:
+        """Score a group's reconstructions: the metrics and the null's evidence run once over
+        every image of the group (:func:`score_reconstructions`)."""
+        records = [replace(record, time_s=round(seconds, 3)) for record in records]
+        out: List[Optional[Tuple[AttackResult, Optional[torch.Tensor]]]] = [None] * len(records)
+        live = []
+        for k, (record, rec) in enumerate(zip(records, recs)):
+            if not rec.applicable:
+                out[k] = replace(record, status=Status.NOT_APPLICABLE, reason=rec.reason), None
+            elif rec.inputs is None or not torch.isfinite(rec.inputs).all():
+                out[k] = replace(record, status=Status.ERROR, reason=f"attack {spec.id!r} returned no finite images"), None
+            else:
+                live.append(k)
+        scored = score_reconstructions([recs[k] for k in live], [images[k] for k in live],
+                                       [labels[k] for k in live], self.null)
+        for k, (metrics, unavailable, aligned) in zip(live, scored):
+            record = replace(records[k], status=Status.OK, metrics=Scores.from_dict(metrics), unavailable=unavailable,
+                             trace=trace_summary(recs[k].trace))
+            out[k] = replace(record, **self.against_trained(recs[k], record, images[k], labels[k])), aligned
+        return out
 
     def _record(self, spec: AttackSpec, step: int, image: int) -> AttackResult:
         return AttackResult(step=step, attack_id=spec.id, attack=spec.name, image=image, settings=spec.settings,

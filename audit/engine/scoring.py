@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from audit.core.metrics import score
+from audit.core.metrics import score_many
 from audit.core.records import Scores
 from audit.core.types import Defense
 
@@ -21,7 +21,38 @@ def score_reconstruction(rec, images: torch.Tensor, labels: torch.Tensor, null=N
     audit's :class:`~audit.engine.null.Null`), ``metrics["evidence"]`` holds each image's
     evidence for the leak rule; ``own_chance`` adds each reference image's chance level
     (for references whose null is not stored with the audit)."""
-    result = score(rec.inputs, rec.labels, images.to(rec.inputs.device), labels.to(rec.inputs.device))
+    return score_reconstructions([rec], [images], [labels], null, own_chance)[0]
+
+
+def score_reconstructions(recs: Sequence[Any], images: Sequence[torch.Tensor], labels: Sequence[torch.Tensor],
+                          null=None, own_chance: bool = False) -> List[Tuple[Dict[str, Any], Dict[str, str], Any]]:
+    """:func:`score_reconstruction` for a (step, attack) group: the image metrics (LPIPS
+    included) and the null's evidence each run once over every image of the group, on the
+    reconstructions' device."""
+    results = score_many([r.inputs for r in recs], [r.labels for r in recs],
+                         [x.to(r.inputs.device) for r, x in zip(recs, images)],
+                         [y.to(r.inputs.device) for r, y in zip(recs, labels)])
+    out = [_metrics(result, rec, x) for result, rec, x in zip(results, recs, images)]
+    if null is not None:
+        live = [k for k, (_, _, aligned) in enumerate(out) if aligned is not None]
+        if live:
+            matched = torch.cat([out[k][2] for k in live])
+            private = torch.cat([images[k].to(matched.device) for k in live])
+            evidence = null.score(matched, private)
+            start = 0
+            for k in live:
+                part = evidence[start:start + len(images[k])]
+                start += len(images[k])
+                if own_chance:
+                    part = [replace(e, chance_level=null.evidence(images[k][j]).chance_level)
+                            for j, e in enumerate(part)]
+                out[k][0]["evidence"] = [e.to_dict() for e in part]
+    return out
+
+
+def _metrics(result: Dict[str, Any], rec, images: torch.Tensor):
+    """One scored reconstruction as JSON-able metrics, the missing ones' reasons, and the
+    reconstruction aligned to the private batch."""
     names = {"psnr": "psnr", "ssim": "ssim", "lpips": "lpips", "label_acc": "label_accuracy", "mse": "mse"}
     metrics, unavailable = {}, {}
     for ours, theirs in names.items():
@@ -42,14 +73,7 @@ def score_reconstruction(rec, images: torch.Tensor, labels: torch.Tensor, null=N
     aligned = None
     if result["assignment"] is not None:
         aligned = rec.inputs.detach()[torch.as_tensor(result["assignment"], device=rec.inputs.device)].clamp(0, 1)
-        if null is not None:
-            evidence = null.score(aligned, images)
-            if own_chance:
-                evidence = [replace(e, chance_level=null.evidence(images[j]).chance_level)
-                            for j, e in enumerate(evidence)]
-            metrics["evidence"] = [e.to_dict() for e in evidence]
     return metrics, unavailable, aligned
-
 
 
 def trained_batch(defense, images: torch.Tensor, seed: int) -> Optional[torch.Tensor]:
