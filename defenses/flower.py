@@ -88,6 +88,7 @@ class FlowerLocalDP(FlowerFixedClipping):
     likelihood and its (epsilon, delta) accounting (see the module docstring)."""
 
     name = "flower-localdp"
+    vmap_draws = True  # its noise comes from defenses.common.randn (audit.core.randomness)
     differences = mirror_differences("clips and noises")
 
     def __init__(self, clipping_norm: float = 1.0, sensitivity: float = 1.0, epsilon: float = 1.0,

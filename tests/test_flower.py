@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from audit.core.errors import ConfigError
+from audit.core.randomness import VMAP_DRAWS
 from audit.core.reconstruction_bound import identification_bound
 from defenses import build_defense
 from defenses.dpsgd import privacy_spent
@@ -128,6 +129,13 @@ def test_localdp_mirror_applies_flowers_transform_to_the_same_update(clipping_no
     shared = mirror.transform(grads, generator=torch.Generator().manual_seed(0))
     residual = torch.cat([(flower_app.LR * (s - c)).flatten() for s, c in zip(shared, clipped)]).double()
     assert abs(float(residual.std()) / std - 1) < 0.02 and abs(float(residual.mean())) < 0.02 * std
+    # the same draws inside a vmapped program (vmap_draws: EOT attacks batch them), independent per member
+    bias = grads[1]  # the first layer's 16 biases, as a gradient of their own, 64 draws
+    first = torch.func.vmap(lambda g: mirror.transform([g], generator=VMAP_DRAWS)[0], randomness="different")(
+        torch.stack([bias] * 64))
+    alone = build_defense("flower-fixedclipping", clipping_norm=clipping_norm, lr=flower_app.LR).transform([bias])
+    noise = flower_app.LR * (first - alone[0]).double()
+    assert abs(float(noise.std()) / std - 1) < 0.15 and not torch.equal(noise[0], noise[1])
     scale, shared, grads = std / flower_app.LR, [t.double() for t in shared], [g.double() for g in grads]
     clipped = build_defense("flower-fixedclipping", clipping_norm=clipping_norm, lr=flower_app.LR).transform(grads)
     expected = sum(float((-0.5 * ((s - c) / scale) ** 2 - math.log(scale * math.sqrt(2 * math.pi))).sum())
