@@ -176,3 +176,22 @@ def test_svdefense_appendix_attacks_need_no_new_attack_here():
     for s, g in zip(shared, target):
         assert float(s.min()) == pytest.approx(float(g.min())) and float(s.max()) == pytest.approx(float(g.max()))
         assert len(torch.unique(s)) <= 16
+
+
+def test_every_row_builds_its_defense_model_and_attacks():
+    """A row whose defense, model or attack settings the registries reject would fail only
+    after hours of the bench: they are built here, in both profiles."""
+    import adaptive  # noqa: F401  (registers the adaptive attacks)
+    from attacks import ATTACKS
+    from audit.core.models import MODELS
+    from defenses import build_defense
+
+    for row in bp.ROWS:
+        build_defense(row.defense, **row.defense_args)
+        for profile in ("default", "full"):
+            MODELS.build(row.model, (3, 32, 32), 10, **row.run_model_args(profile))
+        call = bp.audit_call(row, bp.Profile("default", 16), "embedded", {}, Path("/tmp/x"))
+        for name, kw in (call["attack_args"] or {}).items():
+            ATTACKS.build(name, **kw)
+        for name in call["attacks"]:
+            assert name == "auto" or name in ATTACKS, (row.id, name)
