@@ -149,12 +149,14 @@ def main(argv=None) -> None:
 def _table(report) -> str:
     from audit.report.format import fmt, risk_text, verdict_text
 
-    rows = ["| round | worst-case PSNR (dB) | worst image PSNR (dB) | within delta (strongest attack) | verdict |",
-            "|---:|---:|---:|---|---|"]
+    spent = {p["step"]: p["epsilon"] for p in report.data["privacy"].get("per_step", [])}
+    rows = ["| round | worst-case PSNR (dB) | worst image PSNR (dB) | within delta (strongest attack) | "
+            "epsilon spent (delta 1e-5) | verdict |", "|---:|---:|---:|---|---:|---|"]
     for step in report.steps:
-        wc = step["worst_case"]
+        wc, eps = step["worst_case"], spent.get(step["step"])
         rows.append(f"| {step['step']} | {fmt('psnr', wc['psnr'])} | {fmt('psnr', wc.get('psnr_max'))} | "
-                    f"{risk_text(step['risk'])} | {verdict_text(step['verdict'])} |")
+                    f"{risk_text(step['risk'])} | {'n/a' if eps is None else f'{eps:.3g}'} | "
+                    f"{verdict_text(step['verdict'])} |")
     return "\n".join(rows) + f"\n\nOverall: {report.data['verdict']['label']}; status: {report.data['status']}."
 
 

@@ -280,6 +280,21 @@ def test_a_failed_round_is_incomplete_and_the_client_round_goes_on(tmp_path):
     assert report["status"].startswith("incomplete (round 1: failed")
 
 
+@needs_flwr
+def test_a_round_whose_audit_process_died_without_a_status_reads_incomplete(tmp_path):
+    from audit.integrations.flower import wait_for_audits
+    from audit.integrations.flower.job import PID_FILE, write_status
+
+    folder = tmp_path / "node-7" / "round-4"
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # a process that ended (killed, out of memory) before writing its final status
+    write_status(folder, state="running", round=4, client="node-7", defense="none")
+    (folder / PID_FILE).write_text(str(gone.pid))
+    assert wait_for_audits(tmp_path, timeout=60) == {str(folder): "failed"}
+    report = json.loads((tmp_path / "node-7" / "report.json").read_text())
+    assert report["verdict"]["label"] == "incomplete" and "without a final status" in report["verdict"]["reason"]
+
+
 # --------------------------------------------------------------------------- a real federation
 def two_federations(mods, rounds, result):
     """One simulation, two federations of the same clients from the same initial model: FedAvg

@@ -3,7 +3,7 @@
     OUT/<client>/round-<r>/audit.json       status: queued, running, finished, failed or timed out; why; times
     OUT/<client>/round-<r>/global_model.pt  the state the client received in round r (a state_dict)
     OUT/<client>/round-<r>/job.pkl          the settings and the client's drawn images (removed when the audit ends)
-    OUT/<client>/round-<r>/worker.log       the background audit's output
+    OUT/<client>/round-<r>/worker.log       the background audit's output; worker.pid its process id
     OUT/<client>/round-<r>/report.*, runs/  the audit's report and result store, as `gia-audit audit` writes them
 
 The client's images are drawn once per round with the mod's seed (the same images every round
@@ -13,6 +13,7 @@ null and the attacker's auxiliary data.
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -27,7 +28,7 @@ from audit.core.files import atomic_torch_save, atomic_write_bytes
 from audit.engine.null import MIN_CANDIDATES
 from audit.integrations.flower.settings import ModSettings
 
-STATUS, JOB, STATE, LOG_FILE = "audit.json", "job.pkl", "global_model.pt", "worker.log"
+STATUS, JOB, STATE, LOG_FILE, PID_FILE = "audit.json", "job.pkl", "global_model.pt", "worker.log", "worker.pid"
 PENDING = ("queued", "running")  # an audit in these states has no verdict yet
 FINISHED = "finished"
 _WRITING = threading.Lock()  # one status write at a time in a process (an inline audit runs on a thread)
@@ -74,6 +75,30 @@ def write_status(folder: Path, fresh: bool = False, **fields: Any) -> Dict[str, 
         status = {**({} if fresh else read_status(folder)), **fields, "updated": time.strftime("%Y-%m-%dT%H:%M:%S")}
         atomic_write_bytes(Path(folder) / STATUS, json.dumps(status, indent=2).encode())
     return status
+
+
+def one_line(err: BaseException) -> str:
+    """``Type: first line of the message``."""
+    lines = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {lines[0]}" if lines else type(err).__name__
+
+
+def worker_alive(folder: Path) -> Optional[bool]:
+    """Whether the round's background audit process is still there (None: it has none)."""
+    try:
+        pid = int((Path(folder) / PID_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # an exited process nobody reaped yet
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
 
 
 # --------------------------------------------------------------------------- the client's data

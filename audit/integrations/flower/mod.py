@@ -24,15 +24,18 @@ from typing import Any, Callable, Dict, Optional
 
 from audit.core.errors import ConfigError
 from audit.integrations.flower.defenses import flower_defense, is_flower_mod
-from audit.integrations.flower.job import (LOG_FILE, RoundJob, client_images, round_dir, save_job,
-                                           write_status)
+from audit.integrations.flower.job import (LOG_FILE, PID_FILE, RoundJob, client_images, one_line, round_dir,
+                                           save_job, write_status)
+from audit.integrations.flower.rounds import finish_round
 from audit.integrations.flower.settings import mod_settings
-from audit.integrations.flower.worker import finish_round, one_line, run_round
+from audit.integrations.flower.worker import run_round
 
 LOG = logging.getLogger("gia_audit.flower")
-# the launcher: start argv[2:] in a new session, its output appended to the log argv[1], and exit
-DETACH = ("import subprocess, sys; subprocess.Popen(sys.argv[2:], stdin=subprocess.DEVNULL, "
-          "stdout=open(sys.argv[1], 'ab'), stderr=subprocess.STDOUT, start_new_session=True)")
+# the launcher: start argv[3:] in a new session, its output appended to the log argv[1], its
+# process id written to argv[2], and exit
+DETACH = ("import subprocess, sys; p = subprocess.Popen(sys.argv[3:], stdin=subprocess.DEVNULL, "
+          "stdout=open(sys.argv[1], 'ab'), stderr=subprocess.STDOUT, start_new_session=True); "
+          "open(sys.argv[2], 'w').write(str(p.pid))")
 
 
 class AuditMod:
@@ -152,9 +155,9 @@ class AuditMod:
         threads = str(self.settings.threads)
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p), "GIA_AUDIT_THREADS": threads,
                "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
-        subprocess.run([sys.executable, "-I", "-S", "-c", DETACH, str(folder / LOG_FILE), sys.executable, "-m",
-                        "audit.integrations.flower", str(folder)], env=env, check=True, timeout=120,
-                       stdin=subprocess.DEVNULL, capture_output=True)
+        subprocess.run([sys.executable, "-I", "-S", "-c", DETACH, str(folder / LOG_FILE), str(folder / PID_FILE),
+                        sys.executable, "-m", "audit.integrations.flower", str(folder)], env=env, check=True,
+                       timeout=120, stdin=subprocess.DEVNULL, capture_output=True)
 
 def client_name(context: Any) -> str:
     """The client's folder name: its partition in a simulation, else its node id."""

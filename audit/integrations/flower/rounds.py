@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import contextlib
 import datetime as _dt
+import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional
 
 from audit.core.errors import ConfigError, GiaError
-from audit.integrations.flower.job import FINISHED, PENDING, read_status, round_of
+from audit.integrations.flower.job import (FINISHED, LOG_FILE, PENDING, one_line, read_status, round_of,
+                                           worker_alive, write_status)
 from audit.report.audit_report import AuditReport
 from audit.report.risk import empirical_risk, overall_verdict, step_verdict, summarize_attack, worst_case
 from audit.report.rule import LeakRule
@@ -27,6 +29,7 @@ from audit.report.store import ResultStore
 NOT_FINAL = {"queued": "the audit has not started", "running": "the audit is still running",
              None: "no status recorded: the audit never started"}
 NO_UTILITY = "not measured here: the mod audits the deployment's own model as the federation trains it"
+LOG = logging.getLogger("gia_audit.flower")
 
 
 @dataclass
@@ -174,6 +177,28 @@ def combine_rounds(client_dir, thresholds: Any = None) -> AuditReport:
     return report
 
 
+def finish_round(folder: Path, **final: Any) -> None:
+    """Write the round's final status, then rebuild the client's per-round report from it; the
+    status says ``report: pending`` until the report is written (what :func:`wait_for_audits`
+    waits for)."""
+    write_status(folder, report="pending", **final)
+    try:
+        combine_rounds(folder.parent)
+        write_status(folder, report="written")
+    except Exception as err:  # the round's own report and status are written; say why the summary is not
+        write_status(folder, report=f"not written: {one_line(err)}")
+        LOG.warning("gia-audit: the per-round report of %s was not rebuilt: %s", folder.parent, one_line(err))
+
+
+def _settle(folder: Path, status: Dict[str, Any]) -> Dict[str, Any]:
+    """A pending round whose background process is gone ends failed (it died without a status)."""
+    if status.get("state") in PENDING and worker_alive(folder) is False:
+        finish_round(folder, state="failed", reason=f"the audit process ended without a final status; see its "
+                                                    f"{LOG_FILE}")
+        return read_status(folder)
+    return status
+
+
 def client_folders(out) -> List[Path]:
     """The client folders under the mod's output folder ``out`` (those holding an audited round)."""
     out = Path(out)
@@ -185,7 +210,7 @@ def wait_for_audits(out, timeout: Optional[float] = None, poll: float = 1.0) -> 
     still to write (at most ``timeout`` seconds); the state of every round folder, by path."""
     deadline = None if timeout is None else time.monotonic() + timeout
     while True:
-        statuses = {str(f): read_status(f) for c in client_folders(out) for f in round_folders(c)}
+        statuses = {str(f): _settle(f, read_status(f)) for c in client_folders(out) for f in round_folders(c)}
         busy = any(s.get("state") in PENDING or s.get("report") == "pending" for s in statuses.values())
         if not busy or (deadline is not None and time.monotonic() > deadline):
             return {path: s.get("state", "unknown") for path, s in statuses.items()}

@@ -8,7 +8,6 @@ private.
 """
 from __future__ import annotations
 
-import logging
 import os
 import sys
 import threading
@@ -21,10 +20,9 @@ import torch
 from audit.core.data import Dataset
 from audit.engine.settings import AttackSettings, DataSettings, ModelSettings, OutputSettings
 from audit.engine.state import audit_state
-from audit.integrations.flower.job import FINISHED, JOB, STATE, RoundJob, load_job, write_status
-from audit.integrations.flower.rounds import combine_rounds
+from audit.integrations.flower.job import FINISHED, JOB, STATE, RoundJob, load_job, one_line, write_status
+from audit.integrations.flower.rounds import finish_round
 
-LOG = logging.getLogger("gia_audit.flower")
 
 
 def _classes(job: RoundJob, model: ModelSettings, shape) -> int:
@@ -71,12 +69,6 @@ def _attempt(job: RoundJob, folder: Path, outcome: Dict[str, Any]) -> None:
         outcome["error"] = one_line(err)
 
 
-def one_line(err: BaseException) -> str:
-    """``Type: first line of the message``."""
-    lines = str(err).strip().splitlines()
-    return f"{type(err).__name__}: {lines[0]}" if lines else type(err).__name__
-
-
 def run_round(folder: Path) -> str:
     """Audit the job in ``folder`` under its timeout; write the final status, rebuild the
     client's per-round report; the final state."""
@@ -102,19 +94,6 @@ def run_round(folder: Path) -> str:
     (folder / JOB).unlink(missing_ok=True)
     finish_round(folder, seconds=round(time.time() - started, 1), **final)
     return final["state"]
-
-
-def finish_round(folder: Path, **final: Any) -> None:
-    """Write the round's final status, then rebuild the client's per-round report from it; the
-    status says ``report: pending`` until the report is written (what :func:`wait_for_audits`
-    waits for)."""
-    write_status(folder, report="pending", **final)
-    try:
-        combine_rounds(folder.parent)
-        write_status(folder, report="written")
-    except Exception as err:  # the round's own report and status are written; say why the summary is not
-        write_status(folder, report=f"not written: {one_line(err)}")
-        LOG.warning("gia-audit: the per-round report of %s was not rebuilt: %s", folder.parent, one_line(err))
 
 
 def main(argv=None) -> None:
