@@ -89,6 +89,9 @@ class Row:
     default_utility_steps: int = 50
     attack_args: Dict[str, Dict[str, Any]] = field(default_factory=dict)  # settings of the planner's attacks
     lr: float = 0.1
+    #: the result store's folder (default ``<defense>-<model>``): rows that share an audit must
+    #: run the same attack with the same settings, since a stored result is reused only then
+    store: Optional[str] = None
 
     def budget(self, profile: str) -> int:
         if profile == "full":
@@ -150,7 +153,7 @@ ROWS: List[Row] = [
         paper_psnr=10.27, default_budget=200, notes=CENSOR_NOTES, attack_args=INVERTER, **R18),
     Row("censor-rounds", "CENSOR", "Fig. 9, CENSOR across rounds 0-9 (ImageNet, GIFD)",
         "13.32, 10.50, 9.94, 10.37, 9.07, 10.16, 10.28, 9.95, 10.69, 10.65 dB", "protects", defense="censor",
-        defense_args={"trials": 20}, attacks=(CENSOR_IG,), steps=tuple(range(10)), default_steps=(0, 5, 9),
+        defense_args={"trials": 20}, attacks=(CENSOR_IG,), steps=tuple(range(10)), default_steps=(0, 9),
         paper_data="ImageNet 64x64", default_budget=200, notes=CENSOR_NOTES,
         deviation="IG instead of GIFD (no pretrained generator here)", attack_args=INVERTER, **R18),
     Row("censor-later", "CENSOR", "rounds 5-9 with CENSOR off after round 4 (SVDefense's adaptive attack)",
@@ -175,7 +178,7 @@ ROWS: List[Row] = [
         attacks=(SVD_IG,), steps=(0, 5), adaptive_steps=(5,), paper_steps=(0,),
         adaptive=AttackRef("ig", SVD_IG.args, "IG at round 5, CENSOR off", 4000), leak_cell="adaptive",
         paper_psnr=8.19, paper_data="MNIST", default_budget=200, notes=CENSOR_NOTES,
-        deviation="rounds of FedSGD instead of epochs", attack_args=INVERTER, **R18),
+        deviation="rounds of FedSGD instead of epochs", attack_args=INVERTER, store="censor-resnet18-svdefense", **R18),
     Row("svd-svdefense", "SVDefense", "Table III, CIFAR-10, IG vs SVDefense (eta 0.3); Table IV, LTI",
         "12.53 dB (LTI: 14.34 dB)", "protects", defense="svdefense", defense_args={"eta": 0.3},
         attacks=(SVD_IG,), adaptive=AttackRef("learned-inverter", {"pairs": 256}, "learning to invert (Table IV)"),
@@ -261,7 +264,7 @@ def audit_call(row: Row, profile: Profile, data: str, data_args: Dict[str, Any],
                 utility_steps=(row.utility_steps if profile.name == "full" else
                                row.default_utility_steps if profile.name == "default" else 4),
                 utility_seeds=3 if profile.name != "quick" else 2, device=profile.device,
-                out=str(out / f"{row.defense}-{row.model}"), progress=profile.name != "quick")
+                out=str(out / (row.store or f"{row.defense}-{row.model}")), progress=profile.name != "quick")
 
 
 def _store_of(report) -> Tuple[Dict[str, Any], List[Dict[str, Any]]]:

@@ -195,3 +195,15 @@ def test_every_row_builds_its_defense_model_and_attacks():
             ATTACKS.build(name, **kw)
         for name in call["attacks"]:
             assert name == "auto" or name in ATTACKS, (row.id, name)
+
+
+def test_rows_sharing_a_result_store_run_each_attack_with_the_same_settings():
+    """Stored results are reused only under the same attack settings: two rows of one store
+    asking one attack with different settings would redo each other's results forever."""
+    seen = {}
+    for row in bp.ROWS:
+        call = bp.audit_call(row, bp.Profile("default", 16), "embedded", {}, Path("/tmp/x"))
+        key = (call["out"], json.dumps(call["defense_args"], sort_keys=True), call["budget"], call["utility"])
+        for name, kw in (call["attack_args"] or {}).items():
+            previous = seen.setdefault((key, name), (row.id, kw))
+            assert previous[1] == kw, f"{row.id} and {previous[0]} run {name} differently in one store"
