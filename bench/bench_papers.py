@@ -32,7 +32,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.docs_table import ROOT, add_docs_option, command_line, write_table  # noqa: E402
-from bench.papers_verdict import (FAILS, HOLDS, INCONCLUSIVE, NOT_RUN, CellEvidence, Conclusion,  # noqa: E402
+from bench.papers_verdict import (NOT_RUN, CellEvidence, Conclusion,  # noqa: E402
                                   cell_evidence, conclude_leaks, conclude_order, conclude_protects,
                                   conclude_utility, identification_text)
 
@@ -265,13 +265,6 @@ def audit_call(row: Row, profile: Profile, data: str, data_args: Dict[str, Any],
                                row.default_utility_steps if profile.name == "default" else 4),
                 utility_seeds=3 if profile.name != "quick" else 2, device=profile.device,
                 out=str(out / (row.store or f"{row.defense}-{row.model}")), progress=profile.name != "quick")
-
-
-def _store_of(report) -> Tuple[Dict[str, Any], List[Dict[str, Any]]]:
-    from audit.report.store import ResultStore
-
-    store = ResultStore(report.out, report.data["run_key"])
-    return store.load_manifest(), [r.to_dict() for r in store.records()]
 
 
 def planner_attacks(manifest: Dict[str, Any]) -> List[str]:
