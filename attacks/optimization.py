@@ -146,6 +146,8 @@ class OptimizationAttack:
             raise ConfigError(f"keep_best_after must be in [0, 1) (a fraction of the budget), got {keep_best_after}")
         if execution not in EXECUTIONS:
             raise ConfigError(f"execution must be one of {EXECUTIONS}, got {execution!r}")
+        if isinstance(capture, bool):  # the command line reads on / off as booleans
+            capture = "on" if capture else "off"
         if capture not in capturing.SETTINGS and capture not in capturing.ROUTES:
             raise ConfigError(f"capture must be one of {capturing.SETTINGS} or a route "
                               f"({', '.join(capturing.ROUTES.names())}), got {capture!r}")

@@ -483,7 +483,8 @@ class Watchdog:
         self.first, self.best, self.since = self.first[index], self.best[index], self.since[index]
         self.recoveries = self.recoveries[index]
         self.best_point = [p[index] for p in self.best_point]
-        self.log_at, self.log_nonfinite, self.log_note = self.log_at[index], self.log_nonfinite[index], self.log_note[index]
+        self.log_at, self.log_nonfinite = self.log_at[index], self.log_nonfinite[index]
+        self.log_note = self.log_note[index]
 
     def progress(self) -> Tensor:
         """Per restart: did the loss ever go below its first value (relative ``tolerance``)?"""

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from attacks import ATTACKS, capture, observe
+from audit.core.errors import ConfigError
 from audit.core.models import build_model
 
 SHAPE = (3, 8, 8)
@@ -121,3 +122,9 @@ def test_the_compiled_iteration_matches_and_compiles_once_per_shape():
     again = _run(second, capture="compiled")
     assert capture.STATS["compiled"] == compiled and counters["stats"]["unique_graphs"] == graphs
     _same(_run(second, capture="off"), again, atol=1e-4)
+
+
+def test_the_knob_takes_on_and_off_as_the_command_line_parses_them():
+    assert [ATTACKS.build("ig", capture=v).capture for v in (True, False, "graph")] == ["on", "off", "graph"]
+    with pytest.raises(ConfigError, match="capture must be one of"):
+        ATTACKS.build("ig", capture="sometimes")
