@@ -11,8 +11,9 @@ from audit.core.metrics import psnr
 from audit.core.models import build_model
 from defenses import build_defense
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="compares cpu with cuda results and the "
-                                "captured iteration (CUDA graphs) with the eager loop: runs where a CUDA GPU is present")
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
+                                reason="compares cpu with cuda results and the captured iteration (CUDA graphs) "
+                                       "with the eager loop: runs where a CUDA GPU is present")
 SHAPE = (3, 16, 16)
 
 
