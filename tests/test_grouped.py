@@ -161,3 +161,19 @@ def test_audit_groups_the_images_of_a_step(tmp_path, monkeypatch, one_thread):
     for a, b in zip(grouped.data["results"], single.data["results"]):
         assert (a["attack_id"], a["image"]) == (b["attack_id"], b["image"])
         assert abs(a["metrics"]["psnr"] - b["metrics"]["psnr"]) < 0.1
+
+
+def test_observed_masks_are_the_targets_nonzeros():
+    """masks='observed' reads each target's mask in the objective: the same loss as the masks
+    given explicitly, and another target gives another mask."""
+    from attacks.objectives import OBJECTIVES
+
+    gen = torch.Generator().manual_seed(0)
+    dummy = [torch.randn(4, 3, generator=gen), torch.randn(5, generator=gen)]
+    target = [torch.randn(4, 3, generator=gen), torch.randn(5, generator=gen)]
+    target[0][target[0].abs() < 0.8] = 0
+    for name in ("l2", "cosine"):
+        given = OBJECTIVES.build(name, masks=[(t != 0) for t in target])(dummy, target)
+        observed = OBJECTIVES.build(name, masks="observed")(dummy, target)
+        assert torch.equal(given, observed)
+        assert not torch.equal(OBJECTIVES.build(name)(dummy, target), observed)

@@ -135,3 +135,20 @@ def test_lpips_unavailable_for_small_images_whatever_the_weights():
     truth = _batch(2, s=16, seed=10)
     result = score(truth, None, truth, torch.tensor([0, 1]))
     assert result["lpips"].value is None and "31x31" in result["lpips"].unavailable
+
+
+def test_scoring_a_group_at_once_gives_each_batchs_own_scores():
+    """score_many runs each metric once over every batch: the same numbers as one at a time."""
+    from audit.core.metrics import score, score_many
+
+    gen = torch.Generator().manual_seed(3)
+    truths = [torch.rand(2, 3, 8, 8, generator=gen), torch.rand(1, 3, 8, 8, generator=gen)]
+    recons = [truths[0].flip(0) + 0.05 * torch.rand(2, 3, 8, 8, generator=gen), torch.rand(1, 3, 8, 8, generator=gen)]
+    labels = [torch.tensor([1, 2]), torch.tensor([0])]
+    together = score_many(recons, labels, truths, labels, lpips=False)
+    for got, r, t, y in zip(together, recons, truths, labels):
+        alone = score(r, y, t, y, lpips=False)
+        assert got["assignment"] == alone["assignment"]
+        for name in ("mse", "psnr", "ssim"):
+            assert got[name].per_image == alone[name].per_image
+    assert together[0]["assignment"] == [1, 0]  # the flipped batch is matched back
