@@ -421,9 +421,9 @@ def _f(v: Optional[float], digits: int = 2) -> str:
 
 
 def cell_text(c: Optional[CellEvidence], label: str = "") -> str:
-    if c is None or (c.images == 0 and c.missing):
-        return "not yet run"
     head = f"{label}: " if label else ""
+    if c is None or (c.images == 0 and c.missing):
+        return f"{head}not yet run"
     text = (f"{head}{_f(c.psnr)} dB / {_f(c.ssim, 3)} / {_f(c.lpips, 3)}; {identification_text(c)}; "
             f"{c.recovered} recovered")
     if len(c.per_step_psnr) > 1:
