@@ -24,7 +24,6 @@ from audit.integrations.flower.job import FINISHED, JOB, STATE, RoundJob, load_j
 from audit.integrations.flower.rounds import finish_round
 
 
-
 def _classes(job: RoundJob, model: ModelSettings, shape) -> int:
     """The class count: the mod's ``num_classes``, else the width of the model's output."""
     if job.settings.num_classes is not None:
