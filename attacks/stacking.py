@@ -12,18 +12,17 @@ batch theirs; the default runs the calls one after another.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Dict, List, Tuple
+from typing import Any, Dict, List, Tuple
 
 import torch
 from torch import Tensor
 
 from priors import PriorContext, requiring
 
-if TYPE_CHECKING:  # the run is the caller's; no import at run time
-    from attacks.optimization import OptimizationRun
+Run = Any  # an attacks.optimization.OptimizationRun (not imported: it imports this module)
 
 
-def unstackable(run: "OptimizationRun") -> str:
+def unstackable(run: Run) -> str:
     """Why the run's members cannot go through one simulator call ('' when they can)."""
     simulator = run.simulator
     if not callable(getattr(simulator, "many_members", None)):
@@ -40,7 +39,7 @@ def unstackable(run: "OptimizationRun") -> str:
     return ""
 
 
-def evaluate(run: "OptimizationRun", variables: List[Tensor]) -> Tuple[Tensor, Dict[str, Tensor], List[Tensor]]:
+def evaluate(run: Run, variables: List[Tensor]) -> Tuple[Tensor, Dict[str, Tensor], List[Tensor]]:
     """Per-member loss ``(M,)``, terms and the gradient w.r.t. the members' variables."""
     z = variables[0].detach().requires_grad_(True)
     members = z.shape[0]
