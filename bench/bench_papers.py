@@ -509,7 +509,8 @@ def timing(rows: Sequence[Row], out: Path, profile: str, data: str) -> str:
         path = summary_path(out, row, profile, data)
         if path.is_file():
             done.append(json.loads(path.read_text()).get("seconds", 0.0))
-    return f"{len(done)} of {len(rows)} rows run; last invocation of each: {sum(done) / 60:.0f} min in all"
+    return (f"{len(done)} of {len(rows)} rows finished, the others show the cells stored so far; the finished rows' "
+            f"last invocations: {sum(done) / 60:.0f} min in all")
 
 
 # --------------------------------------------------------------------------- main
