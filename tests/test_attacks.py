@@ -234,7 +234,12 @@ def test_defense_simulator_passes_the_dummy_through_the_defense(data16):
     for a, b in zip(grads, obs.gradients):
         torch.testing.assert_close(a, b)
     rec = ATTACKS.build("ig", restarts=2, simulator=sim).reconstruct(obs, 2, 0)
-    assert rec.trace["execution"].startswith("sequential (DefenseSimulator is not vmappable)")
+    # both restarts go through one batched call of the defense (Defense.many), with the same
+    # images as the restarts run one after another
+    assert rec.trace["execution"].startswith("stacked (one call of the defense over 2 member(s)")
+    one_by_one = ATTACKS.build("ig", restarts=2, simulator=sim, execution="sequential").reconstruct(obs, 2, 0)
+    assert one_by_one.trace["execution"].startswith("sequential")
+    torch.testing.assert_close(rec.inputs, one_by_one.inputs, atol=1e-5, rtol=0)
 
 
 # --------------------------------------------------------------------------- objectives
