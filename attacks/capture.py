@@ -20,6 +20,7 @@ runs the eager batched loop; its trace's ``capture`` says why.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import itertools
@@ -241,7 +242,7 @@ class Program:
     def __init__(self, run, variables: Sequence[Tensor], route: Route):
         start = time.perf_counter()
         n_padded = padded_observations(run.n, run.restarts, route)
-        self.route, self.n_padded, self.restarts = route, n_padded, run.restarts
+        self.route, self.n_padded, self.restarts, self.device = route, n_padded, run.restarts, run.device
         with torch.random.fork_rng(devices=[run.device] if run.device.type == "cuda" else []):
             padded = run.group + [run.group[-1]] * (n_padded - run.n)
             self.template = type(run)(run.attack, padded, [0] * n_padded, show_bars=False)
@@ -307,11 +308,12 @@ class Program:
         if self.replay is not None:
             return self.replay()
         start = time.perf_counter()
-        if self.calls > self.route.warmup:
-            self.replay = self.route.capture(self.fn)
-            out = self.replay()
-        else:
-            out = self.route.warm(self.fn)
+        with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
+            if self.calls > self.route.warmup:  # streams and graphs on the run's GPU
+                self.replay = self.route.capture(self.fn)
+                out = self.replay()
+            else:
+                out = self.route.warm(self.fn)
         self.setup_s += time.perf_counter() - start
         return out
 
