@@ -318,6 +318,10 @@ class Program:
         return out
 
 
+class CaptureFailed(RuntimeError):
+    """A program could not be built, warmed up or captured."""
+
+
 #: programs kept in this process, least recently used first
 PROGRAMS: "OrderedDict[Tuple, Program]" = OrderedDict()
 #: keys whose capture failed, and why (not tried again)
@@ -350,10 +354,6 @@ def _make_room(device: torch.device) -> None:
     total = torch.cuda.get_device_properties(device).total_memory
     while PROGRAMS and torch.cuda.memory_allocated(device) > MEMORY_FRACTION * total:
         PROGRAMS.popitem(last=False)
-
-
-class CaptureFailed(RuntimeError):
-    """A program could not be built, warmed up or captured."""
 
 
 # -- the loop's step, captured or not
@@ -390,6 +390,7 @@ class CapturedSteps(EagerSteps):
         super().__init__(run, variables, optimizer, note)
         self.route, self.program, self.eager = route, None, None
         self.replays, self.warm, self.built = 0, 0, []  # programs this run built
+        self.done = 0  # iterations done on the current program since its load
 
     def step(self, iteration: int) -> Tensor:
         if self.eager is not None:
@@ -400,6 +401,7 @@ class CapturedSteps(EagerSteps):
                 self.program, reused = program_for(run, self.variables, self.route)
                 self.built += [] if reused else [self.program]
                 self.program.load(run, self.variables, self.optimizer)
+                self.done = 0
             loss = self.program(self.optimizer.lr_at(iteration), iteration)
         except GiaError:
             raise
@@ -408,6 +410,7 @@ class CapturedSteps(EagerSteps):
         replayed = self.program.replay is not None  # this call replayed (the capturing one included)
         self.replays += replayed
         self.warm += not replayed
+        self.done += 1
         run.evaluations += 1
         run._count()
         return loss[:self.variables[0].shape[0]].clone()
@@ -421,7 +424,7 @@ class CapturedSteps(EagerSteps):
         first_line = (str(err).strip().splitlines() or [""])[0][:200]
         why = f"{self.route.name} failed: {type(err).__name__}: {first_line}"
         if program is not None:
-            if program.calls:  # the completed iterations are the run's
+            if self.done:  # the iterations done on it are the run's
                 program.store(self.variables, self.optimizer)
                 self._flush()
             key = next((k for k, p in PROGRAMS.items() if p is program), None)

@@ -3,6 +3,7 @@ batched loop, reused across groups of one shape with new weights and targets, pa
 unchanged, and runs that cannot be captured say why."""
 import os
 import shutil
+from collections import OrderedDict
 
 import pytest
 import torch
@@ -104,6 +105,24 @@ def test_a_capture_that_fails_continues_eagerly_with_the_reason(monkeypatch):
     assert failed[0].trace["capture"] == ("off: capture='compiled'; compiled failed: RuntimeError: "
                                           "no C++ compiler found")
     _same(_run(obs, capture="off"), failed)
+
+
+def test_a_capture_that_fails_after_its_warm_up_keeps_the_iterations_done(monkeypatch):
+    """As a CUDA graph whose capture fails: the warm-up iterations ran on the program's buffers,
+    are handed back, and the loop goes on eagerly from there."""
+    def refuse(fn):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    eager_route = capture.ROUTES.get("eager")
+    monkeypatch.setattr(eager_route, "warmup", 10)
+    monkeypatch.setattr(eager_route, "capture", refuse)
+    monkeypatch.setattr(capture, "FAILED", {})
+    monkeypatch.setattr(capture, "PROGRAMS", OrderedDict())  # a program of its own, warmed up here
+    obs = _group(seed=6)
+    failed = _run(obs, 24, capture="eager", lr=1e-9)
+    assert failed[0].trace["capture"].startswith("off: capture='eager'; eager failed: RuntimeError: operation")
+    assert failed[0].trace["optimizer_events"][0]["iteration"] < 10  # logged in the program, handed back
+    _same(_run(obs, 24, capture="off", lr=1e-9), failed)
 
 
 def _has_cxx() -> bool:

@@ -1,6 +1,8 @@
 """The cuda path: the same attack, plan and audit numbers on a GPU as on the CPU (within
 float tolerance), and the captured iteration (CUDA graphs) as the eager loop. Skipped where no
 GPU is present."""
+from collections import OrderedDict
+
 import pytest
 import torch
 
@@ -115,6 +117,7 @@ def test_a_graph_that_cannot_be_captured_runs_eagerly_with_the_reason(monkeypatc
 
     monkeypatch.setattr(capture.torch.cuda, "graph", refuse)
     monkeypatch.setattr(capture, "FAILED", {})  # the failure is this test's own: not kept for the others
+    monkeypatch.setattr(capture, "PROGRAMS", OrderedDict())  # a program of its own, captured here
     obs, _ = _cuda_group(2, seed=5)
     recs = _ig(obs, 20, capture="graph")
     trace = recs[0].trace["capture"]
