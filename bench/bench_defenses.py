@@ -19,6 +19,8 @@ beside the default ``prune`` audit of the same settings in the same run.
 Usage (run on purpose, not in CI)::
     python bench/bench_defenses.py --calls --threads 2 --docs defenses
     python bench/bench_defenses.py --audits --threads 2 --docs defense-audits
+    python bench/bench_defenses.py --audits --audit-defenses prune --audit-args "" \
+        --baseline-tree OLD_TREE --docs default-audit   # the default audit, this tree beside OLD_TREE
     python bench/bench_defenses.py --calls --configs cnn:1 --defenses censor,refiner
 
 ``--docs NAME`` writes the part's table into ``docs/performance.md``; ``--json PATH`` keeps the
@@ -56,6 +58,7 @@ from defenses.streams import fill_normal  # noqa: E402
 
 CALL_MARK = "defenses"
 AUDIT_MARK = "defense-audits"
+BASELINE_MARK = "default-audit"  # --audits with --baseline-tree: this tree's audit beside another tree's
 PAGE = "docs/performance.md"
 
 
@@ -465,7 +468,7 @@ def main(argv=None) -> None:
     device = torch.device(args.device)
     if args.calls == args.audits:
         raise SystemExit("choose one of --calls and --audits")
-    part = CALL_MARK if args.calls else AUDIT_MARK
+    part = CALL_MARK if args.calls else BASELINE_MARK if args.baseline_tree else AUDIT_MARK
     if args.docs and args.docs != part:
         raise SystemExit(f"--docs {args.docs}: this part's section is {part!r}")
     saved = json.loads(Path(args.from_json).read_text()) if args.from_json else None

@@ -130,7 +130,11 @@ EOT = {"samples": 4}
 # the learned inverter's training pairs on ResNet-18 (its set-up cost is not part of the budget)
 INVERTER = {"learned-inverter": {"pairs": 256}}
 
-R18 = {"model": "resnet18", "default_model_args": {"width": 16}}
+#: ResNet-18 in the default profile: width 8 (8-16-32-64 channels) and 100 gradient evaluations
+#: per attack, so that every row fits 2 CPU cores in 2 hours; ``--full`` runs width 64 at the
+#: paper's budget
+R18 = {"model": "resnet18", "default_model_args": {"width": 8}}
+R18_BUDGET = 100
 CENSOR_NOTES = ("CENSOR here never shares the clean gradient; the authors' code falls back to it when no "
                 "candidate lowers the loss",)
 SVD_NOTES = ("SVDefense's channel weight matrix is read as diag(sqrt(w)) and its threshold as E = 1 - exp(-eta H): "
@@ -139,50 +143,50 @@ SVD_NOTES = ("SVDefense's channel weight matrix is read as diag(sqrt(w)) and its
 ROWS: List[Row] = [
     # ---------------------------------------------------------------- CENSOR (paper 001)
     Row("censor-none", "CENSOR", "Table II, CIFAR-10, IG, no defense", "26.32 dB (SSIM 0.814, LPIPS 0.091)",
-        "leaks", defense="none", defense_args={}, attacks=(CENSOR_IG,), paper_psnr=26.32, default_budget=200,
+        "leaks", defense="none", defense_args={}, attacks=(CENSOR_IG,), paper_psnr=26.32, default_budget=R18_BUDGET,
         attack_args=INVERTER, **R18),
     Row("censor-soteria", "CENSOR", "Table II, CIFAR-10, IG, Soteria (10% of fc-input features)",
         "12.54 dB (SSIM 0.122, LPIPS 0.585)", "protects", defense="soteria",
         defense_args={"ratio": 0.1, "layer": "last"},
         attacks=(AttackRef("mask-replay", CENSOR_IG.args, "IG with Soteria's mask on the dummy (the paper's code)",
-                           15000, 4),), paper_psnr=12.54, default_budget=200, attack_args=INVERTER, **R18),
+                           15000, 4),), paper_psnr=12.54, default_budget=R18_BUDGET, attack_args=INVERTER, **R18),
     Row("censor-censor", "CENSOR", "Table II, CIFAR-10, IG, CENSOR (T=20)", "10.27 dB (SSIM 0.011, LPIPS 0.688)",
         "protects", defense="censor", defense_args={"trials": 20}, attacks=(CENSOR_IG,),
         adaptive=AttackRef("through-defense", {**CENSOR_IG.args, **EOT}, "EOT over CENSOR's draws (Table III, "
                            "with GIFD: 13.32 -> 13.39 dB on ImageNet)"),
-        paper_psnr=10.27, default_budget=200, notes=CENSOR_NOTES, attack_args=INVERTER, **R18),
+        paper_psnr=10.27, default_budget=R18_BUDGET, notes=CENSOR_NOTES, attack_args=INVERTER, **R18),
     Row("censor-rounds", "CENSOR", "Fig. 9, CENSOR across rounds 0-9 (ImageNet, GIFD)",
         "13.32, 10.50, 9.94, 10.37, 9.07, 10.16, 10.28, 9.95, 10.69, 10.65 dB", "protects", defense="censor",
         defense_args={"trials": 20}, attacks=(CENSOR_IG,), steps=tuple(range(10)), default_steps=(0, 9),
-        paper_data="ImageNet 64x64", default_budget=200, notes=CENSOR_NOTES,
+        paper_data="ImageNet 64x64", default_budget=R18_BUDGET, notes=CENSOR_NOTES,
         deviation="IG instead of GIFD (no pretrained generator here)", attack_args=INVERTER, **R18),
     Row("censor-later", "CENSOR", "rounds 5-9 with CENSOR off after round 4 (SVDefense's adaptive attack)",
         "16.41 dB (SVDefense Table I, MNIST)", "leaks", defense="censor",
         defense_args={"trials": 20, "active_rounds": 5}, attacks=(CENSOR_IG,), steps=(5, 6, 7, 8, 9),
-        default_steps=(5, 9), paper_data="MNIST", default_budget=200, attack_args=INVERTER, **R18),
+        default_steps=(5, 9), paper_data="MNIST", default_budget=R18_BUDGET, attack_args=INVERTER, **R18),
     # ---------------------------------------------------------------- SVDefense (paper 002)
     Row("svd-prune", "SVDefense", "Table I, prune 90%: IG -> mask replay", "12.93 -> 36.13 dB", "leaks",
         defense="prune", defense_args={"ratio": 0.9}, attacks=(SVD_IG,),
         adaptive=AttackRef("mask-replay", SVD_IG.args, "mask replay (IG)", 4000), leak_cell="adaptive",
-        paper_psnr=12.93, paper_data="MNIST", default_budget=200, attack_args=INVERTER, **R18),
+        paper_psnr=12.93, paper_data="MNIST", default_budget=R18_BUDGET, attack_args=INVERTER, **R18),
     Row("svd-soteria", "SVDefense", "Table I, Soteria 80%: IG -> mask replay", "10.81 -> 38.74 dB", "leaks",
         defense="soteria", defense_args={"ratio": 0.8, "layer": "last"}, attacks=(SVD_IG,),
         adaptive=AttackRef("mask-replay", SVD_IG.args, "mask replay (IG)", 4000), leak_cell="adaptive",
-        paper_psnr=10.81, paper_data="MNIST", default_budget=200, attack_args=INVERTER, **R18),
+        paper_psnr=10.81, paper_data="MNIST", default_budget=R18_BUDGET, attack_args=INVERTER, **R18),
     Row("svd-precode", "SVDefense", "Table I, PRECODE: IG -> latent recovery", "3.57 -> 57.42 dB", "leaks",
         defense="precode", defense_args={"latent": 256, "beta": 1e-3}, attacks=(SVD_IG,),
         adaptive=AttackRef("precode-latent", {}, "dummy latent optimised with the input", 4000),
-        leak_cell="adaptive", paper_psnr=3.57, paper_data="MNIST", default_budget=200, attack_args=INVERTER, **R18),
+        leak_cell="adaptive", paper_psnr=3.57, paper_data="MNIST", default_budget=R18_BUDGET, attack_args=INVERTER, **R18),
     Row("svd-censor", "SVDefense", "Table I, CENSOR (first 5 rounds): IG at round 0 -> IG at rounds 5+",
         "8.19 -> 16.41 dB", "leaks", defense="censor", defense_args={"trials": 20, "active_rounds": 5},
         attacks=(SVD_IG,), steps=(0, 5), adaptive_steps=(5,), paper_steps=(0,),
         adaptive=AttackRef("ig", SVD_IG.args, "IG at round 5, CENSOR off", 4000), leak_cell="adaptive",
-        paper_psnr=8.19, paper_data="MNIST", default_budget=200, notes=CENSOR_NOTES,
+        paper_psnr=8.19, paper_data="MNIST", default_budget=R18_BUDGET, notes=CENSOR_NOTES,
         deviation="rounds of FedSGD instead of epochs", attack_args=INVERTER, store="censor-resnet18-svdefense", **R18),
     Row("svd-svdefense", "SVDefense", "Table III, CIFAR-10, IG vs SVDefense (eta 0.3); Table IV, LTI",
         "12.53 dB (LTI: 14.34 dB)", "protects", defense="svdefense", defense_args={"eta": 0.3},
         attacks=(SVD_IG,), adaptive=AttackRef("learned-inverter", {"pairs": 256}, "learning to invert (Table IV)"),
-        paper_psnr=12.53, default_budget=200, notes=SVD_NOTES, attack_args=INVERTER, **R18),
+        paper_psnr=12.53, default_budget=R18_BUDGET, notes=SVD_NOTES, attack_args=INVERTER, **R18),
     Row("svd-utility", "SVDefense", "Fig. 7, utility: SVDefense not below no defense (KWS 79.9% vs 78.0%)",
         "79.9% vs 78.0%", "utility", defense="svdefense", defense_args={"eta": 0.3}, attacks=(),
         utility=("not-worse", 1.0), paper_data="Google Speech Commands", default_budget=4,
@@ -223,7 +227,7 @@ ROWS: List[Row] = [
           f"{psnr:.2f} dB" + (" (Table 15 adaptive: iDLG 10.67, IG 10.44)" if alpha == 0.5 else ""), "protects",
           model="lenet", defense="refiner", defense_args={"eps": 0.1, "alpha": alpha}, attacks=(REFINER_IG,),
           adaptive=AttackRef("through-defense", {"tv": 1e-4, **EOT}, "EOT through Refiner (ours)"),
-          paper_psnr=psnr, default_budget=400,
+          paper_psnr=psnr, default_budget=200,
           deviation="Refiner's evaluation network at width 32 of 128 (the defense's default)")
       for alpha, psnr in ((0.0, 21.24), (0.1, 16.52), (0.3, 14.99), (0.5, 13.20), (0.7, 12.53), (0.9, 10.52))],
     Row("refiner-utility", "Refiner", "Table 7, utility: PMM (defended / undefended accuracy), alpha 0.5",

@@ -7,6 +7,7 @@ rerunning the command written there refreshes that table and nothing else.
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 from pathlib import Path
 from typing import Optional, Sequence
@@ -23,7 +24,7 @@ def add_docs_option(parser: argparse.ArgumentParser, page: str) -> None:
 
 def command_line(script: str, argv: Optional[Sequence[str]]) -> str:
     """The command that reproduces this run, as written in the docs."""
-    return " ".join(["python", f"bench/{script}", *(sys.argv[1:] if argv is None else argv)])
+    return shlex.join(["python", f"bench/{script}", *(sys.argv[1:] if argv is None else argv)])
 
 
 def write_table(page: str, name: str, command: str, table: str, setting: str = "") -> Path:

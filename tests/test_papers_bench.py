@@ -122,7 +122,7 @@ def test_every_row_follows_its_paper_and_states_its_deviation():
         assert bp.budget_full_is_paper(row)
     censor = bp.BY_ID["censor-censor"]
     assert censor.attacks[0].args["restarts"] == 4 and censor.attacks[0].args["tv"] == 1e-4
-    assert bp.deviation_text(censor, None, "default", "embedded").startswith("50 of 15,000 iterations x 4")
+    assert bp.deviation_text(censor, None, "default", "embedded").startswith(f"{bp.R18_BUDGET // 4} of 15,000 iterations x 4")
 
 
 def test_the_page_marks_rows_not_yet_run_and_renders_stored_ones(tmp_path):
