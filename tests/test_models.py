@@ -97,3 +97,29 @@ def test_bad_model_requests_name_the_fix():
         build_model("lenet", (3, 32, 32), 10, depth=3)
     with pytest.raises(ConfigError, match="one value per input channel"):
         build_model("lenet", (3, 32, 32), 10, mean=(0.5,), std=(0.5,))
+
+
+@pytest.mark.parametrize("name", ["cnn", "convbig"])
+def test_lecun_init_is_flax_default_kernels_and_zero_biases(name):
+    # flax's default: kernel ~ normal truncated at 2 std, variance 1 / fan_in; bias 0
+    model = build_model(name, init="lecun", seed=3)
+    layers = [m for m in model.modules() if isinstance(m, (nn.Conv2d, nn.Linear))]
+    assert len(layers) >= 4
+    for layer in layers:
+        w = layer.weight.detach()
+        fan_in = w[0].numel()
+        assert torch.equal(layer.bias, torch.zeros_like(layer.bias))
+        assert abs(float(w.std()) * fan_in ** 0.5 - 1.0) < 0.15, (name, tuple(w.shape))
+        assert float(w.abs().max()) <= 2.0 / 0.8796 / fan_in ** 0.5 + 1e-6  # truncated at 2 std
+
+
+def test_lecun_init_gives_the_bayes_cnn_larger_gradients_than_torch_default():
+    x = torch.rand(4, 3, 32, 32)
+    y = torch.tensor([0, 3, 5, 9])
+    rms = {}
+    for init in ("torch", "lecun"):
+        grads = clean_gradients(build_model("cnn", init=init), x, y)
+        rms[init] = float(torch.cat([g.flatten() for g in grads]).pow(2).mean().sqrt())
+    assert rms["lecun"] > 2.5 * rms["torch"]
+    with pytest.raises(ConfigError, match="init must be one of"):
+        build_model("cnn", init="xavier")
