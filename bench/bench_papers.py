@@ -329,6 +329,17 @@ def run_row(row: Row, profile: Profile, data: str, data_args: Dict[str, Any], ou
     return refresh(row, summary)
 
 
+def earlier_seconds(path: Path, run_key: str) -> float:
+    """Seconds the finished invocations of the same run (``run_key``) took before, from the
+    row's stored summary: a resumed row reports its whole time (an interrupted invocation's
+    time is not known)."""
+    try:
+        stored = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return 0.0
+    return float(stored.get("seconds") or 0.0) if stored.get("run_key") == run_key else 0.0
+
+
 def _jsonable(obj: Any) -> Any:
     return json.loads(json.dumps(obj, default=str))
 
@@ -519,8 +530,8 @@ def timing(rows: Sequence[Row], out: Path, profile: str, data: str) -> str:
         path = summary_path(out, row, profile, data)
         if path.is_file():
             done.append(json.loads(path.read_text()).get("seconds", 0.0))
-    return (f"{len(done)} of {len(rows)} rows finished, the others show the cells stored so far; the finished rows' "
-            f"last invocations: {sum(done) / 60:.0f} min in all")
+    return (f"{len(done)} of {len(rows)} rows finished, the others show the cells stored so far; the finished rows "
+            f"took {sum(done) / 60:.0f} min in all")
 
 
 # --------------------------------------------------------------------------- main
@@ -584,6 +595,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                 print(f"  row {row.id} failed: {type(err).__name__}: {err}", flush=True)
                 continue
             path = summary_path(out, row, name, data)
+            summary["seconds"] = round(summary["seconds"] + earlier_seconds(path, summary["run_key"]), 1)
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(summary, indent=1))
             print(f"  {summary['seconds']:.0f} s; {conclude(row, summary).text()}", flush=True)

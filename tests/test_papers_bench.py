@@ -207,3 +207,11 @@ def test_rows_sharing_a_result_store_run_each_attack_with_the_same_settings():
         for name, kw in (call["attack_args"] or {}).items():
             previous = seen.setdefault((key, name), (row.id, kw))
             assert previous[1] == kw, f"{row.id} and {previous[0]} run {name} differently in one store"
+
+
+def test_a_resumed_row_counts_the_earlier_invocations_of_the_same_run_only(tmp_path):
+    path = tmp_path / "row.json"
+    assert bp.earlier_seconds(path, "abc") == 0.0  # nothing stored yet
+    path.write_text(json.dumps({"run_key": "abc", "seconds": 250.0}))
+    assert bp.earlier_seconds(path, "abc") == 250.0
+    assert bp.earlier_seconds(path, "other") == 0.0  # changed settings: a new run
