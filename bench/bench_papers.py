@@ -131,8 +131,9 @@ EOT = {"samples": 4}
 INVERTER = {"learned-inverter": {"pairs": 256}}
 
 #: ResNet-18 in the default profile: width 8 (8-16-32-64 channels) and 100 gradient evaluations
-#: per attack, so that every row fits 2 CPU cores in 2 hours; ``--full`` runs width 64 at the
-#: paper's budget
+#: per attack where CENSOR or SVDefense runs inside the attacks, 2-4x that where the defense is
+#: cheap, so that every row fits 2 CPU cores in 2 hours; ``--full`` runs width 64 at the paper's
+#: budget
 R18 = {"model": "resnet18", "default_model_args": {"width": 8}}
 R18_BUDGET = 100
 #: the Bayes paper's networks as its JAX code initialises them (flax's defaults)
@@ -145,7 +146,8 @@ SVD_NOTES = ("SVDefense's channel weight matrix is read as diag(sqrt(w)) and its
 ROWS: List[Row] = [
     # ---------------------------------------------------------------- CENSOR (paper 001)
     Row("censor-none", "CENSOR", "Table II, CIFAR-10, IG, no defense", "26.32 dB (SSIM 0.814, LPIPS 0.091)",
-        "leaks", defense="none", defense_args={}, attacks=(CENSOR_IG,), paper_psnr=26.32, default_budget=R18_BUDGET,
+        "leaks", defense="none", defense_args={}, attacks=(CENSOR_IG,), paper_psnr=26.32,
+        default_budget=4 * R18_BUDGET,
         attack_args=INVERTER, **R18),
     Row("censor-soteria", "CENSOR", "Table II, CIFAR-10, IG, Soteria (10% of fc-input features)",
         "12.54 dB (SSIM 0.122, LPIPS 0.585)", "protects", defense="soteria",
@@ -165,25 +167,26 @@ ROWS: List[Row] = [
     Row("censor-later", "CENSOR", "rounds 5-9 with CENSOR off after round 4 (SVDefense's adaptive attack)",
         "16.41 dB (SVDefense Table I, MNIST)", "leaks", defense="censor",
         defense_args={"trials": 20, "active_rounds": 5}, attacks=(CENSOR_IG,), steps=(5, 6, 7, 8, 9),
-        default_steps=(5, 9), paper_data="MNIST", default_budget=R18_BUDGET, attack_args=INVERTER, **R18),
+        default_steps=(5, 9), paper_data="MNIST", default_budget=4 * R18_BUDGET, attack_args=INVERTER, **R18),
     # ---------------------------------------------------------------- SVDefense (paper 002)
     Row("svd-prune", "SVDefense", "Table I, prune 90%: IG -> mask replay", "12.93 -> 36.13 dB", "leaks",
         defense="prune", defense_args={"ratio": 0.9}, attacks=(SVD_IG,),
         adaptive=AttackRef("mask-replay", SVD_IG.args, "mask replay (IG)", 4000), leak_cell="adaptive",
-        paper_psnr=12.93, paper_data="MNIST", default_budget=R18_BUDGET, attack_args=INVERTER, **R18),
+        paper_psnr=12.93, paper_data="MNIST", default_budget=2 * R18_BUDGET, attack_args=INVERTER, **R18),
     Row("svd-soteria", "SVDefense", "Table I, Soteria 80%: IG -> mask replay", "10.81 -> 38.74 dB", "leaks",
         defense="soteria", defense_args={"ratio": 0.8, "layer": "last"}, attacks=(SVD_IG,),
         adaptive=AttackRef("mask-replay", SVD_IG.args, "mask replay (IG)", 4000), leak_cell="adaptive",
-        paper_psnr=10.81, paper_data="MNIST", default_budget=R18_BUDGET, attack_args=INVERTER, **R18),
+        paper_psnr=10.81, paper_data="MNIST", default_budget=2 * R18_BUDGET, attack_args=INVERTER, **R18),
     Row("svd-precode", "SVDefense", "Table I, PRECODE: IG -> latent recovery", "3.57 -> 57.42 dB", "leaks",
         defense="precode", defense_args={"latent": 256, "beta": 1e-3}, attacks=(SVD_IG,),
         adaptive=AttackRef("precode-latent", {}, "dummy latent optimised with the input", 4000),
-        leak_cell="adaptive", paper_psnr=3.57, paper_data="MNIST", default_budget=R18_BUDGET, attack_args=INVERTER, **R18),
+        leak_cell="adaptive", paper_psnr=3.57, paper_data="MNIST", default_budget=2 * R18_BUDGET,
+        attack_args=INVERTER, **R18),
     Row("svd-censor", "SVDefense", "Table I, CENSOR (first 5 rounds): IG at round 0 -> IG at rounds 5+",
         "8.19 -> 16.41 dB", "leaks", defense="censor", defense_args={"trials": 20, "active_rounds": 5},
         attacks=(SVD_IG,), steps=(0, 5), adaptive_steps=(5,), paper_steps=(0,),
         adaptive=AttackRef("ig", SVD_IG.args, "IG at round 5, CENSOR off", 4000), leak_cell="adaptive",
-        paper_psnr=8.19, paper_data="MNIST", default_budget=R18_BUDGET, notes=CENSOR_NOTES,
+        paper_psnr=8.19, paper_data="MNIST", default_budget=2 * R18_BUDGET, notes=CENSOR_NOTES,
         deviation="rounds of FedSGD instead of epochs", attack_args=INVERTER, store="censor-resnet18-svdefense", **R18),
     Row("svd-svdefense", "SVDefense", "Table III, CIFAR-10, IG vs SVDefense (eta 0.3); Table IV, LTI",
         "12.53 dB (LTI: 14.34 dB)", "protects", defense="svdefense", defense_args={"eta": 0.3},
