@@ -215,3 +215,12 @@ def test_a_resumed_row_counts_the_earlier_invocations_of_the_same_run_only(tmp_p
     path.write_text(json.dumps({"run_key": "abc", "seconds": 250.0}))
     assert bp.earlier_seconds(path, "abc") == 250.0
     assert bp.earlier_seconds(path, "other") == 0.0  # changed settings: a new run
+
+
+def test_a_row_only_full_runs_says_so_on_the_default_page(tmp_path):
+    row = bp.BY_ID["bayes-soteria"]
+    assert row.id in bp.FULL_ONLY
+    default = bp.render([row], tmp_path, bp.Profile("default", 16), "embedded", {})
+    assert "not run by the default profile" in default and "`--full` runs it" in default
+    full = bp.render([row], tmp_path, bp.Profile("full", 16), "embedded", {})
+    assert "not run by the default profile" not in full and "not yet run" in full
