@@ -504,9 +504,9 @@ def row_line(row: Row, summary: Optional[Dict[str, Any]], profile: str, data: st
         first = cells.get(f"paper:{row.attacks[0].name}")
         cause = likely_cause(row, summary, first.psnr if first else None)
     verdict = conclusion.text() + (f"; {cause}" if cause else "")
-    if summary is None and profile != "full" and row.id in FULL_ONLY:
+    if (summary is None or summary.get("partial")) and profile != "full" and row.id in FULL_ONLY:
         verdict = f"not run by the default profile ({FULL_ONLY[row.id]}); `--full` runs it"
-    if summary is not None and summary.get("partial"):
+    elif summary is not None and summary.get("partial"):
         started = any(c.images for c in cells.values())
         verdict = f"still running: {verdict}" if started else "not yet run (its audit has started)"
     return (f"| {row.figure} | {row.paper_number} | {paper_cell} | {planner_cell} | {adaptive_cell} | {dev} | "
