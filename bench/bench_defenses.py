@@ -12,15 +12,13 @@ matrix + symmetric eigendecomposition per weight tensor (:data:`FLOORS` says whi
 defense).
 
 **Audits** (``--audits``): ``gia-audit audit`` of each named defense (``--audit-defenses``)
-as a subprocess on ``--threads`` threads with a fresh cache (the Refiner's evaluation
-network copied in), wall time, utility training time and each attack's summed result times,
-beside the default ``prune`` audit of the same settings in the same run.
+as a subprocess on ``--threads`` threads with a fresh cache (Refiner's network copied in):
+wall, utility and per-attack times, beside the default ``prune`` audit in the same run.
 
 Usage (run on purpose, not in CI)::
     python bench/bench_defenses.py --calls --threads 2 --docs defenses
     python bench/bench_defenses.py --audits --threads 2 --docs defense-audits
-    python bench/bench_defenses.py --audits --audit-defenses prune --audit-args "" \
-        --baseline-tree OLD_TREE --docs default-audit   # the default audit, this tree beside OLD_TREE
+    python bench/bench_defenses.py --audits --audit-defenses prune --audit-args "" --baseline-tree OLD --docs default-audit
     python bench/bench_defenses.py --calls --configs cnn:1 --defenses censor,refiner
 
 ``--docs NAME`` writes the part's table into ``docs/performance.md``; ``--json PATH`` keeps the

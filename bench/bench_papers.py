@@ -229,7 +229,7 @@ ROWS: List[Row] = [
         "near-perfect at early steps, fails by step 50", "leaks", model="cnn", model_args=dict(FLAX),
         defense="ats",
         defense_args={"policy": "7-4-15"}, attacks=(AttackRef("ig", BAYES_IG, "IG (cosine, TV 4e-4)", 4000),),
-        steps=(1, 2, 5, 10, 20, 50), default_steps=(1, 10, 50), default_budget=400,
+        steps=(1, 2, 5, 10, 20, 50), default_steps=(1, 50), default_budget=200,
         deviation="the claim checked: IG recovers the (augmented) image at the earliest step"),
     # ---------------------------------------------------------------- Refiner (paper 004)
     *[Row(f"refiner-alpha-{alpha}", "Refiner", f"Table 7, LeNet, eps 0.1, alpha {alpha}",
