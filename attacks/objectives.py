@@ -37,6 +37,10 @@ class Objective:
     def bind(self, observation: Observation) -> "Objective":
         return self
 
+    def bind_group(self, observations: Sequence[Observation]) -> "Objective":
+        """Bound for a grouped run over ``observations`` (of one model); by default as for the first."""
+        return self.bind(observations[0])
+
     def __call__(self, dummy_grads: Sequence[Tensor], target_grads: Sequence[Tensor]) -> Tensor:
         raise TypeError(f"{type(self).__name__} must implement __call__")
 
@@ -56,6 +60,9 @@ class GradientDistance(Objective):
             raise ConfigError(f"objective masks must be per-layer tensors or {OBSERVED!r}, got {masks!r}")
         self.weights = None if weights is None else list(weights)
         self.masks = masks if masks is None or masks == OBSERVED else list(masks)
+        #: ``masks=OBSERVED`` after ``bind_group``: the layers with an exact zero in some target
+        #: (the others need no mask); None masks every layer
+        self.zero_layers: Optional[frozenset] = None
 
     def bind(self, observation: Observation) -> "GradientDistance":
         n = len(observation.gradients)
@@ -76,15 +83,24 @@ class GradientDistance(Objective):
                            for m, g in zip(self.masks, observation.gradients)]
         return bound
 
+    def bind_group(self, observations: Sequence[Observation]) -> "GradientDistance":
+        bound = self.bind(observations[0])
+        if self.masks == OBSERVED:
+            bound.zero_layers = frozenset(i for i in range(len(observations[0].gradients))
+                                          if any(bool((o.gradients[i] == 0).any()) for o in observations))
+        return bound
+
     def _layers(self, dummy, target):
         """``(weight, masked dummy, masked target)`` per layer with non-zero weight."""
         for i, (g, t) in enumerate(zip(dummy, target)):
             w = 1.0 if self.weights is None or self.weights[i] is None else float(self.weights[i])
             if w == 0.0:
                 continue
-            m = None if self.masks is None else (t != 0) if self.masks == OBSERVED else self.masks[i]
-            if m is not None:
-                m = m.to(g.dtype)
+            if self.masks == OBSERVED:
+                if self.zero_layers is None or i in self.zero_layers:
+                    g = g * (t != 0).to(g.dtype)  # the target is its own mask: t * (t != 0) == t
+            elif self.masks is not None and self.masks[i] is not None:
+                m = self.masks[i].to(g.dtype)
                 g, t = g * m, t * m
             yield w, g, t
 
@@ -144,6 +160,9 @@ class ScaledDistance(Objective):
     def bind(self, observation):
         return ScaledDistance(self.name, self.distance.bind(observation), self.scale)
 
+    def bind_group(self, observations):
+        return ScaledDistance(self.name, self.distance.bind_group(observations), self.scale)
+
     def __call__(self, dummy_grads, target_grads):
         return self.scale * self.distance(dummy_grads, target_grads)
 
@@ -161,6 +180,9 @@ class StackedMean(Objective):
 
     def bind(self, observation: Observation) -> "StackedMean":
         return StackedMean(self.inner.bind(observation), self.label, self.dims)
+
+    def bind_group(self, observations: Sequence[Observation]) -> "StackedMean":
+        return StackedMean(self.inner.bind_group(observations), self.label, self.dims)
 
     def __call__(self, dummy_grads, target_grads):
         # unbind: one cheap backward

@@ -350,7 +350,7 @@ class OptimizationRun:
         self.layers = len(self.obs.gradients)
         self.targets = [[g.detach() for g in o.gradients] + list(self.simulator.observed_data(o)) for o in group]
         self.target = self.targets[0]
-        self.objective = attack.objective.bind(self.obs)
+        self.objective = attack.objective.bind_group(group)
         self.replica = self.simulator.prepare(self.obs)
         bn_priors = requiring(attack.priors, "bn_stats")
         if bn_priors and self.replica.bn_running is None:

@@ -18,7 +18,7 @@ wall, utility and per-attack times, beside the default ``prune`` audit in the sa
 Usage (run on purpose, not in CI)::
     python bench/bench_defenses.py --calls --threads 2 --docs defenses
     python bench/bench_defenses.py --audits --threads 2 --docs defense-audits
-    python bench/bench_defenses.py --audits --audit-defenses prune --audit-args "" --baseline-tree OLD --docs default-audit
+    python bench/bench_defenses.py --audits --audit-defenses prune --audit-args "" --baseline-tree OLD --order abba --docs default-audit
     python bench/bench_defenses.py --calls --configs cnn:1 --defenses censor,refiner
 
 ``--docs NAME`` writes the part's table into ``docs/performance.md``; ``--json PATH`` keeps the
@@ -360,11 +360,12 @@ def _records(out: Path) -> List[dict]:
     return found
 
 
-def audits_table(results: List[dict], clock: str) -> str:
-    """One row per audit; ``x prune``: against the ``prune`` audit of the same settings and tree."""
+def audits_table(results: List[dict], clock: str, this_tree: Optional[str] = None) -> str:
+    """One row per audit, in the order run; ``x prune``: against the ``prune`` audit of the
+    same settings and tree. ``this_tree`` (default: the first tree run) is labelled "this"."""
     key = "cpu_s" if clock == "cpu" else "wall_s"
     prune = {(r["args"], r["tree"]): r[key] for r in results if r["defense"] == "prune" and r["rc"] == 0}
-    trees = list(dict.fromkeys(r["tree"] for r in results))
+    this_tree = this_tree or (results[0]["tree"] if results else "")
     lines = ["| defense | tree | settings | wall s | CPU s | utility s | x prune | verdict | "
              "per attack (s, summed over results) |",
              "|---|---|---|---:|---:|---:|---:|---|---|"]
@@ -373,7 +374,7 @@ def audits_table(results: List[dict], clock: str) -> str:
         ratio = f"{r[key] / ref:.2f}" if ref and r["defense"] != "prune" else ""
         attacks = ", ".join(f"{k} {v:.0f}" for k, v in sorted(r["per_attack"].items(), key=lambda kv: -kv[1]))
         status = "" if r["rc"] == 0 else f" (exit {r['rc']})"
-        tree = "this" if r["tree"] == trees[0] else "baseline"
+        tree = "this" if r["tree"] == this_tree else "baseline"
         utility = "" if r.get("utility_s") is None else f"{r['utility_s']:.0f}"
         lines.append(f"| {r['defense']}{status} | {tree} | `{r['args']}` | {r['wall_s']:.0f} | {r['cpu_s']:.0f} | "
                      f"{utility} | {ratio} | {r['verdict']} | {attacks} |")
@@ -382,9 +383,11 @@ def audits_table(results: List[dict], clock: str) -> str:
 
 def bench_audits(args, device) -> None:
     """Every audit of ``--audit-defenses`` from this tree (and, interleaved, from
-    ``--baseline-tree``), one after another, each with a fresh cache."""
+    ``--baseline-tree`` in the ``--order`` given), one after another, each with a fresh cache."""
     results = []
-    trees = [Path(args.tree)] + ([Path(args.baseline_tree)] if args.baseline_tree else [])
+    this, other = Path(args.tree), Path(args.baseline_tree) if args.baseline_tree else None
+    trees = [this] if other is None else {"this-first": [this, other], "baseline-first": [other, this],
+                                          "abba": [this, other, other, this]}[args.order]
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.audit_defenses.split(","):
             extra = (args.censor_args if name == "censor" else args.audit_args).split()
@@ -405,9 +408,28 @@ def bench_audits(args, device) -> None:
     return results
 
 
+def trees_summary(results: List[dict], this_tree: str) -> str:
+    """Each tree's mean wall and CPU seconds over its runs of every defense, their ratio, and
+    the spread of one tree's runs (the noise the ratio is read against); '' without a baseline."""
+    runs = {"this": [r for r in results if r["rc"] == 0 and r["tree"] == this_tree],
+            "baseline": [r for r in results if r["rc"] == 0 and r["tree"] != this_tree]}
+    if not runs["this"] or not runs["baseline"]:
+        return ""
+    mean = {(t, k): sum(r[k] for r in rs) / len(rs) for t, rs in runs.items() for k in ("wall_s", "cpu_s")}
+    spread = ", ".join(f"{t} {min(r['wall_s'] for r in rs):.0f}-{max(r['wall_s'] for r in rs):.0f} s"
+                       for t, rs in runs.items() if len(rs) > 1)
+    return (f"Mean over each tree's {len(runs['this'])} and {len(runs['baseline'])} run(s): this "
+            f"{mean['this', 'wall_s']:.0f} s wall / {mean['this', 'cpu_s']:.0f} s CPU, baseline "
+            f"{mean['baseline', 'wall_s']:.0f} / {mean['baseline', 'cpu_s']:.0f}; this / baseline "
+            f"{mean['this', 'wall_s'] / mean['baseline', 'wall_s']:.2f} wall, "
+            f"{mean['this', 'cpu_s'] / mean['baseline', 'cpu_s']:.2f} CPU" + (f" (wall range: {spread})." if spread else "."))
+
+
 def publish_audits(args, argv, device, results: List[dict]) -> None:
-    table = audits_table(results, args.clock)
-    header = (f"{machine(args.threads, device)}; one run, the audits one after another; x prune by "
+    table = audits_table(results, args.clock, str(Path(args.tree)))
+    summary = trees_summary(results, str(Path(args.tree)))
+    table += f"\n\n{summary}" if summary else ""
+    header = (f"{machine(args.threads, device)}; one run, the audits one after another in the order listed; x prune by "
               f"{'CPU' if args.clock == 'cpu' else 'wall'} time.")
     print("\n" + header + "\n\n" + table)
     publish(args, "bench_defenses.py", _without_from_json(argv), header + "\n\n" + table)
@@ -452,6 +474,8 @@ def main(argv=None) -> None:
     p.add_argument("--censor-args", default="--steps 0,20 --images 2 --no-utility")
     p.add_argument("--tree", default=str(ROOT), help="source tree the audits run from")
     p.add_argument("--baseline-tree", help="another source tree whose audits run interleaved (before / after)")
+    p.add_argument("--order", default="this-first", choices=("this-first", "baseline-first", "abba"),
+                   help="with --baseline-tree: which tree runs first; abba runs this, baseline, baseline, this")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--clock", default="wall", choices=sorted(CLOCK),
                    help="wall time, or the process's CPU time (work, not waiting, on a loaded machine)")

@@ -177,3 +177,27 @@ def test_observed_masks_are_the_targets_nonzeros():
         observed = OBJECTIVES.build(name, masks="observed")(dummy, target)
         assert torch.equal(given, observed)
         assert not torch.equal(OBJECTIVES.build(name)(dummy, target), observed)
+
+
+def test_observed_masks_bound_to_a_group_mask_the_layers_with_zeros_in_any_target():
+    """Bound to a group, masks='observed' masks only the layers where some target has an exact
+    zero, and still gives each target the loss of its own explicit mask."""
+    from types import SimpleNamespace
+
+    from attacks.objectives import OBJECTIVES
+
+    gen = torch.Generator().manual_seed(1)
+    dummy = [torch.randn(4, 3, generator=gen), torch.randn(5, generator=gen), torch.randn(2, generator=gen)]
+    first = [torch.randn(4, 3, generator=gen), torch.randn(5, generator=gen), torch.randn(2, generator=gen)]
+    second = [t.clone() for t in first]
+    first[0][first[0].abs() < 0.8] = 0
+    second[1][second[1].abs() < 0.8] = 0
+    group = [SimpleNamespace(gradients=first), SimpleNamespace(gradients=second)]
+    for name in ("l2", "l1", "cosine"):
+        bound = OBJECTIVES.build(name, masks="observed").bind_group(group)
+        assert bound.zero_layers == frozenset({0, 1})
+        for target in (first, second):
+            given = OBJECTIVES.build(name, masks=[(t != 0) for t in target])(dummy, target)
+            assert torch.allclose(bound(dummy, target), given, rtol=1e-6, atol=0)
+    scaled = OBJECTIVES.build("gaussian", sigma=0.5, masks="observed").bind_group(group)
+    assert scaled.distance.zero_layers == frozenset({0, 1})
