@@ -88,6 +88,9 @@ class Row:
     utility_steps: int = 100
     default_utility_steps: int = 50
     attack_args: Dict[str, Dict[str, Any]] = field(default_factory=dict)  # settings of the planner's attacks
+    #: the default profile runs only these of the planner's attacks (``--full``: all of ``auto``),
+    #: for the reason given
+    default_planner: Optional[Tuple[Tuple[str, ...], str]] = None
     lr: float = 0.1
     #: the result store's folder (default ``<defense>-<model>``): rows that share an audit must
     #: run the same attack with the same settings, since a stored result is reused only then
@@ -104,6 +107,14 @@ class Row:
         if profile == "full" or self.default_steps is None:
             return self.steps
         return self.default_steps if profile == "default" else self.default_steps[:2]
+
+    def planner_names(self, profile: str) -> List[str]:
+        """What stands for the planner in the row's audit: ``auto``, or the default profile's subset."""
+        if self.claim == "utility":
+            return []
+        if profile != "full" and self.default_planner is not None:
+            return list(self.default_planner[0])
+        return ["auto"]
 
     def run_model_args(self, profile: str) -> Dict[str, Any]:
         if profile != "full" and self.default_model_args is not None:
@@ -136,6 +147,25 @@ INVERTER = {"learned-inverter": {"pairs": 256}}
 #: budget
 R18 = {"model": "resnet18", "default_model_args": {"width": 8}}
 R18_BUDGET = 100
+
+
+def soteria_replay_left_out(*planned: str) -> Tuple[Tuple[str, ...], str]:
+    """The default profile's planner subset on Soteria with ResNet-18: every planned attack but
+    ``through-defense``, which runs Soteria on every dummy (with BatchNorm in train mode one
+    backward per defended feature, image and iteration: two thirds of the row's time) and
+    which mask replay, reading the mask from the observation, makes redundant."""
+    return planned, ("not through-defense: it runs Soteria's per-feature pullbacks on every dummy, two thirds "
+                     "of the row's time, and mask-replay reads the mask it would replay from the observation; "
+                     "`--full` runs it")
+
+
+#: Soteria on ConvBig's largest layer (5,184 input features) costs 5,184 feature pullbacks a
+#: call, so the planner's attacks that call the defense itself are left to ``--full``
+SOTERIA_CONVBIG_PLANNER = (("ig", "portfolio", "mask-replay", "layer-drop"),
+                           "not through-defense nor the learned inverter: they call Soteria itself, 5,184 feature "
+                           "pullbacks on ConvBig each, once an image-iteration and for 1,024 training pairs; "
+                           "`--full` runs them")
+BAYES_SOTERIA_BUDGET = 100
 #: the Bayes paper's networks as its JAX code initialises them (flax's defaults)
 FLAX = {"init": "lecun"}
 CENSOR_NOTES = ("CENSOR here never shares the clean gradient; the authors' code falls back to it when no "
@@ -153,7 +183,9 @@ ROWS: List[Row] = [
         "12.54 dB (SSIM 0.122, LPIPS 0.585)", "protects", defense="soteria",
         defense_args={"ratio": 0.1, "layer": "last"},
         attacks=(AttackRef("mask-replay", CENSOR_IG.args, "IG with Soteria's mask on the dummy (the paper's code)",
-                           15000, 4),), paper_psnr=12.54, default_budget=R18_BUDGET, attack_args=INVERTER, **R18),
+                           15000, 4),), paper_psnr=12.54, default_budget=R18_BUDGET, attack_args=INVERTER,
+        default_planner=soteria_replay_left_out("mask-replay", "ig", "portfolio", "layer-drop", "analytic",
+                                                "learned-inverter"), **R18),
     Row("censor-censor", "CENSOR", "Table II, CIFAR-10, IG, CENSOR (T=20)", "10.27 dB (SSIM 0.011, LPIPS 0.688)",
         "protects", defense="censor", defense_args={"trials": 20}, attacks=(CENSOR_IG,),
         adaptive=AttackRef("through-defense", {**CENSOR_IG.args, **EOT}, "EOT over CENSOR's draws (Table III, "
@@ -176,7 +208,9 @@ ROWS: List[Row] = [
     Row("svd-soteria", "SVDefense", "Table I, Soteria 80%: IG -> mask replay", "10.81 -> 38.74 dB", "leaks",
         defense="soteria", defense_args={"ratio": 0.8, "layer": "last"}, attacks=(SVD_IG,),
         adaptive=AttackRef("mask-replay", SVD_IG.args, "mask replay (IG)", 4000), leak_cell="adaptive",
-        paper_psnr=10.81, paper_data="MNIST", default_budget=2 * R18_BUDGET, attack_args=INVERTER, **R18),
+        paper_psnr=10.81, paper_data="MNIST", default_budget=2 * R18_BUDGET, attack_args=INVERTER,
+        default_planner=soteria_replay_left_out("ig", "portfolio", "mask-replay", "layer-drop", "learned-inverter"),
+        **R18),
     Row("svd-precode", "SVDefense", "Table I, PRECODE: IG -> latent recovery", "3.57 -> 57.42 dB", "leaks",
         defense="precode", defense_args={"latent": 256, "beta": 1e-3}, attacks=(SVD_IG,),
         adaptive=AttackRef("precode-latent", {}, "dummy latent optimised with the input", 4000),
@@ -220,7 +254,7 @@ ROWS: List[Row] = [
         "broken (Fig. 2)", "leaks", model="convbig", model_args=dict(FLAX), defense="soteria",
         defense_args={"ratio": 0.8, "layer": "largest"},
         attacks=(AttackRef("layer-drop", BAYES_IG, "IG without the defended layer (cosine, TV 4e-4)", 4000),),
-        default_budget=400),
+        default_budget=BAYES_SOTERIA_BUDGET, default_planner=SOTERIA_CONVBIG_PLANNER),
     Row("bayes-precode", "Bayes framework", "Sec. 5, PRECODE on an MLP, analytic first-layer inversion",
         "> 150 dB", "leaks", model="mlp", defense="precode", defense_args={"latent": 256, "beta": 1e-3},
         attacks=(AttackRef("analytic", {}, "analytic inversion of the first layer", 1),), paper_psnr=150.0,
@@ -249,8 +283,7 @@ RUN_FIRST = ("svd-svdefense", "bayes-prune-gauss-0", "bayes-prune-lap-0", "bayes
              "bayes-prune-lap-500", "refiner-alpha-0.5", "censor-none", "censor-censor")
 DEFAULT_SKIP = {"refiner-alpha-0.1", "refiner-alpha-0.3", "refiner-alpha-0.7"}  # --full runs them
 #: rows on the default page that only ``--full`` (or ``--rows``) runs, and why
-FULL_ONLY = {"bayes-soteria": "ConvBig's 12 million parameters run about 5 image-iterations/s on 2 cores, "
-                              "2.5 hours for this row alone"}
+FULL_ONLY: Dict[str, str] = {}
 BY_ID = {r.id: r for r in ROWS}
 
 
@@ -264,7 +297,7 @@ class Profile:
 
 def audit_call(row: Row, profile: Profile, data: str, data_args: Dict[str, Any], out: Path) -> Dict[str, Any]:
     """The keyword settings of ``audit.run`` for ``row`` under ``profile``."""
-    names = [a.name for a in row.attacks] + (["auto"] if row.claim != "utility" else []) + (
+    names = [a.name for a in row.attacks] + row.planner_names(profile.name) + (
         [row.adaptive.name] if row.adaptive else [])
     args: Dict[str, Dict[str, Any]] = {k: dict(v) for k, v in row.attack_args.items()}
     for a in (*row.attacks, *([row.adaptive] if row.adaptive else [])):
@@ -414,7 +447,9 @@ def conclude(row: Row, summary: Optional[Dict[str, Any]]) -> Conclusion:
         return conclude_protects(list(cells.values()), full)
     if row.claim == "leaks":
         key = "adaptive" if row.leak_cell == "adaptive" else f"paper:{row.attacks[0].name}"
-        return conclude_leaks(cells.get(key), full)
+        others = [(name, cells.get(k)) for name, k in (("the planner's", "planner"), ("the paper's adaptive attack",
+                                                                                   "adaptive")) if k != key]
+        return conclude_leaks(cells.get(key), full, others)
     first = cells.get("paper:bayes-optimal")
     others = {n: cells.get(f"paper:{n}") for n in ("bayes-l2", "bayes-l1", "bayes-cos")}
     gaps = {n: row.order_psnr["bayes-optimal"] - row.order_psnr[n] for n in others}
@@ -480,6 +515,9 @@ def deviation_text(row: Row, summary: Optional[Dict[str, Any]], profile: str, da
         parts.append(f"{used}, not {row.paper_data}")
     if row.deviation:
         parts.append(row.deviation)
+    if profile != "full" and row.default_planner is not None:
+        names, why = row.default_planner
+        parts.append(f"of the planner's attacks only {', '.join(names)} ({why})")
     if row.claim == "utility" and call:
         parts.append(f"{call['utility_steps']} rounds, {call['utility_seeds']} seeds")
     return "; ".join(parts) or "none"
@@ -556,6 +594,21 @@ def run_order(rows: Sequence[Row]) -> List[Row]:
     return first + [r for r in rows if r not in first]
 
 
+def page_command(argv: Optional[Sequence[str]]) -> List[str]:
+    """The arguments of the command that writes the whole page: the given ones without
+    ``--render`` (it re-renders what the same command stored) and the row filters."""
+    words, out = list(sys.argv[1:] if argv is None else argv), []
+    skip = False
+    for w in words:
+        if skip:
+            skip = False
+        elif w in ("--rows", "--paper"):
+            skip = True
+        elif w != "--render" and not w.startswith(("--rows=", "--paper=")):
+            out.append(w)
+    return out
+
+
 def main(argv: Optional[Sequence[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     mode = parser.add_mutually_exclusive_group()
@@ -584,15 +637,14 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     rows = selected(args.rows, args.paper, name)
     tag = f"{name}-{data}"
 
+    page_rows = selected(None, None, name)  # the page shows every row; --rows / --paper only choose what runs
+
     def publish() -> None:
-        table = render(rows, out, profile, data, data_args)
         if args.docs and not args.quick:
+            table = render(page_rows, out, profile, data, data_args)
             setting = (f"torch {torch.__version__}, {args.threads} thread(s), {args.device}, {profile.images} "
-                       f"images a cell, {timing(rows, out, name, data)}")
-            given = list(sys.argv[1:] if argv is None else argv)
-            # --render re-renders what the same command stored: the page names that command
-            shown = command_line("bench_papers.py", [a for a in given if a != "--render"])
-            write_table(args.docs_page, args.docs, shown, table, setting)
+                       f"images a cell, {timing(page_rows, out, name, data)}")
+            write_table(args.docs_page, args.docs, command_line("bench_papers.py", page_command(argv)), table, setting)
 
     if not args.render:
         todo = [r for r in run_order(rows) if name == "full" or args.rows or r.id not in FULL_ONLY]

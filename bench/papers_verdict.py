@@ -182,12 +182,20 @@ def conclude_protects(cells: Sequence[Optional[CellEvidence]], at_paper_budget: 
     return Conclusion(HOLDS, f"no cell above chance; at most {identification_text(best)}")
 
 
-def conclude_leaks(cell: Optional[CellEvidence], at_paper_budget: bool) -> Conclusion:
-    """The attack of ``cell`` identifies the private images."""
+def conclude_leaks(cell: Optional[CellEvidence], at_paper_budget: bool,
+                   others: Sequence[Tuple[str, Optional[CellEvidence]]] = ()) -> Conclusion:
+    """The attack of ``cell`` identifies the private images. Where it does not, a leak shown by
+    another of the row's cells (``others``: (name, cell), e.g. the planner's) confirms the
+    claim that the defense leaks, and the conclusion names that cell."""
     if cell is None:
         return Conclusion(NOT_RUN)
     if cell.above_chance():
         return Conclusion(HOLDS, f"{recovered_text(cell)}; {identification_text(cell)}")
+    for name, other in others:
+        if other is not None and other.above_chance():
+            who = f"{name}: {other.strongest}" if other.strongest else name
+            return Conclusion(HOLDS, f"by {who}, {recovered_text(other)}; {identification_text(other)}; "
+                                     f"the paper's attack: {identification_text(cell)}")
     if cell.missing:
         return Conclusion(INCONCLUSIVE, f"evidence missing: {'; '.join(cell.missing[:2])}")
     if not at_paper_budget:

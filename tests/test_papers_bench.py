@@ -75,6 +75,15 @@ def test_a_leak_claim_holds_above_chance_and_fails_only_at_the_paper_budget():
     assert pv.conclude_leaks(_cell(0, missing=["step 0: ig failed"]), True).outcome == pv.INCONCLUSIVE
 
 
+def test_a_leak_shown_by_another_cell_confirms_the_leak_claim_and_is_named():
+    # the paper's attack at chance, the planner's above it: the defense leaks, by the planner
+    held = pv.conclude_leaks(_cell(1), False, [("the planner's", _cell(13))])
+    assert held.outcome == pv.HOLDS and "by the planner's: ig, 13 of 16 recovered" in held.detail
+    assert "the paper's attack: 1 of 16 identified" in held.detail
+    # another cell at chance changes nothing; a missing one neither
+    assert pv.conclude_leaks(_cell(0), True, [("the planner's", _cell(2)), ("x", None)]).outcome == pv.FAILS
+
+
 def test_exact_mcnemar():
     assert pv.mcnemar_exact(0, 0) == 1.0
     assert pv.mcnemar_exact(6, 0) == pytest.approx(2 / 64)  # 2 * 0.5^6
@@ -217,10 +226,36 @@ def test_a_resumed_row_counts_the_earlier_invocations_of_the_same_run_only(tmp_p
     assert bp.earlier_seconds(path, "other") == 0.0  # changed settings: a new run
 
 
-def test_a_row_only_full_runs_says_so_on_the_default_page(tmp_path):
+def test_a_row_only_full_runs_says_so_on_the_default_page(tmp_path, monkeypatch):
     row = bp.BY_ID["bayes-soteria"]
-    assert row.id in bp.FULL_ONLY
+    monkeypatch.setitem(bp.FULL_ONLY, row.id, "too slow for 2 cores")
     default = bp.render([row], tmp_path, bp.Profile("default", 16), "embedded", {})
     assert "not run by the default profile" in default and "`--full` runs it" in default
     full = bp.render([row], tmp_path, bp.Profile("full", 16), "embedded", {})
     assert "not run by the default profile" not in full and "not yet run" in full
+
+
+def test_the_default_profile_runs_the_rows_planner_subset_and_says_so():
+    """ConvBig's Soteria row: the default profile names a subset of the planner's attacks
+    instead of ``auto`` and the deviation says which; ``--full`` runs ``auto``."""
+    row = bp.BY_ID["bayes-soteria"]
+    default = bp.audit_call(row, bp.Profile("default", 16), "embedded", {}, Path("/tmp/x"))
+    full = bp.audit_call(row, bp.Profile("full", 16), "embedded", {}, Path("/tmp/x"))
+    assert "auto" not in default["attacks"] and {"ig", "portfolio", "mask-replay"} <= set(default["attacks"])
+    assert "through-defense" not in default["attacks"] and "auto" in full["attacks"]
+    assert "of the planner's attacks only ig, portfolio" in bp.deviation_text(row, None, "default", "embedded")
+    assert "of the planner's attacks only" not in bp.deviation_text(row, None, "full", "embedded")
+    assert bp.audit_call(bp.BY_ID["censor-none"], bp.Profile("default", 16), "embedded", {},
+                         Path("/tmp/x"))["attacks"] == ["ig", "auto"]
+
+
+def test_a_page_written_while_running_some_rows_shows_every_row(tmp_path, monkeypatch):
+    """``--rows`` chooses what runs; the page keeps every row and names the whole command."""
+    written = {}
+    monkeypatch.setattr(bp, "write_table", lambda page, name, command, table, setting: written.update(
+        command=command, table=table))
+    bp.main(["--rows", "bayes-precode", "--render", "--docs", "papers", "--out", str(tmp_path)])
+    assert written["command"] == f"python bench/bench_papers.py --docs papers --out {tmp_path}"
+    for row in bp.selected(None, None, "default"):
+        assert row.figure in written["table"]
+    assert bp.page_command(["--paper=CENSOR", "--rows", "x", "--full"]) == ["--full"]
