@@ -576,8 +576,11 @@ def timing(rows: Sequence[Row], out: Path, profile: str, data: str) -> str:
         path = summary_path(out, row, profile, data)
         if path.is_file():
             done.append(json.loads(path.read_text()).get("seconds", 0.0))
+    took = f"{sum(done) / 60:.1f} min in all (the rows' times summed)"
+    if len(done) == len(rows):
+        return f"all {len(rows)} rows finished; they took {took}"
     return (f"{len(done)} of {len(rows)} rows finished, the others show the cells stored so far; the finished rows "
-            f"took {sum(done) / 60:.0f} min in all")
+            f"took {took}")
 
 
 # --------------------------------------------------------------------------- main
