@@ -381,7 +381,7 @@ def audits_table(results: List[dict], clock: str, this_tree: Optional[str] = Non
     return "\n".join(lines)
 
 
-def bench_audits(args, device) -> None:
+def bench_audits(args, device) -> List[dict]:
     """Every audit of ``--audit-defenses`` from this tree (and, interleaved, from
     ``--baseline-tree`` in the ``--order`` given), one after another, each with a fresh cache."""
     results = []

@@ -152,10 +152,10 @@ R18_BUDGET = 100
 def soteria_replay_left_out(*planned: str) -> Tuple[Tuple[str, ...], str]:
     """The default profile's planner subset on Soteria with ResNet-18: every planned attack but
     ``through-defense``, which runs Soteria on every dummy (with BatchNorm in train mode one
-    backward per defended feature, image and iteration: two thirds of the row's time) and
-    which mask replay, reading the mask from the observation, makes redundant."""
-    return planned, ("not through-defense: it runs Soteria's per-feature pullbacks on every dummy, two thirds "
-                     "of the row's time, and mask-replay reads the mask it would replay from the observation; "
+    backward per defended feature, image and iteration: the row's slowest attack) and whose
+    mask ``mask-replay`` reads from the observation instead."""
+    return planned, ("not through-defense: it runs Soteria's per-feature pullbacks on every dummy, the row's "
+                     "slowest attack, and mask-replay reads the mask it would replay from the observation; "
                      "`--full` runs it")
 
 

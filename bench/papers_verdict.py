@@ -193,7 +193,7 @@ def conclude_leaks(cell: Optional[CellEvidence], at_paper_budget: bool,
         return Conclusion(HOLDS, f"{recovered_text(cell)}; {identification_text(cell)}")
     for name, other in others:
         if other is not None and other.above_chance():
-            who = f"{name}: {other.strongest}" if other.strongest else name
+            who = f"{name} {other.strongest}" if other.strongest else name
             return Conclusion(HOLDS, f"by {who}, {recovered_text(other)}; {identification_text(other)}; "
                                      f"the paper's attack: {identification_text(cell)}")
     if cell.missing:

@@ -78,7 +78,7 @@ def test_a_leak_claim_holds_above_chance_and_fails_only_at_the_paper_budget():
 def test_a_leak_shown_by_another_cell_confirms_the_leak_claim_and_is_named():
     # the paper's attack at chance, the planner's above it: the defense leaks, by the planner
     held = pv.conclude_leaks(_cell(1), False, [("the planner's", _cell(13))])
-    assert held.outcome == pv.HOLDS and "by the planner's: ig, 13 of 16 recovered" in held.detail
+    assert held.outcome == pv.HOLDS and "by the planner's ig, 13 of 16 recovered" in held.detail
     assert "the paper's attack: 1 of 16 identified" in held.detail
     # another cell at chance changes nothing; a missing one neither
     assert pv.conclude_leaks(_cell(0), True, [("the planner's", _cell(2)), ("x", None)]).outcome == pv.FAILS
