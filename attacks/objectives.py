@@ -6,9 +6,11 @@ objective`` (called once per attack run; the default returns the objective itsel
 Objectives must be pure torch so they run under ``torch.func.vmap`` (one restart at a time).
 
 Registry :data:`OBJECTIVES`: ``l2``, ``l1``, ``cosine`` (per-layer ``weights`` and
-``masks``; ``masks="observed"`` masks every layer by the non-zeros of the observed gradient,
-so every observation of a grouped run gets its own mask), ``gaussian(sigma)``, ``laplacian(b)`` (negative log-likelihoods of the shared
-gradient under additive noise) and ``defense`` (``-observation.defense.log_prob``).
+``masks``; ``masks="observed"`` masks the dummy gradient by the non-zeros of the observed
+one, read inside the objective so every observation of a grouped run gets its own mask, in
+the layers where some target of the group has a zero), ``gaussian(sigma)``, ``laplacian(b)``
+(negative log-likelihoods of the shared gradient under additive noise) and ``defense``
+(``-observation.defense.log_prob``). ``bind_group(observations)`` binds for a grouped run.
 """
 from __future__ import annotations
 
