@@ -50,7 +50,7 @@ from torch import nn  # noqa: E402
 
 from audit.core.models import build_model, last_linear  # noqa: E402
 from audit.core.types import clean_gradients, trainable_parameters  # noqa: E402
-from bench.docs_table import add_docs_option, publish  # noqa: E402
+from bench.docs_table import add_docs_option, publish, without_options  # noqa: E402
 from defenses import DEFENSES, build_defense  # noqa: E402
 from defenses.streams import fill_normal  # noqa: E402
 
@@ -446,13 +446,9 @@ def publish_calls(args, argv, device, rows: List[dict], configs: List[str]) -> N
 
 
 def _without_from_json(argv) -> List[str]:
-    """The command line that measures what is published (without ``--json`` / ``--from-json``)."""
-    words = list(sys.argv[1:] if argv is None else argv)
-    for option in ("--from-json", "--json"):  # where the rows went is not part of the measurement
-        while option in words:
-            i = words.index(option)
-            del words[i:i + 2]
-    return words
+    """The command line that measures what is published: where the rows went (``--json`` /
+    ``--from-json``) is not part of the measurement."""
+    return without_options(argv, valued=("--from-json", "--json"))
 
 
 # --------------------------------------------------------------------------- docs

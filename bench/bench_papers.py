@@ -31,7 +31,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.docs_table import ROOT, add_docs_option, command_line, write_table  # noqa: E402
+from bench.docs_table import ROOT, add_docs_option, command_line, without_options, write_table  # noqa: E402
 from bench.papers_verdict import (NOT_RUN, CellEvidence, Conclusion,  # noqa: E402
                                   cell_evidence, conclude_leaks, conclude_order, conclude_protects,
                                   conclude_utility, identification_text)
@@ -149,16 +149,12 @@ R18 = {"model": "resnet18", "default_model_args": {"width": 8}}
 R18_BUDGET = 100
 
 
-def soteria_replay_left_out(*planned: str) -> Tuple[Tuple[str, ...], str]:
-    """The default profile's planner subset on Soteria with ResNet-18: every planned attack but
-    ``through-defense``, which runs Soteria on every dummy (with BatchNorm in train mode one
-    backward per defended feature, image and iteration: the row's slowest attack) and whose
-    mask ``mask-replay`` reads from the observation instead."""
-    return planned, ("not through-defense: it runs Soteria's per-feature pullbacks on every dummy, the row's "
-                     "slowest attack, and mask-replay reads the mask it would replay from the observation; "
-                     "`--full` runs it")
-
-
+#: why the Soteria rows' default profile runs the planner's attacks but ``through-defense``:
+#: it runs Soteria on every dummy (with BatchNorm in train mode one backward per defended
+#: feature, image and iteration) and ``mask-replay`` reads that mask from the observation
+SOTERIA_REPLAY_LEFT_OUT = ("not through-defense: it runs Soteria's per-feature pullbacks on every dummy, the row's "
+                           "slowest attack, and mask-replay reads the mask it would replay from the observation; "
+                           "`--full` runs it")
 #: Soteria on ConvBig's largest layer (5,184 input features) costs 5,184 feature pullbacks a
 #: call, so the planner's attacks that call the defense itself are left to ``--full``
 SOTERIA_CONVBIG_PLANNER = (("ig", "portfolio", "mask-replay", "layer-drop"),
@@ -184,8 +180,8 @@ ROWS: List[Row] = [
         defense_args={"ratio": 0.1, "layer": "last"},
         attacks=(AttackRef("mask-replay", CENSOR_IG.args, "IG with Soteria's mask on the dummy (the paper's code)",
                            15000, 4),), paper_psnr=12.54, default_budget=R18_BUDGET, attack_args=INVERTER,
-        default_planner=soteria_replay_left_out("mask-replay", "ig", "portfolio", "layer-drop", "analytic",
-                                                "learned-inverter"), **R18),
+        default_planner=(("mask-replay", "ig", "portfolio", "layer-drop", "analytic", "learned-inverter"),
+                         SOTERIA_REPLAY_LEFT_OUT), **R18),
     Row("censor-censor", "CENSOR", "Table II, CIFAR-10, IG, CENSOR (T=20)", "10.27 dB (SSIM 0.011, LPIPS 0.688)",
         "protects", defense="censor", defense_args={"trials": 20}, attacks=(CENSOR_IG,),
         adaptive=AttackRef("through-defense", {**CENSOR_IG.args, **EOT}, "EOT over CENSOR's draws (Table III, "
@@ -209,8 +205,8 @@ ROWS: List[Row] = [
         defense="soteria", defense_args={"ratio": 0.8, "layer": "last"}, attacks=(SVD_IG,),
         adaptive=AttackRef("mask-replay", SVD_IG.args, "mask replay (IG)", 4000), leak_cell="adaptive",
         paper_psnr=10.81, paper_data="MNIST", default_budget=2 * R18_BUDGET, attack_args=INVERTER,
-        default_planner=soteria_replay_left_out("ig", "portfolio", "mask-replay", "layer-drop", "learned-inverter"),
-        **R18),
+        default_planner=(("ig", "portfolio", "mask-replay", "layer-drop", "learned-inverter"),
+                         SOTERIA_REPLAY_LEFT_OUT), **R18),
     Row("svd-precode", "SVDefense", "Table I, PRECODE: IG -> latent recovery", "3.57 -> 57.42 dB", "leaks",
         defense="precode", defense_args={"latent": 256, "beta": 1e-3}, attacks=(SVD_IG,),
         adaptive=AttackRef("precode-latent", {}, "dummy latent optimised with the input", 4000),
@@ -282,8 +278,6 @@ ROWS: List[Row] = [
 RUN_FIRST = ("svd-svdefense", "bayes-prune-gauss-0", "bayes-prune-lap-0", "bayes-prune-gauss-500",
              "bayes-prune-lap-500", "refiner-alpha-0.5", "censor-none", "censor-censor")
 DEFAULT_SKIP = {"refiner-alpha-0.1", "refiner-alpha-0.3", "refiner-alpha-0.7"}  # --full runs them
-#: rows on the default page that only ``--full`` (or ``--rows``) runs, and why
-FULL_ONLY: Dict[str, str] = {}
 BY_ID = {r.id: r for r in ROWS}
 
 
@@ -542,9 +536,7 @@ def row_line(row: Row, summary: Optional[Dict[str, Any]], profile: str, data: st
         first = cells.get(f"paper:{row.attacks[0].name}")
         cause = likely_cause(row, summary, first.psnr if first else None)
     verdict = conclusion.text() + (f"; {cause}" if cause else "")
-    if (summary is None or summary.get("partial")) and profile != "full" and row.id in FULL_ONLY:
-        verdict = f"not run by the default profile ({FULL_ONLY[row.id]}); `--full` runs it"
-    elif summary is not None and summary.get("partial"):
+    if summary is not None and summary.get("partial"):
         started = any(c.images for c in cells.values())
         verdict = f"still running: {verdict}" if started else "not yet run (its audit has started)"
     return (f"| {row.figure} | {row.paper_number} | {paper_cell} | {planner_cell} | {adaptive_cell} | {dev} | "
@@ -600,16 +592,7 @@ def run_order(rows: Sequence[Row]) -> List[Row]:
 def page_command(argv: Optional[Sequence[str]]) -> List[str]:
     """The arguments of the command that writes the whole page: the given ones without
     ``--render`` (it re-renders what the same command stored) and the row filters."""
-    words, out = list(sys.argv[1:] if argv is None else argv), []
-    skip = False
-    for w in words:
-        if skip:
-            skip = False
-        elif w in ("--rows", "--paper"):
-            skip = True
-        elif w != "--render" and not w.startswith(("--rows=", "--paper=")):
-            out.append(w)
-    return out
+    return without_options(argv, valued=("--rows", "--paper"), flags=("--render",))
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
@@ -650,7 +633,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             write_table(args.docs_page, args.docs, command_line("bench_papers.py", page_command(argv)), table, setting)
 
     if not args.render:
-        todo = [r for r in run_order(rows) if name == "full" or args.rows or r.id not in FULL_ONLY]
+        todo = run_order(rows)
         for i, row in enumerate(todo, 1):
             print(f"[{time.strftime('%H:%M:%S')}] row {i}/{len(todo)} {row.id} ({name})", flush=True)
             try:

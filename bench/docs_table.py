@@ -10,7 +10,7 @@ import argparse
 import shlex
 import sys
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import List, Optional, Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -25,6 +25,22 @@ def add_docs_option(parser: argparse.ArgumentParser, page: str) -> None:
 def command_line(script: str, argv: Optional[Sequence[str]]) -> str:
     """The command that reproduces this run, as written in the docs."""
     return shlex.join(["python", f"bench/{script}", *(sys.argv[1:] if argv is None else argv)])
+
+
+def without_options(argv: Optional[Sequence[str]], valued: Sequence[str] = (),
+                    flags: Sequence[str] = ()) -> List[str]:
+    """``argv`` (default: this process's) without the options ``valued`` (with their value,
+    ``--opt v`` or ``--opt=v``) and ``flags``: the command a docs page names, without what
+    does not change its numbers."""
+    words, out, skip = list(sys.argv[1:] if argv is None else argv), [], False
+    for w in words:
+        if skip:
+            skip = False
+        elif w in valued:
+            skip = True
+        elif w not in flags and not w.startswith(tuple(f"{o}=" for o in valued)):
+            out.append(w)
+    return out
 
 
 def write_table(page: str, name: str, command: str, table: str, setting: str = "") -> Path:

@@ -3,7 +3,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from bench.bench_defenses import audits_table, trees_summary  # noqa: E402
+from bench.bench_defenses import _without_from_json, audits_table, trees_summary  # noqa: E402
 
 
 def _run(tree, wall, cpu, rc=0):
@@ -25,3 +25,8 @@ def test_audits_table_labels_the_given_tree_this_whatever_ran_first():
     table = audits_table([_run("/old", 350, 680), _run("/new", 380, 700)], "wall", "/new")
     rows = [line for line in table.splitlines() if line.startswith("| prune")]
     assert [r.split("|")[2].strip() for r in rows] == ["baseline", "this"]
+
+
+def test_the_published_command_leaves_out_where_the_rows_went():
+    argv = ["--audits", "--json", "a.json", "--from-json=b.json", "--order", "abba"]
+    assert _without_from_json(argv) == ["--audits", "--order", "abba"]

@@ -226,15 +226,6 @@ def test_a_resumed_row_counts_the_earlier_invocations_of_the_same_run_only(tmp_p
     assert bp.earlier_seconds(path, "other") == 0.0  # changed settings: a new run
 
 
-def test_a_row_only_full_runs_says_so_on_the_default_page(tmp_path, monkeypatch):
-    row = bp.BY_ID["bayes-soteria"]
-    monkeypatch.setitem(bp.FULL_ONLY, row.id, "too slow for 2 cores")
-    default = bp.render([row], tmp_path, bp.Profile("default", 16), "embedded", {})
-    assert "not run by the default profile" in default and "`--full` runs it" in default
-    full = bp.render([row], tmp_path, bp.Profile("full", 16), "embedded", {})
-    assert "not run by the default profile" not in full and "not yet run" in full
-
-
 def test_the_default_profile_runs_the_rows_planner_subset_and_says_so():
     """ConvBig's Soteria row: the default profile names a subset of the planner's attacks
     instead of ``auto`` and the deviation says which; ``--full`` runs ``auto``."""
