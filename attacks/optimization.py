@@ -37,6 +37,7 @@ from attacks.labels import LABEL_STRATEGIES, LabelPlan, plan_labels
 from attacks.objectives import Objective, build_objective
 from attacks.optimizers import OPTIMIZERS
 from attacks.search_space import BOXES, INITS, Box
+from attacks.side_information import check_weight, revealed_for_member, side_information
 from attacks.simulator import GradientSimulator, SimContext
 
 Progress = Callable[[int, int, float], None]
@@ -76,7 +77,7 @@ def ungroupable(observations: Sequence[Observation]) -> str:
     come from the same model (same parameters and buffers) with the same metadata."""
     first = observations[0]
     same = ("input_shape", "num_classes", "batch_size", "local_steps", "local_lr", "local_batch_size",
-            "client_mode", "loss_fn", "defense", "labels_shared")
+            "client_mode", "loss_fn", "defense", "labels_shared", "optimizer", "shares")
     for o in observations[1:]:
         for name in same:
             if getattr(o, name) != getattr(first, name):
@@ -137,6 +138,7 @@ class OptimizationAttack:
         per_restart: Union[int, str] = 0,
         compile: bool = False,
         capture: str = "auto",
+        bn_upload: Union[str, float] = "auto",
     ):
         if not (per_restart == "unknowns" or (isinstance(per_restart, int) and per_restart >= 0)):
             raise ConfigError(f"per_restart must be 'unknowns' or an int >= 0 (0: off), got {per_restart!r}")
@@ -172,6 +174,8 @@ class OptimizationAttack:
         self.capture = capture
         self.label_strategy = label_strategy
         self.simulator = simulator if simulator is not None else GradientSimulator()
+        # weight of the uploaded-BatchNorm-statistics term (attacks.side_information)
+        self.bn_upload = check_weight(bn_upload)
         self.execution = execution
         self.name = name
         self.settings = dict(settings or {})
@@ -188,6 +192,7 @@ class OptimizationAttack:
             **({"per_restart": self.per_restart} if self.per_restart else {}),
             **({"compile": True} if self.compile else {}),
             **({"capture": self.capture} if self.capture != "auto" else {}),
+            **({"bn_upload": self.bn_upload} if self.bn_upload != "auto" else {}),
             "labels": self.label_strategy, "simulator": self.simulator.describe(),
             **self.settings,
         }
@@ -348,11 +353,20 @@ class OptimizationRun:
         # each observation's target: its gradients, then the tensors the simulator reads from
         # it (``observed_data``), so a grouped run hands every member its own
         self.layers = len(self.obs.gradients)
-        self.targets = [[g.detach() for g in o.gradients] + list(self.simulator.observed_data(o)) for o in group]
+        # what the observations share beyond the gradient (the buffers' batch statistics)
+        sides = [side_information(o, attack.bn_upload) for o in group]
+        self.side = sides[0]
+        if len({s.revealed is None for s in sides}) > 1:
+            raise ConfigError("the grouped observations differ in what they share (buffers in some only)")
+        self.priors = list(attack.priors) + self.side.priors
+        observed = [list(self.simulator.observed_data(o)) for o in group]
+        self.n_observed = len(observed[0])
+        self.targets = [[g.detach() for g in o.gradients] + extra + side.tensors()
+                        for o, extra, side in zip(group, observed, sides)]
         self.target = self.targets[0]
         self.objective = attack.objective.bind_group(group)
         self.replica = self.simulator.prepare(self.obs)
-        bn_priors = requiring(attack.priors, "bn_stats")
+        bn_priors = requiring(self.priors, "bn_stats")
         if bn_priors and self.replica.bn_running is None:
             raise NotApplicable(f"prior {bn_priors[0]!r} needs BatchNorm layers with running statistics; the "
                                 "observation's model has none (set its weight to 0)")
@@ -361,14 +375,15 @@ class OptimizationRun:
             [LabelPlan(y.to(self.device).long(), None, {"method": "given", "note": "labels given to evaluate()"})
              for y in given]
         self.labels = self.plans[0]
-        self.sim_ctx = SimContext(self.obs, generator=self.generator, capture_features=bool(bn_priors))
+        self.sim_ctx = SimContext(self.obs, generator=self.generator,
+                                  capture_features=bool(bn_priors or requiring(self.priors, "bn_steps")))
         self.box = attack.box
         if hasattr(self.box, "bind"):  # a box that needs the run, e.g. a generator's latent space
             # its own set-up (e.g. training a default generator) shows a bar only when the
             # caller passed no progress callback (the audit and --quiet pass one)
             self.box = self.box.bind(self.obs, self.labels, self.generator, progress=show_bars)
         self.iteration = 0
-        self.needs_group_mean = bool(requiring(attack.priors, "group_mean"))
+        self.needs_group_mean = bool(requiring(self.priors, "group_mean"))
         members = self.n * attack.restarts
         self.stacked = False  # members through one call of a simulator that cannot be vmapped
         self._step: Optional[Callable] = None  # the (compiled) batched loss-and-gradient function
@@ -425,13 +440,20 @@ class OptimizationRun:
         plan = plan or self.labels
         labels = fixed if fixed is not None else plan.targets(y)
         target = self.target if target is None else target
-        self.sim_ctx.observed = list(target[self.layers:])
+        self.sim_ctx.observed = list(target[self.layers:self.layers + self.n_observed])
         grads, feats = self.simulator(self.replica, image, labels, functional=functional, context=self.sim_ctx)
         terms = {"match": self.objective(grads, target[:self.layers])}
-        ctx = PriorContext(self.sim_ctx, feats, self.replica.bn_running, group_mean, self.obs)  # step read on use
-        for key, prior, _ in self.attack.priors:
+        ctx = PriorContext(self.sim_ctx, feats, self.replica.bn_running, group_mean, self.obs,  # step read on use
+                           revealed=self.revealed(target))
+        for key, prior, _ in self.priors:
             terms[key] = prior(image, ctx)
         return terms
+
+    def revealed(self, target: List[Tensor]):
+        """This member's revealed batch statistics (its slice of the targets), or None."""
+        if self.side.revealed is None:
+            return None
+        return revealed_for_member(self.side.revealed, target[self.layers + self.n_observed:])
 
     def evaluate(self, variables: List[Tensor]) -> Tuple[Tensor, Dict[str, Tensor], List[Tensor]]:
         """Per-member loss ``(N*R,)``, terms ``{name: (N*R,)}`` and gradients w.r.t. ``variables``."""
@@ -496,8 +518,9 @@ class OptimizationRun:
 
         count = 2 if labelled else 1
         step = torch.func.grad_and_value(loss_of, argnums=tuple(range(3, 3 + count)), has_aux=True)
-        inner = torch.func.vmap(step, in_dims=(None, None, None) + (0,) * count, randomness="different")
-        if self.n > 1:
+        inner = step if self._one_vmap() else \
+            torch.func.vmap(step, in_dims=(None, None, None) + (0,) * count, randomness="different")
+        if self.n > 1:  # over the observations (each one member: the only vmap)
             fixed = self.labels.fixed is not None
             inner = torch.func.vmap(inner, in_dims=(0, 0 if fixed else None, 0 if self.needs_group_mean else None)
                                     + (0,) * count, randomness="different")
@@ -535,6 +558,11 @@ class OptimizationRun:
                             None if self.labels.fixed is None else torch.stack([p.fixed for p in self.plans]))
         return self._inputs
 
+    def _one_vmap(self) -> bool:
+        """Several observations of one restart each: one vmap over them (a nested vmap over
+        restarts of one member would add batching work to every operation)."""
+        return self.n > 1 and self.attack.restarts == 1
+
     def batched_call(self, step: Callable, targets: List[Tensor], fixed: Optional[Tensor],
                      group_mean: Optional[Tensor], variables: List[Tensor]):
         """``step`` (from :meth:`_batched_step`) on the members' ``variables`` ``(N*R, ...)``:
@@ -543,6 +571,9 @@ class OptimizationRun:
             mean = None if group_mean is None else group_mean[0]
             grads, (loss, terms) = step([t[0] for t in targets], None if fixed is None else fixed[0], mean,
                                         *variables)
+            return loss, terms, grads
+        if self._one_vmap():
+            grads, (loss, terms) = step(targets, fixed, group_mean, *variables)
             return loss, terms, grads
         split = [v.reshape(self.n, -1, *v.shape[1:]) for v in variables]
         grads, (loss, terms) = step(targets, fixed, group_mean, *split)
@@ -569,7 +600,7 @@ class OptimizationRun:
         return torch.stack(losses), terms, [torch.stack(g) for g in grads]
 
     def total(self, terms: Dict[str, Tensor]) -> Tensor:
-        return weighted_total(terms, self.attack.priors)
+        return weighted_total(terms, self.priors)
 
     def closure(self, variables: List[Tensor]) -> Tuple[Tensor, List[Tensor]]:
         """Per-member loss and its gradient w.r.t. every member's variables."""
@@ -685,6 +716,7 @@ class OptimizationRun:
                 "final_terms": {k: float(v[member]) for k, v in terms.items()},
                 "loss_history": rows_of[n * restarts:(n + 1) * restarts],
                 "labels": self.plans[n].info,
+                "side_information": dict(self.side.notes),
                 "time_s": seconds / self.n,
             }
             if self.selection:

@@ -86,6 +86,8 @@ class ClientReplica:
         }
         self._eager_params: Optional[Dict[str, Tensor]] = None
         self._capture: Optional[List[Tuple[Tensor, Tensor]]] = None
+        #: values per channel behind each recorded statistic (the unbiased variance needs it)
+        self.capture_counts: List[int] = []
         self.norm_layers = [m for m in model.modules() if isinstance(m, _NORM_TYPES)]
         for m in self.norm_layers:
             m.register_forward_pre_hook(self._record_input_stats)
@@ -113,12 +115,15 @@ class ClientReplica:
             x = inputs[0]
             dims = [0] + list(range(2, x.dim()))
             self._capture.append((x.mean(dims), x.var(dims, unbiased=False)))
+            self.capture_counts.append(x.numel() // x.shape[1])
 
     @contextlib.contextmanager
     def capturing(self, enabled: bool = True) -> Iterator[List[Tuple[Tensor, Tensor]]]:
         """Collect ``(mean, var)`` of every BatchNorm input during the block."""
         saved, out = self._capture, []
         self._capture = out if enabled else None
+        if enabled:
+            self.capture_counts = []
         try:
             yield out
         finally:
@@ -156,6 +161,12 @@ def param_grads(
     return {n: torch.zeros_like(p) if g is None else g for (n, p), g in zip(params.items(), grads)}, feats
 
 
+def unbiased(stats: List[Tuple[Tensor, Tensor]], counts: Sequence[int]) -> List[Tuple[Tensor, Tensor]]:
+    """``(mean, biased var)`` per layer -> ``(mean, unbiased var)``, as BatchNorm's running
+    variance records it (``counts``: values per channel of each layer's input)."""
+    return [(m, v * (n / max(1, n - 1))) for (m, v), n in zip(stats, counts)]
+
+
 class GradientSimulator:
     """Dummy ``(x, y)`` -> the gradients the client would have shared (see module docstring).
 
@@ -183,22 +194,24 @@ class GradientSimulator:
 
     def client_gradients(self, replica: ClientReplica, x: Tensor, y: Tensor, *, functional: bool,
                          context: SimContext) -> Tuple[List[Tensor], Dict[str, Any]]:
-        """The clean shared gradient (FedAvg-unrolled) and the features of the first step."""
+        """The clean shared update (unrolled through the client's optimiser) and the features:
+        ``bn``, the BatchNorm input statistics of the first step; ``bn_steps``, every step's
+        mean and unbiased variance (what the uploaded buffers mix)."""
         obs = replica.observation
-        feats: Dict[str, Any] = {}
+        feats: Dict[str, Any] = {"bn_steps": []}
         params = replica.params if functional else replica.eager_params
 
         def step(p, xb, yb, k):
-            g, bn = param_grads(replica, p, xb, yb, functional=functional,
-                                capture=k == 0 and context.capture_features)
+            g, bn = param_grads(replica, p, xb, yb, functional=functional, capture=context.capture_features)
             if k == 0:
                 feats["bn"] = bn
+            feats["bn_steps"].append(unbiased(bn, replica.capture_counts))
             for transform in self.step_transforms:
                 g = dict(zip(g, transform(list(g.values()), context)))
             return g
 
         grads = client_update(step, params, x, y, steps=obs.local_steps, lr=obs.local_lr,
-                              batch_size=obs.local_batch_size)
+                              batch_size=obs.local_batch_size, optimizer=obs.optimizer)
         return grads, feats
 
     def __call__(self, replica: ClientReplica, x: Tensor, y: Tensor, *, functional: bool,
@@ -268,7 +281,7 @@ class DefenseSimulator(GradientSimulator):
         with replica.capturing(context.capture_features) as bn:
             grads = invoke_defense(obs.defense, replica.model, x, y, loss_fn=replica.loss_fn,
                                    generator=context.generator, round=obs.step)
-        return list(grads), {"bn": list(bn)}
+        return list(grads), {"bn": list(bn), "bn_steps": [unbiased(bn, replica.capture_counts)]}
 
     def many_members(self, replica: ClientReplica, xs: Tensor, ys: Tensor, context: SimContext,
                      draws: int = 0) -> Tuple[List[Tensor], Dict[str, Tensor]]:

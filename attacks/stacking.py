@@ -32,7 +32,7 @@ def unstackable(run: Run) -> str:
         return why
     if run.labels.shape is not None:
         return "the labels are optimised with the images"
-    if requiring(run.attack.priors, "bn_stats"):
+    if requiring(run.priors, "bn_stats") or requiring(run.priors, "bn_steps"):
         return "a prior needs the BatchNorm statistics of each member's own forward pass"
     if run.attack.execution == "sequential":
         return "execution='sequential' was requested"
@@ -53,8 +53,8 @@ def evaluate(run: Run, variables: List[Tensor]) -> Tuple[Tensor, Dict[str, Tenso
         for m, n in enumerate(owner):
             terms = {"match": run.objective([g[m] for g in stacked], run.targets[n][:run.layers])}
             ctx = PriorContext(run.sim_ctx, {k: v[m] for k, v in features.items()}, run.replica.bn_running,
-                               None if group_mean is None else group_mean[n], run.obs)
-            for key, prior, _ in run.attack.priors:
+                               None if group_mean is None else group_mean[n], run.obs, revealed=run.revealed(run.targets[n]))
+            for key, prior, _ in run.priors:
                 terms[key] = prior(images[m], ctx)
             losses.append(run.total(terms))
             rows.append(terms)

@@ -4,10 +4,10 @@ Each prior is ``prior(x, context) -> scalar`` for one restart (see :mod:`priors.
 build them by name from :data:`PRIORS` (``PRIORS.build("tv", kind="isotropic")``).
 """
 from priors.base import PRIORS, Prior, PriorContext, requiring, weighted_total
-from priors.batchnorm import BatchNormStatistics
+from priors.batchnorm import BatchNormStatistics, UploadedBatchNormStatistics
 from priors.group import GroupConsistency
 from priors.pixel import ImageL2, PixelRange
 from priors.smoothness import TotalVariation
 
 __all__ = ["PRIORS", "Prior", "PriorContext", "requiring", "weighted_total", "TotalVariation", "ImageL2", "PixelRange",
-           "BatchNormStatistics", "GroupConsistency"]
+           "BatchNormStatistics", "UploadedBatchNormStatistics", "GroupConsistency"]

@@ -4,7 +4,8 @@ A prior is called once per restart: ``prior(x, context) -> scalar`` with ``x`` t
 batch ``(B, C, H, W)`` in image space and ``context`` a :class:`PriorContext`. It must be
 pure torch (it runs under ``torch.func.vmap`` over restarts). A prior that needs side
 information names it in ``requires``: ``"bn_stats"`` (the observation model's BatchNorm
-running statistics; checked before the attack starts) or ``"group_mean"`` (the optimisation run then
+running statistics; checked before the attack starts), ``"bn_steps"`` (every local step's
+BatchNorm input statistics, for the statistics the client's uploaded buffers reveal) or ``"group_mean"`` (the optimisation run then
 fills ``context.group_mean``).
 """
 from __future__ import annotations
@@ -30,7 +31,9 @@ class PriorContext:
       ``features["bn"]``: ``[(mean, var), ...]`` of every BatchNorm input, in module order;
     * ``bn_running`` -- the observation model's BatchNorm running ``(mean, var)`` (or None);
     * ``group_mean`` -- the mean image batch over all restarts, detached (or None);
-    * ``observation`` -- the observation (read-only).
+    * ``observation`` -- the observation (read-only);
+    * ``revealed`` -- the batch statistics the client's uploaded buffers reveal
+      (:class:`~audit.core.buffers.RevealedStatistics`, this member's), or None.
     """
 
     step: Any = 0
@@ -38,12 +41,13 @@ class PriorContext:
     bn_running: Optional[List[Tuple[Tensor, Tensor]]] = None
     group_mean: Optional[Tensor] = None
     observation: Any = None
+    revealed: Any = None
 
     def __init__(self, iteration: Any = 0, features: Optional[Dict[str, Any]] = None,
                  bn_running: Optional[List[Tuple[Tensor, Tensor]]] = None, group_mean: Optional[Tensor] = None,
-                 observation: Any = None):
+                 observation: Any = None, revealed: Any = None):
         self.step, self.features, self.bn_running = iteration, {} if features is None else features, bn_running
-        self.group_mean, self.observation = group_mean, observation
+        self.group_mean, self.observation, self.revealed = group_mean, observation, revealed
 
     @property
     def iteration(self) -> int:

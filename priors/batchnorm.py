@@ -25,3 +25,34 @@ class BatchNormStatistics(Prior):
 @PRIORS.register("bn", "BatchNorm statistics (DeepInversion): batch mean/var of BN inputs vs running stats")
 def bn() -> Prior:
     return BatchNormStatistics()
+
+
+class UploadedBatchNormStatistics(Prior):
+    """The private batch's BatchNorm statistics that a client's uploaded buffers reveal
+    (:mod:`audit.core.buffers`), matched by the dummy batch's: per layer, the replica's
+    per-step input statistics mixed with the upload's step weights, compared in units of the
+    revealed standard deviation,
+
+        mean_c ((mu - mu*)^2 + (sd - sd*)^2) / var*,
+
+    averaged over layers (so one weight fits any depth and width). Needs
+    ``context.features["bn_steps"]`` (recorded by the simulator at every local step) and
+    ``context.revealed`` (the observation's :class:`~audit.core.buffers.RevealedStatistics`)."""
+
+    name = "bn-upload"
+    requires = frozenset({"bn_steps"})
+
+    def __call__(self, x, context: PriorContext):
+        steps, revealed = context.features.get("bn_steps"), getattr(context, "revealed", None)
+        if not steps or revealed is None or any(len(s) != len(revealed.means) for s in steps):
+            raise NotApplicable("the bn-upload term needs the client's uploaded BatchNorm buffers (shares: state) "
+                                "and BatchNorm layers in train mode")
+        total = 0.0
+        for layer, (target_mean, target_var) in enumerate(zip(revealed.means, revealed.variances)):
+            weights = revealed.weights[layer]
+            mean = sum(w * step[layer][0] for w, step in zip(weights, steps))
+            var = sum(w * step[layer][1] for w, step in zip(weights, steps))
+            scale = target_var.clamp_min(1e-6)
+            spread = (var.clamp_min(0) + 1e-8).sqrt() - (target_var + 1e-8).sqrt()
+            total = total + (((mean - target_mean) ** 2 + spread ** 2) / scale).mean()
+        return total / len(revealed.means)

@@ -34,6 +34,9 @@ from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tupl
 import torch
 from torch import Tensor, nn
 
+from audit.core.errors import ConfigError
+from audit.core.local_training import LocalOptimizer
+
 LossFn = Callable[[Tensor, Tensor], Tensor]
 
 
@@ -330,13 +333,35 @@ def parameter_names(fn: Callable) -> List[str]:
 
 
 # --------------------------------------------------------------------------- observation
+#: what a client uploads: its defended gradient (FedSGD), its update after local training
+#: (weights only), or that update with its buffers (the state a PyTorch client sends)
+SHARES = ("gradient", "update", "state")
+
+
+def resolve_shares(shares: Optional[str], local_steps: int, optimizer: LocalOptimizer) -> str:
+    """``shares`` checked against the local training (None: ``"gradient"`` for one plain SGD
+    step, ``"update"`` otherwise); a gradient cannot be shared after local training."""
+    trains = local_steps > 1 or not optimizer.plain
+    if shares is None:
+        return "update" if trains else "gradient"
+    if shares not in SHARES:
+        raise ConfigError(f"shares must be one of {', '.join(SHARES)}, got {shares!r}")
+    if shares == "gradient" and trains:
+        raise ConfigError(f"a client that trains locally ({local_steps} step(s) of {optimizer.describe()}) uploads "
+                          "an update, not a gradient: use shares='update' or 'state' (--shares update|state)")
+    return shares
+
+
 @dataclass
 class Observation:
     """Everything the server sees, and nothing more.
 
     ``gradients`` is what the client shared: one tensor per trainable parameter of ``model``
-    (for FedAvg with ``local_steps > 1`` it is the *update* ``(theta_0 - theta_K) / lr``
-    expressed as an accumulated gradient, see :mod:`audit.client.fl`). The remaining fields are
+    (``shares="gradient"``: the defended gradient; ``"update"`` / ``"state"``: the *update*
+    ``(theta_0 - theta_K) / lr`` of its local training with ``optimizer``, in gradient units,
+    see :mod:`audit.core.unroll`). With ``shares="state"``, ``buffers`` holds the buffers the
+    client uploaded with it (BatchNorm running statistics after its local training), by
+    ``state_dict`` name; ``model`` keeps the global model's. The remaining fields are
     declared side information; :meth:`threat_model` lists them for the report.
     """
 
@@ -358,6 +383,19 @@ class Observation:
     # the mode the client ran the model in: "train" (BatchNorm uses batch statistics, as FL
     # clients train) or "eval" (BatchNorm uses the running statistics in the model's buffers)
     client_mode: str = "train"
+    optimizer: LocalOptimizer = field(default_factory=LocalOptimizer)  # the client's local optimiser
+    # gradient (FedSGD), update (weights after local training) or state (+ buffers); None: gradient for
+    # one plain local step, update otherwise
+    shares: Optional[str] = None
+    buffers: Optional[Dict[str, Tensor]] = None  # the uploaded buffers (shares="state" only)
+
+    def __post_init__(self):
+        self.shares = resolve_shares(self.shares, self.local_steps, self.optimizer)
+        if self.shares not in SHARES:
+            raise ConfigError(f"shares must be one of {', '.join(SHARES)}, got {self.shares!r}")
+        if (self.shares == "state") != (self.buffers is not None):
+            raise ConfigError("an observation carries buffers exactly when the client shares its state "
+                              f"(shares={self.shares!r}, buffers {'given' if self.buffers is not None else 'missing'})")
 
     @property
     def labels_shared(self) -> bool:
@@ -381,8 +419,10 @@ class Observation:
         """What the attacker was given, for the report."""
         return {
             "model": "white-box (architecture, parameters and buffers at the audited step)",
-            "shared": "defended gradient" if self.local_steps == 1 else
-            f"defended FedAvg update ({self.local_steps} local steps, lr {self.local_lr})",
+            "shared": self.shared_description(),
+            "shares": self.shares,
+            "local_optimizer": self.optimizer.describe(),
+            "local_batch_size": self.local_batch_size,
             "input_shape": list(self.input_shape),
             "num_classes": self.num_classes,
             "batch_size": self.batch_size,
@@ -395,6 +435,17 @@ class Observation:
             "client_mode": self.client_mode,
             "extras": sorted(self.extra),
         }
+
+    def shared_description(self) -> str:
+        """What the client uploaded, in one phrase."""
+        if self.shares == "gradient":
+            return "defended gradient (FedSGD)"
+        batch = "full batch" if self.local_batch_size is None else f"mini-batches of {self.local_batch_size}"
+        update = (f"defended update after {self.local_steps} local step(s) of {self.optimizer.describe()} "
+                  f"(lr {self.local_lr}, {batch}), weights only")
+        if self.shares == "update":
+            return update
+        return update.replace("weights only", f"weights and {len(self.buffers)} buffer(s) (the client's state)")
 
 
 # --------------------------------------------------------------------------- attacks

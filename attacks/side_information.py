@@ -1,0 +1,69 @@
+"""Side information an observation shares beyond its gradient, turned into attack terms.
+
+Today: the private batch's BatchNorm statistics that a client's uploaded buffers reveal
+(``shares="state"``, :mod:`audit.core.buffers`). Every optimisation attack (``ig``, ``gi``,
+the portfolio's strategies, the adaptive attacks built on :class:`~attacks.optimization.
+OptimizationAttack`, the generative attacks' scorer) adds the :class:`~priors.batchnorm.
+UploadedBatchNormStatistics` term when the observation has them, weighted by
+:data:`BN_UPLOAD_WEIGHT` unless the attack sets ``bn_upload``; where it does not apply, the
+trace says why (``side_information``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Tuple, Union
+
+from audit.core.buffers import RevealedStatistics, revealed_statistics
+from audit.core.errors import ConfigError
+from audit.core.types import Observation
+from priors import UploadedBatchNormStatistics
+
+#: the bn-upload term's weight beside a cosine gradient distance; measured on held-out
+#: embedded images over batch sizes 1-8 by ``bench/bench_strength.py --bn-weight``
+#: (docs/strength.md, "The batch statistics in the upload")
+BN_UPLOAD_WEIGHT = 0.1
+
+
+@dataclass
+class SideInformation:
+    """What an attack run uses beyond the gradient: extra ``(key, prior, weight)`` terms, the
+    revealed statistics (None when not used) and one line per item for the trace."""
+
+    priors: List[Tuple[str, Any, float]]
+    revealed: Optional[RevealedStatistics]
+    notes: Dict[str, str]
+
+    def tensors(self) -> List[Any]:
+        return [] if self.revealed is None else self.revealed.tensors()
+
+
+def check_weight(weight: Union[str, float, None]) -> Union[str, float]:
+    """``"auto"`` / None (the measured default) or a number >= 0 (0: off)."""
+    if weight is None or weight == "auto":
+        return "auto"
+    try:
+        value = float(weight)
+    except (TypeError, ValueError):
+        raise ConfigError(f"bn_upload must be 'auto' or a weight >= 0, got {weight!r}") from None
+    if value < 0:
+        raise ConfigError(f"bn_upload must be 'auto' or a weight >= 0, got {weight!r}")
+    return value
+
+
+def side_information(observation: Observation, weight: Union[str, float]) -> SideInformation:
+    """The side-information terms for an attack on ``observation`` (``weight``: ``bn_upload``)."""
+    revealed, why = revealed_statistics(observation.model, observation.buffers, observation.local_steps,
+                                        observation.client_mode)
+    if revealed is None:
+        return SideInformation([], None, {"bn-upload": f"not used: {why}"})
+    if weight == 0:
+        return SideInformation([], None, {"bn-upload": "not used: switched off (bn_upload=0)"})
+    value = BN_UPLOAD_WEIGHT if weight == "auto" else float(weight)
+    note = f"used (weight {value:g}): {revealed.describe()}, from the uploaded buffers"
+    return SideInformation([("bn-upload", UploadedBatchNormStatistics(), value)], revealed, {"bn-upload": note})
+
+
+def revealed_for_member(template: RevealedStatistics, tensors: List[Any]) -> RevealedStatistics:
+    """``template``'s layers and weights with one member's statistics (``tensors`` as
+    :meth:`RevealedStatistics.tensors` orders them; under vmap, that member's slices)."""
+    return RevealedStatistics(template.layers, list(tensors[0::2]), list(tensors[1::2]), template.weights)

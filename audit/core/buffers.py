@@ -1,0 +1,107 @@
+"""What a client's uploaded BatchNorm buffers reveal about its private batch.
+
+A client that sends its state (``model.state_dict()``, as Flower's PyTorch examples do)
+sends every BatchNorm layer's ``running_mean`` / ``running_var`` after its local training.
+Each train-mode forward pass updates them as ``new = (1 - m) * old + m * s`` with ``s`` the
+batch's mean and *unbiased* variance of the layer's input, so with the global model's
+buffers ``old`` the server recovers
+
+    (new - prod_k (1 - m_k) * old) / (1 - prod_k (1 - m_k)) = sum_k w_k s_k,
+
+the exact batch statistics after one local step, and for ``K`` steps the mixture of the
+steps' statistics with weights ``w_k = m_k prod_{j>k} (1 - m_j) / (1 - prod_k (1 - m_k))``
+(``m_k = 1 / (tracked + k + 1)`` for a layer with ``momentum=None``). The attacker's replica
+predicts the same mixture from its own unroll (:mod:`priors.batchnorm`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+import torch
+from torch import Tensor, nn
+
+NORM_TYPES = (nn.modules.batchnorm._BatchNorm,)
+
+
+def norm_layers(model: nn.Module) -> List[Tuple[str, nn.Module]]:
+    """``(name, module)`` of every BatchNorm layer, in module order (the replica's order)."""
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, NORM_TYPES)]
+
+
+def state_buffers(model: nn.Module) -> Dict[str, Tensor]:
+    """Every buffer of ``model`` by its ``state_dict`` name, detached copies: what a client
+    that uploads its state sends besides its weights."""
+    return {n: b.detach().clone() for n, b in model.named_buffers()}
+
+
+def has_running_stats(model: nn.Module) -> bool:
+    """True when the model has BatchNorm layers that keep running statistics."""
+    return any(m.track_running_stats and m.running_mean is not None for _, m in norm_layers(model))
+
+
+@dataclass
+class RevealedStatistics:
+    """Per BatchNorm layer (module order), the batch statistics the upload reveals: ``means``
+    and unbiased ``variances``, each the ``weights``-mixture of the local steps' statistics
+    (one weight per local step, summing to 1; a single 1.0 after one step: exact)."""
+
+    layers: List[str]
+    means: List[Tensor]
+    variances: List[Tensor]
+    weights: List[Tuple[float, ...]]
+
+    def tensors(self) -> List[Tensor]:
+        """``[mean_0, var_0, mean_1, var_1, ...]`` (an observation's per-member targets)."""
+        return [t for pair in zip(self.means, self.variances) for t in pair]
+
+    def describe(self) -> str:
+        steps = len(self.weights[0]) if self.weights else 0
+        how = "exact" if steps == 1 else f"the momentum-weighted mixture of {steps} local steps"
+        return f"the private batch's BatchNorm input statistics of {len(self.layers)} layer(s), {how}"
+
+
+def _factors(module: nn.Module, steps: int) -> List[float]:
+    if module.momentum is None:  # cumulative moving average
+        tracked = int(module.num_batches_tracked) if module.num_batches_tracked is not None else 0
+        return [1.0 / (tracked + k + 1) for k in range(steps)]
+    return [float(module.momentum)] * steps
+
+
+def revealed_statistics(model: nn.Module, uploaded: Optional[Dict[str, Tensor]], steps: int,
+                        client_mode: str) -> Tuple[Optional[RevealedStatistics], str]:
+    """The statistics ``uploaded`` (the client's buffers after ``steps`` local steps from
+    ``model``'s) reveal, or ``(None, why not)``."""
+    if uploaded is None:
+        return None, "the client does not share its buffers (shares: gradient or update)"
+    layers = [(n, m) for n, m in norm_layers(model) if m.track_running_stats and m.running_mean is not None]
+    if not layers:
+        return None, "the model has no BatchNorm layer with running statistics"
+    if client_mode != "train":
+        return None, "the client trains in eval mode: its BatchNorm buffers do not change"
+    names, means, variances, weights = [], [], [], []
+    for name, module in layers:
+        prefix = f"{name}." if name else ""
+        new_mean, new_var = uploaded.get(prefix + "running_mean"), uploaded.get(prefix + "running_var")
+        if new_mean is None or new_var is None:
+            return None, f"the upload lacks {prefix}running_mean / running_var"
+        factors = _factors(module, steps)
+        keep = 1.0
+        raw = []
+        for f in reversed(factors):
+            raw.append(f * keep)
+            keep *= 1.0 - f
+        raw.reverse()
+        total = 1.0 - keep
+        if total <= 1e-12:
+            return None, f"BatchNorm layer {name!r} has momentum 0: its buffers never change"
+        old_mean, old_var = module.running_mean.detach(), module.running_var.detach()
+        device = old_mean.device
+        names.append(name)
+        means.append(((new_mean.to(device) - keep * old_mean) / total).detach())
+        variances.append(((new_var.to(device) - keep * old_var) / total).clamp_min(0).detach())
+        weights.append(tuple(w / total for w in raw))
+    if all(torch.equal(uploaded[(f"{n}." if n else "") + "running_mean"].to(m.running_mean.device), m.running_mean)
+           for n, m in layers):
+        return None, "the uploaded buffers equal the global model's: they carry no batch statistics"
+    return RevealedStatistics(names, means, variances, weights), ""

@@ -1,0 +1,118 @@
+"""The client's local training as it is run: the shared unroll against torch.optim, the
+uploaded BatchNorm buffers and what they reveal, and the bad inputs named before any work."""
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from audit.client.observe import observe
+from audit.core.buffers import revealed_statistics
+from audit.core.errors import ConfigError
+from audit.core.local_training import LocalOptimizer, torch_optimizer
+from audit.core.types import Observation, trainable_parameters
+from attacks.simulator import ClientReplica, GradientSimulator, SimContext
+
+
+def small_bn_net(seed=0, momentum=0.1):
+    # bias-free convolutions before BatchNorm, as deployed: such a bias's gradient is float
+    # noise around 0, which Adam's normalisation would amplify into a meaningless comparison
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1, bias=False), nn.BatchNorm2d(4, momentum=momentum), nn.ReLU(),
+                         nn.Conv2d(4, 4, 3, padding=1, bias=False), nn.BatchNorm2d(4, momentum=momentum), nn.ReLU(),
+                         nn.AdaptiveAvgPool2d(2), nn.Flatten(), nn.Linear(16, 5))
+
+
+def batch(n=6, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.rand(n, 3, 8, 8, generator=g), torch.randint(0, 5, (n,), generator=g)
+
+
+OPTIMIZERS = ["sgd", "sgd:weight_decay=0.01", "sgd:momentum=0.9", "sgd:momentum=0.9,nesterov=1,weight_decay=5e-4",
+              "sgd:momentum=0.5,dampening=0.3", "adam", "adam:weight_decay=0.01,beta1=0.8",
+              "adamw:weight_decay=0.05"]
+
+
+@pytest.mark.parametrize("spec", OPTIMIZERS)
+def test_unroll_matches_torch_optim(spec):
+    """The update the client simulation shares is what torch.optim's training loop makes on
+    the same mini-batches, and so are the uploaded buffers."""
+    net, (x, y) = small_bn_net(), batch()
+    opt, steps, lr, local_batch = LocalOptimizer.parse(spec), 4, 0.05, 4
+    obs = observe(net, x, y, local_steps=steps, local_lr=lr, local_batch_size=local_batch, optimizer=opt,
+                  shares="state", seed=0)
+    client = copy.deepcopy(net).train()
+    params = trainable_parameters(client)
+    start = [p.detach().clone() for p in params]
+    optim = torch_optimizer(opt, params, lr)
+    rows = [slice(0, 4), slice(4, 6), slice(0, 4), slice(4, 6)]
+    for k in range(steps):
+        optim.zero_grad()
+        nn.functional.cross_entropy(client(x[rows[k]]), y[rows[k]]).backward()
+        optim.step()
+    expected = [(a - p.detach()) / lr for a, p in zip(start, params)]
+    for got, want in zip(obs.gradients, expected):
+        torch.testing.assert_close(got, want, rtol=2e-4, atol=2e-5)
+    for name, buf in client.named_buffers():
+        torch.testing.assert_close(obs.buffers[name], buf)
+    assert obs.threat_model()["shares"] == "state"
+
+
+def test_momentum_update_differs_from_plain_steps():
+    """The optimiser is really run: momentum changes the shared update."""
+    net, (x, y) = small_bn_net(), batch()
+    plain = observe(net, x, y, local_steps=3, local_lr=0.1, seed=0)
+    heavy = observe(net, x, y, local_steps=3, local_lr=0.1, optimizer="sgd:momentum=0.9", seed=0)
+    ratio = torch.cat([g.flatten() for g in heavy.gradients]).norm() / torch.cat(
+        [g.flatten() for g in plain.gradients]).norm()
+    assert ratio > 1.3
+
+
+@pytest.mark.parametrize("steps,local_batch", [(1, None), (3, 2)])
+def test_buffers_reveal_the_batch_statistics(steps, local_batch):
+    """One step: the upload gives the exact per-channel mean and unbiased variance of each
+    BatchNorm input; several: the momentum-weighted mixture the replica predicts from the
+    true images."""
+    net, (x, y) = small_bn_net(momentum=0.3), batch()
+    obs = observe(net, x, y, local_steps=steps, local_lr=0.1, local_batch_size=local_batch, shares="state", seed=0)
+    revealed, why = revealed_statistics(obs.model, obs.buffers, obs.local_steps, obs.client_mode)
+    assert revealed is not None, why
+    if steps == 1:
+        first = net[0](x)  # the first BatchNorm's input, computed independently
+        torch.testing.assert_close(revealed.means[0], first.mean((0, 2, 3)), rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(revealed.variances[0], first.var((0, 2, 3), unbiased=True), rtol=1e-4, atol=1e-5)
+    replica, simulator = ClientReplica(obs), GradientSimulator()
+    _, feats = simulator(replica, x, y, functional=False, context=SimContext(obs))
+    for layer, (mean, var) in enumerate(zip(revealed.means, revealed.variances)):
+        weights = revealed.weights[layer]
+        assert len(weights) == steps and abs(sum(weights) - 1) < 1e-9
+        predicted_mean = sum(w * s[layer][0] for w, s in zip(weights, feats["bn_steps"]))
+        predicted_var = sum(w * s[layer][1] for w, s in zip(weights, feats["bn_steps"]))
+        torch.testing.assert_close(predicted_mean.detach(), mean, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(predicted_var.detach(), var, rtol=1e-4, atol=1e-5)
+
+
+def test_eval_mode_and_gradient_share_nothing_extra():
+    net, (x, y) = small_bn_net(), batch()
+    obs = observe(net, x, y, client_mode="eval", shares="state", seed=0)
+    revealed, why = revealed_statistics(obs.model, obs.buffers, 1, "eval")
+    assert revealed is None and "eval mode" in why
+    plain = observe(net, x, y, seed=0)
+    assert plain.shares == "gradient" and plain.buffers is None
+
+
+@pytest.mark.parametrize("call,message", [
+    (lambda: LocalOptimizer.parse("rmsprop"), "unknown local optimizer"),
+    (lambda: LocalOptimizer.parse("sgd:momentum=1.0"), "momentum must be in [0, 1)"),
+    (lambda: LocalOptimizer.parse("sgd:momentum=-0.1"), "momentum must be in [0, 1)"),
+    (lambda: LocalOptimizer.parse("sgd:lr=0.1"), "unknown local optimizer setting"),
+    (lambda: LocalOptimizer.parse("adam:momentum=0.9"), "not momentum"),
+    (lambda: LocalOptimizer.parse("sgd:nesterov=1"), "nesterov needs momentum"),
+    (lambda: observe(nn.Sequential(nn.Flatten(), nn.Linear(192, 5)), *batch(2), shares="state"),
+     "no BatchNorm running statistics"),
+    (lambda: observe(small_bn_net(), *batch(2), local_steps=2, local_lr=0.1, shares="gradient"),
+     "uploads an update, not a gradient"),
+])
+def test_bad_training_descriptions_are_named(call, message):
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace(")", r"\)").replace("(", r"\(")):
+        call()
