@@ -15,7 +15,9 @@ the layers where some target of the group has a zero), ``gaussian(sigma)``, ``la
 from __future__ import annotations
 
 import copy
-from typing import Optional, Sequence, Union
+import functools
+import operator
+from typing import List, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
@@ -54,7 +56,11 @@ class GradientDistance(Objective):
     """Sum over layers of ``w_l * d(m_l * g_l, m_l * t_l)``; ``weights`` / ``masks`` are
     sequences aligned with the gradient list (``None`` entries mean 1 / no mask), or
     ``masks=OBSERVED``: ``m_l = (t_l != 0)``. A weight of 0 drops a layer (e.g. the layer a
-    defense perturbs)."""
+    defense perturbs).
+
+    Bound, the weights are one tensor (None where every weight is 1: no multiplication) and
+    the masks tensors of the gradients' dtype, so a captured program reads them as inputs
+    and serves any weights or masks of the same shapes (``attacks.capture``)."""
 
     def __init__(self, weights: Optional[Sequence[Optional[float]]] = None,
                  masks: Union[None, str, Sequence[Optional[Tensor]]] = None):
@@ -63,11 +69,12 @@ class GradientDistance(Objective):
         self.weights = None if weights is None else list(weights)
         self.masks = masks if masks is None or masks == OBSERVED else list(masks)
         #: ``masks=OBSERVED`` after ``bind_group``: the layers with an exact zero in some target
-        #: (the others need no mask); None masks every layer
-        self.zero_layers: Optional[frozenset] = None
+        #: (the others need no mask), in order; None masks every layer
+        self.zero_layers: Optional[tuple] = None
 
     def bind(self, observation: Observation) -> "GradientDistance":
-        n = len(observation.gradients)
+        grads = observation.gradients
+        n = len(grads)
         for what, seq in (("weights", self.weights), ("masks", self.masks)):
             if seq is not None and seq != OBSERVED and len(seq) != n:
                 raise ConfigError(f"objective {self.name!r}: {len(seq)} per-layer {what} for {n} "
@@ -76,38 +83,51 @@ class GradientDistance(Objective):
                 and None not in self.weights:
             raise ConfigError(f"objective {self.name!r}: every per-layer weight is 0, nothing is matched")
         bound = copy.copy(self)
+        values = [1.0 if w is None else float(w) for w in self.weights or ()]
+        bound.weights = None if all(v == 1.0 for v in values) else \
+            torch.tensor(values, dtype=grads[0].dtype, device=grads[0].device)
         if self.masks is not None and self.masks != OBSERVED:
-            for i, (m, g) in enumerate(zip(self.masks, observation.gradients)):
+            for i, (m, g) in enumerate(zip(self.masks, grads)):
                 if m is not None and tuple(m.shape) != tuple(g.shape):
                     raise ConfigError(f"objective {self.name!r}: mask {i} has shape {tuple(m.shape)}, "
                                       f"the gradient {tuple(g.shape)}")
-            bound.masks = [None if m is None else torch.as_tensor(m).to(g.device)
-                           for m, g in zip(self.masks, observation.gradients)]
+            bound.masks = [None if m is None else torch.as_tensor(m).to(device=g.device, dtype=g.dtype, copy=True)
+                           for m, g in zip(self.masks, grads)]
         return bound
 
     def bind_group(self, observations: Sequence[Observation]) -> "GradientDistance":
         bound = self.bind(observations[0])
         if self.masks == OBSERVED:
-            bound.zero_layers = frozenset(i for i in range(len(observations[0].gradients))
-                                          if any(bool((o.gradients[i] == 0).any()) for o in observations))
+            bound.zero_layers = tuple(i for i in range(len(observations[0].gradients))
+                                      if any(bool((o.gradients[i] == 0).any()) for o in observations))
         return bound
 
     def _layers(self, dummy, target):
-        """``(weight, masked dummy, masked target)`` per layer with non-zero weight."""
+        """``(masked dummy, masked target)`` per layer (a layer of weight 0 included when bound:
+        its weight multiplies it by 0, so every weighting runs the same operations)."""
         for i, (g, t) in enumerate(zip(dummy, target)):
-            w = 1.0 if self.weights is None or self.weights[i] is None else float(self.weights[i])
-            if w == 0.0:
-                continue
+            if isinstance(self.weights, list) and self.weights[i] is not None and float(self.weights[i]) == 0.0:
+                continue  # unbound: the layer is not matched
             if self.masks == OBSERVED:
                 if self.zero_layers is None or i in self.zero_layers:
-                    g = g * (t != 0).to(g.dtype)  # the target is its own mask: t * (t != 0) == t
+                    g = g * (t != 0)  # the target is its own mask: t * (t != 0) == t
             elif self.masks is not None and self.masks[i] is not None:
-                m = self.masks[i].to(g.dtype)
+                m = self.masks[i] if self.masks[i].dtype == g.dtype else self.masks[i].to(g.dtype)
                 g, t = g * m, t * m
-            yield w, g, t
+            yield g, t
+
+    def _weigh(self, values: List[Tensor]) -> Tensor:
+        """``sum_l w_l values[l]``: a plain sum where every weight is 1."""
+        weights = self.weights
+        if weights is None:
+            return functools.reduce(operator.add, values)
+        if isinstance(weights, list):  # unbound: the matched layers' weights
+            weights = [1.0 if w is None else float(w) for w in weights if w is None or float(w) != 0.0]
+            return functools.reduce(operator.add, [w * v for w, v in zip(weights, values)])
+        return (weights.to(values[0].dtype) * torch.stack(values)).sum()
 
     def __call__(self, dummy_grads, target_grads):
-        return sum(w * self.layer_distance(g, t) for w, g, t in self._layers(dummy_grads, target_grads))
+        return self._weigh([self.layer_distance(g, t) for g, t in self._layers(dummy_grads, target_grads)])
 
     def layer_distance(self, g: Tensor, t: Tensor) -> Tensor:
         raise TypeError(f"{type(self).__name__} must implement layer_distance")
@@ -115,7 +135,8 @@ class GradientDistance(Objective):
     def __repr__(self) -> str:
         parts = []
         if self.weights is not None:
-            parts.append(f"weights={self.weights}")
+            weights = self.weights.tolist() if isinstance(self.weights, Tensor) else self.weights
+            parts.append(f"weights={weights}")
         if self.masks is not None:
             parts.append(f"masks={OBSERVED}" if self.masks == OBSERVED else "masks=[...]")
         return f"{self.name}({', '.join(parts)})" if parts else self.name
@@ -145,11 +166,10 @@ class CosineDistance(GradientDistance):
     name = "cosine"
 
     def __call__(self, dummy_grads, target_grads):
-        dot = gg = tt = 0.0
-        for w, g, t in self._layers(dummy_grads, target_grads):
-            dot = dot + w * (g * t).sum()
-            gg = gg + w * g.pow(2).sum()
-            tt = tt + w * t.pow(2).sum()
+        layers = list(self._layers(dummy_grads, target_grads))
+        dot = self._weigh([(g * t).sum() for g, t in layers])
+        gg = self._weigh([g.pow(2).sum() for g, _ in layers])
+        tt = self._weigh([t.pow(2).sum() for _, t in layers])
         return 1.0 - dot / (torch.sqrt(gg) * torch.sqrt(tt) + 1e-12)
 
 
