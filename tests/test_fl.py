@@ -50,6 +50,24 @@ def test_fedsgd_with_full_batches_is_gradient_descent():
     assert len(history.losses) == 3 and history.losses[0] > history.losses[-1]
 
 
+def test_the_schedule_scales_each_rounds_learning_rate():
+    data = synthetic(n_train=24)
+    factors = [1.0, 0.5, 0.0, 2.0]
+    model, reference = mlp(), mlp()
+    train(model, data, None, 4, lr=0.1, batch_size=24, seed=0, schedule=lambda k: factors[k])
+    for factor in factors:  # full-batch gradient descent at lr 0.1 x the round's factor
+        grads = clean_gradients(reference, data.train_images, data.train_labels)
+        with torch.no_grad():
+            for p, g in zip(trainable_parameters(reference), grads):
+                p -= 0.1 * factor * g
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert torch.allclose(p, q, atol=1e-6)
+    # FedAvg: the factor scales the local steps; a zero factor leaves the model where it was
+    frozen, start = mlp(), mlp()
+    train(frozen, data, None, 2, lr=0.5, batch_size=6, clients=2, local_steps=3, seed=1, schedule=lambda k: 0.0)
+    assert all(torch.equal(p, q) for p, q in zip(frozen.parameters(), start.parameters()))
+
+
 def test_fedavg_averages_the_clients_local_training():
     data = synthetic(n_train=24)
     model, start = mlp(), mlp()

@@ -83,7 +83,8 @@ def _average_into(model: nn.Module, clients: List[nn.Module]) -> None:
 def train(model: nn.Module, dataset, defense, steps: int, *, lr: float, batch_size: int,
           clients: int = 1, local_steps: int = 1, local_lr: Optional[float] = None, seed: int = 0,
           device="cpu", loss_fn: LossFn = default_loss_fn,
-          callback: Optional[Callable[[int, nn.Module], None]] = None) -> History:
+          callback: Optional[Callable[[int, nn.Module], None]] = None,
+          schedule: Optional[Callable[[int], float]] = None) -> History:
     """Train ``model`` in place for ``steps`` rounds with the defended updates.
 
     ``model`` is the client's model: for architectural defenses, the one ``defense.wrap_model``
@@ -92,6 +93,7 @@ def train(model: nn.Module, dataset, defense, steps: int, *, lr: float, batch_si
     is called before each round's update (``step = 0 .. steps - 1``, the model the clients
     receive) and once after the last one (``step = steps``). A defense that accepts a ``round``
     keyword gets ``round=step`` (every local step of a FedAvg round shares the round's index).
+    ``schedule(step)``: a factor on the learning rates of round ``step`` (None: constant).
     """
     _check_args(dataset, steps, lr, batch_size, local_steps)
     defense = as_defense(defense) or NoDefense()
@@ -107,6 +109,7 @@ def train(model: nn.Module, dataset, defense, steps: int, *, lr: float, batch_si
     for step in range(steps):
         if callback is not None:
             callback(step, model)
+        scale = 1.0 if schedule is None else float(schedule(step))
         losses, updates, local_models = [], [], []
         for split in splits:
             client = copy.deepcopy(model) if fedavg else model
@@ -118,14 +121,14 @@ def train(model: nn.Module, dataset, defense, steps: int, *, lr: float, batch_si
                 grads = call_defense(defense, client, x, y, loss_fn=loss_fn, generator=defense_gen,
                                      round=step)
                 if fedavg:
-                    _apply(params, grads, step_lr)
+                    _apply(params, grads, step_lr * scale)
                 else:
                     updates.append([g.detach() for g in grads])
             local_models.append(client)
         if fedavg:
             _average_into(model, local_models)
         else:
-            _apply(trainable_parameters(model), [torch.stack(c).mean(0) for c in zip(*updates)], lr)
+            _apply(trainable_parameters(model), [torch.stack(c).mean(0) for c in zip(*updates)], lr * scale)
         history.losses.append(sum(losses) / len(losses))
     if callback is not None:
         callback(steps, model)
