@@ -119,6 +119,24 @@ def model_options(fn):
     return fn
 
 
+def training_options(fn):
+    """What the client uploads and how it trains locally (``--shares``, ``--local-optimizer``,
+    ``--local-batch-size``, ``--local-epochs``)."""
+    fn = click.option("--local-epochs", default=None, type=int,
+                      help="local epochs over the client's private batch (instead of --local-steps)")(fn)
+    fn = click.option("--local-batch-size", default=None, type=int,
+                      help="the client's local mini-batch size  [default: its whole private batch]")(fn)
+    fn = click.option("--local-optimizer", default=None, metavar="NAME[:KEY=VALUE,...]",
+                      help="the client's local optimizer: sgd, adam or adamw, with torch.optim's settings, e.g. "
+                           "sgd:momentum=0.9,nesterov=1,weight_decay=5e-4 or adam:beta1=0.9,beta2=0.999  "
+                           "[default: sgd]")(fn)
+    fn = click.option("--shares", type=click.Choice(["gradient", "update", "state"]), default=None,
+                      help="what the client uploads: its defended gradient (FedSGD), its update after local training "
+                           "(weights only) or that update with its buffers (BatchNorm statistics, as a PyTorch "
+                           "client's state_dict)  [default: gradient for one plain step, else update]")(fn)
+    return fn
+
+
 @main.command("audit")
 @click.option("--defense", default=None,
               help="built-in defense name (`gia-audit list defenses`), or package.module:attr of your "
@@ -147,6 +165,7 @@ def model_options(fn):
 @click.option("--clients", default=None, type=int, help="FL clients with their own data splits  [default: 1]")
 @click.option("--local-steps", default=None, type=int, help="FedAvg local steps  [default: 1 = FedSGD]")
 @click.option("--local-lr", default=None, type=float, help="FedAvg local learning rate  [default: --lr]")
+@training_options
 @click.option("--delta", default=None, type=float,
               help="l2 radius of the risk ball  [default: RMSE 0.1 x sqrt(pixels), i.e. 20 dB]")
 @click.option("--thresholds", default=None, metavar="NAME=VALUE,...",
@@ -167,8 +186,8 @@ def model_options(fn):
 @friendly_errors
 def audit_cmd(defense, defense_arg, model, model_arg, model_normalize, checkpoint, client_mode, dataset, data_path,
               image_size, steps, attacks, attack_arg, images, batch_size, budget, share_labels, lr, train_batch_size,
-              clients, local_steps, local_lr, delta, thresholds, utility, utility_steps, utility_seeds, defense_timeout,
-              quiet, out, seed, device):
+              clients, local_steps, local_lr, shares, local_optimizer, local_batch_size, local_epochs, delta, thresholds,
+              utility, utility_steps, utility_seeds, defense_timeout, quiet, out, seed, device):
     """Audit a defense: attack it at several training steps and write the risk report."""
     from audit.core.registry import parse_kv_args
     from audit.engine.audit import run
@@ -180,7 +199,8 @@ def audit_cmd(defense, defense_arg, model, model_arg, model_normalize, checkpoin
         model=model, model_normalize=model_normalize, checkpoint=checkpoint,
         client_mode=client_mode, image_size=image_size, steps=steps, attacks=attacks, images=images, batch_size=batch_size,
         budget=budget, share_labels=share_labels, lr=lr, train_batch_size=train_batch_size, clients=clients,
-        local_steps=local_steps, local_lr=local_lr, delta=delta, thresholds=thresholds, utility=utility,
+        local_steps=local_steps, local_lr=local_lr, shares=shares, local_optimizer=local_optimizer,
+        local_batch_size=local_batch_size, local_epochs=local_epochs, delta=delta, thresholds=thresholds, utility=utility,
         utility_steps=utility_steps, utility_seeds=utility_seeds, out=out, defense_timeout=defense_timeout)
     report = run(**settings, seed=seed, device=resolve_device(device), progress=not quiet)
     click.echo(report.summary())
@@ -210,7 +230,7 @@ class _KeepsOptionOrder(click.Command):
 # the audit command's setting options that a sweep shares (the same for every cell)
 SWEEP_SHARES = ("model", "model_arg", "model_normalize", "checkpoint", "client_mode", "dataset", "data_path",
                 "image_size", "steps", "attacks", "attack_arg", "images", "batch_size", "budget", "share_labels", "lr", "train_batch_size", "clients",
-                "local_steps", "local_lr", "delta", "thresholds", "utility", "utility_steps", "utility_seeds",
+                "local_steps", "local_lr", "shares", "local_optimizer", "local_batch_size", "local_epochs", "delta", "thresholds", "utility", "utility_steps", "utility_seeds",
                 "defense_timeout")
 
 
@@ -318,13 +338,14 @@ def flower_report_cmd(directory, thresholds, seed, device):
               help="mode the client runs the model in (BatchNorm batch vs running statistics)")
 @click.option("--local-steps", default=1, show_default=True, type=int, help="FedAvg local steps")
 @click.option("--local-lr", default=0.1, show_default=True, type=float, help="FedAvg local learning rate")
+@training_options
 @click.option("--quiet", is_flag=True, help="no progress bar")
 @click.option("--out", default="out", show_default=True, type=click.Path(file_okay=False), help="output folder")
 @common_options
 @friendly_errors
 def attack_cmd(attack_name, attack_arg, model, model_arg, model_normalize, checkpoint, dataset, data_path, size, index, image, label, batch,
-               budget, restarts, defense, defense_arg, share_labels, client_mode, local_steps, local_lr, quiet,
-               out, seed, device):
+               budget, restarts, defense, defense_arg, share_labels, client_mode, local_steps, local_lr, shares,
+               local_optimizer, local_batch_size, local_epochs, quiet, out, seed, device):
     """Attack one private batch; write original/reconstruction PNGs and metrics.json to --out."""
     from audit.engine.single import run_attack
     from audit.core.registry import parse_kv_args
@@ -334,6 +355,7 @@ def attack_cmd(attack_name, attack_arg, model, model_arg, model_normalize, check
         label=label, batch=batch, budget=budget, restarts=restarts, attack_args=parse_kv_args(attack_arg),
         model_args=parse_kv_args(model_arg), model_normalize=model_normalize, checkpoint=checkpoint, defense=defense, defense_args=parse_kv_args(defense_arg),
         share_labels=share_labels, client_mode=client_mode, local_steps=local_steps, local_lr=local_lr,
+        shares=shares, local_optimizer=local_optimizer, local_batch_size=local_batch_size, local_epochs=local_epochs,
         out=out, seed=seed, device=resolve_device(device), progress=not quiet)
     click.echo(metrics["summary"])
 

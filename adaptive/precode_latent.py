@@ -110,7 +110,7 @@ class PrecodeLatent(AdaptedAttack):
         if observation.batch_size != 1:
             return (f"the decoder gradient of a batch of {observation.batch_size} mixes their draws; "
                     "the closed-form latent needs batch 1")
-        if observation.local_steps != 1 or observation.defense is None:
+        if not observation.one_step or observation.defense is None:
             return "needs a single-step observation with the PRECODE defense known (white-box)"
         return None
 

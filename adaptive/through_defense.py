@@ -71,13 +71,13 @@ class EOTSimulator(GradientSimulator):
     def draws_in_program(observation: Observation) -> bool:
         """Whether the observation's defense can draw inside one batched program."""
         defense = observation.defense
-        return (is_gradient_only(defense) and observation.local_steps == 1
+        return (is_gradient_only(defense) and observation.one_step
                 and bool(getattr(defense, "vmap_draws", False)))
 
     def client_gradients(self, replica: ClientReplica, x: Tensor, y: Tensor, *, functional: bool,
                          context: SimContext) -> Tuple[List[Tensor], Dict[str, Any]]:
         obs = replica.observation
-        if is_gradient_only(obs.defense) and obs.local_steps == 1:
+        if is_gradient_only(obs.defense) and obs.one_step:
             clean, feats = super().client_gradients(replica, x, y, functional=functional, context=context)
             if functional and self.vmappable:
                 draws = [list(obs.defense.transform(list(clean), generator=VMAP_DRAWS, model=obs.model))
@@ -110,7 +110,7 @@ class EOTSimulator(GradientSimulator):
         return ""
 
     def gradient_evaluations(self, observation: Observation) -> int:
-        if is_gradient_only(observation.defense) and observation.local_steps == 1:
+        if is_gradient_only(observation.defense) and observation.one_step:
             return 1  # one clean gradient, the transform sampled on it
         return self.samples * super().gradient_evaluations(observation)
 
@@ -121,7 +121,7 @@ class EOTSimulator(GradientSimulator):
 def _applicability(observation: Observation) -> str:
     if observation.defense is None:
         return "needs white-box access to the defense (observation.defense is None)"
-    if observation.local_steps != 1 and not is_gradient_only(observation.defense):
+    if not observation.one_step and not is_gradient_only(observation.defense):
         return (f"defense {observation.defense.name!r} computes its own gradient, which can be replayed "
                 f"for one local step only; the observation has {observation.local_steps}")
     return ""
@@ -154,7 +154,7 @@ class ThroughDefense(AdaptedAttack):
                  "mode": "replay" if samples == 1 else f"EOT over {samples} draws per evaluation",
                  "path": "defense.transform applied to each local step's gradient" if gradient_only
                  else "defense callable run on the dummy data"}
-        if gradient_only and samples > 1 and observation.local_steps == 1:
+        if gradient_only and samples > 1 and observation.one_step:
             notes["path"] = "clean gradient once, defense.transform sampled"
         if samples == 1:
             return Adaptation({"simulator": defended_client(defense)}, notes)

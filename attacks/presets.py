@@ -33,6 +33,8 @@ KNOBS: Dict[str, tuple] = {
     "tv_kind": ("anisotropic", "anisotropic or isotropic TV"),
     "l2": (0.0, "image-L2 weight"),
     "bn": (0.0, "BatchNorm-statistics weight (DeepInversion)"),
+    "bn_upload": ("auto", "weight of the term on the batch statistics the client's uploaded BatchNorm buffers "
+                          "reveal (shares=state): auto (the measured default), a number, or 0 (off)"),
     "group": (0.0, "group-consistency weight (needs restarts > 1)"),
     "group_start": (0, "iteration from which group consistency is on"),
     "pixel_range": (0.0, "penalty weight on pixels outside [0, 1]"),
@@ -97,7 +99,7 @@ def compose(name: str, explicit: Optional[Iterable[str]] = None, **s: Any) -> Op
         objective, priors, init=s["init"], box=s["box"], optimizer=Watchdog(optimizer), iterations=s["iterations"],
         restarts=s["restarts"], label_strategy=s["labels"], simulator=s["simulator"], execution=s["execution"],
         name=name, keep_best_after=s["keep_best_after"], per_restart=s["per_restart"],
-        compile=s["compile"], capture=s["capture"],
+        compile=s["compile"], capture=s["capture"], bn_upload=s["bn_upload"],
     )
 
 

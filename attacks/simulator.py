@@ -271,9 +271,9 @@ class DefenseSimulator(GradientSimulator):
         if obs.defense is None:
             raise NotApplicable("the 'defense' simulator needs observation.defense (white-box "
                                 "access to the mechanism); use the default 'clean' simulator")
-        if obs.local_steps != 1:
+        if not obs.one_step:
             raise NotApplicable("the 'defense' simulator runs one defended gradient; the "
-                                f"observation has {obs.local_steps} local steps")
+                                f"observation has {obs.local_steps} local steps of {obs.optimizer.describe()}")
 
     def client_gradients(self, replica, x, y, *, functional, context):
         obs = replica.observation

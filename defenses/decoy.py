@@ -4,7 +4,8 @@ of the private images is in what they share.
 An audit of a decoy must come out "no recovered image": the attacks reconstruct the decoy,
 and the leak rule must not mistake a flat or smooth guess for a recovered image
 (``docs/evidence.md``). ``kind="flat"``: every image one fixed colour near the embedded
-data's mean; ``kind="texture"``: one fixed smooth colour texture. Labels are the true ones.
+data's mean; ``kind="texture"``: one fixed smooth colour texture. Labels are the true ones; a
+client that shares its state uploads the decoy's BatchNorm statistics (``buffer_inputs``).
 """
 from __future__ import annotations
 
@@ -47,5 +48,9 @@ class Decoy(Defense):
         self.level = check_range(self.name, "level", level, 0, 1)
 
     def __call__(self, model, inputs, labels, *, loss_fn=default_loss_fn, generator=None):
-        decoy = decoy_images(self.kind, tuple(inputs.shape), self.level, inputs.device, inputs.dtype)
-        return [g.detach() for g in clean_gradients(model, decoy, labels, loss_fn, create_graph=False)]
+        return [g.detach() for g in clean_gradients(model, self.buffer_inputs(inputs), labels, loss_fn,
+                                                    create_graph=False)]
+
+    def buffer_inputs(self, inputs: Tensor) -> Tensor:
+        """A client that shares its state uploads the decoy batch's BatchNorm statistics too."""
+        return decoy_images(self.kind, tuple(inputs.shape), self.level, inputs.device, inputs.dtype)

@@ -105,7 +105,7 @@ class BayesOptimalAttack:
         if choice == "auto":
             if defense is None:
                 choice = "l2"
-            elif getattr(defense, "log_prob", None) is not None and observation.local_steps == 1:
+            elif getattr(defense, "log_prob", None) is not None and observation.one_step:
                 choice = "defense"
             else:
                 choice = "monte-carlo"

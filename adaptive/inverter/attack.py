@@ -142,6 +142,7 @@ class LearnedInverter:
             "client": {"input_shape": list(obs.input_shape), "num_classes": obs.num_classes,
                        "batch_size": obs.batch_size, "local_steps": obs.local_steps, "local_lr": obs.local_lr,
                        "local_batch_size": obs.local_batch_size, "client_mode": obs.client_mode,
+                       "optimizer": obs.optimizer.describe(),
                        "loss_fn": getattr(obs.loss_fn, "__qualname__", repr(obs.loss_fn))},
             "aux": auxiliary_fingerprint(obs, images, labels),
             "settings": asdict(self.settings),

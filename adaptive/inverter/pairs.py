@@ -61,11 +61,12 @@ def defended_features(observation: Observation, images: Tensor, labels: Tensor, 
     bar = tqdm(total=len(index), desc=BAR, disable=not progress, leave=False)
     try:
         done, how = 0, "per batch (client round)"
-        if observation.local_steps == 1 and is_gradient_transform(observation.defense):
+        one_step = observation.local_steps == 1 and observation.optimizer.plain
+        if one_step and is_gradient_transform(observation.defense):
             done = _batched(observation, images, labels, index, sketch, generator, out, bar)
             how = ("batched clean gradients (vmap), per-batch transform" if done else
                    "per batch (client round; vmap could not batch this model's gradient)")
-        elif observation.local_steps == 1:
+        elif one_step:
             done = _many(observation, images, labels, index, sketch, generator, out, bar)
             how = "batched defense calls (Defense.many), one per chunk of batches"
         _per_batch(observation, images, labels, index[done:], sketch, generator, out[done:], bar)
@@ -86,7 +87,7 @@ def _per_batch(obs: Observation, images, labels, index, sketch, generator, out, 
         rows = index[p].to(images.device)
         shared = client_round(work, images[rows], labels[rows], obs.defense, obs.loss_fn, generator,
                               obs.local_steps, obs.local_lr, obs.local_batch_size, obs.client_mode,
-                              round=obs.step)
+                              round=obs.step, optimizer=obs.optimizer)
         out[p] = sketch(flatten_gradients(shared).detach().float())
         work.load_state_dict(state)
         bar.update(1)

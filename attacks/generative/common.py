@@ -52,7 +52,7 @@ def select_simulator(spec: Any, observation: Observation) -> Tuple[GradientSimul
         return SIMULATORS.build(spec), f"requested {spec!r}"
     if observation.defense is None:
         return GradientSimulator(), "no defense: clean gradient"
-    if observation.local_steps != 1:
+    if not observation.one_step:
         return GradientSimulator(), (f"clean gradient: the defense simulator runs one step, the observation "
                                      f"has {observation.local_steps} local steps")
     return DefenseSimulator(), "the dummy gradient goes through the observation's defense"

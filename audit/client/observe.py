@@ -123,8 +123,9 @@ def client_round(model, images, labels, defense, loss_fn, generator, steps, lr, 
             else:
                 grads = call_defense(defense, model, xb, yb, loss_fn=loss_fn, generator=generator, round=round)
         if mode == "train":  # the training loop's forward pass: the buffers move once per step
+            recorded = getattr(defense, "buffer_inputs", None)
             with torch.no_grad():
-                model(xb)
+                model(recorded(xb) if callable(recorded) else xb)
         return {str(i): g.detach() for i, g in enumerate(grads)}
 
     theta0 = {str(i): q.detach().clone() for i, q in enumerate(params)}

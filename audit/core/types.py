@@ -118,6 +118,9 @@ class Defense:
     * ``transform_inputs(inputs, generator)`` -- data-side defenses (ATS, Refiner).
     * ``differences`` -- where this reference implementation departs from its paper or the
       authors' code, one sentence each (data only; the report of an audit prints them).
+    * ``buffer_inputs(inputs)`` (optional) -- the inputs whose statistics the client's
+      BatchNorm buffers record when it shares its state (undeclared: the private inputs; a
+      gradient defense leaves the buffers untouched).
 
     A defense whose ``__call__`` takes a ``round`` keyword gets the FL round index (the
     training step) from the client simulation; ``accepts_round`` says whether it does.
@@ -398,6 +401,12 @@ class Observation:
                               f"(shares={self.shares!r}, buffers {'given' if self.buffers is not None else 'missing'})")
 
     @property
+    def one_step(self) -> bool:
+        """True when the shared weights are one defended gradient (one plain SGD step): the
+        attacks that run the defense itself on dummy data apply only then."""
+        return self.local_steps == 1 and self.optimizer.plain
+
+    @property
     def labels_shared(self) -> bool:
         return self.labels is not None
 
@@ -440,9 +449,11 @@ class Observation:
         """What the client uploaded, in one phrase."""
         if self.shares == "gradient":
             return "defended gradient (FedSGD)"
-        batch = "full batch" if self.local_batch_size is None else f"mini-batches of {self.local_batch_size}"
+        how = ("full batch" if self.local_batch_size is None else f"mini-batches of {self.local_batch_size}")
+        if self.local_steps > 1:
+            how = f"lr {self.local_lr}, {how}"
         update = (f"defended update after {self.local_steps} local step(s) of {self.optimizer.describe()} "
-                  f"(lr {self.local_lr}, {batch}), weights only")
+                  f"({how}), weights only")
         if self.shares == "update":
             return update
         return update.replace("weights only", f"weights and {len(self.buffers)} buffer(s) (the client's state)")

@@ -24,6 +24,8 @@ from attacks import ATTACKS
 from audit.client.fl import train
 from audit.client.observe import observe
 from audit.core.defense_call import defense_timeout
+from attacks.side_information import side_information
+from audit.core.buffers import has_running_stats
 from audit.core.errors import ConfigError, DefenseError, GiaError, NotApplicable
 from audit.core.preflight import runs
 from audit.core.records import AccuracySpread, AttackResult, Scores, Status, UtilityResult
@@ -103,6 +105,9 @@ class Audit:
         trained = max(self.attack_settings.steps) > 0 or output.utility
         check_model(self.base_model, self.model_settings, self.dataset, data.batch_size, fl_settings.client_mode,
                     fl_settings.batch_size if trained else None, self.device)
+        if fl_settings.shares == "state" and not has_running_stats(self.model):
+            raise ConfigError("shares='state' needs buffers to share and the model has no BatchNorm running "
+                              "statistics: use --shares update (shares='update')")
         self.model_ident = {**self.model_settings.describe(), **model_identity(self.base_model, {})}
         self.numel = int(math.prod(self.dataset.input_shape))
         self.delta = output.delta if output.delta is not None else default_delta(self.numel)
@@ -151,6 +156,7 @@ class Audit:
             plan_dict = {**plan.to_dict(), **({"model_mode": probe_note} if probe_note else {})}
         except GiaError as err:  # e.g. the defense fails on the planner's probe batch
             plan, plan_dict = None, {"error": f"probing the defense failed: {type(err).__name__}: {err}"}
+        plan_dict["side_information"] = self.side_information()
         proposed = [] if plan is None else [
             AttackSpec(a.name, dict(a.settings), a.reason, "adaptive" if a.adaptive else "base")
             for a in plan.attacks]
@@ -165,6 +171,19 @@ class Audit:
         for spec in specs.values():  # the user's settings override the planner's
             spec.settings.update(self.attack_settings.args.get(spec.name, {}))
         return list(specs.values()), plan_dict
+
+    def side_information(self) -> Dict[str, str]:
+        """What the attacks use beyond the shared weights, read off the first observation
+        (:mod:`attacks.side_information`): the optimisation attacks (ig, gi, the portfolio and
+        the adaptive attacks built on them) add each term; the others ignore it."""
+        x, y = self.private[0]
+        try:
+            obs = self.observe(self.model, x, y, 0, 0)
+        except GiaError as err:
+            return {"unavailable": f"the defense failed on the first observation: {err}"}
+        notes = side_information(obs, "auto").notes
+        return {k: (v + "; added by every optimisation attack (ig, gi, portfolio, the adaptive attacks built on them)"
+                    if v.startswith("used") else v) for k, v in notes.items()}
 
     def threat_model(self, specs: Sequence[AttackSpec]) -> Dict[str, Any]:
         """What the attacker was given; from a real observation of step 0, image 0."""
@@ -187,13 +206,17 @@ class Audit:
             "attacks_run": [s.id for s in specs],
             "client_mode": CLIENT_MODE_TEXT[self.fl_settings.client_mode],
             "model_state": _state_description(self.model_settings, self.seed),
+            "client_training": self.fl_settings.training_description(),
+            **buffer_note(self.defense, self.fl_settings.shares),
         }
 
     def observe(self, model: nn.Module, images, labels, step: int, image: int):
-        local_lr = self.fl_settings.local_lr if self.fl_settings.local_lr is not None else self.fl_settings.lr
+        fl = self.fl_settings
+        local_lr = fl.local_lr if fl.local_lr is not None else fl.lr
         return observe(model, images, labels, self.defense, share_labels=self.data_settings.share_labels,
-                       local_steps=self.fl_settings.local_steps, local_lr=local_lr,
-                       client_mode=self.fl_settings.client_mode, step=step,
+                       local_steps=fl.client_steps(images.shape[0]), local_lr=local_lr,
+                       local_batch_size=fl.local_batch_size, optimizer=fl.local_optimizer, shares=fl.shares,
+                       client_mode=fl.client_mode, step=step,
                        seed=self.defense_seed(step, image), extra=self.auxiliary_data())
 
     def auxiliary_data(self) -> Dict[str, Any]:
@@ -527,10 +550,20 @@ CLIENT_MODE_TEXT = {
 }
 
 
+def buffer_note(defense, shares: str) -> Dict[str, str]:
+    """The threat model's line on the uploaded buffers (shares="state" only)."""
+    if shares != "state":
+        return {}
+    if callable(getattr(defense, "buffer_inputs", None)):
+        return {"buffers": f"the defense {defense.name!r} declares what the uploaded buffers record (buffer_inputs)"}
+    return {"buffers": "the defense acts on the gradient only: the uploaded BatchNorm buffers carry the private "
+                       "batch's statistics untouched"}
+
+
 def _check_local_steps(defense, fl: FLSettings) -> None:
     """A defense that transforms a round's whole one-step update (Flower's update mods, mirrored
     with ``whole_update = True``) cannot be applied to each of several local steps."""
-    if fl.local_steps > 1 and getattr(defense, "whole_update", False):
+    if (fl.local_steps > 1 or fl.local_epochs is not None) and getattr(defense, "whole_update", False):
         raise ConfigError(f"defense {defense.name!r} transforms the round's whole update of one local SGD step; "
                           f"audit it with local_steps=1 (--local-steps 1), got {fl.local_steps}")
 
@@ -559,7 +592,7 @@ def _train(audit: "Audit", last_step: int, wanted: set) -> Tuple[Dict[int, Dict[
     try:
         train(model, audit.dataset, audit.defense, last_step, lr=audit.fl_settings.lr, batch_size=audit.fl_settings.batch_size,
               clients=audit.fl_settings.clients, local_steps=audit.fl_settings.local_steps, local_lr=audit.fl_settings.local_lr,
-              seed=audit.seed, device=audit.device, callback=capture)
+              seed=audit.seed, device=audit.device, callback=capture, optimizer=audit.fl_settings.local_optimizer)
     except GiaError as err:  # the defense failed on the model of step done["step"]
         failed = done["step"]
         return captured, {"phase": "training", "step": failed, "defense": audit.defense.name,
@@ -637,6 +670,10 @@ def run(
     clients: int = 1,
     local_steps: int = 1,
     local_lr: Optional[float] = None,
+    local_optimizer: Any = "sgd",
+    local_batch_size: Optional[int] = None,
+    local_epochs: Optional[int] = None,
+    shares: Optional[str] = None,
     utility: bool = True,
     utility_steps: int = 100,
     utility_seeds: int = 3,
@@ -658,7 +695,12 @@ def run(
     ``checkpoint``: a state_dict file its weights start from; ``client_mode``: ``"train"`` or
     ``"eval"``, the mode of the audited client's update (see ``docs/own-model.md``).
     ``steps``: audited training steps (trained between them with the defended updates:
-    FedSGD, or FedAvg with ``local_steps`` / ``local_lr``, over ``clients`` clients). ``attacks``: ``"auto"`` (base attacks plus the
+    FedSGD, or FedAvg with ``local_steps`` / ``local_lr``, over ``clients`` clients). The audited
+    client's training: ``local_steps`` (or ``local_epochs`` over its private batch in
+    mini-batches of ``local_batch_size``) of ``local_optimizer`` (``"sgd"``,
+    ``"sgd:momentum=0.9,nesterov=1,weight_decay=5e-4"``, ``"adam"``, ``"adamw:weight_decay=0.01"``);
+    ``shares``: what it uploads, ``"gradient"`` (FedSGD), ``"update"`` (its weights after
+    training) or ``"state"`` (weights and buffers: BatchNorm statistics). ``attacks``: ``"auto"`` (base attacks plus the
     planner's adaptive attacks) or a list of names (``attack_args``: per-attack settings,
     ``{"ig": {"restarts": 2}}``, over the planner's). ``images``: private batches of
     ``batch_size`` images. ``budget``: gradient evaluations of the model per attack and
@@ -692,7 +734,8 @@ def audit_settings(**flat: Any) -> Dict[str, Any]:
         data_settings=DataSettings(s["data"], s["data_args"] or {}, s["image_size"], s["images"], s["batch_size"],
                                    s["share_labels"]),
         fl_settings=FLSettings(s["lr"], s["train_batch_size"], s["clients"], s["local_steps"], s["local_lr"],
-                               s["client_mode"]),
+                               s["client_mode"], s["local_optimizer"], s["local_batch_size"], s["local_epochs"],
+                               s["shares"]),
         attack_settings=AttackSettings(s["steps"], s["attacks"], s["attack_args"] or {}, s["budget"]),
         output_settings=OutputSettings(s["out"], s["utility"], s["utility_steps"], LeakRule.of(s["thresholds"]),
                                        s["delta"], s["progress"], s["defense_timeout"], s["retry_errors"],

@@ -11,9 +11,11 @@ from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from audit.core.errors import ConfigError
+from audit.core.local_training import LocalOptimizer
 from audit.core.model_source import model_label, parse_normalize, source_kind
 from audit.core.registry import parse_kv_args
-from audit.core.types import BUDGET_DEFINITION, BUDGET_UNIT
+from audit.core.types import BUDGET_DEFINITION, BUDGET_UNIT, resolve_shares
+from audit.core.unroll import steps_for_epochs
 from audit.report.rule import LeakRule
 
 DEFAULT_STEPS = (0, 1, 5, 20)
@@ -129,13 +131,45 @@ class FLSettings:
     local_steps: int = 1
     local_lr: Optional[float] = None
     client_mode: str = "train"
+    #: the client's local optimiser (:class:`~audit.core.local_training.LocalOptimizer` or its
+    #: text, e.g. ``"sgd:momentum=0.9,weight_decay=5e-4"`` / ``"adam"``)
+    local_optimizer: Any = "sgd"
+    #: the audited client's local mini-batch size (None: its whole private batch each step)
+    local_batch_size: Optional[int] = None
+    #: local epochs over the audited client's private batch (replaces local_steps when given)
+    local_epochs: Optional[int] = None
+    #: what the client uploads: gradient, update or state (None: gradient for one plain step, else update)
+    shares: Optional[str] = None
 
     def __post_init__(self):
         if self.client_mode not in CLIENT_MODES:
             raise ConfigError(f"client_mode must be 'train' or 'eval', got {self.client_mode!r}")
+        optimizer = LocalOptimizer.parse(self.local_optimizer)
+        if self.local_epochs is not None and self.local_steps != 1:
+            raise ConfigError("give local_steps or local_epochs, not both (--local-steps / --local-epochs)")
+        _set(self, local_optimizer=optimizer,
+             local_batch_size=None if self.local_batch_size is None else _positive("local_batch_size",
+                                                                                  self.local_batch_size),
+             local_epochs=None if self.local_epochs is None else _positive("local_epochs", self.local_epochs))
+        trains = self.local_epochs is not None or self.local_steps > 1 or not optimizer.plain
+        _set(self, shares=resolve_shares(self.shares, 2 if trains else 1, optimizer))
         _set(self, lr=_positive("lr", self.lr, float), batch_size=_positive("train_batch_size", self.batch_size),
              clients=_positive("clients", self.clients), local_steps=_positive("local_steps", self.local_steps),
              local_lr=None if self.local_lr is None else _positive("local_lr", self.local_lr, float))
+
+    def client_steps(self, batch_size: int) -> int:
+        """Local steps of the audited client on a private batch of ``batch_size`` images."""
+        if self.local_epochs is None:
+            return self.local_steps
+        return steps_for_epochs(self.local_epochs, batch_size, self.local_batch_size)
+
+    def training_description(self) -> str:
+        """The client's local training, in one phrase, for reports."""
+        steps = f"{self.local_epochs} local epoch(s)" if self.local_epochs is not None else \
+            f"{self.local_steps} local step(s)"
+        batch = "" if self.local_batch_size is None else f", mini-batches of {self.local_batch_size}"
+        lr = self.local_lr if self.local_lr is not None else self.lr
+        return f"{steps} of {self.local_optimizer.describe()} at lr {lr}{batch}; uploads its {self.shares}"
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from attacks.presets import ATTACKS
 from audit.client.observe import observe
 from audit.core.errors import ConfigError
 from audit.engine.compose import build_model, check_model, client_model, reconstruct, resolve_defense, resolve_device
-from audit.engine.settings import CLIENT_MODES, ModelSettings
+from audit.engine.settings import CLIENT_MODES, FLSettings, ModelSettings
 
 
 def _private_batch(dataset, index: int, batch: int, image: Optional[str], label: int):
@@ -78,18 +78,26 @@ def run_attack(
     client_mode: str = "train",
     local_steps: int = 1,
     local_lr: float = 0.1,
+    shares: Optional[str] = None,
+    local_optimizer: Any = None,
+    local_batch_size: Optional[int] = None,
+    local_epochs: Optional[int] = None,
     out: str = "out",
     seed: int = 0,
     device: Any = "cpu",
     progress: bool = True,
 ) -> Dict[str, Any]:
     """Attack one private batch and write images + metrics to ``out``; returns the metrics.
-    ``model``, ``model_args``, ``model_normalize``, ``checkpoint``: as :func:`audit.run`'s."""
+    ``model``, ``model_args``, ``model_normalize``, ``checkpoint`` and the client's training
+    (``local_*``, ``shares``): as :func:`audit.run`'s."""
     from audit.core.data import load_dataset
     from audit.core.metrics import score, to_jsonable
     from audit.report.images import batch_to_png_bytes
 
     device = resolve_device(device)
+    fl = FLSettings(local_steps=local_steps, local_lr=local_lr, client_mode=client_mode,
+                    local_optimizer=local_optimizer or "sgd", local_batch_size=local_batch_size,
+                    local_epochs=local_epochs, shares=shares)  # checks the training description first
     data = load_dataset(dataset, data_path, size)
     x, y = _private_batch(data, index, batch, image, label)
     model_cfg = ModelSettings(model, model_args or {}, model_normalize, checkpoint)
@@ -102,8 +110,9 @@ def run_attack(
         net = client_model(defense, net, seed)
     elif defense_args:
         raise ConfigError("--defense-arg needs --defense")
-    obs = observe(net, x.to(device), y.to(device), defense, share_labels=share_labels, local_steps=local_steps,
-                  local_lr=local_lr, client_mode=client_mode, seed=seed)
+    obs = observe(net, x.to(device), y.to(device), defense, share_labels=share_labels,
+                  local_steps=fl.client_steps(batch), local_lr=local_lr, local_batch_size=local_batch_size,
+                  optimizer=fl.local_optimizer, shares=fl.shares, client_mode=client_mode, seed=seed)
     settings = dict(attack_args or {})
     if restarts is not None:
         settings["restarts"] = restarts

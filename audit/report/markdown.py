@@ -82,6 +82,10 @@ def _threat_section(data: Dict[str, Any]) -> List[str]:
     if traits:
         lines += ["", "Defense traits found by probing:", ""]
         lines += [f"- {k}: {v}" for k, v in kv_rows(traits)]
+    side = (data.get("plan") or {}).get("side_information") or {}
+    if side:
+        lines += ["", "Side information the attacks use beyond the shared weights:", ""]
+        lines += [f"- {k}: {v}" for k, v in side.items()]
     return lines
 
 
