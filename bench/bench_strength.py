@@ -19,6 +19,8 @@ Usage (run on purpose, not in CI)::
     python bench/bench_strength.py --threads 2 --json strength.json                 # the full matrix
     python bench/bench_strength.py --adaptive --images 4
     python bench/bench_strength.py --speed --models convnet-nobn,resnet18 --device cuda
+    python bench/bench_strength.py --bn-weight --batches 1,4 --images 8 --budget 400   # the bn-upload weight
+    python bench/bench_strength.py --upload --models convnet-bn-train --batches 1,4,8 --images 8
 """
 from __future__ import annotations
 
@@ -43,6 +45,7 @@ from audit.core.models import build_model  # noqa: E402
 from audit.core.registry import parse_kv_args  # noqa: E402
 from audit.engine.settings import parse_attack_args  # noqa: E402
 from bench.docs_table import add_docs_option, command_line, publish  # noqa: E402
+from bench import strength_upload  # noqa: E402
 
 # --------------------------------------------------------------------------- the matrix
 
@@ -517,6 +520,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     p.add_argument("--device", default="cpu")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write the raw rows here")
+    strength_upload.add_options(p)
     add_docs_option(p, "docs/strength.md")
     args = p.parse_args(argv)
     try:  # the CLI's own parsers: the same value syntax as `gia-audit --attack-arg / --model-arg`
@@ -540,7 +544,22 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
                + (f" ({torch.cuda.get_device_name(0)})" if args.device.startswith("cuda") else ""))
     header = f"`{command}` -- {setting}"
     result: Dict[str, Any] = {"command": command, "header": header}
-    if args.speed:
+    device = torch.device(args.device)
+
+    def model_named(name: str) -> torch.nn.Module:
+        return make_model(BENCH_MODELS[name], 10, args.seed, device)
+
+    if args.bn_weight:
+        result["bn_weight"] = table = strength_upload.weight_sweep(args, model_named, log)
+        print(header + "\n\n" + table)
+    elif args.upload:
+        ok, note = breaching_status() if args.breaching else (False, "breaching off (--no-breaching)")
+        if not ok:
+            raise SystemExit(f"--upload compares with breaching's IG, which is not available: {note}")
+        result["upload"] = table = strength_upload.upload_matrix(args, model_named, natural_images, run_breaching,
+                                                                  budget_for, timed, evaluate, log)
+        print(header + "\n\n" + table)
+    elif args.speed:
         result["speed"] = table = speed(args, log)
         print(header + "\n\n" + table)
     elif args.adaptive:

@@ -116,3 +116,101 @@ def test_eval_mode_and_gradient_share_nothing_extra():
 def test_bad_training_descriptions_are_named(call, message):
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace(")", r"\)").replace("(", r"\(")):
         call()
+
+
+# --------------------------------------------------------------------------- the attacker's side
+def _attack_loss_at(obs, images, labels, **knobs):
+    from attacks import ATTACKS
+
+    return ATTACKS.build("ig", tv=0.0, **knobs).evaluate(obs, images, labels)["terms"]
+
+
+@pytest.mark.parametrize("steps", [1, 3])
+def test_bn_upload_term_is_zero_at_the_private_batch_only(steps):
+    """The replica's unroll predicts the uploaded buffers exactly at the private images (the
+    term vanishes there, one step or the momentum-weighted mixture of three) and not at others."""
+    net, (x, y) = small_bn_net(momentum=0.2), batch(3)
+    obs = observe(net, x, y, local_steps=steps, local_lr=0.05, optimizer="sgd:momentum=0.9", shares="state", seed=0)
+    at_truth = _attack_loss_at(obs, x, y)
+    other = 0.3 + 0.4 * torch.rand(x.shape, generator=torch.Generator().manual_seed(7))  # other statistics
+    at_other = _attack_loss_at(obs, other, y)
+    assert float(at_truth["bn-upload"]) < 1e-6
+    assert float(at_other["bn-upload"]) > 1e-2
+    assert float(at_truth["match"]) < 1e-4  # the unroll through momentum reproduces the update
+
+
+def test_attack_that_assumes_plain_sgd_misses_the_update():
+    """Unrolling the client's real optimiser matters: at the private images the update of three
+    momentum steps is matched only by a replica that runs momentum."""
+    import dataclasses
+
+    from audit.core.local_training import LocalOptimizer
+
+    net, (x, y) = small_bn_net(), batch(3)
+    real = observe(net, x, y, local_steps=3, local_lr=0.1, optimizer="sgd:momentum=0.9", shares="update", seed=0)
+    assumed = dataclasses.replace(real, optimizer=LocalOptimizer())
+    exact, wrong = float(_attack_loss_at(real, x, y)["match"]), float(_attack_loss_at(assumed, x, y)["match"])
+    assert exact < 1e-5 and wrong > 1e-3
+
+
+def test_side_information_is_reported_where_it_does_not_apply():
+    from attacks import ATTACKS
+
+    net, (x, y) = small_bn_net(), batch(2)
+    for shares, expected in (("update", "does not share its buffers"), ("state", "used (weight")):
+        obs = observe(net, x, y, local_steps=1, shares=shares, seed=0)
+        rec = ATTACKS.build("ig").reconstruct(obs, budget=2, seed=0, progress=lambda *a: None)
+        assert expected in rec.trace["side_information"]["bn-upload"]
+    obs = observe(net, x, y, shares="state", seed=0)
+    rec = ATTACKS.build("ig", bn_upload=0).reconstruct(obs, budget=2, seed=0, progress=lambda *a: None)
+    assert "switched off" in rec.trace["side_information"]["bn-upload"]
+    assert "bn-upload" not in rec.trace["final_terms"]
+
+
+def test_decoy_uploads_its_own_statistics():
+    """A decoy shares nothing private: its buffers record the decoy batch, not the private one."""
+    from defenses import resolve_defense
+
+    net, (x, y) = small_bn_net(), batch(2)
+    decoy = resolve_defense("decoy")
+    obs = observe(net, x, y, decoy, shares="state", seed=0)
+    revealed, _ = revealed_statistics(obs.model, obs.buffers, 1, "train")
+    flat = decoy.buffer_inputs(x)
+    torch.testing.assert_close(revealed.means[0], net[0](flat).mean((0, 2, 3)), rtol=1e-4, atol=1e-5)
+    assert not torch.allclose(revealed.means[0], net[0](x).mean((0, 2, 3)), atol=1e-3)
+
+
+# --------------------------------------------------------------------------- the audit
+AUDIT = dict(model="convnet", model_args={"width": 4}, image_size=16, budget=3, utility=False, progress=False,
+             steps=[0], images=1, attacks=["ig"])
+
+
+def test_audit_of_a_state_upload_lists_what_was_shared(tmp_path):
+    import json
+
+    from audit.engine import audit
+
+    report = audit.run(defense="gaussian", shares="state", local_optimizer="sgd:momentum=0.9", local_steps=2,
+                       local_lr=0.05, out=tmp_path, **AUDIT)
+    data = json.loads((tmp_path / "report.json").read_text())
+    threat = data["threat_model"]
+    assert threat["shares"] == "state" and "buffer" in threat["shared"]
+    assert "untouched" in threat["buffers"]
+    assert "momentum=0.9" in threat["local_optimizer"]
+    assert data["plan"]["side_information"]["bn-upload"].startswith("used")
+    assert report.out == tmp_path
+
+
+@pytest.mark.parametrize("settings,message", [
+    (dict(model="mlp", model_args={"hidden": 8}, shares="state"), "no BatchNorm running statistics"),
+    (dict(local_optimizer="sgd:momentum=1"), "momentum must be in"),
+    (dict(local_optimizer="lamb"), "unknown local optimizer"),
+    (dict(local_steps=3, shares="gradient"), "uploads an update"),
+    (dict(local_steps=2, local_epochs=1), "not both"),
+])
+def test_audit_rejects_bad_training_descriptions_before_work(tmp_path, settings, message):
+    from audit.engine import audit
+
+    with pytest.raises(ConfigError, match=message):
+        audit.run(defense="none", out=tmp_path, **{**AUDIT, **settings})
+    assert not any(tmp_path.iterdir())  # nothing was written: the error came first

@@ -1,0 +1,223 @@
+"""What a client really uploads, measured: the cells of ``bench_strength.py --upload`` and
+``--bn-weight`` (docs/strength.md, "The batch statistics in the upload").
+
+* ``--bn-weight``: the bn-upload term's weight (:data:`attacks.side_information.BN_UPLOAD_WEIGHT`)
+  chosen on held-out embedded test images (not the benchmark photos), batch sizes 1 and 4.
+* ``--upload``: BatchNorm in train mode, the client uploading its state after one local step:
+  breaching's IG (its default configuration, which reads no buffers) against our ``ig`` with
+  the buffers (and without them, same budget), at breaching's wall time; FedAvg with 3 local
+  steps of SGD with momentum 0.9 and of Adam: the attack that unrolls the client's real
+  optimiser against one that assumes plain SGD, at the same budget.
+
+Every finished cell is stored under ``bench/results/strength-upload/`` keyed by everything
+that changes its numbers, so a rerun resumes and a changed setting reruns only its cells.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import statistics
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import torch
+
+from attacks import ATTACKS, observe
+from audit.core.data import load_dataset
+from audit.core.local_training import LocalOptimizer
+
+RESULTS = Path(__file__).resolve().parent / "results" / "strength-upload"
+WEIGHTS = (0.01, 0.03, 0.1, 0.3, 1.0)
+FEDAVG_CELLS = {  # name -> (optimizer, local lr)
+    "sgd-momentum": ("sgd:momentum=0.9", 0.05),
+    "adam": ("adam", 0.001),
+}
+
+
+def _key(parts: Dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def stored(parts: Dict[str, Any], compute: Callable[[], Dict[str, Any]], log) -> Dict[str, Any]:
+    """The cell's stored result, or ``compute()``'s, stored before it is returned."""
+    path = RESULTS / f"{parts['cell']}-{_key(parts)}.json"
+    if path.exists():
+        row = json.loads(path.read_text())["result"]
+        log(f"stored: {path.name}")
+        return row
+    row = compute()
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"key": parts, "result": row}, indent=1, default=str))
+    return row
+
+
+def _psnr(rec, truth) -> List[float]:
+    from audit.core.metrics import psnr
+
+    return [round(float(v), 2) for v in psnr(rec.inputs.cpu(), truth.cpu()).flatten()]
+
+
+def _code_version() -> str:
+    """The files whose change changes these numbers (the attack, the unroll, the term)."""
+    root = Path(__file__).resolve().parent.parent
+    files = ["attacks/optimization.py", "attacks/side_information.py", "priors/batchnorm.py", "audit/core/unroll.py",
+             "audit/core/buffers.py", "audit/core/local_training.py", "attacks/simulator.py", "attacks/objectives.py",
+             "attacks/presets.py", "attacks/optimizers.py"]
+    return hashlib.sha256(b"".join((root / f).read_bytes() for f in files)).hexdigest()[:12]
+
+
+# --------------------------------------------------------------------------- the weight
+def weight_sweep(args, make_model, log) -> str:
+    """PSNR of ``ig`` with the bn-upload term at each weight, on held-out embedded images."""
+    data = load_dataset("embedded")
+    rows = []
+    for batch in args.batches:
+        count = max(1, args.images // batch)
+        for group in range(count):
+            x = data.test_images[group * batch:(group + 1) * batch]
+            y = data.test_labels[group * batch:(group + 1) * batch]
+            for weight in args.weights:
+                parts = dict(cell="bn-weight", batch=batch, group=group, weight=weight, budget=args.budget,
+                             seed=args.seed, code=_code_version())
+
+                def compute():
+                    model = make_model("convnet-bn-train")
+                    obs = observe(model, x, y, client_mode="train", shares="state", seed=args.seed)
+                    rec = ATTACKS.build("ig", bn_upload=weight).reconstruct(obs, args.budget, args.seed,
+                                                                           progress=lambda *a: None)
+                    return {"psnr": _psnr(rec, x)}
+
+                row = dict(batch=batch, group=group, weight=weight, **stored(parts, compute, log))
+                log(row)
+                rows.append(row)
+    lines = ["| weight | " + " | ".join(f"batch {b}: mean PSNR dB (images)" for b in args.batches) + " | mean |",
+             "|---|" + "---|" * (len(args.batches) + 1)]
+    for weight in args.weights:
+        cells, means = [], []
+        for b in args.batches:
+            values = [v for r in rows if r["weight"] == weight and r["batch"] == b for v in r["psnr"]]
+            means.append(statistics.fmean(values))
+            cells.append(f"{means[-1]:.2f} ({len(values)})")
+        lines.append(f"| {weight:g} | " + " | ".join(cells) + f" | {statistics.fmean(means):.2f} |")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- the upload
+def upload_matrix(args, make_model, natural_images, run_breaching, budget_for, timed, evaluate, log) -> str:
+    """The BatchNorm-statistics cells beside breaching, then the FedAvg optimiser cells."""
+    images, names = natural_images(max(args.images, max(args.batches)))
+    log("images: " + ", ".join(names))
+    rows: List[Dict[str, Any]] = []
+    for model_name in args.models:
+        for batch in args.batches:
+            for group in range(max(1, args.images // batch)):
+                rows.append(_state_cell(args, model_name, batch, group, images, make_model, run_breaching,
+                                        budget_for, timed, evaluate, log))
+    table = [_state_table(rows)]
+    if args.fedavg:
+        fed = [_fedavg_cell(args, cell, group, images, make_model, log)
+               for cell in FEDAVG_CELLS for group in range(args.fedavg_images)]
+        table.append(_fedavg_table(fed))
+    return "\n\n".join(table)
+
+
+def _state_cell(args, model_name, batch, group, images, make_model, run_breaching, budget_for, timed, evaluate,
+                log) -> Dict[str, Any]:
+    iterations = args.breaching_iterations.get("ig", 1000 if model_name.startswith("convnet") else 200)
+    parts = dict(cell="state", model=model_name, batch=batch, group=group, iterations=iterations, seed=args.seed,
+                 threads=args.threads, code=_code_version())
+
+    def compute():
+        x = images[group * batch:(group + 1) * batch]
+        y = torch.tensor([(3 * (group * batch + i) + 1) % 10 for i in range(batch)])
+        model = make_model(model_name)
+        state = observe(model, x, y, client_mode="train", shares="state", seed=args.seed)
+        update = dataclasses.replace(state, shares="update", buffers=None)  # the same weights, no buffers
+        theirs, labels, seconds = run_breaching("ig", update, y, iterations, args.seed)
+        out = {"breaching": {"seconds": seconds, **evaluate(theirs, labels, x, y, False),
+                             "per_image": _psnr_of(theirs, x)}}
+        budget = budget_for("ig", state, seconds, args.seed)
+        for name, obs in (("ours, with the buffers", state), ("ours, weights only", update)):
+            rec, spent = timed(ATTACKS.build("ig"), obs, budget, args.seed)
+            out[name] = {"seconds": spent, "budget": budget, **evaluate(rec.inputs, rec.labels, x, y, False),
+                         "per_image": _psnr(rec, x), "side_information": rec.trace.get("side_information")}
+        return out
+
+    row = dict(model=model_name, batch=batch, group=group, **stored(parts, compute, log))
+    log({k: v for k, v in row.items()})
+    return row
+
+
+def _psnr_of(images, truth) -> List[float]:
+    from audit.core.metrics import psnr
+
+    return [round(float(v), 2) for v in psnr(images.cpu(), truth.cpu()).flatten()]
+
+
+def _state_table(rows: List[Dict[str, Any]]) -> str:
+    lines = ["| model (BN train) | batch | batches | breaching IG dB (s) | ours + buffers dB (budget, s) | "
+             "ours, weights only dB | buffers vs breaching | per batch: breaching / ours + buffers |",
+             "|---|---|---|---|---|---|---|---|"]
+    keys = []
+    for r in rows:
+        if (r["model"], r["batch"]) not in keys:
+            keys.append((r["model"], r["batch"]))
+    for model, batch in keys:
+        group = [r for r in rows if (r["model"], r["batch"]) == (model, batch)]
+        mean = lambda who, k="psnr": statistics.fmean(r[who][k] for r in group)  # noqa: E731
+        theirs, ours, plain = mean("breaching"), mean("ours, with the buffers"), mean("ours, weights only")
+        per = "; ".join(f"{r['breaching']['psnr']:.1f} / {r['ours, with the buffers']['psnr']:.1f}" for r in group)
+        lines.append(f"| {model} | {batch} | {len(group)} | {theirs:.2f} ({mean('breaching', 'seconds'):.0f}) | "
+                     f"{ours:.2f} ({group[0]['ours, with the buffers']['budget']} ev, "
+                     f"{mean('ours, with the buffers', 'seconds'):.0f}) | {plain:.2f} | {ours - theirs:+.2f} | {per} |")
+    return "\n".join(lines)
+
+
+def _fedavg_cell(args, cell: str, group: int, images, make_model, log) -> Dict[str, Any]:
+    spec, lr = FEDAVG_CELLS[cell]
+    parts = dict(cell="fedavg", optimizer=spec, lr=lr, group=group, steps=3, budget=args.fedavg_budget,
+                 batch=args.fedavg_batch, seed=args.seed, code=_code_version())
+
+    def compute():
+        batch = args.fedavg_batch
+        x = images[group * batch:(group + 1) * batch]
+        y = torch.tensor([(3 * (group * batch + i) + 1) % 10 for i in range(batch)])
+        real = observe(make_model("convnet-bn-train"), x, y, client_mode="train", local_steps=3, local_lr=lr,
+                       optimizer=spec, shares="update", seed=args.seed)
+        assumed = dataclasses.replace(real, optimizer=LocalOptimizer())  # the attacker assumes plain SGD
+        out = {}
+        for name, obs in (("unrolls the real optimizer", real), ("assumes plain SGD", assumed)):
+            rec = ATTACKS.build("ig").reconstruct(obs, args.fedavg_budget, args.seed, progress=lambda *a: None)
+            out[name] = {"per_image": _psnr(rec, x), "psnr": statistics.fmean(_psnr(rec, x))}
+        return out
+
+    row = dict(cell=cell, group=group, **stored(parts, compute, log))
+    log(row)
+    return row
+
+
+def _fedavg_table(rows: List[Dict[str, Any]]) -> str:
+    lines = ["| client optimizer (3 local steps) | batches | attack unrolls the real optimizer dB | "
+             "attack assumes plain SGD dB | difference | per batch (real / plain) |", "|---|---|---|---|---|---|"]
+    for cell, (spec, lr) in FEDAVG_CELLS.items():
+        group = [r for r in rows if r["cell"] == cell]
+        if not group:
+            continue
+        real = statistics.fmean(r["unrolls the real optimizer"]["psnr"] for r in group)
+        plain = statistics.fmean(r["assumes plain SGD"]["psnr"] for r in group)
+        per = "; ".join(f"{r['unrolls the real optimizer']['psnr']:.1f} / {r['assumes plain SGD']['psnr']:.1f}"
+                        for r in group)
+        lines.append(f"| {spec}, lr {lr} | {len(group)} | {real:.2f} | {plain:.2f} | {real - plain:+.2f} | {per} |")
+    return "\n".join(lines)
+
+
+def add_options(p) -> None:
+    """The options of the two modes."""
+    p.add_argument("--upload", action="store_true", help="the client's uploaded state and local optimiser")
+    p.add_argument("--bn-weight", action="store_true", help="choose the bn-upload weight on held-out images")
+    p.add_argument("--weights", type=lambda s: [float(v) for v in s.split(",")], default=list(WEIGHTS))
+    p.add_argument("--no-fedavg", dest="fedavg", action="store_false", help="--upload without the FedAvg cells")
+    p.add_argument("--fedavg-images", type=int, default=4, help="private batches per FedAvg cell")
+    p.add_argument("--fedavg-batch", type=int, default=1)
+    p.add_argument("--fedavg-budget", type=int, default=900, help="gradient evaluations (3 per iteration)")
