@@ -521,6 +521,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write the raw rows here")
     strength_upload.add_options(p)
+    strength_upload.add_audit_options(p)
     add_docs_option(p, "docs/strength.md")
     args = p.parse_args(argv)
     try:  # the CLI's own parsers: the same value syntax as `gia-audit --attack-arg / --model-arg`
@@ -549,7 +550,10 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     def model_named(name: str) -> torch.nn.Module:
         return make_model(BENCH_MODELS[name], 10, args.seed, device)
 
-    if args.bn_weight:
+    if args.shared_forms:
+        result["shared_forms"] = table = strength_upload.shared_form_audits(args, log)
+        print(header + "\n\n" + table)
+    elif args.bn_weight:
         result["bn_weight"] = table = strength_upload.weight_sweep(args, model_named, log)
         print(header + "\n\n" + table)
     elif args.upload:

@@ -114,6 +114,8 @@ def upload_matrix(args, make_model, natural_images, run_breaching, budget_for, t
             for group in range(max(1, args.images // batch)):
                 rows.append(_state_cell(args, model_name, batch, group, images, make_model, run_breaching,
                                         budget_for, timed, evaluate, log))
+    if args.breaching_only:
+        return "breaching's cells stored; rerun without --breaching-only for the table"
     table = [_state_table(rows)]
     if args.fedavg:
         fed = [_fedavg_cell(args, cell, group, images, make_model, log)
@@ -125,27 +127,36 @@ def upload_matrix(args, make_model, natural_images, run_breaching, budget_for, t
 def _state_cell(args, model_name, batch, group, images, make_model, run_breaching, budget_for, timed, evaluate,
                 log) -> Dict[str, Any]:
     iterations = args.breaching_iterations.get("ig", 1000 if model_name.startswith("convnet") else 200)
-    parts = dict(cell="state", model=model_name, batch=batch, group=group, iterations=iterations, seed=args.seed,
-                 threads=args.threads, code=_code_version())
+    x = images[group * batch:(group + 1) * batch]
+    y = torch.tensor([(3 * (group * batch + i) + 1) % 10 for i in range(batch)])
+    setting = dict(model=model_name, batch=batch, group=group, seed=args.seed, threads=args.threads)
 
-    def compute():
-        x = images[group * batch:(group + 1) * batch]
-        y = torch.tensor([(3 * (group * batch + i) + 1) % 10 for i in range(batch)])
-        model = make_model(model_name)
-        state = observe(model, x, y, client_mode="train", shares="state", seed=args.seed)
+    def client(shares):
+        return observe(make_model(model_name), x, y, client_mode="train", shares=shares, seed=args.seed)
+
+    def breaching():  # breaching's IG reads no buffers: the weights-only observation
+        theirs, labels, seconds = run_breaching("ig", client("update"), y, iterations, args.seed)
+        return {"seconds": seconds, **evaluate(theirs, labels, x, y, False), "per_image": _psnr_of(theirs, x)}
+
+    theirs = stored(dict(cell="breaching-ig", iterations=iterations, **setting), breaching, log)
+    if args.breaching_only:
+        return {}
+
+    def ours():
+        state = client("state")
         update = dataclasses.replace(state, shares="update", buffers=None)  # the same weights, no buffers
-        theirs, labels, seconds = run_breaching("ig", update, y, iterations, args.seed)
-        out = {"breaching": {"seconds": seconds, **evaluate(theirs, labels, x, y, False),
-                             "per_image": _psnr_of(theirs, x)}}
-        budget = budget_for("ig", state, seconds, args.seed)
+        budget = budget_for("ig", state, theirs["seconds"], args.seed)
+        out = {}
         for name, obs in (("ours, with the buffers", state), ("ours, weights only", update)):
             rec, spent = timed(ATTACKS.build("ig"), obs, budget, args.seed)
             out[name] = {"seconds": spent, "budget": budget, **evaluate(rec.inputs, rec.labels, x, y, False),
                          "per_image": _psnr(rec, x), "side_information": rec.trace.get("side_information")}
         return out
 
-    row = dict(model=model_name, batch=batch, group=group, **stored(parts, compute, log))
-    log({k: v for k, v in row.items()})
+    mine = stored(dict(cell="state", breaching_seconds=round(theirs["seconds"], 1), code=_code_version(), **setting),
+                  ours, log)
+    row = dict(model=model_name, batch=batch, group=group, breaching=theirs, **mine)
+    log(row)
     return row
 
 
@@ -217,7 +228,66 @@ def add_options(p) -> None:
     p.add_argument("--upload", action="store_true", help="the client's uploaded state and local optimiser")
     p.add_argument("--bn-weight", action="store_true", help="choose the bn-upload weight on held-out images")
     p.add_argument("--weights", type=lambda s: [float(v) for v in s.split(",")], default=list(WEIGHTS))
+    p.add_argument("--breaching-only", action="store_true", help="--upload: store breaching's cells only")
     p.add_argument("--no-fedavg", dest="fedavg", action="store_false", help="--upload without the FedAvg cells")
     p.add_argument("--fedavg-images", type=int, default=4, help="private batches per FedAvg cell")
     p.add_argument("--fedavg-batch", type=int, default=1)
     p.add_argument("--fedavg-budget", type=int, default=900, help="gradient evaluations (3 per iteration)")
+
+
+# --------------------------------------------------------------------------- audits per shared form
+#: the audited client of the finding: BatchNorm in train mode; FedSGD shares one gradient, the
+#: FedAvg forms 2 local steps of SGD with momentum 0.9 (lr 0.05), weights only or with buffers
+SHARED_FORMS = {
+    "gradient": dict(shares="gradient"),
+    "update": dict(shares="update", local_steps=2, local_lr=0.05, local_optimizer="sgd:momentum=0.9"),
+    "state": dict(shares="state", local_steps=2, local_lr=0.05, local_optimizer="sgd:momentum=0.9"),
+}
+
+
+def shared_form_audits(args, log) -> str:
+    """One audit per shared form of the same defended client (and the decoy's with its state):
+    verdicts and recovered counts. Each audit stores its results under
+    ``bench/results/upload-audits/`` and resumes there."""
+    from audit.engine import audit
+
+    base = dict(model="convnet", image_size=32, steps=[0], images=args.audit_images, budget=args.audit_budget,
+                attacks=args.audit_attacks, utility=False, progress=False, seed=args.seed, device=args.device,
+                client_mode="train")
+    runs = [(args.audit_defense, form, settings) for form, settings in SHARED_FORMS.items()]
+    runs.append(("decoy", "state", SHARED_FORMS["state"]))
+    lines = ["| defense | client shares | verdict | recovered (95% CI) | strongest attack: worst-case PSNR dB | "
+             "bn-upload | attack s |", "|---|---|---|---|---|---|---|"]
+    for defense, form, settings in runs:
+        out = RESULTS.parent / "upload-audits" / f"{defense}-{form}"
+        report = audit.run(defense=defense, out=out, **base, **settings)
+        data = json.loads((out / "report.json").read_text())
+        step = data["steps"][0] if data.get("steps") else {}
+        seconds = sum(float(r.get("time_s") or 0) for r in data.get("results", []))
+        log(f"{defense} / {form}: {report.verdict()}")
+        side = (data.get("plan") or {}).get("side_information", {}).get("bn-upload", "")
+        lines.append(f"| {defense} | {form} | {report.verdict()} | {_recovered(step)} | {_worst(step)} | "
+                     f"{side.split(':')[0]} | {seconds:.0f} |")
+    return "\n".join(lines)
+
+
+def _recovered(step: Dict[str, Any]) -> str:
+    verdict = step.get("verdict") or {}
+    rate = verdict.get("recovery_rate") or {}
+    if not rate:
+        return "-"
+    return f"{rate['k']} of {rate['n']} ({100 * rate['low']:.0f}-{100 * rate['high']:.0f}%)"
+
+
+def _worst(step: Dict[str, Any]) -> str:
+    value = (step.get("worst_case") or {}).get("psnr")
+    attack = (step.get("risk") or {}).get("strongest_attack", "")
+    return "-" if value is None else f"{attack}: {value:.2f}"
+
+
+def add_audit_options(p) -> None:
+    p.add_argument("--shared-forms", action="store_true", help="one audit per shared form (and the decoy's)")
+    p.add_argument("--audit-defense", default="gaussian")
+    p.add_argument("--audit-images", type=int, default=8)
+    p.add_argument("--audit-budget", type=int, default=200)
+    p.add_argument("--audit-attacks", default="auto")
