@@ -359,6 +359,11 @@ class OptimizationRun:
         if len({s.revealed is None for s in sides}) > 1:
             raise ConfigError("the grouped observations differ in what they share (buffers in some only)")
         self.priors = list(attack.priors) + self.side.priors
+        if self.side.revealed is not None and requiring(attack.priors, "bn_stats"):
+            # the running statistics stand in for the batch's; the upload gives the batch's own
+            replaced = requiring(attack.priors, "bn_stats")
+            self.priors = [p for p in self.priors if p[0] not in replaced]
+            self.side.notes["bn-upload"] += f" (replaces the running-statistics prior {', '.join(replaced)})"
         observed = [list(self.simulator.observed_data(o)) for o in group]
         self.n_observed = len(observed[0])
         self.targets = [[g.detach() for g in o.gradients] + extra + side.tensors()

@@ -214,3 +214,13 @@ def test_audit_rejects_bad_training_descriptions_before_work(tmp_path, settings,
     with pytest.raises(ConfigError, match=message):
         audit.run(defense="none", out=tmp_path, **{**AUDIT, **settings})
     assert not any(tmp_path.iterdir())  # nothing was written: the error came first
+
+
+def test_gi_matches_the_uploaded_statistics_instead_of_the_running_ones():
+    from attacks import ATTACKS
+
+    net, (x, y) = small_bn_net(), batch(2)
+    obs = observe(net, x, y, shares="state", seed=0)
+    rec = ATTACKS.build("gi", restarts=1, group=0.0).reconstruct(obs, budget=2, seed=0, progress=lambda *a: None)
+    assert "bn-upload" in rec.trace["final_terms"] and "bn" not in rec.trace["final_terms"]
+    assert "replaces the running-statistics prior bn" in rec.trace["side_information"]["bn-upload"]
