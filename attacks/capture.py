@@ -5,24 +5,28 @@ One iteration -- the batched loss and image gradient (the run's functional ``vma
 composition), the optimiser's in-place update (Adam with the watchdog's bookkeeping and its
 recoveries applied by mask) and the box's projection -- is one function of static buffers: the
 members' variables and optimiser state, the targets and labels, the model's weights and buffers,
-and two 0-dim inputs (the scheduled learning rate and the iteration). A route (:data:`ROUTES`)
-makes it a program: ``eager`` calls it, ``compiled`` calls it through ``torch.compile``,
-``graph`` captures it in a CUDA graph after warm-up iterations on a side stream and replays it,
-``compiled-graph`` does the same with the compiled function. Warm-up iterations are real ones.
+the run's other tensors (per-layer weights, masks, a prior's or defense's tensors) and two 0-dim
+inputs (the scheduled learning rate and the iteration). A route (:data:`ROUTES`) makes it a
+program: ``eager`` calls it, ``compiled`` calls it through ``torch.compile``, ``graph`` captures it
+in a CUDA graph after warm-up iterations on a side stream and replays it, ``compiled-graph`` does
+the same with the compiled function, ``recording`` is a CPU stand-in for a graph (the capture logs
+every ATen operation, refuses host synchronisation, and each replay must run the same operations).
+Warm-up iterations are real ones.
 
-Programs are kept in the process (:data:`PROGRAMS`), keyed by what shapes them (attack settings,
-the bound objective and priors, the model's architecture and tensor shapes, the observation's
-metadata, the group shape, the device); a run copies its weights, targets and state into a kept
-program's buffers, so the next step or group of that shape replays it without compiling again.
-On CUDA a group is padded to a few member counts (each route's ``sizes``) with copies of its
-last observation, so shapes repeat. A run that cannot be captured, or whose capture fails,
-runs the eager batched loop; its trace's ``capture`` says why.
+Programs are kept in the process (:data:`PROGRAMS`), keyed by everything they bake in
+(:mod:`attacks.program_keys`); a run copies its weights, targets, state and tensors into a kept
+program's buffers, so the next step, group or layer-drop candidate of that key replays it without
+building again. A group is padded to a few observation counts (each route's ``sizes``: at most 25%
+more work) with copies of its last observation, so shapes repeat. A run that cannot be captured,
+or whose capture fails, runs the eager batched loop; its trace's ``capture`` says why, the error in
+full.
 """
 from __future__ import annotations
 
 import contextlib
 import copy
-import hashlib
+import dataclasses
+import gc
 import itertools
 import math
 import time
@@ -32,22 +36,26 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
+from audit.core.defense_call import abandoned_calls
 from audit.core.errors import GiaError
 from audit.core.registry import Registry
 
+from attacks.program_keys import program_key
 from attacks.search_space import Box, ClampBox, SigmoidBox
-from attacks.simulator import GradientSimulator
 
 ROUTES = Registry("capture route")
 SETTINGS = ("auto", "on", "off")  # or a route name
 #: the rule's thresholds (docs/performance.md, "The capture rule")
 GRAPH_MIN_ITERATIONS = 10
 COMPILE_MIN_MEMBER_ITERATIONS = 35_000
-MAX_PROGRAMS = 8
+MAX_PROGRAMS = 32  # an audit's attacks x group shapes, with room for the next audit's
 MEMORY_FRACTION = 0.5  # kept CUDA programs are dropped, oldest first, while more than this is allocated
-#: programs built, torch.compile calls and CUDA graphs captured in this process
-STATS = {"built": 0, "compiled": 0, "captured": 0}
+#: the largest share of a padded group's work that padding may take
+PADDING_WASTE = 0.25
+#: programs built, runs served by a kept one, torch.compile calls and graphs captured in this process
+STATS = {"built": 0, "reused": 0, "compiled": 0, "captured": 0}
 #: boxes whose ``project_`` is pure in-place tensor work
 CAPTURABLE_BOXES = (Box, ClampBox, SigmoidBox)
 
@@ -69,7 +77,8 @@ class Route:
     def warm(self, fn: Callable[[], Tensor]) -> Tensor:
         return fn()
 
-    def capture(self, fn: Callable[[], Tensor]) -> Callable[[], Tensor]:
+    def capture(self, fn: Callable[[], Tensor], state: Sequence[Tensor] = ()) -> Callable[[], Tensor]:
+        """The callable that replays ``fn`` (``state``: the tensors an iteration writes)."""
         return fn
 
 
@@ -81,9 +90,42 @@ class Compiled(Route):
         return torch.compile(_own_code(fn), fullgraph=True, dynamic=False)
 
 
+def padding_sizes(largest: int = 256, waste: float = PADDING_WASTE) -> Tuple[int, ...]:
+    """Observation counts a group is padded to: each the largest that a group one above the
+    previous may be padded to with at most ``waste`` of the work (padding / padded) wasted."""
+    sizes = [1]
+    while sizes[-1] < largest:
+        sizes.append(min(largest, int((sizes[-1] + 1) / (1 - waste) + 1e-9)))
+    return tuple(sizes)
+
+
+@contextlib.contextmanager
+def capturing(begin: Callable[[], None], end: Callable[[], None], stream: Any):
+    """The block between ``begin()`` and ``end()`` with ``stream`` (a context manager) current: an
+    error inside still ends the capture but keeps its own error (ending an invalidated capture
+    raises one that would replace it), and the previous stream is current again however the
+    block ends."""
+    with stream:
+        begin()
+        try:
+            yield
+        except BaseException:
+            with contextlib.suppress(Exception):
+                end()
+            raise
+        end()
+
+
+def _no_abandoned_calls() -> None:
+    running = abandoned_calls()
+    if running:
+        raise CaptureFailed(f"a defense call abandoned after its timeout still runs on a thread ({', '.join(running)}); "
+                            "its device work could invalidate a capture")
+
+
 class Graph(Route):
     name, cuda_only, warmup = "graph", True, 3
-    sizes = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # a capture is cheap: shapes may be many, waste is at most 2x
+    sizes = padding_sizes()
 
     def warm(self, fn):
         side = torch.cuda.Stream()
@@ -93,10 +135,18 @@ class Graph(Route):
         torch.cuda.current_stream().wait_stream(side)
         return out
 
-    def capture(self, fn):
+    def capture(self, fn, state=()):
+        _no_abandoned_calls()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        torch.cuda.synchronize()  # as torch.cuda.graph: nothing pending, cached memory returned
+        gc.collect()
+        torch.cuda.empty_cache()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with capturing(lambda: graph.capture_begin(capture_error_mode="thread_local"), graph.capture_end,
+                       torch.cuda.stream(side)):
             out = fn()
+        torch.cuda.current_stream().wait_stream(side)
         STATS["captured"] += 1
 
         def replay() -> Tensor:
@@ -109,14 +159,92 @@ class Graph(Route):
 
 class CompiledGraph(Graph):
     name, compiles, fallback = "compiled-graph", True, "graph"
-    sizes = (1, 8, 64, 256)  # a compilation is not: few shapes
     prepare = Compiled.prepare
+
+
+#: the recording route's stand-in for the current CUDA stream
+RECORDING_STREAM = ["default"]
+#: operations a CUDA graph capture cannot contain (they wait for the device)
+HOST_SYNCS = ("_local_scalar_dense", "item", "nonzero", "equal", "is_nonzero")
+
+
+class _Recorder(TorchDispatchMode):
+    """Logs every ATen operation; while capturing, refuses host synchronisation as CUDA does."""
+
+    def __init__(self, capturing: bool):
+        super().__init__()
+        self.ops: List[str] = []
+        self.capturing, self.failed = capturing, False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if self.capturing and name in HOST_SYNCS:
+            self.failed = True
+            raise RuntimeError(f"operation not permitted when stream is capturing ({name} waits for the device)")
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+    def begin(self) -> None:
+        self.__enter__()
+
+    def end(self) -> None:
+        self.__exit__(None, None, None)
+        if self.failed:
+            raise RuntimeError("the capture was invalidated (an operation inside it was not permitted)")
+
+
+@contextlib.contextmanager
+def _recording_stream():
+    saved = RECORDING_STREAM[0]
+    RECORDING_STREAM[0] = "capture"
+    try:
+        yield
+    finally:
+        RECORDING_STREAM[0] = saved
+
+
+class Recording(Route):
+    """A CUDA graph's stand-in on any device: the capture pass runs as a graph's would (between
+    a begin and an end, on its own "stream", refusing host synchronisation, leaving the
+    program's state as it found it), and every replay runs the iteration again, checks that it
+    ran the captured operations, and returns the captured output buffer."""
+
+    name, warmup = "recording", 3
+    sizes = padding_sizes()
+
+    def capture(self, fn, state=()):
+        _no_abandoned_calls()
+        recorder = _Recorder(capturing=True)
+        saved = [t.clone() for t in state]
+        try:
+            with torch.random.fork_rng(devices=[]), capturing(recorder.begin, recorder.end, _recording_stream()):
+                out = fn()
+        finally:  # a graph's capture computes nothing
+            with torch.no_grad():
+                for t, s in zip(state, saved):
+                    t.copy_(s)
+        STATS["captured"] += 1
+
+        def replay() -> Tensor:
+            with _Recorder(capturing=False) as again:
+                value = fn()
+            if again.ops != recorder.ops:
+                first = next(i for i, (a, b) in enumerate(itertools.zip_longest(recorder.ops, again.ops)) if a != b)
+                raise RuntimeError(f"a replay ran other operations than its capture (from operation {first})")
+            with torch.no_grad():
+                out.copy_(value)
+            return out
+
+        replay.ops = recorder.ops
+        return replay
 
 
 ROUTES.add("eager", Route(), "the iteration function called as is (the reference)")
 ROUTES.add("compiled", Compiled(), "torch.compile(fullgraph=True) of the iteration (inductor kernels)")
 ROUTES.add("graph", Graph(), "the eager iteration captured in a CUDA graph and replayed")
 ROUTES.add("compiled-graph", CompiledGraph(), "the compiled iteration captured in a CUDA graph and replayed")
+ROUTES.add("recording", Recording(), "a CUDA graph's stand-in on any device: the capture logs every operation and "
+                                     "refuses host synchronisation, each replay must run the same operations")
 
 _SERIAL = itertools.count()
 
@@ -171,57 +299,9 @@ def decide(run, iterations: int) -> Tuple[Optional[Route], str]:
     return ROUTES.get("graph"), f"{member_iterations} member-iterations < {COMPILE_MIN_MEMBER_ITERATIONS}"
 
 
-def padded_observations(n: int, restarts: int, route: Route) -> int:
-    """Observations a group of ``n`` x ``restarts`` members is padded to for ``route``."""
-    members = n * restarts
-    sizes = [s for s in route.sizes if s >= members]
-    return max(n, math.ceil(sizes[0] / restarts)) if sizes else n
-
-
-# -- what a program is keyed by
-def fingerprint(value: Any, depth: int = 0) -> Any:
-    """A hashable summary of ``value``'s content: tensors by their bytes, functions by name,
-    defaults and closure, objects by type and attributes (by identity below a few levels)."""
-    if isinstance(value, Tensor):
-        data = value.detach().cpu().contiguous()
-        digest = hashlib.sha1(data.reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
-        return ("tensor", tuple(data.shape), str(data.dtype), digest)
-    if value is None or isinstance(value, (bool, int, float, str, torch.dtype, torch.device)):
-        return value
-    if depth > 4:
-        return ("object", id(value))
-    if isinstance(value, (list, tuple)):
-        return tuple(fingerprint(v, depth + 1) for v in value)
-    if isinstance(value, dict):
-        return tuple(sorted((str(k), fingerprint(v, depth + 1)) for k, v in value.items()))
-    if isinstance(value, torch.nn.Module):
-        return ("module", repr(value), tuple((n, tuple(t.shape), str(t.dtype), t.requires_grad)
-                                             for n, t in itertools.chain(value.named_parameters(),
-                                                                         value.named_buffers())))
-    if isinstance(value, types.FunctionType):
-        cells = tuple(c.cell_contents for c in value.__closure__ or ())
-        return ("function", value.__module__, value.__qualname__, fingerprint((value.__defaults__, cells), depth + 1))
-    if hasattr(value, "__dict__"):
-        return (type(value).__module__, type(value).__qualname__, fingerprint(vars(value), depth + 1))
-    return ("object", id(value))
-
-
-_OBSERVATION_FIELDS = ("input_shape", "num_classes", "batch_size", "local_steps", "local_lr", "local_batch_size",
-                       "client_mode", "labels_shared", "data_mean", "data_std", "loss_fn")
-
-
-def program_key(run, n_padded: int, restarts: int) -> Tuple:
-    """What shapes a program. A simulator other than the plain clean gradient may read the
-    observation while it runs: its programs serve one run only."""
-    sim = run.simulator
-    plain = type(sim) is GradientSimulator and not sim.transforms and not sim.step_transforms
-    return (
-        str(run.device), n_padded, restarts, run.labels.shape, run.labels.fixed is None,
-        fingerprint(run.attack.describe()), fingerprint(run.objective),
-        fingerprint([(k, p, w) for k, p, w in run.attack.priors]),
-        fingerprint(run.obs.model), tuple(fingerprint(getattr(run.obs, f)) for f in _OBSERVATION_FIELDS),
-        ("shared",) if plain else ("run", id(run)),
-    )
+def padded_observations(n: int, route: Route) -> int:
+    """Observations a group of ``n`` is padded to for ``route`` (its restarts come with each)."""
+    return next((s for s in route.sizes if s >= n), n)
 
 
 # -- programs
@@ -235,17 +315,29 @@ def _fill(static: Tensor, real: Tensor, per: int) -> None:
         pad.copy_(real[n - per:].unsqueeze(0).expand_as(pad))
 
 
-class Program:
-    """One iteration function over static buffers (a template run over the padded group
-    holds the weights, targets and labels) and its route's callable."""
+class CaptureFailed(RuntimeError):
+    """A program could not be built, warmed up or captured."""
 
-    def __init__(self, run, variables: Sequence[Tensor], route: Route):
+
+class Program:
+    """One iteration function over static buffers and its route's callable. A template run over
+    the padded group, built from copies of the run's attack and first observation (so loading
+    another run never writes into the first one's objects), holds the weights, targets, labels
+    and the tensors the key lists as inputs."""
+
+    def __init__(self, run, variables: Sequence[Tensor], route: Route, key: Tuple, inputs: List[Tensor]):
         start = time.perf_counter()
-        n_padded = padded_observations(run.n, run.restarts, route)
+        n_padded = padded_observations(run.n, route)
         self.route, self.n_padded, self.restarts, self.device = route, n_padded, run.restarts, run.device
+        first = run.group[0]
+        own = dataclasses.replace(first, model=copy.deepcopy(first.model), defense=copy.deepcopy(first.defense))
+        padded = [own] + run.group[1:] + [run.group[-1]] * (n_padded - run.n)
         with torch.random.fork_rng(devices=[run.device] if run.device.type == "cuda" else []):
-            padded = run.group + [run.group[-1]] * (n_padded - run.n)
-            self.template = type(run)(run.attack, padded, [0] * n_padded, show_bars=False)
+            self.template = type(run)(copy.deepcopy(run.attack), padded, [0] * n_padded, show_bars=False)
+        self.inputs = program_key(self.template, n_padded)[1]
+        shapes = lambda ts: [(tuple(t.shape), t.dtype) for t in ts]  # noqa: E731
+        if shapes(self.inputs) != shapes(inputs):
+            raise CaptureFailed("the program's copy of the run reads other tensors than the run")
         members = n_padded * run.restarts
         self.variables = [torch.zeros((members, *v.shape[1:]), dtype=v.dtype, device=v.device) for v in variables]
         self.optimizer = copy.deepcopy(run.attack.optimizer)
@@ -266,20 +358,32 @@ class Program:
         self.fn = route.prepare(iteration)
         self.replay: Optional[Callable[[], Tensor]] = None
         self.calls = 0
+        self.runs = 0  # runs that loaded it
         self.setup_s = time.perf_counter() - start  # building, compiling, warming up, capturing
         STATS["built"] += 1
 
+    def state(self) -> List[Tensor]:
+        """The tensors an iteration writes."""
+        return [*self.variables, *self.optimizer.state().values()]
+
     def weights(self, run) -> List[Tensor]:
-        """The model tensors the iteration reads (the template's are the static ones)."""
+        """The model tensors the iteration reads (the template's are the static ones): the
+        replica's, and the observation's model's (a transform may read it)."""
         replica = run.replica
         bn = [t for pair in replica.bn_running or () for t in pair]
-        return [*replica.params.values(), *replica.frozen.values(), *bn]
+        model = run.obs.model
+        return [*replica.params.values(), *replica.frozen.values(), *bn,
+                *model.parameters(), *model.buffers()]
 
-    def load(self, run, variables: Sequence[Tensor], optimizer) -> None:
-        """Copy ``run``'s weights, targets, labels, variables and optimiser state in."""
+    def load(self, run, variables: Sequence[Tensor], optimizer, inputs: Sequence[Tensor]) -> None:
+        """Copy ``run``'s weights, targets, labels, input tensors, variables and optimiser state in."""
+        self.runs += 1
         with torch.no_grad():
             for static, real in zip(self.weights(self.template), self.weights(run)):
                 static.copy_(real)
+            for static, real in zip(self.inputs, inputs):
+                if static is not real:
+                    static.copy_(real)
             targets, fixed = run.step_inputs()
             for static, real in zip(self.targets, targets):
                 _fill(static, real, 1)
@@ -310,16 +414,12 @@ class Program:
         start = time.perf_counter()
         with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
             if self.calls > self.route.warmup:  # streams and graphs on the run's GPU
-                self.replay = self.route.capture(self.fn)
+                self.replay = self.route.capture(self.fn, self.state())
                 out = self.replay()
             else:
                 out = self.route.warm(self.fn)
         self.setup_s += time.perf_counter() - start
         return out
-
-
-class CaptureFailed(RuntimeError):
-    """A program could not be built, warmed up or captured."""
 
 
 #: programs kept in this process, least recently used first
@@ -328,22 +428,23 @@ PROGRAMS: "OrderedDict[Tuple, Program]" = OrderedDict()
 FAILED: Dict[Tuple, str] = {}
 
 
-def program_for(run, variables: Sequence[Tensor], route: Route) -> Tuple[Program, bool]:
+def program_for(run, variables: Sequence[Tensor], route: Route) -> Tuple[Program, bool, List[Tensor]]:
     """The kept program for ``run``'s key (one of ``route``, or a compiled one already paid
-    for), or a new one; and whether it was reused."""
-    key = program_key(run, padded_observations(run.n, run.restarts, route), run.restarts)
+    for), or a new one; whether it was reused; and the run's tensors to load into it."""
+    key, inputs = program_key(run, padded_observations(run.n, route))
     kept = PROGRAMS.get(key)
     if kept is not None and (kept.route is route or kept.route.compiles):
         PROGRAMS.move_to_end(key)
-        return kept, True
+        STATS["reused"] += 1
+        return kept, True, inputs
     if (key, route.name) in FAILED:
         raise CaptureFailed(FAILED[(key, route.name)])
     _make_room(run.device)
-    program = Program(run, variables, route)
+    program = Program(run, variables, route, key, inputs)
     PROGRAMS[key] = program
     while len(PROGRAMS) > MAX_PROGRAMS:
         PROGRAMS.popitem(last=False)
-    return program, False
+    return program, False, inputs
 
 
 def _make_room(device: torch.device) -> None:
@@ -390,6 +491,7 @@ class CapturedSteps(EagerSteps):
         super().__init__(run, variables, optimizer, note)
         self.route, self.program, self.eager = route, None, None
         self.replays, self.warm, self.built = 0, 0, []  # programs this run built
+        self.reused = 0  # loads of a program an earlier run built
         self.done = 0  # iterations done on the current program since its load
 
     def step(self, iteration: int) -> Tensor:
@@ -398,9 +500,10 @@ class CapturedSteps(EagerSteps):
         run = self.run
         try:
             if self.program is None:
-                self.program, reused = program_for(run, self.variables, self.route)
+                self.program, reused, inputs = program_for(run, self.variables, self.route)
                 self.built += [] if reused else [self.program]
-                self.program.load(run, self.variables, self.optimizer)
+                self.reused += reused
+                self.program.load(run, self.variables, self.optimizer, inputs)
                 self.done = 0
             loss = self.program(self.optimizer.lr_at(iteration), iteration)
         except GiaError:
@@ -421,8 +524,7 @@ class CapturedSteps(EagerSteps):
 
     def _fall_back(self, err: Exception, iteration: int) -> Tensor:
         program, self.program = self.program, None
-        first_line = (str(err).strip().splitlines() or [""])[0][:200]
-        why = f"{self.route.name} failed: {type(err).__name__}: {first_line}"
+        why = f"{self.route.name} failed: {type(err).__name__}: {str(err).strip()}"
         if program is not None:
             if self.done:  # the iterations done on it are the run's
                 program.store(self.variables, self.optimizer)
@@ -456,16 +558,15 @@ class CapturedSteps(EagerSteps):
     def describe(self) -> str:
         if self.eager is not None:
             return self.note + (f"; {self.replays} iteration(s) replayed before" if self.replays else "")
-        kept = f"set up in {sum(p.setup_s for p in self.built):.2f} s" if self.built else \
+        kept = f"built here (set up in {sum(p.setup_s for p in self.built):.2f} s)" if self.built else \
             "reused from an earlier run"
         members, padded = self.run.n * self.run.attack.restarts, self.program_members()
         return (f"{self.route.name}: {self.note}; the whole iteration as one program over {members} member(s) "
                 f"(padded to {padded}), {self.replays} iteration(s) replayed, {self.warm} run to warm up; "
-                f"program {kept}")
+                f"programs: {len(self.built)} built, {self.reused} reused; program {kept}")
 
     def program_members(self) -> int:
-        restarts = self.run.attack.restarts
-        return padded_observations(self.run.n, restarts, self.route) * restarts
+        return padded_observations(self.run.n, self.route) * self.run.attack.restarts
 
 
 def stepper(run, variables: List[Tensor], optimizer, iterations: int) -> EagerSteps:

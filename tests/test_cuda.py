@@ -9,6 +9,7 @@ import torch
 import adaptive
 import audit
 from attacks import ATTACKS, capture, observe
+from attacks.search_space import ClampBox
 from audit.core.metrics import psnr
 from audit.core.models import build_model
 from defenses import build_defense
@@ -55,6 +56,14 @@ def test_audit_on_cuda_matches_the_cpu_audit(tmp_path):
         assert abs(cpu.psnr(step) - cuda.psnr(step)) < 1.0
 
 
+@pytest.fixture(autouse=True)
+def fresh_programs(monkeypatch):
+    """Each test builds its own programs: none kept from another test, none of its own kept after."""
+    monkeypatch.setattr(capture, "PROGRAMS", OrderedDict())
+    monkeypatch.setattr(capture, "FAILED", {})
+    monkeypatch.setattr(capture, "STATS", dict.fromkeys(capture.STATS, 0))
+
+
 @pytest.fixture
 def deterministic_cudnn():
     """cuDNN's deterministic kernels: the eager and the captured run then add in one order."""
@@ -64,43 +73,78 @@ def deterministic_cudnn():
     torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = saved
 
 
-def _cuda_group(n, seed=0):
-    model = build_model("cnn", SHAPE, 4, seed=seed).to("cuda")
+def _cuda_group(n, seed=0, model="cnn", mode="train", defense=None, **model_args):
+    net = build_model(model, SHAPE, 4, seed=seed, **model_args).to("cuda")
     x = torch.rand(n, *SHAPE, generator=torch.Generator().manual_seed(seed)).to("cuda")
-    return [observe(model, x[i:i + 1], torch.tensor([i % 4], device="cuda"), seed=i) for i in range(n)], x.cpu()
+    return [observe(net, x[i:i + 1], torch.tensor([(i + seed) % 4], device="cuda"), defense, seed=i,
+                    client_mode=mode) for i in range(n)], x.cpu()
 
 
-def _ig(obs, budget, **settings):
-    return ATTACKS.build("ig", **settings).reconstruct_many(obs, budget, list(range(len(obs))))
+def _ig(obs, budget, attack="ig", **settings):
+    return ATTACKS.build(attack, **settings).reconstruct_many(obs, budget, list(range(len(obs))))
+
+
+def _close(eager, captured, atol=1e-4):
+    for a, b in zip(eager, captured):
+        torch.testing.assert_close(b.inputs, a.inputs, atol=atol, rtol=0)
+        assert b.trace["optimizer_events"] == a.trace["optimizer_events"]
 
 
 def test_the_replayed_graph_gives_the_eager_loops_images(deterministic_cudnn):
-    obs, _ = _cuda_group(8)  # 8 members: no padding, the same kernels as the eager loop
+    obs, _ = _cuda_group(8)  # 8 observations: no padding, the same kernels as the eager loop
     eager, graph = _ig(obs, 40, capture="off"), _ig(obs, 40, capture="graph")
     trace = graph[0].trace["capture"]
     assert trace.startswith("graph: capture='graph'; the whole iteration as one program over 8 member(s)"), trace
     assert "37 iteration(s) replayed, 3 run to warm up" in trace
-    for a, b in zip(eager, graph):
-        torch.testing.assert_close(b.inputs, a.inputs, atol=1e-4, rtol=0)
-        assert b.trace["optimizer_events"] == a.trace["optimizer_events"]
+    _close(eager, graph)
+
+
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_a_replayed_resnet_with_batchnorm_gives_the_eager_loops_images(deterministic_cudnn, mode):
+    obs, _ = _cuda_group(4, seed=1, model="resnet18", mode=mode, width=8)
+    eager, graph = _ig(obs, 20, capture="off"), _ig(obs, 20, capture="graph")
+    assert graph[0].trace["capture"].startswith("graph: capture='graph'"), graph[0].trace["capture"]
+    _close(eager, graph, atol=1e-3)
 
 
 def test_a_padded_graph_recovers_what_the_eager_loop_recovers(deterministic_cudnn):
-    obs, x = _cuda_group(3)  # 3 x 2 restarts padded to 8 members
+    obs, x = _cuda_group(3)  # 3 observations x 2 restarts, padded to 4 x 2
     eager, graph = _ig(obs, 2 * 40, restarts=2, capture="off"), _ig(obs, 2 * 40, restarts=2, capture="graph")
     assert "over 6 member(s) (padded to 8)" in graph[0].trace["capture"]
     for i, (a, b) in enumerate(zip(eager, graph)):
         assert abs(float(psnr(a.inputs.cpu(), x[i:i + 1])) - float(psnr(b.inputs.cpu(), x[i:i + 1]))) < 1.0
 
 
-def test_a_kept_graph_replays_for_the_next_group_with_its_weights(deterministic_cudnn):
+def test_restart_selection_inside_a_replayed_run(deterministic_cudnn):
+    obs, _ = _cuda_group(2, seed=4)
+    settings = dict(restarts=2, keep_best_after=0.5)
+    eager, graph = _ig(obs, 2 * 30, capture="off", **settings), _ig(obs, 2 * 30, capture="graph", **settings)
+    for a, b in zip(eager, graph):
+        assert b.trace["restart_selection"]["kept"] == a.trace["restart_selection"]["kept"]
+    _close(eager, graph)
+
+
+def test_a_kept_graph_replays_for_the_next_group_with_its_weights_and_labels(deterministic_cudnn):
     _ig(_cuda_group(8, seed=0)[0], 20, capture="graph")
     captured = capture.STATS["captured"]
-    obs, _ = _cuda_group(8, seed=1)  # another model's weights, other images: copied into the graph's buffers
+    obs, _ = _cuda_group(8, seed=1)  # another model's weights, other images and labels
     again = _ig(obs, 20, capture="graph")
     assert capture.STATS["captured"] == captured and again[0].trace["capture"].endswith("reused from an earlier run")
-    for a, b in zip(_ig(obs, 20, capture="off"), again):
-        torch.testing.assert_close(b.inputs, a.inputs, atol=1e-4, rtol=0)
+    _close(_ig(obs, 20, capture="off"), again)
+
+
+def test_eot_noise_is_drawn_afresh_at_each_replay():
+    """Through a noise defense with 4 draws in the program, at a standstill (lr ~ 0): the
+    loss moves only with the noise, and moves as much replayed as in the eager loop."""
+    obs, _ = _cuda_group(2, seed=2, defense=build_defense("gaussian", sigma=0.05))
+    losses = {}
+    for route in ("off", "graph"):
+        recs = _ig(obs, 30, "through-defense", samples=4, lr=1e-12, capture=route)
+        assert "draws in program" in recs[0].trace["settings"]["simulator"]
+        losses[route] = torch.tensor(recs[0].trace["loss_history"][0][4:])
+    assert len(set(losses["graph"].tolist())) == len(losses["graph"]), "a replay drew the same noise again"
+    spread = losses["off"].std()
+    assert abs(losses["graph"].std() - spread) < spread and abs(losses["graph"].mean() - losses["off"].mean()) < spread
 
 
 def test_the_rule_captures_on_cuda_and_says_why_not():
@@ -111,26 +155,36 @@ def test_the_rule_captures_on_cuda_and_says_why_not():
     assert dlg.trace["capture"] == "off: the lbfgs line search accepts or halves each step on the host"
 
 
-def test_a_graph_that_cannot_be_captured_runs_eagerly_with_the_reason(monkeypatch):
-    def refuse(*args, **kwargs):
-        raise RuntimeError("operation not permitted when stream is capturing")
+def test_a_host_sync_inside_a_capture_falls_back_with_the_stream_restored(monkeypatch, deterministic_cudnn):
+    plain = ClampBox.project_
 
-    monkeypatch.setattr(capture.torch.cuda, "graph", refuse)
-    monkeypatch.setattr(capture, "FAILED", {})  # the failure is this test's own: not kept for the others
-    monkeypatch.setattr(capture, "PROGRAMS", OrderedDict())  # a program of its own, captured here
+    def project_(self, z):
+        float(z.max())  # waits for the device: not permitted while a stream captures
+        plain(self, z)
+
+    monkeypatch.setattr(ClampBox, "project_", project_)
     obs, _ = _cuda_group(2, seed=5)
     recs = _ig(obs, 20, capture="graph")
     trace = recs[0].trace["capture"]
-    assert trace.startswith("off: capture='graph'; graph failed: RuntimeError: operation not permitted"), trace
+    assert trace.startswith("off: capture='graph'; graph failed: RuntimeError: "), trace
+    assert "operation not permitted when stream is capturing" in trace, trace
+    assert torch.cuda.current_stream() == torch.cuda.default_stream()
     assert recs[0].trace["iterations"] == 20
+    _close(_ig(obs, 20, capture="off"), recs)
 
 
-@pytest.mark.slow
 def test_the_compiled_graph_matches_and_compiles_once_per_shape(deterministic_cudnn):
-    first, _ = _cuda_group(8, seed=2)
-    for a, b in zip(_ig(first, 20, capture="off"), _ig(first, 20, capture="compiled-graph")):
-        torch.testing.assert_close(b.inputs, a.inputs, atol=1e-3, rtol=0)
+    shape = (3, 8, 8)
+    model = build_model("cnn", shape, 4, seed=2).to("cuda")
+    x = torch.rand(4, *shape, generator=torch.Generator().manual_seed(2)).to("cuda")
+
+    def group(offset):
+        return [observe(model, x[i:i + 1], torch.tensor([(i + offset) % 4], device="cuda"), seed=i) for i in range(2)]
+
+    first = group(0)
+    _close(_ig(first, 12, capture="off"), _ig(first, 12, capture="compiled-graph"), atol=1e-3)
     compiled = capture.STATS["compiled"]
-    second, _ = _cuda_group(8, seed=3)
-    again = _ig(second, 20, capture="compiled-graph")
+    second = group(1)  # other labels
+    again = _ig(second, 12, capture="compiled-graph")
     assert capture.STATS["compiled"] == compiled and again[0].trace["capture"].startswith("compiled-graph")
+    _close(_ig(second, 12, capture="off"), again, atol=1e-3)

@@ -124,12 +124,23 @@ def in_functorch_transform() -> bool:
     return level is not None and level() is not None
 
 
+_ABANDONED: List[threading.Thread] = []
+
+
+def abandoned_calls() -> List[str]:
+    """The defense calls abandoned after their timeout that still run (their threads' names):
+    their device work could interfere with a CUDA graph being captured."""
+    _ABANDONED[:] = [t for t in _ABANDONED if t.is_alive()]
+    return [t.name for t in _ABANDONED]
+
+
 def _with_timeout(fn: Callable[[], Any], name: str, seconds: Optional[float]) -> Any:
     """``fn()``, abandoned after ``seconds`` with a DefenseError naming the defense.
 
     The call runs on a daemon worker thread (with this thread's grad mode) that the caller
     stops waiting for; Python cannot kill a thread, so a timed-out call is *abandoned*: it
-    keeps running in the background until it returns, and its result is dropped.
+    keeps running in the background until it returns, its result is dropped, and
+    :func:`abandoned_calls` names it meanwhile.
     """
     if seconds is None or in_functorch_transform():
         return fn()
@@ -147,6 +158,7 @@ def _with_timeout(fn: Callable[[], Any], name: str, seconds: Optional[float]) ->
     worker.start()
     worker.join(seconds)
     if worker.is_alive():
+        _ABANDONED.append(worker)
         raise DefenseError(f"defense {name!r} did not return within {seconds:g} s (the per-call timeout, "
                            "--defense-timeout); the call was abandoned")
     if "error" in box:
