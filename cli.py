@@ -300,9 +300,8 @@ def report_cmd(directory, run_key, thresholds, seed, device):
 @click.argument("directory", type=click.Path(exists=True, file_okay=False))
 @click.option("--thresholds", default=None, metavar="NAME=VALUE,...",
               help="re-judge every round's stored evidence under other leak-rule thresholds, e.g. margin_db=2")
-@common_options
 @friendly_errors
-def flower_report_cmd(directory, thresholds, seed, device):
+def flower_report_cmd(directory, thresholds):
     """Rebuild a Flower client's per-round report (OUT/<client> of the gia-audit mod, docs/flower.md)."""
     from audit.report.formats import files_message
 

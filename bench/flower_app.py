@@ -1,9 +1,12 @@
 """A small Flower app audited from inside: FedAvg over 2 clients on the embedded data, the
 gia-audit client mod on its ClientApp (docs/flower.md).
 
-    python bench/flower_app.py                                    # 20 rounds, rounds 1, 5, 20 audited
-    python bench/flower_app.py --localdp 1,1,20,1e-5              # the clients run Flower's LocalDpMod
-    python bench/flower_app.py --docs flower                      # ... and write the table into docs/flower.md
+    python bench/flower_app.py                         # 3 rounds, rounds 1 and 3 audited under two descriptions
+    python bench/flower_app.py --localdp 1,1,20,1e-5   # the clients run Flower's LocalDpMod
+    python bench/flower_app.py --docs flower           # ... and write the table into docs/flower.md
+
+Client 0 is audited twice on the same replies: with its training described as it runs (2
+local SGD steps with momentum 0.9) and as one plain SGD step.
 """
 from __future__ import annotations
 
@@ -27,16 +30,17 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from audit.core.data import load_dataset  # noqa: E402
 from audit.integrations.flower import AuditMod, combine_rounds, wait_for_audits  # noqa: E402
 
-LR, BATCH, CLIENTS = 0.1, 16, 2
+LR, MOMENTUM, STEPS, BATCH, CLIENTS = 0.05, 0.9, 2, 4, 2
 
 
 class Net(nn.Module):
-    """The deployment's model: a small CNN for 3x32x32 images in [0, 1], 10 classes."""
+    """The deployment's model: Conv-BN-ReLU blocks for 3x32x32 images in [0, 1], 10 classes."""
 
     def __init__(self):
         super().__init__()
-        self.features = nn.Sequential(nn.Conv2d(3, 16, 5), nn.ReLU(), nn.MaxPool2d(2),
-                                      nn.Conv2d(16, 32, 5), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten())
+        self.features = nn.Sequential(nn.Conv2d(3, 16, 5), nn.BatchNorm2d(16), nn.ReLU(), nn.MaxPool2d(2),
+                                      nn.Conv2d(16, 32, 5), nn.BatchNorm2d(32), nn.ReLU(), nn.MaxPool2d(2),
+                                      nn.Flatten())
         self.head = nn.Sequential(nn.Linear(32 * 5 * 5, 64), nn.ReLU(), nn.Linear(64, 10))
 
     def forward(self, x):
@@ -50,18 +54,27 @@ def client_data(context: Context):
     return data.train_images[part::parts], data.train_labels[part::parts]
 
 
+def round_batch(context: Context, server_round: int) -> torch.Tensor:
+    """The rows of its data the client trains on in ``server_round``: BATCH drawn with a seed of
+    its own and the round."""
+    seed = 1000 * int(context.node_config["partition-id"]) + int(server_round)
+    return torch.randperm(len(client_data(context)[1]), generator=torch.Generator().manual_seed(seed))[:BATCH]
+
+
 def train(msg: Message, context: Context) -> Message:
-    """The client's round: one local SGD step on a batch of its data from the global model."""
+    """The client's round: STEPS local SGD steps with momentum on its batch of the round, from
+    the global model; it sends its whole state (weights and BatchNorm buffers)."""
     model = Net()
     model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
     images, labels = client_data(context)
-    seed = 1000 * int(context.node_config["partition-id"]) + int(msg.content["config"]["server-round"])
-    pick = torch.randperm(len(labels), generator=torch.Generator().manual_seed(seed))[:BATCH]
-    loss = nn.functional.cross_entropy(model(images[pick]), labels[pick])
-    loss.backward()
-    with torch.no_grad():
-        for p in model.parameters():
-            p -= LR * p.grad
+    rows = round_batch(context, msg.content["config"]["server-round"])
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    model.train()
+    for _ in range(STEPS):
+        optimizer.zero_grad()
+        loss = nn.functional.cross_entropy(model(images[rows]), labels[rows])
+        loss.backward()
+        optimizer.step()
     content = RecordDict({"arrays": ArrayRecord(model.state_dict()),
                           "metrics": MetricRecord({"num-examples": BATCH, "loss": float(loss.detach())})})
     return Message(content=content, reply_to=msg)
@@ -96,16 +109,25 @@ def simulate(rounds: int, mods=()) -> dict:
     return result["state"]
 
 
-def first_client_data(context: Context):
-    """Client 0's data, and None (not audited) on the other clients: auditing one client keeps the
-    demo short; ``data=client_data`` audits every client."""
-    return client_data(context) if int(context.node_config["partition-id"]) == 0 else None
+def first_client_data(context: Context, server_round: int):
+    """Client 0's images, labels and the rows its round trained on, and None (not audited) on the
+    other clients: auditing one client keeps the demo short."""
+    if int(context.node_config["partition-id"]) != 0:
+        return None
+    images, labels = client_data(context)
+    return images, labels, round_batch(context, server_round)
 
 
-def audit_mod(out: str, audited=(1, 5, 20), localdp=None, **settings) -> AuditMod:
-    """The gia-audit mod for this app: its model, client 0's data and the clients' defense."""
-    return AuditMod(rounds=audited, model=Net, data=first_client_data, defense=localdp or "none", lr=LR, out=out,
-                    **settings)
+#: the client's training as the mod describes it: as it runs, and as one plain SGD step
+TRAINING = {"momentum": {"local_steps": STEPS, "local_optimizer": f"sgd:momentum={MOMENTUM}"},
+            "one-step": {"local_steps": 1, "local_optimizer": "sgd"}}
+
+
+def audit_mod(out: str, audited=(1, 5, 20), localdp=None, training="momentum", **settings) -> AuditMod:
+    """The gia-audit mod for this app: its model, client 0's data, the clients' defense and
+    ``training``, a description of the client's training (:data:`TRAINING`)."""
+    return AuditMod(rounds=audited, model=Net, data=first_client_data, defense=localdp or "none", local_lr=LR,
+                    out=out, **TRAINING[training], **settings)
 
 
 def main(argv=None) -> None:
@@ -114,10 +136,10 @@ def main(argv=None) -> None:
     from bench.docs_table import ROOT, add_docs_option, publish
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=20)
-    parser.add_argument("--audit-rounds", default="1,5,20")
-    parser.add_argument("--images", type=int, default=2)
-    parser.add_argument("--budget", type=int, default=200)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--audit-rounds", default="1,3")
+    parser.add_argument("--budget", type=int, default=100)
+    parser.add_argument("--attacks", default="auto")
     parser.add_argument("--localdp", default=None, metavar="C,S,EPS,DELTA",
                         help="the clients run LocalDpMod(clipping_norm, sensitivity, epsilon, delta)")
     parser.add_argument("--out", default="bench-out/flower-audit")
@@ -126,38 +148,44 @@ def main(argv=None) -> None:
     add_docs_option(parser, "docs/flower.md")
     args = parser.parse_args(argv)
     localdp = LocalDpMod(*map(float, args.localdp.split(","))) if args.localdp else None
-    mod = audit_mod(args.out, args.audit_rounds, localdp, images=args.images, budget=args.budget, seed=args.seed,
-                    device=args.device)
+    mods = [audit_mod(f"{args.out}/{training}", args.audit_rounds, localdp, training=training, budget=args.budget,
+                      attacks=args.attacks, seed=args.seed, device=args.device) for training in TRAINING]
     start = time.perf_counter()
-    simulate(args.rounds, [mod] + ([localdp] if localdp else []))
+    simulate(args.rounds, mods + ([localdp] if localdp else []))
     federation = time.perf_counter() - start
     wait_for_audits(args.out)
     waited = time.perf_counter() - start
-    report = combine_rounds(f"{args.out}/partition-0")
-    print(report.summary())
-    held = [read_status(f).get("prepared_s") for f in round_folders(report.out)]
-    setting = (f"{args.rounds} rounds, {CLIENTS} clients, audited rounds {args.audit_rounds}; the federation ran "
-               f"{federation:.0f} s, the mod held each audited round {min(held):.2f}-{max(held):.2f} s before "
-               f"starting its audit, the audits (one torch thread each) were done {waited:.0f} s after the federation "
-               f"started; {os.cpu_count()} CPU cores, load average {os.getloadavg()[0]:.1f} at the end, torch "
-               f"{torch.__version__}")
-    publish(args, "flower_app.py", argv, _table(report), setting)
+    reports = {training: combine_rounds(f"{args.out}/{training}/partition-0") for training in TRAINING}
+    for report in reports.values():
+        print(report.summary())
+    held = [read_status(f).get("prepared_s") or 0.0 for r in reports.values() for f in round_folders(r.out)]
+    setting = (f"{args.rounds} rounds, {CLIENTS} clients, audited rounds {args.audit_rounds}, budget {args.budget}, "
+               f"attacks {args.attacks}; the federation ran {federation:.0f} s, the mods held each audited round "
+               f"{min(held):.2f}-{max(held):.2f} s, the audits (one torch thread each) were done {waited:.0f} s after "
+               f"the federation started; {os.cpu_count()} CPU cores, load average {os.getloadavg()[0]:.1f} at the end, "
+               f"torch {torch.__version__}")
+    publish(args, "flower_app.py", argv, _table(reports), setting)
     if args.docs:  # the per-round plot next to the table
-        shutil.copyfile(report.out / "psnr_vs_step.png", ROOT / "docs" / f"{args.docs}-psnr_vs_round.png")
+        shutil.copyfile(reports["momentum"].out / "psnr_vs_step.png", ROOT / "docs" / f"{args.docs}-psnr_vs_round.png")
 
 
-def _table(report) -> str:
+def _table(reports) -> str:
     from audit.report.format import fmt, risk_text, verdict_text
 
-    spent = {p["step"]: p["epsilon"] for p in report.data["privacy"].get("per_step", [])}
-    rows = ["| round | worst-case PSNR (dB) | worst image PSNR (dB) | within delta (strongest attack) | "
-            "epsilon spent (delta 1e-5) | verdict |", "|---:|---:|---:|---|---:|---|"]
-    for step in report.steps:
-        wc, eps = step["worst_case"], spent.get(step["step"])
-        rows.append(f"| {step['step']} | {fmt('psnr', wc['psnr'])} | {fmt('psnr', wc.get('psnr_max'))} | "
-                    f"{risk_text(step['risk'])} | {'n/a' if eps is None else f'{eps:.3g}'} | "
-                    f"{verdict_text(step['verdict'])} |")
-    return "\n".join(rows) + f"\n\nOverall: {report.data['verdict']['label']}; status: {report.data['status']}."
+    rows = ["| described training | round | fidelity (real reply vs replay) | worst-case PSNR (dB) | "
+            "worst image PSNR (dB) | within delta (strongest attack) | epsilon spent (delta 1e-5) | verdict |",
+            "|---|---:|---|---:|---:|---|---:|---|"]
+    for training, report in reports.items():
+        spent = {p["step"]: p["epsilon"] for p in report.data["privacy"].get("per_step", [])}
+        fidelity = {r["round"]: (r.get("fidelity") or {}).get("summary", "n/a") for r in report.data["rounds"]}
+        described = ", ".join(f"{k}={v}" for k, v in TRAINING[training].items())
+        for step in report.steps:
+            wc, eps = step["worst_case"], spent.get(step["step"])
+            rows.append(f"| {described} | {step['step']} | {fidelity.get(step['step'], 'n/a')} | "
+                        f"{fmt('psnr', wc['psnr'])} | {fmt('psnr', wc.get('psnr_max'))} | {risk_text(step['risk'])} | "
+                        f"{'n/a' if eps is None else f'{eps:.3g}'} | {verdict_text(step['verdict'])} |")
+    overall = "; ".join(f"{t}: {r.data['verdict']['label']} ({r.data['status']})" for t, r in reports.items())
+    return "\n".join(rows) + f"\n\nOverall: {overall}."
 
 
 if __name__ == "__main__":

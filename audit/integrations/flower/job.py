@@ -2,13 +2,13 @@
 
     OUT/<client>/round-<r>/audit.json       status: queued, running, finished, failed or timed out; why; times
     OUT/<client>/round-<r>/global_model.pt  the state the client received in round r (a state_dict)
-    OUT/<client>/round-<r>/job.pkl          the settings and the client's drawn images (removed when the audit ends)
+    OUT/<client>/round-<r>/job.pkl          the settings, the reply and the client's images (removed when the audit ends)
     OUT/<client>/round-<r>/worker.log       the background audit's output; worker.pid its process id
     OUT/<client>/round-<r>/report.*, runs/  the audit's report and result store, as `gia-audit audit` writes them
 
-The client's images are drawn once per round with the mod's seed (the same images every round
-for the same data): ``images x batch_size`` audited images and up to ``reference`` others, the
-null and the attacker's auxiliary data.
+The round's images are the ones ``data`` says the round trained on (the audited batch, in
+training order); up to ``reference`` of the client's other images, drawn with the mod's seed,
+are the null and the attacker's auxiliary data.
 """
 from __future__ import annotations
 
@@ -31,13 +31,15 @@ from audit.integrations.flower.settings import ModSettings
 STATUS, JOB, STATE, LOG_FILE, PID_FILE = "audit.json", "job.pkl", "global_model.pt", "worker.log", "worker.pid"
 PENDING = ("queued", "running")  # an audit in these states has no verdict yet
 FINISHED = "finished"
+NOT_JUDGED = "not judged"  # the declared training does not reproduce the reply: no attack ran
 _WRITING = threading.Lock()  # one status write at a time in a process (an inline audit runs on a thread)
 
 
 @dataclass
 class RoundJob:
     """What the worker needs to audit one round: the settings, the round's defense, where the
-    state came from, and the client's drawn images ``(images, labels)``."""
+    state came from, the arrays the client received and the reply it sent (by name), the
+    images the round trained on and the reference images, each ``(images, labels)``."""
 
     round: int
     client: str
@@ -45,8 +47,10 @@ class RoundJob:
     settings: ModSettings
     defense: Any
     defense_args: Dict[str, Any]
-    private: Tuple[Tensor, Tensor]
+    trained: Tuple[Tensor, Tensor]
     reference: Tuple[Tensor, Tensor]
+    global_arrays: Dict[str, Tensor]
+    reply: Dict[str, Tensor]
 
 
 def round_dir(out: Path, client: str, round: int) -> Path:
@@ -110,10 +114,27 @@ def _as_tensor(value: Any, what: str) -> Tensor:
             from None
 
 
-def client_images(got: Any, settings: ModSettings) -> Tuple[Tuple[Tensor, Tensor], Tuple[Tensor, Tensor]]:
-    """``(private, reference)`` image/label pairs drawn from what ``data(context)`` returned."""
-    if not isinstance(got, (tuple, list)) or len(got) != 2:
-        raise DataError(f"data(context) must return (images, labels), got {type(got).__name__}")
+def _rows(trained: Any, count: int) -> Tensor:
+    rows = _as_tensor(trained, "trained")
+    if rows.dtype == torch.bool:
+        if rows.shape != (count,):
+            raise DataError(f"data(context)'s trained mask has shape {tuple(rows.shape)}, the images {count}")
+        rows = rows.nonzero().flatten()
+    rows = rows.long().flatten()
+    if not len(rows) or rows.min() < 0 or rows.max() >= count or len(set(rows.tolist())) != len(rows):
+        raise DataError(f"data(context)'s trained must be distinct row indices in 0..{count - 1} (or a mask), "
+                        "the images the round trained on in training order")
+    return rows
+
+
+def round_images(got: Any, settings: ModSettings) -> Tuple[Tuple[Tensor, Tensor], Tuple[Tensor, Tensor]]:
+    """``(trained, reference)`` image/label pairs from what ``data`` returned: ``(images,
+    labels, trained)``, ``trained`` the rows the round trained on (indices in training order,
+    or a mask)."""
+    if not isinstance(got, (tuple, list)) or len(got) != 3:
+        kind = f"{len(got)} items" if isinstance(got, (tuple, list)) else type(got).__name__
+        raise DataError(f"data(context) must return (images, labels, trained), trained the rows this round "
+                        f"trained on; got {kind} (docs/flower.md: 'Which images a round trained on')")
     images, labels = _as_tensor(got[0], "images").float(), _as_tensor(got[1], "labels").long()
     if images.dim() != 4 or labels.shape != (len(images),):
         raise DataError(f"data(context) must return images (N, C, H, W) and labels (N,), got "
@@ -121,18 +142,22 @@ def client_images(got: Any, settings: ModSettings) -> Tuple[Tuple[Tensor, Tensor
     if len(images) and (images.min() < 0 or images.max() > 1):
         raise DataError("data(context) must return images in [0, 1] (the model's normalisation is model_normalize); "
                         "divide uint8 images by 255")
-    need = settings.data.images * settings.data.batch_size
-    if len(images) < need + MIN_CANDIDATES:
-        raise DataError(f"the client's data has {len(images)} images; the audit needs images x batch_size = {need} "
-                        f"audited images plus at least {MIN_CANDIDATES} others (the null and the candidates)")
-    order = torch.randperm(len(images), generator=torch.Generator().manual_seed(settings.seed))
-    private, reference = order[:need], order[need:need + settings.reference]
-    return (images[private].clone(), labels[private].clone()), (images[reference].clone(), labels[reference].clone())
+    rows = _rows(got[2], len(images))
+    others = torch.ones(len(images), dtype=torch.bool)
+    others[rows] = False
+    rest = others.nonzero().flatten()
+    if len(rest) < MIN_CANDIDATES:
+        raise DataError(f"the client's data has {len(rest)} images besides the {len(rows)} the round trained on; the "
+                        f"audit needs at least {MIN_CANDIDATES} others (the null and the candidates): return more of "
+                        "the client's images (e.g. its validation split) with the trained rows")
+    order = rest[torch.randperm(len(rest), generator=torch.Generator().manual_seed(settings.seed))]
+    reference = order[:settings.reference]
+    return (images[rows].clone(), labels[rows].clone()), (images[reference].clone(), labels[reference].clone())
 
 
 # --------------------------------------------------------------------------- the job file
 def save_job(folder: Path, job: RoundJob, state: Dict[str, Tensor]) -> None:
-    """Write the round's state and job (the job pickled by value, so factories and data
+    """Write the round's global state (``state``, the model's state_dict) and job (the job pickled by value, so factories and data
     functions defined in a script or a notebook reach the worker too)."""
     try:
         import cloudpickle as pickler

@@ -2,10 +2,12 @@
 the audit report's formats into the client's folder (``report.{json,md,html}``,
 ``psnr_vs_step.png`` with the round on the x axis).
 
-Each finished round contributes its judged step (the round), its results and its (epsilon,
-delta); a round that failed, timed out or has not finished contributes an "incomplete" row with
-the reason, so the overall verdict (the worst judged round) never reads private for missing
-evidence. ``thresholds`` re-judges every round's stored evidence under another leak rule.
+Each finished round contributes its judged step (the round), its results, its (epsilon,
+delta) and its fidelity (the real reply against the declared training); a round whose reply the
+declared training does not reproduce contributes a "not judged" row, one that failed, timed
+out or has not finished an "incomplete" row, each with the reason, so the overall verdict (the
+worst judged round) never reads private for missing evidence. ``thresholds`` re-judges every
+round's stored evidence under another leak rule.
 """
 from __future__ import annotations
 
@@ -18,10 +20,11 @@ from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional
 
 from audit.core.errors import ConfigError, GiaError
-from audit.integrations.flower.job import (FINISHED, LOG_FILE, PENDING, one_line, read_status, round_of,
-                                           worker_alive, write_status)
+from audit.integrations.flower.job import (FINISHED, LOG_FILE, NOT_JUDGED, PENDING, one_line, read_status,
+                                           round_of, worker_alive, write_status)
 from audit.report.audit_report import AuditReport
-from audit.report.risk import empirical_risk, overall_verdict, step_verdict, summarize_attack, worst_case
+from audit.report.risk import (default_delta, empirical_risk, overall_verdict, step_verdict, summarize_attack,
+                               worst_case)
 from audit.report.rule import LeakRule
 from audit.report.store import ResultStore
 
@@ -42,12 +45,15 @@ class RoundPart:
     reason: str
     data: Optional[Dict[str, Any]] = None
     key: Optional[str] = None
+    fidelity: Optional[Dict[str, Any]] = None
+    pixels: Optional[int] = None
 
 
 def _read_round(folder: Path, rule: Optional[LeakRule]) -> RoundPart:
     status = read_status(folder)
     state = status.get("state")
-    part = RoundPart(round_of(folder), folder, state or "unknown", status.get("reason") or NOT_FINAL.get(state, ""))
+    part = RoundPart(round_of(folder), folder, state or "unknown", status.get("reason") or NOT_FINAL.get(state, ""),
+                     fidelity=status.get("fidelity"), pixels=status.get("pixels"))
     if state != FINISHED:
         return part
     try:
@@ -59,8 +65,11 @@ def _read_round(folder: Path, rule: Optional[LeakRule]) -> RoundPart:
 
 
 def _missing_step(part: RoundPart, attack_ids: List[str], rule: LeakRule, delta: float) -> Dict[str, Any]:
-    reason = f"{part.state}: {part.reason}" if part.reason else part.state
+    reason = f"{part.state}: {part.reason}" if part.reason and not part.reason.startswith(part.state) else \
+        (part.reason or part.state)
     verdict = step_verdict([], rule, [{"attack": "the round's audit", "images": [], "why": reason, "reasons": [reason]}])
+    if part.state == NOT_JUDGED:  # no attack ran: the reply is not what the description trains
+        verdict["label"] = NOT_JUDGED
     verdict["reason"] = reason
     return {"step": part.round, "attacks": {a: {**summarize_attack([]), "status": "not run"} for a in attack_ids},
             "worst_case": worst_case({}, rule, {}), "verdict": verdict, "risk": empirical_risk({}, delta)}
@@ -93,19 +102,39 @@ def _status(parts: List[RoundPart]) -> str:
     return "complete" if not missing else f"incomplete ({'; '.join(missing)})"
 
 
-def _empty(defense: str, rule: LeakRule) -> Dict[str, Any]:
-    """The report's sections when no round finished."""
+def _empty(defense: str, rule: LeakRule, pixels: Optional[int]) -> Dict[str, Any]:
+    """The report's sections when no round finished (``pixels``: values per image, for the
+    risk radius, when a round recorded them)."""
     why = "no audited round finished"
+    delta = default_delta(pixels) if pixels else float("nan")
     return {"defense": {"name": defense}, "differences": [], "threat_model": {}, "plan": {}, "attacks": [],
             "thresholds": rule.as_dict(), "false_positive_rate": {"unavailable": why}, "null": {},
-            "chance_level": None, "risk_delta": {"delta": 0.0, "description": f"unavailable: {why}"},
+            "chance_level": None, "risk_delta": {"delta": delta, "description": "per-pixel RMSE 0.1 (no round measured "
+                                                                               "it: " + why + ")"},
             "metric_notes": [], "data": {}, "settings": {}, "seeds": {}, "versions": {}}
 
 
-def merge_rounds(parts: List[RoundPart], rule: Optional[LeakRule] = None, defense: str = "defense") -> Dict[str, Any]:
+def _title(client: str, defense: str) -> str:
+    return f"gia-audit per-round report of {client}: " + ("no defense" if defense == "none" else f"defense {defense}")
+
+
+def _fidelity_lines(parts: List[RoundPart]) -> Dict[str, str]:
+    """The threat model's line per round on the fidelity check."""
+    out = {}
+    for p in parts:
+        f = p.fidelity
+        if f:
+            verdict = {True: "reproduced", False: "NOT reproduced", None: "not checked"}[f.get("reproduces")]
+            out[f"fidelity, round {p.round}"] = f"{verdict}: {f.get('summary', '')} (tolerance: {f.get('tolerance')})"
+    return out
+
+
+def merge_rounds(parts: List[RoundPart], rule: Optional[LeakRule] = None, defense: str = "defense",
+                 client: str = "the client") -> Dict[str, Any]:
     """The report data of the rounds ``parts`` (in order) as one per-round report."""
     done = [p for p in parts if p.data is not None]
-    base = done[-1].data if done else _empty(defense, rule or LeakRule())
+    pixels = next((p.pixels for p in parts if p.pixels), None)
+    base = done[-1].data if done else _empty(defense, rule or LeakRule(), pixels)
     rule = rule or LeakRule.from_dict(base.get("thresholds"))
     attack_ids = list(dict.fromkeys(a["id"] for p in done for a in p.data["attacks"]))
     attacks = list({a["id"]: a for p in done for a in p.data["attacks"]}.values())
@@ -117,10 +146,11 @@ def merge_rounds(parts: List[RoundPart], rule: Optional[LeakRule] = None, defens
          "status": p.state, "error": p.reason} for p in parts if p.data is None]
     return {
         **base,
-        "title": f"gia-audit per-round report: {base['defense'].get('name', defense)}",
+        "title": _title(client, base["defense"].get("name", defense)),
         "step_name": "round",
         "generated": _dt.datetime.now().isoformat(timespec="seconds"),
-        "run_key": ", ".join(f"round {p.round}: {p.key}" for p in done) or None,
+        "run_key": ", ".join(f"round {p.round}: {p.key}" for p in done) or "none (no audited round finished)",
+        "threat_model": {**base.get("threat_model", {}), **_fidelity_lines(parts)},
         "status": _status(parts),
         "progress": {"done": sum(p.data["progress"]["done"] for p in done),
                      "total": sum(p.data["progress"]["total"] for p in done)},
@@ -134,7 +164,8 @@ def merge_rounds(parts: List[RoundPart], rule: Optional[LeakRule] = None, defens
         "failures": failures,
         "results": [r for p in done for r in _results(p)],
         "rounds": [{"round": p.round, "state": p.state, "reason": p.reason, "folder": p.folder.name,
-                    "verdict": p.data["verdict"]["label"] if p.data else "incomplete"} for p in parts],
+                    "fidelity": p.fidelity, "verdict": p.data["verdict"]["label"] if p.data else
+                    (NOT_JUDGED if p.state == NOT_JUDGED else "incomplete")} for p in parts],
     }
 
 
@@ -166,13 +197,17 @@ def combine_rounds(client_dir, thresholds: Any = None) -> AuditReport:
     client_dir = Path(client_dir)
     folders = round_folders(client_dir) if client_dir.is_dir() else []
     if not folders:
+        inside = client_folders(client_dir)
+        if inside:
+            raise ConfigError(f"{client_dir} is the mod's output folder; point at one of its client folders: "
+                              + ", ".join(str(p) for p in inside))
         raise ConfigError(f"{client_dir} holds no round-<r> folder; point at a client's folder of the mod's output "
                           "(OUT/<client>), after an audited round")
     rule = None if thresholds is None else LeakRule.of(thresholds)
     with _locked(client_dir):
         parts = [_read_round(f, rule) for f in folders]
         defense = next((read_status(f).get("defense") for f in folders if read_status(f).get("defense")), "defense")
-        report = AuditReport(merge_rounds(parts, rule, defense), run_dir=client_dir, out=client_dir)
+        report = AuditReport(merge_rounds(parts, rule, defense, client_dir.name), run_dir=client_dir, out=client_dir)
         report.write(client_dir)
     return report
 

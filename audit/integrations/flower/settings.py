@@ -11,9 +11,11 @@ from audit.core.errors import ConfigError
 from audit.core.registry import import_attr
 from audit.engine.settings import AttackSettings, DataSettings, FLSettings, ModelSettings, OutputSettings
 from audit.integrations.flower.defenses import is_flower_mod
+from audit.integrations.flower.randomness import preserved_random_state
 
 #: unrelated images of the client kept as the null and the attacker's auxiliary data
 DEFAULT_REFERENCE = 512
+DEFAULT_LR = 0.1
 
 
 def _rounds(rounds: Union[str, int, Sequence[int]]) -> Tuple[int, ...]:
@@ -72,6 +74,13 @@ class ModSettings:
     threads: int
     arrays_key: Optional[str]
     round_key: str
+    data_arity: int = 1
+    input_shape: Optional[Tuple[int, int, int]] = None
+
+    @property
+    def lr(self) -> float:
+        """The client's local learning rate."""
+        return self.fl.lr
 
     @property
     def out(self) -> Path:
@@ -84,19 +93,61 @@ def _positive_int(name: str, value: Any) -> int:
     return value
 
 
-def mod_settings(*, rounds, model, data: Callable, defense: Any = "none", defense_args=None, lr: float = 0.1,
-                 images: int = 1, batch_size: int = 1, budget: int = 200, attacks: Any = "auto",
-                 attack_args=None, thresholds=None, device: str = "cpu", out="flower-audit", seed: int = 0,
-                 model_args=None, model_normalize: Any = "none", num_classes: Optional[int] = None,
-                 client_mode: str = "train", share_labels: bool = False, reference: int = DEFAULT_REFERENCE,
-                 blocking: bool = False, timeout: float = 3600.0, threads: int = 1, defense_timeout=None,
-                 arrays_key: Optional[str] = None, round_key: str = "server-round") -> ModSettings:
+#: the CLI's names in the engine's messages -> the mod's options
+MOD_TERMS = {"--model-arg": "model_args=", "--model ": "model= ", "--local-steps": "local_steps=",
+             "--local-epochs": "local_epochs=", "--local-batch-size": "local_batch_size=",
+             "--local-optimizer": "local_optimizer=", "--client-mode": "client_mode=", "--shares": "shares="}
+
+
+def in_mod_terms(err: BaseException) -> ConfigError:
+    """``err`` as a one-line ConfigError that names the mod's options instead of the CLI's."""
+    text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    for cli_name, option in MOD_TERMS.items():
+        text = text.replace(cli_name, option)
+    return ConfigError(text)
+
+
+def _data_arity(data: Any) -> int:
+    """How many arguments ``data`` takes: 1 (``data(context)``) or 2 (``data(context, round)``)."""
+    if not callable(data):
+        raise ConfigError("data must be a callable taking Flower's Context (and optionally the round) and returning "
+                          "(images, labels, trained): images (N, C, H, W) in [0, 1], labels (N,), trained the rows the "
+                          "round trained on")
+    try:
+        params = [p for p in inspect.signature(data).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty]
+    except (TypeError, ValueError):
+        return 1
+    if len(params) not in (1, 2):
+        raise ConfigError(f"data takes {len(params)} arguments; give data(context) or data(context, round)")
+    return len(params)
+
+
+def _learning_rate(lr: Optional[float], local_lr: Optional[float]) -> float:
+    if lr is not None and local_lr is not None and float(lr) != float(local_lr):
+        raise ConfigError(f"lr={lr} and local_lr={local_lr} name the same learning rate; give one")
+    chosen = local_lr if local_lr is not None else lr
+    return DEFAULT_LR if chosen is None else chosen
+
+
+def mod_settings(*, rounds, model, data: Callable, defense: Any = "none", defense_args=None, lr: Optional[float] = None,
+                 local_lr: Optional[float] = None, local_steps: int = 1, local_epochs: Optional[int] = None,
+                 local_batch_size: Optional[int] = None, local_optimizer: Any = "sgd", budget: int = 200,
+                 attacks: Any = "auto", attack_args=None, thresholds=None, device: str = "cpu", out="flower-audit",
+                 seed: int = 0, model_args=None, model_normalize: Any = "none", num_classes: Optional[int] = None,
+                 input_shape: Optional[Sequence[int]] = None, client_mode: str = "train", share_labels: bool = False,
+                 reference: int = DEFAULT_REFERENCE, blocking: bool = False, timeout: float = 3600.0,
+                 threads: int = 1, defense_timeout=None, arrays_key: Optional[str] = None,
+                 round_key: str = "server-round") -> ModSettings:
     """The mod's options as :class:`ModSettings`, each checked now."""
     from audit.engine.compose import resolve_defense, resolve_device
 
-    if not callable(data):
-        raise ConfigError("data must be a callable taking Flower's Context and returning the client's (images, "
-                          "labels): images (N, C, H, W) in [0, 1], labels (N,) class indices")
+    arity = _data_arity(data)
+    try:
+        fl = FLSettings(lr=_learning_rate(lr, local_lr), local_steps=local_steps, local_lr=None, client_mode=client_mode,
+                        local_optimizer=local_optimizer, local_batch_size=local_batch_size, local_epochs=local_epochs)
+    except ConfigError as err:
+        raise in_mod_terms(err) from None
     if not is_flower_mod(defense):  # a Flower mod is read per round; anything else must resolve now
         resolve_defense(defense, dict(defense_args or {}))
     elif defense_args:
@@ -108,16 +159,52 @@ def mod_settings(*, rounds, model, data: Callable, defense: Any = "none", defens
         raise ConfigError(f"seed must be an integer, got {seed!r}")
     attack_settings = AttackSettings(steps=(1,), names=attacks, args=attack_args or {}, budget=budget)
     _check_attack_names(attack_settings)
+    try:
+        model_settings = ModelSettings(_factory(model), model_args or {}, model_normalize)
+    except ConfigError as err:
+        raise in_mod_terms(err) from None
     return ModSettings(
-        rounds=_rounds(rounds), model=ModelSettings(_factory(model), model_args or {}, model_normalize),
-        defense=defense, defense_args=dict(defense_args or {}),
-        data=DataSettings(images=images, batch_size=batch_size, share_labels=share_labels),
-        fl=FLSettings(lr=lr, client_mode=client_mode), attacks=attack_settings,
+        rounds=_rounds(rounds), model=model_settings, defense=defense, defense_args=dict(defense_args or {}),
+        data=DataSettings(images=1, batch_size=1, share_labels=share_labels), fl=fl, attacks=attack_settings,
         output=OutputSettings(out=out, utility=False, thresholds=thresholds, progress=False,
                               defense_timeout=defense_timeout),
         num_classes=_check_classes(model, num_classes), reference=_positive_int("reference", reference),
         seed=seed, device=str(device), blocking=bool(blocking), timeout=float(timeout),
-        threads=_positive_int("threads", threads), arrays_key=arrays_key, round_key=str(round_key))
+        threads=_positive_int("threads", threads), arrays_key=arrays_key, round_key=str(round_key),
+        data_arity=arity, input_shape=_shape(input_shape))
+
+
+def _shape(shape: Optional[Sequence[int]]) -> Optional[Tuple[int, int, int]]:
+    if shape is None:
+        return None
+    try:
+        out = tuple(int(v) for v in shape)
+    except (TypeError, ValueError):
+        out = ()
+    if len(out) != 3 or min(out) < 1:
+        raise ConfigError(f"input_shape must be (channels, height, width), got {shape!r}")
+    return out
+
+
+def deployment_model(settings: "ModSettings"):
+    """The deployment's network as the factory builds it (``nn.Module``; its weights are the
+    round's), under preserved random states; a one-line error naming the mod's options."""
+    from audit.core.model_source import MODEL_SOURCES, model_label, source_kind
+
+    spec, args = settings.model.model, settings.model.args
+    factory = import_attr(spec, "model") if isinstance(spec, str) and ":" in spec else spec
+    try:
+        takes_shape = callable(factory) and "input_shape" in inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        takes_shape = False
+    if takes_shape and settings.input_shape is None:
+        raise ConfigError("the model takes input_shape; give the mod input_shape=(channels, height, width)")
+    with preserved_random_state():
+        try:
+            return MODEL_SOURCES.get(source_kind(spec))(spec, dict(args), settings.input_shape,
+                                                        settings.num_classes or 2, model_label(spec))
+        except ConfigError as err:
+            raise in_mod_terms(err) from None
 
 
 def _check_attack_names(settings: AttackSettings) -> None:

@@ -1,10 +1,12 @@
 """Run the audit of one round (:mod:`audit.integrations.flower.job`) under its timeout.
 
 ``python -m audit.integrations.flower ROUND_DIR`` is the background process the mod
-starts; :func:`run_round` is also what the blocking mode calls inline. Whatever happens, the
-round's status ends as ``finished``, ``failed`` (with the error) or ``timed out``, and the
-client's per-round report is rebuilt: a failed or timed-out round reads "incomplete", never
-private.
+starts; :func:`run_round` is also what the blocking mode calls inline. The fidelity check
+runs first: a reply the declared training does not reproduce is ``not judged`` and no attack
+runs. Whatever happens, the round's status ends as ``finished``, ``not judged``, ``failed``
+(with the error) or ``timed out``, and the client's per-round report is rebuilt: such a round
+never reads private. An inline audit past its timeout is cancelled (it stops at its next
+progress report) and whatever it writes after that is discarded.
 """
 from __future__ import annotations
 
@@ -12,16 +14,24 @@ import os
 import sys
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Dict
 
 import torch
 
 from audit.core.data import Dataset
-from audit.engine.settings import AttackSettings, DataSettings, ModelSettings, OutputSettings
-from audit.engine.state import audit_state
-from audit.integrations.flower.job import FINISHED, JOB, STATE, RoundJob, load_job, one_line, write_status
+from audit.engine.settings import ModelSettings
+from audit.integrations.flower.fidelity import (NOT_REPRODUCED, Fidelity, clip_whole, compare, replay,
+                                                tolerance_text, unverifiable)
+from audit.integrations.flower.job import (FINISHED, JOB, NOT_JUDGED, STATE, RoundJob, load_job, one_line,
+                                           read_status, write_status)
+from audit.integrations.flower.reply import NamedArrays, deployment_module, digest, named_arrays
+from audit.integrations.flower.round_audit import Cancelled, ReplyAudit, audit_settings_of
 from audit.integrations.flower.rounds import finish_round
+
+GRACE_S = 30.0  # how long a cancelled inline audit is given to stop before the round is finalised
+LATE = ("report.md", "report.html", "report.json", "psnr_vs_step.png")  # what a late audit may write
 
 
 def _classes(job: RoundJob, model: ModelSettings, shape) -> int:
@@ -37,35 +47,85 @@ def _classes(job: RoundJob, model: ModelSettings, shape) -> int:
 
 
 def client_dataset(job: RoundJob, model: ModelSettings) -> Dataset:
-    """The round's data set: the audited images as its test split, the reference images as its
-    train split (the null and the attacker's auxiliary data)."""
-    (xp, yp), (xr, yr) = job.private, job.reference
+    """The round's data set: the trained images as its test split (the audited batch), the
+    reference images as its train split (the null and the attacker's auxiliary data)."""
+    (xp, yp), (xr, yr) = job.trained, job.reference
     classes = _classes(job, model, tuple(xr.shape[1:]))
     mean, std = xr.mean((0, 2, 3)), xr.std((0, 2, 3)).clamp_min(1e-6)
     return Dataset(f"flower client {job.client}", xr, yr, xp, yp, [str(c) for c in range(classes)],
                    tuple(mean.tolist()), tuple(std.tolist()))
 
 
-def audit_job(job: RoundJob, folder: Path):
-    """The engine's audit of the round's state with the client's images; its report."""
+def round_audit(job: RoundJob, folder: Path, cancel: threading.Event) -> ReplyAudit:
+    """The engine's audit of the round's reply (built, not run)."""
     s = job.settings
     model = ModelSettings(s.model.model, s.model.args, s.model.normalize, checkpoint=folder / STATE)
-    data = DataSettings(client_dataset(job, model), images=s.data.images, batch_size=s.data.batch_size,
-                        share_labels=s.data.share_labels)
-    return audit_state(job.defense, model, job.round, origin=job.origin, defense_args=job.defense_args,
-                       data_settings=data, fl_settings=s.fl,
-                       attack_settings=AttackSettings((job.round,), s.attacks.names, s.attacks.args, s.attacks.budget),
-                       output_settings=OutputSettings(folder, False, thresholds=s.output.thresholds, progress=False,
-                                                      defense_timeout=s.output.defense_timeout),
-                       seed=s.seed, device=s.device)
+    job.dataset = client_dataset(job, model)
+    model, settings = audit_settings_of(job, folder, s.fl)
+    net = s.model.model
+    fl = replace(s.fl, shares="state" if _has_buffers(job, net) else None)
+    return ReplyAudit(job.defense, model, job.round, origin=job.origin, global_arrays=job.global_arrays,
+                      reply=job.reply, trained=job.trained, fl=fl, reply_key=digest(job.reply), cancel=cancel,
+                      **settings)
 
 
-def _attempt(job: RoundJob, folder: Path, outcome: Dict[str, Any]) -> None:
+def _has_buffers(job: RoundJob, spec) -> bool:
+    from audit.core.buffers import has_running_stats
+    from audit.core.model_source import build_audited_model
+
+    shape = tuple(job.trained[0].shape[1:])
+    net = build_audited_model(spec, job.settings.model.args, shape, job.dataset.num_classes, mean=(0.5,) * shape[0],
+                              std=(0.5,) * shape[0], normalize="none")
+    return has_running_stats(net) and bool(named_arrays(job.reply, net, "the reply").buffers)
+
+
+def fidelity(audit: ReplyAudit, job: RoundJob) -> Fidelity:
+    """The real reply against the declared training replayed from the global state
+    (:mod:`audit.integrations.flower.fidelity`)."""
+    defense, fl = audit.defense, audit.fl_settings
+    whole = getattr(defense, "whole_update", False)
+    if not whole and getattr(defense, "stochastic", True):
+        return unverifiable(f"the defense {defense.name!r} is stochastic and declares no noise model the reply can be "
+                            "checked against")
+    net = deployment_module(audit.model)
+    before = named_arrays(job.global_arrays, net, "the train message")
+    real = named_arrays(job.reply, net, "the reply")
+    x, y = job.trained
+    lr = fl.local_lr if fl.local_lr is not None else fl.lr
+    replayed = replay(audit.model, x.to(audit.device), y.to(audit.device), defense=None if whole else defense,
+                      steps=fl.client_steps(len(y)), lr=lr, local_batch_size=fl.local_batch_size,
+                      optimizer=fl.local_optimizer, client_mode=fl.client_mode, round=job.round,
+                      seed=audit.defense_seed(job.round, 0))
+    replayed = NamedArrays({n: v.cpu() for n, v in replayed.weights.items()},
+                           {n: v.cpu() for n, v in replayed.buffers.items() if n in real.buffers and n in before.buffers},
+                           {})
+    if whole:
+        replayed = clip_whole(before, replayed, defense.clipping_norm)
+    noise = float(getattr(defense, "noise_std", 0.0)) if whole else 0.0
+    return compare(before, real, replayed, noise)
+
+
+def _attempt(job: RoundJob, folder: Path, outcome: Dict[str, Any], cancel: threading.Event) -> None:
     try:
-        report = audit_job(job, folder)
-        outcome.update(verdict=report.verdict, report_status=report.data["status"])
+        audit = round_audit(job, folder, cancel)
+        check = fidelity(audit, job)
+        outcome["fidelity"] = {**check.as_dict(), "summary": check.summary()}
+        if not check.reproduces:
+            why = check.summary() if check.reproduces is False else check.reason
+            outcome["not_judged"] = f"{NOT_REPRODUCED} ({why})"
+            return
+        audit.extra_threat = {"fidelity": f"the declared training reproduces the reply: {check.summary()} "
+                                          f"(tolerance: {tolerance_text(check.noise is not None)})"}
+        report = audit.run()
+        outcome.update(verdict=report.data["verdict"], report_status=report.data["status"])
+    except Cancelled:
+        outcome["error"] = "cancelled"
     except Exception as err:  # any failure of the audit is the round's result, never the client's
         outcome["error"] = one_line(err)
+    finally:
+        if cancel.is_set():  # a late result of an abandoned audit: discarded
+            for name in LATE:
+                (folder / name).unlink(missing_ok=True)
 
 
 def run_round(folder: Path) -> str:
@@ -76,20 +136,34 @@ def run_round(folder: Path) -> str:
     try:
         job = load_job(folder)
     except Exception as err:
+        recorded = read_status(folder)
+        if recorded.get("state") == "failed":  # the mod recorded why before the job was written
+            finish_round(folder, state="failed", reason=recorded.get("reason", ""))
+            return "failed"
         finish_round(folder, state="failed", reason=f"the round's job could not be read ({one_line(err)})")
         return "failed"
     write_status(folder, state="running", pid=os.getpid(), started=time.strftime("%Y-%m-%dT%H:%M:%S"))
     outcome: Dict[str, Any] = {}
-    thread = threading.Thread(target=_attempt, args=(job, folder, outcome), daemon=True,
+    cancel = threading.Event()
+    thread = threading.Thread(target=_attempt, args=(job, folder, outcome, cancel), daemon=True,
                               name=f"gia-audit round {job.round}")
     thread.start()
     thread.join(job.settings.timeout)
     if thread.is_alive():
-        final = {"state": "timed out", "reason": f"the audit ran past its timeout of {job.settings.timeout:g} s"}
+        cancel.set()
+        thread.join(GRACE_S)
+        final = {"state": "timed out", "reason": f"the audit ran past its timeout of {job.settings.timeout:g} s"
+                                                 + ("" if not thread.is_alive() else "; it was cancelled")}
+        final.update({k: v for k, v in outcome.items() if k == "fidelity"})
     elif "error" in outcome:
-        final = {"state": "failed", "reason": outcome["error"]}
+        final = {"state": "failed", "reason": outcome["error"], **({"fidelity": outcome["fidelity"]}
+                                                                     if "fidelity" in outcome else {})}
+    elif "not_judged" in outcome:
+        final = {"state": NOT_JUDGED, "reason": outcome["not_judged"], "fidelity": outcome["fidelity"]}
     else:
-        final = {"state": FINISHED, "reason": "", **outcome}
+        verdict = outcome["verdict"]
+        final = {"state": FINISHED, "reason": "", "fidelity": outcome["fidelity"], "report_status":
+                 outcome["report_status"], "verdict": verdict.get("label"), "verdict_reason": verdict.get("reason", "")}
     (folder / JOB).unlink(missing_ok=True)
     finish_round(folder, seconds=round(time.time() - started, 1), **final)
     return final["state"]

@@ -1,0 +1,145 @@
+"""The engine's audit of one round with the client's real reply as the observation.
+
+:class:`ReplyAudit` is the engine's :class:`~audit.engine.state.StateAudit` of the global model
+the client received, whose observation is not simulated: it is the reply the server received
+(:mod:`audit.integrations.flower.reply`), the update in gradient units with the uploaded
+buffers when the reply holds them. The private batch is the images the round trained on, in
+the order it trained on them. A ``cancel`` event stops the audit at its next progress report
+(an abandoned inline audit stops using the client's CPU).
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import replace
+from typing import Any, Dict, Optional
+
+import torch
+
+from audit.core.buffers import has_running_stats
+from audit.core.types import Observation
+from audit.engine.settings import AttackSettings, DataSettings, FLSettings, ModelSettings, OutputSettings
+from audit.engine.state import StateAudit
+from audit.integrations.flower.reply import (NamedArrays, audited_prefix, deployment_module, named_arrays,
+                                             update_in_gradient_units)
+
+
+class Cancelled(BaseException):
+    """The audit was given up (its round timed out): raised through the attacks' error handling."""
+
+
+def _cancellable(progress, cancel: threading.Event):
+    def report(done, total, loss):
+        if cancel.is_set():
+            raise Cancelled()
+        if progress is not None:
+            progress(done, total, loss)
+    return report
+
+
+class ReplyAudit(StateAudit):
+    """A :class:`StateAudit` of ``round`` whose observation is the client's ``reply`` (arrays by
+    name) from the ``global_arrays`` it received; ``trained``: the round's images and labels in
+    training order; ``fl``: the client's declared training; ``extra_threat``: lines for the
+    threat model (the fidelity check)."""
+
+    def __init__(self, defense: Any, model: ModelSettings, round: int, *, origin: str, global_arrays, reply,
+                 trained, fl: FLSettings, reply_key: str, cancel: Optional[threading.Event] = None,
+                 extra_threat: Optional[Dict[str, Any]] = None, **settings: Any):
+        self.global_arrays, self.reply, self.reply_key = global_arrays, reply, reply_key
+        self.cancel = cancel or threading.Event()
+        self.extra_threat = dict(extra_threat or {})
+        # the engine refuses a whole-update defense for several simulated local steps; nothing is
+        # simulated here, the reply carries the defense as the client ran it
+        engine_fl = replace(fl, local_steps=1, local_epochs=None) if getattr(
+            _resolved(defense, settings.get("defense_args")), "whole_update", False) else fl
+        super().__init__(defense, model, round, origin=origin, fl_settings=engine_fl, **settings)
+        self.fl_settings = fl
+        self.private = [(trained[0].clone(), trained[1].clone())]
+        self._observation: Optional[Observation] = None
+
+    def key_settings(self) -> Dict[str, Any]:
+        return {**super().key_settings(), "reply": self.reply_key}
+
+    def observe(self, model, images, labels, step: int, image: int) -> Observation:
+        """The reply as an observation of the model holding the global state."""
+        if self._observation is None:
+            self._observation = reply_observation(self, model, images, labels)
+        return self._observation
+
+    def threat_model(self, specs) -> Dict[str, Any]:
+        out = super().threat_model(specs)
+        out.pop("training_step", None)
+        out["private_data"] = (f"the {len(self.private[0][1])} image(s) the client trained on in round {self.round}, "
+                               "never given to the attacker")
+        out["training_data"] = "the client's own data; the server's global model is the audited state"
+        out["shared"] = f"{out.get('shared', '')}: the reply the server received, as the client's mods left it"
+        return {**out, "round": self.round, **self.extra_threat}
+
+    def _prepare(self, store):
+        specs = super()._prepare(store)
+        data = dict(store.load_manifest().get("data", {}))
+        data.pop("splits", None)
+        data["trained"] = "the audited batch is the images the round trained on; the others are the reference"
+        store.update_manifest(data=data)
+        return specs
+
+    def _attack_all(self, store, specs) -> None:
+        if self.cancel.is_set():
+            raise Cancelled()
+        super()._attack_all(store, specs)
+        if self.cancel.is_set():
+            raise Cancelled()
+
+    def attack_group(self, spec, group, step, progress=None):
+        if self.cancel.is_set():
+            raise Cancelled()
+        return super().attack_group(spec, group, step, _cancellable(progress, self.cancel))
+
+
+def _resolved(defense, args):
+    from audit.engine.compose import resolve_defense
+
+    return resolve_defense(defense, dict(args or {}))
+
+
+def reply_observation(audit: ReplyAudit, model, images, labels) -> Observation:
+    """The observation of ``audit``'s reply on ``model`` (the audited model at the global state)."""
+    fl = audit.fl_settings
+    net = deployment_module(model)
+    before = named_arrays(audit.global_arrays, net, "the train message")
+    after = named_arrays(audit.reply, net, "the reply")
+    lr = fl.local_lr if fl.local_lr is not None else fl.lr
+    steps = fl.client_steps(len(labels))
+    prefix = audited_prefix(model)
+    buffers = ({prefix + n: v.to(audit.device) for n, v in after.buffers.items()}
+               if after.buffers and has_running_stats(model) else None)
+    defense = audit.defense
+    if getattr(defense, "whole_update", False) and not (steps == 1 and fl.local_optimizer.plain):
+        defense = None  # its transform acts on the whole update, which the attacks cannot replay per step
+    first = next(model.parameters())
+    shared = [g.to(first.device, first.dtype) for g in update_in_gradient_units(before, after, lr)]
+    from audit.client.observe import _normalisation
+
+    mean, std = _normalisation(model)
+    return Observation(
+        model=model, gradients=shared, input_shape=tuple(images.shape[1:]), num_classes=audit.dataset.num_classes,
+        batch_size=len(labels), labels=labels.clone().to(first.device) if audit.data_settings.share_labels else None,
+        local_steps=steps, local_lr=lr, local_batch_size=fl.local_batch_size, defense=defense, step=audit.round,
+        data_mean=mean, data_std=std, extra=audit.auxiliary_data(), client_mode=fl.client_mode,
+        optimizer=fl.local_optimizer, shares="state" if buffers is not None else None, buffers=buffers)
+
+
+def audit_settings_of(job, folder, fl: FLSettings):
+    """The engine settings of ``job``'s round audit, written to ``folder``."""
+    s = job.settings
+    model = ModelSettings(s.model.model, s.model.args, s.model.normalize, checkpoint=folder / "global_model.pt")
+    data = DataSettings(job.dataset, images=1, batch_size=len(job.trained[1]), share_labels=s.data.share_labels)
+    return model, dict(
+        data_settings=data, attack_settings=AttackSettings((job.round,), s.attacks.names, s.attacks.args,
+                                                           s.attacks.budget),
+        output_settings=OutputSettings(folder, False, thresholds=s.output.thresholds, progress=False,
+                                       defense_timeout=s.output.defense_timeout),
+        seed=s.seed, device=s.device, defense_args=job.defense_args)
+
+
+__all__ = ["Cancelled", "NamedArrays", "ReplyAudit", "audit_settings_of", "reply_observation", "torch"]
