@@ -3,23 +3,31 @@ adaptive attacker?
 
 ``python bench/bench_papers.py --docs papers`` runs every row of :data:`ROWS` (one headline
 figure of CENSOR, SVDefense, the Bayes framework or Refiner) through the audit engine and
-writes ``docs/papers.md``. Per row, side by side: the paper's number, our run of the paper's
-own attack at the paper's settings, the planner's attacks (``auto``) and the paper's named
-adaptive attack, each as mean PSNR / SSIM / LPIPS and identification among K candidates with
-its exact 95% interval, and a conclusion by the rule of :mod:`bench.papers_verdict`.
+writes ``docs/papers.md``. Per row: the paper's setting (with its table or section), the
+row's own, and one label, "at the paper's setting" (everything but the data set equal) or
+"scaled: <what differs>"; then the paper's number, our run of the paper's own attack at the
+paper's settings, the planner's attacks (``auto``, each at its own preset, in an audit of
+its own) and the paper's named adaptive attack, each as mean PSNR / SSIM / LPIPS and
+identification among K candidates with its exact 95% interval and the cell's chance; and a
+conclusion by the rule of :mod:`bench.papers_verdict`.
 
-Profiles: the default fits 2 CPU cores (budgets, and for ResNet-18 the width, below the
-paper's; every row states its deviation); ``--full`` runs the paper's budgets and models
-(``--device cuda`` for a GPU); ``--quick`` (2 images, tiny budgets, never writes docs) checks
-the plumbing. Results live under ``--out`` (default ``bench-out/papers``) in the engine's
-result stores, keyed by every setting that changes a number, so a rerun resumes and changed
-inputs never reuse stale results; the page is rewritten after every row, with the cells not
-run yet marked so. ``--rows`` / ``--paper`` filter; ``--render`` writes the page from what
-is stored, running nothing.
+Profiles (``--profile``): ``cpu`` (default) runs every row a CPU reaches at the paper's
+setting and the ResNet-18 rows scaled (width 8, small budgets); ``gpu`` runs the ResNet-18
+rows at width 64 and the papers' budgets, as many rows per invocation as the planning
+estimate (:func:`gpu_minutes`, from ``docs/performance.md``) fits in ``--minutes``;
+``quick`` (2 images, tiny budgets, never writes docs) checks the plumbing.
+
+Results persist in the repository: every finished cell is written to
+``bench/papers_results/<profile>-<data>/<row>.json`` with the key of the audit call that
+made it (every setting that changes a number); the page renders from these files, a rerun
+skips the cells whose key is stored, and a changed row setting reruns only that row's cells.
+The engine's own result stores (``--out``, default ``bench-out/papers``) resume a cell
+interrupted on the same machine. ``--render`` writes the page from the stored cells.
 """
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import os
@@ -32,29 +40,81 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.docs_table import ROOT, add_docs_option, command_line, without_options, write_table  # noqa: E402
-from bench.papers_verdict import (NOT_RUN, CellEvidence, Conclusion,  # noqa: E402
+from bench.papers_verdict import (INCONCLUSIVE, NOT_RUN, CellEvidence, Conclusion,  # noqa: E402
                                   cell_evidence, conclude_leaks, conclude_order, conclude_protects,
                                   conclude_utility, identification_text)
 
 PAPERS = ("CENSOR", "SVDefense", "Bayes framework", "Refiner")
-USER = "requested by the user"
+PROFILES = ("cpu", "gpu", "quick")
+RESULTS = ROOT / "bench" / "papers_results"
+AT_PAPER = "at the paper's setting"
+#: what a profile runs when it scales a row down; 'quick' shrinks every row to this
+QUICK = {"images": 2, "budget": 4, "held_out": 2}
+#: private images a cell by default (a paper with fewer evaluation images still gets these)
+IMAGES = 16
 
 
 # --------------------------------------------------------------------------- the rows
 @dataclass(frozen=True)
 class AttackRef:
-    """One named attack of a row: registry name, its settings, how the page names it, and
-    the paper's iteration count and restarts (the budget unit counts each restart)."""
+    """One named attack of a row: registry name, its settings and how the page names it."""
 
     name: str
     args: Dict[str, Any] = field(default_factory=dict)
     label: str = ""
-    iterations: int = 0
+
+
+@dataclass(frozen=True)
+class PaperSetting:
+    """What the paper ran for the row's figure, as its text (or ``../shared/notes/``) gives it.
+    ``None`` where the paper does not say; ``anchor``: verbatim text of the paper or notes
+    holding the figure's numbers (a test finds it there)."""
+
+    source: str
+    model: str
+    model_args: Dict[str, Any]
+    data: str
+    iterations: Optional[int]
     restarts: int = 1
+    images: Optional[int] = None
+    steps: Tuple[int, ...] = (0,)
+    batch: int = 1
+    train_batch: Optional[int] = None
+    hparams: str = ""
+    anchor: str = ""
 
     @property
-    def paper_budget(self) -> int:
-        return self.iterations * self.restarts
+    def budget(self) -> Optional[int]:
+        return None if self.iterations is None else self.iterations * self.restarts
+
+    def text(self) -> str:
+        its = ("iterations not stated" if self.iterations is None else f"{self.iterations:,} iterations"
+               + (f" x {self.restarts} restarts" if self.restarts > 1 else ""))
+        steps = ", ".join(map(str, self.steps))
+        parts = [f"{self.source}: {self.model}", self.data, f"batch {self.batch}", its,
+                 f"{self.images} images" if self.images else "images not stated",
+                 f"step{'s' if len(self.steps) > 1 else ''} {steps}"]
+        if self.train_batch:
+            parts.append(f"training batch {self.train_batch}")
+        if self.hparams:
+            parts.append(self.hparams)
+        return "; ".join(parts)
+
+
+@dataclass(frozen=True)
+class Scale:
+    """How one profile runs a row below the paper's setting (``None``: as the paper), and
+    what its planner cell runs (``planner``: a subset of ``auto``, ``why`` says why)."""
+
+    model_args: Optional[Dict[str, Any]] = None
+    budget: Optional[int] = None
+    steps: Optional[Tuple[int, ...]] = None
+    images: Optional[int] = None
+    planner: Optional[Tuple[str, ...]] = None
+    planner_args: Dict[str, Dict[str, Any]] = field(default_factory=dict)
+    planner_budget: Optional[int] = None
+    adaptive_budget: Optional[int] = None
+    why: str = ""
 
 
 @dataclass(frozen=True)
@@ -70,401 +130,632 @@ class Row:
     defense: str
     defense_args: Dict[str, Any]
     attacks: Tuple[AttackRef, ...]  # the paper's own attack(s)
+    setting: PaperSetting
     adaptive: Optional[AttackRef] = None  # the paper's named adaptive attack
-    steps: Tuple[int, ...] = (0,)
-    default_steps: Optional[Tuple[int, ...]] = None  # fewer steps in the default profile
     adaptive_steps: Optional[Tuple[int, ...]] = None  # steps of the adaptive cell (default: all)
     paper_steps: Optional[Tuple[int, ...]] = None  # steps of the paper's attack cells (default: all)
-    model_args: Dict[str, Any] = field(default_factory=dict)
-    default_model_args: Optional[Dict[str, Any]] = None  # a smaller model in the default profile
-    default_budget: int = 200
-    paper_data: str = "CIFAR-10"
-    notes: Tuple[str, ...] = ()  # known differences from the paper's code (../shared/notes)
-    deviation: str = ""  # other settings that differ from the paper
+    scales: Dict[str, Scale] = field(default_factory=dict)  # profile -> how it is scaled
+    profiles: Tuple[str, ...] = ("cpu", "quick")  # the profiles that run the row
+    budget_if_unstated: int = 200  # the budget where the paper states no iteration count
     paper_psnr: Optional[float] = None  # the paper's number for its own attack, for the 3 dB check
     leak_cell: str = "paper"  # for claim "leaks": which cell must leak
     order_psnr: Dict[str, float] = field(default_factory=dict)  # claim "order": paper dB per attack
     utility: Optional[Tuple[str, float]] = None  # (claim, ratio) for claim "utility"
-    utility_steps: int = 100
-    default_utility_steps: int = 50
-    attack_args: Dict[str, Dict[str, Any]] = field(default_factory=dict)  # settings of the planner's attacks
-    #: the default profile runs only these of the planner's attacks (``--full``: all of ``auto``),
-    #: for the reason given
-    default_planner: Optional[Tuple[Tuple[str, ...], str]] = None
+    utility_steps: int = 50
+    differences: Tuple[str, ...] = ()  # what else differs from the paper (counted in the label)
+    notes: Tuple[str, ...] = ()  # what the paper leaves open, and our code's known departures
+    search: bool = False  # the paper's attacks' weights chosen by a grid search on held-out images
     lr: float = 0.1
-    #: the result store's folder (default ``<defense>-<model>``): rows that share an audit must
-    #: run the same attack with the same settings, since a stored result is reused only then
-    store: Optional[str] = None
+    planner_budget: Optional[int] = None  # the planner cell's budget (default: the paper cell's)
+    store: Optional[str] = None  # the engine store's folder (default ``<defense>-<model>``)
 
-    def budget(self, profile: str) -> int:
-        if profile == "full":
-            return max([a.paper_budget for a in self.attacks] + [self.default_budget])
-        if profile == "quick":
-            return 4
-        return self.default_budget
-
-    def run_steps(self, profile: str) -> Tuple[int, ...]:
-        if profile == "full" or self.default_steps is None:
-            return self.steps
-        return self.default_steps if profile == "default" else self.default_steps[:2]
-
-    def planner_names(self, profile: str) -> List[str]:
-        """What stands for the planner in the row's audit: ``auto``, or the default profile's subset."""
-        if self.claim == "utility":
-            return []
-        if profile != "full" and self.default_planner is not None:
-            return list(self.default_planner[0])
-        return ["auto"]
-
-    def run_model_args(self, profile: str) -> Dict[str, Any]:
-        if profile != "full" and self.default_model_args is not None:
-            return dict(self.default_model_args)
-        return dict(self.model_args)
+    def scale(self, profile: str) -> Scale:
+        """The profile's scaling (the quick check shrinks the cpu profile's row)."""
+        return self.scales.get("cpu" if profile == "quick" else profile) or Scale()
 
 
 # the paper's attacks, with their settings (../shared/notes)
-CENSOR_IG = AttackRef("ig", {"objective": "cosine", "tv": 1e-4, "restarts": 4, "signed": False, "lr": 0.1,
-                             "schedule": "step"},
-                      "IG (cosine, TV 1e-4, Adam 0.1, 4 restarts)", 15000, 4)
-SVD_IG = AttackRef("ig", {"objective": "cosine", "tv": 1e-4, "signed": False, "lr": 0.1, "schedule": "step"},
-                   "IG (cosine, TV 1e-4, Adam 0.1)", 4000, 1)
+IG_CENSOR = {"objective": "cosine", "tv": 1e-4, "restarts": 4, "signed": False, "lr": 0.1, "schedule": "step"}
+CENSOR_IG = AttackRef("ig", IG_CENSOR, "IG (cosine, TV 1e-4, Adam 0.1, 4 restarts)")
+#: SVDefense names IG (cosine, Adam) and gives neither TV weight, learning rate nor iterations:
+#: Inverting Gradients' own settings (cosine, TV 1e-4, Adam 0.1, step decay) stand in for them
+IG_SVD = {"objective": "cosine", "tv": 1e-4, "signed": False, "lr": 0.1, "schedule": "step"}
+SVD_IG = AttackRef("ig", IG_SVD, "IG (cosine, TV 1e-4, Adam 0.1)")
 BAYES_ATTACKS = (
-    AttackRef("bayes-optimal", {}, "Bayes (the defense's likelihood + TV)", 200),
-    AttackRef("bayes-l2", {}, "L2 + TV", 200),
-    AttackRef("bayes-l1", {}, "L1 + TV", 200),
-    AttackRef("bayes-cos", {}, "cosine + TV", 200),
+    AttackRef("bayes-optimal", {}, "Bayes (the defense's likelihood + TV)"),
+    AttackRef("bayes-l2", {}, "L2 + TV"),
+    AttackRef("bayes-l1", {}, "L1 + TV"),
+    AttackRef("bayes-cos", {}, "cosine + TV"),
 )
-BAYES_IG = {"objective": "cosine", "tv": 4e-4, "signed": False, "lr": 0.1, "schedule": "step"}
 REFINER_IG = AttackRef("ig", {"objective": "cosine", "tv": 1e-4, "signed": False, "lr": 0.01, "schedule": "step"},
-                       "IG (cosine, TV, Adam 0.01)", 4000, 1)
+                       "IG (cosine, TV 1e-4, Adam 0.01)")
 EOT = {"samples": 4}
-# the learned inverter's training pairs on ResNet-18 (its set-up cost is not part of the budget)
-INVERTER = {"learned-inverter": {"pairs": 256}}
-
-#: ResNet-18 in the default profile: width 8 (8-16-32-64 channels) and 100 gradient evaluations
-#: per attack where CENSOR or SVDefense runs inside the attacks, 2-4x that where the defense is
-#: cheap, so that every row fits 2 CPU cores in 2 hours; ``--full`` runs width 64 at the paper's
-#: budget
-R18 = {"model": "resnet18", "default_model_args": {"width": 8}}
-R18_BUDGET = 100
-
-
-#: why the Soteria rows' default profile runs the planner's attacks but ``through-defense``:
-#: it runs Soteria on every dummy (with BatchNorm in train mode one backward per defended
-#: feature, image and iteration) and ``mask-replay`` reads that mask from the observation
-SOTERIA_REPLAY_LEFT_OUT = ("not through-defense: it runs Soteria's per-feature pullbacks on every dummy, the row's "
-                           "slowest attack, and mask-replay reads the mask it would replay from the observation; "
-                           "`--full` runs it")
-#: Soteria on ConvBig's largest layer (5,184 input features) costs 5,184 feature pullbacks a
-#: call, so the planner's attacks that call the defense itself are left to ``--full``
-SOTERIA_CONVBIG_PLANNER = (("ig", "portfolio", "mask-replay", "layer-drop"),
-                           "not through-defense nor the learned inverter: they call Soteria itself, 5,184 feature "
-                           "pullbacks on ConvBig each, once an image-iteration and for 1,024 training pairs; "
-                           "`--full` runs them")
-BAYES_SOTERIA_BUDGET = 100
 #: the Bayes paper's networks as its JAX code initialises them (flax's defaults)
 FLAX = {"init": "lecun"}
+
+#: ResNet-18 on 2 CPU cores: width 8 (8-16-32-64 channels), 100 gradient evaluations per attack
+#: where CENSOR or SVDefense runs inside the attacks, 2-4x that where the defense is cheap; the
+#: learned inverter trains on 256 pairs
+R18_CPU = {"width": 8}
+R18_BUDGET = 100
+INVERTER_CPU = {"learned-inverter": {"pairs": 256}}
+R18_WHY = "ResNet-18 at width 64 and thousands of iterations is beyond 2 CPU cores; `--profile gpu` runs it"
+#: what the gpu profile runs where SVDefense states no iteration count (its IG's is not given)
+SVD_GPU_BUDGET = 4000
+SOTERIA_REPLAY_LEFT_OUT = ("not through-defense: it runs Soteria's per-feature pullbacks on every dummy, and "
+                           "mask-replay reads the mask it would replay from the observation")
+SOTERIA_CONVBIG_PLANNER = ("ig", "portfolio", "mask-replay", "layer-drop")
+SOTERIA_CONVBIG_WHY = ("not through-defense nor the learned inverter: they call Soteria itself, 5,184 feature "
+                       "pullbacks on ConvBig each, once an image-iteration and for 1,024 training pairs")
 CENSOR_NOTES = ("CENSOR here never shares the clean gradient; the authors' code falls back to it when no "
                 "candidate lowers the loss",)
 SVD_NOTES = ("SVDefense's channel weight matrix is read as diag(sqrt(w)) and its threshold as E = 1 - exp(-eta H): "
              "the paper's equations are lost from its text",)
+SVD_IG_NOTE = ("SVDefense gives IG's objective and optimiser (cosine, Adam) but no TV weight, learning rate or "
+               "iteration count; Inverting Gradients' own (TV 1e-4, Adam 0.1, step decay) stand in",)
+R18 = "CIFAR ResNet-18 (3x3 stem), width 64"
+
+
+def r18_scales(cpu_budget: int, *, planner: Optional[Tuple[str, ...]] = None, why: str = "",
+               gpu_budget: Optional[int] = None, cpu_steps=None, gpu_steps=None, images: Optional[int] = None,
+               gpu_adaptive_budget: Optional[int] = None) -> Dict[str, Scale]:
+    """The cpu profile's width-8 ResNet-18 and the gpu profile's width 64 at the paper's budget
+    (or ``gpu_budget`` where the paper states none); ``images`` where the paper's count does
+    not fit."""
+    return {"cpu": Scale(model_args=R18_CPU, budget=cpu_budget, steps=cpu_steps, images=images, planner=planner,
+                         planner_args=INVERTER_CPU, why=why or R18_WHY),
+            "gpu": Scale(budget=gpu_budget, steps=gpu_steps, images=images, planner=planner, why=why,
+                         adaptive_budget=gpu_adaptive_budget)}
+
+
+def censor_setting(source: str, **kw) -> PaperSetting:
+    base = dict(model=R18, model_args={}, data="CIFAR-10 32x32", iterations=15000, restarts=4, images=10,
+                hparams="IG: cosine, TV 1e-4, Adam 0.1, lr x0.1 at 3/8, 5/8, 7/8, best of 4 restarts")
+    return PaperSetting(source, **{**base, **kw})
+
+
+def svd_setting(source: str, **kw) -> PaperSetting:
+    base = dict(model="ResNet-18", model_args={}, data="MNIST", iterations=None, images=128,
+                hparams="IG (cosine, Adam); batch, local epochs and steps 1, first round")
+    return PaperSetting(source, **{**base, **kw})
+
+
+BOTH = ("cpu", "gpu", "quick")
 
 ROWS: List[Row] = [
     # ---------------------------------------------------------------- CENSOR (paper 001)
-    Row("censor-none", "CENSOR", "Table II, CIFAR-10, IG, no defense", "26.32 dB (SSIM 0.814, LPIPS 0.091)",
-        "leaks", defense="none", defense_args={}, attacks=(CENSOR_IG,), paper_psnr=26.32,
-        default_budget=4 * R18_BUDGET,
-        attack_args=INVERTER, **R18),
-    Row("censor-soteria", "CENSOR", "Table II, CIFAR-10, IG, Soteria (10% of fc-input features)",
-        "12.54 dB (SSIM 0.122, LPIPS 0.585)", "protects", defense="soteria",
-        defense_args={"ratio": 0.1, "layer": "last"},
-        attacks=(AttackRef("mask-replay", CENSOR_IG.args, "IG with Soteria's mask on the dummy (the paper's code)",
-                           15000, 4),), paper_psnr=12.54, default_budget=R18_BUDGET, attack_args=INVERTER,
-        default_planner=(("mask-replay", "ig", "portfolio", "layer-drop", "analytic", "learned-inverter"),
-                         SOTERIA_REPLAY_LEFT_OUT), **R18),
-    Row("censor-censor", "CENSOR", "Table II, CIFAR-10, IG, CENSOR (T=20)", "10.27 dB (SSIM 0.011, LPIPS 0.688)",
-        "protects", defense="censor", defense_args={"trials": 20}, attacks=(CENSOR_IG,),
-        adaptive=AttackRef("through-defense", {**CENSOR_IG.args, **EOT}, "EOT over CENSOR's draws (Table III, "
-                           "with GIFD: 13.32 -> 13.39 dB on ImageNet)"),
-        paper_psnr=10.27, default_budget=R18_BUDGET, notes=CENSOR_NOTES, attack_args=INVERTER, **R18),
-    Row("censor-rounds", "CENSOR", "Fig. 9, CENSOR across rounds 0-9 (ImageNet, GIFD)",
-        "13.32, 10.50, 9.94, 10.37, 9.07, 10.16, 10.28, 9.95, 10.69, 10.65 dB", "protects", defense="censor",
-        defense_args={"trials": 20}, attacks=(CENSOR_IG,), steps=tuple(range(10)), default_steps=(0, 9),
-        paper_data="ImageNet 64x64", default_budget=R18_BUDGET, notes=CENSOR_NOTES,
-        deviation="IG instead of GIFD (no pretrained generator here)", attack_args=INVERTER, **R18),
+    Row("censor-none", "CENSOR", "Table I, CIFAR-10, IG, no defense", "26.32 dB (SSIM 0.814, LPIPS 0.091)",
+        "leaks", "resnet18", "none", {}, (CENSOR_IG,),
+        censor_setting("Table I", anchor="CIFAR-10, IG: none .0023/.0905/26.324/.8139"),
+        scales=r18_scales(4 * R18_BUDGET), profiles=BOTH, paper_psnr=26.32),
+    Row("censor-soteria", "CENSOR", "Table I, CIFAR-10, IG, Soteria (10% of fc-input features)",
+        "12.54 dB (SSIM 0.122, LPIPS 0.585)", "protects", "resnet18", "soteria", {"ratio": 0.1, "layer": "last"},
+        (AttackRef("mask-replay", IG_CENSOR, "IG with Soteria's mask on the dummy (the paper's code)"),),
+        censor_setting("Table I", hparams="Soteria prunes 10% of fc-input features; IG as the authors' code runs "
+                                          "it, with Soteria's mask on the dummy gradient",
+                       anchor="Soteria .0558/.5846/12.537/.1222"),
+        scales=r18_scales(R18_BUDGET, planner=("mask-replay", "ig", "portfolio", "layer-drop", "analytic",
+                                               "learned-inverter"), why=SOTERIA_REPLAY_LEFT_OUT),
+        profiles=BOTH, paper_psnr=12.54),
+    Row("censor-censor", "CENSOR", "Table I, CIFAR-10, IG, CENSOR (T=20)", "10.27 dB (SSIM 0.011, LPIPS 0.688)",
+        "protects", "resnet18", "censor", {"trials": 20}, (CENSOR_IG,),
+        censor_setting("Table I", hparams="CENSOR T=20; IG as above", anchor="CENSOR .0939/.6884/10.272/.0112"),
+        adaptive=AttackRef("through-defense", {**IG_CENSOR, **EOT}, "EOT over CENSOR's draws (Table III, with GIFD: "
+                                                                   "13.32 -> 13.39 dB on ImageNet)"),
+        scales=r18_scales(R18_BUDGET, gpu_adaptive_budget=4000), profiles=BOTH, paper_psnr=10.27,
+        notes=CENSOR_NOTES + ("the paper gives no budget for its EOT attack; the gpu profile runs it 4,000 "
+                              "gradient evaluations (4 draws each)",)),
+    Row("censor-rounds", "CENSOR", "Table V, CENSOR across rounds 0-9 (ImageNet, GIFD)",
+        "13.32, 10.50, 9.94, 10.37, 9.07, 10.16, 10.28, 9.95, 10.69, 10.65 dB", "protects", "resnet18", "censor",
+        {"trials": 20}, (CENSOR_IG,),
+        censor_setting("Table V", data="ImageNet 64x64", iterations=None, restarts=1, steps=tuple(range(10)),
+                       hparams="GIFD (1,000 steps per generator layer, lr 0.1, cosine + TV 1e-4)",
+                       anchor="4 | 0.1717 | 0.7528 | 9.07 | 0.041"),
+        scales=r18_scales(R18_BUDGET, cpu_steps=(0, 9), gpu_steps=(0, 9), gpu_budget=15000),
+        profiles=BOTH, differences=("IG instead of GIFD (no pretrained generator here)",), notes=CENSOR_NOTES),
     Row("censor-later", "CENSOR", "rounds 5-9 with CENSOR off after round 4 (SVDefense's adaptive attack)",
-        "16.41 dB (SVDefense Table I, MNIST)", "leaks", defense="censor",
-        defense_args={"trials": 20, "active_rounds": 5}, attacks=(CENSOR_IG,), steps=(5, 6, 7, 8, 9),
-        default_steps=(5, 9), paper_data="MNIST", default_budget=4 * R18_BUDGET, attack_args=INVERTER, **R18),
+        "16.41 dB (SVDefense Table I, MNIST)", "leaks", "resnet18", "censor", {"trials": 20, "active_rounds": 5},
+        (CENSOR_IG,),
+        censor_setting("SVDefense Table I", data="MNIST", images=128, steps=(5, 6, 7, 8, 9), iterations=None,
+                       restarts=1,
+                       hparams="CENSOR in the first 5 epochs; IG in the later, undefended ones",
+                       anchor="| CENSOR [21] | 8.1940 | 0.6958 | 16.4071 | 0.2881 |"),
+        scales=r18_scales(4 * R18_BUDGET, cpu_steps=(5, 9), gpu_steps=(5, 9), images=IMAGES, gpu_budget=15000),
+        profiles=BOTH,
+        differences=("rounds of FedSGD instead of epochs",), store="censor-resnet18-later"),
     # ---------------------------------------------------------------- SVDefense (paper 002)
     Row("svd-prune", "SVDefense", "Table I, prune 90%: IG -> mask replay", "12.93 -> 36.13 dB", "leaks",
-        defense="prune", defense_args={"ratio": 0.9}, attacks=(SVD_IG,),
-        adaptive=AttackRef("mask-replay", SVD_IG.args, "mask replay (IG)", 4000), leak_cell="adaptive",
-        paper_psnr=12.93, paper_data="MNIST", default_budget=2 * R18_BUDGET, attack_args=INVERTER, **R18),
+        "resnet18", "prune", {"ratio": 0.9}, (SVD_IG,),
+        svd_setting("Table I", hparams="prune 90% by magnitude; IG (cosine, Adam), then mask replay",
+                    anchor="| Prune [5] | 12.9257 | 0.4993 | 36.1273 | 0.0221 |"),
+        adaptive=AttackRef("mask-replay", IG_SVD, "mask replay (IG)"), leak_cell="adaptive", paper_psnr=12.93,
+        scales=r18_scales(2 * R18_BUDGET, gpu_budget=SVD_GPU_BUDGET, images=IMAGES), profiles=BOTH, notes=SVD_IG_NOTE),
     Row("svd-soteria", "SVDefense", "Table I, Soteria 80%: IG -> mask replay", "10.81 -> 38.74 dB", "leaks",
-        defense="soteria", defense_args={"ratio": 0.8, "layer": "last"}, attacks=(SVD_IG,),
-        adaptive=AttackRef("mask-replay", SVD_IG.args, "mask replay (IG)", 4000), leak_cell="adaptive",
-        paper_psnr=10.81, paper_data="MNIST", default_budget=2 * R18_BUDGET, attack_args=INVERTER,
-        default_planner=(("ig", "portfolio", "mask-replay", "layer-drop", "learned-inverter"),
-                         SOTERIA_REPLAY_LEFT_OUT), **R18),
+        "resnet18", "soteria", {"ratio": 0.8, "layer": "last"}, (SVD_IG,),
+        svd_setting("Table I", hparams="Soteria prunes 80% of fc gradients; IG (cosine, Adam), then mask replay",
+                    anchor="| Soteria [26] | 10.8145 | 0.6481 | 38.7447 | 0.0161 |"),
+        adaptive=AttackRef("mask-replay", IG_SVD, "mask replay (IG)"), leak_cell="adaptive", paper_psnr=10.81,
+        scales=r18_scales(2 * R18_BUDGET, gpu_budget=SVD_GPU_BUDGET, images=IMAGES,
+                          planner=("ig", "portfolio", "mask-replay", "layer-drop", "learned-inverter"),
+                          why=SOTERIA_REPLAY_LEFT_OUT), profiles=BOTH, notes=SVD_IG_NOTE),
     Row("svd-precode", "SVDefense", "Table I, PRECODE: IG -> latent recovery", "3.57 -> 57.42 dB", "leaks",
-        defense="precode", defense_args={"latent": 256, "beta": 1e-3}, attacks=(SVD_IG,),
-        adaptive=AttackRef("precode-latent", {}, "dummy latent optimised with the input", 4000),
-        leak_cell="adaptive", paper_psnr=3.57, paper_data="MNIST", default_budget=2 * R18_BUDGET,
-        attack_args=INVERTER, **R18),
+        "resnet18", "precode", {"latent": 256, "beta": 1e-3}, (SVD_IG,),
+        svd_setting("Table I", hparams="PRECODE K=256, beta 1e-3; IG, then the dummy latent optimised too",
+                    anchor="| PRECODE [23] | 3.5659 | 0.7668 | 57.4165 | 0.0001 |"),
+        adaptive=AttackRef("precode-latent", {}, "dummy latent optimised with the input"), leak_cell="adaptive",
+        paper_psnr=3.57, scales=r18_scales(2 * R18_BUDGET, gpu_budget=SVD_GPU_BUDGET, images=IMAGES), profiles=BOTH,
+        notes=SVD_IG_NOTE),
     Row("svd-censor", "SVDefense", "Table I, CENSOR (first 5 rounds): IG at round 0 -> IG at rounds 5+",
-        "8.19 -> 16.41 dB", "leaks", defense="censor", defense_args={"trials": 20, "active_rounds": 5},
-        attacks=(SVD_IG,), steps=(0, 5), adaptive_steps=(5,), paper_steps=(0,),
-        adaptive=AttackRef("ig", SVD_IG.args, "IG at round 5, CENSOR off", 4000), leak_cell="adaptive",
-        paper_psnr=8.19, paper_data="MNIST", default_budget=2 * R18_BUDGET, notes=CENSOR_NOTES,
-        deviation="rounds of FedSGD instead of epochs", attack_args=INVERTER, store="censor-resnet18-svdefense", **R18),
+        "8.19 -> 16.41 dB", "leaks", "resnet18", "censor", {"trials": 20, "active_rounds": 5}, (SVD_IG,),
+        svd_setting("Table I", steps=(0, 5), hparams="CENSOR in the first 5 epochs; IG in round 0, then after",
+                    anchor="| CENSOR [21] | 8.1940 | 0.6958 | 16.4071 | 0.2881 |"),
+        adaptive=AttackRef("ig", IG_SVD, "IG at round 5, CENSOR off"), adaptive_steps=(5,), paper_steps=(0,),
+        leak_cell="adaptive", paper_psnr=8.19, scales=r18_scales(2 * R18_BUDGET, gpu_budget=SVD_GPU_BUDGET, images=IMAGES),
+        profiles=BOTH, differences=("rounds of FedSGD instead of epochs",), notes=CENSOR_NOTES + SVD_IG_NOTE,
+        store="censor-resnet18-svdefense"),
     Row("svd-svdefense", "SVDefense", "Table III, CIFAR-10, IG vs SVDefense (eta 0.3); Table IV, LTI",
-        "12.53 dB (LTI: 14.34 dB)", "protects", defense="svdefense", defense_args={"eta": 0.3},
-        attacks=(SVD_IG,), adaptive=AttackRef("learned-inverter", {"pairs": 256}, "learning to invert (Table IV)"),
-        paper_psnr=12.53, default_budget=R18_BUDGET, notes=SVD_NOTES, attack_args=INVERTER, **R18),
+        "12.53 dB (LTI: 14.34 dB)", "protects", "resnet18", "svdefense", {"eta": 0.3}, (SVD_IG,),
+        svd_setting("Table III / Table IV", data="CIFAR-10 32x32", hparams="SVDefense eta 0.3; IG (cosine, Adam); "
+                    "LTI trained on a surrogate data set", anchor="| PSNR | 15.8955 | 15.5623 | 17.1465 | 17.6388 | "
+                                                                   "14.3392 |"),
+        adaptive=AttackRef("learned-inverter", {"pairs": 256}, "learning to invert (Table IV)"),
+        paper_psnr=12.53, scales=r18_scales(R18_BUDGET, gpu_budget=SVD_GPU_BUDGET, images=IMAGES), profiles=BOTH,
+        notes=SVD_NOTES + SVD_IG_NOTE),
     Row("svd-utility", "SVDefense", "Fig. 7, utility: SVDefense not below no defense (KWS 79.9% vs 78.0%)",
-        "79.9% vs 78.0%", "utility", defense="svdefense", defense_args={"eta": 0.3}, attacks=(),
-        utility=("not-worse", 1.0), paper_data="Google Speech Commands", default_budget=4,
-        deviation="FedSGD on one client; the paper trains FedAvg over class-imbalanced clients", **R18),
+        "79.9% vs 78.0%", "utility", "resnet18", "svdefense", {"eta": 0.3}, (),
+        svd_setting("Fig. 7", data="Google Speech Commands", images=None, hparams="FedAvg over class-imbalanced "
+                    "clients", anchor="achieves a final accuracy of 78.0% and SVDefense achieves 79.9%"),
+        utility=("not-worse", 1.0), scales={"cpu": Scale(model_args=R18_CPU, why=R18_WHY)}, budget_if_unstated=4,
+        differences=("FedSGD on one client; the paper trains FedAvg over class-imbalanced clients",)),
     # ---------------------------------------------------------------- Bayes framework (paper 003)
     *[Row(f"bayes-{key}-{step}", "Bayes framework", f"Table 2, CIFAR-10, {label}, step {step}",
-          " / ".join(f"{v:.2f}" for v in numbers) + " dB (Bayes / L2 / L1 / cos)", "order", model="cnn",
-          defense=defense, defense_args=args, attacks=BAYES_ATTACKS, steps=(step,),
+          " / ".join(f"{v:.2f}" for v in numbers) + " dB (Bayes / L2 / L1 / cos)", "order", "cnn", defense, args,
+          BAYES_ATTACKS,
+          PaperSetting("Table 2 (Sec. 4, App. A.3)", "the paper's small CNN (conv32-pool-conv64-pool-dense100), "
+                       "flax initialisation", dict(FLAX), "CIFAR-10 32x32", 200, images=100, steps=(step,),
+                       hparams=f"{label}; Adam with exponential decay, one restart, prior weight and learning rate "
+                               "grid-searched per attack",
+                       anchor=f"| CIFAR-10 | {table_label} | " + " | ".join(f"{v:.2f}" for v in table[0])),
           order_psnr=dict(zip(("bayes-optimal", "bayes-l2", "bayes-l1", "bayes-cos"), numbers)),
-          default_budget=200, paper_psnr=numbers[0], model_args=dict(FLAX), lr=0.01,
-          deviation="the attacks' prior weights are the presets' (the paper grid-searched them); training "
-                    "through the defense at lr 0.01 (not given by the paper; at 0.1 the noise makes the model "
-                    "diverge before step 500)")
-      for key, label, defense, args, table in (
-          ("gauss", "Gaussian 0.1", "gaussian", {"sigma": 0.1},
+          paper_psnr=numbers[0], lr=0.01, search=True, planner_budget=200,
+          notes=("training through the defense at lr 0.01 (the paper gives none; at 0.1 the noise makes the model "
+                 "diverge before step 500)", "the attacks start from U(0, 1) (the authors' code: N(0, 1))"))
+      for key, label, table_label, defense, args, table in (
+          ("gauss", "Gaussian 0.1", "Gaussian", "gaussian", {"sigma": 0.1},
            {0: (21.86, 21.81, 21.49, 21.53), 500: (17.94, 18.64, 18.00, 18.34)}),
-          ("lap", "Laplacian 0.1", "laplacian", {"sigma": 0.1},
+          ("lap", "Laplacian 0.1", "Laplacian", "laplacian", {"sigma": 0.1},
            {0: (21.87, 21.02, 21.89, 20.87), 500: (18.41, 18.37, 19.11, 18.02)}),
-          ("prune-gauss", "prune 50% + Gaussian 0.1", "soft-prune", {"prune_prob": 0.5, "sigma": 0.1},
+          ("prune-gauss", "prune 50% + Gaussian 0.1", "Prune+Gauss", "soft-prune", {"prune_prob": 0.5, "sigma": 0.1},
            {0: (20.73, 16.60, 16.20, 18.73), 500: (18.67, 15.61, 15.27, 16.74)}),
-          ("prune-lap", "prune 50% + Laplacian 0.1", "soft-prune",
+          ("prune-lap", "prune 50% + Laplacian 0.1", "Prune+Lap", "soft-prune",
            {"prune_prob": 0.5, "sigma": 0.1, "noise": "laplacian"},
            {0: (20.54, 16.25, 16.13, 17.40), 500: (18.51, 15.32, 15.24, 15.51)}))
       for step, numbers in table.items()],
-    Row("bayes-soteria", "Bayes framework", "Sec. 5, Soteria 80% on ConvBig's largest layer, layer dropped",
-        "broken (Fig. 2)", "leaks", model="convbig", model_args=dict(FLAX), defense="soteria",
-        defense_args={"ratio": 0.8, "layer": "largest"},
-        attacks=(AttackRef("layer-drop", BAYES_IG, "IG without the defended layer (cosine, TV 4e-4)", 4000),),
-        default_budget=BAYES_SOTERIA_BUDGET, default_planner=SOTERIA_CONVBIG_PLANNER),
-    Row("bayes-precode", "Bayes framework", "Sec. 5, PRECODE on an MLP, analytic first-layer inversion",
-        "> 150 dB", "leaks", model="mlp", defense="precode", defense_args={"latent": 256, "beta": 1e-3},
-        attacks=(AttackRef("analytic", {}, "analytic inversion of the first layer", 1),), paper_psnr=150.0,
-        default_budget=200),
-    Row("bayes-ats", "Bayes framework", "Fig. 2, ATS (policy 7-4-15) across training steps",
-        "near-perfect at early steps, fails by step 50", "leaks", model="cnn", model_args=dict(FLAX),
-        defense="ats",
-        defense_args={"policy": "7-4-15"}, attacks=(AttackRef("ig", BAYES_IG, "IG (cosine, TV 4e-4)", 4000),),
-        steps=(1, 2, 5, 10, 20, 50), default_steps=(1, 50), default_budget=200,
-        deviation="the claim checked: IG recovers the (augmented) image at the earliest step"),
+    Row("bayes-soteria", "Bayes framework", "Fig. 2b at epoch 0: Soteria 80% on ConvBig's largest layer, layer dropped",
+        "broken (Fig. 2)", "leaks", "convbig", "soteria", {"ratio": 0.8, "layer": "largest"},
+        (AttackRef("layer-drop", {"objective": "cosine", "tv": 4e-4, "signed": False, "lr": 0.1, "schedule": "step"},
+                   "IG without the defended layer (cosine, TV 4e-4, Adam 0.1)"),),
+        PaperSetting("Sec. 6, App. A.1", "ConvBig (Table 3)", dict(FLAX), "CIFAR-10 32x32", 4000,
+                     hparams="Soteria prunes 80% on the largest linear layer; cosine, Adam 0.1 with decay, TV 4e-4, "
+                             "one random start",
+                     anchor="a total variation regularization of 10-5 for ATS and 4 × 10-4 for Soteria"),
+        scales={"cpu": Scale(planner=SOTERIA_CONVBIG_PLANNER, planner_budget=200, why=SOTERIA_CONVBIG_WHY)},
+        notes=("the paper's figure plots Soteria over epochs 0-10; the row checks its first point",)),
+    Row("bayes-precode", "Bayes framework", "Sec. 6, PRECODE on an MLP, analytic first-layer inversion",
+        "> 150 dB", "leaks", "mlp", "precode", {"latent": 256, "beta": 1e-3},
+        (AttackRef("analytic", {}, "analytic inversion of the first layer"),),
+        PaperSetting("Sec. 5 and 6", "MLP, 5 layers of 500 and ReLU, the bottleneck before the last layer", {},
+                     "CIFAR-10 32x32", 1, hparams="analytic: x = dl/dA0[i,:] / dl/db0[i]",
+                     anchor="we obtain perfect reconstruction with PSNR values > 150"),
+        paper_psnr=150.0, planner_budget=200),
+    Row("bayes-ats", "Bayes framework", "Fig. 2a, ATS (policy 7-4-15) across training steps",
+        "near-perfect at early steps, fails by step 50", "leaks", "convnet9", "ats", {"policy": "7-4-15"},
+        (AttackRef("ig", {"objective": "cosine", "tv": 1e-5, "signed": False, "lr": 0.1, "schedule": "step"},
+                   "IG (cosine, TV 1e-5, Adam 0.1)"),),
+        PaperSetting("Sec. 6, App. A.2 (Fig. 2a, Fig. 6)", "ConvNet of Table 4 with BatchNorm, width 64", {},
+                     "CIFAR-10 32x32", 2000, steps=(1, 2, 5, 10, 20, 50), train_batch=32,
+                     hparams="ATS policy 7-4-15; cosine, Adam 0.1 with decay, TV 1e-5, one random start",
+                     anchor="The total variation regularization constant is 1 × 10-5"),
+        scales={"cpu": Scale(steps=(1, 50), why="a 2,000-iteration IG on the width-64 ConvNet costs about 1 s per "
+                                               "image-iteration on 2 CPU cores; two of the paper's steps")},
+        planner_budget=200, notes=("the claim checked: IG recovers the (augmented) image at the earliest step",)),
     # ---------------------------------------------------------------- Refiner (paper 004)
     *[Row(f"refiner-alpha-{alpha}", "Refiner", f"Table 7, LeNet, eps 0.1, alpha {alpha}",
           f"{psnr:.2f} dB" + (" (Table 15 adaptive: iDLG 10.67, IG 10.44)" if alpha == 0.5 else ""), "protects",
-          model="lenet", defense="refiner", defense_args={"eps": 0.1, "alpha": alpha}, attacks=(REFINER_IG,),
+          "lenet", "refiner", {"eps": 0.1, "alpha": alpha, "d_width": 128}, (REFINER_IG,),
+          PaperSetting("Table 7 (Sec. 6)", "DLG's LeNet", {}, "CIFAR-10 32x32", 4000, images=1000,
+                       hparams=f"Refiner eps 0.1, alpha {alpha}, beta 1, iota 10, tau 0.95, evaluation network "
+                               "128/256/512 filters; IG: cosine + TV, Adam 0.01",
+                       anchor="PSNR 21.24 16.52 14.99 13.20 12.53 10.52"),
           adaptive=AttackRef("through-defense", {"tv": 1e-4, **EOT}, "EOT through Refiner (ours)"),
-          paper_psnr=psnr, default_budget=200,
-          deviation="Refiner's evaluation network at width 32 of 128 (the defense's default)")
-      for alpha, psnr in ((0.0, 21.24), (0.1, 16.52), (0.3, 14.99), (0.5, 13.20), (0.7, 12.53), (0.9, 10.52))],
+          paper_psnr=psnr, planner_budget=200,
+          scales={"cpu": Scale(images=IMAGES, adaptive_budget=200, why="16 images: 4,000 IG iterations on each of "
+                               "1,000 images is days on 2 CPU cores")},
+          notes=("Refiner's TV weight is not given; IG's 1e-4 stands in",))
+      for alpha, psnr in ((0.0, 21.24), (0.5, 13.20), (0.9, 10.52))],
     Row("refiner-utility", "Refiner", "Table 7, utility: PMM (defended / undefended accuracy), alpha 0.5",
-        "PMM 90.69%", "utility", model="lenet", defense="refiner", defense_args={"eps": 0.1, "alpha": 0.5},
-        attacks=(), utility=("ratio", 0.9069), default_budget=4,
-        deviation="FedSGD on one client; the paper trains a global model over clients"),
+        "PMM 90.69%", "utility", "lenet", "refiner", {"eps": 0.1, "alpha": 0.5}, (),
+        PaperSetting("Table 7", "DLG's LeNet", {}, "CIFAR-10 32x32", None, images=None,
+                     hparams="10 clients, batch 128, 8,000 rounds, server lr 0.01", anchor="PMM 98.52 95.45 92.61 90.69"),
+        utility=("ratio", 0.9069), budget_if_unstated=4,
+        differences=("FedSGD on one client; the paper trains a global model over 10 clients",)),
 ]
-#: the order rows run in (the page keeps the papers' order): the two claims the small runs contradicted first
-RUN_FIRST = ("svd-svdefense", "bayes-prune-gauss-0", "bayes-prune-lap-0", "bayes-prune-gauss-500",
-             "bayes-prune-lap-500", "refiner-alpha-0.5", "censor-none", "censor-censor")
-DEFAULT_SKIP = {"refiner-alpha-0.1", "refiner-alpha-0.3", "refiner-alpha-0.7"}  # --full runs them
 BY_ID = {r.id: r for r in ROWS}
 
 
-# --------------------------------------------------------------------------- running a row
+# --------------------------------------------------------------------------- a row's run
 @dataclass
 class Profile:
     name: str
-    images: int
+    images: Optional[int] = None  # overrides every row's image count (the quick check's 2)
     device: str = "cpu"
 
 
-def audit_call(row: Row, profile: Profile, data: str, data_args: Dict[str, Any], out: Path) -> Dict[str, Any]:
-    """The keyword settings of ``audit.run`` for ``row`` under ``profile``."""
-    names = [a.name for a in row.attacks] + row.planner_names(profile.name) + (
-        [row.adaptive.name] if row.adaptive else [])
-    args: Dict[str, Dict[str, Any]] = {k: dict(v) for k, v in row.attack_args.items()}
-    for a in (*row.attacks, *([row.adaptive] if row.adaptive else [])):
-        args.setdefault(a.name, {}).update(a.args)
-    if profile.name == "quick" and "learned-inverter" in names + ["auto"]:
-        args.setdefault("learned-inverter", {}).update({"pairs": 16, "train_steps": 5})
-    utility = row.claim == "utility"
-    return dict(defense=row.defense, defense_args=dict(row.defense_args), model=row.model,
-                model_args=row.run_model_args(profile.name), data=data, data_args=data_args or None,
-                steps=list(row.run_steps(profile.name)) if not utility else [0], attacks=names or ["ig"],
-                attack_args=args or None, images=profile.images if not utility else 1, budget=row.budget(profile.name),
-                batch_size=1, lr=row.lr, utility=utility,
-                utility_steps=(row.utility_steps if profile.name == "full" else
-                               row.default_utility_steps if profile.name == "default" else 4),
-                utility_seeds=3 if profile.name != "quick" else 2, device=profile.device,
-                out=str(out / (row.store or f"{row.defense}-{row.model}")), progress=profile.name != "quick")
+def run_setting(row: Row, profile: Profile) -> Dict[str, Any]:
+    """What ``profile`` runs for ``row``: model arguments, budget (gradient evaluations per
+    attack and image), steps, images, and the planner cell's attacks and budget."""
+    s, paper = row.scale(profile.name), row.setting
+    quick = profile.name == "quick"
+    budget = QUICK["budget"] if quick else s.budget or paper.budget or row.budget_if_unstated
+    steps = tuple(s.steps or paper.steps)
+    images = profile.images or s.images or paper.images or IMAGES
+    planner_budget = QUICK["budget"] if quick else s.planner_budget or row.planner_budget or min(budget, 1000)
+    return {"model_args": dict(paper.model_args if s.model_args is None else s.model_args), "budget": budget,
+            "steps": list(steps[:2] if quick else steps), "images": images,
+            "planner": list(s.planner or ("auto",)), "planner_args": {k: dict(v) for k, v in s.planner_args.items()},
+            "planner_budget": planner_budget,
+            "adaptive_budget": QUICK["budget"] if quick else s.adaptive_budget or budget,
+            "train_batch": paper.train_batch or 8}
 
 
-def planner_attacks(manifest: Dict[str, Any]) -> List[str]:
-    """The attacks ``auto`` ran: the base attacks and the planner's picks (a name the row also
-    asks for runs once, with the row's settings)."""
-    from audit.engine.audit import BASE_ATTACKS
-
-    return [a["id"] for a in manifest["attacks"] if a.get("reason") != USER or a["id"] in BASE_ATTACKS]
+def _args_text(args: Dict[str, Any]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in args.items()) or "defaults"
 
 
-def row_cells(row: Row, call: Dict[str, Any], manifest: Dict[str, Any],
-              records: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
-    """Each cell's evidence, from the row's stored audit."""
-    steps = list(call["steps"])
-    cells: Dict[str, Any] = {}
-    for a in row.attacks:
-        paper_steps = [s for s in (row.paper_steps or steps) if s in steps]
-        cells[f"paper:{a.name}"] = cell_evidence(manifest, records, [a.name], paper_steps).to_dict()
-    cells["planner"] = cell_evidence(manifest, records, planner_attacks(manifest), steps).to_dict()
-    if row.adaptive:
-        adaptive_steps = [s for s in (row.adaptive_steps or steps) if s in steps]
-        cells["adaptive"] = cell_evidence(manifest, records, [row.adaptive.name], adaptive_steps).to_dict()
-    return cells
-
-
-def refresh(row: Row, summary: Dict[str, Any]) -> Dict[str, Any]:
-    """``summary`` with its cells, planned attacks and utility read again from the row's result
-    store (as stored when the store is gone)."""
-    from audit.report.store import ResultStore
-
-    call = summary["call"]
-    store = ResultStore(call["out"], summary.get("run_key", ""))
-    if not summary.get("run_key") or not store.manifest_path.is_file():
-        return summary
-    manifest = store.load_manifest()
-    out = {**summary, "utility": manifest.get("utility"), "planned": planner_attacks(manifest)}
+def differences(row: Row, run: Dict[str, Any]) -> List[str]:
+    """How the run differs from the paper's setting, the data set aside (empty: at the paper's)."""
+    paper, out = row.setting, []
+    if run["model_args"] != paper.model_args:
+        out.append(f"{row.model} with {_args_text(run['model_args'])} (the paper's: {_args_text(paper.model_args)})")
     if row.claim != "utility":
-        out["cells"] = row_cells(row, call, manifest, [r.to_dict() for r in store.records()])
+        if paper.budget is None:
+            out.append(f"the paper states no iteration count; {run['budget']:,} gradient evaluations here")
+        elif run["budget"] < paper.budget:
+            its = max(1, run["budget"] // paper.restarts)
+            out.append(f"{its:,} of {paper.iterations:,} iterations"
+                       + (f" x {paper.restarts} restarts" if paper.restarts > 1 else ""))
+        if list(run["steps"]) != list(paper.steps):
+            out.append(f"steps {', '.join(map(str, run['steps']))} of {', '.join(map(str, paper.steps))}")
+        if paper.images and run["images"] < paper.images:
+            out.append(f"{run['images']} of {paper.images:,} images")
+    out.extend(row.differences)
     return out
 
 
-def run_row(row: Row, profile: Profile, data: str, data_args: Dict[str, Any], out: Path) -> Dict[str, Any]:
-    """Run (or resume) the row's audit and return its summary: each cell's evidence."""
-    import audit
-
-    call = audit_call(row, profile, data, data_args, out)
-    started = time.perf_counter()
-    report = audit.run(**call)
-    summary = {"row": row.id, "profile": profile.name, "call": _jsonable(call),
-               "seconds": round(time.perf_counter() - started, 1), "run_key": report.data["run_key"],
-               "status": report.data["status"]}
-    return refresh(row, summary)
+def label(row: Row, run: Dict[str, Any]) -> str:
+    diff = differences(row, run)
+    return AT_PAPER if not diff else "scaled: " + "; ".join(diff)
 
 
-def earlier_seconds(path: Path, run_key: str) -> float:
-    """Seconds the finished invocations of the same run (``run_key``) took before, from the
-    row's stored summary: a resumed row reports its whole time (an interrupted invocation's
-    time is not known)."""
+def own_text(row: Row, run: Dict[str, Any], data: str) -> str:
+    used = "CIFAR-10 32x32" if data == "cifar10" else "the embedded 32x32 photos"
+    parts = [f"{row.model} ({_args_text(run['model_args'])})", used, "batch 1"]
+    if row.claim != "utility":
+        parts += [f"{run['budget']:,} gradient evaluations", f"{run['images']} images",
+                  f"step{'s' if len(run['steps']) > 1 else ''} {', '.join(map(str, run['steps']))}"]
+    if row.setting.train_batch:
+        parts.append(f"training batch {run['train_batch']}")
+    return "; ".join(parts)
+
+
+def store_dir(row: Row, out: Path) -> Path:
+    return out / (row.store or f"{row.defense}-{row.model}")
+
+
+def base_call(row: Row, profile: Profile, data: str, data_args: Dict[str, Any], out: Path,
+              run: Dict[str, Any]) -> Dict[str, Any]:
+    """The keyword settings of ``audit.run`` shared by the row's paper cells."""
+    utility = row.claim == "utility"
+    return dict(defense=row.defense, defense_args=dict(row.defense_args), model=row.model,
+                model_args=dict(run["model_args"]), data=data, data_args=data_args or None,
+                steps=list(run["steps"]) if not utility else [0], images=run["images"] if not utility else 1,
+                budget=run["budget"], batch_size=1, lr=row.lr, train_batch_size=run["train_batch"], utility=utility,
+                utility_steps=4 if profile.name == "quick" else row.utility_steps,
+                utility_seeds=2 if profile.name == "quick" else 3, device=profile.device,
+                out=str(store_dir(row, out) / "paper"), progress=profile.name != "quick")
+
+
+@dataclass
+class CellPlan:
+    """One cell: its name (``paper:<attack>``, ``adaptive``, ``planner``, ``utility``), the
+    ``audit.run`` call that makes it and the steps it is judged at."""
+
+    name: str
+    call: Dict[str, Any]
+    steps: List[int]
+
+    @property
+    def key(self) -> str:
+        from audit.report.store import settings_key
+
+        return settings_key({k: v for k, v in self.call.items() if k not in ("out", "progress")}, 16)
+
+
+def plan_cells(row: Row, profile: Profile, data: str, data_args: Dict[str, Any], out: Path,
+               searched: Optional[Dict[str, Dict[str, Any]]] = None) -> List[CellPlan]:
+    """The row's cells: the paper's attacks one by one (with the weights ``searched`` on
+    held-out images where the row searches them) and its adaptive attack, in one engine store;
+    the planner's attacks at their presets in another (``auto``, never the paper's settings)."""
+    run = run_setting(row, profile)
+    base = base_call(row, profile, data, data_args, out, run)
+    if row.claim == "utility":
+        return [CellPlan("utility", {**base, "attacks": ["ig"], "budget": QUICK["budget"]}, [0])]
+    steps = list(run["steps"])
+    cells = []
+    for a in row.attacks:
+        args = {**a.args, **((searched or {}).get(a.name) or {})}
+        paper_steps = [s for s in (row.paper_steps or steps) if s in steps]
+        cells.append(CellPlan(f"paper:{a.name}", {**base, "steps": paper_steps, "attacks": [a.name],
+                                                  "attack_args": {a.name: args} if args else None}, paper_steps))
+    if row.adaptive:
+        adaptive_steps = [s for s in (row.adaptive_steps or steps) if s in steps]
+        args = dict(row.adaptive.args)
+        if profile.name == "quick" and row.adaptive.name == "learned-inverter":
+            args.update(pairs=16, train_steps=5)
+        cells.append(CellPlan("adaptive", {**base, "steps": adaptive_steps, "attacks": [row.adaptive.name],
+                                           "attack_args": {row.adaptive.name: args} if args else None,
+                                           "budget": run["adaptive_budget"]}, adaptive_steps))
+    planner_args = dict(run["planner_args"])
+    if profile.name == "quick":
+        planner_args["learned-inverter"] = {"pairs": 16, "train_steps": 5}
+    cells.append(CellPlan("planner", {**base, "attacks": list(run["planner"]), "attack_args": planner_args or None,
+                                      "budget": run["planner_budget"],
+                                      "out": str(store_dir(row, out) / "planner")}, steps))
+    return cells
+
+
+# --------------------------------------------------------------------------- persisted results
+def results_path(root: Path, profile: str, data: str, row: Row) -> Path:
+    return root / f"{profile}-{data}" / f"{row.id}.json"
+
+
+def load_results(path: Path) -> Dict[str, Any]:
     try:
-        stored = json.loads(path.read_text())
+        return json.loads(path.read_text())
     except (OSError, ValueError):
-        return 0.0
-    return float(stored.get("seconds") or 0.0) if stored.get("run_key") == run_key else 0.0
+        return {}
+
+
+def save_results(path: Path, stored: Dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(stored, indent=1, sort_keys=True) + "\n")
+    tmp.replace(path)
 
 
 def _jsonable(obj: Any) -> Any:
     return json.loads(json.dumps(obj, default=str))
 
 
-def summary_path(out: Path, row: Row, profile: str, data: str) -> Path:
-    return out / "summaries" / f"{profile}-{data}" / f"{row.id}.json"
+def stored_cells(row: Row, profile: Profile, data: str, data_args: Dict[str, Any], root: Path,
+                 out: Path) -> Tuple[Dict[str, Any], Dict[str, Optional[CellEvidence]]]:
+    """The row's stored results and, per planned cell, its evidence when stored under the
+    cell's current key (None: not run yet, or run with other settings)."""
+    stored = load_results(results_path(root, profile.name, data, row))
+    plans = plan_cells(row, profile, data, data_args, out, (stored.get("search") or {}).get("chosen"))
+    cells: Dict[str, Optional[CellEvidence]] = {}
+    for plan in plans:
+        cell = (stored.get("cells") or {}).get(plan.name)
+        ok = cell is not None and cell.get("key") == plan.key
+        cells[plan.name] = CellEvidence.from_dict(cell["evidence"]) if ok and cell.get("evidence") else None
+    return stored, cells
 
 
-def _matches(settings: Dict[str, Any], call: Dict[str, Any]) -> bool:
-    """Whether a stored run's settings are the ``call``'s (an unfinished row has no summary yet)."""
-    params = (settings.get("defense") or {}).get("params") or {}
-    return (all(params.get(k) == v for k, v in call["defense_args"].items())
-            and (settings.get("model") or {}).get("args") == call["model_args"]
-            and (settings.get("budget") or {}).get("value") == call["budget"]
-            and (settings.get("data") or {}).get("name") == call["data"]
-            and (settings.get("fl") or {}).get("lr") == call["lr"] and settings.get("utility") == call["utility"])
+def planner_attacks(manifest: Dict[str, Any]) -> List[str]:
+    """Every attack the planner's audit ran (its base attacks and the planner's picks)."""
+    return [a["id"] for a in manifest.get("attacks") or []]
 
 
-def stored_summary(row: Row, profile: Profile, data: str, data_args: Dict[str, Any],
-                   out: Path) -> Optional[Dict[str, Any]]:
-    """The row's summary as last written, or for a row still running, its partial run found by
-    its settings (``partial``: the cells show what has finished), or None."""
-    path = summary_path(out, row, profile.name, data)
-    if path.is_file():
-        return refresh(row, json.loads(path.read_text()))
-    call = _jsonable(audit_call(row, profile, data, data_args, out))
-    runs = sorted(Path(call["out"]).glob("runs/*/manifest.json"), key=lambda p: p.stat().st_mtime, reverse=True)
-    for manifest in runs:
-        try:
-            settings = json.loads(manifest.read_text()).get("settings") or {}
-        except (OSError, ValueError):
+def run_cell(row: Row, plan: CellPlan) -> Dict[str, Any]:
+    """Run (or resume) the cell's audit; its evidence from the engine's store."""
+    import audit
+    from audit.report.store import ResultStore
+
+    started = time.perf_counter()
+    report = audit.run(**plan.call)
+    store = ResultStore(plan.call["out"], report.data["run_key"])
+    manifest = store.load_manifest()
+    records = [r.to_dict() for r in store.records()]
+    attacks = planner_attacks(manifest) if plan.name == "planner" else list(plan.call["attacks"])
+    out = {"key": plan.key, "call": _jsonable(plan.call), "seconds": round(time.perf_counter() - started, 1),
+           "status": report.data["status"], "attacks": attacks}
+    if plan.name == "utility":
+        out["utility"] = manifest.get("utility")
+    else:
+        out["evidence"] = cell_evidence(manifest, records, attacks, plan.steps).to_dict()
+    return out
+
+
+#: the held-out grid search of the Bayes rows' attacks (the paper's App. A.3 searches the prior
+#: weight on a log scale, then learning rate and decay around the best): per attack its prior
+#: weight's name and values, crossed with :data:`SEARCH_LR`; the best mean PSNR on held-out images wins
+SEARCH = {"bayes-optimal": ("prior_weight", (0.1, 1.0, 10.0)), "bayes-l2": ("tv", (1e-3, 1e-2, 1e-1)),
+          "bayes-l1": ("tv", (1e-3, 1e-2, 1e-1)), "bayes-cos": ("tv", (1e-3, 1e-2, 1e-1))}
+SEARCH_LR = (0.1, 0.5)
+HELD_OUT = 8
+
+
+def search_key(row: Row, plan: CellPlan, held_out: int) -> str:
+    from audit.report.store import settings_key
+
+    base = {k: v for k, v in plan.call.items() if k not in ("out", "progress", "attacks", "attack_args")}
+    return settings_key({"call": base, "grid": SEARCH, "lr": SEARCH_LR, "held_out": held_out}, 16)
+
+
+def search_weights(row: Row, plan: CellPlan, held_out: int) -> Dict[str, Any]:
+    """The grid search on ``held_out`` test images that the row's evaluation images do not
+    include (the private draw's next ones), at the row's step and budget: per attack, mean PSNR
+    of every grid point and the chosen one."""
+    import torch
+
+    import adaptive  # noqa: F401  (registers the adaptive attacks)
+    from attacks import ATTACKS
+    from audit.core.metrics import psnr
+    from audit.engine.audit import Audit, _private_batches, audit_settings
+    from audit.engine.compose import reconstruct
+    from audit.report.store import ResultStore
+
+    call = dict(plan.call)
+    flat = {k: v for k, v in call.items() if k not in ("defense", "defense_args")}
+    auditor = Audit(call["defense"], defense_args=call["defense_args"], **audit_settings(**flat))
+    store = ResultStore.create(call["out"], auditor.key_settings())
+    step = plan.steps[0]
+    states, failure = auditor.checkpoints(store, [step])
+    if step not in states:
+        raise RuntimeError(f"no model at step {step}: {failure}")
+    model = copy.deepcopy(auditor.model)
+    model.load_state_dict(states[step])
+    held = _private_batches(auditor.dataset, call["images"] + held_out, 1, auditor.seed)[call["images"]:]
+    observations = [auditor.observe(model, x, y, step, 100_000 + i) for i, (x, y) in enumerate(held)]
+    table: Dict[str, List[List[float]]] = {}
+    chosen: Dict[str, Dict[str, Any]] = {}
+    for name, (knob, values) in SEARCH.items():
+        rows = []
+        for value in values:
+            for lr in SEARCH_LR:
+                attack = ATTACKS.build(name, **{knob: value, "lr": lr})
+                scores = []
+                for i, (obs, (x, _)) in enumerate(zip(observations, held)):
+                    rec = reconstruct(attack, obs, call["budget"], 1000 + i, None)
+                    scores.append(float(psnr(rec.inputs.clamp(0, 1), x).mean()) if rec.inputs is not None else 0.0)
+                rows.append([value, lr, sum(scores) / len(scores)])
+        best = max(rows, key=lambda r: r[2])
+        table[name] = rows
+        chosen[name] = {knob: best[0], "lr": best[1]}
+    del torch
+    return {"chosen": chosen, "table": table, "held_out": held_out}
+
+
+def refiner_projection(row: Row, profile: Profile, run: Dict[str, Any], images: int = 8) -> Dict[str, Any]:
+    """How far Refiner's robust gradient lies from the clean one on the row's model, against
+    the projection radius: per alpha, the mean ``||g* - g||`` and ``||g||``, how many uploads
+    the eps-ball projection cut back, and the upload's cosine to the clean gradient."""
+    import torch
+
+    from audit.core.data import load_dataset
+    from audit.core.models import build_model
+    from audit.core.types import clean_gradients, default_loss_fn
+    from defenses import build_defense
+
+    data = load_dataset("embedded")
+    model = build_model(row.model, data.input_shape, data.num_classes, mean=data.mean, std=data.std,
+                        **run["model_args"])
+    out: Dict[str, Any] = {"images": images, "eps": row.defense_args["eps"], "alphas": {}}
+    for alpha in (0.0, 0.5, 0.9):
+        defense = build_defense(row.defense, **{**row.defense_args, "alpha": alpha})
+        dist, norms, cut, cos = [], [], 0, []
+        for i in range(images):
+            x, y = data.test_images[i:i + 1], data.test_labels[i:i + 1]
+            g = clean_gradients(model, x, y, default_loss_fn)
+            robust_x = defense.robust_data(model, x, y, generator=torch.Generator().manual_seed(i), grads=g)
+            robust = clean_gradients(model, robust_x, y, default_loss_fn)
+            d = float(torch.sqrt(sum(((r - c) ** 2).sum() for r, c in zip(robust, g))))
+            up = defense(model, x, y, generator=torch.Generator().manual_seed(i))
+            n = float(torch.sqrt(sum((c * c).sum() for c in g)))
+            dot = float(sum((u * c).sum() for u, c in zip(up, g)))
+            cos.append(dot / (float(torch.sqrt(sum((u * u).sum() for u in up))) * n))
+            dist.append(d)
+            norms.append(n)
+            cut += d > out["eps"]
+        out["alphas"][str(alpha)] = {"robust_distance": sum(dist) / images, "clean_norm": sum(norms) / images,
+                                     "projected": cut, "upload_cosine_min": min(cos)}
+    return out
+
+
+def projection_text(m: Dict[str, Any]) -> str:
+    parts = [f"alpha {a}: ||g* - g|| {v['robust_distance']:.1f}, cut back {v['projected']} of {m['images']}, "
+             f"cosine to the clean gradient >= {v['upload_cosine_min']:.5f}" for a, v in m["alphas"].items()]
+    norm = next(iter(m["alphas"].values()))["clean_norm"]
+    return (f"measured on {m['images']} images of the row's model: ||g|| {norm:.1f} against eps {m['eps']:g}; "
+            + "; ".join(parts) + ". The projection returns g + eps (g* - g) / ||g* - g|| whenever ||g* - g|| > "
+            "eps (the paper's App. J), so every alpha uploads the clean gradient moved by eps: alpha cannot change "
+            "what leaks here")
+
+
+def run_row(row: Row, profile: Profile, data: str, data_args: Dict[str, Any], out: Path, root: Path,
+            retry: bool = False) -> Dict[str, Any]:
+    """Run the row's cells not stored under their current key, writing each to the row's
+    results file as it finishes; returns the stored results."""
+    path = results_path(root, profile.name, data, row)
+    stored = load_results(path)
+    stored.update(row=row.id, profile=profile.name, data=data)
+    run = run_setting(row, profile)
+    stored["setting"] = {"run": run, "label": label(row, run)}
+    if row.search:
+        probe = plan_cells(row, profile, data, data_args, out)[0]
+        held = QUICK["held_out"] if profile.name == "quick" else HELD_OUT
+        key = search_key(row, probe, held)
+        if (stored.get("search") or {}).get("key") != key:
+            started = time.perf_counter()
+            stored["search"] = {"key": key, **search_weights(row, probe, held),
+                                "seconds": round(time.perf_counter() - started, 1)}
+            save_results(path, stored)
+            print(f"  search: {stored['search']['chosen']} ({stored['search']['seconds']:.0f} s)", flush=True)
+    if row.defense == "refiner" and row.claim == "protects":
+        key = json.dumps([row.defense_args, run["model_args"]], sort_keys=True)
+        if (stored.get("projection") or {}).get("key") != key:
+            stored["projection"] = {"key": key, **refiner_projection(row, profile, run,
+                                                                    2 if profile.name == "quick" else 8)}
+            save_results(path, stored)
+    stored.setdefault("cells", {})
+    for plan in plan_cells(row, profile, data, data_args, out, (stored.get("search") or {}).get("chosen")):
+        old = stored["cells"].get(plan.name) or {}
+        redo = retry and (old.get("evidence") or {}).get("missing")
+        if old.get("key") == plan.key and not redo:
             continue
-        if _matches(settings, call):
-            return refresh(row, {"row": row.id, "profile": profile.name, "call": call, "seconds": None,
-                                 "run_key": manifest.parent.name, "partial": True})
-    return None
+        print(f"  [{time.strftime('%H:%M:%S')}] {row.id} {plan.name} (budget {plan.call['budget']})", flush=True)
+        stored["cells"][plan.name] = run_cell(row, plan)
+        save_results(path, stored)
+    return stored
 
 
 # --------------------------------------------------------------------------- judging a row
-def _cells(summary: Optional[Dict[str, Any]]) -> Dict[str, CellEvidence]:
-    return {k: CellEvidence.from_dict(v) for k, v in ((summary or {}).get("cells") or {}).items()}
+def at_paper_budget(row: Row, run: Dict[str, Any]) -> bool:
+    """The paper's attacks ran at the paper's budget on the paper's model."""
+    budget = row.setting.budget
+    return budget is not None and run["budget"] >= budget and run["model_args"] == row.setting.model_args
 
 
-def at_paper_budget(row: Row, summary: Dict[str, Any]) -> bool:
-    budget = summary["call"]["budget"]
-    wanted = max([a.paper_budget for a in row.attacks] or [0])
-    return budget >= wanted and summary["call"]["model_args"] == row.model_args
-
-
-def budget_full_is_paper(row: Row) -> bool:
-    """``--full`` runs the row's attacks at the paper's budget on the paper's model."""
-    return (row.budget("full") >= max([a.paper_budget for a in row.attacks] or [0])
-            and row.run_model_args("full") == row.model_args)
-
-
-def conclude(row: Row, summary: Optional[Dict[str, Any]]) -> Conclusion:
-    """The row's conclusion from its stored summary (see :mod:`bench.papers_verdict`)."""
-    if summary is None:
-        return Conclusion(NOT_RUN)
+def conclude(row: Row, cells: Dict[str, Optional[CellEvidence]], run: Dict[str, Any],
+             utility: Optional[Dict[str, Any]] = None) -> Conclusion:
+    """The row's conclusion from its cells (see :mod:`bench.papers_verdict`)."""
     if row.claim == "utility":
         claim, ratio = row.utility or ("not-worse", 1.0)
-        return conclude_utility(summary.get("utility"), claim, ratio)
-    cells = _cells(summary)
-    full = at_paper_budget(row, summary)
+        return conclude_utility(utility, claim, ratio) if utility else Conclusion(NOT_RUN)
+    full = at_paper_budget(row, run)
+    if not any(c is not None for c in cells.values()):
+        return Conclusion(NOT_RUN)
     if row.claim == "protects":
         return conclude_protects(list(cells.values()), full)
     if row.claim == "leaks":
         key = "adaptive" if row.leak_cell == "adaptive" else f"paper:{row.attacks[0].name}"
-        others = [(name, cells.get(k)) for name, k in (("the planner's", "planner"), ("the paper's adaptive attack",
-                                                                                   "adaptive")) if k != key]
+        others = [(name, cells.get(k)) for name, k in (("the planner's", "planner"),
+                                                        ("the paper's adaptive attack", "adaptive")) if k != key]
         return conclude_leaks(cells.get(key), full, others)
     first = cells.get("paper:bayes-optimal")
     others = {n: cells.get(f"paper:{n}") for n in ("bayes-l2", "bayes-l1", "bayes-cos")}
     gaps = {n: row.order_psnr["bayes-optimal"] - row.order_psnr[n] for n in others}
-    return conclude_order(first, others, gaps)
+    return conclude_order(first, others, gaps, below_budget=not full)
 
 
-def likely_cause(row: Row, summary: Dict[str, Any], ours: Optional[float]) -> str:
+def likely_cause(row: Row, run: Dict[str, Any], data: str, ours: Optional[float]) -> str:
     """Where our figure for the paper's own attack differs from the paper's by more than 3 dB:
-    the causes that apply to this row (data, budget, model, code differences)."""
+    the differences that apply to this row (the label's, the data set, the code's)."""
     if ours is None or row.paper_psnr is None or abs(ours - row.paper_psnr) <= 3.0:
         return ""
-    causes = []
-    budget, wanted = summary["call"]["budget"], max([a.paper_budget for a in row.attacks] or [0])
-    if budget < wanted:
-        causes.append(f"budget ({budget:,} of {wanted:,} gradient evaluations)")
-    if summary["call"]["model_args"] != row.model_args:
-        causes.append(f"model ({row.model} {summary['call']['model_args']})")
-    if summary["call"]["data"] != "cifar10" or "CIFAR-10" not in row.paper_data:
-        causes.append(f"data ({summary['call']['data']} here, {row.paper_data} in the paper)")
-    if row.deviation:
-        causes.append(row.deviation)
+    causes = differences(row, run)
+    if data != "cifar10" or "CIFAR-10" not in row.setting.data:
+        causes.append(f"data ({data} here, {row.setting.data} in the paper)")
     causes.extend(f"code: {n}" for n in row.notes)
     return f"{ours - row.paper_psnr:+.1f} dB from the paper; likely: " + "; ".join(causes or ["unexplained"])
 
@@ -476,12 +767,11 @@ def _f(v: Optional[float], digits: int = 2) -> str:
     return "inf" if v >= 199.9 else f"{v:.{digits}f}"
 
 
-def cell_text(c: Optional[CellEvidence], label: str = "") -> str:
-    head = f"{label}: " if label else ""
+def cell_text(c: Optional[CellEvidence], head: str = "") -> str:
+    head = f"{head}: " if head else ""
     if c is None or (c.images == 0 and c.missing):
         return f"{head}not yet run"
-    text = (f"{head}{_f(c.psnr)} dB / {_f(c.ssim, 3)} / {_f(c.lpips, 3)}; {identification_text(c)}; "
-            f"{c.recovered} recovered")
+    text = f"{head}{_f(c.psnr)} dB / {_f(c.ssim, 3)} / {_f(c.lpips, 3)}; {identification_text(c)}; {c.recovered} recovered"
     if len(c.per_step_psnr) > 1:
         text += "; per step " + ", ".join(f"{s}: {_f(v, 1)}" for s, v in sorted(c.per_step_psnr.items()))
     if c.missing:
@@ -489,66 +779,63 @@ def cell_text(c: Optional[CellEvidence], label: str = "") -> str:
     return text
 
 
-def deviation_text(row: Row, summary: Optional[Dict[str, Any]], profile: str, data: str) -> str:
-    parts = []
-    call = summary["call"] if summary else None
-    budget = call["budget"] if call else row.budget(profile)
-    wanted = max([a.paper_budget for a in row.attacks] or [0])
-    if row.attacks and budget < wanted:
-        a = max(row.attacks, key=lambda a: a.paper_budget)
-        its = max(1, budget // max(1, a.restarts))
-        parts.append(f"{its:,} of {a.iterations:,} iterations" + (f" x {a.restarts} restarts" if a.restarts > 1 else ""))
-    margs = call["model_args"] if call else row.run_model_args(profile)
-    if margs != row.model_args:
-        parts.append(f"{row.model} with {', '.join(f'{k}={v}' for k, v in margs.items())}")
-    steps = call["steps"] if call else list(row.run_steps(profile))
-    if row.claim != "utility" and list(steps) != list(row.steps):
-        parts.append(f"steps {', '.join(map(str, steps))} of {', '.join(map(str, row.steps))}")
-    used = "CIFAR-10" if data == "cifar10" else "embedded 32x32 photos"
-    if used not in row.paper_data:
-        parts.append(f"{used}, not {row.paper_data}")
-    if row.deviation:
-        parts.append(row.deviation)
-    if profile != "full" and row.default_planner is not None:
-        names, why = row.default_planner
-        parts.append(f"of the planner's attacks only {', '.join(names)} ({why})")
-    if row.claim == "utility" and call:
-        parts.append(f"{call['utility_steps']} rounds, {call['utility_seeds']} seeds")
-    return "; ".join(parts) or "none"
+def planner_head(row: Row, run: Dict[str, Any], c: Optional[CellEvidence], profile: str) -> str:
+    names = "auto" if run["planner"] == ["auto"] else ", ".join(run["planner"])
+    head = f"{names} at budget {run['planner_budget']:,}"
+    if run["planner"] != ["auto"]:
+        head += f" ({row.scale(profile).why})"
+    if run["planner_args"]:
+        head += f"; {json.dumps(run['planner_args'])}"
+    return head + (f"; strongest {c.strongest}" if c is not None and c.strongest else "")
 
 
-def row_line(row: Row, summary: Optional[Dict[str, Any]], profile: str, data: str) -> str:
-    conclusion = conclude(row, summary)
-    dev = deviation_text(row, summary, profile, data)
+def row_lines(row: Row, profile: Profile, data: str, data_args: Dict[str, Any], root: Path,
+              out: Path) -> Tuple[str, Conclusion]:
+    stored, cells = stored_cells(row, profile, data, data_args, root, out)
+    run = run_setting(row, profile)
+    utility = ((stored.get("cells") or {}).get("utility") or {}).get("utility")
+    conclusion = conclude(row, cells, run, utility)
+    setting = f"{own_text(row, run, data)}. **{label(row, run)}**"
+    if row.notes:
+        setting += "; open: " + "; ".join(row.notes)
     if row.claim == "utility":
-        return f"| {row.figure} | {row.paper_number} | {conclusion.detail or '-'} | - | - | {dev} | **{conclusion.text()}** |"
-    cells = _cells(summary)
-    if summary is None:
-        paper_cell = planner_cell = "not yet run"
-        adaptive_cell = "not yet run" if row.adaptive else "-"
-    else:
-        paper_cell = "<br>".join(cell_text(cells.get(f"paper:{a.name}"), a.label) for a in row.attacks)
-        planner = cells.get("planner")
-        planner_cell = cell_text(planner, f"strongest: {planner.strongest}" if planner and planner.strongest else "")
-        adaptive_cell = cell_text(cells.get("adaptive"), row.adaptive.label) if row.adaptive else "-"
-    cause = ""
-    if summary is not None and row.attacks:
-        first = cells.get(f"paper:{row.attacks[0].name}")
-        cause = likely_cause(row, summary, first.psnr if first else None)
+        return (f"| {row.figure} | {row.paper_number} | {row.setting.text()} | {setting} | "
+                f"{conclusion.detail or '-'} | - | - | **{conclusion.text()}** |"), conclusion
+    paper_cell = "<br>".join(cell_text(cells.get(f"paper:{a.name}"), a.label) for a in row.attacks)
+    search = stored.get("search") or {}
+    if row.search and search.get("chosen"):
+        paper_cell += "<br>weights chosen on " + f"{search['held_out']} held-out images: " + "; ".join(
+            f"{n} {_args_text(v)}" for n, v in search["chosen"].items())
+    planner = cells.get("planner")
+    planner_cell = cell_text(planner, planner_head(row, run, planner, profile.name))
+    adaptive_cell = cell_text(cells.get("adaptive"), row.adaptive.label) if row.adaptive else "-"
+    first = cells.get(f"paper:{row.attacks[0].name}")
+    cause = likely_cause(row, run, data, first.psnr if first else None)
     verdict = conclusion.text() + (f"; {cause}" if cause else "")
-    if summary is not None and summary.get("partial"):
-        started = any(c.images for c in cells.values())
-        verdict = f"still running: {verdict}" if started else "not yet run (its audit has started)"
-    return (f"| {row.figure} | {row.paper_number} | {paper_cell} | {planner_cell} | {adaptive_cell} | {dev} | "
-            f"**{verdict}** |")
+    if stored.get("projection"):
+        verdict += "; alpha: " + projection_text(stored["projection"])
+    pending = [n for n, c in cells.items() if c is None]
+    if pending and any(c is not None for c in cells.values()):
+        verdict = f"unfinished ({', '.join(pending)} not yet run): {verdict}"
+    return (f"| {row.figure} | {row.paper_number} | {row.setting.text()} | {setting} | {paper_cell} | "
+            f"{planner_cell} | {adaptive_cell} | **{verdict}** |"), conclusion
 
 
-HEADER = ("| figure | paper | the paper's attack, ours: PSNR / SSIM / LPIPS; identification | the planner's attacks "
-          "(`auto`, strongest per image) | the paper's adaptive attack | deviation from the paper | conclusion |\n"
-          "|---|---|---|---|---|---|---|")
+HEADER = ("| figure | paper's number | paper's setting | ours | the paper's attack, ours: PSNR / SSIM / LPIPS; "
+          "identification | the planner's attacks at their presets (strongest per image) | the paper's adaptive "
+          "attack | conclusion |\n|---|---|---|---|---|---|---|---|")
 
 
-def render(rows: Sequence[Row], out: Path, profile: Profile, data: str, data_args: Dict[str, Any]) -> str:
+def counts(rows: Sequence[Row], profile: Profile) -> Tuple[int, int]:
+    """Rows at the paper's setting and scaled rows under ``profile``."""
+    at = sum(label(r, run_setting(r, profile)) == AT_PAPER for r in rows)
+    return at, len(rows) - at
+
+
+def render(rows: Sequence[Row], profile: Profile, data: str, data_args: Dict[str, Any], root: Path,
+           out: Path) -> str:
+    at, scaled = counts(rows, profile)
+    outcomes: Dict[str, int] = {}
     parts = []
     for paper in PAPERS:
         chosen = [r for r in rows if r.paper == paper]
@@ -556,57 +843,88 @@ def render(rows: Sequence[Row], out: Path, profile: Profile, data: str, data_arg
             continue
         lines = [f"### {paper}", "", HEADER]
         for row in chosen:
-            summary = stored_summary(row, profile, data, data_args, out)
-            lines.append(row_line(row, summary, profile.name, data))
+            line, conclusion = row_lines(row, profile, data, data_args, root, out)
+            lines.append(line)
+            outcomes[conclusion.outcome] = outcomes.get(conclusion.outcome, 0) + 1
         parts.append("\n".join(lines))
-    return "\n\n".join(parts)
+    summary = (f"{len(rows)} rows: **{at} at the paper's setting, {scaled} scaled** (profile `{profile.name}`); "
+               + ", ".join(f"{n} {o}" for o, n in sorted(outcomes.items())))
+    return summary + "\n\n" + "\n\n".join(parts)
 
 
-def timing(rows: Sequence[Row], out: Path, profile: str, data: str) -> str:
-    done = []
+def timing(rows: Sequence[Row], profile: Profile, data: str, data_args: Dict[str, Any], root: Path, out: Path) -> str:
+    seconds, done, total = 0.0, 0, 0
     for row in rows:
-        path = summary_path(out, row, profile, data)
-        if path.is_file():
-            done.append(json.loads(path.read_text()).get("seconds", 0.0))
-    took = f"{sum(done) / 60:.1f} min in all (the rows' times summed)"
-    if len(done) == len(rows):
-        return f"all {len(rows)} rows finished; they took {took}"
-    return (f"{len(done)} of {len(rows)} rows finished, the others show the cells stored so far; the finished rows "
-            f"took {took}")
+        stored, cells = stored_cells(row, profile, data, data_args, root, out)
+        total += len(cells)
+        for name, c in cells.items():
+            if c is not None or (row.claim == "utility" and (stored.get("cells") or {}).get(name)):
+                done += 1
+                seconds += float(((stored.get("cells") or {}).get(name) or {}).get("seconds") or 0.0)
+        seconds += float((stored.get("search") or {}).get("seconds") or 0.0)
+    return f"{done} of {total} cells stored, {seconds / 60:.1f} min of runs in all"
+
+
+#: ms per image per gradient evaluation of IG on an H100 (``docs/performance.md``: 8 images,
+#: the iteration captured in a CUDA graph): the gpu profile's planning figure, not a measurement
+#: of these rows
+GPU_MS = {"resnet18": 2.46, "cnn": 0.134}
+
+
+def gpu_minutes(row: Row, profile: Profile = Profile("gpu")) -> float:
+    """Planned minutes of ``row`` on one H100: image-iterations of every cell times
+    :data:`GPU_MS` (the defense's own cost inside adaptive attacks and the planner's probe are
+    not counted; unmeasured)."""
+    ms = GPU_MS.get(row.model, GPU_MS["resnet18"])
+    total = 0.0
+    for plan in plan_cells(row, profile, "embedded", {}, Path("/nonexistent")):
+        attacks = 6 if plan.name == "planner" else 1  # auto: about six attacks on ResNet-18
+        total += plan.call["images"] * len(plan.steps) * plan.call["budget"] * attacks
+    return total * ms / 60000
 
 
 # --------------------------------------------------------------------------- main
 def selected(rows: Optional[Sequence[str]], papers: Optional[Sequence[str]], profile: str) -> List[Row]:
-    chosen = [r for r in ROWS if (not rows or r.id in rows) and (not papers or r.paper in papers)]
-    if profile != "full" and not rows:
-        chosen = [r for r in chosen if r.id not in DEFAULT_SKIP]
+    return [r for r in ROWS if profile in r.profiles and (not rows or r.id in rows)
+            and (not papers or r.paper in papers)]
+
+
+def gpu_batch(rows: Sequence[Row], minutes: float, profile: Profile, data: str, data_args: Dict[str, Any],
+              root: Path, out: Path) -> List[Row]:
+    """The rows with cells not yet stored, in order, while their planned minutes fit
+    ``minutes`` (at least one row)."""
+    chosen, used = [], 0.0
+    for row in rows:
+        _, cells = stored_cells(row, profile, data, data_args, root, out)
+        if all(c is not None for c in cells.values()):
+            continue
+        need = gpu_minutes(row, profile)
+        if chosen and used + need > minutes:
+            break
+        chosen.append(row)
+        used += need
     return chosen
-
-
-def run_order(rows: Sequence[Row]) -> List[Row]:
-    """``rows`` with :data:`RUN_FIRST` first, the rest in the page's order."""
-    first = [r for name in RUN_FIRST for r in rows if r.id == name]
-    return first + [r for r in rows if r not in first]
 
 
 def page_command(argv: Optional[Sequence[str]]) -> List[str]:
     """The arguments of the command that writes the whole page: the given ones without
-    ``--render`` (it re-renders what the same command stored) and the row filters."""
-    return without_options(argv, valued=("--rows", "--paper"), flags=("--render",))
+    ``--render``, the row filters and the per-invocation limits."""
+    return without_options(argv, valued=("--rows", "--paper", "--minutes"), flags=("--render", "--retry"))
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    mode = parser.add_mutually_exclusive_group()
-    mode.add_argument("--full", action="store_true", help="the papers' budgets and models")
-    mode.add_argument("--quick", action="store_true", help="2 images, tiny budgets: a plumbing check (no docs)")
-    parser.add_argument("--images", type=int, default=None, help="private images per cell (default 16; quick 2)")
+    parser.add_argument("--profile", choices=PROFILES, default="cpu")
+    parser.add_argument("--images", type=int, default=None, help="private images per cell (default: the row's)")
     parser.add_argument("--rows", action="append", choices=list(BY_ID), help="run only these rows")
     parser.add_argument("--paper", action="append", choices=list(PAPERS), help="run only this paper's rows")
     parser.add_argument("--data-path", default=None, help="a local CIFAR-10 (python pickle format)")
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--device", default=None, help="default: cuda for the gpu profile, else cpu")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", default=str(ROOT / "bench-out" / "papers"))
+    parser.add_argument("--minutes", type=float, default=40.0, help="gpu profile: planned minutes per invocation")
+    parser.add_argument("--out", default=str(ROOT / "bench-out" / "papers"), help="the engine's result stores")
+    parser.add_argument("--results", default=None, help=f"the persisted cells (default {RESULTS})")
+    parser.add_argument("--retry", action="store_true", help="rerun stored cells with missing evidence")
     parser.add_argument("--render", action="store_true", help="write the page from stored results; run nothing")
     add_docs_option(parser, "docs/papers.md")
     args = parser.parse_args(argv)
@@ -614,43 +932,35 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     import torch
 
     torch.set_num_threads(args.threads)
-    name = "full" if args.full else "quick" if args.quick else "default"
-    profile = Profile(name, args.images or (2 if args.quick else 16), args.device)
-    if profile.images < 16 and args.docs and not args.quick:
-        raise SystemExit("the page needs at least 16 private images per cell")
+    name = args.profile
+    device = args.device or ("cuda" if name == "gpu" else "cpu")
+    profile = Profile(name, args.images or (QUICK["images"] if name == "quick" else None), device)
     data, data_args = ("cifar10", {"path": args.data_path}) if args.data_path else ("embedded", {})
     out = Path(args.out)
+    root = Path(args.results) if args.results else (out / "results" if name == "quick" else RESULTS)
     rows = selected(args.rows, args.paper, name)
-    tag = f"{name}-{data}"
-
-    page_rows = selected(None, None, name)  # the page shows every row; --rows / --paper only choose what runs
+    page_rows = selected(None, None, name)  # the page shows every row of the profile
 
     def publish() -> None:
-        if args.docs and not args.quick:
-            table = render(page_rows, out, profile, data, data_args)
-            setting = (f"torch {torch.__version__}, {args.threads} thread(s), {args.device}, {profile.images} "
-                       f"images a cell, {timing(page_rows, out, name, data)}")
+        if args.docs and name != "quick":
+            table = render(page_rows, profile, data, data_args, root, out)
+            setting = (f"torch {torch.__version__}, {args.threads} thread(s), {device}; "
+                       f"{timing(page_rows, profile, data, data_args, root, out)}")
             write_table(args.docs_page, args.docs, command_line("bench_papers.py", page_command(argv)), table, setting)
 
     if not args.render:
-        todo = run_order(rows)
+        todo = gpu_batch(rows, args.minutes, profile, data, data_args, root, out) if name == "gpu" else rows
         for i, row in enumerate(todo, 1):
             print(f"[{time.strftime('%H:%M:%S')}] row {i}/{len(todo)} {row.id} ({name})", flush=True)
             try:
-                summary = run_row(row, profile, data, data_args, out)
+                run_row(row, profile, data, data_args, out, root, retry=args.retry)
             except Exception as err:  # a failing row is reported; the others still run
                 print(f"  row {row.id} failed: {type(err).__name__}: {err}", flush=True)
                 continue
-            path = summary_path(out, row, name, data)
-            summary["seconds"] = round(summary["seconds"] + earlier_seconds(path, summary["run_key"]), 1)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(summary, indent=1))
-            print(f"  {summary['seconds']:.0f} s; {conclude(row, summary).text()}", flush=True)
             publish()
-    table = render(rows, out, profile, data, data_args)
-    print(table)
+    print(render(rows, profile, data, data_args, root, out))
     publish()
-    print(f"results: {out} ({tag})")
+    print(f"results: {root}")
 
 
 if __name__ == "__main__":

@@ -2,23 +2,24 @@
 conclusion of ``bench/bench_papers.py`` (``docs/papers.md``).
 
 A *cell* is a set of attacks of one audit at some of its steps, judged by the engine
-(:func:`audit.report.risk.judge_step`): per private image its most leaking attack, the mean
-PSNR / SSIM / LPIPS, how many images are *identified* (rank 1 among K candidates) and
-*recovered* (the calibrated rule), with exact 95% intervals.
-
-A row's conclusion is decided by the identification rate's interval, never by a PSNR
-threshold:
+(:func:`audit.report.risk.judge_step`): per private image its most leaking attack, mean
+PSNR / SSIM / LPIPS, images *identified* (rank 1 among K) and *recovered*, with exact 95%
+intervals; its *chance* is the null's best of ``m`` (:func:`best_of_chance`). Conclusions:
 
 * a claim that the defense **protects** fails when a cell identifies its private images
-  above chance (the interval's lower end above 1/K); it holds when no cell does and the
-  attacks ran at the paper's budget; below that budget it is inconclusive (a longer attack
-  may still identify them);
+  above chance (the interval's lower end above the cell's chance); it holds when no cell
+  does and the attacks ran at the paper's budget; below that budget it is inconclusive at
+  this budget;
 * a claim that an attack **leaks** holds when its cell identifies above chance; when it does
   not, it fails at the paper's budget and is inconclusive below it;
 * an **order** of attacks (the Bayes paper's Table 2) is compared pair by pair on the same
-  images with an exact McNemar test on identification (two-sided 5%);
-* a **utility** claim compares mean accuracies across seeds: a gap larger than the two
-  standard deviations added is beyond the training noise.
+  images: a Wilcoxon signed-rank test on per-image PSNR (the papers' metric) and an exact
+  McNemar test on identification, both two-sided 5%, each with its power;
+* a **utility** claim (defended accuracy at least the undefended, or at least a ratio of it)
+  is judged on the 95% Welch interval of ``defended - ratio x undefended`` over the training
+  seeds, against a tolerance of ``UTILITY_TOLERANCE``: it holds when the whole interval lies
+  above ``-tolerance``, does not hold when it lies below, and is inconclusive otherwise (the
+  interval's half-width is the noise named).
 
 Missing evidence (an attack that failed, or has not run) makes a cell inconclusive, never a
 "holds".
@@ -29,12 +30,12 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from audit.core.evidence import clopper_pearson
-from audit.core.records import AttackResult
+from audit.core.evidence import clopper_pearson, mean_difference
+from audit.core.records import AccuracySpread, AttackResult
 from audit.report.risk import judge_step, nulls_from_manifest
 from audit.report.rule import LeakRule
 
-HOLDS, FAILS, INCONCLUSIVE, NOT_RUN = "holds", "does not hold", "inconclusive at this budget", "not yet run"
+HOLDS, FAILS, INCONCLUSIVE, NOT_RUN = "holds", "does not hold", "inconclusive", "not yet run"
 LEVEL = 0.95
 
 
@@ -56,6 +57,9 @@ class CellEvidence:
     missing: List[str] = field(default_factory=list)  # why evidence is missing
     per_step_psnr: Dict[int, Optional[float]] = field(default_factory=dict)
     per_image_identified: Dict[Tuple[int, int, int], bool] = field(default_factory=dict)  # (step, batch, index)
+    per_image_psnr: Dict[Tuple[int, int, int], float] = field(default_factory=dict)
+    members: int = 1  # m: the (attack, reference) pairs the cell's per-image maximum runs over
+    null_chance: Optional[float] = None  # the null's best-of-m identification rate
 
     @property
     def complete(self) -> bool:
@@ -69,10 +73,14 @@ class CellEvidence:
 
     @property
     def chance(self) -> Optional[float]:
+        """The identification rate of the cell's maximum on the null (:func:`best_of_chance`);
+        1/K where no null was stored."""
+        if self.null_chance is not None:
+            return self.null_chance
         return 1.0 / self.candidates if self.candidates else None
 
     def above_chance(self) -> bool:
-        """The identification rate's interval lies above chance (1/K)."""
+        """The identification rate's interval lies above the cell's chance."""
         return self.images > 0 and self.chance is not None and self.identification_interval()[0] > self.chance
 
     def to_dict(self) -> Dict[str, Any]:
@@ -80,7 +88,9 @@ class CellEvidence:
                 "recovered": self.recovered, "candidates": self.candidates, "psnr": self.psnr, "ssim": self.ssim,
                 "lpips": self.lpips, "strongest": self.strongest, "missing": self.missing,
                 "per_step_psnr": {str(k): v for k, v in self.per_step_psnr.items()},
-                "per_image_identified": {f"{s}/{b}/{j}": v for (s, b, j), v in self.per_image_identified.items()}}
+                "per_image_identified": {f"{s}/{b}/{j}": v for (s, b, j), v in self.per_image_identified.items()},
+                "per_image_psnr": {f"{s}/{b}/{j}": v for (s, b, j), v in self.per_image_psnr.items()},
+                "members": self.members, "null_chance": self.null_chance}
 
     @classmethod
     def from_dict(cls, d: Dict[str, Any]) -> "CellEvidence":
@@ -90,12 +100,35 @@ class CellEvidence:
         out.per_step_psnr = {int(k): v for k, v in (d.get("per_step_psnr") or {}).items()}
         out.per_image_identified = {tuple(int(p) for p in k.split("/")): bool(v)
                                     for k, v in (d.get("per_image_identified") or {}).items()}
+        out.per_image_psnr = {tuple(int(p) for p in k.split("/")): float(v)
+                              for k, v in (d.get("per_image_psnr") or {}).items() if v is not None}
+        out.members = int(d.get("members") or 1)
+        out.null_chance = d.get("null_chance")
         return out
+
+
+def _image_entries(record: AttackResult) -> List[Dict[str, Any]]:
+    """The record's per-image metric entries (each with its ``evidence`` list)."""
+    from audit.report.risk import image_metrics
+
+    try:
+        return list(image_metrics(record))
+    except Exception:  # a failed record has no metrics
+        return []
 
 
 def _mean(values: Sequence[Optional[float]]) -> Optional[float]:
     vals = [v for v in values if v is not None and math.isfinite(v)]
     return sum(vals) / len(vals) if vals else None
+
+
+def best_of_chance(ranks: Sequence[int], m: int, identify_rank: int = 1) -> float:
+    """The probability that the best of ``m`` distinct null items of one image (each ranked
+    among the candidates, ``ranks``) is ranked within ``identify_rank``: one minus the chance
+    that a draw of ``m`` of the ``n`` items holds none of the ``r`` that are."""
+    n, r = len(ranks), sum(1 for k in ranks if k is not None and k <= identify_rank)
+    m = max(1, min(m, n))
+    return 1.0 - math.comb(n - r, m) / math.comb(n, m)
 
 
 def cell_evidence(manifest: Dict[str, Any], records: Sequence[Dict[str, Any]], attacks: Sequence[str],
@@ -109,6 +142,10 @@ def cell_evidence(manifest: Dict[str, Any], records: Sequence[Dict[str, Any]], a
     out = CellEvidence(list(attacks), list(steps))
     metric = {"psnr": [], "ssim": [], "lpips": []}
     best_count: Dict[str, int] = {}
+    references = max([len(e.get("evidence") or [1]) for r in recs if r.attack_id in attacks
+                                                            for e in _image_entries(r)] or [1])
+    out.members = max(1, len(attacks)) * references
+    chances = []
     for step in steps:
         by_attack = {a: [r for r in recs if r.step == step and r.attack_id == a and r.image < images]
                      for a in attacks}
@@ -128,8 +165,14 @@ def cell_evidence(manifest: Dict[str, Any], records: Sequence[Dict[str, Any]], a
                 best_count[e["best_attack"]] = best_count.get(e["best_attack"], 0) + 1
             for name in metric:
                 metric[name].append(e[name])
+            if e["psnr"] is not None and math.isfinite(e["psnr"]):
+                out.per_image_psnr[(step, e["image"], e["index"])] = float(e["psnr"])
+            null = nulls.get((e["image"], e["index"]))
+            if null is not None and null.ranks:
+                chances.append(best_of_chance(null.ranks, out.members, rule.identify_rank))
         out.per_step_psnr[step] = _mean([e["psnr"] for e in done])
     out.psnr, out.ssim, out.lpips = (_mean(metric[n]) for n in ("psnr", "ssim", "lpips"))
+    out.null_chance = _mean(chances)
     if best_count:
         out.strongest = max(best_count, key=lambda a: (best_count[a], -list(attacks).index(a)))
     return out
@@ -140,10 +183,15 @@ def cell_evidence(manifest: Dict[str, Any], records: Sequence[Dict[str, Any]], a
 class Conclusion:
     outcome: str  # HOLDS, FAILS, INCONCLUSIVE, NOT_RUN
     detail: str = ""
+    below_budget: bool = False  # inconclusive because the attacks ran below the paper's budget
 
     def text(self) -> str:
-        return f"the claim {self.outcome}" + (f" ({self.detail})" if self.detail else "") \
-            if self.outcome in (HOLDS, FAILS) else self.outcome + (f" ({self.detail})" if self.detail else "")
+        detail = f" ({self.detail})" if self.detail else ""
+        if self.outcome in (HOLDS, FAILS):
+            return f"the claim {self.outcome}{detail}"
+        if self.outcome == INCONCLUSIVE and self.below_budget:
+            return f"{INCONCLUSIVE} at this budget{detail}"
+        return self.outcome + detail
 
 
 def _pct(x: float) -> str:
@@ -153,7 +201,9 @@ def _pct(x: float) -> str:
 def identification_text(c: CellEvidence) -> str:
     lo, hi = c.identification_interval()
     k = f"K={c.candidates}" if c.candidates else "K=?"
-    return f"{c.identified} of {c.images} identified among {k}, 95% CI {_pct(lo)}-{_pct(hi)}"
+    chance = f", chance {100 * c.chance:.1f}%" + (f" (best of {c.members})" if c.members > 1 else "") \
+        if c.chance is not None else ""
+    return f"{c.identified} of {c.images} identified among {k}, 95% CI {_pct(lo)}-{_pct(hi)}{chance}"
 
 
 def recovered_text(c: CellEvidence) -> str:
@@ -169,8 +219,7 @@ def conclude_protects(cells: Sequence[Optional[CellEvidence]], at_paper_budget: 
     breaking = [c for c in ran if c.above_chance()]
     if breaking:
         worst = max(breaking, key=lambda c: (c.identification_interval()[0], c.identified))
-        return Conclusion(FAILS, f"{recovered_text(worst)}; {identification_text(worst)}, chance "
-                                 f"{_pct(worst.chance)}; {worst.strongest}")
+        return Conclusion(FAILS, f"{recovered_text(worst)}; {identification_text(worst)}; {worst.strongest}")
     missing = [m for c in ran for m in c.missing]
     if len(ran) < len(cells) or missing:
         why = "; ".join(missing[:2]) if missing else "some cells have not run"
@@ -178,7 +227,7 @@ def conclude_protects(cells: Sequence[Optional[CellEvidence]], at_paper_budget: 
     best = max(ran, key=lambda c: c.identified)
     if not at_paper_budget:
         return Conclusion(INCONCLUSIVE, f"no cell above chance, at most {identification_text(best)}; the attacks "
-                                        "ran below the paper's budget")
+                                        "ran below the paper's budget", below_budget=True)
     return Conclusion(HOLDS, f"no cell above chance; at most {identification_text(best)}")
 
 
@@ -199,7 +248,8 @@ def conclude_leaks(cell: Optional[CellEvidence], at_paper_budget: bool,
     if cell.missing:
         return Conclusion(INCONCLUSIVE, f"evidence missing: {'; '.join(cell.missing[:2])}")
     if not at_paper_budget:
-        return Conclusion(INCONCLUSIVE, f"{identification_text(cell)}, not above chance, below the paper's budget")
+        return Conclusion(INCONCLUSIVE, f"{identification_text(cell)}, not above chance, below the paper's budget",
+                          below_budget=True)
     return Conclusion(FAILS, f"{recovered_text(cell)}; {identification_text(cell)}, not above chance")
 
 
@@ -221,49 +271,121 @@ def paired(a: CellEvidence, b: CellEvidence) -> Tuple[int, int]:
     return only_a, only_b
 
 
+def paired_psnr(a: CellEvidence, b: CellEvidence) -> List[float]:
+    """Per-image PSNR differences ``a - b`` over the images both cells scored."""
+    keys = sorted(set(a.per_image_psnr) & set(b.per_image_psnr))
+    return [a.per_image_psnr[k] - b.per_image_psnr[k] for k in keys]
+
+
+def wilcoxon_p(diffs: Sequence[float]) -> float:
+    """Two-sided Wilcoxon signed-rank p-value of paired differences (1 without a non-zero one)."""
+    from scipy.stats import wilcoxon
+
+    if not any(d != 0 for d in diffs):
+        return 1.0
+    return float(wilcoxon(diffs, zero_method="wilcox", alternative="two-sided").pvalue)
+
+
+def wilcoxon_power(n: int, sd: float, shift: float, alpha: float = 0.05) -> float:
+    """Power of the two-sided signed-rank test at ``n`` pairs to detect a mean shift ``shift``
+    with paired differences of spread ``sd``: the paired t-test's normal approximation at the
+    Wilcoxon test's asymptotic relative efficiency under normality (3/pi)."""
+    from scipy.stats import norm
+
+    if n < 2 or shift == 0:
+        return alpha if shift == 0 else 0.0
+    if sd <= 0:
+        return 1.0
+    z = abs(shift) / (sd / math.sqrt(n * 3 / math.pi))
+    crit = norm.ppf(1 - alpha / 2)
+    return float(norm.cdf(z - crit) + norm.cdf(-z - crit))
+
+
+def mcnemar_floor(discordant: int) -> float:
+    """The smallest p-value an exact McNemar test can reach with ``discordant`` pairs."""
+    return min(1.0, 2 * 0.5 ** discordant) if discordant else 1.0
+
+
+def _sd(values: Sequence[float]) -> float:
+    if len(values) < 2:
+        return 0.0
+    mean = sum(values) / len(values)
+    return math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
+
+
 def conclude_order(first: Optional[CellEvidence], others: Dict[str, Optional[CellEvidence]],
-                   paper_gaps: Dict[str, float], tie_db: float = 1.0, alpha: float = 0.05) -> Conclusion:
-    """The paper's claim on ``first`` against each of ``others``: better where the paper's gap
-    (dB) is at least ``tie_db``, no different otherwise; each pair by an exact McNemar test on
-    identification over the same images."""
+                   paper_gaps: Dict[str, float], tie_db: float = 1.0, alpha: float = 0.05,
+                   below_budget: bool = False) -> Conclusion:
+    """The paper's claim on ``first`` against each of ``others``, pair by pair on the same
+    images: better where the paper's gap (dB) is at least ``tie_db``, within ``tie_db``
+    otherwise. Per pair a Wilcoxon signed-rank test on per-image PSNR decides (a significant
+    difference in the claimed direction holds, against it does not; a claimed tie holds when
+    the 95% interval of the mean difference lies within ``tie_db``, and does not when a
+    significant difference exceeds it), and an exact McNemar test on identification that
+    contradicts the claim significantly makes it not hold. Each test's power is stated:
+    Wilcoxon's to detect the paper's gap at the observed spread, McNemar's as the smallest
+    p-value its discordant pairs allow."""
+    from scipy.stats import t as student
+
     if first is None or any(c is None for c in others.values()):
         return Conclusion(NOT_RUN if first is None else INCONCLUSIVE, "" if first is None else "some cells have not run")
     parts, outcomes = [], []
     for name, other in others.items():
+        gap = paper_gaps.get(name, 0.0)
+        claim_better = gap >= tie_db
+        diffs = paired_psnr(first, other)
+        n = len(diffs)
+        mean, sd = (sum(diffs) / n if n else 0.0), _sd(diffs)
+        p_w = wilcoxon_p(diffs) if n else 1.0
+        half = student.ppf(1 - alpha / 2, n - 1) * sd / math.sqrt(n) if n > 1 else math.inf
+        power = wilcoxon_power(n, sd, gap if claim_better else tie_db, alpha)
         wins, losses = paired(first, other)
-        p = mcnemar_exact(wins, losses)
-        claim_better = paper_gaps.get(name, 0.0) >= tie_db
-        if p < alpha and losses > wins:
-            outcomes.append(FAILS)
-        elif p < alpha and wins > losses:
-            outcomes.append(HOLDS if claim_better else FAILS)
-        elif claim_better or not (first.identified or other.identified):
-            outcomes.append(INCONCLUSIVE)  # nothing identified: the order is not resolved
+        p_m = mcnemar_exact(wins, losses)
+        contradicts_id = p_m < alpha and (losses > wins or not claim_better)
+        if claim_better:
+            outcome = (FAILS if (p_w < alpha and mean < 0) or contradicts_id else
+                       HOLDS if p_w < alpha and mean > 0 else INCONCLUSIVE)
         else:
-            outcomes.append(HOLDS)
-        parts.append(f"vs {name}: {wins}/{losses} discordant, p={p:.2g}")
+            outcome = (FAILS if (p_w < alpha and abs(mean) > tie_db) or contradicts_id else
+                       HOLDS if abs(mean) + half <= tie_db else INCONCLUSIVE)
+        outcomes.append(outcome)
+        parts.append(f"vs {name}: PSNR {mean:+.2f} dB (95% CI {mean - half:+.2f} to {mean + half:+.2f}) over {n} "
+                     f"images, Wilcoxon p={p_w:.2g}, power {100 * power:.0f}% to detect "
+                     + (f"the paper's {gap:+.2f} dB" if claim_better else f"a {tie_db:g} dB difference")
+                     + f"; identification {wins}/{losses} discordant, McNemar p={p_m:.2g} (at best "
+                     f"{mcnemar_floor(wins + losses):.2g})")
     if first.missing or any(o.missing for o in others.values()):
-        return Conclusion(INCONCLUSIVE, "evidence missing; " + "; ".join(parts))
+        return Conclusion(INCONCLUSIVE, "evidence missing; " + "; ".join(parts), below_budget)
     outcome = FAILS if FAILS in outcomes else INCONCLUSIVE if INCONCLUSIVE in outcomes else HOLDS
-    return Conclusion(outcome, "; ".join(parts))
+    return Conclusion(outcome, "; ".join(parts), below_budget and outcome == INCONCLUSIVE)
 
 
-def conclude_utility(utility: Optional[Dict[str, Any]], claim: str, ratio: Optional[float] = None) -> Conclusion:
-    """``claim``: ``"not-worse"`` (defended accuracy not below undefended beyond the noise) or
-    ``"ratio"`` (defended / undefended at least ``ratio``, beyond the noise)."""
+#: accuracy (a fraction) by which a utility claim may miss and still hold
+UTILITY_TOLERANCE = 0.02
+
+
+def conclude_utility(utility: Optional[Dict[str, Any]], claim: str, ratio: Optional[float] = None,
+                     tolerance: float = UTILITY_TOLERANCE) -> Conclusion:
+    """``claim``: ``"not-worse"`` (defended accuracy at least the undefended) or ``"ratio"``
+    (at least ``ratio`` x the undefended), each up to ``tolerance``, judged on the 95% Welch
+    interval of ``defended - ratio x undefended`` over the seeds (see the module docstring)."""
     if not utility or utility.get("unavailable") or not utility.get("defended") or not utility.get("undefended"):
         return Conclusion(NOT_RUN, (utility or {}).get("unavailable", ""))
-    d, u = utility["defended"], utility["undefended"]
-    if d.get("mean") is None or u.get("mean") is None:
+    d, u = AccuracySpread.from_dict(utility["defended"]), AccuracySpread.from_dict(utility["undefended"])
+    if d.mean is None or u.mean is None:
         return Conclusion(INCONCLUSIVE, "no finished training run")
-    if d.get("std") is None or u.get("std") is None:
+    weight = 1.0 if claim == "not-worse" else float(ratio if ratio is not None else 1.0)
+    diff = mean_difference(d.accuracies, u.accuracies, weight, LEVEL)
+    if diff is None:
         return Conclusion(INCONCLUSIVE, "one seed: no spread to judge the gap against")
-    noise = d["std"] + u["std"]
-    target = u["mean"] if claim == "not-worse" else (ratio or 1.0) * u["mean"]
-    detail = (f"defended {100 * d['mean']:.1f}% ± {100 * d['std']:.1f}, undefended {100 * u['mean']:.1f}% ± "
-              f"{100 * u['std']:.1f} ({len(d.get('runs') or [])} seeds)")
-    if d["mean"] < target - noise:
-        return Conclusion(FAILS, detail + ", below beyond the noise")
-    if d["mean"] >= target:
+    what = "defended - undefended" if weight == 1.0 else f"defended - {weight:g} x undefended"
+    detail = (f"defended {100 * d.mean:.1f}% ± {100 * d.std:.1f}, undefended {100 * u.mean:.1f}% ± "
+              f"{100 * u.std:.1f} (mean ± std, {len(d.accuracies)} and {len(u.accuracies)} seeds); {what} "
+              f"{100 * diff.estimate:+.1f} points, 95% CI {100 * diff.low:+.1f} to {100 * diff.high:+.1f}, "
+              f"tolerance {100 * tolerance:.0f} points")
+    if diff.low > -tolerance:
         return Conclusion(HOLDS, detail)
-    return Conclusion(HOLDS, detail + ", within the noise")
+    if diff.high < -tolerance:
+        return Conclusion(FAILS, detail + ", below beyond the noise")
+    return Conclusion(INCONCLUSIVE, f"{detail}; the noise (± {100 * diff.half_width:.1f} points) spans the "
+                                    "tolerance")

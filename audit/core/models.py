@@ -105,6 +105,18 @@ def convnet(input_shape, num_classes, width: int = 16, batchnorm: bool = True):
     return feats + [nn.Linear(_flat_dim(feats, input_shape), num_classes)]
 
 
+@MODELS.register("convnet9", "Inverting Gradients' ConvNet as ATS uses it: 9 conv-BN-ReLU, 2 max-pools of 3; width=64")
+def convnet9(input_shape, num_classes, width: int = 64):
+    """The ConvNet of the Bayes paper's Table 4 (ATS's evaluation network)."""
+    if width < 1:
+        raise ConfigError(f"convnet9 width must be >= 1, got {width}")
+    c, w = input_shape[0], width
+    widths = [(c, w), (w, 2 * w), (2 * w, 2 * w), (2 * w, 4 * w), (4 * w, 4 * w), (4 * w, 4 * w)]
+    feats = [m for cin, cout in widths for m in _conv_block(cin, cout, True)] + [nn.MaxPool2d(3)]
+    feats += [m for _ in range(3) for m in _conv_block(4 * w, 4 * w, True)] + [nn.MaxPool2d(3), nn.Flatten()]
+    return feats + [nn.Linear(_flat_dim(feats, input_shape), num_classes)]
+
+
 #: ``init`` of the Bayes paper's networks: "torch" (PyTorch's defaults) or "lecun" (flax's
 #: defaults, as the paper's JAX code builds them: LeCun-normal kernels, zero biases)
 INITS = ("torch", "lecun")
