@@ -15,10 +15,12 @@ For each model (the project's ``cnn`` and CIFAR ``resnet18``, 32x32) and each N,
 
 Also, in the same process: R restarts batched against the same R restarts one after another
 (``--restarts``), and with ``--precision-check`` on cuda IG's PSNR with TF32 and channels-last
-beside float32. Usage (run on purpose, not in CI)::
+beside float32; ``--ops``: ATen operations per iteration instead (``op_counts.py``);
+``--gpu-turn`` (cuda only): what a lent GPU should measure, in one file (``gpu_turn.py``)::
 
     python bench/bench_throughput.py --device cpu --threads 2 --members 1,8 --iterations 4
-    python bench/bench_throughput.py --device cuda --members 1,8,64 --precision-check
+    python bench/bench_throughput.py --ops --threads 1 --docs ops
+    python bench/bench_throughput.py --device cuda --gpu-turn
 
 Times are the best of ``--repeats`` interleaved runs (see bench_attack.best_of).
 """
@@ -43,8 +45,9 @@ from attacks import ATTACKS, observe  # noqa: E402
 from audit.core.data import load_dataset  # noqa: E402
 from audit.core.metrics import psnr  # noqa: E402
 from audit.core.models import build_model  # noqa: E402
+import op_counts  # noqa: E402
 from bench_attack import _sync, best_of  # noqa: E402
-from docs_table import add_docs_option, publish  # noqa: E402
+from docs_table import ROOT, add_docs_option, publish  # noqa: E402
 
 TV = 5e-2  # IG's total-variation weight, in the floor's loss too
 
@@ -212,30 +215,10 @@ def table_rows(model_name: str, n: int, cells: dict, cuda: bool) -> str:
             + tail)
 
 
-def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--models", default="cnn,resnet18")
-    p.add_argument("--members", default="1,8,64", help="numbers of images N")
-    p.add_argument("--members-of", action="append", default=[], metavar="MODEL=N,N",
-                   help="other numbers of images for one model (e.g. resnet18=1,8 where memory is short)")
-    p.add_argument("--route", default=None, help="the captured column's route (attacks.capture.ROUTES; default: "
-                                                 "graph on cuda, eager on cpu, where compiling takes minutes a shape)")
-    p.add_argument("--restarts", type=int, default=4, help="R for batched against sequential restarts")
-    p.add_argument("--iterations", type=int, default=40, help="k, the iterations of a timed audit run (>= 5)")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--client-mode", default="eval", choices=["train", "eval"])
-    p.add_argument("--precision-check", action="store_true")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="cpu")
-    add_docs_option(p, "docs/performance.md")
-    args = p.parse_args(argv)
-
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(args.seed)
-    device = torch.device(args.device)
+def throughput(args, device) -> tuple:
+    """The floor table (and the batched-restarts ratios, and on cuda the precision check):
+    its Markdown and the measured cells."""
     cuda = device.type == "cuda"
-    args.route = args.route or ("graph" if cuda else "eager")
     data = load_dataset("embedded", size=32)
     sizes = [int(m) for m in args.members.split(",")]
     sizes_of = {name: [int(m) for m in members.split(",")] for name, members in
@@ -277,6 +260,60 @@ def main(argv=None) -> dict:
             lines.append(f"| {key} | {value:.3f} | {value - checked['float32'][0]:+.3f} dB | {seconds:.1f} |")
         text += "\n\n" + "\n".join(lines)
         results["precision"] = checked
+    return text, results, name
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", default="cnn,resnet18")
+    p.add_argument("--members", default="1,8,64", help="numbers of images N")
+    p.add_argument("--members-of", action="append", default=[], metavar="MODEL=N,N",
+                   help="other numbers of images for one model (e.g. resnet18=1,8 where memory is short)")
+    p.add_argument("--route", default=None, help="the captured column's route (attacks.capture.ROUTES; default: "
+                                                 "graph on cuda, eager on cpu, where compiling takes minutes a shape)")
+    p.add_argument("--restarts", type=int, default=4, help="R for batched against sequential restarts")
+    p.add_argument("--iterations", type=int, default=40, help="k, the iterations of a timed audit run (>= 5)")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--client-mode", default="eval", choices=["train", "eval"])
+    p.add_argument("--precision-check", action="store_true")
+    p.add_argument("--ops", action="store_true", help="count ATen operations per iteration instead (bench/op_counts.py)")
+    p.add_argument("--ops-members", type=int, default=8, help="images N of the operation counts")
+    p.add_argument("--gpu-turn", action="store_true", help="on cuda: the CUDA tests, the floor table, the operation "
+                                                           "counts and the paper-scale audit, into one Markdown file")
+    p.add_argument("--gpu-turn-out", default="docs/gpu-turn.md", help="the --gpu-turn file (from the project root)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu")
+    add_docs_option(p, "docs/performance.md")
+    args = p.parse_args(argv)
+
+    if args.gpu_turn and (not args.device.startswith("cuda") or not torch.cuda.is_available()):
+        print(f"--gpu-turn needs --device cuda on a machine with a CUDA GPU (device {args.device!r}, CUDA "
+              f"{'available' if torch.cuda.is_available() else 'not available'})", file=sys.stderr)
+        raise SystemExit(2)
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    args.route = args.route or ("graph" if cuda else "eager")
+    setting = f"torch {torch.__version__}, " + (torch.cuda.get_device_name(device) if cuda else
+                                                 f"cpu, {args.threads} thread(s)")
+    if args.gpu_turn:
+        import gpu_turn
+
+        path = gpu_turn.run(device, lambda: throughput(args, device)[0],
+                            lambda: op_counts.table(op_counts.count(floor_step, device, args.ops_members),
+                                                    args.ops_members),
+                            ROOT / args.gpu_turn_out)
+        print(f"written: {path}")
+        return {}
+    if args.ops:
+        rows = op_counts.count(floor_step, device, args.ops_members)
+        text = op_counts.table(rows, args.ops_members)
+        print("\n" + text)
+        publish(args, "bench_throughput.py", argv, text, setting)
+        return {"ops": rows}
+    text, results, name = throughput(args, device)
     print("\n" + text)
     publish(args, "bench_throughput.py", argv, text, f"torch {torch.__version__}, {name}")
     return results

@@ -1,0 +1,88 @@
+"""What a lent GPU should measure, in one command (``bench_throughput.py --device cuda --gpu-turn``)
+and one Markdown file: the CUDA tests, the floor table, the op counts and the paper-scale audit
+at a reduced budget with its projected full time. Sized for under 8 minutes on one H100.
+
+The paper-scale audit: IG on 32 images of the CIFAR ResNet-18 (width 64, 32x32, client in train
+mode), one restart each, one step, no utility measurement. It runs at two reduced budgets with the
+capture route the full budget would take; the difference of their wall times gives the seconds
+per iteration, the rest is the one-off cost (planning, compiling, capturing), and the full run's
+time is projected from both.
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable, List
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+PAPER_IMAGES = 32
+#: the full budget projected to: Inverting Gradients' iterations for a CIFAR ResNet (breaching's
+#: ``invertinggradients`` configuration: 24,000)
+PAPER_ITERATIONS = 24_000
+REDUCED = (100, 300)
+
+
+def cuda_tests() -> str:
+    """``pytest tests/test_cuda.py``: its summary line, and its failures' report when some fail."""
+    start = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_cuda.py"],
+                          cwd=ROOT, capture_output=True, text=True)
+    lines = done.stdout.strip().splitlines()
+    summary = lines[-1] if lines else done.stderr.strip()[-500:]
+    text = f"`pytest -q tests/test_cuda.py`: {summary} ({time.perf_counter() - start:.0f} s)"
+    if done.returncode:
+        text += "\n\n```\n" + "\n".join(lines[-80:]) + "\n```"
+    return text
+
+
+def paper_audit(device: torch.device) -> str:
+    """The paper-scale audit at :data:`REDUCED` budgets and its projected time at :data:`PAPER_ITERATIONS`."""
+    import audit
+    from attacks import capture
+
+    members = PAPER_IMAGES * PAPER_ITERATIONS
+    route = "compiled-graph" if members >= capture.COMPILE_MIN_MEMBER_ITERATIONS else "graph"
+    seconds, notes = [], ""
+    for budget in REDUCED:
+        with tempfile.TemporaryDirectory() as out:
+            start = time.perf_counter()
+            report = audit.run(defense="none", model="resnet18", steps=[0], attacks=["ig"], images=PAPER_IMAGES,
+                               budget=budget, attack_args={"ig": {"capture": route}}, utility=False, progress=False,
+                               device=str(device), out=out, seed=0)
+            torch.cuda.synchronize(device)
+            seconds.append(time.perf_counter() - start)
+            notes = f"worst-case PSNR at budget {budget}: {report.psnr(0):.2f} dB"
+    per_iteration = (seconds[1] - seconds[0]) / (REDUCED[1] - REDUCED[0])
+    fixed = seconds[0] - per_iteration * REDUCED[0]
+    full = fixed + per_iteration * PAPER_ITERATIONS
+    rows = ["| budget (iterations) | wall s |", "|---:|---:|"] + \
+        [f"| {b} | {s:.1f} |" for b, s in zip(REDUCED, seconds)] + \
+        [f"| {PAPER_ITERATIONS} (projected) | {full:.0f} |"]
+    return (f"IG on {PAPER_IMAGES} images of ResNet-18 (width 64, 32x32, train-mode BatchNorm), 1 restart, "
+            f"step 0, capture route `{route}` (the one the full budget takes):\n\n" + "\n".join(rows) +
+            f"\n\n{per_iteration * 1e3:.2f} ms per iteration for the {PAPER_IMAGES} images "
+            f"({per_iteration * 1e3 / PAPER_IMAGES:.3f} ms per image-iteration), one-off {fixed:.1f} s; {notes}.")
+
+
+def run(device: torch.device, floor_table: Callable[[], str], op_table: Callable[[], str], out: Path) -> Path:
+    """Every section in turn (a failing one says why and the others still run), into ``out``."""
+    sections: List[str] = [f"# A GPU turn\n\n`python bench/bench_throughput.py --device cuda --gpu-turn` "
+                           f"(torch {torch.__version__}, {torch.cuda.get_device_name(device)})."]
+    start = time.perf_counter()
+    for title, make in (("CUDA tests", cuda_tests), ("IG throughput beside its floor", floor_table),
+                        ("Operations per iteration", op_table), ("The paper-scale audit", lambda: paper_audit(device))):
+        began = time.perf_counter()
+        try:
+            body = make()
+        except Exception as err:  # the turn goes on: each section is worth having alone
+            body = f"failed: {type(err).__name__}: {err}"
+        sections.append(f"## {title}\n\n{body}\n\n({time.perf_counter() - began:.0f} s)")
+        print(sections[-1], flush=True)
+    sections.append(f"Whole turn: {time.perf_counter() - start:.0f} s.")
+    out.write_text("\n\n".join(sections) + "\n")
+    return out
