@@ -35,6 +35,7 @@ from audit.engine.null import Null, null_evidence
 from audit.engine.privacy import privacy_report
 from audit.engine.scoring import (PSNR_CAP, score_against_trained, score_reconstructions, trace_summary,
                                   trained_batch)
+from audit.engine.utility import PROTOCOL, measure_utility
 from audit.engine.settings import (DEFAULT_BUDGET, DEFAULT_IMAGES, DEFAULT_STEPS, AttackSettings, DataSettings,
                                    FLSettings, ModelSettings, OutputSettings, model_settings)
 from audit.report.audit_report import AuditReport
@@ -46,7 +47,8 @@ DEFAULT_DEFENSE = "prune"  # 90% magnitude pruning: cheap, and the planner has a
 # the portfolio of plain strategies (docs/strength.md), and IG alone: at small budgets IG's full
 # share can beat the portfolio's pick, and the verdict takes the strongest attack
 BASE_ATTACKS = ("portfolio", "ig")
-UTILITY_FORMAT = "seeds"  # the stored utility record's layout (an older one is measured again)
+#: the stored utility record's layout and recipe (a record of another is measured again)
+UTILITY_FORMAT = f"seeds; {PROTOCOL.recipe_key()}"
 
 
 # --------------------------------------------------------------------------- the audit
@@ -231,8 +233,6 @@ class Audit:
             return UtilityResult.missing("utility measurement was switched off (utility=False)")
         try:
             return _measure_utility(self, baseline)
-        except ImportError as err:
-            return UtilityResult.missing(f"the utility module is not installed ({err})")
         except GiaError as err:
             return UtilityResult.missing(f"{type(err).__name__}: {err}")
 
@@ -606,18 +606,12 @@ def _state(model: nn.Module) -> Dict[str, torch.Tensor]:
 
 
 def _measure_utility(audit: "Audit", baseline: Optional[AccuracySpread]) -> UtilityResult:
-    """Test accuracy after ``utility_steps`` FL rounds with the defense and without it (or the
-    given ``baseline`` runs), over ``utility_seeds`` seeds, with the audit's model, data and
-    FL settings."""
-    from audit.engine.utility import measure_utility
-
-    if audit.fl_settings.local_lr is not None:
-        return UtilityResult.missing("utility measurement supports FedSGD / FedAvg with the server lr only "
-                                     "(local_lr was given)")
+    """Test accuracy after ``utility_steps`` rounds of the utility recipe
+    (:data:`audit.engine.utility.PROTOCOL`, the same for every audit: the FL settings describe
+    the audited client, not how utility is measured) with the defense and without it (or the
+    given ``baseline`` runs), over ``utility_seeds`` seeds, with the audit's model and data."""
     return measure_utility(audit.defense, model=audit.model_settings, dataset=audit.dataset,
-                           steps=audit.output_settings.utility_steps, lr=audit.fl_settings.lr,
-                           batch_size=audit.fl_settings.batch_size, clients=audit.fl_settings.clients,
-                           local_steps=audit.fl_settings.local_steps, seed=audit.seed,
+                           steps=audit.output_settings.utility_steps, seed=audit.seed,
                            seeds=audit.output_settings.utility_seeds, device=audit.device, baseline=baseline)
 
 
@@ -675,7 +669,7 @@ def run(
     local_epochs: Optional[int] = None,
     shares: Optional[str] = None,
     utility: bool = True,
-    utility_steps: int = 100,
+    utility_steps: int = PROTOCOL.rounds,
     utility_seeds: int = 3,
     thresholds: Union[LeakRule, Dict[str, Any], str, None] = None,
     delta: Optional[float] = None,
@@ -694,25 +688,21 @@ def run(
     (``"data"``, ``"none"``, ``(mean, std)``; see :mod:`audit.core.model_source`);
     ``checkpoint``: a state_dict file its weights start from; ``client_mode``: ``"train"`` or
     ``"eval"``, the mode of the audited client's update (see ``docs/own-model.md``).
-    ``steps``: audited training steps (trained between them with the defended updates:
-    FedSGD, or FedAvg with ``local_steps`` / ``local_lr``, over ``clients`` clients). The audited
-    client's training: ``local_steps`` (or ``local_epochs`` over its private batch in
-    mini-batches of ``local_batch_size``) of ``local_optimizer`` (``"sgd"``,
-    ``"sgd:momentum=0.9,nesterov=1,weight_decay=5e-4"``, ``"adam"``, ``"adamw:weight_decay=0.01"``);
-    ``shares``: what it uploads, ``"gradient"`` (FedSGD), ``"update"`` (its weights after
-    training) or ``"state"`` (weights and buffers: BatchNorm statistics). ``attacks``: ``"auto"`` (base attacks plus the
+    ``steps``: audited training steps (trained between them with the defended updates over
+    ``clients`` clients); the client's training and upload (``local_*``, ``shares``): see
+    :class:`~audit.engine.settings.FLSettings`. ``attacks``: ``"auto"`` (base attacks plus the
     planner's adaptive attacks) or a list of names (``attack_args``: per-attack settings,
     ``{"ig": {"restarts": 2}}``, over the planner's). ``images``: private batches of
     ``batch_size`` images. ``budget``: gradient evaluations of the model per attack and
     private batch (each attack maps it to its iterations; see
     :data:`audit.core.types.BUDGET_DEFINITION`). ``utility``: also train
-    ``utility_steps`` rounds with and without the defense, on ``utility_seeds`` seeds each,
-    and compare test accuracy (mean and spread).
+    ``utility_steps`` rounds of the utility recipe (``docs/evidence.md``) with and without the
+    defense, on ``utility_seeds`` seeds each, and compare test accuracy (mean and spread).
     ``defense_timeout``: seconds per defense call before it is abandoned and recorded as an
     error (None: no limit). ``thresholds``: the leak rule (``docs/evidence.md``). Results
     are stored under ``out`` as they finish (a rerun resumes and, with ``retry_errors``,
-    retries stored errors); the report is written there and returned. The same settings as
-    objects: :class:`Audit` with :mod:`audit.engine.settings`' settings classes.
+    retries stored errors); the report is written there and returned. As objects: :class:`Audit`
+    with :mod:`audit.engine.settings`' settings classes.
     """
     flat = {name: value for name, value in locals().items() if name not in ("defense", "defense_args")}
     return Audit(defense, defense_args=defense_args, **audit_settings(**flat)).run()

@@ -123,7 +123,12 @@ class FLSettings:
     FedSGD, or FedAvg with ``local_steps`` / ``local_lr``, over ``clients`` clients (in train
     mode). ``client_mode``: the mode the audited client runs the model in for the update the
     attacker sees ("train": BatchNorm normalises with the batch's statistics, as clients
-    train; "eval": with the running statistics of the model's buffers)."""
+    train; "eval": with the running statistics of the model's buffers). The audited client's
+    training: ``local_steps`` (or ``local_epochs`` over its private batch in mini-batches of
+    ``local_batch_size``) of ``local_optimizer`` (``"sgd"``, ``"sgd:momentum=0.9,nesterov=1,
+    weight_decay=5e-4"``, ``"adam"``, ``"adamw:weight_decay=0.01"``); ``shares``: what it
+    uploads, ``"gradient"`` (FedSGD), ``"update"`` (its weights after training) or ``"state"``
+    (weights and buffers: the BatchNorm statistics)."""
 
     lr: float = 0.1
     batch_size: int = 8
