@@ -209,7 +209,7 @@ class Audit:
             "client_mode": CLIENT_MODE_TEXT[self.fl_settings.client_mode],
             "model_state": _state_description(self.model_settings, self.seed),
             "client_training": self.fl_settings.training_description(),
-            **buffer_note(self.defense, self.fl_settings.shares),
+            **buffer_note(self.defense, self.fl_settings.shares, self.fl_settings.client_mode),
         }
 
     def observe(self, model: nn.Module, images, labels, step: int, image: int):
@@ -550,10 +550,13 @@ CLIENT_MODE_TEXT = {
 }
 
 
-def buffer_note(defense, shares: str) -> Dict[str, str]:
+def buffer_note(defense, shares: str, client_mode: str = "train") -> Dict[str, str]:
     """The threat model's line on the uploaded buffers (shares="state" only)."""
     if shares != "state":
         return {}
+    if client_mode != "train":
+        return {"buffers": "the client trains in eval mode: its uploaded buffers are the global model's and carry "
+                           "no batch statistics"}
     if callable(getattr(defense, "buffer_inputs", None)):
         return {"buffers": f"the defense {defense.name!r} declares what the uploaded buffers record (buffer_inputs)"}
     return {"buffers": "the defense acts on the gradient only: the uploaded BatchNorm buffers carry the private "
