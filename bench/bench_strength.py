@@ -561,7 +561,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         if not ok:
             raise SystemExit(f"--upload compares with breaching's IG, which is not available: {note}")
         result["upload"] = table = strength_upload.upload_matrix(args, model_named, natural_images, run_breaching,
-                                                                  budget_for, timed, evaluate, log)
+                                                                  timed, evaluate, log)
         print(header + "\n\n" + table)
     elif args.speed:
         result["speed"] = table = speed(args, log)
