@@ -301,6 +301,7 @@ def main(argv=None) -> dict:
     if args.gpu_turn:
         import gpu_turn
 
+        args.members, args.iterations, args.repeats = "8,32", 20, 2  # the turn's floor table: about 2 minutes
         path = gpu_turn.run(device, lambda: throughput(args, device)[0],
                             lambda: op_counts.table(op_counts.count(floor_step, device, args.ops_members),
                                                     args.ops_members),

@@ -16,6 +16,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import adaptive  # noqa: F401  (registers the adaptive attacks)
 from attacks import ATTACKS, observe
 from audit.core.models import build_model
 from defenses import build_defense
@@ -71,9 +72,10 @@ def audit_ops(attack, observations, at: int = 4) -> collections.Counter:
         elif done == at + 1:
             counter.__exit__(None, None, None)
 
-    cost = attack.evaluation_cost(observations[0])
+    composed = attack.compose(observations[0]) if hasattr(attack, "compose") else attack  # an adaptive attack
+    cost = composed.evaluation_cost(observations[0])
     attack.reconstruct_many(observations, (at + 2) * cost, list(range(len(observations))), progress=progress,
-                            max_members=len(observations) * attack.restarts)
+                            max_members=len(observations) * composed.restarts)
     return counter.ops
 
 
