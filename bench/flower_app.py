@@ -153,7 +153,8 @@ def main(argv=None) -> None:
     start = time.perf_counter()
     simulate(args.rounds, mods + ([localdp] if localdp else []))
     federation = time.perf_counter() - start
-    wait_for_audits(args.out)
+    for training in TRAINING:
+        wait_for_audits(f"{args.out}/{training}")
     waited = time.perf_counter() - start
     reports = {training: combine_rounds(f"{args.out}/{training}/partition-0") for training in TRAINING}
     for report in reports.values():

@@ -21,7 +21,7 @@ from defenses.dpsgd import privacy_spent
 needs_flwr = pytest.mark.skipif(importlib.util.find_spec("flwr") is None,
                                 reason="runs Flower's own mods and a Flower simulation: needs the [flower] extra")
 JUDGED = {"leaks", "partially", "no recovered image"}
-SMALL = dict(images=1, budget=20, attacks="ig", seed=0)
+SMALL = dict(budget=5, attacks="ig", seed=0)
 
 
 # --------------------------------------------------------------------------- helpers
@@ -37,6 +37,45 @@ def initial_state():
     flower_app = app()[0]
     torch.manual_seed(0)
     return flower_app.Net().state_dict()
+
+
+class OneStep:
+    """A client of one plain SGD step on 16 images of a model without buffers: the update
+    Flower's update mods transform is then exactly the mirror's one-step gradient."""
+
+    LR = 0.1
+
+    @staticmethod
+    def net():
+        from torch import nn
+
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Conv2d(3, 8, 5), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(8 * 14 * 14, 10))
+
+    @classmethod
+    def train(cls, msg, context):
+        flower_app, ArrayRecord, _, _, Message, RecordDict = app()
+        model = cls.net()
+        model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
+        images, labels = flower_app.client_data(context)
+        loss = torch.nn.functional.cross_entropy(model(images[:16]), labels[:16])
+        loss.backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= cls.LR * p.grad
+        return Message(content=RecordDict({"arrays": ArrayRecord(model.state_dict())}), reply_to=msg)
+
+    @classmethod
+    def client_app(cls, mods=()):
+        from flwr.clientapp import ClientApp
+
+        client = ClientApp(mods=list(mods))
+        client.train()(cls.train)
+        return client
+
+    @classmethod
+    def state(cls):
+        return cls.net().state_dict()
 
 
 @pytest.fixture(autouse=True)
@@ -102,42 +141,42 @@ def test_localdp_mirror_applies_flowers_transform_to_the_same_update(clipping_no
 
     from audit.integrations.flower import flower_defense
 
-    flower_app = app()[0]
-    state, ctx = initial_state(), context()
+    plain = OneStep
+    state, ctx = plain.state(), context()
     msg = train_message(state, 1)
-    after = arrays(flower_app.client_app()(msg, ctx))  # the client's own update, no mod
-    grads = one_step_gradient(state, after, flower_app.LR)
-    update_norm = math.sqrt(sum(float((flower_app.LR * g).pow(2).sum()) for g in grads))
+    after = arrays(plain.client_app()(msg, ctx))  # the client's own update, no mod
+    grads = one_step_gradient(state, after, plain.LR)
+    update_norm = math.sqrt(sum(float((plain.LR * g).pow(2).sum()) for g in grads))
     assert (update_norm > clipping_norm) == (clipping_norm < 1)
 
     dp = LocalDpMod(clipping_norm=clipping_norm, sensitivity=0.05, epsilon=10.0, delta=1e-5)
     np.random.seed(5)
-    flower_out = arrays(flower_app.client_app([dp])(train_message(state, 1), ctx))
-    spec, args = flower_defense(dp, msg, flower_app.LR)
+    flower_out = arrays(plain.client_app([dp])(train_message(state, 1), ctx))
+    spec, args = flower_defense(dp, msg, plain.LR)
     mirror = build_defense(spec, **args)
     std = 0.05 * math.sqrt(2 * math.log(1.25 / 1e-5)) / 10.0  # LocalDpMod's noise on the update
     assert mirror.noise_std == pytest.approx(std, rel=1e-12)
 
     # Flower's output is the old state + our clipped update + the noise Flower drew with that seed
-    clipped = build_defense("flower-fixedclipping", clipping_norm=clipping_norm, lr=flower_app.LR).transform(grads)
+    clipped = build_defense("flower-fixedclipping", clipping_norm=clipping_norm, lr=plain.LR).transform(grads)
     np.random.seed(5)
     drawn = [torch.from_numpy(np.random.normal(0, std, tuple(g.shape)).astype(np.float32)) for g in grads]
     for (key, old), c, n in zip(state.items(), clipped, drawn):
-        assert torch.allclose(flower_out[key], old - flower_app.LR * c + n, atol=2e-6, rtol=0)
+        assert torch.allclose(flower_out[key], old - plain.LR * c + n, atol=2e-6, rtol=0)
 
     # our noise, in update units, has Flower's std; its log_prob is that Gaussian's density
     shared = mirror.transform(grads, generator=torch.Generator().manual_seed(0))
-    residual = torch.cat([(flower_app.LR * (s - c)).flatten() for s, c in zip(shared, clipped)]).double()
+    residual = torch.cat([(plain.LR * (s - c)).flatten() for s, c in zip(shared, clipped)]).double()
     assert abs(float(residual.std()) / std - 1) < 0.02 and abs(float(residual.mean())) < 0.02 * std
     # the same draws inside a vmapped program (vmap_draws: EOT attacks batch them), independent per member
     bias = grads[1]  # the first layer's 16 biases, as a gradient of their own, 64 draws
     first = torch.func.vmap(lambda g: mirror.transform([g], generator=VMAP_DRAWS)[0], randomness="different")(
         torch.stack([bias] * 64))
-    alone = build_defense("flower-fixedclipping", clipping_norm=clipping_norm, lr=flower_app.LR).transform([bias])
-    noise = flower_app.LR * (first - alone[0]).double()
+    alone = build_defense("flower-fixedclipping", clipping_norm=clipping_norm, lr=plain.LR).transform([bias])
+    noise = plain.LR * (first - alone[0]).double()
     assert abs(float(noise.std()) / std - 1) < 0.15 and not torch.equal(noise[0], noise[1])
-    scale, shared, grads = std / flower_app.LR, [t.double() for t in shared], [g.double() for g in grads]
-    clipped = build_defense("flower-fixedclipping", clipping_norm=clipping_norm, lr=flower_app.LR).transform(grads)
+    scale, shared, grads = std / plain.LR, [t.double() for t in shared], [g.double() for g in grads]
+    clipped = build_defense("flower-fixedclipping", clipping_norm=clipping_norm, lr=plain.LR).transform(grads)
     expected = sum(float((-0.5 * ((s - c) / scale) ** 2 - math.log(scale * math.sqrt(2 * math.pi))).sum())
                    for s, c in zip(shared, clipped))
     assert float(mirror.log_prob(shared, grads)) == pytest.approx(expected, rel=1e-9)
@@ -150,19 +189,19 @@ def test_fixedclipping_mirror_reads_the_rounds_norm_and_clips_as_flower_does(cli
 
     from audit.integrations.flower import flower_defense
 
-    flower_app = app()[0]
-    state, ctx = initial_state(), context()
+    plain = OneStep
+    state, ctx = plain.state(), context()
     msg = train_message(state, 2, clipping_norm=clipping_norm)
-    grads = one_step_gradient(state, arrays(flower_app.client_app()(msg, ctx)), flower_app.LR)
-    flower_out = arrays(flower_app.client_app([fixedclipping_mod])(train_message(state, 2, clipping_norm=clipping_norm),
+    grads = one_step_gradient(state, arrays(plain.client_app()(msg, ctx)), plain.LR)
+    flower_out = arrays(plain.client_app([fixedclipping_mod])(train_message(state, 2, clipping_norm=clipping_norm),
                                                                    ctx))
-    spec, args = flower_defense(fixedclipping_mod, msg, flower_app.LR)
-    assert (spec, args) == ("flower-fixedclipping", {"clipping_norm": clipping_norm, "lr": flower_app.LR})
+    spec, args = flower_defense(fixedclipping_mod, msg, plain.LR)
+    assert (spec, args) == ("flower-fixedclipping", {"clipping_norm": clipping_norm, "lr": plain.LR})
     shared = build_defense(spec, **args).transform(grads)
     for (key, old), s in zip(state.items(), shared):
-        assert torch.allclose(flower_out[key], old - flower_app.LR * s, atol=1e-6, rtol=0)
+        assert torch.allclose(flower_out[key], old - plain.LR * s, atol=1e-6, rtol=0)
     with pytest.raises(ConfigError, match="clipping_norm"):
-        flower_defense(fixedclipping_mod, train_message(state, 2), flower_app.LR)
+        flower_defense(fixedclipping_mod, train_message(state, 2), plain.LR)
 
 
 def test_the_cli_takes_flowers_defenses_by_name_and_an_audit_accounts_for_localdp():
@@ -195,19 +234,50 @@ def test_the_cli_takes_flowers_defenses_by_name_and_an_audit_accounts_for_locald
 @pytest.mark.parametrize("options,fragment", [
     ({"rounds": [0]}, "rounds >= 1"),
     ({"data": "cifar"}, "data must be a callable"),
+    ({"data": lambda context, round, extra: None}, "data(context, round)"),
     ({"attacks": "ig,no-such-attack"}, "no-such-attack"),
     ({"defense": "flower-localdp", "defense_args": {"epsilon": -1}}, "epsilon"),
     ({"timeout": 0}, "timeout"),
-    ({"round": 3}, "unknown AuditMod option(s) round"),
+    ({"images": 2}, "unknown AuditMod option(s) images"),
+    ({"lr": 0.1, "local_lr": 0.05}, "give one"),
+    ({"local_steps": 2, "local_epochs": 1}, "local_steps= / local_epochs="),
+    ({"local_optimizer": "sgd:momentum=2"}, "momentum"),
+    ({"model_args": {"width": 3}}, "model_args="),
 ])
-def test_bad_mod_options_are_one_line_errors(options, fragment):
+def test_bad_mod_options_are_one_line_errors_naming_the_mods_options(options, fragment):
     from audit.integrations.flower import AuditMod
 
     flower_app = app()[0]
-    base = dict(rounds=[1], model=flower_app.Net, data=flower_app.client_data)
+    base = dict(rounds=[1], model=flower_app.Net, data=flower_app.first_client_data)
     with pytest.raises(ConfigError) as err:
         AuditMod(**{**base, **options})
-    assert fragment in str(err.value) and "\n" not in str(err.value)
+    assert fragment in str(err.value) and "\n" not in str(err.value) and "--" not in str(err.value)
+
+
+@needs_flwr
+def test_the_model_is_built_and_checked_when_the_mod_is_built():
+    from torch import nn
+
+    from audit.integrations.flower import AuditMod
+
+    flower_app = app()[0]
+    built = []
+
+    def factory(width=16):
+        built.append(width)
+        return nn.Sequential(nn.Flatten(), nn.Linear(3 * 32 * 32, width))
+
+    AuditMod(rounds=[1], model=factory, data=flower_app.first_client_data, model_args={"width": 10})
+    assert built == [10]  # built once, at construction, with the mod's model_args
+
+    def broken(width=16):
+        raise RuntimeError("no such layer")
+
+    with pytest.raises(ConfigError, match="no such layer") as err:
+        AuditMod(rounds=[1], model=broken, data=flower_app.first_client_data)
+    assert "model_args=" in str(err.value) and "--model-arg" not in str(err.value)
+    with pytest.raises(ConfigError, match="input_shape=") as err:  # a forward that fails on the declared inputs
+        AuditMod(rounds=[1], model=factory, data=flower_app.first_client_data, input_shape=(1, 28, 28))
 
 
 @needs_flwr
@@ -219,65 +289,157 @@ def test_defense_args_do_not_apply_to_a_flower_mod_and_a_class_count_is_asked_fo
     flower_app = app()[0]
     dp = LocalDpMod(1.0, 1.0, 1.0, 1e-5)
     with pytest.raises(ConfigError, match="read from the mod itself"):
-        AuditMod(rounds=[1], model=flower_app.Net, data=flower_app.client_data, defense=dp, defense_args={"lr": 1})
+        AuditMod(rounds=[1], model=flower_app.Net, data=flower_app.first_client_data, defense=dp,
+                 defense_args={"lr": 1})
 
     def factory(num_classes):
         return flower_app.Net()
 
     with pytest.raises(ConfigError, match="num_classes="):
-        AuditMod(rounds=[1], model=factory, data=flower_app.client_data)
+        AuditMod(rounds=[1], model=factory, data=flower_app.first_client_data)
 
 
-# --------------------------------------------------------------------------- one round, inline
+# --------------------------------------------------------------------------- the real reply, checked
+def audited_round(tmp_path, training="momentum", round_=1, **settings):
+    """Client 0 of the documented app through the mod (blocking) on a train message of ``round_``;
+    the reply with and without the mod, and the round's status."""
+    flower_app = app()[0]
+    mod = flower_app.audit_mod(str(tmp_path / training), audited=[round_], training=training, blocking=True,
+                               **{**SMALL, **settings})
+    state, ctx = initial_state(), context()
+    reply = flower_app.client_app([mod])(train_message(state, round_), ctx)
+    plain = flower_app.client_app()(train_message(state, round_), ctx)
+    folder = tmp_path / training / "partition-0" / f"round-{round_}"
+    return reply, plain, folder, json.loads((folder / "audit.json").read_text())
+
+
 @needs_flwr
-def test_an_inline_round_audits_the_deployments_localdp_and_reports_its_privacy(tmp_path):
-    from flwr.clientapp.mod import LocalDpMod
+def test_the_real_reply_is_audited_and_reproduced_by_the_declared_training(tmp_path):
+    from audit.integrations.flower.reply import named_arrays
 
     flower_app = app()[0]
-    dp = LocalDpMod(clipping_norm=0.05, sensitivity=0.05, epsilon=2.0, delta=1e-5)
-    mod = flower_app.audit_mod(str(tmp_path), audited=[2], localdp=dp, blocking=True, **SMALL)
-    state, ctx = initial_state(), context()
-    np.random.seed(3)
-    audited_reply = flower_app.client_app([mod, dp])(train_message(state, 2), ctx)
-    np.random.seed(3)
-    plain_reply = flower_app.client_app([dp])(train_message(state, 2), ctx)
-    assert all(torch.equal(a, b) for a, b in zip(arrays(audited_reply).values(), arrays(plain_reply).values()))
-
-    folder = tmp_path / "partition-0" / "round-2"
-    assert json.loads((folder / "audit.json").read_text())["state"] == "finished"
-    report = json.loads((folder / "report.json").read_text())
-    assert report["step_name"] == "round" and [s["step"] for s in report["steps"]] == [2]
-    assert report["defense"]["params"]["clipping_norm"] == 0.05 and report["defense"]["name"] == "flower-localdp"
-    z = 0.05 * math.sqrt(2 * math.log(1.25 / 1e-5)) / 2.0 / (2 * 0.05)  # noise std / (2 x clipping norm)
-    privacy = report["privacy"]
-    assert privacy["applicable"] and privacy["noise_multiplier"] == pytest.approx(z)
-    assert privacy["per_step"][0]["rounds"] == 2
-    assert privacy["per_step"][0]["epsilon"] == pytest.approx(privacy_spent(2, 1.0, z, 1e-5).epsilon, rel=1e-9)
-    assert privacy["identification_bound"]["bound"] == pytest.approx(identification_bound(1 / 64, z), rel=1e-9)
-    combined = (tmp_path / "partition-0" / "report.md").read_text()
-    assert "| audited round | noised updates spent |" in combined and "## Leakage per federation round" in combined
-
-
-# --------------------------------------------------------------------------- failures read incomplete
-@needs_flwr
-def test_a_failed_round_is_incomplete_and_the_client_round_goes_on(tmp_path):
-    flower_app = app()[0]
-
-    def too_few(context):
-        images, labels = flower_app.client_data(context)
-        return images[:10], labels[:10]
-
-    mod = flower_app.AuditMod(rounds=[1], model=flower_app.Net, data=too_few, lr=flower_app.LR, out=str(tmp_path),
-                              blocking=True, **SMALL)
-    state, ctx = initial_state(), context()
-    reply = flower_app.client_app([mod])(train_message(state, 1), ctx)
-    plain = flower_app.client_app()(train_message(state, 1), ctx)
+    reply, plain, folder, status = audited_round(tmp_path)
     assert all(torch.equal(a, b) for a, b in zip(arrays(reply).values(), arrays(plain).values()))
+    assert status["state"] == "finished", status
+    fidelity = status["fidelity"]
+    assert fidelity["reproduces"] and set(fidelity["groups"]) == {"update", "buffers"}
+    for group in fidelity["groups"].values():  # 2 momentum steps with BatchNorm, replayed to float tolerance
+        assert group["cosine"] > 1 - 1e-9 and abs(group["ratio"] - 1) < 1e-5 and group["real_norm"] > 0
+
+    # the attacked observation is the reply: the update in gradient units and the uploaded buffers
+    report = json.loads((folder / "report.json").read_text())
+    threat = report["threat_model"]
+    assert threat["shares"] == "state" and threat["local_steps"] == 2 and threat["local_lr"] == flower_app.LR
+    assert threat["local_optimizer"] == "sgd(momentum=0.9)" and "reproduces the reply" in threat["fidelity"]
+    assert "training_step" not in threat and "splits" not in report["data"]
+    net = flower_app.Net()
+    sent = named_arrays(arrays(reply), net, "the reply")
+    assert set(sent.buffers) == {n for n, _ in net.named_buffers()}  # the client sends its BatchNorm statistics
+    assert report["data"]["private_labels"] == [flower_app.client_data(context())[1][
+        flower_app.round_batch(context(), 1)].tolist()]  # the 4 images the round trained on
+    page = (folder.parent / "report.md").read_text()
+    assert "per-round report: none" not in page and "partition-0: no defense" in page
+    assert "fidelity, round 1" in page and "- **local_lr**: 0.05\n" in page and "training_step" not in page
+
+
+@needs_flwr
+def test_a_wrong_description_of_the_training_is_not_judged_and_logged_once(tmp_path, caplog):
+    caplog.set_level("WARNING", logger="flwr")
+    _, _, folder, status = audited_round(tmp_path, training="one-step")
+    assert status["state"] == "not judged"
+    assert status["reason"].startswith("not judged: the declared training does not reproduce the client's update")
+    assert status["fidelity"]["differs"] == ["update", "buffers"]
+    assert 1.5 < status["fidelity"]["groups"]["update"]["ratio"]  # two momentum steps move about twice as far
+    assert not list(folder.glob("runs/*/results/*"))  # no attack ran
+    report = json.loads((folder.parent / "report.json").read_text())
+    assert report["steps"][0]["verdict"]["label"] == "not judged" and report["verdict"]["label"] == "not judged"
+    assert "**Verdict: not judged: " in (folder.parent / "report.md").read_text()
+    lines = [r for r in caplog.records if "gia-audit" in r.getMessage() and r.name == "flwr"]
+    assert len(lines) == 1 and "not judged" in lines[0].getMessage()
+
+
+@needs_flwr
+@pytest.mark.parametrize("blocking", [True, False])
+def test_the_mod_leaves_the_clients_global_random_states_as_they_were(tmp_path, blocking):
+    import random
+
+    from audit.integrations.flower import wait_for_audits
+
+    flower_app = app()[0]
+
+    def draws(mods):
+        state, ctx = initial_state(), context()
+        torch.manual_seed(11), np.random.seed(11), random.seed(11)
+        flower_app.client_app(mods)(train_message(state, 1), ctx)
+        return torch.rand(4), np.random.rand(4), random.random()
+
+    mod = flower_app.audit_mod(str(tmp_path), audited=[1], blocking=blocking, **SMALL)
+    audited, plain = draws([mod]), draws([])
+    assert torch.equal(audited[0], plain[0]) and np.array_equal(audited[1], plain[1]) and audited[2] == plain[2]
+    assert wait_for_audits(tmp_path, timeout=300) == {str(tmp_path / "partition-0" / "round-1"): "finished"}
+
+
+@needs_flwr
+def test_a_timed_out_inline_audit_stops_and_leaves_no_report_contradicting_its_status(tmp_path):
+    import threading
+
+    _, _, folder, status = audited_round(tmp_path, timeout=0.5, budget=2000)
+    assert status["state"] == "timed out" and "timeout of 0.5 s" in status["reason"]
+    assert not any(t.name.startswith("gia-audit round") for t in threading.enumerate())  # stopped, not abandoned
+    assert not (folder / "report.md").exists()  # the cancelled audit's late result is discarded
+    combined = json.loads((folder.parent / "report.json").read_text())
+    assert combined["verdict"]["label"] == "incomplete" and combined["status"].startswith("incomplete")
+    page = (folder.parent / "report.md").read_text()
+    assert "Run `None`" not in page and "delta = 0.000" not in page and "delta = nan" not in page
+
+
+@needs_flwr
+def test_a_failure_in_the_background_is_reported_outside_the_round(tmp_path):
+    from audit.integrations.flower import wait_for_audits
+
+    flower_app = app()[0]
+
+    def too_few(context, round_):  # 16 images besides the 4 trained: too few for the null's 64 candidates
+        images, labels = flower_app.client_data(context)
+        return images[:20], labels[:20], torch.arange(4)
+
+    mod = flower_app.AuditMod(rounds=[1], model=flower_app.Net, data=too_few, local_lr=flower_app.LR,
+                              out=str(tmp_path), **SMALL)
+    flower_app.client_app([mod])(train_message(initial_state(), 1), context())
+    folder = tmp_path / "partition-0" / "round-1"
+    status = json.loads((folder / "audit.json").read_text())
+    assert status["state"] == "failed" and "images besides" in status["reason"]
+    assert not (folder.parent / "report.json").exists()  # built by the background process, not in the round
+    assert wait_for_audits(tmp_path, timeout=120) == {str(folder): "failed"}
+    report = json.loads((folder.parent / "report.json").read_text())
+    assert report["verdict"]["label"] == "incomplete" and "images besides" in report["verdict"]["reason"]
+
+
+@needs_flwr
+def test_data_without_the_trained_rows_is_a_failed_round_naming_them(tmp_path):
+    flower_app = app()[0]
+    mod = flower_app.AuditMod(rounds=[2], model=flower_app.Net, data=flower_app.client_data, out=str(tmp_path),
+                              blocking=True, **SMALL)
+    flower_app.client_app([mod])(train_message(initial_state(), 2), context())
+    status = json.loads((tmp_path / "partition-0" / "round-2" / "audit.json").read_text())
+    assert status["state"] == "failed" and "(images, labels, trained)" in status["reason"]
+
+
+@needs_flwr
+def test_the_hold_includes_the_launch(tmp_path, monkeypatch):
+    import time
+
+    from audit.integrations.flower import wait_for_audits
+    from audit.integrations.flower import mod as mod_module
+
+    flower_app = app()[0]
+    launch = mod_module.AuditMod._spawn
+    monkeypatch.setattr(mod_module.AuditMod, "_spawn", lambda self, folder: (time.sleep(0.3), launch(self, folder)))
+    mod = flower_app.audit_mod(str(tmp_path), audited=[1], **SMALL)
+    flower_app.client_app([mod])(train_message(initial_state(), 1), context())
     status = json.loads((tmp_path / "partition-0" / "round-1" / "audit.json").read_text())
-    assert status["state"] == "failed" and "10 images" in status["reason"]
-    report = json.loads((tmp_path / "partition-0" / "report.json").read_text())
-    assert report["verdict"]["label"] == "incomplete" and "10 images" in report["verdict"]["reason"]
-    assert report["status"].startswith("incomplete (round 1: failed")
+    assert status["prepared_s"] >= 0.3
+    assert wait_for_audits(tmp_path, timeout=300) == {str(tmp_path / "partition-0" / "round-1"): "finished"}
 
 
 @needs_flwr
@@ -293,6 +455,19 @@ def test_a_round_whose_audit_process_died_without_a_status_reads_incomplete(tmp_
     assert wait_for_audits(tmp_path, timeout=60) == {str(folder): "failed"}
     report = json.loads((tmp_path / "node-7" / "report.json").read_text())
     assert report["verdict"]["label"] == "incomplete" and "without a final status" in report["verdict"]["reason"]
+
+
+def test_flower_report_takes_no_unused_options_and_names_the_client_folders(tmp_path):
+    from click.testing import CliRunner
+
+    import cli
+    from audit.integrations.flower.job import write_status
+
+    write_status(tmp_path / "partition-3" / "round-1", state="failed", round=1, reason="x")
+    unused = CliRunner().invoke(cli.main, ["flower-report", str(tmp_path), "--seed", "1"])
+    assert unused.exit_code == 2 and "No such option" in unused.output and "--seed" in unused.output
+    pointed = CliRunner().invoke(cli.main, ["flower-report", str(tmp_path)])
+    assert pointed.exit_code == 2 and str(tmp_path / "partition-3") in pointed.output
 
 
 # --------------------------------------------------------------------------- a real federation
@@ -329,7 +504,7 @@ def two_federations(mods, rounds, result):
 
 
 @needs_flwr
-def test_a_flower_simulation_is_audited_per_round_and_its_weights_are_unchanged(tmp_path):
+def test_a_flower_simulation_is_audited_per_round_on_its_real_replies_and_its_weights_are_unchanged(tmp_path):
     """Client 0 is audited at rounds 1 and 3; client 1's audit of round 1 runs past a 1 s timeout."""
     from click.testing import CliRunner
     from flwr.simulation import run_simulation
@@ -341,10 +516,15 @@ def test_a_flower_simulation_is_audited_per_round_and_its_weights_are_unchanged(
     out = tmp_path / "audits"
 
     def client(partition):
-        return lambda context: (flower_app.client_data(context) if context.node_config["partition-id"] == partition
-                                else None)
+        def data(context, round_):
+            if context.node_config["partition-id"] != partition:
+                return None
+            images, labels = flower_app.client_data(context)
+            return images, labels, flower_app.round_batch(context, round_)
+        return data
 
-    common = dict(model=flower_app.Net, lr=flower_app.LR, out=str(out), **SMALL)
+    common = dict(model=flower_app.Net, local_lr=flower_app.LR, out=str(out), **flower_app.TRAINING["momentum"],
+                  **SMALL)
     mods = [flower_app.AuditMod(rounds=[1, 3], data=client(0), timeout=400, **common),
             flower_app.AuditMod(rounds=[1], data=client(1), timeout=1, **common)]
     result = {}
@@ -363,10 +543,9 @@ def test_a_flower_simulation_is_audited_per_round_and_its_weights_are_unchanged(
     report = json.loads((out / "partition-0" / "report.json").read_text())
     assert report["step_name"] == "round" and [s["step"] for s in report["steps"]] == [1, 3]
     assert {s["verdict"]["label"] for s in report["steps"]} <= JUDGED and report["status"] == "complete"
-    assert [r["round"] for r in report["rounds"]] == [1, 3]
-    for step in report["steps"]:  # each round's images are in its own folder, linked from the report
-        assert (out / "partition-0" / step["originals"] / "i0.png").is_file()
-    assert "## Leakage per federation round" in (out / "partition-0" / "report.md").read_text()
+    for r in report["rounds"]:  # the replies of a real simulation, reproduced by the declared training
+        groups = r["fidelity"]["groups"]
+        assert r["fidelity"]["reproduces"] and all(g["cosine"] > 1 - 1e-6 for g in groups.values()), r
     # what was audited is what the client received: round 1, the server's initial arrays; round 3, a trained state
     round1 = torch.load(out / "partition-0" / "round-1" / "global_model.pt")
     round3 = torch.load(out / "partition-0" / "round-3" / "global_model.pt")

@@ -21,9 +21,11 @@ from typing import Any, Dict, List, Optional
 import torch
 from torch import Tensor
 
-from audit.client.observe import client_round
 from audit.core.buffers import state_buffers
-from audit.core.types import default_loss_fn, trainable_names
+from audit.core.defense_call import call_defense
+from audit.core.models import preserved_buffers
+from audit.core.types import default_loss_fn, trainable_names, trainable_parameters
+from audit.core.unroll import client_update
 from audit.integrations.flower.reply import NamedArrays, deployment_module
 
 COSINE_MIN = 0.999  # per layer group, without noise
@@ -78,14 +80,41 @@ def _flat(tensors) -> Tensor:
     return torch.cat(items) if items else torch.zeros(0, dtype=torch.float64)
 
 
+def _client_round(model, images, labels, defense, generator, steps, lr, local_batch_size, mode, round, optimizer):
+    """The client's local training on ``model`` (moved in place, buffers included): one
+    train-mode forward per step moves the buffers, as a training loop does; the update in
+    gradient units (:func:`audit.core.unroll.client_update`)."""
+    model.train(mode == "train")
+    params = trainable_parameters(model)
+
+    def step_grads(p, xb, yb, k):
+        with torch.no_grad():
+            for q, value in zip(params, p.values()):
+                q.copy_(value)
+        with preserved_buffers(model):
+            if defense is None:
+                grads = torch.autograd.grad(default_loss_fn(model(xb), yb), params, allow_unused=True)
+                grads = [torch.zeros_like(q) if g is None else g for q, g in zip(params, grads)]
+            else:
+                grads = call_defense(defense, model, xb, yb, loss_fn=default_loss_fn, generator=generator, round=round)
+        if mode == "train":
+            with torch.no_grad():
+                model(xb)
+        return {str(i): g.detach() for i, g in enumerate(grads)}
+
+    theta0 = {str(i): q.detach().clone() for i, q in enumerate(params)}
+    return client_update(step_grads, theta0, images, labels, steps=steps, lr=lr, batch_size=local_batch_size,
+                         optimizer=optimizer)
+
+
 def replay(model, images: Tensor, labels: Tensor, *, defense, steps: int, lr: float,
            local_batch_size: Optional[int], optimizer, client_mode: str, round: int, seed: int) -> NamedArrays:
     """The state the declared training ends in, from ``model`` (the audited model holding the
     global state), by the deployment's ``state_dict`` names."""
     client = copy.deepcopy(model)
     generator = torch.Generator().manual_seed(int(seed))
-    update = client_round(client, images, labels, defense, default_loss_fn, generator, steps, lr, local_batch_size,
-                          client_mode, round=round, optimizer=optimizer)
+    update = _client_round(client, images, labels, defense, generator, steps, lr, local_batch_size, client_mode,
+                           round, optimizer)
     net = deployment_module(model)
     before = dict(net.named_parameters())
     names = trainable_names(net)

@@ -13,14 +13,11 @@ import threading
 from dataclasses import replace
 from typing import Any, Dict, Optional
 
-import torch
-
 from audit.core.buffers import has_running_stats
 from audit.core.types import Observation
 from audit.engine.settings import AttackSettings, DataSettings, FLSettings, ModelSettings, OutputSettings
 from audit.engine.state import StateAudit
-from audit.integrations.flower.reply import (NamedArrays, audited_prefix, deployment_module, named_arrays,
-                                             update_in_gradient_units)
+from audit.integrations.flower.reply import audited_prefix, deployment_module, named_arrays, update_in_gradient_units
 
 
 class Cancelled(BaseException):
@@ -118,8 +115,6 @@ def reply_observation(audit: ReplyAudit, model, images, labels) -> Observation:
         defense = None  # its transform acts on the whole update, which the attacks cannot replay per step
     first = next(model.parameters())
     shared = [g.to(first.device, first.dtype) for g in update_in_gradient_units(before, after, lr)]
-    from audit.client.observe import _normalisation
-
     mean, std = _normalisation(model)
     return Observation(
         model=model, gradients=shared, input_shape=tuple(images.shape[1:]), num_classes=audit.dataset.num_classes,
@@ -127,6 +122,16 @@ def reply_observation(audit: ReplyAudit, model, images, labels) -> Observation:
         local_steps=steps, local_lr=lr, local_batch_size=fl.local_batch_size, defense=defense, step=audit.round,
         data_mean=mean, data_std=std, extra=audit.auxiliary_data(), client_mode=fl.client_mode,
         optimizer=fl.local_optimizer, shares="state" if buffers is not None else None, buffers=buffers)
+
+
+def _normalisation(model):
+    """The mean and std of the audited model's Normalize layer (None, None without one)."""
+    from audit.core.models import Normalize
+
+    for m in model.modules():
+        if isinstance(m, Normalize):
+            return tuple(m.mean.flatten().tolist()), tuple(m.std.flatten().tolist())
+    return None, None
 
 
 def audit_settings_of(job, folder, fl: FLSettings):
@@ -140,6 +145,3 @@ def audit_settings_of(job, folder, fl: FLSettings):
         output_settings=OutputSettings(folder, False, thresholds=s.output.thresholds, progress=False,
                                        defense_timeout=s.output.defense_timeout),
         seed=s.seed, device=s.device, defense_args=job.defense_args)
-
-
-__all__ = ["Cancelled", "NamedArrays", "ReplyAudit", "audit_settings_of", "reply_observation", "torch"]
