@@ -39,6 +39,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from audit.engine.utility import PROTOCOL  # noqa: E402
 from bench.docs_table import ROOT, add_docs_option, command_line, without_options, write_table  # noqa: E402
 from bench.papers_verdict import (INCONCLUSIVE, NOT_RUN, CellEvidence, Conclusion,  # noqa: E402
                                   cell_evidence, conclude_leaks, conclude_order, conclude_protects,
@@ -141,7 +142,7 @@ class Row:
     leak_cell: str = "paper"  # for claim "leaks": which cell must leak
     order_psnr: Dict[str, float] = field(default_factory=dict)  # claim "order": paper dB per attack
     utility: Optional[Tuple[str, float]] = None  # (claim, ratio) for claim "utility"
-    utility_steps: int = 50
+    utility_steps: int = PROTOCOL.rounds  # rounds of the utility recipe (docs/evidence.md)
     differences: Tuple[str, ...] = ()  # what else differs from the paper (counted in the label)
     notes: Tuple[str, ...] = ()  # what the paper leaves open, and our code's known departures
     search: bool = False  # the paper's attacks' weights chosen by a grid search on held-out images

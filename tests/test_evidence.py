@@ -11,7 +11,7 @@ from scipy.stats import norm
 import audit
 from audit.core.data import load_dataset
 from audit.core.evidence import (aligned_psnr, clopper_pearson, excluded_rate, images_to_exclude, lpips_embedding,
-                                 ssim_matrix)
+                                 mean_difference, ssim_matrix)
 from audit.core.metrics import MetricUnavailable, lpips_distance, lpips_model, ssim
 from audit.core.reconstruction_bound import identification_bound
 from audit.core.records import ImageClass
@@ -115,3 +115,21 @@ def test_a_decoy_that_shares_nothing_private_is_not_judged_to_leak(tmp_path, kin
     assert step["verdict"]["excludes_rate_above"] == pytest.approx(excluded_rate(4))
     honest = audit.run(defense="none", steps=[0], attacks=["analytic"], images=4, out=tmp_path / "none", **TINY)
     assert honest.verdict == "leaks" and honest.step(0)["verdict"]["recovered"] == 4
+
+
+def test_the_difference_of_means_over_seeds_is_welchs_interval():
+    from scipy.stats import ttest_ind
+
+    a, b = [0.61, 0.64, 0.66], [0.70, 0.69, 0.75, 0.72]
+    diff = mean_difference(a, b)
+    reference = ttest_ind(a, b, equal_var=False).confidence_interval(0.95)
+    assert diff.estimate == pytest.approx(np.mean(a) - np.mean(b))
+    assert (diff.low, diff.high) == pytest.approx((reference.low, reference.high))
+    assert diff.sizes == (3, 4) and diff.low < diff.estimate < diff.high
+    # a weighted difference is the difference with the second sample scaled
+    scaled = ttest_ind(a, [0.9 * x for x in b], equal_var=False).confidence_interval(0.99)
+    assert (mean_difference(a, b, 0.9, 0.99).low, mean_difference(a, b, 0.9, 0.99).high) == pytest.approx(
+        (scaled.low, scaled.high))
+    assert mean_difference([0.5], b) is None  # one seed: no spread, no interval
+    same = mean_difference([0.5, 0.5], [0.4, 0.4])
+    assert (same.low, same.estimate, same.high) == pytest.approx((0.1, 0.1, 0.1))

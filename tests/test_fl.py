@@ -10,7 +10,8 @@ from audit.core.errors import ConfigError, DataError
 from audit.client.fl import client_splits, evaluate, train
 from audit.core.models import build_model
 from audit.core.types import clean_gradients, trainable_parameters
-from audit.engine.utility import format_utility_table, measure_utility, utility_report
+from audit.engine.utility import (PROTOCOL, SCHEDULES, Protocol, format_utility_table, measure_utility,
+                                  utility_report)
 from defenses import build_defense
 from defenses.precode import bottlenecks
 
@@ -150,6 +151,26 @@ def test_utility_measures_the_defense_against_the_undefended_run_over_seeds():
     assert destroyed.defended.max <= destroyed.undefended.min - 0.4
     table = format_utility_table([result, destroyed])
     assert "prune" in table and "bound=1e-06" in table and "(3 training seeds)" in table
+
+
+def test_the_utility_recipe_is_recorded_and_keys_the_stored_utility():
+    from dataclasses import replace
+
+    from audit.engine.audit import UTILITY_FORMAT
+
+    base = Protocol(100, 0.05, 16, "cosine")
+    variants = [base, replace(base, lr=0.1), replace(base, batch_size=8), replace(base, schedule="constant"),
+                replace(base, clients=2), replace(base, local_steps=2)]
+    assert len({p.recipe_key() for p in variants}) == len(variants)  # any change measures the utility again
+    assert replace(base, rounds=5).recipe_key() == base.recipe_key()  # the rounds are the audit's utility_steps
+    assert PROTOCOL.recipe_key() in UTILITY_FORMAT
+    assert [SCHEDULES["cosine"](k, 4) for k in range(4)] == pytest.approx([1.0, 0.8536, 0.5, 0.1464], abs=1e-4)
+    with pytest.raises(ConfigError, match="unknown learning-rate schedule"):
+        Protocol(10, 0.1, 8, "linear")
+    result = measure_utility("none", "mlp", synthetic(), 2, model_args={"hidden": (8,)}, seeds=1)
+    assert {k: result.setting[k] for k in ("lr", "schedule", "batch_size", "clients", "local_steps")} == {
+        "lr": PROTOCOL.lr, "schedule": PROTOCOL.schedule, "batch_size": PROTOCOL.batch_size,
+        "clients": PROTOCOL.clients, "local_steps": PROTOCOL.local_steps}
 
 
 def test_a_diverging_run_is_scored_on_the_model_it_left():

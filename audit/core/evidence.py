@@ -12,12 +12,14 @@ from; nothing here knows about audits.
   blind to gain and offset), LPIPS when its weights are installed, else SSIM.
 * :func:`clopper_pearson`, :func:`excluded_rate`, :func:`images_to_exclude`: exact binomial
   statements about a recovery rate seen on few images.
+* :func:`mean_difference`: the difference of two means over seeds (e.g. test accuracies of
+  training runs) with its Welch t interval.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Optional, Tuple
+from typing import Callable, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -179,3 +181,42 @@ def excluded_rate(n: int, level: float = 0.95) -> float:
 def images_to_exclude(rate: float, level: float = 0.95) -> int:
     """How many images with none recovered exclude a recovery rate of ``rate`` at ``level``."""
     return int(math.ceil(math.log(1.0 - level) / math.log(1.0 - rate)))
+
+
+# --------------------------------------------------------------------------- means over seeds
+@dataclass(frozen=True)
+class Difference:
+    """``mean(a) - weight * mean(b)`` with its two-sided ``level`` interval (Welch's t on the
+    standard error of the difference, ``df`` Welch-Satterthwaite degrees of freedom)."""
+
+    estimate: float
+    low: float
+    high: float
+    stderr: float
+    df: float
+    level: float
+    sizes: Tuple[int, int]
+
+    @property
+    def half_width(self) -> float:
+        return (self.high - self.low) / 2
+
+
+def mean_difference(a: Sequence[float], b: Sequence[float], weight: float = 1.0,
+                    level: float = 0.95) -> Optional[Difference]:
+    """``mean(a) - weight * mean(b)`` for independent samples ``a`` and ``b`` (e.g. accuracies
+    over training seeds) with Welch's t interval; None when either has fewer than two values
+    (no spread is known). Samples without spread give a zero-width interval."""
+    from scipy.stats import t
+
+    if len(a) < 2 or len(b) < 2:
+        return None
+    ma, mb = math.fsum(a) / len(a), math.fsum(b) / len(b)
+    va = math.fsum((x - ma) ** 2 for x in a) / (len(a) - 1) / len(a)
+    vb = weight ** 2 * math.fsum((x - mb) ** 2 for x in b) / (len(b) - 1) / len(b)
+    estimate, se = ma - weight * mb, math.sqrt(va + vb)
+    if se == 0.0:
+        return Difference(estimate, estimate, estimate, 0.0, math.inf, level, (len(a), len(b)))
+    df = (va + vb) ** 2 / (va ** 2 / (len(a) - 1) + vb ** 2 / (len(b) - 1))
+    half = float(t.ppf(0.5 + level / 2, df)) * se
+    return Difference(estimate, estimate - half, estimate + half, se, df, level, (len(a), len(b)))

@@ -36,6 +36,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 from audit.core.errors import ConfigError
 from audit.core.records import AccuracySpread, UtilityResult
 from audit.engine.audit import UTILITY_FORMAT, Audit, audit_settings
+from audit.engine.utility import PROTOCOL
 from audit.engine.compose import AuditParts, SharedParts, build_parts, build_shared, resolve_defense
 from audit.engine.executors import EXECUTORS
 from audit.engine.identity import defense_identity, model_identity
@@ -331,7 +332,7 @@ class Sweep:
         return {"model": self.model_ident, "data": self._data_key(),
                 "fl": as_dict(self.fl_settings), "attacks": as_dict(self.attack_settings), "utility": self.output_settings.utility,
                 "utility_steps": self.output_settings.utility_steps, "utility_seeds": self.output_settings.utility_seeds,
-                "seed": self.seed, "device": self.device.type,
+                "utility_recipe": PROTOCOL.recipe_key(), "seed": self.seed, "device": self.device.type,
                 "executor": self.executor.name}
 
     def run(self) -> SweepReport:

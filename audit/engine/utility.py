@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -29,6 +30,48 @@ from audit.report.format import spread_text
 
 DEFAULT_SEEDS = 3
 UTILITY_THREADS = 1
+
+#: learning-rate factor of round ``k`` of ``n``
+SCHEDULES: Dict[str, Callable[[int, int], float]] = {
+    "constant": lambda k, n: 1.0,
+    "cosine": lambda k, n: 0.5 * (1.0 + math.cos(math.pi * k / n)),
+}
+
+
+@dataclass(frozen=True)
+class Protocol:
+    """A utility training recipe: ``rounds`` FL rounds over ``clients`` clients, each running
+    ``local_steps`` SGD steps (1: FedSGD) on batches of ``batch_size``, at learning rate
+    ``lr`` times the ``schedule``'s factor of the round."""
+
+    rounds: int
+    lr: float
+    batch_size: int
+    schedule: str = "cosine"
+    clients: int = 1
+    local_steps: int = 1
+
+    def __post_init__(self):
+        if self.schedule not in SCHEDULES:
+            raise ConfigError(f"unknown learning-rate schedule {self.schedule!r}; known: {', '.join(SCHEDULES)}")
+
+    def factor(self) -> Callable[[int], float]:
+        return lambda k: SCHEDULES[self.schedule](k, self.rounds)
+
+    def recipe_key(self) -> str:
+        """Everything but the rounds (which the audit's ``utility_steps`` set), as text."""
+        return (f"lr {self.lr!r} {self.schedule}, batch {self.batch_size}, clients {self.clients}, "
+                f"local steps {self.local_steps}")
+
+    def text(self) -> str:
+        fl = "FedSGD" if self.local_steps == 1 else f"FedAvg ({self.local_steps} local steps)"
+        return (f"{self.rounds} rounds of {fl}, {self.clients} client{'s' * (self.clients != 1)}, batch "
+                f"{self.batch_size}, lr {self.lr:g} ({self.schedule})")
+
+
+#: the utility recipe of the audit, the sweep and the papers' bench (chosen by measurement:
+#: ``bench/bench_utility.py``, ``docs/evidence.md``)
+PROTOCOL = Protocol(rounds=300, lr=0.05, batch_size=16, schedule="constant")
 
 
 def _dataset(dataset, size: Optional[int]):
@@ -76,8 +119,7 @@ def accuracy_left(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, 
     return correct / max(1, len(labels)), broken
 
 
-def _train_once(defense, data, *, model, model_args, steps, lr, batch_size, clients, local_steps, seed,
-                device) -> TrainingRun:
+def _train_once(defense, data, *, model, model_args, protocol: Protocol, seed, device) -> TrainingRun:
     """One training run: the accuracy of what it left. A run that diverges (a non-finite loss,
     shared update or parameters) stops there and is scored as it stands; a defense that fails
     otherwise is reported with the reason instead of an accuracy."""
@@ -85,6 +127,7 @@ def _train_once(defense, data, *, model, model_args, steps, lr, batch_size, clie
     start = time.perf_counter()
     at = {"round": 0}
     diverged, why = None, ""
+    steps = protocol.rounds
 
     def watch(step: int, current: nn.Module) -> None:
         at["round"] = step
@@ -95,8 +138,9 @@ def _train_once(defense, data, *, model, model_args, steps, lr, batch_size, clie
         torch.manual_seed(seed)  # a defense drawing from the global generator gets a seeded one
         try:
             net = client_model(defense, net, seed)
-            losses = train(net, data, defense, steps, lr=lr, batch_size=batch_size, clients=clients,
-                           local_steps=local_steps, seed=seed, device=device, callback=watch).losses
+            losses = train(net, data, defense, steps, lr=protocol.lr, batch_size=protocol.batch_size,
+                           clients=protocol.clients, local_steps=protocol.local_steps, seed=seed, device=device,
+                           callback=watch, schedule=protocol.factor()).losses
         except _Diverged as stop:
             diverged, why, losses = stop.round, "the parameters became non-finite", []
         except NonFiniteUpdate as err:
@@ -121,13 +165,15 @@ def train_over_seeds(defense, data, seeds: Sequence[int], **setting: Any) -> Acc
         return AccuracySpread(tuple(_train_once(defense, data, seed=s, **setting) for s in seeds))
 
 
-def measure_utility(defense, model: Any = "cnn", dataset="embedded", steps: int = 300, *,
+def measure_utility(defense, model: Any = "cnn", dataset="embedded", steps: int = PROTOCOL.rounds, *,
                     defense_params: Optional[Dict[str, Any]] = None, model_args: Optional[Dict[str, Any]] = None,
-                    lr: float = 0.05, batch_size: int = 16, clients: int = 1, local_steps: int = 1,
+                    lr: float = PROTOCOL.lr, batch_size: int = PROTOCOL.batch_size, schedule: str = PROTOCOL.schedule,
+                    clients: int = PROTOCOL.clients, local_steps: int = PROTOCOL.local_steps,
                     size: Optional[int] = None, seed: int = 0, seeds: int = DEFAULT_SEEDS, device="cpu",
                     baseline: Optional[AccuracySpread] = None) -> UtilityResult:
     """Test accuracy after ``steps`` rounds of training with ``defense``, over ``seeds``
-    seeds, next to the undefended runs on the same seeds.
+    seeds, next to the undefended runs on the same seeds (the recipe: :class:`Protocol`; the
+    defaults are :data:`PROTOCOL`, chosen in ``docs/evidence.md``).
 
     ``model``: a model spec (``model_args`` its keywords) or
     :class:`~audit.engine.settings.ModelSettings` (both runs start from its checkpoint, if any);
@@ -138,8 +184,8 @@ def measure_utility(defense, model: Any = "cnn", dataset="embedded", steps: int 
         raise ConfigError(f"utility seeds must be a positive integer (training runs per arm), got {seeds!r}")
     data = _dataset(dataset, size)
     described = model_settings(model, model_args).describe()
-    setting = dict(model=model, model_args=model_args, steps=steps, lr=lr, batch_size=batch_size, clients=clients,
-                   local_steps=local_steps, device=torch.device(device))
+    protocol = Protocol(steps, lr, batch_size, schedule, clients, local_steps)
+    setting = dict(model=model, model_args=model_args, protocol=protocol, device=torch.device(device))
     order = utility_seeds(seed, seeds)
     built = resolve_defense(defense, defense_params)
     base = baseline if baseline is not None else train_over_seeds(resolve_defense("none"), data, order, **setting)
@@ -148,14 +194,16 @@ def measure_utility(defense, model: Any = "cnn", dataset="embedded", steps: int 
     return UtilityResult(
         built.name, built.params(),
         {"model": described["model"], "model_args": described["args"], "dataset": getattr(data, "name", str(dataset)),
-         "steps": steps, "lr": lr, "batch_size": batch_size, "clients": clients, "local_steps": local_steps,
-         "seed": seed, "seeds": order, "threads": UTILITY_THREADS if setting["device"].type == "cpu" else None},
+         "steps": steps, "lr": lr, "schedule": schedule, "batch_size": batch_size, "clients": clients,
+         "local_steps": local_steps, "seed": seed, "seeds": order,
+         "threads": UTILITY_THREADS if setting["device"].type == "cpu" else None},
         run, base)
 
 
-def utility_table(defenses: Sequence, model: str = "cnn", dataset="embedded", steps: int = 300, *,
+def utility_table(defenses: Sequence, model: str = "cnn", dataset="embedded", steps: int = PROTOCOL.rounds, *,
                   defense_params: Optional[Dict[str, Any]] = None, model_args: Optional[Dict[str, Any]] = None,
-                  lr: float = 0.05, batch_size: int = 16, clients: int = 1, local_steps: int = 1,
+                  lr: float = PROTOCOL.lr, batch_size: int = PROTOCOL.batch_size, schedule: str = PROTOCOL.schedule,
+                  clients: int = PROTOCOL.clients, local_steps: int = PROTOCOL.local_steps,
                   size: Optional[int] = None, seed: int = 0, seeds: int = DEFAULT_SEEDS,
                   device="cpu") -> List[UtilityResult]:
     """:func:`measure_utility` for several defenses sharing one undefended baseline.
@@ -164,11 +212,11 @@ def utility_table(defenses: Sequence, model: str = "cnn", dataset="embedded", st
     for d in defenses:
         names += [n for n in DEFENSES.names() if n != "none"] if d == "all" else [d]
     data = _dataset(dataset, size)
-    setting = dict(lr=lr, batch_size=batch_size, clients=clients, local_steps=local_steps)
+    recipe = dict(lr=lr, batch_size=batch_size, schedule=schedule, clients=clients, local_steps=local_steps)
     base = train_over_seeds(resolve_defense("none"), data, utility_seeds(seed, seeds), model=model,
-                            model_args=model_args, steps=steps, device=torch.device(device), **setting)
+                            model_args=model_args, protocol=Protocol(steps, **recipe), device=torch.device(device))
     return [measure_utility(d, model, data, steps, defense_params=defense_params, model_args=model_args,
-                            baseline=base, device=device, seed=seed, seeds=seeds, **setting) for d in names]
+                            baseline=base, device=device, seed=seed, seeds=seeds, **recipe) for d in names]
 
 
 def format_utility_table(rows: Sequence[UtilityResult]) -> str:
@@ -178,7 +226,8 @@ def format_utility_table(rows: Sequence[UtilityResult]) -> str:
         return "(no defenses)"
     s = rows[0].setting
     lines = [
-        f"model {s['model']}, data {s['dataset']}, {s['steps']} steps, lr {s['lr']}, batch {s['batch_size']}, "
+        f"model {s['model']}, data {s['dataset']}, {s['steps']} steps, lr {s['lr']} ({s.get('schedule', 'constant')}), "
+        f"batch {s['batch_size']}, "
         f"clients {s['clients']}, local steps {s['local_steps']}, seed {s['seed']} ({len(s['seeds'])} training seeds)",
         f"{'defense':<11} {'accuracy (mean ± std, min-max)':<36} {'undefended':<36} {'ratio':>6} {'time s':>7}  params",
     ]

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional
 
+from audit.core.evidence import mean_difference
 from audit.core.records import AccuracySpread, UtilityResult
 
 UNAVAILABLE = "n/a"
@@ -244,6 +245,19 @@ def spread_text(spread: Optional[AccuracySpread]) -> str:
     return f"{spread.mean:.1%}{std} ({100 * spread.min:.1f}-{spread.max:.1%}, {n} seed{'s' * (n != 1)})"
 
 
+def difference_text(defended: Optional[AccuracySpread], undefended: Optional[AccuracySpread]) -> str:
+    """``-9.4 points, 95% CI -29.6 to +10.8 (Welch t over 3 and 3 seeds)``: the difference of
+    the mean accuracies with its interval; ``n/a`` (with the reason) without two seeds per arm."""
+    if defended is None or undefended is None or defended.mean is None or undefended.mean is None:
+        return UNAVAILABLE
+    diff = mean_difference(defended.accuracies, undefended.accuracies)
+    if diff is None:
+        return f"{100 * (defended.mean - undefended.mean):+.1f} points (fewer than two seeds per arm: no interval)"
+    n, m = diff.sizes
+    return (f"{100 * diff.estimate:+.1f} points, {diff.level:.0%} CI {100 * diff.low:+.1f} to {100 * diff.high:+.1f} "
+            f"(Welch t over {n} and {m} seeds)")
+
+
 def diverged_text(spread: Optional[AccuracySpread]) -> str:
     """``seed 7 at round 3, seed 9 at round 5`` or ``no``."""
     runs = spread.diverged if spread else []
@@ -269,6 +283,7 @@ def utility_rows(utility: Dict[str, Any]):
             row("final training loss (mean)", lambda a: num(a.final_loss, ".3f")),
             row("training time (s, all seeds)", lambda a: num(a.seconds, ".1f"))]
     setting = ", ".join(f"{k} {v}" for k, v in result.setting.items() if k != "seeds")
-    note = f"relative accuracy (mean defended / mean undefended): {num(result.relative, '.2f')}"
+    note = (f"difference of mean accuracies (defended - undefended): {difference_text(*arms)}; "
+            f"relative accuracy (mean defended / mean undefended): {num(result.relative, '.2f')}")
     notes = [f"seed {r.seed}: {r.error or r.note}" for r in result.defended.runs if r.error or r.note]
     return rows, "; ".join([note + (f"; trained with {setting}" if setting else "")] + notes)

@@ -10,6 +10,7 @@ from html import escape
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from audit.core.evidence import mean_difference
 from audit.core.records import UtilityResult
 from audit.report.format import UNAVAILABLE, diverged_text, fmt, kv_rows, spread_text
 from audit.report.formats import MAIN_FORMAT, report_file, write_report
@@ -18,18 +19,19 @@ from audit.report.store import read_json, to_jsonable
 
 DOMINANCE_RULE = ("a cell is dominated by another that leaks no more (worst-case PSNR lower or equal) and has at "
                   "least its mean test accuracy, and is better in one of them beyond the noise: a lower PSNR, or "
-                  "a mean accuracy higher by more than the two cells' seed-to-seed standard deviations added (a "
-                  "spread not measured counts as 0); Pareto-optimal: dominated by no cell")
+                  "a mean accuracy higher with the 95% Welch interval of the difference over the seeds above 0 "
+                  "(with fewer than two seeds in a cell, any higher mean); Pareto-optimal: dominated by no cell")
 
 
-def dominates(b: Sequence[Optional[float]], a: Sequence[Optional[float]]) -> bool:
+def dominates(b: Sequence[Any], a: Sequence[Any]) -> bool:
     """Whether point ``b`` dominates point ``a`` under :data:`DOMINANCE_RULE`; a point is
-    ``(psnr, accuracy)`` or ``(psnr, accuracy, accuracy_std)``."""
+    ``(psnr, accuracy)`` or ``(psnr, accuracy, per-seed accuracies)``."""
     (p, acc, *sa), (q, bcc, *sb) = a, b
     if None in (p, acc, q, bcc):
         return False
-    noise = (sa[0] if sa and sa[0] is not None else 0.0) + (sb[0] if sb and sb[0] is not None else 0.0)
-    return q <= p and bcc >= acc and (q < p or bcc - acc > noise)
+    diff = mean_difference(sb[0], sa[0]) if sa and sb and sa[0] and sb[0] else None
+    beyond = bcc > acc if diff is None else diff.low > 0
+    return q <= p and bcc >= acc and (q < p or beyond)
 
 
 def pareto_optimal(points: Sequence[Sequence[Optional[float]]]) -> List[bool]:
@@ -59,7 +61,8 @@ def cell_point(report: Optional[Dict[str, Any]], step: Optional[int]) -> Dict[st
 def utility_point(utility: UtilityResult) -> Dict[str, Any]:
     """A cell's utility numbers for the frontier (``accuracy``: the mean over seeds)."""
     d, u = utility.defended, utility.undefended
-    return {"accuracy": d and d.mean, "accuracy_std": d and d.std, "accuracy_min": d and d.min,
+    return {"accuracy": d and d.mean, "accuracy_std": d and d.std, "accuracies": d.accuracies if d else [],
+            "accuracy_min": d and d.min,
             "accuracy_max": d and d.max, "accuracy_text": spread_text(d), "seeds": len(d.runs) if d else 0,
             "diverged": diverged_text(d), "diverged_runs": len(d.diverged) if d else 0,
             "baseline_accuracy": u and u.mean, "relative": utility.relative,
@@ -72,7 +75,7 @@ def build_sweep(cells: Sequence[Dict[str, Any]], reports: Sequence[Optional[Dict
     """Every number of the sweep report as one JSON-able dictionary (``sweep.json``)."""
     rows = [{**cell, **cell_point(report, step), "report": f"{cell['dir']}/{report_file('audit', MAIN_FORMAT)}"}
             for cell, report in zip(cells, reports)]
-    for row, optimal in zip(rows, pareto_optimal([(r["psnr"], r["accuracy"], r["accuracy_std"]) for r in rows])):
+    for row, optimal in zip(rows, pareto_optimal([(r["psnr"], r["accuracy"], r["accuracies"]) for r in rows])):
         row["pareto"] = optimal
     undefended = next((r for r in rows if r["undefended"]), None)
     return to_jsonable({
@@ -161,7 +164,8 @@ def _definitions(data: Dict[str, Any]) -> List[str]:
     where = "each cell's worst audited step" if step == "worst" else f"training step {step}"
     return [f"Worst-case PSNR: per private image the most leaking attack, averaged over images, at {where}.",
             f"Test accuracy: after {data['settings'].get('utility_steps')} FL rounds trained with the defended "
-            f"updates, on {data['settings'].get('utility_seeds')} seeds: mean ± sample standard deviation "
+            f"updates ({data['settings'].get('utility_recipe', 'recipe not recorded')}), on "
+            f"{data['settings'].get('utility_seeds')} seeds: mean ± sample standard deviation "
             "(percentage points) and min-max; relative = mean defended / mean undefended (the undefended runs, "
             "on the same seeds, are shared by all cells). A run that diverged (non-finite loss, update or "
             "parameters) is scored on the model it left, outputs that are not finite counting as a constant "
