@@ -224,3 +224,23 @@ def test_gi_matches_the_uploaded_statistics_instead_of_the_running_ones():
     rec = ATTACKS.build("gi", restarts=1, group=0.0).reconstruct(obs, budget=2, seed=0, progress=lambda *a: None)
     assert "bn-upload" in rec.trace["final_terms"] and "bn" not in rec.trace["final_terms"]
     assert "replaces the running-statistics prior bn" in rec.trace["side_information"]["bn-upload"]
+
+
+def test_fl_training_runs_the_clients_optimizer():
+    """Between audited steps the clients train with the declared optimiser: momentum changes
+    the model after a round of 3 local steps; plain SGD written as an optimiser does not."""
+    from types import SimpleNamespace
+
+    from audit.client.fl import train
+
+    x, y = batch(24, seed=3)
+    data = SimpleNamespace(train_images=x, train_labels=y)
+
+    def after(optimizer):
+        net = small_bn_net()
+        train(net, data, None, 1, lr=0.1, batch_size=4, local_steps=3, optimizer=optimizer, seed=0)
+        return torch.cat([p.detach().flatten() for p in net.parameters()])
+
+    plain, named_plain, heavy = after(None), after("sgd"), after("sgd:momentum=0.9")
+    torch.testing.assert_close(plain, named_plain)
+    assert (heavy - plain).norm() > 1e-3 * plain.norm()

@@ -25,6 +25,7 @@ from audit.core.defense_call import as_defense, call_defense
 from audit.core.models import preserved_buffers
 
 from audit.core.errors import ConfigError, DataError
+from audit.core.local_training import LocalOptimizer, optimizer_step
 from audit.core.types import LossFn, NoDefense, default_loss_fn, trainable_parameters
 
 
@@ -84,7 +85,7 @@ def train(model: nn.Module, dataset, defense, steps: int, *, lr: float, batch_si
           clients: int = 1, local_steps: int = 1, local_lr: Optional[float] = None, seed: int = 0,
           device="cpu", loss_fn: LossFn = default_loss_fn,
           callback: Optional[Callable[[int, nn.Module], None]] = None,
-          schedule: Optional[Callable[[int], float]] = None) -> History:
+          schedule: Optional[Callable[[int], float]] = None, optimizer=None) -> History:
     """Train ``model`` in place for ``steps`` rounds with the defended updates.
 
     ``model`` is the client's model: for architectural defenses, the one ``defense.wrap_model``
@@ -94,7 +95,11 @@ def train(model: nn.Module, dataset, defense, steps: int, *, lr: float, batch_si
     receive) and once after the last one (``step = steps``). A defense that accepts a ``round``
     keyword gets ``round=step`` (every local step of a FedAvg round shares the round's index).
     ``schedule(step)``: a factor on the learning rates of round ``step`` (None: constant).
+    ``optimizer``: the clients' local optimiser (a :class:`~audit.core.local_training.LocalOptimizer`
+    or its text; a fresh state each round, as a client builds its optimiser in each fit; one
+    other than plain SGD makes the round FedAvg).
     """
+    optimizer = LocalOptimizer.parse(optimizer)
     _check_args(dataset, steps, lr, batch_size, local_steps)
     defense = as_defense(defense) or NoDefense()
     device = torch.device(device)
@@ -103,7 +108,7 @@ def train(model: nn.Module, dataset, defense, steps: int, *, lr: float, batch_si
     data_gen = torch.Generator().manual_seed(seed)
     defense_gen = torch.Generator(device=device).manual_seed(seed + 1)
     splits = client_splits(len(dataset.train_labels), clients, data_gen)
-    fedavg = local_steps > 1 or local_lr is not None
+    fedavg = local_steps > 1 or local_lr is not None or not optimizer.plain
     step_lr = lr if local_lr is None else local_lr
     history = History(model)
     for step in range(steps):
@@ -114,6 +119,7 @@ def train(model: nn.Module, dataset, defense, steps: int, *, lr: float, batch_si
         for split in splits:
             client = copy.deepcopy(model) if fedavg else model
             params = trainable_parameters(client)
+            state: dict = {}
             for k in range(local_steps):
                 x, y = _batch(dataset, split, batch_size, data_gen, device)
                 if k == 0:
@@ -121,6 +127,11 @@ def train(model: nn.Module, dataset, defense, steps: int, *, lr: float, batch_si
                 grads = call_defense(defense, client, x, y, loss_fn=loss_fn, generator=defense_gen,
                                      round=step)
                 if fedavg:
+                    if not optimizer.plain:
+                        named = {str(i): p.detach() for i, p in enumerate(params)}
+                        moved, state = optimizer_step(optimizer, named, {str(i): g.detach() for i, g in
+                                                                         enumerate(grads)}, state, k + 1)
+                        grads = list(moved.values())
                     _apply(params, grads, step_lr * scale)
                 else:
                     updates.append([g.detach() for g in grads])
