@@ -78,6 +78,10 @@ class Audit:
     from ``defense``, ``model`` and the settings.
     """
 
+    #: False in a subclass that supplies its own observation (a real client's reply): the
+    #: client's training is not simulated, so the simulation's limits on it do not apply
+    simulates_client = True
+
     def __init__(self, defense: Any = DEFAULT_DEFENSE, model: Union[str, nn.Module, ModelSettings] = "cnn", *,
                  defense_args: Optional[Dict[str, Any]] = None, model_args: Optional[Dict[str, Any]] = None,
                  data_settings: DataSettings = DataSettings(), fl_settings: FLSettings = FLSettings(),
@@ -100,7 +104,8 @@ class Audit:
         self.parts = parts
         self.device, self.dataset, self.defense = parts.device, parts.dataset, parts.defense
         self.defense_ident = parts.defense_ident
-        _check_local_steps(self.defense, fl_settings)
+        if self.simulates_client:
+            _check_local_steps(self.defense, fl_settings)
         # the model as built (the planner compares it with the client's model to see what an
         # architectural defense such as PRECODE changed) and the client's model, wrapped once
         self.base_model, self.model = parts.base_model, parts.model
