@@ -235,6 +235,55 @@ def test_missing_evidence_never_reads_as_private():
     assert _report([private, _rec(0, "mask-replay", 0, "not_applicable")]).verdict == PRIVATE
 
 
+def test_an_attack_that_does_not_apply_reads_not_applicable_and_counts_as_neither_done_nor_missing():
+    why = "analytic inversion needs a fully connected first layer; the model starts with Conv2d"
+    records = [_ok(0, "ig", i, 12.0, 0.1) for i in range(2)] + [
+        _rec(0, "analytic", i, "not_applicable", reason=why) for i in range(2)]
+    report = _report(records, images=2, attacks=("ig", "analytic"))
+    summary = report.step(0)["attacks"]["analytic"]
+    assert summary["status"] == "not applicable" and summary["reason"] == why
+    assert (summary["images_done"], summary["images_ok"], summary["images_not_applicable"]) == (0, 0, 2)
+    assert report.data["progress"] == {"done": 2, "total": 2, "not_applicable": 2}
+    assert report.data["status"] == "complete" and report.verdict == PRIVATE  # ig's evidence judges the step
+    assert report.data["not_applicable"] == [{"attack": "analytic", "steps": [0], "reason": why}]
+    md, html = report.to_markdown(), report.to_html()
+    assert f"| 0 | 12.00 | not applicable ({why}) |" in md  # the PSNR-per-attack table
+    assert f"| n/a | n/a | not applicable ({why}) |" in md and "| 0/2 |" not in md  # its ok/done column
+    assert f"Status: complete, 2/2 (step, attack, image) results; not applicable: analytic at step 0 ({why})." in md
+    assert f"2/2 (step, attack, image) results; not applicable: analytic at step 0 ({why})" in html
+    assert "not applicable: analytic" in report.summary().splitlines()[0]
+    # one image it does not apply to, one it ran on: counted apart, never a failure
+    mixed = _report([_ok(0, "ig", 0, 12.0, 0.1), _rec(0, "analytic", 0, "not_applicable", reason=why),
+                     _ok(0, "analytic", 1, 11.0, 0.1), _ok(0, "ig", 1, 12.0, 0.1)], images=2,
+                    attacks=("ig", "analytic"))
+    assert mixed.step(0)["attacks"]["analytic"]["status"] == "partly not applicable"
+    assert mixed.data["progress"] == {"done": 3, "total": 3, "not_applicable": 1} and mixed.data["status"] == "complete"
+    assert mixed.data["not_applicable"] == [] and "| 1/1 (1 not applicable) |" in mixed.to_markdown()
+    # not applicable and still pending elsewhere: the pending work stays to do
+    pending = _report([_rec(0, "analytic", 0, "not_applicable", reason=why)], images=1, attacks=("ig", "analytic"))
+    assert pending.data["progress"] == {"done": 0, "total": 1, "not_applicable": 1} and pending.verdict == INCOMPLETE
+
+
+def test_the_psnr_figure_plots_its_curves_and_the_chance_level_in_the_same_aligned_psnr():
+    from audit.report.plots import psnr_vs_step_png, psnr_vs_step_series
+
+    def aligned(attack, image, raw, value):  # raw PSNR below chance, aligned above it (a gain the gradient misses)
+        rec = _ok(0, attack, image, raw, 0.1)
+        rec["metrics"]["evidence"] = [_evidence(value, 1)]
+        return rec
+
+    records = [aligned("ig", 0, 10.0, 16.0), aligned("ig", 1, 9.0, 14.0),
+               aligned("mask-replay", 0, 8.0, 12.0), aligned("mask-replay", 1, 7.0, 17.0)]
+    report = _report(records, images=2)
+    series = psnr_vs_step_series(report.data)
+    assert series["quantity"] == "aligned PSNR" and series["chance"] == [(0, CHANCE)]
+    assert series["curves"] == {"ig": [(0, 15.0)], "mask-replay": [(0, 14.5)]}
+    assert series["worst"] == [(0, 16.5)]  # per image the best attack (16 and 17), then the mean
+    assert report.step(0)["attacks"]["ig"]["psnr"] == 9.5  # the tables keep the raw PSNR
+    assert report.verdict == RECOVERED  # the plotted worst case is above the plotted chance line, as judged
+    assert psnr_vs_step_png(report.data).startswith(b"\x89PNG")
+
+
 def test_overall_is_the_worst_judged_step_and_names_the_steps_not_judged():
     records = [_ok(0, "ig", 0, 12.0, 0.1), _ok(5, "ig", 0, 17.0, 0.2, rank=2), _rec(9, "ig", 0, "not_applicable")]
     report = _report(records, steps=(0, 5, 9), attacks=("ig",))

@@ -10,14 +10,14 @@ import datetime as _dt
 import os
 from collections import defaultdict
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from audit.core.errors import ConfigError
 from audit.core.records import AttackResult
 from audit.report.risk import (empirical_risk, false_positive_rates, judge_step, nulls_from_manifest, overall_verdict,
                                status_of, summarize_attack)
 from audit.report.rule import LeakRule
-from audit.report.format import overall_text, verdict_text
+from audit.report.format import overall_text, progress_text, verdict_text
 from audit.report.store import ResultStore, to_jsonable
 
 
@@ -39,8 +39,11 @@ def build_report(manifest: Dict[str, Any], records: Sequence[Any],
         by_attack = {a: by_step[step].get(a, []) for a in attack_ids}
         steps.append({"step": step, "attacks": {a: summarize_attack(recs) for a, recs in by_attack.items()},
                       **judge_step(by_attack, images, thresholds, nulls), "risk": empirical_risk(by_attack, delta)})
-    total = len(manifest["steps"]) * len(attack_ids) * images
-    done = sum(1 for r in records if r.step in manifest["steps"] and r.attack_id in attack_ids)
+    planned = [r for r in records if r.step in manifest["steps"] and r.attack_id in attack_ids]
+    skipped = sum(status_of(r) == "not_applicable" for r in planned)
+    progress = {"done": len(planned) - skipped, "total": len(manifest["steps"]) * len(attack_ids) * images - skipped}
+    if skipped:  # results that do not apply count neither as done nor as to do
+        progress["not_applicable"] = skipped
     failures = list(manifest.get("failures", [])) + [
         {"step": r.step, "attack": r.attack_id, "image": r.image, "defense": r.defense,
          "status": status_of(r), "error": r.reason}
@@ -53,7 +56,8 @@ def build_report(manifest: Dict[str, Any], records: Sequence[Any],
         "generated": _dt.datetime.now().isoformat(timespec="seconds"),
         "run_key": manifest.get("run_key"),
         "status": run_status(manifest.get("status", "unknown"), steps),
-        "progress": {"done": done, "total": total},
+        "progress": progress,
+        "not_applicable": not_applicable(steps),
         "verdict": verdict,
         "defense": manifest["defense"],
         "differences": list(manifest.get("differences") or []),
@@ -77,6 +81,17 @@ def build_report(manifest: Dict[str, Any], records: Sequence[Any],
         "failures": failures,
         "results": [r.to_dict() for r in records],
     })
+
+
+def not_applicable(steps: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """The attacks none of whose results applied at some step: ``{"attack", "steps", "reason"}``
+    each, their steps in order (one entry per attack and reason)."""
+    found: Dict[Tuple[str, str], List[int]] = {}
+    for s in steps:
+        for attack, summary in s["attacks"].items():
+            if summary.get("status") == "not applicable":
+                found.setdefault((attack, summary.get("reason") or "no reason given"), []).append(s["step"])
+    return [{"attack": a, "steps": where, "reason": why} for (a, why), where in found.items()]
 
 
 def _mean_chance(nulls) -> Optional[float]:
@@ -167,8 +182,7 @@ class AuditReport:
     def summary(self) -> str:
         """A few lines for the terminal."""
         column = self.data.get("step_name") or "step"
-        lines = [f"{self.data['title']}  [{self.data['status']}, "
-                 f"{self.data['progress']['done']}/{self.data['progress']['total']} results]"]
+        lines = [f"{self.data['title']}  [{self.data['status']}, {progress_text(self.data)}]"]
         for entry in self.steps:
             wc, risk = entry["worst_case"], entry["risk"]
             psnr = "n/a" if wc["psnr"] is None else f"{wc['psnr']:.2f} dB"

@@ -61,7 +61,15 @@ def attack_row(step: Dict[str, Any], attack: str):
     a = step["attacks"][attack]
     return ([step["step"]] + [fmt(m, a[m]) for m in COLUMNS]
             + [fmt("psnr", a.get("psnr_max")), fmt("psnr", a.get("psnr_original")),
-               fmt("psnr", a.get("psnr_trained")), f"{a['images_ok']}/{a['images_done']}"])
+               fmt("psnr", a.get("psnr_trained")), done_text(a)])
+
+
+def done_text(summary: Dict[str, Any]) -> str:
+    """``ok/done`` of an attack at a step (not-applicable results counted apart), or why none applies."""
+    if summary["status"] == "not applicable":
+        return attack_cell(summary)
+    skipped = summary.get("images_not_applicable")
+    return f"{summary['images_ok']}/{summary['images_done']}" + (f" ({skipped} not applicable)" if skipped else "")
 
 
 def unavailable_notes(data: Dict[str, Any]) -> Dict[str, str]:
@@ -76,12 +84,26 @@ def unavailable_notes(data: Dict[str, Any]) -> Dict[str, str]:
 def attack_cell(summary: Dict[str, Any]) -> str:
     """The mean PSNR of an attack at a step (and its worst image when it differs), or why
     there is none."""
+    if summary["status"] == "not applicable":
+        return f"not applicable ({summary.get('reason') or 'no reason given'})"
     if summary["images_ok"]:
         text = fmt("psnr", summary["psnr"])
         if summary.get("psnr_max") is not None and summary["psnr_max"] != summary["psnr"]:
             text += f" (max {fmt('psnr', summary['psnr_max'])})"
         return text if summary["status"] == "ok" else f"{text} ({summary['status']})"
     return summary["status"]
+
+
+def progress_text(data: Dict[str, Any]) -> str:
+    """``4/4 (step, attack, image) results``, then the attacks that do not apply (counted
+    neither as done nor as to do) with their steps and reason."""
+    column, progress = step_name(data)["column"], data["progress"]
+    text = f"{progress['done']}/{progress['total']} ({column}, attack, image) results"
+    skipped = data.get("not_applicable") or []
+    if skipped:
+        text += "; not applicable: " + "; ".join(
+            f"{n['attack']} at {column} {', '.join(map(str, n['steps']))} ({n['reason']})" for n in skipped)
+    return text
 
 
 def interval_text(interval: Optional[Dict[str, Any]]) -> str:

@@ -8,7 +8,7 @@ from typing import Any, Dict, List, Optional
 
 from audit.report.format import (attack_cell, attack_header, attack_row, evidence_header, evidence_notes,
                                  evidence_rows, fmt, kv_rows, overall_text, plan_traits, privacy_header, privacy_rows,
-                                 step_name, summary_header, summary_row, unavailable_notes, utility_rows)
+                                 progress_text, step_name, summary_header, summary_row, unavailable_notes, utility_rows)
 from audit.report.images import file_data_uri
 
 CSS = """
@@ -146,8 +146,8 @@ def render_html(data: Dict[str, Any], run_dir: Optional[Path]) -> str:
     body = f"""
 <h1>{escape(data['title'])}</h1>
 <p>{_verdict_badge(verdict['label'])}{worst}</p>
-<p class="muted">Status: {escape(data['status'])}, {data['progress']['done']}/{data['progress']['total']}
-({name['column']}, attack, image) results &middot; run {escape(str(data['run_key']))} &middot; generated {escape(data['generated'])}</p>
+<p class="muted">Status: {escape(data['status'])}, {escape(progress_text(data))}
+&middot; run {escape(str(data['run_key']))} &middot; generated {escape(data['generated'])}</p>
 <h2>Leakage per {name['title']}</h2>{_summary(data)}
 <h2>Evidence per private image (against chance)</h2>{_evidence(data)}
 <p><img alt="PSNR versus {name['title']}" src="{data_uri(psnr_vs_step_png(data))}"></p>

@@ -6,7 +6,7 @@ from typing import Any, Dict, List
 
 from audit.report.format import (attack_cell, attack_header, attack_row, evidence_header, evidence_notes,
                                  evidence_rows, kv_rows, overall_text, plan_traits, privacy_header, privacy_rows,
-                                 step_name, summary_header, summary_row, unavailable_notes, utility_rows)
+                                 progress_text, step_name, summary_header, summary_row, unavailable_notes, utility_rows)
 from audit.report.formats.registry import report_file
 
 
@@ -120,8 +120,8 @@ def render_markdown(data: Dict[str, Any]) -> str:
     head = [f"# {data['title']}", "",
             f"**Verdict: {overall_text(verdict, name['column'])}**",
             "",
-            f"Status: {data['status']}, {data['progress']['done']}/{data['progress']['total']} "
-            f"({name['column']}, attack, image) results. Run `{data['run_key']}`, generated {data['generated']}. "
+            f"Status: {data['status']}, {progress_text(data)}. Run `{data['run_key']}`, "
+            f"generated {data['generated']}. "
             f"Reconstruction grids: see `{report_file('audit', 'html')}`.", "",
             f"![PSNR versus {name['title']}]({report_file('audit', 'png')})", ""]
     sections = [_summary_section, _evidence_section, _attack_section, _differences_section, _privacy_section, _definitions,

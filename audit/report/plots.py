@@ -2,12 +2,41 @@
 from __future__ import annotations
 
 import io
-from typing import Any, Dict
+from typing import Any, Dict, List, Optional, Tuple
+
+#: what the PSNR-versus-step figure plots: the leak rule's quantity, for the curves and chance alike
+PLOTTED = "aligned PSNR"
+Points = List[Tuple[int, float]]
+
+
+def psnr_vs_step_series(data: Dict[str, Any]) -> Dict[str, Any]:
+    """The data of the PSNR-versus-step figure, all in aligned PSNR (the leak rule's quantity):
+    ``curves`` (attack id -> ``(step, mean aligned PSNR over its images)``), ``worst`` (the
+    worst case over attacks), ``chance`` (per step, the mean chance level of the judged images;
+    the report's mean chance level where a step judged none), ``adaptive`` (dashed curves)."""
+    steps = data["steps"]
+    curves: Dict[str, Points] = {}
+    for attack in data["attacks"]:
+        pts = [(s["step"], s["attacks"].get(attack["id"], {}).get("aligned_psnr")) for s in steps]
+        curves[attack["id"]] = [(x, y) for x, y in pts if y is not None]
+    worst = [(s["step"], s["worst_case"].get("aligned_psnr")) for s in steps]
+    chance = [(s["step"], _step_chance(s, data.get("chance_level"))) for s in steps]
+    return {"quantity": PLOTTED, "curves": {a: pts for a, pts in curves.items() if pts},
+            "worst": [(x, y) for x, y in worst if y is not None],
+            "chance": [(x, y) for x, y in chance if y is not None],
+            "adaptive": {a["id"] for a in data["attacks"] if a.get("kind") == "adaptive"}}
+
+
+def _step_chance(step: Dict[str, Any], fallback: Optional[float]) -> Optional[float]:
+    levels = [e["chance_level"] for e in step["worst_case"].get("per_image", [])
+              if e.get("image_class") is not None and e.get("chance_level") is not None]
+    return sum(levels) / len(levels) if levels else fallback
 
 
 def psnr_vs_step_png(data: Dict[str, Any]) -> bytes:
-    """Mean PSNR per attack against the training step, the worst case over attacks, and the
-    mean chance level of the private images; the x axis is symmetric-log so step 0 and step 100 both show."""
+    """Mean aligned PSNR per attack against the training step, the worst case over attacks and
+    the chance level (:func:`psnr_vs_step_series`); the x axis is symmetric-log so step 0 and
+    step 100 both show."""
     import matplotlib
 
     matplotlib.use("Agg", force=False)
@@ -15,27 +44,27 @@ def psnr_vs_step_png(data: Dict[str, Any]) -> bytes:
 
     from audit.report.format import step_name
 
+    series = psnr_vs_step_series(data)
     steps = [s["step"] for s in data["steps"]]
     fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=110)
     try:
-        for attack in data["attacks"]:
-            aid = attack["id"]
-            ys = [s["attacks"].get(aid, {}).get("psnr") for s in data["steps"]]
-            pts = [(x, y) for x, y in zip(steps, ys) if y is not None]
-            if pts:
-                style = "--" if attack.get("kind") == "adaptive" else "-"
-                ax.plot(*zip(*pts), style, marker="o", ms=4, lw=1.2, label=aid)
-        worst = [(x, s["worst_case"]["psnr"]) for x, s in zip(steps, data["steps"])
-                 if s["worst_case"]["psnr"] is not None]
-        if worst:
-            ax.plot(*zip(*worst), color="black", lw=2.4, alpha=0.55, label="worst case")
-        draw_chance_level(ax, data.get("chance_level"), x=1.0, ha="right")
+        for aid, pts in series["curves"].items():
+            style = "--" if aid in series["adaptive"] else "-"
+            ax.plot(*zip(*pts), style, marker="o", ms=4, lw=1.2, label=aid)
+        if series["worst"]:
+            ax.plot(*zip(*series["worst"]), color="black", lw=2.4, alpha=0.55, label="worst case")
+        levels = {round(y, 9) for _, y in series["chance"]}
+        if len(levels) == 1:
+            draw_chance_level(ax, series["chance"][0][1], x=1.0, ha="right")
+        elif levels:
+            ax.plot(*zip(*series["chance"]), ":", color="tab:gray", marker=".", lw=1,
+                    label="chance level (mean, aligned)")
         ax.set_xscale("symlog", linthresh=1)
         if steps:
             ax.set_xticks(steps)
             ax.set_xticklabels([str(s) for s in steps])
         ax.set_xlabel(step_name(data)["axis"])
-        ax.set_ylabel("PSNR (dB), mean over private images")
+        ax.set_ylabel(f"{series['quantity']} (dB), mean over private images")
         ax.set_title(f"{data['defense']['name']}: reconstruction quality over training", fontsize=10)
         return png_bytes(fig, ax)
     finally:

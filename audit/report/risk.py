@@ -87,13 +87,20 @@ def _judgeable(record: AttackResult) -> bool:
 
 # --------------------------------------------------------------------------- one attack
 def summarize_attack(records: List[AttackResult]) -> Dict[str, Any]:
-    """One attack at one step: means over its judged private images, the worst image, and
-    what did not finish."""
+    """One attack at one step: means over its judged private images (``aligned_psnr``: each
+    image's best aligned PSNR, the leak rule's quantity), the worst image, and what did not
+    finish. Results that do not apply count neither as done nor as missing
+    (``images_not_applicable``); when none applies, ``reason`` says why."""
     ok = [r for r in records if status_of(r) == Status.OK.value]
     images = [e for r in ok for e in image_metrics(r)]
-    out: Dict[str, Any] = {"images_done": len(records), "images_ok": len(ok), "status": _attack_status(records)}
+    skipped = [r for r in records if status_of(r) == Status.NOT_APPLICABLE.value]
+    out: Dict[str, Any] = {"images_done": len(records) - len(skipped), "images_ok": len(ok),
+                           "images_not_applicable": len(skipped), "status": _attack_status(records)}
+    if skipped and len(skipped) == len(records):
+        out["reason"] = "; ".join(dict.fromkeys(r.reason or "no reason given" for r in skipped))
     for name in METRICS:
         out[name] = _mean(e[name] for e in images)
+    out["aligned_psnr"] = _mean(_best([ev.aligned_psnr for ev in e["evidence"]], True) for e in images)
     out["psnr_max"] = _best([e["psnr"] for e in images], True)
     trained = [r.metrics_trained for r in ok if r.metrics_trained is not None]
     if trained:  # input-transforming defense: also scored against what the client trained on
@@ -114,6 +121,8 @@ def _attack_status(records: List[AttackResult]) -> str:
         return "pending"
     if statuses == {"ok"}:
         return "ok"
+    if statuses == {"ok", "not_applicable"}:
+        return "partly not applicable"
     if "ok" in statuses:
         return "partly failed"
     if statuses == {"not_applicable"}:
@@ -186,6 +195,7 @@ def worst_case(by_attack: Dict[str, List[AttackResult]], rule: LeakRule, nulls: 
         per_image.append(entry)
     done = [e for e in per_image if e["image_class"] is not None]
     summary: Dict[str, Any] = {name: _mean(e[name] for e in done) for name in METRICS}
+    summary["aligned_psnr"] = _mean(e["aligned_psnr"] for e in done)
     summary["psnr_max"] = _best([e["psnr"] for e in done], True)
     summary["ssim_max"] = _best([e["ssim"] for e in done], True)
     summary["above_chance_max"] = _best([e["aligned_psnr"] - e["chance_level"] for e in done], True)
