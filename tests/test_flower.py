@@ -359,6 +359,105 @@ def test_a_wrong_description_of_the_training_is_not_judged_and_logged_once(tmp_p
 
 
 @needs_flwr
+def test_under_localdp_the_check_clips_the_whole_update_then_finds_its_noise(tmp_path):
+    from flwr.clientapp.mod import LocalDpMod
+
+    flower_app = app()[0]
+    state = initial_state()
+    plain = arrays(flower_app.client_app()(train_message(state, 1), context()))
+    dp = LocalDpMod(clipping_norm=1.0, sensitivity=1e-5, epsilon=1.0, delta=1e-5)
+    # Flower clips the update over every array of the reply, BatchNorm's num_batches_tracked included
+    update_norm = math.sqrt(sum(float((plain[k].double() - v.double()).pow(2).sum()) for k, v in state.items()))
+    assert update_norm > 2 * dp.clipping_norm  # clipping is active, also at twice the norm
+
+    def audited(name, declared, training="momentum"):
+        mod = flower_app.audit_mod(str(tmp_path / name), audited=[1], localdp=declared, training=training,
+                                   blocking=True, **SMALL)
+        reply = flower_app.client_app([mod, dp])(train_message(state, 1), context())
+        return reply, json.loads((tmp_path / name / "partition-0" / "round-1" / "audit.json").read_text())
+
+    reply, status = audited("declared", dp)
+    assert not reply.has_error()
+    sent = arrays(reply)  # a 0-d integer array (num_batches_tracked) is left as the client trained it
+    assert all(torch.equal(sent[k], v) for k, v in plain.items() if not v.is_floating_point())
+    assert status["state"] == "finished" and status["fidelity"]["reproduces"], status
+    noise = status["fidelity"]["noise"]
+    assert noise["noise_std"] == pytest.approx(1e-5 * math.sqrt(2 * math.log(1.25e5)), rel=1e-12)
+    assert abs(noise["energy_ratio"] - 1) <= noise["band"] < 0.05  # the residual is Flower's noise
+    # a clipping norm the client does not run, or one plain step: the residual is more than the noise
+    for name, declared, training in (("norm", LocalDpMod(2.0, 1e-5, 1.0, 1e-5), "momentum"),
+                                     ("one-step", dp, "one-step")):
+        _, status = audited(name, declared, training)
+        noise = status["fidelity"]["noise"]
+        assert status["state"] == "not judged" and status["fidelity"]["reproduces"] is False, name
+        assert noise["energy_ratio"] > 1 + noise["band"], name
+
+
+class Counting(torch.nn.Module):
+    """A linear model with a 1-d integer buffer (forward passes per head) it sends in its state."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 32 * 32, 10))
+        self.register_buffer("passes", torch.zeros(2, dtype=torch.long))
+
+    def forward(self, x):
+        if self.training:
+            self.passes += 1
+        return self.body(x)
+
+    @staticmethod
+    def train_round(msg, context):
+        flower_app, ArrayRecord, _, _, Message, RecordDict = app()
+        model = Counting()
+        model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
+        images, labels = flower_app.client_data(context)
+        torch.nn.functional.cross_entropy(model(images[:4]), labels[:4]).backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= 0.1 * p.grad
+        return Message(content=RecordDict({"arrays": ArrayRecord(model.state_dict())}), reply_to=msg)
+
+
+@needs_flwr
+def test_a_reply_flowers_clipping_cannot_scale_is_an_error_reply_naming_the_fix(tmp_path, caplog):
+    from flwr.clientapp import ClientApp
+    from flwr.clientapp.mod import LocalDpMod
+
+    from audit.integrations.flower import AuditMod
+
+    flower_app = app()[0]
+    caplog.set_level("WARNING", logger="flwr")
+
+    def client_app(mods):
+        client = ClientApp(mods=mods)
+        client.train()(Counting.train_round)
+        return client
+
+    def data(context, round_):
+        images, labels = flower_app.client_data(context)
+        return images, labels, torch.arange(4)
+
+    dp = LocalDpMod(clipping_norm=1e-3, sensitivity=1e-3, epsilon=1.0, delta=1e-5)
+    torch.manual_seed(0)
+    state = Counting().state_dict()
+    with pytest.raises(TypeError, match="Cannot cast ufunc 'multiply'"):  # Flower's own failure, without the mod
+        client_app([dp])(train_message(state, 1), context())
+    mod = AuditMod(rounds=[1], model=Counting, data=data, local_lr=0.1, defense=dp, out=str(tmp_path), blocking=True,
+                   **SMALL)
+    reply = client_app([mod, dp])(train_message(state, 1), context())
+    assert reply.has_error() and "\n" not in reply.error.reason
+    assert "integer array" in reply.error.reason and "is_floating_point()" in reply.error.reason
+    status = json.loads((tmp_path / "partition-0" / "round-1" / "audit.json").read_text())
+    assert status["state"] == "failed" and reply.error.reason in status["reason"]
+    assert json.loads((tmp_path / "partition-0" / "report.json").read_text())["verdict"]["label"] == "incomplete"
+    lines = [r.getMessage() for r in caplog.records if r.name == "flwr" and "gia-audit" in r.getMessage()]
+    assert len(lines) == 1 and "is_floating_point()" in lines[0]
+    client_app([mod])(train_message(state, 2), context())  # a later train message: logged once only
+    assert len([r for r in caplog.records if r.name == "flwr" and "gia-audit" in r.getMessage()]) == 1
+
+
+@needs_flwr
 @pytest.mark.parametrize("blocking", [True, False])
 def test_the_mod_leaves_the_clients_global_random_states_as_they_were(tmp_path, blocking):
     import random
@@ -455,6 +554,50 @@ def test_a_round_whose_audit_process_died_without_a_status_reads_incomplete(tmp_
     assert wait_for_audits(tmp_path, timeout=60) == {str(folder): "failed"}
     report = json.loads((tmp_path / "node-7" / "report.json").read_text())
     assert report["verdict"]["label"] == "incomplete" and "without a final status" in report["verdict"]["reason"]
+
+
+@needs_flwr
+def test_the_per_round_report_reads_an_attack_that_does_not_apply_as_not_applicable(tmp_path):
+    from test_report import _ok, _rec, _report
+
+    from audit.integrations.flower.job import FINISHED
+    from audit.integrations.flower.rounds import RoundPart, merge_rounds
+    from audit.report.audit_report import AuditReport
+
+    why = "analytic inversion needs a fully connected first layer; the model starts with Conv2d"
+    parts = [RoundPart(r, tmp_path / f"round-{r}", FINISHED, "", key=f"run{r}", data=_report(
+        [_ok(r, "ig", 0, 12.0, 0.1), _rec(r, "analytic", 0, "not_applicable", reason=why)], steps=(r,),
+        attacks=("ig", "analytic")).data) for r in (1, 3)]
+    merged = merge_rounds(parts, defense="none", client="partition-0")
+    assert merged["progress"] == {"done": 2, "total": 2, "not_applicable": 2} and merged["status"] == "complete"
+    assert merged["not_applicable"] == [{"attack": "analytic", "steps": [1, 3], "reason": why}]
+    assert merged["verdict"]["label"] == "no recovered image"
+    md = AuditReport(merged).to_markdown()
+    assert f"Status: complete, 2/2 (round, attack, image) results; not applicable: analytic at round 1, 3 ({why})" in md
+    assert f"| 3 | 12.00 | not applicable ({why}) |" in md
+
+
+@needs_flwr
+def test_the_per_round_figure_draws_each_rounds_chance_level_in_the_curves_psnr(tmp_path):
+    from test_report import _evidence, _null, _ok, _report
+
+    from audit.integrations.flower.job import FINISHED
+    from audit.integrations.flower.rounds import RoundPart, merge_rounds
+    from audit.report.plots import psnr_vs_step_series
+
+    def round_part(r, chance, raw, value):  # each round audits other images, with a chance level of their own
+        rec = _ok(r, "ig", 0, raw, 0.1)
+        rec["metrics"]["evidence"] = [_evidence(value, 1)]
+        null = {"images": [[_null(chance)]], "description": {}}
+        return RoundPart(r, tmp_path / f"round-{r}", FINISHED, "", key=f"run{r}",
+                         data=_report([rec], steps=(r,), attacks=("ig",), null=null).data)
+
+    merged = merge_rounds([round_part(1, 15.0, 9.0, 14.0), round_part(3, 20.0, 12.0, 21.5)], defense="none")
+    series = psnr_vs_step_series(merged)
+    assert series["quantity"] == "aligned PSNR"
+    assert series["curves"] == {"ig": [(1, 14.0), (3, 21.5)]} and series["worst"] == [(1, 14.0), (3, 21.5)]
+    assert series["chance"] == [(1, 15.0), (3, 20.0)]  # not one line at the rounds' mean (17.5)
+    assert [s["verdict"]["label"] for s in merged["steps"]] == ["no recovered image", "leaks"]
 
 
 def test_flower_report_takes_no_unused_options_and_names_the_client_folders(tmp_path):

@@ -9,6 +9,7 @@ maps to the built-in defense that applies the same transform to the update
 """
 from __future__ import annotations
 
+import traceback
 from typing import Any, Callable, Dict, Optional, Tuple
 
 from audit.core.errors import ConfigError
@@ -64,3 +65,19 @@ def flower_defense(mod: Any, msg: Any, lr: float) -> Tuple[str, Dict[str, Any]]:
                           "object the ClientApp runs, e.g. LocalDpMod(...) or fixedclipping_mod")
     spec, args = FLOWER_MODS[name](mod, msg)
     return spec, {**args, "lr": float(lr)}
+
+
+def clipping_failure(err: BaseException) -> Optional[str]:
+    """The one-line reason, naming the fix, when ``err`` is Flower's clipping (``LocalDpMod``,
+    ``fixedclipping_mod``, ``adaptiveclipping_mod``) failing on an integer array of the reply:
+    it scales the update in place, which numpy refuses for an integer array of one dimension or
+    more (a 0-d one, e.g. BatchNorm's ``num_batches_tracked``, is left unclipped instead); None
+    for any other error."""
+    frames = traceback.extract_tb(err.__traceback__)
+    if not (isinstance(err, TypeError) and frames and "flwr" in frames[-1].filename
+            and "differential_privacy" in frames[-1].filename and "cast" in str(err)):
+        return None
+    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    return ("Flower's clipping cannot scale an integer array of the reply in place (" + first + "); leave the "
+            "integer arrays out of the train message and the reply (ArrayRecord({k: v for k, v in "
+            "model.state_dict().items() if v.is_floating_point()}), loaded with strict=False)")

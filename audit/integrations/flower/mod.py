@@ -24,7 +24,7 @@ import time
 from typing import Any, Callable, Dict, Optional
 
 from audit.core.errors import ConfigError, DataError
-from audit.integrations.flower.defenses import flower_defense, is_flower_mod
+from audit.integrations.flower.defenses import clipping_failure, flower_defense, is_flower_mod
 from audit.integrations.flower.job import (FINISHED, LOG_FILE, PENDING, PID_FILE, RoundJob, one_line, read_status,
                                            round_dir, round_images, save_job, write_status)
 from audit.integrations.flower.randomness import preserved_random_state
@@ -105,7 +105,13 @@ class AuditMod:
         began = time.perf_counter()
         planned = self._plan(msg, context)
         planned_s = time.perf_counter() - began
-        reply = call_next(msg, context)
+        try:
+            reply = call_next(msg, context)
+        except Exception as err:
+            why = clipping_failure(err)
+            if why is None:
+                raise
+            return self._refused(msg, context, planned, why)
         if planned is not None:
             self._start(planned, msg, reply, context, planned_s)
         return reply
@@ -169,9 +175,32 @@ class AuditMod:
             self._failed(folder, round_, client, err)
         self._log_outcomes(context)
 
-    def _failed(self, folder, round_: int, client: str, err: BaseException) -> None:
-        """Record a failure before the audit started; the client's report is rebuilt outside the round."""
-        reason = one_line(in_mod_terms(err)) if isinstance(err, ConfigError) else one_line(err)
+    def _refused(self, msg: Any, context: Any, planned: Optional[Dict[str, Any]], why: str) -> Any:
+        """A reply the mods inside this one could not make (:func:`clipping_failure`): one line on
+        the client's log, the audited round recorded as failed, and an error reply with the reason
+        (what Flower's runtime sends for a raising ClientApp) instead of a traceback."""
+        from flwr.app import Error, Message
+        from flwr.common.constant import ErrorCode
+
+        LOG.error("gia-audit: the client's reply failed: %s", why)
+        if planned is not None:
+            round_, client = planned["round"], client_name(context)
+            folder = round_dir(self.settings.out, client, round_)
+            try:
+                got = self.data(context) if self.settings.data_arity == 1 else self.data(context, round_)
+            except Exception:  # the round is audited unless the data function says it is not
+                got = True
+            if got is not None:
+                self._failed(folder, round_, client, reason=f"the client's reply failed: {why}")
+                write_status(folder, logged=True)
+        return Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=why), reply_to=msg)
+
+    def _failed(self, folder, round_: int, client: str, err: Optional[BaseException] = None,
+                reason: str = "") -> None:
+        """Record a failure (``err``, or a ``reason`` as it is) before the audit started; the
+        client's report is rebuilt outside the round."""
+        if err is not None:
+            reason = one_line(in_mod_terms(err)) if isinstance(err, ConfigError) else one_line(err)
         try:
             folder.mkdir(parents=True, exist_ok=True)
             (folder / "job.pkl").unlink(missing_ok=True)

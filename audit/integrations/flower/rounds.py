@@ -22,7 +22,7 @@ from typing import Any, Dict, Iterator, List, Optional
 from audit.core.errors import ConfigError, GiaError
 from audit.integrations.flower.job import (FINISHED, LOG_FILE, NOT_JUDGED, PENDING, one_line, read_status,
                                            round_of, worker_alive, write_status)
-from audit.report.audit_report import AuditReport
+from audit.report.audit_report import AuditReport, not_applicable
 from audit.report.risk import (default_delta, empirical_risk, overall_verdict, step_verdict, summarize_attack,
                                worst_case)
 from audit.report.rule import LeakRule
@@ -95,6 +95,14 @@ def _privacy(done: List[RoundPart]) -> Dict[str, Any]:
     return {**accounted[-1], "per_step": [row for p in accounted for row in p.get("per_step", [])]}
 
 
+def _progress(done: List[RoundPart]) -> Dict[str, int]:
+    """The finished rounds' results: done and to do, the results that do not apply apart."""
+    out = {k: sum(p.data["progress"].get(k, 0) for p in done) for k in ("done", "total", "not_applicable")}
+    if not out["not_applicable"]:
+        out.pop("not_applicable")
+    return out
+
+
 def _status(parts: List[RoundPart]) -> str:
     missing = [f"round {p.round}: {p.state}" for p in parts if p.state != FINISHED]
     missing += [f"round {p.round}: {p.data['status']}" for p in parts
@@ -152,8 +160,8 @@ def merge_rounds(parts: List[RoundPart], rule: Optional[LeakRule] = None, defens
         "run_key": ", ".join(f"round {p.round}: {p.key}" for p in done) or "none (no audited round finished)",
         "threat_model": {**base.get("threat_model", {}), **_fidelity_lines(parts)},
         "status": _status(parts),
-        "progress": {"done": sum(p.data["progress"]["done"] for p in done),
-                     "total": sum(p.data["progress"]["total"] for p in done)},
+        "progress": _progress(done),
+        "not_applicable": not_applicable(steps),
         "verdict": overall_verdict(steps),
         "attacks": attacks,
         "privacy": _privacy(done),
