@@ -128,8 +128,10 @@ def test_fedavg_with_several_clients_is_simulated_and_declared(tmp_path):
                        local_lr=0.05, out=tmp_path, **TINY)
     threat = report.data["threat_model"]
     assert threat["local_steps"] == 2 and threat["local_lr"] == 0.05 and "3 client(s)" in threat["training_data"]
-    assert report.data["settings"]["fl"] == {"lr": 0.1, "batch_size": 8, "clients": 3, "local_steps": 2,
-                                             "local_lr": 0.05, "client_mode": "train"}
+    fl = dict(report.data["settings"]["fl"])
+    assert fl.pop("local_optimizer")["name"] == "sgd"
+    assert fl == {"lr": 0.1, "batch_size": 8, "clients": 3, "local_steps": 2, "local_lr": 0.05, "client_mode": "train",
+                  "local_batch_size": None, "local_epochs": None, "shares": "update"}
     assert report.step(2)["attacks"]["analytic"]["status"] in ("ok", "not applicable")
     run_dir = next((tmp_path / "runs").iterdir())
     first, later = (torch.load(run_dir / "checkpoints" / f"s{s}.pt") for s in (0, 2))
