@@ -28,6 +28,7 @@ import torch
 from attacks import ATTACKS, observe
 from audit.core.data import load_dataset
 from audit.core.local_training import LocalOptimizer
+from attacks.side_information import BN_UPLOAD_WEIGHT
 
 RESULTS = Path(__file__).resolve().parent / "results" / "strength-upload"
 WEIGHTS = (0.01, 0.03, 0.1, 0.3, 1.0)
@@ -68,7 +69,10 @@ def _code_version() -> str:
     root = Path(__file__).resolve().parent.parent
     files = ["attacks/side_information.py", "priors/batchnorm.py", "audit/core/unroll.py", "audit/core/buffers.py",
              "audit/core/local_training.py", "attacks/presets.py"]
-    return hashlib.sha256(b"".join((root / f).read_bytes() for f in files)).hexdigest()[:12]
+    # the default weight is keyed where it is used (the cells that run "auto"), not through the code
+    text = b"".join(line for f in files for line in (root / f).read_bytes().splitlines(keepends=True)
+                    if not line.startswith(b"BN_UPLOAD_WEIGHT ="))
+    return hashlib.sha256(text).hexdigest()[:12]
 
 
 # --------------------------------------------------------------------------- the weight
@@ -157,8 +161,8 @@ def _state_cell(args, model_name, batch, group, images, make_model, run_breachin
                          "per_image": _psnr(rec, x), "side_information": rec.trace.get("side_information")}
         return out
 
-    mine = stored(dict(cell="state", breaching_seconds=round(theirs["seconds"], 1), code=_code_version(), **setting),
-                  ours, log)
+    mine = stored(dict(cell="state", breaching_seconds=round(theirs["seconds"], 1), code=_code_version(),
+                       weight=BN_UPLOAD_WEIGHT, **setting), ours, log)
     row = dict(model=model_name, batch=batch, group=group, breaching=theirs, **mine)
     log(row)
     return row
