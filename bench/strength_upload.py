@@ -67,8 +67,8 @@ def _code_version() -> str:
     buffers, the ``ig`` preset), read once per run: editing them reruns the cells. Changes that
     keep the numbers (the engine's speed) do not."""
     root = Path(__file__).resolve().parent.parent
-    files = ["attacks/side_information.py", "priors/batchnorm.py", "audit/core/unroll.py", "audit/core/buffers.py",
-             "audit/core/local_training.py", "attacks/presets.py"]
+    files = ["priors/batchnorm.py", "audit/core/unroll.py", "audit/core/buffers.py", "audit/core/local_training.py",
+             "attacks/presets.py"]
     # the default weight is keyed where it is used (the cells that run "auto"), not through the code
     text = b"".join(line for f in files for line in (root / f).read_bytes().splitlines(keepends=True)
                     if not line.startswith(b"BN_UPLOAD_WEIGHT ="))
