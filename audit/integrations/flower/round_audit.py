@@ -10,7 +10,6 @@ the order it trained on them. A ``cancel`` event stops the audit at its next pro
 from __future__ import annotations
 
 import threading
-from dataclasses import replace
 from typing import Any, Dict, Optional
 
 from audit.core.buffers import has_running_stats
@@ -39,18 +38,15 @@ class ReplyAudit(StateAudit):
     training order; ``fl``: the client's declared training; ``extra_threat``: lines for the
     threat model (the fidelity check)."""
 
+    simulates_client = False  # the reply carries the client's training and its defense as they ran
+
     def __init__(self, defense: Any, model: ModelSettings, round: int, *, origin: str, global_arrays, reply,
                  trained, fl: FLSettings, reply_key: str, cancel: Optional[threading.Event] = None,
                  extra_threat: Optional[Dict[str, Any]] = None, **settings: Any):
         self.global_arrays, self.reply, self.reply_key = global_arrays, reply, reply_key
         self.cancel = cancel or threading.Event()
         self.extra_threat = dict(extra_threat or {})
-        # the engine refuses a whole-update defense for several simulated local steps; nothing is
-        # simulated here, the reply carries the defense as the client ran it
-        engine_fl = replace(fl, local_steps=1, local_epochs=None) if getattr(
-            _resolved(defense, settings.get("defense_args")), "whole_update", False) else fl
-        super().__init__(defense, model, round, origin=origin, fl_settings=engine_fl, **settings)
-        self.fl_settings = fl
+        super().__init__(defense, model, round, origin=origin, fl_settings=fl, **settings)
         self.private = [(trained[0].clone(), trained[1].clone())]
         self._observation: Optional[Observation] = None
 
@@ -91,12 +87,6 @@ class ReplyAudit(StateAudit):
         if self.cancel.is_set():
             raise Cancelled()
         return super().attack_group(spec, group, step, _cancellable(progress, self.cancel))
-
-
-def _resolved(defense, args):
-    from audit.engine.compose import resolve_defense
-
-    return resolve_defense(defense, dict(args or {}))
 
 
 def reply_observation(audit: ReplyAudit, model, images, labels) -> Observation:
