@@ -15,6 +15,7 @@ the client's round.
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import os
@@ -192,7 +193,8 @@ class AuditMod:
                 got = True
             if got is not None:
                 self._failed(folder, round_, client, reason=f"the client's reply failed: {why}")
-                write_status(folder, logged=True)
+                with contextlib.suppress(OSError):  # logged above; the status may not be writable
+                    write_status(folder, logged=True)
         return Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=why), reply_to=msg)
 
     def _failed(self, folder, round_: int, client: str, err: Optional[BaseException] = None,
