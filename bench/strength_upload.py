@@ -287,13 +287,13 @@ def shared_form_audits(args, log) -> str:
              "bn-upload | attack s |", "|---|---|---|---|---|---|---|"]
     for defense, form, settings in runs:
         out = RESULTS.parent / "upload-audits" / f"{defense}-{form}"
-        report = audit.run(defense=defense, out=out, **base, **settings)
+        audit.run(defense=defense, out=out, **base, **settings)
         data = json.loads((out / "report.json").read_text())
         step = data["steps"][0] if data.get("steps") else {}
         seconds = sum(float(r.get("time_s") or 0) for r in data.get("results", []))
-        log(f"{defense} / {form}: {report.verdict()}")
+        log(f"{defense} / {form}: {data['verdict']['label']}")
         side = (data.get("plan") or {}).get("side_information", {}).get("bn-upload", "")
-        lines.append(f"| {defense} | {form} | {report.verdict()} | {_recovered(step)} | {_worst(step)} | "
+        lines.append(f"| {defense} | {form} | {data['verdict']['label']} | {_recovered(step)} | {_worst(step)} | "
                      f"{side.split(':')[0]} | {seconds:.0f} |")
     return "\n".join(lines)
 
