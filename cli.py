@@ -173,7 +173,8 @@ def training_options(fn):
                    "[default: margin_db=1,identify_rank=1,partial_rank=3,level=0.95]")
 @click.option("--no-utility", "utility", flag_value=False, default=None, help="skip the utility measurement")
 @click.option("--utility-steps", default=None, type=int,
-              help="FL rounds trained with and without the defense for the utility section  [default: 100]")
+              help="rounds of the utility recipe (docs/evidence.md) trained with and without the defense for the "
+                   "utility section  [default: the recipe's]")
 @click.option("--utility-seeds", default=None, type=int,
               help="training seeds per arm of the utility section (mean and spread)  [default: 3]")
 @click.option("--defense-timeout", default=None, type=float, metavar="SECONDS",
@@ -383,22 +384,24 @@ def plan_cmd(defense, defense_arg, model, size, as_json, seed, device):
 @click.option("--model", default="cnn", show_default=True, help="model name (gia-audit list models) or package.module:attr of a factory or nn.Module")
 @click.option("--dataset", default="embedded", show_default=True, help="data set name")
 @click.option("--size", default=32, show_default=True, type=int, help="image size in pixels")
-@click.option("--steps", default=300, show_default=True, type=int, help="training rounds")
-@click.option("--lr", default=0.05, show_default=True, type=float, help="server learning rate")
-@click.option("--batch-size", default=16, show_default=True, type=int, help="client batch size")
+@click.option("--steps", default=None, type=int, help="training rounds  [default: the utility recipe's, docs/evidence.md]")
+@click.option("--lr", default=None, type=float, help="server learning rate  [default: the utility recipe's]")
+@click.option("--schedule", default=None, type=click.Choice(["cosine", "constant"]),
+              help="learning-rate schedule over the rounds  [default: the utility recipe's]")
+@click.option("--batch-size", default=None, type=int, help="client batch size  [default: the utility recipe's]")
 @click.option("--clients", default=1, show_default=True, type=int, help="clients per round")
 @click.option("--local-steps", default=1, show_default=True, type=int, help="FedAvg local steps")
 @click.option("--seeds", default=3, show_default=True, type=int, help="training seeds per defense (mean and spread)")
 @common_options
 @friendly_errors
-def utility_cmd(defenses, defense_args, model, dataset, size, steps, lr, batch_size, clients, local_steps,
+def utility_cmd(defenses, defense_args, model, dataset, size, steps, lr, schedule, batch_size, clients, local_steps,
                 seeds, seed, device):
     """Test accuracy after training with the defended updates (mean and spread over seeds), next to the undefended runs."""
     from audit.engine.utility import utility_report
 
     click.echo(utility_report(defenses, defense_args, model=model, dataset=dataset, size=size, steps=steps,
-                              lr=lr, batch_size=batch_size, clients=clients, local_steps=local_steps,
-                              seed=seed, seeds=seeds, device=resolve_device(device)))
+                              lr=lr, schedule=schedule, batch_size=batch_size, clients=clients,
+                              local_steps=local_steps, seed=seed, seeds=seeds, device=resolve_device(device)))
 
 
 if __name__ == "__main__":

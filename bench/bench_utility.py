@@ -41,7 +41,9 @@ TARGET_STD = 0.02  # the spread over the audit's seeds a protocol must reach
 CANDIDATES: Dict[str, Protocol] = {
     "fl-100": Protocol(100, 0.1, 8, "constant"),
     "b8-1500-cos": Protocol(1500, 0.05, 8, "cosine"),
+    "b16-400-cos": Protocol(400, 0.05, 16, "cosine"),
     "b16-800-cos": Protocol(800, 0.05, 16, "cosine"),
+    "b16-1600-cos": Protocol(1600, 0.05, 16, "cosine"),
     "b32-400-cos": Protocol(400, 0.1, 32, "cosine"),
     "b32-600-cos": Protocol(600, 0.1, 32, "cosine"),
     "b32-600-const": Protocol(600, 0.1, 32, "constant"),

@@ -71,7 +71,7 @@ class Protocol:
 
 #: the utility recipe of the audit, the sweep and the papers' bench (chosen by measurement:
 #: ``bench/bench_utility.py``, ``docs/evidence.md``)
-PROTOCOL = Protocol(rounds=300, lr=0.05, batch_size=16, schedule="constant")
+PROTOCOL = Protocol(rounds=800, lr=0.05, batch_size=16, schedule="cosine")
 
 
 def _dataset(dataset, size: Optional[int]):
@@ -226,9 +226,9 @@ def format_utility_table(rows: Sequence[UtilityResult]) -> str:
         return "(no defenses)"
     s = rows[0].setting
     lines = [
-        f"model {s['model']}, data {s['dataset']}, {s['steps']} steps, lr {s['lr']} ({s.get('schedule', 'constant')}), "
-        f"batch {s['batch_size']}, "
-        f"clients {s['clients']}, local steps {s['local_steps']}, seed {s['seed']} ({len(s['seeds'])} training seeds)",
+        f"model {s['model']}, data {s['dataset']}, {s['steps']} steps, lr {s['lr']} ({s['schedule']}), batch "
+        f"{s['batch_size']}, clients {s['clients']}, local steps {s['local_steps']}, seed {s['seed']} "
+        f"({len(s['seeds'])} training seeds)",
         f"{'defense':<11} {'accuracy (mean ± std, min-max)':<36} {'undefended':<36} {'ratio':>6} {'time s':>7}  params",
     ]
     for r in rows:
@@ -242,10 +242,12 @@ def format_utility_table(rows: Sequence[UtilityResult]) -> str:
 
 
 def utility_report(defenses: Sequence, defense_args: Sequence[str] = (), **kwargs) -> str:
-    """What ``gia-audit utility`` prints: parse ``k=v`` defense arguments, measure, format."""
+    """What ``gia-audit utility`` prints: parse ``k=v`` defense arguments, measure, format
+    (a keyword given as None takes the recipe's value, :data:`PROTOCOL`)."""
     from audit.core.registry import parse_kv_args
 
     params = parse_kv_args(list(defense_args))
     if params and (len(defenses) != 1 or defenses[0] == "all"):
         raise ConfigError("--defense-arg applies to a single --defense; give one defense with its arguments")
-    return format_utility_table(utility_table(list(defenses), defense_params=params or None, **kwargs))
+    given = {k: v for k, v in kwargs.items() if v is not None}
+    return format_utility_table(utility_table(list(defenses), defense_params=params or None, **given))
