@@ -70,6 +70,7 @@ def test_utility_compares_training_with_and_without_the_defense_over_seeds(tmp_p
     assert all(d.final_loss != u.final_loss for d, u in zip(utility.defended.runs, utility.undefended.runs))
     md = (tmp_path / "report.md").read_text()
     assert "| test accuracy: mean ± std (min-max) |" in md and "relative accuracy (mean defended" in md
+    assert "difference of mean accuracies (defended - undefended)" in md and "(Welch t over 3 and 3 seeds)" in md
     assert "3 seeds" in md
     # other utility seeds: the utility is measured again, every attack result is reused
     result = next((tmp_path / "runs").glob("*/results/*.json"))
