@@ -164,6 +164,18 @@ def _state_cell(args, model_name, batch, group, images, make_model, run_breachin
     mine = stored(dict(cell="state", breaching_seconds=round(theirs["seconds"], 1), code=_code_version(),
                        weight=BN_UPLOAD_WEIGHT, **setting), ours, log)
     row = dict(model=model_name, batch=batch, group=group, breaching=theirs, **mine)
+    if "portfolio" in args.upload_attacks:  # the audit's base portfolio, at ig's budget
+        budget = mine["ours, with the buffers"]["budget"]
+
+        def portfolio():
+            import attacks.portfolio  # noqa: F401  (registers the portfolio)
+
+            rec, spent = timed(ATTACKS.build("portfolio"), client("state"), budget, args.seed)
+            return {"seconds": spent, "budget": budget, **evaluate(rec.inputs, rec.labels, x, y, False),
+                    "per_image": _psnr(rec, x)}
+
+        row["portfolio, with the buffers"] = stored(dict(cell="state-portfolio", budget=budget, code=_code_version(),
+                                                         weight=BN_UPLOAD_WEIGHT, **setting), portfolio, log)
     log(row)
     return row
 
@@ -194,9 +206,9 @@ def _psnr_of(images, truth) -> List[float]:
 
 
 def _state_table(rows: List[Dict[str, Any]]) -> str:
-    lines = ["| model (BN train) | batch | batches | breaching IG dB (s) | ours + buffers dB (budget, s) | "
-             "ours, weights only dB | buffers vs breaching | per batch: breaching / ours + buffers |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| model (BN train) | batch | batches | breaching IG dB (s) | `ig` + buffers dB (budget, s) | "
+             "`ig`, weights only dB | `ig` + buffers vs breaching | `portfolio` + buffers dB (vs breaching) | "
+             "per batch: breaching / `ig` + buffers |", "|---|---|---|---|---|---|---|---|---|"]
     keys = []
     for r in rows:
         if (r["model"], r["batch"]) not in keys:
@@ -206,23 +218,26 @@ def _state_table(rows: List[Dict[str, Any]]) -> str:
         mean = lambda who, k="psnr": statistics.fmean(r[who][k] for r in group)  # noqa: E731
         theirs, ours, plain = mean("breaching"), mean("ours, with the buffers"), mean("ours, weights only")
         per = "; ".join(f"{r['breaching']['psnr']:.1f} / {r['ours, with the buffers']['psnr']:.1f}" for r in group)
+        portfolio = ("-" if not all("portfolio, with the buffers" in r for r in group) else
+                     f"{mean('portfolio, with the buffers'):.2f} ({mean('portfolio, with the buffers') - theirs:+.2f})")
         lines.append(f"| {model} | {batch} | {len(group)} | {theirs:.2f} ({mean('breaching', 'seconds'):.0f}) | "
                      f"{ours:.2f} ({group[0]['ours, with the buffers']['budget']} ev, "
-                     f"{mean('ours, with the buffers', 'seconds'):.0f}) | {plain:.2f} | {ours - theirs:+.2f} | {per} |")
+                     f"{mean('ours, with the buffers', 'seconds'):.0f}) | {plain:.2f} | {ours - theirs:+.2f} | "
+                     f"{portfolio} | {per} |")
     return "\n".join(lines)
 
 
 def _fedavg_cell(args, cell: str, group: int, images, make_model, log) -> Dict[str, Any]:
     spec, lr = FEDAVG_CELLS[cell]
     parts = dict(cell="fedavg", optimizer=spec, lr=lr, group=group, steps=3, budget=args.fedavg_budget,
-                 batch=args.fedavg_batch, seed=args.seed, code=_code_version())
+                 batch=args.fedavg_batch, local_batch=args.fedavg_local_batch, seed=args.seed, code=_code_version())
 
     def compute():
         batch = args.fedavg_batch
         x = images[group * batch:(group + 1) * batch]
         y = torch.tensor([(3 * (group * batch + i) + 1) % 10 for i in range(batch)])
         real = observe(make_model("convnet-bn-train"), x, y, client_mode="train", local_steps=3, local_lr=lr,
-                       optimizer=spec, shares="update", seed=args.seed)
+                       local_batch_size=args.fedavg_local_batch, optimizer=spec, shares="update", seed=args.seed)
         assumed = dataclasses.replace(real, optimizer=LocalOptimizer())  # the attacker assumes plain SGD
         out = {}
         for name, obs in (("unrolls the real optimizer", real), ("assumes plain SGD", assumed)):
@@ -236,7 +251,8 @@ def _fedavg_cell(args, cell: str, group: int, images, make_model, log) -> Dict[s
 
 
 def _fedavg_table(rows: List[Dict[str, Any]]) -> str:
-    lines = ["| client optimizer (3 local steps) | batches | attack unrolls the real optimizer dB | "
+    lines = ["| client optimizer (3 local steps, mini-batches of 2 of a batch of 4) | batches | "
+             "attack unrolls the real optimizer dB | "
              "attack assumes plain SGD dB | difference | per batch (real / plain) |", "|---|---|---|---|---|---|"]
     for cell, (spec, lr) in FEDAVG_CELLS.items():
         group = [r for r in rows if r["cell"] == cell]
@@ -255,10 +271,14 @@ def add_options(p) -> None:
     p.add_argument("--upload", action="store_true", help="the client's uploaded state and local optimiser")
     p.add_argument("--bn-weight", action="store_true", help="choose the bn-upload weight on held-out images")
     p.add_argument("--weights", type=lambda s: [float(v) for v in s.split(",")], default=list(WEIGHTS))
+    p.add_argument("--upload-attacks", type=lambda v: v.split(","), default=["ig"],
+                   help="--upload: ig, or ig,portfolio (the portfolio with the buffers at ig's budget)")
     p.add_argument("--breaching-only", action="store_true", help="--upload: store breaching's cells only")
     p.add_argument("--no-fedavg", dest="fedavg", action="store_false", help="--upload without the FedAvg cells")
-    p.add_argument("--fedavg-images", type=int, default=4, help="private batches per FedAvg cell")
-    p.add_argument("--fedavg-batch", type=int, default=1)
+    p.add_argument("--fedavg-images", type=int, default=1, help="private batches per FedAvg cell")
+    p.add_argument("--fedavg-batch", type=int, default=4)
+    p.add_argument("--fedavg-local-batch", type=int, default=2, help="the client's mini-batch (its steps see "
+                   "different images, so momentum changes the update's direction, not only its length)")
     p.add_argument("--fedavg-budget", type=int, default=900, help="gradient evaluations (3 per iteration)")
 
 
