@@ -207,7 +207,7 @@ class OutputSettings:
 
     out: Union[str, Path] = "audit-out"
     utility: bool = True
-    utility_steps: int = 100
+    utility_steps: int = 800  # the utility recipe's rounds (audit.engine.utility.PROTOCOL)
     thresholds: LeakRule = field(default_factory=LeakRule)
     delta: Optional[float] = None
     progress: bool = True
