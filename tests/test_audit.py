@@ -300,3 +300,10 @@ def test_progress_counts_image_iterations_for_the_whole_audit(tmp_path, monkeypa
     audit.run(defense="none", steps=[0, 1, 2], attacks=["ig", "analytic"], images=2, out=tmp_path, **settings)
     assert bars[0].total == 3 * 2 * 2 * 20 * 2 and bars[0].n == bars[0].total  # resumed: starts at the 2 done steps
     assert sum(bars[0].moves) == 1 * 2 * 2 * 20 * 2
+
+
+def test_the_settings_object_trains_the_utility_recipe_by_default():
+    from audit.engine.settings import OutputSettings
+    from audit.engine.utility import PROTOCOL
+
+    assert OutputSettings().utility_steps == PROTOCOL.rounds

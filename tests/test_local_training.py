@@ -244,10 +244,3 @@ def test_fl_training_runs_the_clients_optimizer():
     plain, named_plain, heavy = after(None), after("sgd"), after("sgd:momentum=0.9")
     torch.testing.assert_close(plain, named_plain)
     assert (heavy - plain).norm() > 1e-3 * plain.norm()
-
-
-def test_the_settings_object_trains_the_utility_recipe_by_default():
-    from audit.engine.settings import OutputSettings
-    from audit.engine.utility import PROTOCOL
-
-    assert OutputSettings().utility_steps == PROTOCOL.rounds
