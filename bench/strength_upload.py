@@ -128,7 +128,7 @@ def upload_matrix(args, make_model, natural_images, run_breaching, timed, evalua
     if args.fedavg:
         fed = [_fedavg_cell(args, cell, group, images, make_model, log)
                for cell in FEDAVG_CELLS for group in range(args.fedavg_images)]
-        table.append(_fedavg_table(fed))
+        table.append(_fedavg_table(fed, args))
     return "\n\n".join(table)
 
 
@@ -230,14 +230,16 @@ def _state_table(rows: List[Dict[str, Any]]) -> str:
 def _fedavg_cell(args, cell: str, group: int, images, make_model, log) -> Dict[str, Any]:
     spec, lr = FEDAVG_CELLS[cell]
     parts = dict(cell="fedavg", optimizer=spec, lr=lr, group=group, steps=3, budget=args.fedavg_budget,
-                 batch=args.fedavg_batch, local_batch=args.fedavg_local_batch, seed=args.seed, code=_code_version())
+                 batch=args.fedavg_batch, local_batch=args.fedavg_local_batch, shares=args.fedavg_shares, seed=args.seed,
+                 code=_code_version(), weight=BN_UPLOAD_WEIGHT)
 
     def compute():
         batch = args.fedavg_batch
         x = images[group * batch:(group + 1) * batch]
         y = torch.tensor([(3 * (group * batch + i) + 1) % 10 for i in range(batch)])
         real = observe(make_model("convnet-bn-train"), x, y, client_mode="train", local_steps=3, local_lr=lr,
-                       local_batch_size=args.fedavg_local_batch, optimizer=spec, shares="update", seed=args.seed)
+                       local_batch_size=args.fedavg_local_batch, optimizer=spec, shares=args.fedavg_shares,
+                       seed=args.seed)
         assumed = dataclasses.replace(real, optimizer=LocalOptimizer())  # the attacker assumes plain SGD
         out = {}
         for name, obs in (("unrolls the real optimizer", real), ("assumes plain SGD", assumed)):
@@ -250,8 +252,9 @@ def _fedavg_cell(args, cell: str, group: int, images, make_model, log) -> Dict[s
     return row
 
 
-def _fedavg_table(rows: List[Dict[str, Any]]) -> str:
-    lines = ["| client optimizer (3 local steps, mini-batches of 2 of a batch of 4) | batches | "
+def _fedavg_table(rows: List[Dict[str, Any]], args) -> str:
+    lines = [f"| client optimizer (3 local steps on a batch of {args.fedavg_batch} in mini-batches of "
+             f"{args.fedavg_local_batch}, uploading its {args.fedavg_shares}) | batches | "
              "attack unrolls the real optimizer dB | "
              "attack assumes plain SGD dB | difference | per batch (real / plain) |", "|---|---|---|---|---|---|"]
     for cell, (spec, lr) in FEDAVG_CELLS.items():
@@ -276,9 +279,10 @@ def add_options(p) -> None:
     p.add_argument("--breaching-only", action="store_true", help="--upload: store breaching's cells only")
     p.add_argument("--no-fedavg", dest="fedavg", action="store_false", help="--upload without the FedAvg cells")
     p.add_argument("--fedavg-images", type=int, default=1, help="private batches per FedAvg cell")
-    p.add_argument("--fedavg-batch", type=int, default=4)
-    p.add_argument("--fedavg-local-batch", type=int, default=2, help="the client's mini-batch (its steps see "
+    p.add_argument("--fedavg-batch", type=int, default=2)
+    p.add_argument("--fedavg-local-batch", type=int, default=1, help="the client's mini-batch (its steps see "
                    "different images, so momentum changes the update's direction, not only its length)")
+    p.add_argument("--fedavg-shares", default="state", help="what the FedAvg client uploads (update or state)")
     p.add_argument("--fedavg-budget", type=int, default=900, help="gradient evaluations (3 per iteration)")
 
 
