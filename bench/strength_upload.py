@@ -127,7 +127,7 @@ def upload_matrix(args, make_model, natural_images, run_breaching, timed, evalua
     table = [_state_table(rows)]
     if args.fedavg:
         fed = [_fedavg_cell(args, cell, group, images, make_model, log)
-               for cell in FEDAVG_CELLS for group in range(args.fedavg_images)]
+               for cell in args.fedavg_cells for group in range(args.fedavg_images)]
         table.append(_fedavg_table(fed, args))
     return "\n\n".join(table)
 
@@ -258,7 +258,7 @@ def _fedavg_table(rows: List[Dict[str, Any]], args) -> str:
              "attack unrolls the real optimizer dB | "
              "attack assumes plain SGD dB | difference | per batch (real / plain) |", "|---|---|---|---|---|---|"]
     for cell, (spec, lr) in FEDAVG_CELLS.items():
-        group = [r for r in rows if r["cell"] == cell]
+        group = [r for r in rows if r["cell"] == cell and cell in args.fedavg_cells]
         if not group:
             continue
         real = statistics.fmean(r["unrolls the real optimizer"]["psnr"] for r in group)
@@ -279,6 +279,8 @@ def add_options(p) -> None:
     p.add_argument("--breaching-only", action="store_true", help="--upload: store breaching's cells only")
     p.add_argument("--no-fedavg", dest="fedavg", action="store_false", help="--upload without the FedAvg cells")
     p.add_argument("--fedavg-images", type=int, default=1, help="private batches per FedAvg cell")
+    p.add_argument("--fedavg-cells", type=lambda v: v.split(","), default=list(FEDAVG_CELLS),
+                   help=f"FedAvg cells to run, of {', '.join(FEDAVG_CELLS)}")
     p.add_argument("--fedavg-batch", type=int, default=2)
     p.add_argument("--fedavg-local-batch", type=int, default=1, help="the client's mini-batch (its steps see "
                    "different images, so momentum changes the update's direction, not only its length)")
