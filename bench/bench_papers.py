@@ -479,7 +479,16 @@ class CellPlan:
     def key(self) -> str:
         from audit.report.store import settings_key
 
-        return settings_key({k: v for k, v in self.call.items() if k not in ("out", "progress")}, 16)
+        return cell_key(self.call)
+
+
+def cell_key(call: Dict[str, Any]) -> str:
+    """The key of an ``audit.run`` call: every setting that changes its numbers (not where it
+    writes or whether it shows progress; the utility's recipe only when it measures utility)."""
+    from audit.report.store import settings_key
+
+    ignored = {"out", "progress"} | (set() if call.get("utility") else {"utility_steps", "utility_seeds"})
+    return settings_key({k: v for k, v in call.items() if k not in ignored}, 16)
 
 
 def plan_cells(row: Row, profile: Profile, data: str, data_args: Dict[str, Any], out: Path,
