@@ -56,9 +56,7 @@ def stored(parts: Dict[str, Any], compute: Callable[[], Dict[str, Any]], log) ->
 
 
 def _psnr(rec, truth) -> List[float]:
-    from audit.core.metrics import psnr
-
-    return [round(float(v), 2) for v in psnr(rec.inputs.cpu(), truth.cpu()).flatten()]
+    return _psnr_of(rec.inputs, truth)
 
 
 @functools.lru_cache(maxsize=None)
