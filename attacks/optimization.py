@@ -37,6 +37,7 @@ from attacks.labels import LABEL_STRATEGIES, LabelPlan, plan_labels
 from attacks.objectives import Objective, build_objective
 from attacks.optimizers import OPTIMIZERS
 from attacks.search_space import BOXES, INITS, Box
+from attacks.local_surrogate import replica_note
 from attacks.side_information import check_weight, revealed_for_member, side_information
 from attacks.simulator import GradientSimulator, SimContext
 
@@ -722,6 +723,7 @@ class OptimizationRun:
                 "loss_history": rows_of[n * restarts:(n + 1) * restarts],
                 "labels": self.plans[n].info,
                 "side_information": dict(self.side.notes),
+                "client_optimizer": replica_note(self.obs.optimizer),
                 "time_s": seconds / self.n,
             }
             if self.selection:

@@ -32,7 +32,8 @@ from audit.core.defense_call import invoke_defense, invoke_defense_many
 from audit.core.errors import ConfigError, NotApplicable
 from audit.core.registry import Registry
 from audit.core.types import Observation
-from audit.core.unroll import client_update  # the replica unrolls exactly like the client
+from audit.core.unroll import client_update  # the replica unrolls like the client (attacks.local_surrogate)
+from attacks.local_surrogate import replica_optimizer
 
 SIMULATORS = Registry("simulator")
 
@@ -71,6 +72,8 @@ class ClientReplica:
             raise ConfigError(f"observation.client_mode must be 'train' or 'eval', got {mode!r}")
         self.observation = observation
         self.loss_fn = observation.loss_fn
+        #: the client's optimiser as the replica unrolls it (:mod:`attacks.local_surrogate`)
+        self.optimizer = replica_optimizer(observation.optimizer)
         self.bn_running = _running_stats(observation.model)
         model = copy.deepcopy(observation.model)
         model.train(mode == "train")
@@ -211,7 +214,7 @@ class GradientSimulator:
             return g
 
         grads = client_update(step, params, x, y, steps=obs.local_steps, lr=obs.local_lr,
-                              batch_size=obs.local_batch_size, optimizer=obs.optimizer)
+                              batch_size=obs.local_batch_size, optimizer=replica.optimizer)
         return grads, feats
 
     def __call__(self, replica: ClientReplica, x: Tensor, y: Tensor, *, functional: bool,

@@ -387,16 +387,23 @@ BY_ID = {r.id: r for r in ROWS}
 # --------------------------------------------------------------------------- a row's run
 @dataclass
 class Profile:
+    """``tiny``: the profile's rows and models at the quick check's budgets, images and steps
+    (the gpu profile's plumbing checked on a CPU); its cells never reach the page."""
     name: str
     images: Optional[int] = None  # overrides every row's image count (the quick check's 2)
     device: str = "cpu"
+    tiny: bool = False
+
+    @property
+    def shrunk(self) -> bool:
+        return self.name == "quick" or self.tiny
 
 
 def run_setting(row: Row, profile: Profile) -> Dict[str, Any]:
     """What ``profile`` runs for ``row``: model arguments, budget (gradient evaluations per
     attack and image), steps, images, and the planner cell's attacks and budget."""
     s, paper = row.scale(profile.name), row.setting
-    quick = profile.name == "quick"
+    quick = profile.shrunk
     budget = QUICK["budget"] if quick else s.budget or paper.budget or row.budget_if_unstated
     steps = tuple(s.steps or paper.steps)
     images = profile.images or s.images or paper.images or IMAGES
@@ -461,9 +468,9 @@ def base_call(row: Row, profile: Profile, data: str, data_args: Dict[str, Any], 
                 model_args=dict(run["model_args"]), data=data, data_args=data_args or None,
                 steps=list(run["steps"]) if not utility else [0], images=run["images"] if not utility else 1,
                 budget=run["budget"], batch_size=1, lr=row.lr, train_batch_size=run["train_batch"], utility=utility,
-                utility_steps=4 if profile.name == "quick" else row.utility_steps,
-                utility_seeds=2 if profile.name == "quick" else 3, device=profile.device,
-                out=str(store_dir(row, out) / "paper"), progress=profile.name != "quick")
+                utility_steps=4 if profile.shrunk else row.utility_steps,
+                utility_seeds=2 if profile.shrunk else 3, device=profile.device,
+                out=str(store_dir(row, out) / "paper"), progress=not profile.shrunk)
 
 
 @dataclass
@@ -510,13 +517,13 @@ def plan_cells(row: Row, profile: Profile, data: str, data_args: Dict[str, Any],
     if row.adaptive:
         adaptive_steps = [s for s in (row.adaptive_steps or steps) if s in steps]
         args = dict(row.adaptive.args)
-        if profile.name == "quick" and row.adaptive.name == "learned-inverter":
+        if profile.shrunk and row.adaptive.name == "learned-inverter":
             args.update(pairs=16, train_steps=5)
         cells.append(CellPlan("adaptive", {**base, "steps": adaptive_steps, "attacks": [row.adaptive.name],
                                            "attack_args": {row.adaptive.name: args} if args else None,
                                            "budget": run["adaptive_budget"]}, adaptive_steps))
     planner_args = dict(run["planner_args"])
-    if profile.name == "quick":
+    if profile.shrunk:
         planner_args["learned-inverter"] = {"pairs": 16, "train_steps": 5}
     cells.append(CellPlan("planner", {**base, "attacks": list(run["planner"]), "attack_args": planner_args or None,
                                       "budget": run["planner_budget"],
@@ -703,7 +710,7 @@ def run_row(row: Row, profile: Profile, data: str, data_args: Dict[str, Any], ou
     stored["setting"] = {"run": run, "label": label(row, run)}
     if row.search:
         probe = plan_cells(row, profile, data, data_args, out)[0]
-        held = QUICK["held_out"] if profile.name == "quick" else HELD_OUT
+        held = QUICK["held_out"] if profile.shrunk else HELD_OUT
         key = search_key(row, probe, held)
         if (stored.get("search") or {}).get("key") != key:
             started = time.perf_counter()
@@ -715,7 +722,7 @@ def run_row(row: Row, profile: Profile, data: str, data_args: Dict[str, Any], ou
         key = json.dumps([row.defense_args, run["model_args"]], sort_keys=True)
         if (stored.get("projection") or {}).get("key") != key:
             stored["projection"] = {"key": key, **refiner_projection(row, profile, run,
-                                                                    2 if profile.name == "quick" else 8)}
+                                                                    2 if profile.shrunk else 8)}
             save_results(path, stored)
     stored.setdefault("cells", {})
     for plan in plan_cells(row, profile, data, data_args, out, (stored.get("search") or {}).get("chosen")):
@@ -935,6 +942,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--out", default=str(ROOT / "bench-out" / "papers"), help="the engine's result stores")
     parser.add_argument("--results", default=None, help=f"the persisted cells (default {RESULTS})")
     parser.add_argument("--retry", action="store_true", help="rerun stored cells with missing evidence")
+    parser.add_argument("--tiny", action="store_true", help="with --profile gpu: its rows and width-64 models at the "
+                        "quick check's budgets (2 images, 4 evaluations), results under --out, never the page")
     parser.add_argument("--render", action="store_true", help="write the page from stored results; run nothing")
     add_docs_option(parser, "docs/papers.md")
     args = parser.parse_args(argv)
@@ -943,23 +952,28 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
     torch.set_num_threads(args.threads)
     name = args.profile
-    device = args.device or ("cuda" if name == "gpu" else "cpu")
-    profile = Profile(name, args.images or (QUICK["images"] if name == "quick" else None), device)
+    device = args.device or ("cuda" if name == "gpu" and not args.tiny else "cpu")
+    if args.tiny and name != "gpu":
+        raise SystemExit("--tiny checks the gpu profile on a CPU: use it with --profile gpu (the cpu profile's "
+                         "own check is --profile quick)")
+    profile = Profile(name, args.images or (QUICK["images"] if name == "quick" or args.tiny else None), device,
+                      tiny=args.tiny)
     data, data_args = ("cifar10", {"path": args.data_path}) if args.data_path else ("embedded", {})
     out = Path(args.out)
-    root = Path(args.results) if args.results else (out / "results" if name == "quick" else RESULTS)
+    root = Path(args.results) if args.results else (out / "results" if profile.shrunk else RESULTS)
     rows = selected(args.rows, args.paper, name)
     page_rows = selected(None, None, name)  # the page shows every row of the profile
 
     def publish() -> None:
-        if args.docs and name != "quick":
+        if args.docs and not profile.shrunk:
             table = render(page_rows, profile, data, data_args, root, out)
             setting = (f"torch {torch.__version__}, {args.threads} thread(s), {device}; "
                        f"{timing(page_rows, profile, data, data_args, root, out)}")
             write_table(args.docs_page, args.docs, command_line("bench_papers.py", page_command(argv)), table, setting)
 
     if not args.render:
-        todo = gpu_batch(rows, args.minutes, profile, data, data_args, root, out) if name == "gpu" else rows
+        todo = gpu_batch(rows, args.minutes, profile, data, data_args, root, out) if name == "gpu" and not args.tiny \
+            else rows
         for i, row in enumerate(todo, 1):
             print(f"[{time.strftime('%H:%M:%S')}] row {i}/{len(todo)} {row.id} ({name})", flush=True)
             try:

@@ -553,6 +553,9 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     if args.shared_forms:
         result["shared_forms"] = table = strength_upload.shared_form_audits(args, log)
         print(header + "\n\n" + table)
+    elif args.adam_smoothing:
+        result["adam_smoothing"] = table = strength_upload.adam_smoothing(args, model_named, log)
+        print(header + "\n\n" + table)
     elif args.bn_weight:
         result["bn_weight"] = table = strength_upload.weight_sweep(args, model_named, log)
         print(header + "\n\n" + table)

@@ -15,6 +15,7 @@ that changes its numbers, so a rerun resumes and a changed setting reruns only i
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -25,7 +26,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from attacks import ATTACKS, observe
+from attacks import ATTACKS, local_surrogate, observe
 from audit.core.data import load_dataset
 from audit.core.local_training import LocalOptimizer
 from attacks.side_information import BN_UPLOAD_WEIGHT
@@ -106,6 +107,52 @@ def weight_sweep(args, make_model, log) -> str:
             means.append(statistics.fmean(values))
             cells.append(f"{means[-1]:.2f} ({len(values)})")
         lines.append(f"| {weight:g} | " + " | ".join(cells) + f" | {statistics.fmean(means):.2f} |")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- Adam's smoothing
+@contextlib.contextmanager
+def replica_smoothing(value: float):
+    """The replica's Adam smoothing set to ``value`` (0: the exact rule) for one cell."""
+    saved = local_surrogate.ADAM_RELATIVE_EPS
+    local_surrogate.ADAM_RELATIVE_EPS = value
+    try:
+        yield
+    finally:
+        local_surrogate.ADAM_RELATIVE_EPS = saved
+
+
+def adam_smoothing(args, make_model, log) -> str:
+    """PSNR of ``ig`` against a client of 3 local Adam steps (the FedAvg Adam cell's setting)
+    for each smoothing of the replica's Adam (:mod:`attacks.local_surrogate`; 0 is the exact
+    rule) and for a replica that assumes plain SGD, on held-out embedded images."""
+    spec, lr = FEDAVG_CELLS["adam"]
+    data = load_dataset("embedded")
+    rows = []
+    for group in range(args.images):
+        x, y = data.test_images[group:group + 1], data.test_labels[group:group + 1]
+        for value in [*args.smoothings, "plain"]:
+            parts = dict(cell="adam-smoothing", group=group, smoothing=value, optimizer=spec, lr=lr, steps=3,
+                         budget=args.budget, seed=args.seed, code=_code_version())
+
+            def compute():
+                obs = observe(make_model("convnet-bn-train"), x, y, client_mode="train", local_steps=3, local_lr=lr,
+                              optimizer=spec, shares="state", seed=args.seed)
+                if value == "plain":
+                    obs = dataclasses.replace(obs, optimizer=LocalOptimizer())
+                with replica_smoothing(0.0 if value == "plain" else float(value)):
+                    rec = ATTACKS.build("ig").reconstruct(obs, args.budget, args.seed, progress=lambda *a: None)
+                return {"psnr": _psnr(rec, x)}
+
+            row = dict(group=group, smoothing=value, **stored(parts, compute, log))
+            log(row)
+            rows.append(row)
+    lines = ["| replica's Adam | mean PSNR dB (images) |", "|---|---|"]
+    for value in [*args.smoothings, "plain"]:
+        values = [v for r in rows if r["smoothing"] == value for v in r["psnr"]]
+        name = ("assumes plain SGD" if value == "plain" else "exact rule (eps as the client's)" if value == 0
+                else f"eps + {value:g} x gradient RMS")
+        lines.append(f"| {name} | {statistics.fmean(values):.2f} ({len(values)}) |")
     return "\n".join(lines)
 
 
@@ -230,6 +277,8 @@ def _fedavg_cell(args, cell: str, group: int, images, make_model, log) -> Dict[s
     parts = dict(cell="fedavg", optimizer=spec, lr=lr, group=group, steps=3, budget=args.fedavg_budget,
                  batch=args.fedavg_batch, local_batch=args.fedavg_local_batch, shares=args.fedavg_shares, seed=args.seed,
                  code=_code_version(), weight=BN_UPLOAD_WEIGHT)
+    if LocalOptimizer.parse(spec).name in local_surrogate.SMOOTHED:
+        parts["smoothing"] = local_surrogate.ADAM_RELATIVE_EPS
 
     def compute():
         batch = args.fedavg_batch
@@ -272,6 +321,9 @@ def add_options(p) -> None:
     p.add_argument("--upload", action="store_true", help="the client's uploaded state and local optimiser")
     p.add_argument("--bn-weight", action="store_true", help="choose the bn-upload weight on held-out images")
     p.add_argument("--weights", type=lambda s: [float(v) for v in s.split(",")], default=list(WEIGHTS))
+    p.add_argument("--adam-smoothing", action="store_true",
+                   help="choose the replica's Adam smoothing on held-out images (FedAvg, 3 Adam steps)")
+    p.add_argument("--smoothings", type=lambda s: [float(v) for v in s.split(",")], default=[0.0, 1.0, 3.0, 10.0])
     p.add_argument("--upload-attacks", type=lambda v: v.split(","), default=["ig"],
                    help="--upload: ig, or ig,portfolio (the portfolio with the buffers at ig's budget)")
     p.add_argument("--breaching-only", action="store_true", help="--upload: store breaching's cells only")

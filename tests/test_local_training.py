@@ -244,3 +244,57 @@ def test_fl_training_runs_the_clients_optimizer():
     plain, named_plain, heavy = after(None), after("sgd"), after("sgd:momentum=0.9")
     torch.testing.assert_close(plain, named_plain)
     assert (heavy - plain).norm() > 1e-3 * plain.norm()
+
+
+def _adam_match(relative_eps, at, observed, net, y):
+    """The cosine mismatch between ``observed`` and the update of 3 Adam steps (lr 0.001) on
+    ``at`` (eps raised by ``relative_eps`` x the gradient RMS), and its gradient in the image."""
+    from torch.func import functional_call
+
+    from audit.core.unroll import client_update
+
+    model = copy.deepcopy(net)
+    params = {n: p.detach().requires_grad_(True) for n, p in model.named_parameters()}
+    x = at.clone().requires_grad_(True)
+
+    def step(p, xb, yb, k):
+        loss = nn.functional.cross_entropy(functional_call(model, p, (xb,)), yb)
+        return dict(zip(p, torch.autograd.grad(loss, list(p.values()), create_graph=True)))
+
+    update = client_update(step, params, x, y, steps=3, lr=0.001,
+                           optimizer=LocalOptimizer("adam", relative_eps=relative_eps))
+    flat = torch.cat([u.reshape(-1) for u in update])
+    mismatch = 1 - torch.nn.functional.cosine_similarity(flat, observed, dim=0)
+    return float(mismatch), torch.autograd.grad(mismatch, x)[0]
+
+
+def _slope_kept(relative_eps, at, observed, net, y, length):
+    """How much of the decrease its slope promises the match delivers along a step of ``length``."""
+    before, slope = _adam_match(relative_eps, at, observed, net, y)
+    after, _ = _adam_match(relative_eps, at - length * slope / slope.norm(), observed, net, y)
+    return (before - after) / (length * float(slope.norm()))
+
+
+def test_replica_smooths_adam_into_a_descendable_match():
+    """Adam's exact update is near the gradient's sign, a step function of the image: its slope
+    promises a decrease the match does not deliver. The replica's smoothed rule (eps + k x the
+    gradient RMS) keeps its slope's promise and still matches the private image better than
+    another image. Every other rule is unrolled exactly, and a client cannot be described with
+    the attacker's smoothing."""
+    from attacks.local_surrogate import ADAM_RELATIVE_EPS
+
+    net, (x, y) = small_bn_net(), batch(1)
+    obs = observe(net, x, y, local_steps=3, local_lr=0.001, optimizer="adam", shares="update", seed=0)
+    assert ClientReplica(obs).optimizer == obs.optimizer.with_(relative_eps=ADAM_RELATIVE_EPS)
+    momentum = observe(net, x, y, local_steps=3, local_lr=0.01, optimizer="sgd:momentum=0.9", seed=0)
+    assert ClientReplica(momentum).optimizer == momentum.optimizer
+    observed = torch.cat([g.reshape(-1) for g in obs.gradients])
+    near = (x + 0.05 * torch.randn(x.shape, generator=torch.Generator().manual_seed(3))).clamp(0, 1)
+    other = torch.rand(x.shape, generator=torch.Generator().manual_seed(5))
+    for length in (0.01, 0.1):
+        assert _slope_kept(0.0, near, observed, net, y, length) < 0.3
+        assert 0.5 < _slope_kept(ADAM_RELATIVE_EPS, near, observed, net, y, length) < 1.5
+    assert _adam_match(ADAM_RELATIVE_EPS, near, observed, net, y)[0] < _adam_match(ADAM_RELATIVE_EPS, other,
+                                                                                   observed, net, y)[0]
+    with pytest.raises(ConfigError, match="unknown local optimizer setting"):
+        LocalOptimizer.parse("adam:relative_eps=1")

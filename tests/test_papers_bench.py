@@ -409,3 +409,18 @@ def test_rows_sharing_an_engine_store_run_each_attack_with_the_same_settings():
             for name, kw in (call.get("attack_args") or {}).items():
                 previous = seen.setdefault((key, name), (row.id, kw))
                 assert previous[1] == kw, f"{row.id} and {previous[0]} run {name} differently in one store"
+
+
+def test_the_gpu_profile_runs_on_a_cpu_at_a_tiny_budget(tmp_path):
+    """``--profile gpu --tiny``: a gpu-profile row's paper cell runs end to end on the CPU with
+    the width-64 ResNet-18 at the quick check's budget, and is stored with its evidence."""
+    row = bp.BY_ID["censor-none"]
+    profile = bp.Profile("gpu", images=1, tiny=True)
+    paper = bp.plan_cells(row, profile, "embedded", {}, tmp_path / "out")[0]
+    assert paper.name == "paper:ig" and paper.call["model_args"] == {} and paper.call["budget"] == bp.QUICK["budget"]
+    assert paper.call["device"] == "cpu"
+    cell = bp.run_cell(row, paper)
+    evidence = cell["evidence"]
+    assert evidence["images"] == 1 and len(evidence["per_image_psnr"]) == 1
+    assert cell["call"]["model"] == "resnet18" and cell["key"] == paper.key
+    assert "scaled" in bp.label(row, bp.run_setting(row, profile))

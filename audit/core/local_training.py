@@ -27,7 +27,12 @@ class LocalOptimizer:
     """The client's local optimiser: ``name`` (``sgd`` / ``adam`` / ``adamw``) and its settings,
     with ``torch.optim``'s meaning and defaults (``betas`` and ``eps`` for Adam / AdamW;
     ``momentum``, ``dampening`` and ``nesterov`` for SGD; ``weight_decay`` for all, which
-    AdamW applies decoupled). The learning rate is the training's, not the optimiser's."""
+    AdamW applies decoupled). The learning rate is the training's, not the optimiser's.
+
+    ``relative_eps`` is the attacker's smoothing, never a client's setting (``parse`` refuses
+    it): Adam's ``eps`` grows by ``relative_eps`` times each tensor's gradient RMS (detached),
+    which turns the near-sign update ``m / (sqrt(v) + eps)`` into a soft sign, smooth in the
+    image; 0 is the exact rule."""
 
     name: str = "sgd"
     momentum: float = 0.0
@@ -37,6 +42,7 @@ class LocalOptimizer:
     beta1: float = 0.9
     beta2: float = 0.999
     eps: float = 1e-8
+    relative_eps: float = 0.0
 
     def __post_init__(self):
         if self.name not in OPTIMIZER_RULES:
@@ -51,6 +57,9 @@ class LocalOptimizer:
                               f"{self.weight_decay}, {self.eps}, {self.dampening}")
         if self.nesterov and (self.momentum <= 0 or self.dampening != 0):
             raise ConfigError("nesterov needs momentum > 0 and dampening 0 (as torch.optim.SGD)")
+        if self.relative_eps < 0 or (self.relative_eps and self.name == "sgd"):
+            raise ConfigError(f"relative_eps smooths Adam / AdamW and must be >= 0, got {self.relative_eps} "
+                              f"for {self.name}")
         if self.name != "sgd" and (self.momentum or self.nesterov or self.dampening):
             raise ConfigError(f"{self.name} takes beta1 / beta2 / eps, not momentum / nesterov / dampening")
 
@@ -91,7 +100,7 @@ class LocalOptimizer:
 
     @classmethod
     def _build(cls, settings: Dict[str, Any]) -> "LocalOptimizer":
-        known = {f.name: f.type for f in fields(cls)}
+        known = {f.name: f.type for f in fields(cls) if f.name not in ATTACKER_SIDE}
         unknown = sorted(set(settings) - set(known))
         if unknown:
             raise ConfigError(f"unknown local optimizer setting(s) {', '.join(unknown)}; valid: "
@@ -111,6 +120,10 @@ class LocalOptimizer:
 
     def with_(self, **changes: Any) -> "LocalOptimizer":
         return replace(self, **changes)
+
+
+#: fields an attacker's replica sets, never a client's description
+ATTACKER_SIDE = ("relative_eps",)
 
 
 def _boolean(value: Any) -> bool:
@@ -156,7 +169,8 @@ def _adam_direction(opt: LocalOptimizer, params, grads, state, t, decoupled: boo
         v = (1.0 - opt.beta2) * g * g if v0 is None else opt.beta2 * v0 + (1.0 - opt.beta2) * g * g
         first[n], second[n] = m, v
         # clamp_min: sqrt's derivative at 0 is infinite; below the clamp its gradient is 0
-        d = (m / bias1) / ((v / bias2).clamp_min(1e-30).sqrt() + opt.eps)
+        eps = opt.eps + opt.relative_eps * g.detach().square().mean().sqrt() if opt.relative_eps else opt.eps
+        d = (m / bias1) / ((v / bias2).clamp_min(1e-30).sqrt() + eps)
         direction[n] = d + opt.weight_decay * params[n] if (decoupled and opt.weight_decay) else d
     return direction, {"m": first, "v": second}
 
