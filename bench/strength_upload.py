@@ -159,8 +159,12 @@ def adam_smoothing(args, make_model, log) -> str:
 # --------------------------------------------------------------------------- the upload
 def upload_matrix(args, make_model, natural_images, run_breaching, timed, evaluate, log) -> str:
     """The BatchNorm-statistics cells beside breaching, then the FedAvg optimiser cells."""
-    images, names = natural_images(max(args.images, max(args.batches)))
+    images, names = natural_images(max(args.images, max(args.batches), args.fedavg_images * args.fedavg_batch))
     log("images: " + ", ".join(names))
+    if args.fedavg_only:
+        fed = [_fedavg_cell(args, cell, group, images, make_model, log)
+               for cell in args.fedavg_cells for group in range(args.fedavg_images)]
+        return _fedavg_table(fed, args)
     rows: List[Dict[str, Any]] = []
     for model_name in args.models:
         for batch in args.batches:
@@ -207,6 +211,7 @@ def _state_cell(args, model_name, batch, group, images, make_model, run_breachin
         return out
 
     mine = stored(dict(cell="state", breaching_seconds=round(theirs["seconds"], 1), code=_code_version(),
+                       budget_rule="marginal cost, fixed cost apart",
                        weight=BN_UPLOAD_WEIGHT, **setting), ours, log)
     row = dict(model=model_name, batch=batch, group=group, breaching=theirs, **mine)
     if "portfolio" in args.upload_attacks:  # the audit's base portfolio, at ig's budget
@@ -225,29 +230,41 @@ def _state_cell(args, model_name, batch, group, images, make_model, run_breachin
     return row
 
 
-def matched_budget(ours_obs, their_obs, labels, iterations: int, run_breaching, timed, seed: int, probe: int = 20,
-                   rounds: int = 2):
-    """Our budget at breaching's wall time for ``iterations``, from the two tools' speeds measured
-    back to back in this process (ABBA, ``probe`` iterations each, after a warm-up of both), so a
-    change of the shared machine's load between the long runs does not decide the budget.
-    Returns (budget, our time per evaluation / breaching's per iteration)."""
+def matched_budget(ours_obs, their_obs, labels, iterations: int, run_breaching, timed, seed: int,
+                   lengths=(10, 50), rounds: int = 2):
+    """Our budget at breaching's wall time for ``iterations``: each tool's cost per iteration
+    (evaluation) and fixed cost per run, from runs at two lengths measured back to back in this
+    process (ABBA, after a warm-up of both), so neither a change of the shared machine's load
+    between the long runs nor one tool's setup cost spread over a short probe decides it.
+    Returns (budget, our cost per evaluation / breaching's per iteration)."""
     attack = ATTACKS.build("ig")
     run_breaching("ig", their_obs, labels, 2, seed)
     timed(attack, ours_obs, 2, seed)
-    theirs, ours = 0.0, 0.0
+    spent = {(tool, n): 0.0 for tool in ("ours", "theirs") for n in lengths}
     for _ in range(rounds):
-        ours += timed(attack, ours_obs, probe, seed)[1]
-        theirs += run_breaching("ig", their_obs, labels, probe, seed)[2]
-        theirs += run_breaching("ig", their_obs, labels, probe, seed)[2]
-        ours += timed(attack, ours_obs, probe, seed)[1]
-    ratio = ours / theirs
-    return max(probe, int(iterations / ratio)), round(ratio, 3)
+        for n in lengths:
+            spent["ours", n] += timed(attack, ours_obs, n, seed)[1]
+            spent["theirs", n] += run_breaching("ig", their_obs, labels, n, seed)[2]
+            spent["theirs", n] += run_breaching("ig", their_obs, labels, n, seed)[2]
+            spent["ours", n] += timed(attack, ours_obs, n, seed)[1]
+    short, long = lengths
+
+    def costs(tool):
+        per = max((spent[tool, long] - spent[tool, short]) / (2 * rounds * (long - short)), 1e-6)
+        return per, max(spent[tool, short] / (2 * rounds) - short * per, 0.0)
+
+    (ours, ours_fixed), (theirs, theirs_fixed) = costs("ours"), costs("theirs")
+    wall = theirs_fixed + iterations * theirs
+    return max(short, int((wall - ours_fixed) / ours)), round(ours / theirs, 3)
 
 
 def _psnr_of(images, truth) -> List[float]:
-    from audit.core.metrics import psnr
+    """Each private image's PSNR against the reconstruction matched to it (a batch's
+    reconstructions may come in any order)."""
+    from audit.core.metrics import score
 
-    return [round(float(v), 2) for v in psnr(images.cpu(), truth.cpu()).flatten()]
+    labels = torch.zeros(len(truth), dtype=torch.long)
+    return [round(float(v), 2) for v in score(images.cpu(), None, truth.cpu(), labels, lpips=False)["psnr"].per_image]
 
 
 def _state_table(rows: List[Dict[str, Any]]) -> str:
@@ -274,7 +291,7 @@ def _state_table(rows: List[Dict[str, Any]]) -> str:
 
 def _fedavg_cell(args, cell: str, group: int, images, make_model, log) -> Dict[str, Any]:
     spec, lr = FEDAVG_CELLS[cell]
-    parts = dict(cell="fedavg", optimizer=spec, lr=lr, group=group, steps=3, budget=args.fedavg_budget,
+    parts = dict(cell="fedavg", psnr="matched", optimizer=spec, lr=lr, group=group, steps=3, budget=args.fedavg_budget,
                  batch=args.fedavg_batch, local_batch=args.fedavg_local_batch, shares=args.fedavg_shares, seed=args.seed,
                  code=_code_version(), weight=BN_UPLOAD_WEIGHT)
     if LocalOptimizer.parse(spec).name in local_surrogate.SMOOTHED:
@@ -302,17 +319,20 @@ def _fedavg_cell(args, cell: str, group: int, images, make_model, log) -> Dict[s
 def _fedavg_table(rows: List[Dict[str, Any]], args) -> str:
     lines = [f"| client optimizer (3 local steps on a batch of {args.fedavg_batch} in mini-batches of "
              f"{args.fedavg_local_batch}, uploading its {args.fedavg_shares}) | batches | "
-             "attack unrolls the real optimizer dB | "
-             "attack assumes plain SGD dB | difference | per batch (real / plain) |", "|---|---|---|---|---|---|"]
+             "attack unrolls the real optimizer dB | attack assumes plain SGD dB | difference | "
+             "images where the unrolled attack is ahead | per batch (real / plain) |", "|---|---|---|---|---|---|---|"]
+    real_name, plain_name = "unrolls the real optimizer", "assumes plain SGD"
     for cell, (spec, lr) in FEDAVG_CELLS.items():
         group = [r for r in rows if r["cell"] == cell and cell in args.fedavg_cells]
         if not group:
             continue
-        real = statistics.fmean(r["unrolls the real optimizer"]["psnr"] for r in group)
-        plain = statistics.fmean(r["assumes plain SGD"]["psnr"] for r in group)
-        per = "; ".join(f"{r['unrolls the real optimizer']['psnr']:.1f} / {r['assumes plain SGD']['psnr']:.1f}"
-                        for r in group)
-        lines.append(f"| {spec}, lr {lr} | {len(group)} | {real:.2f} | {plain:.2f} | {real - plain:+.2f} | {per} |")
+        real = statistics.fmean(v for r in group for v in r[real_name]["per_image"])
+        plain = statistics.fmean(v for r in group for v in r[plain_name]["per_image"])
+        pairs = [(a, b) for r in group for a, b in zip(r[real_name]["per_image"], r[plain_name]["per_image"])]
+        ahead = sum(a > b for a, b in pairs)
+        per = "; ".join(f"{r[real_name]['psnr']:.1f} / {r[plain_name]['psnr']:.1f}" for r in group)
+        lines.append(f"| {spec}, lr {lr} | {len(group)} | {real:.2f} | {plain:.2f} | {real - plain:+.2f} | "
+                     f"{ahead} of {len(pairs)} | {per} |")
     return "\n".join(lines)
 
 
@@ -327,6 +347,7 @@ def add_options(p) -> None:
     p.add_argument("--upload-attacks", type=lambda v: v.split(","), default=["ig"],
                    help="--upload: ig, or ig,portfolio (the portfolio with the buffers at ig's budget)")
     p.add_argument("--breaching-only", action="store_true", help="--upload: store breaching's cells only")
+    p.add_argument("--fedavg-only", action="store_true", help="--upload: the FedAvg optimiser cells only")
     p.add_argument("--no-fedavg", dest="fedavg", action="store_false", help="--upload without the FedAvg cells")
     p.add_argument("--fedavg-images", type=int, default=1, help="private batches per FedAvg cell")
     p.add_argument("--fedavg-cells", type=lambda v: v.split(","), default=list(FEDAVG_CELLS),
