@@ -34,9 +34,12 @@ from attacks.side_information import BN_UPLOAD_WEIGHT
 RESULTS = Path(__file__).resolve().parent / "results" / "strength-upload"
 WEIGHTS = (0.01, 0.03, 0.1, 0.3, 1.0)
 FEDAVG_CELLS = {  # name -> (optimizer, local lr)
-    "sgd-momentum": ("sgd:momentum=0.9", 0.05),
+    "sgd-momentum": ("sgd:momentum=0.9", 0.01),  # Flower's PyTorch quickstart: SGD(lr=0.01, momentum=0.9)
     "adam": ("adam", 0.001),
 }
+
+#: the FedAvg cells' models and the mode their client trains in
+FEDAVG_MODES = {"convnet-bn-train": "train", "convnet-nobn": "eval", "lenet": "eval"}
 
 
 def _key(parts: Dict[str, Any]) -> str:
@@ -293,6 +296,8 @@ def _fedavg_cell(args, cell: str, group: int, images, make_model, log) -> Dict[s
     spec, lr = FEDAVG_CELLS[cell]
     parts = dict(cell="fedavg", psnr="matched", optimizer=spec, lr=lr, group=group, steps=3, budget=args.fedavg_budget,
                  batch=args.fedavg_batch, local_batch=args.fedavg_local_batch, shares=args.fedavg_shares, seed=args.seed,
+                 # the model, where it is not the first cells' (whose keys predate the option)
+                 **({"model": args.fedavg_model} if args.fedavg_model != "convnet-bn-train" else {}),
                  code=_code_version(), weight=BN_UPLOAD_WEIGHT)
     if LocalOptimizer.parse(spec).name in local_surrogate.SMOOTHED:
         parts["smoothing"] = local_surrogate.ADAM_RELATIVE_EPS
@@ -301,7 +306,8 @@ def _fedavg_cell(args, cell: str, group: int, images, make_model, log) -> Dict[s
         batch = args.fedavg_batch
         x = images[group * batch:(group + 1) * batch]
         y = torch.tensor([(3 * (group * batch + i) + 1) % 10 for i in range(batch)])
-        real = observe(make_model("convnet-bn-train"), x, y, client_mode="train", local_steps=3, local_lr=lr,
+        real = observe(make_model(args.fedavg_model), x, y, client_mode=FEDAVG_MODES[args.fedavg_model],
+                       local_steps=3, local_lr=lr,
                        local_batch_size=args.fedavg_local_batch, optimizer=spec, shares=args.fedavg_shares,
                        seed=args.seed)
         assumed = dataclasses.replace(real, optimizer=LocalOptimizer())  # the attacker assumes plain SGD
@@ -317,7 +323,7 @@ def _fedavg_cell(args, cell: str, group: int, images, make_model, log) -> Dict[s
 
 
 def _fedavg_table(rows: List[Dict[str, Any]], args) -> str:
-    lines = [f"| client optimizer (3 local steps on a batch of {args.fedavg_batch} in mini-batches of "
+    lines = [f"| client optimizer ({args.fedavg_model}, 3 local steps on a batch of {args.fedavg_batch} in mini-batches of "
              f"{args.fedavg_local_batch}, uploading its {args.fedavg_shares}) | batches | "
              "attack unrolls the real optimizer dB | attack assumes plain SGD dB | difference | "
              "images where the unrolled attack is ahead | per batch (real / plain) |", "|---|---|---|---|---|---|---|"]
@@ -353,6 +359,7 @@ def add_options(p) -> None:
     p.add_argument("--fedavg-cells", type=lambda v: v.split(","), default=list(FEDAVG_CELLS),
                    help=f"FedAvg cells to run, of {', '.join(FEDAVG_CELLS)}")
     p.add_argument("--fedavg-batch", type=int, default=2)
+    p.add_argument("--fedavg-model", choices=list(FEDAVG_MODES), default="convnet-bn-train")
     p.add_argument("--fedavg-local-batch", type=int, default=1, help="the client's mini-batch (its steps see "
                    "different images, so momentum changes the update's direction, not only its length)")
     p.add_argument("--fedavg-shares", default="state", help="what the FedAvg client uploads (update or state)")
