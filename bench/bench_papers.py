@@ -599,6 +599,9 @@ def run_cell(row: Row, plan: CellPlan) -> Dict[str, Any]:
 SEARCH = {"bayes-optimal": ("prior_weight", (0.1, 1.0, 10.0)), "bayes-l2": ("tv", (1e-3, 1e-2, 1e-1)),
           "bayes-l1": ("tv", (1e-3, 1e-2, 1e-1)), "bayes-cos": ("tv", (1e-3, 1e-2, 1e-1))}
 SEARCH_LR = (0.1, 0.5)
+#: a best value at the grid's edge extends the grid a decade further that way, up to this many
+#: times, so the chosen value is bracketed by worse ones wherever the extensions allow
+SEARCH_EXTEND = 2
 HELD_OUT = 8
 
 
@@ -606,7 +609,8 @@ def search_key(row: Row, plan: CellPlan, held_out: int) -> str:
     from audit.report.store import settings_key
 
     base = {k: v for k, v in plan.call.items() if k not in ("out", "progress", "attacks", "attack_args")}
-    return settings_key({"call": base, "grid": SEARCH, "lr": SEARCH_LR, "held_out": held_out}, 16)
+    return settings_key({"call": base, "grid": SEARCH, "lr": SEARCH_LR, "held_out": held_out,
+                         "extend": SEARCH_EXTEND}, 16)
 
 
 def search_weights(row: Row, plan: CellPlan, held_out: int) -> Dict[str, Any]:
@@ -637,8 +641,9 @@ def search_weights(row: Row, plan: CellPlan, held_out: int) -> Dict[str, Any]:
     table: Dict[str, List[List[float]]] = {}
     chosen: Dict[str, Dict[str, Any]] = {}
     for name, (knob, values) in SEARCH.items():
-        rows = []
-        for value in values:
+        rows: List[List[float]] = []
+
+        def measure(value: float) -> None:
             for lr in SEARCH_LR:
                 attack = ATTACKS.build(name, **{knob: value, "lr": lr})
                 scores = []
@@ -646,6 +651,15 @@ def search_weights(row: Row, plan: CellPlan, held_out: int) -> Dict[str, Any]:
                     rec = reconstruct(attack, obs, call["budget"], 1000 + i, None)
                     scores.append(float(psnr(rec.inputs.clamp(0, 1), x).mean()) if rec.inputs is not None else 0.0)
                 rows.append([value, lr, sum(scores) / len(scores)])
+
+        for value in values:
+            measure(value)
+        for _ in range(SEARCH_EXTEND):
+            best = max(rows, key=lambda r: r[2])[0]
+            tried = sorted({r[0] for r in rows})
+            if best not in (tried[0], tried[-1]):
+                break
+            measure(best * 10 if best == tried[-1] else best / 10)
         best = max(rows, key=lambda r: r[2])
         table[name] = rows
         chosen[name] = {knob: best[0], "lr": best[1]}
