@@ -1,7 +1,7 @@
 """What a client really uploads, measured: the cells of ``bench_strength.py --upload`` and
 ``--bn-weight`` (docs/strength.md, "The batch statistics in the upload").
 
-* ``--bn-weight``: the bn-upload term's weight (:data:`attacks.side_information.BN_UPLOAD_WEIGHT`)
+* ``--bn-weight``: the bn-upload term's weight (:func:`attacks.side_information.upload_weight`)
   chosen on held-out embedded test images (not the benchmark photos), batch sizes 1 and 4.
 * ``--upload``: BatchNorm in train mode, the client uploading its state after one local step:
   breaching's IG (its default configuration, which reads no buffers) against our ``ig`` with
@@ -29,7 +29,8 @@ import torch
 from attacks import ATTACKS, local_surrogate, observe
 from audit.core.data import load_dataset
 from audit.core.local_training import LocalOptimizer
-from attacks.side_information import BN_UPLOAD_WEIGHT
+from attacks.side_information import upload_weight
+from audit.core.buffers import norm_layers
 
 RESULTS = Path(__file__).resolve().parent / "results" / "strength-upload"
 WEIGHTS = (0.01, 0.03, 0.1, 0.3, 1.0)
@@ -57,6 +58,11 @@ def stored(parts: Dict[str, Any], compute: Callable[[], Dict[str, Any]], log) ->
     RESULTS.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"key": parts, "result": row}, indent=1, default=str))
     return row
+
+
+def _default_weight(model) -> float:
+    """The bn-upload term's default weight on ``model`` (keys the cells that run it)."""
+    return upload_weight(len(norm_layers(model)))
 
 
 def _psnr(rec, truth) -> List[float]:
@@ -89,10 +95,12 @@ def weight_sweep(args, make_model, log) -> str:
             y = data.test_labels[group * batch:(group + 1) * batch]
             for weight in args.weights:
                 parts = dict(cell="bn-weight", batch=batch, group=group, weight=weight, budget=args.budget,
-                             seed=args.seed, code=_code_version())
+                             seed=args.seed, code=_code_version(),
+                             # the model, where it is not the first cells' (whose keys predate the option)
+                             **({"model": args.bn_weight_model} if args.bn_weight_model != "convnet-bn-train" else {}))
 
                 def compute():
-                    model = make_model("convnet-bn-train")
+                    model = make_model(args.bn_weight_model)
                     obs = observe(model, x, y, client_mode="train", shares="state", seed=args.seed)
                     rec = ATTACKS.build("ig", bn_upload=weight).reconstruct(obs, args.budget, args.seed,
                                                                            progress=lambda *a: None)
@@ -215,7 +223,7 @@ def _state_cell(args, model_name, batch, group, images, make_model, run_breachin
 
     mine = stored(dict(cell="state", breaching_seconds=round(theirs["seconds"], 1), code=_code_version(),
                        budget_rule="marginal cost, fixed cost apart",
-                       weight=BN_UPLOAD_WEIGHT, **setting), ours, log)
+                       weight=_default_weight(make_model(model_name)), **setting), ours, log)
     row = dict(model=model_name, batch=batch, group=group, breaching=theirs, **mine)
     if "portfolio" in args.upload_attacks:  # the audit's base portfolio, at ig's budget
         budget = mine["ours, with the buffers"]["budget"]
@@ -228,7 +236,8 @@ def _state_cell(args, model_name, batch, group, images, make_model, run_breachin
                     "per_image": _psnr(rec, x)}
 
         row["portfolio, with the buffers"] = stored(dict(cell="state-portfolio", budget=budget, code=_code_version(),
-                                                         weight=BN_UPLOAD_WEIGHT, **setting), portfolio, log)
+                                                         weight=_default_weight(make_model(model_name)),
+                                                         **setting), portfolio, log)
     log(row)
     return row
 
@@ -298,7 +307,7 @@ def _fedavg_cell(args, cell: str, group: int, images, make_model, log) -> Dict[s
                  batch=args.fedavg_batch, local_batch=args.fedavg_local_batch, shares=args.fedavg_shares, seed=args.seed,
                  # the model, where it is not the first cells' (whose keys predate the option)
                  **({"model": args.fedavg_model} if args.fedavg_model != "convnet-bn-train" else {}),
-                 code=_code_version(), weight=BN_UPLOAD_WEIGHT)
+                 code=_code_version(), weight=_default_weight(make_model(args.fedavg_model)))
     if LocalOptimizer.parse(spec).name in local_surrogate.SMOOTHED:
         parts["smoothing"] = local_surrogate.ADAM_RELATIVE_EPS
 
@@ -347,6 +356,7 @@ def add_options(p) -> None:
     p.add_argument("--upload", action="store_true", help="the client's uploaded state and local optimiser")
     p.add_argument("--bn-weight", action="store_true", help="choose the bn-upload weight on held-out images")
     p.add_argument("--weights", type=lambda s: [float(v) for v in s.split(",")], default=list(WEIGHTS))
+    p.add_argument("--bn-weight-model", choices=("convnet-bn-train", "resnet18-bn-train"), default="convnet-bn-train")
     p.add_argument("--adam-smoothing", action="store_true",
                    help="choose the replica's Adam smoothing on held-out images (FedAvg, 3 Adam steps)")
     p.add_argument("--smoothings", type=lambda s: [float(v) for v in s.split(",")], default=[0.0, 1.0, 3.0, 10.0])

@@ -298,3 +298,21 @@ def test_replica_smooths_adam_into_a_descendable_match():
                                                                                    observed, net, y)[0]
     with pytest.raises(ConfigError, match="unknown local optimizer setting"):
         LocalOptimizer.parse("adam:relative_eps=1")
+
+
+def test_bn_upload_weight_gives_every_layer_the_same_share():
+    """The term averages its layers, so its default weight grows with their number: the
+    measured ConvNet keeps its weight, and a model with more BatchNorm layers gets the same
+    weight per layer (so its early layers are not diluted)."""
+    from attacks.side_information import BN_UPLOAD_LAYERS, BN_UPLOAD_WEIGHT, side_information
+    from audit.core.models import build_model
+
+    x, y = batch(2)
+    weights = {}
+    for name, net in (("small", small_bn_net()), ("convnet", build_model("convnet", (3, 8, 8), 5, seed=0))):
+        side = side_information(observe(net, x, y, shares="state", seed=0), "auto")
+        (_, _, weight), = side.priors
+        weights[name] = (weight, len(side.revealed.layers))
+    assert weights["convnet"] == (BN_UPLOAD_WEIGHT, BN_UPLOAD_LAYERS)
+    assert weights["small"][1] == 2 and weights["small"][0] / 2 == BN_UPLOAD_WEIGHT / BN_UPLOAD_LAYERS
+    assert side_information(observe(small_bn_net(), x, y, shares="state", seed=0), 7.0).priors[0][2] == 7.0
