@@ -35,7 +35,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -652,19 +652,35 @@ def search_weights(row: Row, plan: CellPlan, held_out: int) -> Dict[str, Any]:
                     scores.append(float(psnr(rec.inputs.clamp(0, 1), x).mean()) if rec.inputs is not None else 0.0)
                 rows.append([value, lr, sum(scores) / len(scores)])
 
-        for value in values:
-            measure(value)
-        for _ in range(SEARCH_EXTEND):
-            best = max(rows, key=lambda r: r[2])[0]
-            tried = sorted({r[0] for r in rows})
-            if best not in (tried[0], tried[-1]):
-                break
-            measure(best * 10 if best == tried[-1] else best / 10)
+        searched_grid(values, measure, rows)
         best = max(rows, key=lambda r: r[2])
         table[name] = rows
         chosen[name] = {knob: best[0], "lr": best[1]}
     del torch
     return {"chosen": chosen, "table": table, "held_out": held_out}
+
+
+def searched_grid(values: Sequence[float], measure: Callable[[float], None], rows: List[List[float]],
+                  extend: int = SEARCH_EXTEND) -> None:
+    """Measure every value (``measure`` appends ``[value, lr, score]`` rows), then, while the
+    best lies at the edge of what was tried, a decade further that way, at most ``extend`` times."""
+    for value in values:
+        measure(value)
+    for _ in range(extend):
+        best = max(rows, key=lambda r: r[2])[0]
+        tried = sorted({r[0] for r in rows})
+        if best not in (tried[0], tried[-1]):
+            return
+        measure(best * 10 if best == tried[-1] else best / 10)
+
+
+def search_edge(search: Dict[str, Any], name: str) -> str:
+    """`` (at the searched grid's edge)`` when the chosen value of ``name``'s prior weight is the
+    largest or smallest tried (the extensions ran out), else empty."""
+    knob = SEARCH.get(name, (None,))[0]
+    tried = sorted({row[0] for row in (search.get("table") or {}).get(name) or []})
+    value = (search.get("chosen") or {}).get(name, {}).get(knob)
+    return " (at the searched grid's edge)" if tried and value in (tried[0], tried[-1]) else ""
 
 
 def refiner_projection(row: Row, profile: Profile, run: Dict[str, Any], images: int = 8) -> Dict[str, Any]:
@@ -836,7 +852,7 @@ def row_lines(row: Row, profile: Profile, data: str, data_args: Dict[str, Any], 
     search = stored.get("search") or {}
     if row.search and search.get("chosen"):
         paper_cell += "<br>weights chosen on " + f"{search['held_out']} held-out images: " + "; ".join(
-            f"{n} {_args_text(v)}" for n, v in search["chosen"].items())
+            f"{n} {_args_text(v)}{search_edge(search, n)}" for n, v in search["chosen"].items())
     planner = cells.get("planner")
     planner_cell = cell_text(planner, planner_head(row, run, planner, profile.name))
     adaptive_cell = cell_text(cells.get("adaptive"), row.adaptive.label) if row.adaptive else "-"

@@ -1,6 +1,7 @@
 """The papers page (bench/bench_papers.py): cells pooled from stored audit records, and the
 conclusions decided by the identification interval, failing closed."""
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -424,3 +425,23 @@ def test_the_gpu_profile_runs_on_a_cpu_at_a_tiny_budget(tmp_path):
     assert evidence["images"] == 1 and len(evidence["per_image_psnr"]) == 1
     assert cell["call"]["model"] == "resnet18" and cell["key"] == paper.key
     assert "scaled" in bp.label(row, bp.run_setting(row, profile))
+
+
+def test_a_search_whose_best_is_at_the_grids_edge_extends_it():
+    """A best value at the grid's edge is measured a decade further that way until it is
+    bracketed or the extensions run out; the row then says the choice is at the edge."""
+    def run(peak):
+        rows = []
+        bp.searched_grid((0.1, 1.0, 10.0), lambda v: rows.append([v, 0.1, -abs(math.log10(v) - peak)]), rows)
+        return sorted({r[0] for r in rows}), max(rows, key=lambda r: r[2])[0], rows
+
+    tried, best, _ = run(0.0)
+    assert tried == [0.1, 1.0, 10.0] and best == 1.0  # bracketed: no extension
+    tried, best, _ = run(2.0)
+    assert tried == [0.1, 1.0, 10.0, 100.0, 1000.0] and best == 100.0  # bracketed once 1000 is tried
+    tried, best, rows = run(5.0)
+    assert tried[-1] == 1000.0 and best == 1000.0  # two extensions, still at the edge
+    search = {"table": {"bayes-optimal": rows}, "chosen": {"bayes-optimal": {"prior_weight": best, "lr": 0.1}}}
+    assert "edge" in bp.search_edge(search, "bayes-optimal")
+    tried, best, _ = run(-2.0)
+    assert best == pytest.approx(0.01) and tried[0] == pytest.approx(0.001) and len(tried) == 5
