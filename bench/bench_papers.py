@@ -559,7 +559,11 @@ def stored_cells(row: Row, profile: Profile, data: str, data_args: Dict[str, Any
     """The row's stored results and, per planned cell, its evidence when stored under the
     cell's current key (None: not run yet, or run with other settings)."""
     stored = load_results(results_path(root, profile.name, data, row))
-    plans = plan_cells(row, profile, data, data_args, out, (stored.get("search") or {}).get("chosen"))
+    search = stored.get("search") or {}
+    if row.search and search.get("key") != current_search_key(row, profile, data, data_args, out):
+        search = {}  # searched with other settings: its choices, and the cells run with them, are stale
+        stored = {**stored, "search": {}}
+    plans = plan_cells(row, profile, data, data_args, out, search.get("chosen"))
     cells: Dict[str, Optional[CellEvidence]] = {}
     for plan in plans:
         cell = (stored.get("cells") or {}).get(plan.name)
@@ -603,6 +607,12 @@ SEARCH_LR = (0.1, 0.5)
 #: times, so the chosen value is bracketed by worse ones wherever the extensions allow
 SEARCH_EXTEND = 2
 HELD_OUT = 8
+
+
+def current_search_key(row: Row, profile: "Profile", data: str, data_args: Dict[str, Any], out: Path) -> str:
+    """The key the row's held-out search has under the current settings and code."""
+    probe = plan_cells(row, profile, data, data_args, out)[0]
+    return search_key(row, probe, QUICK["held_out"] if profile.shrunk else HELD_OUT)
 
 
 def search_key(row: Row, plan: CellPlan, held_out: int) -> str:
@@ -741,7 +751,7 @@ def run_row(row: Row, profile: Profile, data: str, data_args: Dict[str, Any], ou
     if row.search:
         probe = plan_cells(row, profile, data, data_args, out)[0]
         held = QUICK["held_out"] if profile.shrunk else HELD_OUT
-        key = search_key(row, probe, held)
+        key = current_search_key(row, profile, data, data_args, out)
         if (stored.get("search") or {}).get("key") != key:
             started = time.perf_counter()
             stored["search"] = {"key": key, **search_weights(row, probe, held),

@@ -445,3 +445,20 @@ def test_a_search_whose_best_is_at_the_grids_edge_extends_it():
     assert "edge" in bp.search_edge(search, "bayes-optimal")
     tried, best, _ = run(-2.0)
     assert best == pytest.approx(0.01) and tried[0] == pytest.approx(0.001) and len(tried) == 5
+
+
+def test_cells_run_with_a_stale_search_are_not_shown_as_current(tmp_path):
+    """A Bayes row's paper cells run with weights from a search whose key is no longer the
+    current one (other search settings or code) read "not yet run" until the row reruns."""
+    row, profile = bp.BY_ID["bayes-gauss-0"], bp.Profile("cpu")
+    chosen = {name: {knob: values[1], "lr": 0.1} for name, (knob, values) in bp.SEARCH.items()}
+    plans = bp.plan_cells(row, profile, "embedded", {}, tmp_path / "out", chosen)
+    cells = {p.name: {"key": p.key, "evidence": _cell(2).to_dict()} for p in plans}
+    path = bp.results_path(tmp_path / "results", "cpu", "embedded", row)
+    current = bp.current_search_key(row, profile, "embedded", {}, tmp_path / "out")
+    for key, shown in ((current, True), ("an older search", False)):
+        bp.save_results(path, {"row": row.id, "search": {"key": key, "chosen": chosen, "table": {}, "held_out": 8},
+                               "cells": cells})
+        _, evidence = bp.stored_cells(row, profile, "embedded", {}, tmp_path / "results", tmp_path / "out")
+        paper = [v for k, v in evidence.items() if k.startswith("paper:")]
+        assert paper and all((v is not None) == shown for v in paper)
