@@ -432,7 +432,8 @@ def test_a_search_whose_best_is_at_the_grids_edge_extends_it():
     bracketed or the extensions run out; the row then says the choice is at the edge."""
     def run(peak):
         rows = []
-        bp.searched_grid((0.1, 1.0, 10.0), lambda v: rows.append([v, 0.1, -abs(math.log10(v) - peak)]), rows)
+        bp.searched_grid((0.1, 1.0, 10.0), lambda v: rows.append([v, 0.1, -abs(math.log10(v) - peak)]), rows,
+                         extend=2)
         return sorted({r[0] for r in rows}), max(rows, key=lambda r: r[2])[0], rows
 
     tried, best, _ = run(0.0)
