@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
+from scipy.stats import binomtest
 
 from attacks import ATTACKS, local_surrogate, observe
 from audit.core.data import load_dataset
@@ -173,8 +174,14 @@ def upload_matrix(args, make_model, natural_images, run_breaching, timed, evalua
     images, names = natural_images(max(args.images, max(args.batches), args.fedavg_images * args.fedavg_batch))
     log("images: " + ", ".join(names))
     if args.fedavg_only:
-        fed = [_fedavg_cell(args, cell, group, images, make_model, log)
-               for cell in args.fedavg_cells for group in range(args.fedavg_images)]
+        first, fed = args.seed, []
+        try:
+            for seed in range(first, first + args.fedavg_seeds):  # another seed: another model and attack start
+                args.seed = seed  # make_model reads the seed from args
+                fed += [_fedavg_cell(args, cell, group, images, make_model, log)
+                        for cell in args.fedavg_cells for group in range(args.fedavg_images)]
+        finally:
+            args.seed = first
         return _fedavg_table(fed, args)
     rows: List[Dict[str, Any]] = []
     for model_name in args.models:
@@ -333,9 +340,10 @@ def _fedavg_cell(args, cell: str, group: int, images, make_model, log) -> Dict[s
 
 def _fedavg_table(rows: List[Dict[str, Any]], args) -> str:
     lines = [f"| client optimizer ({args.fedavg_model}, 3 local steps on a batch of {args.fedavg_batch} in mini-batches of "
-             f"{args.fedavg_local_batch}, uploading its {args.fedavg_shares}) | batches | "
+             f"{args.fedavg_local_batch}, uploading its {args.fedavg_shares}) | runs (batches x seeds) | "
              "attack unrolls the real optimizer dB | attack assumes plain SGD dB | difference | "
-             "images where the unrolled attack is ahead | per batch (real / plain) |", "|---|---|---|---|---|---|---|"]
+             "images where the unrolled attack is ahead (exact sign test) | per batch (real / plain) |",
+             "|---|---|---|---|---|---|---|"]
     real_name, plain_name = "unrolls the real optimizer", "assumes plain SGD"
     for cell, (spec, lr) in FEDAVG_CELLS.items():
         group = [r for r in rows if r["cell"] == cell and cell in args.fedavg_cells]
@@ -345,9 +353,11 @@ def _fedavg_table(rows: List[Dict[str, Any]], args) -> str:
         plain = statistics.fmean(v for r in group for v in r[plain_name]["per_image"])
         pairs = [(a, b) for r in group for a, b in zip(r[real_name]["per_image"], r[plain_name]["per_image"])]
         ahead = sum(a > b for a, b in pairs)
+        decided = sum(a != b for a, b in pairs)
+        sign_p = binomtest(ahead, decided).pvalue if decided else 1.0
         per = "; ".join(f"{r[real_name]['psnr']:.1f} / {r[plain_name]['psnr']:.1f}" for r in group)
         lines.append(f"| {spec}, lr {lr} | {len(group)} | {real:.2f} | {plain:.2f} | {real - plain:+.2f} | "
-                     f"{ahead} of {len(pairs)} | {per} |")
+                     f"{ahead} of {len(pairs)} (p = {sign_p:.2g}) | {per} |")
     return "\n".join(lines)
 
 
@@ -369,6 +379,8 @@ def add_options(p) -> None:
     p.add_argument("--fedavg-cells", type=lambda v: v.split(","), default=list(FEDAVG_CELLS),
                    help=f"FedAvg cells to run, of {', '.join(FEDAVG_CELLS)}")
     p.add_argument("--fedavg-batch", type=int, default=2)
+    p.add_argument("--fedavg-seeds", type=int, default=1, help="--fedavg-only: seeds (models and attack starts) "
+                   "per private batch")
     p.add_argument("--fedavg-model", choices=list(FEDAVG_MODES), default="convnet-bn-train")
     p.add_argument("--fedavg-local-batch", type=int, default=1, help="the client's mini-batch (its steps see "
                    "different images, so momentum changes the update's direction, not only its length)")
