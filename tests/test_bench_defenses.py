@@ -1,9 +1,5 @@
 """The default-audit comparison's summary line: each tree's mean and the range of its runs."""
-import pytest
-
-pytest.importorskip("torch")
-
-from bench.bench_defenses import _without_from_json, audits_table, trees_summary  # noqa: E402
+from bench.bench_defenses import _without_from_json, audits_table, trees_summary
 
 
 def _run(tree, wall, cpu, rc=0):

@@ -147,7 +147,8 @@ def _cited(row):
     return "SVDefense" if row.setting.source.startswith("SVDefense") else row.paper
 
 
-@pytest.mark.skipif(not (SHARED / "papers").is_dir(), reason="the seed papers are not checked out beside the repo")
+@pytest.mark.skipif(not (SHARED / "papers").is_dir(), reason="checks each row's paper number against the seed papers' text, "
+                    "which is not checked out beside this repository (../shared/papers)")
 def test_every_rows_paper_number_and_source_are_in_the_paper_text_or_notes():
     """Each number of a row's paper figure is one of the paper's (or the notes') numbers at the
     row's precision; its anchor is verbatim text there; its table / figure label is there
