@@ -753,7 +753,7 @@ def run_row(row: Row, profile: Profile, data: str, data_args: Dict[str, Any], ou
     if row.search:
         probe = plan_cells(row, profile, data, data_args, out)[0]
         held = QUICK["held_out"] if profile.shrunk else HELD_OUT
-        key = current_search_key(row, profile, data, data_args, out)
+        key = search_key(row, probe, held)  # current_search_key, from the probe planned here
         if (stored.get("search") or {}).get("key") != key:
             started = time.perf_counter()
             stored["search"] = {"key": key, **search_weights(row, probe, held),
