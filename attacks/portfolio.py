@@ -21,6 +21,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from audit.core.buffers import revealed_statistics
 from audit.core.errors import ConfigError, NotApplicable
 from audit.core.registry import Registry
 from audit.core.types import Observation, Reconstruction
@@ -37,7 +38,7 @@ class Strategy:
 
     preset: str
     settings: Dict[str, Any]
-    applies: Callable[[Observation], Optional[str]] = lambda obs: None
+    applies: Callable[[Observation, Dict[str, Any]], Optional[str]] = lambda obs, knobs: None  # reason it does not
     tuned: Callable[[Observation], Dict[str, Any]] = lambda obs: {}  # settings from the observation
 
 
@@ -47,7 +48,8 @@ TV_REFERENCE, TV_REFERENCE_UNKNOWNS = 5e-2, 3 * 32 * 32
 #: gradient entries per private pixel value of the model the rule is tuned on (the project's
 #: ConvNet, 108,170 parameters, at 32x32 batch 1)
 TV_REFERENCE_ENTRIES = 108170 / 3072
-#: TV weight when the client's BatchNorm normalises with the batch's own statistics
+#: TV weight of a 32x32 batch of one when the client's BatchNorm normalises with the batch's own
+#: statistics (it grows with the batch as :data:`TV_REFERENCE` does)
 TV_BATCHNORM_TRAIN = 0.5
 
 
@@ -57,24 +59,33 @@ def scaled_tv(obs: Observation) -> Dict[str, Any]:
     It grows with the private pixel values beyond a 32x32 image (more unknowns per gradient
     entry need a stronger prior), but only while the gradient has fewer entries per pixel
     value than the reference ConvNet (:data:`TV_REFERENCE_ENTRIES`); with BatchNorm in train
-    mode it is at least :data:`TV_BATCHNORM_TRAIN`, since the batch statistics remove each
-    channel's scale and offset from the gradient and the prior has to supply them. The
-    measurements behind the rule: docs/strength.md, section 5.
+    mode it starts from :data:`TV_BATCHNORM_TRAIN` instead and grows alike, since the batch
+    statistics remove each channel's scale and offset from the gradient and the prior has to
+    supply them. The measurements behind the rule: docs/strength.md, section 5.
     """
-    tv = TV_REFERENCE * max(1.0, min(obs.unknowns / TV_REFERENCE_UNKNOWNS,
-                                     TV_REFERENCE_ENTRIES * obs.unknowns / max(1, obs.gradient_entries)))
-    if obs.client_mode == "train" and _batchnorm_layers(obs):
-        tv = max(tv, TV_BATCHNORM_TRAIN)
-    return {"tv": tv}
+    growth = max(1.0, min(obs.unknowns / TV_REFERENCE_UNKNOWNS,
+                          TV_REFERENCE_ENTRIES * obs.unknowns / max(1, obs.gradient_entries)))
+    base = TV_BATCHNORM_TRAIN if obs.client_mode == "train" and _batchnorm_layers(obs) else TV_REFERENCE
+    return {"tv": base * growth}
 
 
 def _batchnorm_layers(obs: Observation) -> List[torch.nn.Module]:
     return [m for m in obs.model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
 
 
-def _has_bn_stats(obs: Observation) -> Optional[str]:
-    has = any(m.running_mean is not None for m in _batchnorm_layers(obs))
-    return None if has else "the model has no BatchNorm running statistics"
+def _has_bn_stats(obs: Observation, knobs: Dict[str, Any]) -> Optional[str]:
+    """The running-statistics prior applies to BatchNorm models, unless the upload reveals the
+    batch's own statistics: every strategy then matches those (the bn-upload term), and the
+    running statistics are only a population guess at them, so the strategy would repeat
+    ``smooth`` (same candidates, measured) on a share of the budget."""
+    if not any(m.running_mean is not None for m in _batchnorm_layers(obs)):
+        return "the model has no BatchNorm running statistics"
+    if knobs.get("bn_upload", "auto") not in (0, 0.0):
+        revealed, _ = revealed_statistics(obs.model, obs.buffers, obs.local_steps, obs.client_mode)
+        if revealed is not None:
+            return ("the uploaded buffers reveal the batch's own BatchNorm statistics, which every strategy "
+                    "matches (bn-upload): the running statistics would only guess at them")
+    return None
 
 
 # most regularised first: the selection order (see the module docstring)
@@ -172,7 +183,7 @@ class PortfolioAttack:
         if budget < 0:
             raise ConfigError(f"budget must be >= 0 gradient evaluations, got {budget}")
         first = observations[0]
-        chosen = [(n, STRATEGIES.get(n).applies(first)) for n in self.strategies]
+        chosen = [(n, STRATEGIES.get(n).applies(first, self.knobs)) for n in self.strategies]
         skipped = {n: why for n, why in chosen if why}
         run = [n for n, why in chosen if not why]
         if not run:
@@ -208,11 +219,11 @@ class PortfolioAttack:
         continuations: Dict[Tuple[str, int], List[int]] = {}
         for k in members:
             spent = sum(c["gradient_evaluations"] or 0 for c in candidates[k]) + len(candidates[k])
-            rest = budget - spent - 1
+            rest = budget - spent - 2  # the continuation's closing evaluation and its score
             if rest >= share:  # continue the chosen strategy from its candidate
                 continuations.setdefault((picks[k]["strategy"], rest), []).append(k)
         for (name, rest), ks in continuations.items():
-            spent = budget - rest - 1
+            spent = budget - rest - 2
             attack = self._attack(name, first)
             warm = self.resume == "warm" or (self.resume == "auto" and (
                 rest < FRESH_FROM or attack.optimizer.settings().get("schedule") == "constant"))

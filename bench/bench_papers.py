@@ -907,8 +907,14 @@ def render(rows: Sequence[Row], profile: Profile, data: str, data_args: Dict[str
             outcomes[conclusion.outcome] = outcomes.get(conclusion.outcome, 0) + 1
         parts.append("\n".join(lines))
     summary = (f"{len(rows)} rows: **{at} at the paper's setting, {scaled} scaled** (profile `{profile.name}`); "
-               + ", ".join(f"{n} {o}" for o, n in sorted(outcomes.items())))
+               + ", ".join(f"{n} {_tally(o, n)}" for o, n in sorted(outcomes.items())))
     return summary + "\n\n" + "\n\n".join(parts)
+
+
+def _tally(outcome: str, count: int) -> str:
+    """How many rows have ``outcome``, in words: "1 holds", "2 hold", "2 do not hold"."""
+    plural = {"holds": "hold", "does not hold": "do not hold"}
+    return plural.get(outcome, outcome) if count != 1 else outcome
 
 
 def timing(rows: Sequence[Row], profile: Profile, data: str, data_args: Dict[str, Any], root: Path, out: Path) -> str:

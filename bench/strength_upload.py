@@ -84,6 +84,12 @@ def _code_version() -> str:
     return hashlib.sha256(text).hexdigest()[:12]
 
 
+@functools.lru_cache(maxsize=None)
+def _file_version(name: str) -> str:
+    """One file's content hash: keys the cells of the attack it defines (the portfolio's rules)."""
+    return hashlib.sha256((Path(__file__).resolve().parent.parent / name).read_bytes()).hexdigest()[:12]
+
+
 # --------------------------------------------------------------------------- the weight
 def weight_sweep(args, make_model, log) -> str:
     """PSNR of ``ig`` with the bn-upload term at each weight, on held-out embedded images."""
@@ -243,6 +249,7 @@ def _state_cell(args, model_name, batch, group, images, make_model, run_breachin
                     "per_image": _psnr(rec, x)}
 
         row["portfolio, with the buffers"] = stored(dict(cell="state-portfolio", budget=budget, code=_code_version(),
+                                                         portfolio=_file_version("attacks/portfolio.py"),
                                                          weight=_default_weight(make_model(model_name)),
                                                          **setting), portfolio, log)
     log(row)

@@ -175,6 +175,8 @@ def test_portfolio_tv_grows_with_the_private_pixels_and_train_mode_batchnorm():
     assert scaled_tv(obs(4, 32, "convnet", "eval"))["tv"] == pytest.approx(4 * TV_REFERENCE)
     assert scaled_tv(obs(4, 32, "resnet18", "eval"))["tv"] == pytest.approx(TV_REFERENCE)  # 909 entries / pixel
     assert scaled_tv(obs(1, 16, "convnet", "train"))["tv"] == pytest.approx(TV_BATCHNORM_TRAIN)
+    # a train-mode batch grows from the train-mode weight as an eval-mode one from the reference
+    assert scaled_tv(obs(4, 32, "convnet", "train"))["tv"] == pytest.approx(4 * TV_BATCHNORM_TRAIN)
     assert scaled_tv(obs(1, 16, "convnet", "eval"))["tv"] == pytest.approx(TV_REFERENCE)
     assert scaled_tv(obs(1, 16, "convnet", "train", batchnorm=False))["tv"] == pytest.approx(TV_REFERENCE)
 
@@ -188,3 +190,31 @@ def test_portfolio_beats_ig_on_a_train_mode_batchnorm_convnet(one_thread, photo1
     assert new.trace["settings"]["priors"]["tv"] >= 0.5  # scaled_tv: train-mode BatchNorm
     continued = [c for c in new.trace["candidates"] if c["phase"] == "continue"]
     assert continued and continued[0]["resumed"].startswith("fresh")  # signed Adam's schedule restarts
+
+
+def test_portfolio_skips_the_running_statistics_prior_when_the_upload_reveals_the_batch():
+    import attacks.portfolio  # noqa: F401  (registers the portfolio)
+
+    model = build_model("convnet", (3, 16, 16), 10, mean=MEAN, std=STD, seed=0)
+    x, y = torch.rand(2, 3, 16, 16), torch.tensor([1, 2])
+    state = observe(model, x, y, client_mode="train", shares="state")
+    rec = ATTACKS.build("portfolio").reconstruct(state, 24, seed=0)
+    assert "reveal the batch's own BatchNorm statistics" in rec.trace["skipped_strategies"]["bn-prior"]
+    assert "bn-prior" not in {c["strategy"] for c in rec.trace["candidates"]}
+    # without the buffers, or with their term switched off, the prior is the only statistics there are
+    for obs, knobs in ((observe(model, x, y, client_mode="train", shares="update"), {}), (state, {"bn_upload": 0})):
+        rec = ATTACKS.build("portfolio", **knobs).reconstruct(obs, 24, seed=0)
+        assert "bn-prior" in {c["strategy"] for c in rec.trace["candidates"]}
+
+
+
+def test_portfolio_stays_within_its_budget():
+    import attacks.portfolio  # noqa: F401  (registers the portfolio)
+
+    model = build_model("convnet", (3, 16, 16), 10, mean=MEAN, std=STD, seed=0)
+    obs = observe(model, torch.rand(1, 3, 16, 16), torch.tensor([3]), client_mode="train")
+    rec = ATTACKS.build("portfolio", strategies="smooth,sharp").reconstruct(obs, 80, seed=0)
+    explored, continued = rec.trace["candidates"][:2], rec.trace["candidates"][2:]
+    assert [c["phase"] for c in explored] == ["explore", "explore"] and len(continued) == 1
+    # every run closes with one evaluation of its final point, and every candidate's score is one
+    assert rec.trace["gradient_evaluations"] == 80
