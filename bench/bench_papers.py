@@ -875,9 +875,14 @@ def row_lines(row: Row, profile: Profile, data: str, data_args: Dict[str, Any], 
         verdict += "; alpha: " + projection_text(stored["projection"])
     pending = [n for n, c in cells.items() if c is None]
     if pending and any(c is not None for c in cells.values()):
-        verdict = f"unfinished ({', '.join(pending)} not yet run): {verdict}"
+        verdict = f"{UNFINISHED} ({', '.join(pending)} not yet run): {verdict}"
+        conclusion = Conclusion(UNFINISHED)  # the summary counts it as unfinished, whatever its cells say so far
     return (f"| {row.figure} | {row.paper_number} | {row.setting.text()} | {setting} | {paper_cell} | "
             f"{planner_cell} | {adaptive_cell} | **{verdict}** |"), conclusion
+
+
+#: a row with some of its cells stored: its verdict so far is shown, never counted as one
+UNFINISHED = "unfinished"
 
 
 HEADER = ("| figure | paper's number | paper's setting | ours | the paper's attack, ours: PSNR / SSIM / LPIPS; "

@@ -464,3 +464,23 @@ def test_cells_run_with_a_stale_search_are_not_shown_as_current(tmp_path):
         _, evidence = bp.stored_cells(row, profile, "embedded", {}, tmp_path / "results", tmp_path / "out")
         paper = [v for k, v in evidence.items() if k.startswith("paper:")]
         assert paper and all((v is not None) == shown for v in paper)
+
+
+def test_a_row_with_cells_missing_counts_as_unfinished_whatever_its_cells_say(tmp_path, monkeypatch):
+    def fake_run_cell(row, plan):
+        return {"key": plan.key, "call": json.loads(json.dumps(plan.call)), "seconds": 1.0, "status": "complete",
+                "attacks": plan.call["attacks"], "evidence": _cell(2).to_dict()}
+
+    monkeypatch.setattr(bp, "run_cell", fake_run_cell)
+    row, profile = bp.BY_ID["censor-none"], bp.Profile("cpu")
+    bp.run_row(row, profile, "embedded", {}, tmp_path / "out", tmp_path / "results")
+    whole = bp.render([row], profile, "embedded", {}, tmp_path / "results", tmp_path / "out")
+    assert "1 unfinished" not in whole
+    path = bp.results_path(tmp_path / "results", "cpu", "embedded", row)
+    stored = json.loads(path.read_text())
+    stored["cells"].pop("planner")
+    path.write_text(json.dumps(stored))
+    page = bp.render([row], profile, "embedded", {}, tmp_path / "results", tmp_path / "out")
+    summary = page.splitlines()[0]
+    assert summary.endswith("1 unfinished") and "hold" not in summary
+    assert "**unfinished (planner not yet run): " in page
