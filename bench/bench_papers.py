@@ -614,7 +614,12 @@ HELD_OUT = 8
 def current_search_key(row: Row, profile: "Profile", data: str, data_args: Dict[str, Any], out: Path) -> str:
     """The key the row's held-out search has under the current settings and code."""
     probe = plan_cells(row, profile, data, data_args, out)[0]
-    return search_key(row, probe, QUICK["held_out"] if profile.shrunk else HELD_OUT)
+    return search_key(row, probe, held_out_images(profile))
+
+
+def held_out_images(profile: "Profile") -> int:
+    """Held-out images of a row's search under ``profile`` (fewer on a shrunk profile)."""
+    return QUICK["held_out"] if profile.shrunk else HELD_OUT
 
 
 def search_key(row: Row, plan: CellPlan, held_out: int) -> str:
@@ -752,7 +757,7 @@ def run_row(row: Row, profile: Profile, data: str, data_args: Dict[str, Any], ou
     stored["setting"] = {"run": run, "label": label(row, run)}
     if row.search:
         probe = plan_cells(row, profile, data, data_args, out)[0]
-        held = QUICK["held_out"] if profile.shrunk else HELD_OUT
+        held = held_out_images(profile)
         key = search_key(row, probe, held)  # current_search_key, from the probe planned here
         if (stored.get("search") or {}).get("key") != key:
             started = time.perf_counter()
