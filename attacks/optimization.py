@@ -40,6 +40,7 @@ from attacks.search_space import BOXES, INITS, Box
 from attacks.local_surrogate import replica_note
 from attacks.side_information import check_weight, revealed_for_member, side_information
 from attacks.simulator import GradientSimulator, SimContext
+from attacks.tv_rule import ObservedWeight
 
 Progress = Callable[[int, int, float], None]
 EXECUTIONS = ("auto", "batched", "sequential")
@@ -163,7 +164,8 @@ class OptimizationAttack:
             key = getattr(prior, "name", "prior")
             while key == "match" or any(key == k for k, _, _ in self.priors):
                 key += "'"
-            self.priors.append((key, prior, float(weight)))
+            # a weight the observation decides (tv="auto") is resolved when the attack runs
+            self.priors.append((key, prior, weight if isinstance(weight, ObservedWeight) else float(weight)))
         self.init = INITS.get(init) if isinstance(init, str) else init
         self.init_name = init if isinstance(init, str) else getattr(init, "__name__", "custom")
         self.box = BOXES.build(box) if isinstance(box, str) else box
@@ -185,7 +187,7 @@ class OptimizationAttack:
         """The attack's composition, for traces and reports."""
         return {
             "objective": repr(self.objective),
-            "priors": {k: w for k, _, w in self.priors},
+            "priors": {k: w if isinstance(w, float) else repr(w) for k, _, w in self.priors},
             "init": self.init_name, "box": self.box.name,
             **self.optimizer.settings(),
             "iterations": self.iterations, "restarts": self.restarts,
@@ -359,7 +361,8 @@ class OptimizationRun:
         self.side = sides[0]
         if len({s.revealed is None for s in sides}) > 1:
             raise ConfigError("the grouped observations differ in what they share (buffers in some only)")
-        self.priors = list(attack.priors) + self.side.priors
+        self.priors = [(k, p, w(self.obs) if isinstance(w, ObservedWeight) else w)
+                       for k, p, w in attack.priors] + self.side.priors
         if self.side.revealed is not None and requiring(attack.priors, "bn_stats"):
             # the running statistics stand in for the batch's; the upload gives the batch's own
             replaced = requiring(attack.priors, "bn_stats")
@@ -723,6 +726,7 @@ class OptimizationRun:
                 "loss_history": rows_of[n * restarts:(n + 1) * restarts],
                 "labels": self.plans[n].info,
                 "side_information": dict(self.side.notes),
+                "prior_weights": {k: float(w) for k, _, w in self.priors},
                 "client_optimizer": replica_note(self.obs.optimizer),
                 "time_s": seconds / self.n,
             }

@@ -5,9 +5,9 @@ An audit is only as trustworthy as its strongest attack, and no single setting o
 field's attacks is strongest everywhere: exact L2 matching with L-BFGS recovers untrained
 sigmoid / fully connected nets, a strong TV prior wins on small ConvNets, a weak one on
 ResNet-18 (docs/strength.md, section 5). The portfolio runs the registered
-:data:`STRATEGIES` that apply to the observation (existing presets with settings a strategy
-may take from the observation, :func:`scaled_tv`) on equal shares of a fraction ``explore``
-of the budget, labels inferred once for all. It scores every candidate by the cosine distance
+:data:`STRATEGIES` that apply to the observation (existing presets; the smoothing ones take
+their TV weight from the observation, :mod:`attacks.tv_rule`) on equal shares of a fraction
+``explore`` of the budget, labels inferred once for all. It scores every candidate by the cosine distance
 of its gradient to the observed one (never the ground truth) and visits them from the most
 regularised to the least: a later one replaces the pick only if its loss is below ``ratio``
 times the pick's. The chosen strategy spends the rest of the budget, from its candidate or as
@@ -28,49 +28,18 @@ from audit.core.types import Observation, Reconstruction
 
 from attacks.optimization import OptimizationAttack, ungroupable
 from attacks.presets import ATTACKS
+from attacks.tv_rule import batchnorm_layers
 
 STRATEGIES = Registry("portfolio strategy")
 
 
 @dataclass(frozen=True)
 class Strategy:
-    """A preset with settings, and when it applies (``applies(obs) -> reason or None``)."""
+    """A preset with settings, and when it applies (``applies(obs, knobs) -> reason or None``)."""
 
     preset: str
     settings: Dict[str, Any]
     applies: Callable[[Observation, Dict[str, Any]], Optional[str]] = lambda obs, knobs: None  # reason it does not
-    tuned: Callable[[Observation], Dict[str, Any]] = lambda obs: {}  # settings from the observation
-
-
-#: TV weight of a 32x32 batch of one (Inverting Gradients' 5e-2), and the private pixel
-#: values it is tuned for
-TV_REFERENCE, TV_REFERENCE_UNKNOWNS = 5e-2, 3 * 32 * 32
-#: gradient entries per private pixel value of the model the rule is tuned on (the project's
-#: ConvNet, 108,170 parameters, at 32x32 batch 1)
-TV_REFERENCE_ENTRIES = 108170 / 3072
-#: TV weight of a 32x32 batch of one when the client's BatchNorm normalises with the batch's own
-#: statistics (it grows with the batch as :data:`TV_REFERENCE` does)
-TV_BATCHNORM_TRAIN = 0.5
-
-
-def scaled_tv(obs: Observation) -> Dict[str, Any]:
-    """The smoothing strategies' TV weight from what the server knows (never the ground truth).
-
-    It grows with the private pixel values beyond a 32x32 image (more unknowns per gradient
-    entry need a stronger prior), but only while the gradient has fewer entries per pixel
-    value than the reference ConvNet (:data:`TV_REFERENCE_ENTRIES`); with BatchNorm in train
-    mode it starts from :data:`TV_BATCHNORM_TRAIN` instead and grows alike, since the batch
-    statistics remove each channel's scale and offset from the gradient and the prior has to
-    supply them. The measurements behind the rule: docs/strength.md, section 5.
-    """
-    growth = max(1.0, min(obs.unknowns / TV_REFERENCE_UNKNOWNS,
-                          TV_REFERENCE_ENTRIES * obs.unknowns / max(1, obs.gradient_entries)))
-    base = TV_BATCHNORM_TRAIN if obs.client_mode == "train" and _batchnorm_layers(obs) else TV_REFERENCE
-    return {"tv": base * growth}
-
-
-def _batchnorm_layers(obs: Observation) -> List[torch.nn.Module]:
-    return [m for m in obs.model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
 
 
 def _has_bn_stats(obs: Observation, knobs: Dict[str, Any]) -> Optional[str]:
@@ -78,7 +47,7 @@ def _has_bn_stats(obs: Observation, knobs: Dict[str, Any]) -> Optional[str]:
     batch's own statistics: every strategy then matches those (the bn-upload term), and the
     running statistics are only a population guess at them, so the strategy would repeat
     ``smooth`` (same candidates, measured) on a share of the budget."""
-    if not any(m.running_mean is not None for m in _batchnorm_layers(obs)):
+    if not any(m.running_mean is not None for m in batchnorm_layers(obs)):
         return "the model has no BatchNorm running statistics"
     if knobs.get("bn_upload", "auto") not in (0, 0.0):
         revealed, _ = revealed_statistics(obs.model, obs.buffers, obs.local_steps, obs.client_mode)
@@ -89,9 +58,10 @@ def _has_bn_stats(obs: Observation, knobs: Dict[str, Any]) -> Optional[str]:
 
 
 # most regularised first: the selection order (see the module docstring)
-STRATEGIES.add("smooth", Strategy("ig", {"tv": 5e-2}, tuned=scaled_tv),
-               "cosine + TV (5e-2 at 32x32 batch 1, scaled_tv), signed Adam (Inverting Gradients): small ConvNets")
-STRATEGIES.add("bn-prior", Strategy("ig", {"tv": 5e-2, "bn": 1e-2}, _has_bn_stats, tuned=scaled_tv),
+STRATEGIES.add("smooth", Strategy("ig", {"tv": "auto"}),
+               "cosine + TV (5e-2 at 32x32 batch 1, grown by attacks.tv_rule), signed Adam (Inverting Gradients): "
+               "small ConvNets")
+STRATEGIES.add("bn-prior", Strategy("ig", {"tv": "auto", "bn": 1e-2}, _has_bn_stats),
                "cosine + TV + BatchNorm-statistics prior (models with BatchNorm)")
 STRATEGIES.add("sharp", Strategy("ig", {"tv": 1e-4}),
                "cosine + TV 1e-4: deep nets (ResNet-18), where the gradient pins the image down")
@@ -134,10 +104,9 @@ class PortfolioAttack:
         self.knobs = knobs
         self.scorer = OptimizationAttack("cosine", simulator=knobs.get("simulator"), name="portfolio-score")
 
-    def _attack(self, name: str, observation: Observation, **extra: Any) -> OptimizationAttack:
+    def _attack(self, name: str, **extra: Any) -> OptimizationAttack:
         strategy = STRATEGIES.get(name)
-        return ATTACKS.build(strategy.preset, **{**strategy.settings, **strategy.tuned(observation),
-                                                 **self.knobs, **extra})
+        return ATTACKS.build(strategy.preset, **{**strategy.settings, **self.knobs, **extra})
 
     def _candidate(self, name: str, phase: str, rec: Reconstruction, match: float) -> Dict[str, Any]:
         return {"strategy": name, "phase": phase, "match": match,
@@ -204,7 +173,7 @@ class PortfolioAttack:
 
         for i, name in enumerate(run):
             try:
-                recs = self._attack(name, first).reconstruct_many(
+                recs = self._attack(name).reconstruct_many(
                     observations, share, seeds, progress=scaled(i * share, share, budget), max_members=max_members)
             except NotApplicable as err:
                 skipped[name] = str(err)
@@ -224,12 +193,12 @@ class PortfolioAttack:
                 continuations.setdefault((picks[k]["strategy"], rest), []).append(k)
         for (name, rest), ks in continuations.items():
             spent = budget - rest - 2
-            attack = self._attack(name, first)
+            attack = self._attack(name)
             warm = self.resume == "warm" or (self.resume == "auto" and (
                 rest < FRESH_FROM or attack.optimizer.settings().get("schedule") == "constant"))
             group = [observations[k] for k in ks]
             if warm:
-                attack = self._attack(name, first, init=_warm_start(
+                attack = self._attack(name, init=_warm_start(
                     {id(observations[k]): results[k][name].inputs for k in ks}))
             recs = attack.reconstruct_many(group, rest, [seeds[k] for k in ks],
                                            progress=scaled(spent, rest, budget), max_members=max_members)

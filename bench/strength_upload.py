@@ -73,11 +73,11 @@ def _psnr(rec, truth) -> List[float]:
 @functools.lru_cache(maxsize=None)
 def _code_version() -> str:
     """The files that define what these cells measure (the bn-upload term, the unroll, the
-    buffers, the ``ig`` preset), read once per run: editing them reruns the cells. Changes that
+    buffers, the ``ig`` preset and its TV rule), read once per run: editing them reruns the cells. Changes that
     keep the numbers (the engine's speed) do not."""
     root = Path(__file__).resolve().parent.parent
     files = ["priors/batchnorm.py", "audit/core/unroll.py", "audit/core/buffers.py", "audit/core/local_training.py",
-             "attacks/presets.py"]
+             "attacks/presets.py", "attacks/tv_rule.py"]
     # the default weight is keyed where it is used (the cells that run "auto"), not through the code
     text = b"".join(line for f in files for line in (root / f).read_bytes().splitlines(keepends=True)
                     if not line.startswith(b"BN_UPLOAD_WEIGHT ="))

@@ -161,8 +161,11 @@ def test_a_budget_runs_only_the_restarts_it_affords(one_thread, photo16):
     assert ATTACKS.build("dlg", per_restart=0).reconstruct(obs, 25, seed=0).trace["restarts"] == 4
 
 
-def test_portfolio_tv_grows_with_the_private_pixels_and_train_mode_batchnorm():
-    from attacks.portfolio import TV_BATCHNORM_TRAIN, TV_REFERENCE, scaled_tv
+def test_observed_tv_grows_with_the_private_pixels_and_train_mode_batchnorm():
+    from attacks.tv_rule import TV_BATCHNORM_TRAIN, TV_REFERENCE, observed_tv
+
+    def scaled_tv(o):
+        return {"tv": observed_tv(o)}
 
     def obs(batch, side, model="lenet", mode="eval", **kw):
         net = build_model(model, (3, side, side), 10, mean=MEAN, std=STD, seed=0, **kw)
@@ -181,13 +184,17 @@ def test_portfolio_tv_grows_with_the_private_pixels_and_train_mode_batchnorm():
     assert scaled_tv(obs(1, 16, "convnet", "train", batchnorm=False))["tv"] == pytest.approx(TV_REFERENCE)
 
 
-def test_portfolio_beats_ig_on_a_train_mode_batchnorm_convnet(one_thread, photo16):
+def test_portfolio_beats_fixed_tv_ig_on_a_train_mode_batchnorm_convnet(one_thread, photo16):
     model = build_model("convnet", (3, 16, 16), 10, mean=MEAN, std=STD, seed=0)
     obs = observe(model, photo16, torch.tensor([7]), client_mode="train")
-    ig = ATTACKS.build("ig").reconstruct(obs, 600, seed=0)
+    ig = ATTACKS.build("ig", tv=5e-2).reconstruct(obs, 600, seed=0)  # Inverting Gradients' fixed weight
     new = ATTACKS.build("portfolio").reconstruct(obs, 600, seed=0)
     assert float(psnr(new.inputs, photo16).mean()) > float(psnr(ig.inputs, photo16).mean()) + 2.0
-    assert new.trace["settings"]["priors"]["tv"] >= 0.5  # scaled_tv: train-mode BatchNorm
+    assert new.trace["prior_weights"]["tv"] >= 0.5  # observed_tv: train-mode BatchNorm
+    # ig's own default takes the same weight from the observation, and gains from it
+    auto = ATTACKS.build("ig").reconstruct(obs, 600, seed=0)
+    assert auto.trace["prior_weights"]["tv"] == pytest.approx(0.5)
+    assert float(psnr(auto.inputs, photo16).mean()) > float(psnr(ig.inputs, photo16).mean()) + 1.0
     continued = [c for c in new.trace["candidates"] if c["phase"] == "continue"]
     assert continued and continued[0]["resumed"].startswith("fresh")  # signed Adam's schedule restarts
 

@@ -1,0 +1,56 @@
+"""The total-variation weight an attack takes from what the server observes (``tv="auto"``).
+
+Inverting Gradients' 5e-2 is tuned for one 32x32 image on a small ConvNet. More private pixel
+values per gradient entry need a stronger prior, and a client whose BatchNorm normalises with
+the batch's own statistics hides each channel's scale and offset from the gradient, which the
+prior then has to supply. The rule reads only the observation (never the ground truth); the
+measurements behind it: docs/strength.md, section 5.
+"""
+from __future__ import annotations
+
+from typing import List
+
+import torch
+
+from audit.core.types import Observation
+
+#: TV weight of a 32x32 batch of one (Inverting Gradients' 5e-2), and the private pixel
+#: values it is tuned for
+TV_REFERENCE, TV_REFERENCE_UNKNOWNS = 5e-2, 3 * 32 * 32
+#: gradient entries per private pixel value of the model the rule is tuned on (the project's
+#: ConvNet, 108,170 parameters, at 32x32 batch 1)
+TV_REFERENCE_ENTRIES = 108170 / 3072
+#: TV weight of a 32x32 batch of one when the client's BatchNorm normalises with the batch's own
+#: statistics (it grows with the batch as :data:`TV_REFERENCE` does)
+TV_BATCHNORM_TRAIN = 0.5
+
+
+def batchnorm_layers(obs: Observation) -> List[torch.nn.Module]:
+    return [m for m in obs.model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+
+
+def observed_tv(obs: Observation) -> float:
+    """The TV weight for ``obs``: it grows with the private pixel values beyond a 32x32 image,
+    but only while the gradient has fewer entries per pixel value than the reference ConvNet
+    (:data:`TV_REFERENCE_ENTRIES`); with BatchNorm in train mode it starts from
+    :data:`TV_BATCHNORM_TRAIN` instead of :data:`TV_REFERENCE` and grows alike."""
+    growth = max(1.0, min(obs.unknowns / TV_REFERENCE_UNKNOWNS,
+                          TV_REFERENCE_ENTRIES * obs.unknowns / max(1, obs.gradient_entries)))
+    base = TV_BATCHNORM_TRAIN if obs.client_mode == "train" and batchnorm_layers(obs) else TV_REFERENCE
+    return base * growth
+
+
+class ObservedWeight:
+    """A prior weight resolved per observation when an attack runs (``tv="auto"``)."""
+
+    def __init__(self, rule=observed_tv, label: str = "auto (attacks.tv_rule.observed_tv)"):
+        self.rule, self.label = rule, label
+
+    def __call__(self, obs: Observation) -> float:
+        return float(self.rule(obs))
+
+    def __repr__(self) -> str:
+        return self.label
+
+
+AUTO_TV = ObservedWeight()
