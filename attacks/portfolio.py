@@ -28,7 +28,7 @@ from audit.core.types import Observation, Reconstruction
 
 from attacks.optimization import OptimizationAttack, ungroupable
 from attacks.presets import ATTACKS
-from attacks.tv_rule import batchnorm_layers
+from attacks.tv_rule import RULE, batchnorm_layers
 
 STRATEGIES = Registry("portfolio strategy")
 
@@ -259,3 +259,15 @@ def _warm_start(images: Dict[int, torch.Tensor]) -> Callable:
 def portfolio(strategies: Optional[Sequence[str]] = None, ratio: float = 0.5, explore: float = 0.5,
               resume: str = "auto", **knobs: Any) -> PortfolioAttack:
     return PortfolioAttack(strategies, ratio, explore, resume, **knobs)
+
+
+def _composes() -> Dict[str, Any]:
+    """What the portfolio runs (for :func:`attacks.presets.defaults_fingerprint`): each strategy's
+    preset, settings and that preset's defaults, and the rules' constants."""
+    return {"strategies": {n: {"preset": s.preset, "settings": s.settings,
+                               "defaults": getattr(ATTACKS.get(s.preset), "defaults", None)}
+                           for n, s in ((n, STRATEGIES.get(n)) for n in STRATEGIES.names())},
+            "order": ORDER, "fresh_from": FRESH_FROM, "default_budget": DEFAULT_BUDGET, "tv_rule": RULE}
+
+
+portfolio.composes = _composes

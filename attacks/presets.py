@@ -7,7 +7,9 @@ to ``reconstruct`` overrides ``iterations``.
 """
 from __future__ import annotations
 
+import hashlib
 import inspect
+import json
 from typing import Any, Callable, Dict, Iterable, Optional
 
 from audit.core.errors import ConfigError
@@ -18,7 +20,7 @@ from attacks.analytic import AnalyticInversion
 from attacks.optimization import OptimizationAttack
 from attacks.objectives import OBJECTIVES
 from attacks.optimizers import OPTIMIZERS, Watchdog
-from attacks.tv_rule import AUTO_TV
+from attacks.tv_rule import AUTO_TV, RULE
 
 ATTACKS = Registry("attack")
 
@@ -119,6 +121,22 @@ def _weight(name: str, knob: str, value: Any) -> Any:
     return weight
 
 
+def defaults_fingerprint(name: str) -> str:
+    """A short hash of what attack ``name`` runs with the settings left out: a preset's
+    :data:`KNOBS` defaults, another factory's keyword defaults, and what it composes
+    (``factory.composes()``, e.g. the portfolio's strategies). Stored with every result, so a
+    release that changes a default redoes the results it computed, never reuses them."""
+    factory = ATTACKS.get(name)
+    defaults = getattr(factory, "defaults", None)
+    if defaults is None:
+        defaults = {k: p.default for k, p in inspect.signature(factory).parameters.items()
+                    if p.default is not inspect.Parameter.empty}
+    composes = getattr(factory, "composes", None)
+    blob = json.dumps({"defaults": defaults, "composes": composes() if composes else None},
+                      sort_keys=True, default=repr)
+    return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
 def register_preset(name: str, description: str, **defaults: Any) -> Callable[..., OptimizationAttack]:
     """Register a preset: :data:`KNOBS` defaults overridden by ``defaults``."""
     unknown = set(defaults) - set(KNOBS)
@@ -134,6 +152,8 @@ def register_preset(name: str, description: str, **defaults: Any) -> Callable[..
     factory.__name__ = name.replace("-", "_")
     factory.__doc__ = description
     factory.defaults = dict(settings)
+    if settings["tv"] == "auto":
+        factory.composes = lambda: {"tv_rule": RULE}
     ATTACKS.add(name, factory, description)
     return factory
 

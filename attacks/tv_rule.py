@@ -23,6 +23,9 @@ TV_REFERENCE_ENTRIES = 108170 / 3072
 #: TV weight of a 32x32 batch of one when the client's BatchNorm normalises with the batch's own
 #: statistics (it grows with the batch as :data:`TV_REFERENCE` does)
 TV_BATCHNORM_TRAIN = 0.5
+#: the rule's constants, for the fingerprint of the attacks that use it
+RULE = {"reference": TV_REFERENCE, "reference_unknowns": TV_REFERENCE_UNKNOWNS,
+        "reference_entries": TV_REFERENCE_ENTRIES, "batchnorm_train": TV_BATCHNORM_TRAIN}
 
 
 def batchnorm_layers(obs: Observation) -> List[torch.nn.Module]:

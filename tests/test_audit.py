@@ -124,6 +124,25 @@ def test_rerun_resumes_and_changed_settings_start_fresh(tmp_path, monkeypatch):
     assert len(calls) == 4 and len(list((tmp_path / "runs").iterdir())) == 2
 
 
+def test_a_changed_attack_default_redoes_its_results_only(tmp_path, monkeypatch):
+    from attacks.presets import ATTACKS
+
+    kwargs = dict(defense="none", steps=[0], attacks=["analytic", "ig"], images=1, out=tmp_path, **TINY)
+    audit.run(**kwargs)
+    calls = []
+    original = Audit.attack_one
+
+    def counting(self, spec, obs, images, labels, step, image, **kw):
+        calls.append(spec.id)
+        return original(self, spec, obs, images, labels, step, image, **kw)
+
+    monkeypatch.setattr(Audit, "attack_one", counting)
+    # a release whose ig preset defaults to another TV weight: the stored ig result is stale
+    monkeypatch.setattr(ATTACKS.get("ig"), "defaults", {**ATTACKS.get("ig").defaults, "tv": 0.3})
+    audit.run(**kwargs)
+    assert calls == ["ig"] and len(list((tmp_path / "runs").iterdir())) == 1
+
+
 def test_fedavg_with_several_clients_is_simulated_and_declared(tmp_path):
     report = audit.run(defense="none", steps=[0, 2], attacks=["analytic"], images=1, clients=3, local_steps=2,
                        local_lr=0.05, out=tmp_path, **TINY)

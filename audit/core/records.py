@@ -190,6 +190,7 @@ class AttackResult(_Record):
     status: Any = Status.OK
     seed: Optional[int] = None
     settings: Dict[str, Any] = field(default_factory=dict)
+    defaults: str = ""  # attacks.presets.defaults_fingerprint: what the settings left out ran with
     defense: Optional[str] = None
     budget: Optional[int] = None
     reason: str = ""

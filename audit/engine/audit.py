@@ -21,6 +21,7 @@ from torch import nn
 
 from adaptive import plan as plan_attacks  # importing adaptive registers its attacks in ATTACKS
 from attacks import ATTACKS
+from attacks.presets import defaults_fingerprint
 from audit.client.fl import train
 from audit.client.observe import observe
 from audit.core.defense_call import defense_timeout
@@ -65,6 +66,11 @@ class AttackSpec:
     def id(self) -> str:
         """The attack's name in the report; its settings are checked on resume instead."""
         return self.name
+
+    @property
+    def defaults(self) -> str:
+        """The fingerprint of what the attack runs with its settings left out (checked on resume)."""
+        return defaults_fingerprint(self.name)
 
     def as_dict(self) -> Dict[str, Any]:
         return {"id": self.id, **asdict(self)}
@@ -333,8 +339,8 @@ class Audit:
 
     def _record(self, spec: AttackSpec, step: int, image: int) -> AttackResult:
         return AttackResult(step=step, attack_id=spec.id, attack=spec.name, image=image, settings=spec.settings,
-                            seed=derive_seed(self.seed, "attack", step, spec.id, image), defense=self.defense.name,
-                            budget=self.attack_settings.budget)
+                            defaults=spec.defaults, seed=derive_seed(self.seed, "attack", step, spec.id, image),
+                            defense=self.defense.name, budget=self.attack_settings.budget)
 
     def _failed(self, record: AttackResult, err: BaseException, step: int) -> AttackResult:
         kind = "defense" if isinstance(err, DefenseError) else "attack"
@@ -410,7 +416,7 @@ class Audit:
 
     def _attack_all(self, store: ResultStore, specs: Sequence[AttackSpec]) -> None:
         pending = [(s, i, a) for s in self.attack_settings.steps for i in range(self.data_settings.images) for a in specs
-                   if not store.has(s, a.id, i, settings=a.settings)]
+                   if not store.has(s, a.id, i, settings=a.settings, defaults=a.defaults)]
         total = len(self.attack_settings.steps) * self.data_settings.images * len(specs)
         if not pending:
             return

@@ -233,7 +233,8 @@ def cell_groups(job: CellJob, shared: SharedParts) -> List[CellJob]:
     audit.checkpoints(store, steps)
     specs, _ = audit.plan()
     return [replace(job, only=(step, spec.name)) for step in steps for spec in specs
-            if not all(store.has(step, spec.id, i, settings=spec.settings) for i in range(job.data_settings.images))]
+            if not all(store.has(step, spec.id, i, settings=spec.settings, defaults=spec.defaults)
+                       for i in range(job.data_settings.images))]
 
 
 def run_group(job: CellJob, shared: SharedParts) -> str:

@@ -149,15 +149,19 @@ class ResultStore:
     def result_path(self, step: int, attack_id: str, image: int, suffix: str = ".json") -> Path:
         return self.dir / "results" / (result_id(step, attack_id, image) + suffix)
 
-    def has(self, step: int, attack_id: str, image: int, settings: Optional[Dict[str, Any]] = None) -> bool:
-        """Whether this result is finished; with ``settings``, only if it was computed with
-        exactly those attack settings (a changed attack is redone, not reused). A stored
-        error is not finished while ``retry_errors`` is on (the default): a rerun retries it."""
+    def has(self, step: int, attack_id: str, image: int, settings: Optional[Dict[str, Any]] = None,
+            defaults: Optional[str] = None) -> bool:
+        """Whether this result is finished; with ``settings`` (and ``defaults``, the fingerprint
+        of the attack's own defaults), only if it was computed with exactly those (a changed
+        attack is redone, not reused). A stored error is not finished while ``retry_errors`` is
+        on (the default): a rerun retries it."""
         path = self.result_path(step, attack_id, image)
         if not path.is_file():
             return False
         record = read_json(path)
         if self.retry_errors and record.get("status") in RETRIED:
+            return False
+        if defaults is not None and record.get("defaults") != defaults:
             return False
         return settings is None or record.get("settings") == to_jsonable(settings)
 
