@@ -27,7 +27,7 @@ from audit.core.registry import Registry
 from audit.core.types import Observation, Reconstruction
 
 from attacks.optimization import OptimizationAttack, ungroupable
-from attacks.presets import ATTACKS
+from attacks.presets import ATTACKS, defaults_fingerprint
 from attacks.tv_rule import RULE, batchnorm_layers
 
 STRATEGIES = Registry("portfolio strategy")
@@ -263,9 +263,8 @@ def portfolio(strategies: Optional[Sequence[str]] = None, ratio: float = 0.5, ex
 
 def _composes() -> Dict[str, Any]:
     """What the portfolio runs (for :func:`attacks.presets.defaults_fingerprint`): each strategy's
-    preset, settings and that preset's defaults, and the rules' constants."""
-    return {"strategies": {n: {"preset": s.preset, "settings": s.settings,
-                               "defaults": getattr(ATTACKS.get(s.preset), "defaults", None)}
+    preset, settings and that preset's defaults fingerprint, and the rules' constants."""
+    return {"strategies": {n: {"preset": s.preset, "settings": s.settings, "defaults": defaults_fingerprint(s.preset)}
                            for n, s in ((n, STRATEGIES.get(n)) for n in STRATEGIES.names())},
             "order": ORDER, "fresh_from": FRESH_FROM, "default_budget": DEFAULT_BUDGET, "tv_rule": RULE}
 

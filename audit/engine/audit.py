@@ -13,6 +13,7 @@ import inspect
 import math
 import time
 from dataclasses import asdict, dataclass, field, replace
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -67,9 +68,10 @@ class AttackSpec:
         """The attack's name in the report; its settings are checked on resume instead."""
         return self.name
 
-    @property
+    @cached_property
     def defaults(self) -> str:
-        """The fingerprint of what the attack runs with its settings left out (checked on resume)."""
+        """The fingerprint of what the attack runs with its settings left out (checked on resume;
+        computed once per spec, as the registry does not change during an audit)."""
         return defaults_fingerprint(self.name)
 
     def as_dict(self) -> Dict[str, Any]:
