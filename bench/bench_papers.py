@@ -22,7 +22,9 @@ Results persist in the repository: every finished cell is written to
 made it (every setting that changes a number); the page renders from these files, a rerun
 skips the cells whose key is stored, and a changed row setting reruns only that row's cells.
 The engine's own result stores (``--out``, default ``bench-out/papers``) resume a cell
-interrupted on the same machine. ``--render`` writes the page from the stored cells.
+interrupted on the same machine; a cell runs in slices of its steps and images, and each
+slice's results are kept under ``<row>.partial/<cell>/`` in the repository until the cell
+finishes, so a cell longer than a sitting resumes from a fresh clone. ``--render`` writes the page from the stored cells.
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ import copy
 import json
 import math
 import os
+import shutil
 import sys
 import time
 from dataclasses import dataclass, field
@@ -577,13 +580,63 @@ def planner_attacks(manifest: Dict[str, Any]) -> List[str]:
     return [a["id"] for a in manifest.get("attacks") or []]
 
 
-def run_cell(row: Row, plan: CellPlan) -> Dict[str, Any]:
-    """Run (or resume) the cell's audit; its evidence from the engine's store."""
+#: image-evaluations per slice of a cell: a cell runs one step and a few images at a time
+#: (the engine's key leaves steps and the image count out, so each slice adds to the same
+#: run), and each slice's results are copied into the repository as it finishes, so a cell
+#: longer than a sitting accumulates; a slice is 15-30 minutes on one core for the slowest rows
+SLICE_EVALUATIONS = 4000
+
+
+def cell_slices(call: Dict[str, Any]) -> List[Tuple[List[int], int]]:
+    """The (steps, images) of each slice of the cell's audit call, then the whole call."""
+    images, steps = int(call["images"]), list(call["steps"])
+    per = max(1, SLICE_EVALUATIONS // max(1, int(call["budget"] or 1)))
+    if call.get("utility") or per >= images:
+        return [(steps, images)]
+    return [([step], n) for step in steps for n in range(per, images, per)] + [(steps, images)]
+
+
+def partial_dir(results: Path, cell: str) -> Path:
+    """Where an unfinished cell's per-image results are kept in the repository."""
+    return results.parent / f"{results.stem}.partial" / cell.replace(":", "-")
+
+
+def restore_partial(partial: Path, out: Path) -> int:
+    """Copy the repository's unfinished results into the engine's store (its run keys as
+    stored; the engine reuses a result only if its settings and defaults still match)."""
+    copied = 0
+    for src in sorted(partial.glob("*/*")) if partial.is_dir() else []:
+        dst = out / "runs" / src.parent.name / "results" / src.name
+        if not dst.exists():
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(src, dst)
+            copied += 1
+    return copied
+
+
+def keep_partial(out: Path, key: str, partial: Path) -> None:
+    """Copy the engine run's finished results into the repository (new files only)."""
+    for src in sorted((out / "runs" / key / "results").glob("*")):
+        dst = partial / key / src.name
+        if src.suffix in (".json", ".png") and not dst.exists():
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(src, dst)
+
+
+def run_cell(row: Row, plan: CellPlan, partial: Optional[Path] = None) -> Dict[str, Any]:
+    """Run (or resume) the cell's audit, slice by slice (:func:`cell_slices`), keeping each
+    slice's results under ``partial``; its evidence from the engine's store."""
     import audit
     from audit.report.store import ResultStore
 
     started = time.perf_counter()
-    report = audit.run(**plan.call)
+    out_dir = Path(plan.call["out"])
+    if partial is not None and restore_partial(partial, out_dir):
+        print(f"    resumed from {partial}", flush=True)
+    for steps, images in cell_slices(plan.call):
+        report = audit.run(**{**plan.call, "steps": steps, "images": images})
+        if partial is not None:
+            keep_partial(out_dir, report.data["run_key"], partial)
     store = ResultStore(plan.call["out"], report.data["run_key"])
     manifest = store.load_manifest()
     records = [r.to_dict() for r in store.records()]
@@ -778,8 +831,10 @@ def run_row(row: Row, profile: Profile, data: str, data_args: Dict[str, Any], ou
         if old.get("key") == plan.key and not redo:
             continue
         print(f"  [{time.strftime('%H:%M:%S')}] {row.id} {plan.name} (budget {plan.call['budget']})", flush=True)
-        stored["cells"][plan.name] = run_cell(row, plan)
+        partial = partial_dir(path, plan.name)
+        stored["cells"][plan.name] = run_cell(row, plan, partial)
         save_results(path, stored)
+        shutil.rmtree(partial, ignore_errors=True)
     return stored
 
 

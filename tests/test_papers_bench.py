@@ -2,6 +2,7 @@
 conclusions decided by the identification interval, failing closed."""
 import json
 import math
+import shutil
 import sys
 from pathlib import Path
 
@@ -295,7 +296,7 @@ def test_cells_persist_resume_and_a_changed_row_reruns_only_its_own(tmp_path, mo
 
     runs = []
 
-    def fake_run_cell(row, plan):
+    def fake_run_cell(row, plan, partial=None):
         runs.append((row.id, plan.name))
         return {"key": plan.key, "call": json.loads(json.dumps(plan.call)), "seconds": 1.0, "status": "complete",
                 "attacks": plan.call["attacks"], "evidence": _cell(2).to_dict()}
@@ -467,7 +468,7 @@ def test_cells_run_with_a_stale_search_are_not_shown_as_current(tmp_path):
 
 
 def test_a_row_with_cells_missing_counts_as_unfinished_whatever_its_cells_say(tmp_path, monkeypatch):
-    def fake_run_cell(row, plan):
+    def fake_run_cell(row, plan, partial=None):
         return {"key": plan.key, "call": json.loads(json.dumps(plan.call)), "seconds": 1.0, "status": "complete",
                 "attacks": plan.call["attacks"], "evidence": _cell(2).to_dict()}
 
@@ -484,3 +485,36 @@ def test_a_row_with_cells_missing_counts_as_unfinished_whatever_its_cells_say(tm
     summary = page.splitlines()[0]
     assert summary.endswith("1 unfinished") and "hold" not in summary
     assert "**unfinished (planner not yet run): " in page
+
+
+def test_a_long_cell_runs_in_slices_of_steps_and_images():
+    call = {"images": 16, "steps": [1, 50], "budget": 2000, "utility": False}
+    slices = bp.cell_slices(call)
+    per = bp.SLICE_EVALUATIONS // 2000
+    assert slices[:2] == [([1], per), ([1], 2 * per)] and slices[-1] == ([1, 50], 16)
+    assert ([50], 16 - per) in slices and all(n < 16 for _, n in slices[:-1])
+    assert bp.cell_slices({**call, "budget": 200}) == [([1, 50], 16)]  # 20 images a slice: one call
+    assert bp.cell_slices({**call, "utility": True}) == [([1, 50], 16)]
+
+
+def test_an_interrupted_cell_resumes_from_the_repositorys_partial_results(tmp_path, monkeypatch):
+    """Each slice's results are kept in the repository; a fresh engine store (a new clone)
+    restores them and attacks nothing already finished."""
+    from audit.engine.audit import Audit
+
+    row, profile = bp.BY_ID["bayes-gauss-0"], bp.Profile("quick", images=2)
+    paper = bp.plan_cells(row, profile, "embedded", {}, tmp_path / "out")[0]
+    monkeypatch.setattr(bp, "SLICE_EVALUATIONS", paper.call["budget"])  # one image a slice
+    partial = bp.partial_dir(tmp_path / "results" / "row.json", paper.name)
+    attacked = []
+    real = Audit._attack_step
+    monkeypatch.setattr(Audit, "_attack_step", lambda self, store, spec, obs, step, images, bar:
+                        (attacked.append(list(images)), real(self, store, spec, obs, step, images, bar)))
+    first = bp.run_cell(row, paper, partial)
+    assert attacked == [[0], [1]]  # slice by slice, then the whole call finds both done
+    kept = sorted(p.name for p in partial.glob("*/*.json"))
+    assert len(kept) == 2 and all(p.startswith("s0__") for p in kept)
+    shutil.rmtree(tmp_path / "out")  # a fresh clone: the engine's store is gone, the repository's kept
+    attacked.clear()
+    again = bp.run_cell(row, paper, partial)
+    assert attacked == [] and again["evidence"]["per_image_psnr"] == first["evidence"]["per_image_psnr"]
