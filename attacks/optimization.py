@@ -29,12 +29,13 @@ from torch import Tensor
 
 from audit.core.errors import ConfigError, GiaError, NotApplicable
 from audit.core.types import Observation, Reconstruction, iterations_for, parameter_names, trainable_parameters
-from priors import PRIORS, Prior, PriorContext, requiring, weighted_total
+from priors import PRIORS, Prior, PriorContext, classifier_head, requiring, weighted_total
 
 from attacks import capture as capturing
 from attacks import stacking
 from attacks.labels import LABEL_STRATEGIES, LabelPlan, plan_labels
-from attacks.objectives import Objective, build_objective
+from attacks.feature_rule import AUTO_FEATURES
+from attacks.objectives import GradientDistance, Objective, build_objective
 from attacks.optimizers import OPTIMIZERS
 from attacks.search_space import BOXES, INITS, Box
 from attacks.local_surrogate import replica_note
@@ -368,6 +369,7 @@ class OptimizationRun:
             replaced = requiring(attack.priors, "bn_stats")
             self.priors = [p for p in self.priors if p[0] not in replaced]
             self.side.notes["bn-upload"] += f" (replaces the running-statistics prior {', '.join(replaced)})"
+        self.head = self._classifier_head(attack)
         observed = [list(self.simulator.observed_data(o)) for o in group]
         self.n_observed = len(observed[0])
         self.targets = [[g.detach() for g in o.gradients] + extra + side.tensors()
@@ -384,6 +386,8 @@ class OptimizationRun:
             [LabelPlan(y.to(self.device).long(), None, {"method": "given", "note": "labels given to evaluate()"})
              for y in given]
         self.labels = self.plans[0]
+        if self.head is not None and self.labels.shape is not None:
+            self._drop_features("not used: the labels are optimised with the images (it reads one image per label)")
         self.sim_ctx = SimContext(self.obs, generator=self.generator,
                                   capture_features=bool(bn_priors or requiring(self.priors, "bn_steps")))
         self.box = attack.box
@@ -439,6 +443,51 @@ class OptimizationRun:
             return "the group-consistency prior changes with the step"
         return ""
 
+    # -- the per-image features term (priors.features)
+    def _classifier_head(self, attack: OptimizationAttack) -> Optional[Tuple[int, int]]:
+        """The output layer's gradient positions when a prior reads the gradient, else None
+        (the term dropped, with the reason in the trace, where the model has no such layer)."""
+        reading = requiring(self.priors, "grads")
+        if not reading:
+            return None
+        try:
+            head = classifier_head(self.obs.model)
+        except NotApplicable as err:
+            self._drop_features(f"not used: {err}")
+            return None
+        why = ""
+        if all(w == 0 for k, _, w in self.priors if k in reading):
+            why = "the observed output layer's gradient has zeroed entries (pruned or masked)"
+        elif any(w is AUTO_FEATURES for k, _, w in attack.priors if k in reading):
+            why = self._reads_differently(attack)
+        if why:
+            self._drop_features(f"not used: {why}; the reading would differ between the dummy and the upload")
+            return None
+        self.side.notes["features"] = "used: each image's last-layer features, read off the output layer's gradient"
+        return head
+
+    def _reads_differently(self, attack: OptimizationAttack) -> str:
+        """Why the observed output layer cannot be read as the dummy's is, for ``features="auto"``."""
+        sim = self.simulator
+        if type(sim) is not GradientSimulator or sim.transforms or sim.step_transforms:
+            return f"the attack transforms the dummy's gradient ({sim.describe()})"
+        objective = attack.objective
+        if not isinstance(objective, GradientDistance) or objective.masks is not None or objective.weights is not None:
+            return f"the attack's objective ({objective!r}) models noise or masks or reweights layers"
+        return ""
+
+    def _drop_features(self, why: str) -> None:
+        dropped = requiring(self.priors, "grads")
+        self.priors = [p for p in self.priors if p[0] not in dropped]
+        self.side.notes["features"] = why
+        self.head = None
+
+    def gradient_features(self, grads: Sequence[Tensor], target: Sequence[Tensor], labels: Tensor) -> Dict[str, Any]:
+        """What a prior that reads the gradient gets in ``context.features`` (empty when none does)."""
+        if self.head is None:
+            return {}
+        return {"grads": list(grads), "target": list(target[:self.layers]), "labels": labels, "head": self.head}
+
     # -- the attack loss
     def restart_terms(self, z: Tensor, y: Optional[Tensor], group_mean: Optional[Tensor], functional: bool,
                       target: Optional[List[Tensor]] = None, plan: Optional[LabelPlan] = None,
@@ -452,6 +501,7 @@ class OptimizationRun:
         self.sim_ctx.observed = list(target[self.layers:self.layers + self.n_observed])
         grads, feats = self.simulator(self.replica, image, labels, functional=functional, context=self.sim_ctx)
         terms = {"match": self.objective(grads, target[:self.layers])}
+        feats = {**feats, **self.gradient_features(grads, target, labels)}
         ctx = PriorContext(self.sim_ctx, feats, self.replica.bn_running, group_mean, self.obs,  # step read on use
                            revealed=self.revealed(target))
         for key, prior, _ in self.priors:

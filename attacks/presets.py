@@ -20,6 +20,7 @@ from attacks.analytic import AnalyticInversion
 from attacks.optimization import OptimizationAttack
 from attacks.objectives import OBJECTIVES
 from attacks.optimizers import OPTIMIZERS, Watchdog
+from attacks.feature_rule import AUTO_FEATURES, FEATURES_WEIGHT
 from attacks.tv_rule import AUTO_TV, RULE
 
 ATTACKS = Registry("attack")
@@ -39,6 +40,9 @@ KNOBS: Dict[str, tuple] = {
     "bn": (0.0, "BatchNorm-statistics weight (DeepInversion)"),
     "bn_upload": ("auto", "weight of the term on the batch statistics the client's uploaded BatchNorm buffers "
                           "reveal (shares=state): auto (the measured default), a number, or 0 (off)"),
+    "features": (0.0, "weight of the term matching each image's last-layer features, read off the output "
+                      "layer's gradient (priors.features; one image per label), or 'auto': where the observed "
+                      "output layer is whole and the attack matches the plain gradient (attacks.feature_rule)"),
     "group": (0.0, "group-consistency weight (needs restarts > 1)"),
     "group_start": (0, "iteration from which group consistency is on"),
     "pixel_range": (0.0, "penalty weight on pixels outside [0, 1]"),
@@ -91,7 +95,7 @@ def compose(name: str, explicit: Optional[Iterable[str]] = None, **s: Any) -> Op
     objective = OBJECTIVES.build(s["objective"], **objective_args) if isinstance(s["objective"], str) \
         else s["objective"]
     priors = [(PRIORS.build(key, **args), _weight(name, weight, s[weight])) for weight, key, args in (
-        ("tv", "tv", {"kind": s["tv_kind"]}), ("l2", "l2", {}), ("bn", "bn", {}),
+        ("tv", "tv", {"kind": s["tv_kind"]}), ("l2", "l2", {}), ("bn", "bn", {}), ("features", "features", {}),
         ("group", "group", {"start": s["group_start"]}), ("pixel_range", "range", {}),
     ) if s[weight]]
     if s["optimizer"] == "adam":
@@ -107,16 +111,20 @@ def compose(name: str, explicit: Optional[Iterable[str]] = None, **s: Any) -> Op
     )
 
 
+#: the prior weights that take ``"auto"``: resolved per observation
+AUTO_WEIGHTS = {"tv": AUTO_TV, "features": AUTO_FEATURES}
+
+
 def _weight(name: str, knob: str, value: Any) -> Any:
-    """A prior's weight: a number >= 0, or (``tv`` only) ``"auto"``, resolved per observation."""
-    if knob == "tv" and value == "auto":
-        return AUTO_TV
+    """A prior's weight: a number >= 0, or (``tv``, ``features``) ``"auto"``, resolved per observation."""
+    if knob in AUTO_WEIGHTS and value == "auto":
+        return AUTO_WEIGHTS[knob]
     try:
         weight = float(value)
     except (TypeError, ValueError):
         weight = -1.0
     if weight < 0:
-        hint = "a number >= 0" + (" or 'auto'" if knob == "tv" else "")
+        hint = "a number >= 0" + (" or 'auto'" if knob in AUTO_WEIGHTS else "")
         raise ConfigError(f"attack {name!r}: {knob}={value!r} is not a prior weight; use {hint}")
     return weight
 
@@ -152,8 +160,10 @@ def register_preset(name: str, description: str, **defaults: Any) -> Callable[..
     factory.__name__ = name.replace("-", "_")
     factory.__doc__ = description
     factory.defaults = dict(settings)
-    if settings["tv"] == "auto":
-        factory.composes = lambda: {"tv_rule": RULE}
+    rules = {**({"tv_rule": RULE} if settings["tv"] == "auto" else {}),
+             **({"features_rule": FEATURES_WEIGHT} if settings["features"] == "auto" else {})}
+    if rules:
+        factory.composes = lambda: rules
     ATTACKS.add(name, factory, description)
     return factory
 
@@ -167,8 +177,9 @@ register_preset("idlg", "iDLG: DLG with the label inferred from the last-layer g
                 schedule="constant", box="none",
                 init="data-randn", labels="infer", iterations=500, restarts=4)
 register_preset("ig", "Inverting Gradients: cosine + TV (5e-2 at 32x32 batch 1, from the observation: "
-                "attacks.tv_rule), signed Adam 0.1 with step decay, [0,1] box",
-                objective="cosine", tv="auto", optimizer="adam", lr=0.1, schedule="step", signed=True,
+                "attacks.tv_rule) + each image's features read off the output layer (attacks.feature_rule), "
+                "signed Adam 0.1 with step decay, [0,1] box",
+                objective="cosine", tv="auto", features="auto", optimizer="adam", lr=0.1, schedule="step", signed=True,
                 box="clamp", init="uniform", iterations=1000)
 register_preset("gi", "GradInversion: L2 + TV + image L2 + BN statistics + group consistency, 4 restarts",
                 objective="l2", tv=5e-2, l2=1e-4, bn=1e-2, group=1e-2, group_start=100, optimizer="adam",

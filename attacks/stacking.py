@@ -51,8 +51,10 @@ def evaluate(run: Run, variables: List[Tensor]) -> Tuple[Tensor, Dict[str, Tenso
         stacked, features = run.simulator.many_members(run.replica, images, labels, run.sim_ctx)
         losses, rows = [], []
         for m, n in enumerate(owner):
-            terms = {"match": run.objective([g[m] for g in stacked], run.targets[n][:run.layers])}
-            ctx = PriorContext(run.sim_ctx, {k: v[m] for k, v in features.items()}, run.replica.bn_running,
+            grads = [g[m] for g in stacked]
+            terms = {"match": run.objective(grads, run.targets[n][:run.layers])}
+            member = {**{k: v[m] for k, v in features.items()}, **run.gradient_features(grads, run.targets[n], labels[m])}
+            ctx = PriorContext(run.sim_ctx, member, run.replica.bn_running,
                                None if group_mean is None else group_mean[n], run.obs, revealed=run.revealed(run.targets[n]))
             for key, prior, _ in run.priors:
                 terms[key] = prior(images[m], ctx)

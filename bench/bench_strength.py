@@ -20,6 +20,7 @@ Usage (run on purpose, not in CI)::
     python bench/bench_strength.py --adaptive --images 4
     python bench/bench_strength.py --speed --models convnet-nobn,resnet18 --device cuda
     python bench/bench_strength.py --bn-weight --batches 1,4 --images 8 --budget 400   # the bn-upload weight
+    python bench/bench_strength.py --bn-weight --weight-knob features --batches 1,4,8 --images 8 --budget 400  # the features weight
     python bench/bench_strength.py --upload --models convnet-bn-train --batches 1,4,8 --images 8
 """
 from __future__ import annotations

@@ -76,7 +76,7 @@ def _code_version() -> str:
     buffers, the ``ig`` preset and its TV rule), read once per run: editing them reruns the cells. Changes that
     keep the numbers (the engine's speed) do not."""
     root = Path(__file__).resolve().parent.parent
-    files = ["priors/batchnorm.py", "audit/core/unroll.py", "audit/core/buffers.py", "audit/core/local_training.py",
+    files = ["priors/batchnorm.py", "priors/features.py", "audit/core/unroll.py", "audit/core/buffers.py", "audit/core/local_training.py",
              "attacks/presets.py", "attacks/tv_rule.py"]
     # the default weight is keyed where it is used (the cells that run "auto"), not through the code
     text = b"".join(line for f in files for line in (root / f).read_bytes().splitlines(keepends=True)
@@ -92,7 +92,9 @@ def _file_version(name: str) -> str:
 
 # --------------------------------------------------------------------------- the weight
 def weight_sweep(args, make_model, log) -> str:
-    """PSNR of ``ig`` with the bn-upload term at each weight, on held-out embedded images."""
+    """PSNR of ``ig`` with one term (``--weight-knob``: the bn-upload term, or the per-image
+    features term) at each weight, on held-out embedded images."""
+    knob = args.weight_knob
     data = load_dataset("embedded")
     rows = []
     for batch in args.batches:
@@ -104,12 +106,13 @@ def weight_sweep(args, make_model, log) -> str:
                 parts = dict(cell="bn-weight", batch=batch, group=group, weight=weight, budget=args.budget,
                              seed=args.seed, code=_code_version(),
                              # the model, where it is not the first cells' (whose keys predate the option)
-                             **({"model": args.bn_weight_model} if args.bn_weight_model != "convnet-bn-train" else {}))
+                             **({"model": args.bn_weight_model} if args.bn_weight_model != "convnet-bn-train" else {}),
+                             **({"knob": knob} if knob != "bn_upload" else {}))
 
                 def compute():
                     model = make_model(args.bn_weight_model)
                     obs = observe(model, x, y, client_mode="train", shares="state", seed=args.seed)
-                    rec = ATTACKS.build("ig", bn_upload=weight).reconstruct(obs, args.budget, args.seed,
+                    rec = ATTACKS.build("ig", **{knob: weight}).reconstruct(obs, args.budget, args.seed,
                                                                            progress=lambda *a: None)
                     return {"psnr": _psnr(rec, x)}
 
@@ -373,6 +376,8 @@ def add_options(p) -> None:
     p.add_argument("--upload", action="store_true", help="the client's uploaded state and local optimiser")
     p.add_argument("--bn-weight", action="store_true", help="choose the bn-upload weight on held-out images")
     p.add_argument("--weights", type=lambda s: [float(v) for v in s.split(",")], default=list(WEIGHTS))
+    p.add_argument("--weight-knob", choices=("bn_upload", "features"), default="bn_upload",
+                   help="with --bn-weight: the term whose weight is swept (ig's knob)")
     p.add_argument("--bn-weight-model", choices=("convnet-bn-train", "resnet18-bn-train"), default="convnet-bn-train")
     p.add_argument("--adam-smoothing", action="store_true",
                    help="choose the replica's Adam smoothing on held-out images (FedAvg, 3 Adam steps)")

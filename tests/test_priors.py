@@ -68,3 +68,53 @@ def test_priors_run_under_vmap_like_a_loop():
         batched = torch.func.vmap(lambda x: prior(x, ctx(group_mean=mean)))(xs)
         looped = torch.stack([prior(x, ctx(group_mean=mean)) for x in xs])
         torch.testing.assert_close(batched, looped)
+
+
+def test_the_output_layers_gradient_gives_each_images_features_where_its_label_is_its_own():
+    """Row c of dL/dW minus the mean absent row, over the same for dL/db, is the image of
+    label c's input to the output layer (up to the softmax's departure from uniform)."""
+    from priors import per_image_features
+
+    torch.manual_seed(0)
+    head = torch.nn.Linear(64, 10)
+    torch.nn.init.normal_(head.weight, std=1e-3)  # a fresh classifier: a near-uniform softmax
+    h = torch.rand(4, 64)
+    labels = torch.tensor([2, 7, 5, 7])  # images 1 and 3 share a label: no reading for them
+    loss = torch.nn.functional.cross_entropy(head(h), labels)
+    gw, gb = torch.autograd.grad(loss, [head.weight, head.bias])
+    read, usable = per_image_features(gw, gb, labels)
+    assert usable.tolist() == [1.0, 0.0, 1.0, 0.0]
+    for j in (0, 2):
+        assert torch.nn.functional.cosine_similarity(read[j], h[j], 0) > 0.99
+        assert torch.allclose(read[j], h[j], rtol=0.05, atol=0.05)
+    assert torch.nn.functional.cosine_similarity(read[1], h[1], 0) < 0.99  # a mixture of two images
+    _, none = per_image_features(gw, gb, torch.arange(10).repeat(1))  # every class present: none absent
+    assert none.sum() == 0
+
+
+def test_the_features_term_is_zero_at_the_private_batch_and_not_elsewhere():
+    from attacks import ATTACKS, observe
+    from audit.core.models import build_model
+
+    torch.manual_seed(0)
+    model = build_model("convnet", (3, 16, 16), 10, seed=0, batchnorm=False)
+    x, y = torch.rand(3, 3, 16, 16), torch.tensor([1, 4, 8])
+    obs = observe(model, x, y, seed=0)
+    attack = ATTACKS.build("ig", features=1.0, tv=0.0)
+    at_truth = attack.evaluate(obs, x, y)["terms"]["features"]
+    swapped = attack.evaluate(obs, x.roll(1, 0), y)["terms"]["features"]  # each label given another image
+    noise = attack.evaluate(obs, torch.rand(3, 3, 16, 16), y)["terms"]["features"]
+    assert float(at_truth) < 1e-8 and float(swapped) > 1e-3 and float(noise) > 1e-3
+
+
+def test_the_features_term_says_why_it_does_not_apply():
+    from attacks import ATTACKS, observe
+
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(48, 10, bias=False))
+    x, y = torch.rand(2, 3, 4, 4), torch.tensor([1, 2])
+    rec = ATTACKS.build("ig", features=1.0, tv=0.0).reconstruct(observe(model, x, y, seed=0), 3, 0)
+    assert "not used: " in rec.trace["side_information"]["features"]
+    assert "features" not in rec.trace["prior_weights"]
+    rec = ATTACKS.build("ig", features=1.0, tv=0.0, labels="optimize").reconstruct(
+        observe(torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(48, 10)), x, y, seed=0), 3, 0)
+    assert "labels are optimised" in rec.trace["side_information"]["features"]

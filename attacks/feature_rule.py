@@ -1,0 +1,33 @@
+"""The weight of the per-image features term an attack takes from the observation
+(``features="auto"``, :mod:`priors.features`).
+
+The term reads each image's last-layer features off the output layer's gradient, the
+dummy's against the observed one's. It is on, at :data:`FEATURES_WEIGHT`, where that reading
+means the same on both sides: the observed output layer has no zeroed entries (a pruned or
+masked upload would be read against an unpruned dummy), and the attack matches the plain
+gradient (the run turns it off, with the reason in the trace, where the attack replays a
+defense or masks or reweights layers). The weight: docs/strength.md, section 6.
+"""
+from __future__ import annotations
+
+from audit.core.errors import NotApplicable
+from audit.core.types import Observation
+from priors import classifier_head
+
+from attacks.tv_rule import ObservedWeight
+
+#: the features term's weight, chosen on held-out embedded images (``bench/bench_strength.py
+#: --bn-weight --weight-knob features``; docs/strength.md, section 6)
+FEATURES_WEIGHT = 0.3
+
+
+def observed_features(obs: Observation) -> float:
+    """:data:`FEATURES_WEIGHT` where the observed output layer's gradient is whole, else 0."""
+    try:
+        weight, _ = classifier_head(obs.model)
+    except NotApplicable:
+        return 0.0
+    return 0.0 if bool((obs.gradients[weight] == 0).any()) else FEATURES_WEIGHT
+
+
+AUTO_FEATURES = ObservedWeight(observed_features, "auto (attacks.feature_rule.observed_features)")
