@@ -22,12 +22,17 @@ FEATURES_WEIGHT = 0.3
 
 
 def observed_features(obs: Observation) -> float:
-    """:data:`FEATURES_WEIGHT` where the observed output layer's gradient is whole, else 0."""
+    """:data:`FEATURES_WEIGHT` where the observed output layer's gradient is whole, else 0.
+    Whole: no zero in its bias, and a zero in its weight only where the whole column is zero
+    (a feature no image activates, as ReLU leaves them); a pruned or masked upload zeroes
+    single entries."""
     try:
-        weight, _ = classifier_head(obs.model)
+        weight, bias = classifier_head(obs.model)
     except NotApplicable:
         return 0.0
-    return 0.0 if bool((obs.gradients[weight] == 0).any()) else FEATURES_WEIGHT
+    zero = obs.gradients[weight].reshape(obs.gradients[weight].shape[0], -1) == 0
+    masked = bool((zero.any(0) & ~zero.all(0)).any()) or bool((obs.gradients[bias] == 0).any())
+    return 0.0 if masked else FEATURES_WEIGHT
 
 
 AUTO_FEATURES = ObservedWeight(observed_features, "auto (attacks.feature_rule.observed_features)")

@@ -140,7 +140,7 @@ def test_compile_failure_falls_back_to_the_batched_path(data16, monkeypatch):
 
 def test_best_restart_is_chosen_by_the_attack_loss(data16):
     obs = _obs("lenet", data16)
-    rec = ATTACKS.build("ig", restarts=4, tv=0.05).reconstruct(obs, 15, 0)
+    rec = ATTACKS.build("ig", restarts=4, tv=0.05, features=0).reconstruct(obs, 15, 0)
     final = rec.trace["final_losses"]
     assert len(final) == 4 and len(rec.trace["loss_history"]) == 4
     assert rec.trace["chosen_restart"] == min(range(4), key=final.__getitem__)
@@ -295,7 +295,9 @@ def test_presets_and_settings():
     assert {"dlg", "idlg", "ig", "gi", "bayes-l2", "bayes-l1", "bayes-cos", "analytic"} <= set(ATTACKS.names())
     attack = ATTACKS.build("ig", restarts=4, tv=1e-3)
     described = attack.describe()
-    assert described["restarts"] == 4 and described["priors"] == {"tv": 1e-3}
+    assert described["restarts"] == 4 and described["priors"]["tv"] == 1e-3
+    assert described["priors"]["features"].startswith("auto") and set(described["priors"]) == {"tv", "features"}
+    assert set(ATTACKS.build("ig", features=0).describe()["priors"]) == {"tv"}  # 0: no term
     assert described["objective"] == "cosine" and described["optimizer"] == "adam"
     assert ATTACKS.build("bayes-l1").describe()["objective"] == "l1"
     with pytest.raises(ConfigError, match="valid parameters"):

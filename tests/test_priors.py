@@ -118,3 +118,25 @@ def test_the_features_term_says_why_it_does_not_apply():
     rec = ATTACKS.build("ig", features=1.0, tv=0.0, labels="optimize").reconstruct(
         observe(torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(48, 10)), x, y, seed=0), 3, 0)
     assert "labels are optimised" in rec.trace["side_information"]["features"]
+
+
+def test_ig_reads_the_features_only_where_the_upload_and_the_dummy_read_alike():
+    import dataclasses
+
+    from attacks import ATTACKS, observe
+    from attacks.feature_rule import FEATURES_WEIGHT
+    from audit.core.models import build_model
+
+    model = build_model("convnet", (3, 16, 16), 10, seed=0, batchnorm=False)
+    x, y = torch.rand(2, 3, 16, 16), torch.tensor([3, 6])
+    obs = observe(model, x, y, seed=0)
+    rec = ATTACKS.build("ig").reconstruct(obs, 2, 0)
+    assert rec.trace["side_information"]["features"].startswith("used")
+    assert rec.trace["prior_weights"]["features"] == FEATURES_WEIGHT
+    pruned = dataclasses.replace(obs, gradients=[g * (g.abs() > g.abs().median()) for g in obs.gradients])
+    rec = ATTACKS.build("ig").reconstruct(pruned, 2, 0)
+    assert "zeroed entries" in rec.trace["side_information"]["features"] and "features" not in rec.trace["prior_weights"]
+    rec = ATTACKS.build("ig", masks="observed").reconstruct(obs, 2, 0)
+    assert "masks or reweights" in rec.trace["side_information"]["features"]
+    rec = ATTACKS.build("ig", masks="observed", features=0.5).reconstruct(obs, 2, 0)  # a number is the user's call
+    assert rec.trace["prior_weights"]["features"] == 0.5
