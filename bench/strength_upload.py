@@ -91,6 +91,18 @@ def _file_version(name: str) -> str:
 
 
 # --------------------------------------------------------------------------- the weight
+def _held_out_batch(data, batch: int, group: int, distinct: bool):
+    """Held-out batch ``group`` of the embedded test split (sorted by class): consecutive images,
+    or (``distinct``) one image of each of ``batch`` consecutive classes, as the photos' cells
+    label theirs, so every image has a label of its own."""
+    if not distinct:
+        return data.test_images[group * batch:(group + 1) * batch], data.test_labels[group * batch:(group + 1) * batch]
+    by_class = {c: (data.test_labels == c).nonzero().flatten().tolist() for c in range(data.num_classes)}
+    picks = [group * batch + k for k in range(batch)]
+    index = [by_class[p % data.num_classes][p // data.num_classes] for p in picks]
+    return data.test_images[index], data.test_labels[index]
+
+
 def weight_sweep(args, make_model, log) -> str:
     """PSNR of ``ig`` with one term (``--weight-knob``: the bn-upload term, or the per-image
     features term) at each weight, on held-out embedded images."""
@@ -100,14 +112,13 @@ def weight_sweep(args, make_model, log) -> str:
     for batch in args.batches:
         count = max(1, args.images // batch)
         for group in range(count):
-            x = data.test_images[group * batch:(group + 1) * batch]
-            y = data.test_labels[group * batch:(group + 1) * batch]
+            x, y = _held_out_batch(data, batch, group, distinct=knob == "features")
             for weight in args.weights:
                 parts = dict(cell="bn-weight", batch=batch, group=group, weight=weight, budget=args.budget,
                              seed=args.seed, code=_code_version(),
                              # the model, where it is not the first cells' (whose keys predate the option)
                              **({"model": args.bn_weight_model} if args.bn_weight_model != "convnet-bn-train" else {}),
-                             **({"knob": knob} if knob != "bn_upload" else {}))
+                             **({"knob": knob, "draw": "distinct labels"} if knob != "bn_upload" else {}))
 
                 def compute():
                     model = make_model(args.bn_weight_model)
