@@ -136,6 +136,9 @@ def test_ig_reads_the_features_only_where_the_upload_and_the_dummy_read_alike():
     pruned = dataclasses.replace(obs, gradients=[g * (g.abs() > g.abs().median()) for g in obs.gradients])
     rec = ATTACKS.build("ig").reconstruct(pruned, 2, 0)
     assert "zeroed entries" in rec.trace["side_information"]["features"] and "features" not in rec.trace["prior_weights"]
+    wide = observe(model, torch.rand(6, 3, 16, 16), torch.arange(6), seed=0)  # 6 of 10 classes present
+    rec = ATTACKS.build("ig").reconstruct(wide, 2, 0)
+    assert "covers more than 50% of the 10 classes" in rec.trace["side_information"]["features"]
     rec = ATTACKS.build("ig", masks="observed").reconstruct(obs, 2, 0)
     assert "masks or reweights" in rec.trace["side_information"]["features"]
     rec = ATTACKS.build("ig", masks="observed", features=0.5).reconstruct(obs, 2, 0)  # a number is the user's call
