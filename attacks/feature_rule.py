@@ -47,7 +47,12 @@ def observed_features(obs: Observation) -> float:
     return 0.0 if masked else FEATURES_WEIGHT
 
 
-AUTO_FEATURES = ObservedWeight(observed_features, "auto (attacks.feature_rule.observed_features)")
+class AutoFeatures(ObservedWeight):
+    """``features="auto"``: :func:`observed_features`, and off where the attack reads differently
+    (a class, so copies of an attack, e.g. a captured program's template, still say so)."""
+
+
+AUTO_FEATURES = AutoFeatures(observed_features, "auto (attacks.feature_rule.observed_features)")
 
 
 def observed_features_off(obs: Observation) -> str:

@@ -34,7 +34,7 @@ from priors import PRIORS, Prior, PriorContext, classifier_head, requiring, weig
 from attacks import capture as capturing
 from attacks import stacking
 from attacks.labels import LABEL_STRATEGIES, LabelPlan, plan_labels
-from attacks.feature_rule import AUTO_FEATURES, observed_features_off
+from attacks.feature_rule import AutoFeatures, observed_features_off
 from attacks.objectives import GradientDistance, Objective, build_objective
 from attacks.optimizers import OPTIMIZERS
 from attacks.search_space import BOXES, INITS, Box
@@ -458,7 +458,7 @@ class OptimizationRun:
         why = ""
         if all(w == 0 for k, _, w in self.priors if k in reading):
             why = observed_features_off(self.obs)
-        elif any(w is AUTO_FEATURES for k, _, w in attack.priors if k in reading):
+        elif any(isinstance(w, AutoFeatures) for k, _, w in attack.priors if k in reading):
             why = self._reads_differently(attack)
         if why:
             self._drop_features(f"not used: {why}; the reading would differ between the dummy and the upload")

@@ -21,10 +21,8 @@ Results persist in the repository: every finished cell is written to
 ``bench/papers_results/<profile>-<data>/<row>.json`` with the key of the audit call that
 made it (every setting that changes a number); the page renders from these files, a rerun
 skips the cells whose key is stored, and a changed row setting reruns only that row's cells.
-The engine's own result stores (``--out``, default ``bench-out/papers``) resume a cell
-interrupted on the same machine; a cell runs in slices of its steps and images, and each
-slice's results are kept under ``<row>.partial/<cell>/`` in the repository until the cell
-finishes, so a cell longer than a sitting resumes from a fresh clone. ``--render`` writes the page from the stored cells.
+A cell runs in slices (:func:`cell_slices`) whose results stay in ``<row>.partial/`` until it
+finishes, so it resumes from a fresh clone. ``--render`` writes the page from the stored cells.
 """
 from __future__ import annotations
 
