@@ -32,19 +32,11 @@ FEATURES_MAX_CLASS_SHARE = 0.5
 
 
 def observed_features(obs: Observation) -> float:
-    """:data:`FEATURES_WEIGHT` where the batch covers at most :data:`FEATURES_MAX_CLASS_SHARE` of
-    the classes and the observed output layer's gradient is whole, else 0. Whole: no zero in its bias, and a zero in its weight only where the whole column is zero
-    (a feature no image activates, as ReLU leaves them); a pruned or masked upload zeroes
-    single entries."""
+    """:data:`FEATURES_WEIGHT` where :func:`observed_features_off` finds no reason against it, else 0."""
     try:
-        weight, bias = classifier_head(obs.model)
+        return 0.0 if observed_features_off(obs) else FEATURES_WEIGHT
     except NotApplicable:
         return 0.0
-    if obs.batch_size > FEATURES_MAX_CLASS_SHARE * obs.gradients[bias].numel():
-        return 0.0
-    zero = obs.gradients[weight].reshape(obs.gradients[weight].shape[0], -1) == 0
-    masked = bool((zero.any(0) & ~zero.all(0)).any()) or bool((obs.gradients[bias] == 0).any())
-    return 0.0 if masked else FEATURES_WEIGHT
 
 
 class AutoFeatures(ObservedWeight):
@@ -56,9 +48,17 @@ AUTO_FEATURES = AutoFeatures(observed_features, "auto (attacks.feature_rule.obse
 
 
 def observed_features_off(obs: Observation) -> str:
-    """Why :func:`observed_features` gives 0 for ``obs`` (for the trace)."""
-    classes = obs.gradients[classifier_head(obs.model)[1]].numel()
+    """Why the reading is off for ``obs`` ('' when it is on): the batch covers more than
+    :data:`FEATURES_MAX_CLASS_SHARE` of the classes, or the observed output layer is not whole.
+    Whole: no zero in its bias, and a zero in its weight only where the whole column is zero (a
+    feature no image activates, as ReLU leaves them); a pruned or masked upload zeroes single
+    entries. NotApplicable where the model has no output layer to read."""
+    weight, bias = classifier_head(obs.model)
+    classes = obs.gradients[bias].numel()
     if obs.batch_size > FEATURES_MAX_CLASS_SHARE * classes:
         return (f"a batch of {obs.batch_size} covers more than {FEATURES_MAX_CLASS_SHARE:.0%} of the {classes} classes, "
                 "too few absent classes for a sharp reading")
-    return "the observed output layer's gradient has zeroed entries (pruned or masked)"
+    zero = obs.gradients[weight].reshape(obs.gradients[weight].shape[0], -1) == 0
+    if bool((zero.any(0) & ~zero.all(0)).any()) or bool((obs.gradients[bias] == 0).any()):
+        return "the observed output layer's gradient has zeroed entries (pruned or masked)"
+    return ""
