@@ -389,7 +389,8 @@ class OptimizationRun:
         if self.head is not None and self.labels.shape is not None:
             self._drop_features("not used: the labels are optimised with the images (it reads one image per label)")
         self.sim_ctx = SimContext(self.obs, generator=self.generator,
-                                  capture_features=bool(bn_priors or requiring(self.priors, "bn_steps")))
+                                  capture_features=bool(bn_priors or requiring(self.priors, "bn_steps")),
+                                  capture_softmax=self.head is not None)
         self.box = attack.box
         if hasattr(self.box, "bind"):  # a box that needs the run, e.g. a generator's latent space
             # its own set-up (e.g. training a default generator) shows a bar only when the

@@ -44,12 +44,14 @@ _NORM_TYPES = (nn.modules.batchnorm._BatchNorm,)
 @dataclass
 class SimContext:
     """What a transform may use: the observation, a seeded generator, the iteration.
-    ``capture_features``: record BatchNorm input statistics (set when a prior needs them)."""
+    ``capture_features``: record BatchNorm input statistics (set when a prior needs them);
+    ``capture_softmax``: record the first local step's softmax (the features term's reading)."""
 
     observation: Observation
     generator: Optional[torch.Generator] = None
     iteration: int = 0
     capture_features: bool = True
+    capture_softmax: bool = False
     extra: Dict[str, Any] = field(default_factory=dict)
     #: the tensors of the observation being matched that the transforms read
     #: (:meth:`GradientSimulator.observed_data`); per member under vmap
@@ -145,23 +147,29 @@ def _running_stats(model: nn.Module) -> Optional[List[Tuple[Tensor, Tensor]]]:
 
 def param_grads(
     replica: ClientReplica, params: Dict[str, Tensor], x: Tensor, y: Tensor, *,
-    functional: bool, capture: bool = False, create_graph: bool = True,
+    functional: bool, capture: bool = False, create_graph: bool = True, softmax: Optional[List[Tensor]] = None,
 ) -> Tuple[Dict[str, Tensor], List[Tuple[Tensor, Tensor]]]:
     """Gradient of the client's loss w.r.t. ``params`` at ``(x, y)`` (+ captured BN input stats).
 
-    ``functional`` selects ``torch.func.grad`` (vmappable) or ``torch.autograd.grad``.
+    ``functional`` selects ``torch.func.grad`` (vmappable) or ``torch.autograd.grad``; a list
+    ``softmax`` receives the model's softmax at ``x``, detached.
     """
 
     def loss_of(p):
         with replica.capturing(capture) as feats:
-            loss = replica.loss_fn(replica.forward(p, x), y)
-        return loss, list(feats)
+            out = replica.forward(p, x)
+            loss = replica.loss_fn(out, y)
+        return loss, (list(feats), torch.softmax(out.detach(), -1))
 
     if functional:
-        return torch.func.grad(loss_of, has_aux=True)(params)
-    loss, feats = loss_of(params)
-    grads = torch.autograd.grad(loss, list(params.values()), create_graph=create_graph, allow_unused=True)
-    return {n: torch.zeros_like(p) if g is None else g for (n, p), g in zip(params.items(), grads)}, feats
+        grads, (feats, probs) = torch.func.grad(loss_of, has_aux=True)(params)
+    else:
+        loss, (feats, probs) = loss_of(params)
+        grads = torch.autograd.grad(loss, list(params.values()), create_graph=create_graph, allow_unused=True)
+        grads = {n: torch.zeros_like(p) if g is None else g for (n, p), g in zip(params.items(), grads)}
+    if softmax is not None:
+        softmax.append(probs)
+    return grads, feats
 
 
 def unbiased(stats: List[Tuple[Tensor, Tensor]], counts: Sequence[int]) -> List[Tuple[Tensor, Tensor]]:
@@ -205,9 +213,13 @@ class GradientSimulator:
         params = replica.params if functional else replica.eager_params
 
         def step(p, xb, yb, k):
-            g, bn = param_grads(replica, p, xb, yb, functional=functional, capture=context.capture_features)
+            probs = [] if k == 0 and context.capture_softmax else None
+            g, bn = param_grads(replica, p, xb, yb, functional=functional, capture=context.capture_features,
+                                softmax=probs)
             if k == 0:
                 feats["bn"] = bn
+                if probs:
+                    feats["softmax"] = probs[0]
             feats["bn_steps"].append(unbiased(bn, replica.capture_counts))
             for transform in self.step_transforms:
                 g = dict(zip(g, transform(list(g.values()), context)))

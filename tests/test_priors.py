@@ -92,6 +92,29 @@ def test_the_output_layers_gradient_gives_each_images_features_where_its_label_i
     assert none.sum() == 0
 
 
+
+def test_with_the_softmax_the_reading_is_exact_for_a_batch_of_8_of_10_classes_and_any_scale():
+    """Where the absent classes' rows no longer stand in for the softmax (a trained-looking,
+    far from uniform one, most classes present), the reading with the softmax still gives
+    every image's own features; a scaled upload (a clipped one) reads the same."""
+    from priors import per_image_features
+
+    torch.manual_seed(0)
+    head = torch.nn.Linear(64, 10)
+    torch.nn.init.normal_(head.weight, std=0.3)
+    h = torch.rand(8, 64)
+    labels = torch.tensor([3, 0, 9, 1, 4, 6, 2, 8])
+    logits = head(h)
+    loss = torch.nn.functional.cross_entropy(logits, labels)
+    gw, gb = torch.autograd.grad(loss, [head.weight, head.bias])
+    probs = torch.softmax(logits.detach(), 1)
+    approx, _ = per_image_features(gw, gb, labels)
+    assert ((approx - h).norm(dim=1) / h.norm(dim=1)).max() > 0.1  # the uniform stand-in blurs here
+    for scale in (1.0, 0.05):
+        read, usable = per_image_features(scale * gw, scale * gb, labels, probs)
+        assert usable.sum() == 8
+        assert torch.allclose(read, h, rtol=1e-3, atol=1e-4)
+
 def test_the_features_term_is_zero_at_the_private_batch_and_not_elsewhere():
     from attacks import ATTACKS, observe
     from audit.core.models import build_model
