@@ -104,15 +104,16 @@ def _held_out_batch(data, batch: int, group: int, distinct: bool):
 
 
 def weight_sweep(args, make_model, log) -> str:
-    """PSNR of ``ig`` with one term (``--weight-knob``: the bn-upload term, or the per-image
-    features term) at each weight, on held-out embedded images."""
+    """PSNR of ``ig`` with one term (``--weight-knob``: the bn-upload term, the per-image
+    features term, or TV) at each weight, on held-out embedded images."""
     knob = args.weight_knob
     data = load_dataset("embedded")
     rows = []
     for batch in args.batches:
         count = max(1, args.images // batch)
         for group in range(count):
-            x, y = _held_out_batch(data, batch, group, distinct=knob == "features")
+            # one image per class (the photos' draw); the bn-upload table's stored cells keep the first draw
+            x, y = _held_out_batch(data, batch, group, distinct=knob != "bn_upload")
             for weight in args.weights:
                 parts = dict(cell="bn-weight", batch=batch, group=group, weight=weight, budget=args.budget,
                              seed=args.seed, code=_code_version(),
@@ -387,7 +388,7 @@ def add_options(p) -> None:
     p.add_argument("--upload", action="store_true", help="the client's uploaded state and local optimiser")
     p.add_argument("--bn-weight", action="store_true", help="choose the bn-upload weight on held-out images")
     p.add_argument("--weights", type=lambda s: [float(v) for v in s.split(",")], default=list(WEIGHTS))
-    p.add_argument("--weight-knob", choices=("bn_upload", "features"), default="bn_upload",
+    p.add_argument("--weight-knob", choices=("bn_upload", "features", "tv"), default="bn_upload",
                    help="with --bn-weight: the term whose weight is swept (ig's knob)")
     p.add_argument("--bn-weight-model", choices=("convnet-bn-train", "resnet18-bn-train"), default="convnet-bn-train")
     p.add_argument("--adam-smoothing", action="store_true",
