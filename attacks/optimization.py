@@ -464,7 +464,8 @@ class OptimizationRun:
         if why:
             self._drop_features(f"not used: {why}; the reading would differ between the dummy and the upload")
             return None
-        self.side.notes["features"] = "used: each image's last-layer features, read off the output layer's gradient"
+        self.side.notes["features"] = ("used: each image's last-layer features, read off the output layer's gradient "
+                                       "with the dummy's softmax")
         return head
 
     def _reads_differently(self, attack: OptimizationAttack) -> str:
