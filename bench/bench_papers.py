@@ -586,9 +586,11 @@ SLICE_EVALUATIONS = 4000
 
 
 def cell_slices(call: Dict[str, Any]) -> List[Tuple[List[int], int]]:
-    """The (steps, images) of each slice of the cell's audit call, then the whole call."""
+    """The (steps, images) of each slice of the cell's audit call, then the whole call: an image
+    costs every attack of the call its budget."""
     images, steps = int(call["images"]), list(call["steps"])
-    per = max(1, SLICE_EVALUATIONS // max(1, int(call["budget"] or 1)))
+    attacks = max(1, len(call.get("attacks") or ()))
+    per = max(1, SLICE_EVALUATIONS // (attacks * max(1, int(call["budget"] or 1))))
     if call.get("utility") or per >= images:
         return [(steps, images)]
     return [([step], n) for step in steps for n in range(per, images, per)] + [(steps, images)]

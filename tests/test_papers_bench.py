@@ -494,6 +494,8 @@ def test_a_long_cell_runs_in_slices_of_steps_and_images():
     assert slices[:2] == [([1], per), ([1], 2 * per)] and slices[-1] == ([1, 50], 16)
     assert ([50], 16 - per) in slices and all(n < 16 for _, n in slices[:-1])
     assert bp.cell_slices({**call, "budget": 200}) == [([1, 50], 16)]  # 20 images a slice: one call
+    four = bp.cell_slices({**call, "budget": 200, "attacks": ["ig", "portfolio", "mask-replay", "layer-drop"]})
+    assert four[0] == ([1], bp.SLICE_EVALUATIONS // 800) and four[-1] == ([1, 50], 16)  # each attack spends 200
     assert bp.cell_slices({**call, "utility": True}) == [([1, 50], 16)]
 
 
