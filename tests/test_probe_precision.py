@@ -31,3 +31,17 @@ def test_the_probe_batch_is_drawn_on_the_cpu():
     x, y = random_batch(4, (3, 8, 8), 10, seed=3, device="cpu", dtype=torch.float64)
     x32, y32 = random_batch(4, (3, 8, 8), 10, seed=3, device="cpu")
     assert x.dtype == torch.float64 and torch.equal(x.float(), x32) and torch.equal(y, y32)
+
+
+def test_the_rank_of_a_large_layer_is_read_off_a_sketch_exactly_below_its_size():
+    """Both sides above RANK_SKETCH: the sketch keeps a low rank exact (a truncation to 100
+    components is still seen) and reads a full one as RANK_SKETCH + 1."""
+    from adaptive.planner.probe import RANK_SKETCH, _matrix_rank
+
+    g = torch.Generator().manual_seed(0)
+    big = RANK_SKETCH + 200
+    assert _matrix_rank(torch.randn(big, 40, generator=g) @ torch.randn(40, 2 * big, generator=g)) == 40
+    full = torch.randn(big, 2 * big, generator=g, dtype=torch.float64)
+    assert _matrix_rank(full) == RANK_SKETCH + 1
+    u, s, vh = torch.linalg.svd(full, full_matrices=False)
+    assert _matrix_rank(u[:, :100] @ torch.diag(s[:100]) @ vh[:100]) == 100

@@ -29,6 +29,8 @@ VARY_TOL = 1e-6  # two draws differ by more than float round-off (cuda's atomics
 NORM_TOL = 1e-4
 ORTHO_TOL = 1e-3
 RANK_RTOL = 1e-4
+#: the largest rank the probe tells apart exactly on a matrix whose sides both exceed it
+RANK_SKETCH = 512
 RANK1_TOL = 1e-3
 MIN_ENTRIES_FOR_LEVELS = 16  # fewer non-zeros say nothing about quantisation
 QUANT_DECISION_ENTRIES = 1024  # layers this large decide the 'quantized' trait
@@ -88,11 +90,21 @@ def exact_math() -> Iterator[None]:
 
 
 def _matrix_rank(t: Tensor) -> Optional[int]:
+    """Numerical rank of ``t`` as an (out, rest) matrix. Where both sides exceed
+    :data:`RANK_SKETCH`, the rank of a Gaussian sketch of the longer side: the same rank up to
+    ``RANK_SKETCH + 1`` (with probability one), which a larger one reads as (a large model's
+    fully connected layers: an exact SVD of them took minutes each on one core)."""
     if t.dim() < 2:
         return None
     m = t.detach().reshape(t.shape[0], -1).double()
     if not torch.any(m != 0):
         return 0
+    if min(m.shape) > RANK_SKETCH:
+        if m.shape[0] < m.shape[1]:
+            m = m.T
+        sketch = torch.randn(RANK_SKETCH + 1, m.shape[0], dtype=m.dtype, device=m.device,
+                             generator=torch.Generator(m.device).manual_seed(0))
+        m = sketch @ m
     return int(torch.linalg.matrix_rank(m, rtol=RANK_RTOL))
 
 
