@@ -30,6 +30,7 @@ from torch import Tensor
 from audit.core.errors import ConfigError, GiaError, NotApplicable
 from audit.core.types import Observation, Reconstruction, iterations_for, parameter_names, trainable_parameters
 from priors import PRIORS, Prior, PriorContext, classifier_head, requiring, weighted_total
+from priors.features import FIXED_POINT_TOLERANCE, observed_reading
 
 from attacks import capture as capturing
 from attacks import stacking
@@ -388,6 +389,10 @@ class OptimizationRun:
         self.labels = self.plans[0]
         if self.head is not None and self.labels.shape is not None:
             self._drop_features("not used: the labels are optimised with the images (it reads one image per label)")
+        self.n_side = len(sides[0].tensors())
+        self.upload_read = False  # the upload's features read once (appended to each observation's targets)
+        if self.head is not None:
+            self._read_upload_features(group)
         self.sim_ctx = SimContext(self.obs, generator=self.generator,
                                   capture_features=bool(bn_priors or requiring(self.priors, "bn_steps")),
                                   capture_softmax=self.head is not None)
@@ -468,6 +473,29 @@ class OptimizationRun:
                                        "with the dummy's softmax")
         return head
 
+    def _read_upload_features(self, group: Sequence[Observation]) -> None:
+        """Read each upload's features once, with the softmax recovered from the upload itself
+        (:func:`priors.features.observed_reading`), where that fixed point explains every upload
+        of the group; else the run reads the upload with the dummy's softmax each evaluation."""
+        weight, bias = self.head
+        trainable = [p for p in self.obs.model.parameters() if p.requires_grad]
+        readings = []
+        for obs, targets, plan in zip(group, self.targets, self.plans):
+            labels = plan.targets(None).to(obs.gradients[weight].device)
+            features, _, residual = observed_reading(obs.gradients[weight].detach(), obs.gradients[bias].detach(),
+                                                     labels, trainable[weight], trainable[bias])
+            if not residual <= FIXED_POINT_TOLERANCE:
+                self.side.notes["features"] += (f" (the upload's own softmax does not fit it: residual {residual:.1e} "
+                                                f"> {FIXED_POINT_TOLERANCE:g})")
+                return
+            readings.append(features)
+        for targets, features in zip(self.targets, readings):
+            targets.append(features)
+        self.upload_read = True
+        self.side.notes["features"] = ("used: each image's last-layer features, read off the output layer's gradient; "
+                                       "the upload's once, with the softmax recovered from it (fixed point), the "
+                                       "dummy's with its own")
+
     def _reads_differently(self, attack: OptimizationAttack) -> str:
         """Why the observed output layer cannot be read as the dummy's is, for ``features="auto"``."""
         sim = self.simulator
@@ -488,7 +516,9 @@ class OptimizationRun:
         """What a prior that reads the gradient gets in ``context.features`` (empty when none does)."""
         if self.head is None:
             return {}
-        return {"grads": list(grads), "target": list(target[:self.layers]), "labels": labels, "head": self.head}
+        upload = target[self.layers + self.n_observed + self.n_side] if self.upload_read else None
+        return {"grads": list(grads), "target": list(target[:self.layers]), "labels": labels, "head": self.head,
+                "target_features": upload}
 
     # -- the attack loss
     def restart_terms(self, z: Tensor, y: Optional[Tensor], group_mean: Optional[Tensor], functional: bool,
@@ -514,7 +544,8 @@ class OptimizationRun:
         """This member's revealed batch statistics (its slice of the targets), or None."""
         if self.side.revealed is None:
             return None
-        return revealed_for_member(self.side.revealed, target[self.layers + self.n_observed:])
+        start = self.layers + self.n_observed
+        return revealed_for_member(self.side.revealed, target[start:start + self.n_side])
 
     def evaluate(self, variables: List[Tensor]) -> Tuple[Tensor, Dict[str, Tensor], List[Tensor]]:
         """Per-member loss ``(N*R,)``, terms ``{name: (N*R,)}`` and gradients w.r.t. ``variables``."""

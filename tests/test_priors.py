@@ -115,6 +115,32 @@ def test_with_the_softmax_the_reading_is_exact_for_a_batch_of_8_of_10_classes_an
         assert usable.sum() == 8
         assert torch.allclose(read, h, rtol=1e-3, atol=1e-4)
 
+def test_the_upload_alone_gives_its_softmax_and_every_images_features_by_a_fixed_point():
+    """The softmax is not shared, but it is the output layer applied to the features: iterating
+    the reading and the softmax from the softmax-free reading reaches the batch's own features
+    and softmax (8 of 10 classes, where the softmax-free reading is off by more than 10%), with
+    a residual that says so; one image's features swapped for another's leave a residual that
+    says the fit fails."""
+    from priors.features import FIXED_POINT_TOLERANCE, observed_reading
+
+    torch.manual_seed(0)
+    head = torch.nn.Linear(64, 10)
+    torch.nn.init.normal_(head.weight, std=0.3)
+    h = torch.rand(8, 64)
+    labels = torch.tensor([3, 0, 9, 1, 4, 6, 2, 8])
+    logits = head(h)
+    gw, gb = torch.autograd.grad(torch.nn.functional.cross_entropy(logits, labels), [head.weight, head.bias])
+    for scale in (1.0, -0.05):  # a local step's update: minus the learning rate times the gradient
+        read, probs, residual = observed_reading(scale * gw, scale * gb, labels, head.weight, head.bias)
+        assert torch.allclose(read, h, rtol=1e-3, atol=1e-4)
+        assert torch.allclose(probs, torch.softmax(logits.detach(), 1), atol=1e-4)
+        assert residual < FIXED_POINT_TOLERANCE
+    # a gradient that no softmax of the model explains: another layer's output for the same batch
+    other = torch.nn.Linear(64, 10)
+    gw2, gb2 = torch.autograd.grad(torch.nn.functional.cross_entropy(other(h), labels), [other.weight, other.bias])
+    assert observed_reading(gw2, gb2, labels, head.weight, head.bias)[2] > 10 * FIXED_POINT_TOLERANCE
+
+
 def test_the_features_term_is_zero_at_the_private_batch_and_not_elsewhere():
     from attacks import ATTACKS, observe
     from audit.core.models import build_model
@@ -128,6 +154,19 @@ def test_the_features_term_is_zero_at_the_private_batch_and_not_elsewhere():
     swapped = attack.evaluate(obs, x.roll(1, 0), y)["terms"]["features"]  # each label given another image
     noise = attack.evaluate(obs, torch.rand(3, 3, 16, 16), y)["terms"]["features"]
     assert float(at_truth) < 1e-8 and float(swapped) > 1e-3 and float(noise) > 1e-3
+
+
+def test_the_run_reads_the_upload_once_where_its_own_softmax_explains_it_and_says_where_not():
+    from attacks import ATTACKS, observe
+    from audit.core.models import build_model
+
+    model = build_model("convnet", (3, 16, 16), 10, seed=0, batchnorm=False)
+    x, y = torch.rand(3, 3, 16, 16), torch.tensor([1, 4, 8])
+    one = ATTACKS.build("ig", features=1.0, tv=0.0).reconstruct(observe(model, x, y, seed=0), 3, 0)
+    assert "with the softmax recovered from it" in one.trace["side_information"]["features"]
+    steps = observe(model, x, y, seed=0, local_steps=3, local_batch_size=1, shares="update")
+    several = ATTACKS.build("ig", features=1.0, tv=0.0).reconstruct(steps, 3, 0)
+    assert "does not fit it" in several.trace["side_information"]["features"]
 
 
 def test_the_features_term_says_why_it_does_not_apply():
