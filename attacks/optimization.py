@@ -35,7 +35,7 @@ from priors.features import FIXED_POINT_TOLERANCE, observed_reading
 from attacks import capture as capturing
 from attacks import stacking
 from attacks.labels import LABEL_STRATEGIES, LabelPlan, plan_labels
-from attacks.feature_rule import AutoFeatures, observed_features_off
+from attacks.feature_rule import AutoFeatures, dummy_softmax_weight, observed_features_off
 from attacks.objectives import GradientDistance, Objective, build_objective
 from attacks.optimizers import OPTIMIZERS
 from attacks.search_space import BOXES, INITS, Box
@@ -454,6 +454,7 @@ class OptimizationRun:
         """The output layer's gradient positions when a prior reads the gradient, else None
         (the term dropped, with the reason in the trace, where the model has no such layer)."""
         reading = requiring(self.priors, "grads")
+        self.features_auto = False  # the weight is the rule's (lowered where the upload is not read exactly)
         if not reading:
             return None
         try:
@@ -466,6 +467,7 @@ class OptimizationRun:
             why = observed_features_off(self.obs)
         elif any(isinstance(w, AutoFeatures) for k, _, w in attack.priors if k in reading):
             why = self._reads_differently(attack)
+            self.features_auto = True
         if why:
             self._drop_features(f"not used: {why}; the reading would differ between the dummy and the upload")
             return None
@@ -485,8 +487,8 @@ class OptimizationRun:
             features, _, residual = observed_reading(obs.gradients[weight].detach(), obs.gradients[bias].detach(),
                                                      labels, trainable[weight], trainable[bias])
             if not residual <= FIXED_POINT_TOLERANCE:
-                self.side.notes["features"] += (f" (the upload's own softmax does not fit it: residual {residual:.1e} "
-                                                f"> {FIXED_POINT_TOLERANCE:g})")
+                self._read_with_dummy_softmax(f"the upload's own softmax does not fit it: residual {residual:.1e} "
+                                              f"> {FIXED_POINT_TOLERANCE:g}")
                 return
             readings.append(features)
         for targets, features in zip(self.targets, readings):
@@ -495,6 +497,18 @@ class OptimizationRun:
         self.side.notes["features"] = ("used: each image's last-layer features, read off the output layer's gradient; "
                                        "the upload's once, with the softmax recovered from it (fixed point), the "
                                        "dummy's with its own")
+
+    def _read_with_dummy_softmax(self, why: str) -> None:
+        """The upload read with the dummy's softmax each evaluation; the rule's weight lowered to
+        :func:`attacks.feature_rule.dummy_softmax_weight` (the term dropped where that is 0)."""
+        if self.features_auto:
+            weight, off = dummy_softmax_weight(self.obs)
+            if off:
+                self._drop_features(f"not used: {why}, and {off}")
+                return
+            reading = requiring(self.priors, "grads")
+            self.priors = [(k, p, weight if k in reading else w) for k, p, w in self.priors]
+        self.side.notes["features"] += f" ({why})"
 
     def _reads_differently(self, attack: OptimizationAttack) -> str:
         """Why the observed output layer cannot be read as the dummy's is, for ``features="auto"``."""

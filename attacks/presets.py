@@ -20,7 +20,7 @@ from attacks.analytic import AnalyticInversion
 from attacks.optimization import OptimizationAttack
 from attacks.objectives import OBJECTIVES
 from attacks.optimizers import OPTIMIZERS, Watchdog
-from attacks.feature_rule import AUTO_FEATURES, FEATURES_MAX_CLASS_SHARE, FEATURES_WEIGHT
+from attacks.feature_rule import AUTO_FEATURES, FEATURES_MAX_CLASS_SHARE, FEATURES_WEIGHT, FEATURES_WEIGHT_DUMMY_SOFTMAX
 from attacks.tv_rule import AUTO_TV, RULE
 
 ATTACKS = Registry("attack")
@@ -161,7 +161,7 @@ def register_preset(name: str, description: str, **defaults: Any) -> Callable[..
     factory.__doc__ = description
     factory.defaults = dict(settings)
     rules = {**({"tv_rule": RULE} if settings["tv"] == "auto" else {}),
-             **({"features_rule": [FEATURES_WEIGHT, FEATURES_MAX_CLASS_SHARE]}
+             **({"features_rule": [FEATURES_WEIGHT, FEATURES_WEIGHT_DUMMY_SOFTMAX, FEATURES_MAX_CLASS_SHARE]}
                 if settings["features"] == "auto" else {})}
     if rules:
         factory.composes = lambda: rules

@@ -186,7 +186,7 @@ def test_ig_reads_the_features_only_where_the_upload_and_the_dummy_read_alike():
     import dataclasses
 
     from attacks import ATTACKS, observe
-    from attacks.feature_rule import FEATURES_WEIGHT
+    from attacks.feature_rule import FEATURES_WEIGHT, FEATURES_WEIGHT_DUMMY_SOFTMAX
     from audit.core.models import build_model
 
     model = build_model("convnet", (3, 16, 16), 10, seed=0, batchnorm=False)
@@ -198,9 +198,14 @@ def test_ig_reads_the_features_only_where_the_upload_and_the_dummy_read_alike():
     pruned = dataclasses.replace(obs, gradients=[g * (g.abs() > g.abs().median()) for g in obs.gradients])
     rec = ATTACKS.build("ig").reconstruct(pruned, 2, 0)
     assert "zeroed entries" in rec.trace["side_information"]["features"] and "features" not in rec.trace["prior_weights"]
-    wide = observe(model, torch.rand(6, 3, 16, 16), torch.arange(6), seed=0)  # 6 of 10 classes present
-    rec = ATTACKS.build("ig").reconstruct(wide, 2, 0)
+    wide = torch.rand(6, 3, 16, 16), torch.arange(6)  # 6 of 10 classes present
+    rec = ATTACKS.build("ig").reconstruct(observe(model, *wide, seed=0), 2, 0)  # read exactly: on, at full weight
+    assert rec.trace["prior_weights"]["features"] == FEATURES_WEIGHT
+    steps = dict(local_steps=3, local_batch_size=2, shares="update")  # no softmax of the model explains it
+    rec = ATTACKS.build("ig").reconstruct(observe(model, *wide, seed=0, **steps), 2, 0)
     assert "covers more than 50% of the 10 classes" in rec.trace["side_information"]["features"]
+    rec = ATTACKS.build("ig").reconstruct(observe(model, x, y, seed=0, **{**steps, "local_batch_size": 1}), 2, 0)
+    assert rec.trace["prior_weights"]["features"] == FEATURES_WEIGHT_DUMMY_SOFTMAX < FEATURES_WEIGHT
     rec = ATTACKS.build("ig", masks="observed").reconstruct(obs, 2, 0)
     assert "masks or reweights" in rec.trace["side_information"]["features"]
     rec = ATTACKS.build("ig", masks="observed", features=0.5).reconstruct(obs, 2, 0)  # a number is the user's call
