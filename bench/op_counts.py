@@ -28,7 +28,11 @@ ROWS: Sequence[Tuple[str, Optional[Tuple[str, dict]], Sequence[Tuple[str, str]],
     ("mask-replay", ("prune", {"ratio": 0.9}), (("convnet", "train"),), None),
     ("through-defense", ("gaussian", {"sigma": 0.01}), (("convnet", "train"),), None),
     ("gi", None, (("convnet", "train"),), None),
+    ("ig + features", None, (("cnn", "train"), ("convnet", "train")), None),
 )
+#: row name -> (attack, settings): ``ig`` with the floor's loss (cosine + TV, its features term off),
+#: and ``ig`` as preset, with the features term, as a stated row
+BUILDS = {"ig": ("ig", {"features": 0.0}), "ig + features": ("ig", {})}
 #: what an attack's operations beyond the IG floor are for
 EXTRA = {
     "ig": "the watchdog's per-restart bookkeeping, signed Adam, the loss copied out",
@@ -36,6 +40,8 @@ EXTRA = {
     "through-defense": "the defense on every EOT draw (noise drawn and added) and the objective per draw",
     "gi": "L2 objective, image-L2, BatchNorm-statistics and group-consistency priors over 4 restarts; "
           "the eager loop (the group prior cannot be captured)",
+    "ig + features": "ig's, and each image's features read off the output layer (the dummy's softmax, its "
+                     "reading, the per-image error, and their backward)",
 }
 
 
@@ -99,7 +105,8 @@ def count(floor_step: Callable, device: torch.device, members: int, seed: int = 
             model = build_model(model_name, shape, 10, seed=seed).to(device)
             defense = None if defense_spec is None else build_defense(defense_spec[0], **defense_spec[1])
             obs = grouped_observations(model, images, labels, mode, defense)
-            audit = audit_ops(ATTACKS.build(attack_name, capture="eager"), obs)
+            name, settings = BUILDS.get(attack_name, (attack_name, {}))
+            audit = audit_ops(ATTACKS.build(name, capture="eager", **settings), obs)
             floor = floor_ops(floor_step(model, mode, images, labels))
             diff = {k: audit[k] - floor.get(k, 0) for k in audit if audit[k] > floor.get(k, 0)}
             top = sorted(diff.items(), key=lambda kv: -kv[1])[:4]
