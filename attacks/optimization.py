@@ -480,7 +480,7 @@ class OptimizationRun:
         (:func:`priors.features.observed_reading`), where that fixed point explains every upload
         of the group; else the run reads the upload with the dummy's softmax each evaluation."""
         weight, bias = self.head
-        trainable = [p for p in self.obs.model.parameters() if p.requires_grad]
+        trainable = trainable_parameters(self.obs.model)
         readings = []
         for obs, targets, plan in zip(group, self.targets, self.plans):
             labels = plan.targets(None).to(obs.gradients[weight].device)

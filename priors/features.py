@@ -44,13 +44,6 @@ def classifier_head(model: nn.Module) -> Tuple[int, int]:
 READING_RIDGE = 1e-6
 
 
-def reading_applies(onehot: Tensor) -> Tensor:
-    """Per image ``(B,)``, 1 where the reading applies: its label is its own in the batch and
-    some class is absent (``onehot``: the batch's labels, ``(B, classes)``)."""
-    counts = onehot.sum(0)
-    return (onehot @ counts == 1).to(onehot.dtype) * ((counts == 0).sum() > 0).to(onehot.dtype)
-
-
 def per_image_features(weight_grad: Tensor, bias_grad: Tensor, labels: Tensor,
                        softmax: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """Per image of the batch, its last-layer features read off the output layer's gradient
@@ -71,7 +64,7 @@ def per_image_features(weight_grad: Tensor, bias_grad: Tensor, labels: Tensor,
         ridge = READING_RIDGE * gram.diagonal().mean() * torch.eye(len(a), dtype=a.dtype, device=a.device)
         mix = torch.linalg.solve_ex(gram + ridge, a)[0]  # no error check: no host sync in a captured program
     rows, bias = mix @ weight_grad, mix @ bias_grad
-    usable = reading_applies(onehot)
+    usable = (onehot @ counts == 1).to(weight_grad.dtype) * (n_absent > 0).to(weight_grad.dtype)
     safe = torch.where(bias.abs() > 1e-12, bias, torch.ones_like(bias))
     return rows / safe.unsqueeze(1), usable
 

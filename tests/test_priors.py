@@ -93,20 +93,26 @@ def test_the_output_layers_gradient_gives_each_images_features_where_its_label_i
 
 
 
-def test_with_the_softmax_the_reading_is_exact_for_a_batch_of_8_of_10_classes_and_any_scale():
-    """Where the absent classes' rows no longer stand in for the softmax (a trained-looking,
-    far from uniform one, most classes present), the reading with the softmax still gives
-    every image's own features; a scaled upload (a clipped one) reads the same."""
-    from priors import per_image_features
-
+def _batch_of_8_of_10_classes():
+    """An output layer with a far-from-uniform softmax, 8 images' features with a label each of
+    10 classes: the layer, features, labels, logits and the layer's gradient (weight, bias)."""
     torch.manual_seed(0)
     head = torch.nn.Linear(64, 10)
     torch.nn.init.normal_(head.weight, std=0.3)
     h = torch.rand(8, 64)
     labels = torch.tensor([3, 0, 9, 1, 4, 6, 2, 8])
     logits = head(h)
-    loss = torch.nn.functional.cross_entropy(logits, labels)
-    gw, gb = torch.autograd.grad(loss, [head.weight, head.bias])
+    gw, gb = torch.autograd.grad(torch.nn.functional.cross_entropy(logits, labels), [head.weight, head.bias])
+    return head, h, labels, logits, gw, gb
+
+
+def test_with_the_softmax_the_reading_is_exact_for_a_batch_of_8_of_10_classes_and_any_scale():
+    """Where the absent classes' rows no longer stand in for the softmax (a trained-looking,
+    far from uniform one, most classes present), the reading with the softmax still gives
+    every image's own features; a scaled upload (a clipped one) reads the same."""
+    from priors import per_image_features
+
+    head, h, labels, logits, gw, gb = _batch_of_8_of_10_classes()
     probs = torch.softmax(logits.detach(), 1)
     approx, _ = per_image_features(gw, gb, labels)
     assert ((approx - h).norm(dim=1) / h.norm(dim=1)).max() > 0.1  # the uniform stand-in blurs here
@@ -115,21 +121,16 @@ def test_with_the_softmax_the_reading_is_exact_for_a_batch_of_8_of_10_classes_an
         assert usable.sum() == 8
         assert torch.allclose(read, h, rtol=1e-3, atol=1e-4)
 
+
 def test_the_upload_alone_gives_its_softmax_and_every_images_features_by_a_fixed_point():
     """The softmax is not shared, but it is the output layer applied to the features: iterating
     the reading and the softmax from the softmax-free reading reaches the batch's own features
     and softmax (8 of 10 classes, where the softmax-free reading is off by more than 10%), with
-    a residual that says so; one image's features swapped for another's leave a residual that
-    says the fit fails."""
+    a residual that says so; the gradient of another output layer on the same batch, which no
+    softmax of this model explains, leaves a residual that says the fit fails."""
     from priors.features import FIXED_POINT_TOLERANCE, observed_reading
 
-    torch.manual_seed(0)
-    head = torch.nn.Linear(64, 10)
-    torch.nn.init.normal_(head.weight, std=0.3)
-    h = torch.rand(8, 64)
-    labels = torch.tensor([3, 0, 9, 1, 4, 6, 2, 8])
-    logits = head(h)
-    gw, gb = torch.autograd.grad(torch.nn.functional.cross_entropy(logits, labels), [head.weight, head.bias])
+    head, h, labels, logits, gw, gb = _batch_of_8_of_10_classes()
     for scale in (1.0, -0.05):  # a local step's update: minus the learning rate times the gradient
         read, probs, residual = observed_reading(scale * gw, scale * gb, labels, head.weight, head.bias)
         assert torch.allclose(read, h, rtol=1e-3, atol=1e-4)
