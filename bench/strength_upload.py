@@ -22,7 +22,7 @@ import hashlib
 import json
 import statistics
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from scipy.stats import binomtest
@@ -71,13 +71,15 @@ def _psnr(rec, truth) -> List[float]:
 
 
 @functools.lru_cache(maxsize=None)
-def _code_version() -> str:
+def _code_version(without: Tuple[str, ...] = ()) -> str:
     """The files that define what these cells measure (the bn-upload term, the unroll, the
-    buffers, the ``ig`` preset and its TV rule), read once per run: editing them reruns the cells. Changes that
-    keep the numbers (the engine's speed) do not."""
+    buffers, the ``ig`` preset and its TV rule; ``without`` those a cell does not consult), read
+    once per run: editing them reruns the cells. Changes that keep the numbers (the engine's
+    speed) do not."""
     root = Path(__file__).resolve().parent.parent
-    files = ["priors/batchnorm.py", "priors/features.py", "audit/core/unroll.py", "audit/core/buffers.py", "audit/core/local_training.py",
-             "attacks/presets.py", "attacks/tv_rule.py"]
+    files = [f for f in ("priors/batchnorm.py", "priors/features.py", "audit/core/unroll.py", "audit/core/buffers.py",
+                         "audit/core/local_training.py", "attacks/presets.py", "attacks/tv_rule.py")
+             if f not in without]
     # the default weight is keyed where it is used (the cells that run "auto"), not through the code
     text = b"".join(line for f in files for line in (root / f).read_bytes().splitlines(keepends=True)
                     if not line.startswith(b"BN_UPLOAD_WEIGHT ="))
@@ -116,7 +118,8 @@ def weight_sweep(args, make_model, log) -> str:
             x, y = _held_out_batch(data, batch, group, distinct=knob != "bn_upload")
             for weight in args.weights:
                 parts = dict(cell="bn-weight", batch=batch, group=group, weight=weight, budget=args.budget,
-                             seed=args.seed, code=_code_version(),
+                             # a TV sweep sets the weight itself: the TV rule is not consulted
+                             seed=args.seed, code=_code_version(("attacks/tv_rule.py",) if knob == "tv" else ()),
                              # the model, where it is not the first cells' (whose keys predate the option)
                              **({"model": args.bn_weight_model} if args.bn_weight_model != "convnet-bn-train" else {}),
                              **({"knob": knob, "draw": "distinct labels"} if knob != "bn_upload" else {}))
