@@ -3,9 +3,7 @@
 Inverting Gradients' 5e-2 is tuned for one 32x32 image on a small ConvNet. More private pixel
 values per gradient entry need a stronger prior, and a client whose BatchNorm normalises with
 the batch's own statistics hides each channel's scale and offset from the gradient, which the
-prior then has to supply. Where the client also uploads those buffers, the attacks read the
-batch's statistics from them and a stronger prior pays off again (the images' structure is what
-is left to find). The rule reads only the observation (never the ground truth); the
+prior then has to supply. The rule reads only the observation (never the ground truth); the
 measurements behind it: docs/strength.md, section 5.
 """
 from __future__ import annotations
@@ -25,19 +23,9 @@ TV_REFERENCE_ENTRIES = 108170 / 3072
 #: TV weight of a 32x32 batch of one when the client's BatchNorm normalises with the batch's own
 #: statistics (it grows with the batch as :data:`TV_REFERENCE` does)
 TV_BATCHNORM_TRAIN = 0.5
-#: the multiple of :data:`TV_BATCHNORM_TRAIN` where the observation also carries the uploaded
-#: BatchNorm buffers (``shares="state"``): of the multiples 1, 2, 4 and 8, the best at batch 8,
-#: 0.07 dB below the best at batch 4 and 0.6 dB at batch 1 (which prefers more), and the best
-#: mean over the three, on held-out images (docs/strength.md, section 6)
-TV_BUFFERS_SHARED = 2.0
-#: ... where the gradient has at most this many times the reference's entries per private pixel
-#: value: the train-mode CIFAR ResNet-18 (103 times) pins the image down itself and scored 0.4 dB
-#: lower with the multiple on held-out images
-TV_BUFFERS_SHARED_ENTRIES = 10.0
 #: the rule's constants, for the fingerprint of the attacks that use it
 RULE = {"reference": TV_REFERENCE, "reference_unknowns": TV_REFERENCE_UNKNOWNS,
-        "reference_entries": TV_REFERENCE_ENTRIES, "batchnorm_train": TV_BATCHNORM_TRAIN,
-        "buffers_shared": TV_BUFFERS_SHARED, "buffers_shared_entries": TV_BUFFERS_SHARED_ENTRIES}
+        "reference_entries": TV_REFERENCE_ENTRIES, "batchnorm_train": TV_BATCHNORM_TRAIN}
 
 
 def batchnorm_layers(obs: Observation) -> List[torch.nn.Module]:
@@ -48,16 +36,10 @@ def observed_tv(obs: Observation) -> float:
     """The TV weight for ``obs``: it grows with the private pixel values beyond a 32x32 image,
     but only while the gradient has fewer entries per pixel value than the reference ConvNet
     (:data:`TV_REFERENCE_ENTRIES`); with BatchNorm in train mode it starts from
-    :data:`TV_BATCHNORM_TRAIN` instead of :data:`TV_REFERENCE` (times :data:`TV_BUFFERS_SHARED`
-    where the upload carries the buffers and the gradient is not much richer than the
-    reference's, :data:`TV_BUFFERS_SHARED_ENTRIES`) and grows alike."""
-    entries = max(1, obs.gradient_entries) / obs.unknowns  # gradient entries per private pixel value
-    growth = max(1.0, min(obs.unknowns / TV_REFERENCE_UNKNOWNS, TV_REFERENCE_ENTRIES / entries))
-    if obs.client_mode == "train" and batchnorm_layers(obs):
-        shared = obs.buffers is not None and entries <= TV_BUFFERS_SHARED_ENTRIES * TV_REFERENCE_ENTRIES
-        base = TV_BATCHNORM_TRAIN * (TV_BUFFERS_SHARED if shared else 1.0)
-    else:
-        base = TV_REFERENCE
+    :data:`TV_BATCHNORM_TRAIN` instead of :data:`TV_REFERENCE` and grows alike."""
+    growth = max(1.0, min(obs.unknowns / TV_REFERENCE_UNKNOWNS,
+                          TV_REFERENCE_ENTRIES * obs.unknowns / max(1, obs.gradient_entries)))
+    base = TV_BATCHNORM_TRAIN if obs.client_mode == "train" and batchnorm_layers(obs) else TV_REFERENCE
     return base * growth
 
 
