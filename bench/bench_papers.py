@@ -647,7 +647,27 @@ def run_cell(row: Row, plan: CellPlan, partial: Optional[Path] = None) -> Dict[s
         out["utility"] = manifest.get("utility")
     else:
         out["evidence"] = cell_evidence(manifest, records, attacks, plan.steps).to_dict()
+        out["fingerprints"] = cell_fingerprints(plan.call, attacks)
     return out
+
+
+def cell_fingerprints(call: Dict[str, Any], attacks: Sequence[str]) -> Dict[str, str]:
+    """What each attack of a cell ran: its settings in the call over its defaults
+    (:func:`attacks.presets.settings_fingerprint`), stored with the cell."""
+    import adaptive  # noqa: F401  (registers the adaptive attacks in ATTACKS)
+    from attacks import ATTACKS
+    from attacks.presets import settings_fingerprint
+
+    args = call.get("attack_args") or {}
+    return {a: settings_fingerprint(a, args.get(a)) for a in attacks if a in ATTACKS}
+
+
+def stale_attacks(cell: Dict[str, Any]) -> List[str]:
+    """The attacks of a stored cell whose defaults changed since it ran (a planner's ``ig`` at
+    its preset, say): the bench reruns the cell and the page says so meanwhile."""
+    recorded = cell.get("fingerprints") or {}
+    current = cell_fingerprints(cell.get("call") or {}, list(recorded))
+    return sorted(a for a, fp in recorded.items() if current.get(a) != fp)
 
 
 #: the held-out grid search of the Bayes rows' attacks (the paper's App. A.3 searches the prior
@@ -828,7 +848,7 @@ def run_row(row: Row, profile: Profile, data: str, data_args: Dict[str, Any], ou
     for plan in plan_cells(row, profile, data, data_args, out, (stored.get("search") or {}).get("chosen")):
         old = stored["cells"].get(plan.name) or {}
         redo = retry and (old.get("evidence") or {}).get("missing")
-        if old.get("key") == plan.key and not redo:
+        if old.get("key") == plan.key and not redo and not stale_attacks(old):
             continue
         print(f"  [{time.strftime('%H:%M:%S')}] {row.id} {plan.name} (budget {plan.call['budget']})", flush=True)
         partial = partial_dir(path, plan.name)
@@ -933,8 +953,13 @@ def row_lines(row: Row, profile: Profile, data: str, data_args: Dict[str, Any], 
     verdict = conclusion.text() + (f"; {cause}" if cause else "")
     if stored.get("projection"):
         verdict += "; alpha: " + projection_text(stored["projection"])
+    stale = sorted({a for n in cells for a in stale_attacks((stored.get("cells") or {}).get(n) or {})})
     pending = [n for n, c in cells.items() if c is None]
-    if pending and any(c is not None for c in cells.values()):
+    if stale:
+        verdict = (f"{STALE} (the defaults of {', '.join(stale)} changed since these cells ran; running the row "
+                   f"again redoes them): {verdict}")
+        conclusion = Conclusion(STALE)  # counted apart: its attacks are no longer what the tool runs
+    elif pending and any(c is not None for c in cells.values()):
         verdict = f"{UNFINISHED} ({', '.join(pending)} not yet run): {verdict}"
         conclusion = Conclusion(UNFINISHED)  # the summary counts it as unfinished, whatever its cells say so far
     return (f"| {row.figure} | {row.paper_number} | {row.setting.text()} | {setting} | {paper_cell} | "
@@ -943,6 +968,8 @@ def row_lines(row: Row, profile: Profile, data: str, data_args: Dict[str, Any], 
 
 #: a row with some of its cells stored: its verdict so far is shown, never counted as one
 UNFINISHED = "unfinished"
+#: a row whose stored cells ran attacks whose defaults have changed since: shown, counted apart
+STALE = "stale"
 
 
 HEADER = ("| figure | paper's number | paper's setting | ours | the paper's attack, ours: PSNR / SSIM / LPIPS; "
@@ -1025,8 +1052,9 @@ def gpu_batch(rows: Sequence[Row], minutes: float, profile: Profile, data: str, 
     ``minutes`` (at least one row)."""
     chosen, used = [], 0.0
     for row in rows:
-        _, cells = stored_cells(row, profile, data, data_args, root, out)
-        if all(c is not None for c in cells.values()):
+        stored, cells = stored_cells(row, profile, data, data_args, root, out)
+        if all(c is not None for c in cells.values()) and not any(
+                stale_attacks(c) for c in (stored.get("cells") or {}).values()):
             continue
         need = gpu_minutes(row, profile)
         if chosen and used + need > minutes:

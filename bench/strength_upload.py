@@ -134,7 +134,8 @@ def weight_sweep(args, make_model, log) -> str:
                 row = dict(batch=batch, group=group, weight=weight, **stored(parts, compute, log))
                 log(row)
                 rows.append(row)
-    lines = ["| weight | " + " | ".join(f"batch {b}: mean PSNR dB (images)" for b in args.batches) + " | mean |",
+    column = knob if knob in ("lr", "schedule") else "weight"
+    lines = [f"| {column} | " + " | ".join(f"batch {b}: mean PSNR dB (images)" for b in args.batches) + " | mean |",
              "|---|" + "---|" * (len(args.batches) + 1)]
     for weight in args.weights:
         cells, means = [], []
@@ -142,7 +143,8 @@ def weight_sweep(args, make_model, log) -> str:
             values = [v for r in rows if r["weight"] == weight and r["batch"] == b for v in r["psnr"]]
             means.append(statistics.fmean(values))
             cells.append(f"{means[-1]:.2f} ({len(values)})")
-        lines.append(f"| {weight:g} | " + " | ".join(cells) + f" | {statistics.fmean(means):.2f} |")
+        lines.append(f"| {weight:g} | " if isinstance(weight, float) else f"| {weight} | ")
+        lines[-1] += (" | ".join(cells) + f" | {statistics.fmean(means):.2f} |")
     return "\n".join(lines)
 
 
@@ -394,13 +396,21 @@ def _fedavg_table(rows: List[Dict[str, Any]], args) -> str:
     return "\n".join(lines)
 
 
+def _number_or_name(value: str):
+    try:
+        return float(value)
+    except ValueError:
+        return value
+
+
 def add_options(p) -> None:
     """The options of the two modes."""
     p.add_argument("--upload", action="store_true", help="the client's uploaded state and local optimiser")
     p.add_argument("--bn-weight", action="store_true", help="choose the bn-upload weight on held-out images")
-    p.add_argument("--weights", type=lambda s: [float(v) for v in s.split(",")], default=list(WEIGHTS))
-    p.add_argument("--weight-knob", choices=("bn_upload", "features", "tv"), default="bn_upload",
-                   help="with --bn-weight: the term whose weight is swept (ig's knob)")
+    p.add_argument("--weights", type=lambda s: [_number_or_name(v) for v in s.split(",")], default=list(WEIGHTS),
+                   help="the knob's values (numbers; names for --weight-knob schedule)")
+    p.add_argument("--weight-knob", choices=("bn_upload", "features", "tv", "lr", "schedule"), default="bn_upload",
+                   help="with --bn-weight: the term whose weight (or the setting whose value) is swept (ig's knob)")
     p.add_argument("--bn-weight-model", choices=("convnet-bn-train", "resnet18-bn-train"), default="convnet-bn-train")
     p.add_argument("--adam-smoothing", action="store_true",
                    help="choose the replica's Adam smoothing on held-out images (FedAvg, 3 Adam steps)")

@@ -520,3 +520,47 @@ def test_an_interrupted_cell_resumes_from_the_repositorys_partial_results(tmp_pa
     attacked.clear()
     again = bp.run_cell(row, paper, partial)
     assert attacked == [] and again["evidence"]["per_image_psnr"] == first["evidence"]["per_image_psnr"]
+
+
+def test_a_cell_run_with_an_attack_default_since_changed_is_rerun_and_marked_stale(tmp_path, monkeypatch):
+    from attacks import ATTACKS
+
+    runs = []
+
+    def fake_run_cell(row, plan, partial=None):
+        runs.append(plan.name)
+        return {"key": plan.key, "call": json.loads(json.dumps(plan.call)), "seconds": 1.0, "status": "complete",
+                "attacks": ["ig"], "evidence": _cell(2).to_dict(),
+                "fingerprints": bp.cell_fingerprints(plan.call, ["ig"])}
+
+    monkeypatch.setattr(bp, "run_cell", fake_run_cell)
+    row, profile = bp.BY_ID["censor-none"], bp.Profile("cpu")
+    bp.run_row(row, profile, "embedded", {}, tmp_path / "out", tmp_path / "results")
+    first = list(runs)
+    assert "planner" in first and "paper:ig" in first
+    # the planner runs ig at its preset, the paper's cell with its schedule set: only the planner is stale
+    monkeypatch.setitem(ATTACKS.get("ig").defaults, "schedule", "exp")
+    page = bp.render([row], profile, "embedded", {}, tmp_path / "results", tmp_path / "out")
+    assert "**stale (the defaults of ig changed since these cells ran" in page
+    assert page.splitlines()[0].endswith("1 stale")
+    bp.run_row(row, profile, "embedded", {}, tmp_path / "out", tmp_path / "results")
+    assert runs[len(first):] == ["planner"]
+    page = bp.render([row], profile, "embedded", {}, tmp_path / "results", tmp_path / "out")
+    assert "stale" not in page
+
+
+def test_an_attacks_fingerprint_follows_the_defaults_it_relies_on(monkeypatch):
+    import adaptive  # noqa: F401  (registers mask-replay)
+    from attacks import ATTACKS
+    from attacks.presets import defaults_fingerprint, settings_fingerprint
+
+    before = {"ig": settings_fingerprint("ig"), "ig step": settings_fingerprint("ig", {"schedule": "step"}),
+              "replay": settings_fingerprint("mask-replay"), "replay default": defaults_fingerprint("mask-replay"),
+              "dlg": settings_fingerprint("dlg")}
+    monkeypatch.setitem(ATTACKS.get("ig").defaults, "schedule", "exp")
+    after = {"ig": settings_fingerprint("ig"), "ig step": settings_fingerprint("ig", {"schedule": "step"}),
+             "replay": settings_fingerprint("mask-replay"), "replay default": defaults_fingerprint("mask-replay"),
+             "dlg": settings_fingerprint("dlg")}
+    changed = {k for k in before if before[k] != after[k]}
+    # ig's own and the attack built on it change; an explicit schedule and another preset do not
+    assert changed == {"ig", "replay", "replay default"}
