@@ -1010,16 +1010,19 @@ def _tally(outcome: str, count: int) -> str:
 
 
 def timing(rows: Sequence[Row], profile: Profile, data: str, data_args: Dict[str, Any], root: Path, out: Path) -> str:
-    seconds, done, total = 0.0, 0, 0
+    seconds, done, total, stale = 0.0, 0, 0, 0
     for row in rows:
         stored, cells = stored_cells(row, profile, data, data_args, root, out)
         total += len(cells)
         for name, c in cells.items():
             if c is not None or (row.claim == "utility" and (stored.get("cells") or {}).get(name)):
                 done += 1
-                seconds += float(((stored.get("cells") or {}).get(name) or {}).get("seconds") or 0.0)
+                cell = (stored.get("cells") or {}).get(name) or {}
+                seconds += float(cell.get("seconds") or 0.0)
+                stale += bool(stale_attacks(cell))
         seconds += float((stored.get("search") or {}).get("seconds") or 0.0)
-    return f"{done} of {total} cells stored, {seconds / 60:.1f} min of runs in all"
+    return (f"{done} of {total} cells stored" + (f" ({stale} stale)" if stale else "")
+            + f", {seconds / 60:.1f} min of runs in all")
 
 
 #: ms per image per gradient evaluation of IG on an H100 (``docs/performance.md``: 8 images,
