@@ -143,8 +143,8 @@ def weight_sweep(args, make_model, log) -> str:
             values = [v for r in rows if r["weight"] == weight and r["batch"] == b for v in r["psnr"]]
             means.append(statistics.fmean(values))
             cells.append(f"{means[-1]:.2f} ({len(values)})")
-        lines.append(f"| {weight:g} | " if isinstance(weight, float) else f"| {weight} | ")
-        lines[-1] += (" | ".join(cells) + f" | {statistics.fmean(means):.2f} |")
+        label = f"{weight:g}" if isinstance(weight, float) else weight
+        lines.append(f"| {label} | " + " | ".join(cells) + f" | {statistics.fmean(means):.2f} |")
     return "\n".join(lines)
 
 
