@@ -14,18 +14,21 @@ itself explains it (:func:`priors.features.observed_reading`: one plain gradient
 step) the upload's features are exact, and the term weighs :data:`FEATURES_WEIGHT`. Elsewhere
 (several local steps, noise) the run reads the upload with the dummy's softmax, right only once
 the dummy is close: :data:`FEATURES_WEIGHT_DUMMY_SOFTMAX`, and only where the batch leaves at
-least half of the classes absent (at batch 8 of 10 classes that reading cost 0.75 dB).
+least half of the classes absent (at batch 8 of 10 classes that reading cost 0.75 dB). The
+exact reading's weight grows with the run's length where the buffers are shared
+(:mod:`attacks.budget_rule`).
 
 The measurements: docs/strength.md, section 6.
 """
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 from audit.core.errors import NotApplicable
 from audit.core.types import Observation
 from priors import classifier_head
 
+from attacks.budget_rule import FEATURES_WEIGHT_LONG, lengthened, long_share
 from attacks.tv_rule import ObservedWeight
 
 #: the features term's weight where the upload is read exactly, chosen on held-out embedded
@@ -37,13 +40,16 @@ FEATURES_WEIGHT_DUMMY_SOFTMAX = 0.1
 FEATURES_MAX_CLASS_SHARE = 0.5
 
 
-def observed_features(obs: Observation) -> float:
+def observed_features(obs: Observation, iterations: Optional[int] = None) -> float:
     """:data:`FEATURES_WEIGHT` where :func:`observed_features_off` finds no reason against it, else 0
-    (the run lowers it with :func:`dummy_softmax_weight` where the upload cannot be read exactly)."""
+    (the run lowers it with :func:`dummy_softmax_weight` where the upload cannot be read exactly);
+    towards :data:`attacks.budget_rule.FEATURES_WEIGHT_LONG` for a long run on shared buffers."""
     try:
-        return 0.0 if observed_features_off(obs) else FEATURES_WEIGHT
+        if observed_features_off(obs):
+            return 0.0
     except NotApplicable:
         return 0.0
+    return lengthened(FEATURES_WEIGHT, FEATURES_WEIGHT_LONG, long_share(obs, iterations))
 
 
 def dummy_softmax_weight(obs: Observation) -> Tuple[float, str]:

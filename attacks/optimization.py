@@ -42,6 +42,7 @@ from attacks.search_space import BOXES, INITS, Box
 from attacks.local_surrogate import replica_note
 from attacks.side_information import check_weight, revealed_for_member, side_information
 from attacks.simulator import GradientSimulator, SimContext
+from attacks.budget_rule import LONG, long_share
 from attacks.tv_rule import ObservedWeight
 
 Progress = Callable[[int, int, float], None]
@@ -255,7 +256,7 @@ class OptimizationAttack:
         iterations = attack.planned_iterations(budget, cost)
         evaluations = None if budget is None else max(int(budget), cost)
         with seeded_rng(observation.device, seed):
-            run = OptimizationRun(attack, observation, int(seed), show_bars=progress is None)
+            run = OptimizationRun(attack, observation, int(seed), show_bars=progress is None, iterations=iterations)
             rec = run.execute(iterations, progress, max_evaluations=evaluations, cost=cost)[0]
         if why:
             rec.trace["restarts_afforded"] = why
@@ -298,7 +299,7 @@ class OptimizationAttack:
         for start in range(0, len(observations), per_chunk):
             chunk, chunk_seeds = observations[start:start + per_chunk], seeds[start:start + per_chunk]
             with seeded_rng(chunk[0].device, chunk_seeds[0]):
-                run = OptimizationRun(self, chunk, chunk_seeds, show_bars=progress is None)
+                run = OptimizationRun(self, chunk, chunk_seeds, show_bars=progress is None, iterations=iterations)
                 out += run.execute(iterations, progress, max_evaluations=evaluations, cost=cost)
         return out
 
@@ -347,7 +348,8 @@ class OptimizationRun:
     inner one over restarts)."""
 
     def __init__(self, attack: OptimizationAttack, observation: Union[Observation, Sequence[Observation]],
-                 seed: Union[int, Sequence[int]], labels: Optional[Tensor] = None, show_bars: bool = True):
+                 seed: Union[int, Sequence[int]], labels: Optional[Tensor] = None, show_bars: bool = True,
+                 iterations: Optional[int] = None):
         group = list(observation) if isinstance(observation, (list, tuple)) else [observation]
         seeds = [int(s) for s in seed] if isinstance(seed, (list, tuple)) else [int(seed)]
         self.attack, self.obs, self.group, self.n = attack, group[0], group, len(group)
@@ -363,8 +365,14 @@ class OptimizationRun:
         self.side = sides[0]
         if len({s.revealed is None for s in sides}) > 1:
             raise ConfigError("the grouped observations differ in what they share (buffers in some only)")
-        self.priors = [(k, p, w(self.obs) if isinstance(w, ObservedWeight) else w)
+        # weights from the observation resolve with the planned iterations (attacks.budget_rule)
+        self.priors = [(k, p, w(self.obs, iterations) if isinstance(w, ObservedWeight) else w)
                        for k, p, w in attack.priors] + self.side.priors
+        share = long_share(self.obs, iterations)
+        if share and any(isinstance(w, ObservedWeight) for _, _, w in attack.priors):
+            self.side.notes["run-length"] = (f"the weights from the observation moved {share:.0%} of the way to "
+                                             f"their {LONG}-iteration values for a run of {iterations} iterations "
+                                             "(attacks.budget_rule)")
         if self.side.revealed is not None and requiring(attack.priors, "bn_stats"):
             # the running statistics stand in for the batch's; the upload gives the batch's own
             replaced = requiring(attack.priors, "bn_stats")

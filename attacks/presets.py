@@ -21,6 +21,7 @@ from attacks.optimization import OptimizationAttack
 from attacks.objectives import OBJECTIVES
 from attacks.optimizers import OPTIMIZERS, Watchdog
 from attacks.feature_rule import AUTO_FEATURES, FEATURES_MAX_CLASS_SHARE, FEATURES_WEIGHT, FEATURES_WEIGHT_DUMMY_SOFTMAX
+from attacks.budget_rule import BUDGET_RULE
 from attacks.tv_rule import AUTO_TV, RULE
 
 ATTACKS = Registry("attack")
@@ -190,7 +191,8 @@ def register_preset(name: str, description: str, **defaults: Any) -> Callable[..
     factory.__doc__ = description
     factory.defaults = dict(settings)
     rules = {**({"tv_rule": RULE} if settings["tv"] == "auto" else {}),
-             **({"features_rule": [FEATURES_WEIGHT, FEATURES_WEIGHT_DUMMY_SOFTMAX, FEATURES_MAX_CLASS_SHARE]}
+             **({"features_rule": [FEATURES_WEIGHT, FEATURES_WEIGHT_DUMMY_SOFTMAX, FEATURES_MAX_CLASS_SHARE,
+                                   BUDGET_RULE]}
                 if settings["features"] == "auto" else {})}
     if rules:
         factory.composes = lambda: rules
@@ -207,7 +209,8 @@ register_preset("idlg", "iDLG: DLG with the label inferred from the last-layer g
                 schedule="constant", box="none",
                 init="data-randn", labels="infer", iterations=500, restarts=4)
 register_preset("ig", "Inverting Gradients: cosine + TV (5e-2 at 32x32 batch 1, from the observation: "
-                "attacks.tv_rule) + each image's features read off the output layer (attacks.feature_rule), "
+                "attacks.tv_rule) + each image's features read off the output layer (attacks.feature_rule), both "
+                "moved by the run's length where the buffers reveal the batch's statistics (attacks.budget_rule), "
                 "signed Adam 0.1 annealed by a cosine (1-2 dB above the paper's step decay at 200-1,600 "
                 "evaluations on held-out images: docs/strength.md, section 5), [0,1] box",
                 objective="cosine", tv="auto", features="auto", optimizer="adam", lr=0.1, schedule="cosine", signed=True,

@@ -30,7 +30,9 @@ from scipy.stats import binomtest
 from attacks import ATTACKS, local_surrogate, observe
 from audit.core.data import load_dataset
 from audit.core.local_training import LocalOptimizer
+from attacks.feature_rule import observed_features
 from attacks.side_information import upload_weight
+from attacks.tv_rule import observed_tv
 from audit.core.buffers import norm_layers
 
 RESULTS = Path(__file__).resolve().parent / "results" / "strength-upload"
@@ -73,12 +75,13 @@ def _psnr(rec, truth) -> List[float]:
 @functools.lru_cache(maxsize=None)
 def _code_version(without: Tuple[str, ...] = ()) -> str:
     """The files that define what these cells measure (the bn-upload term, the unroll, the
-    buffers, the ``ig`` preset and its TV rule; ``without`` those a cell does not consult), read
-    once per run: editing them reruns the cells. Changes that keep the numbers (the engine's
-    speed) do not."""
+    buffers, the ``ig`` preset and its TV, features and run-length rules; ``without`` those a
+    cell does not consult), read once per run: editing them reruns the cells. Changes that
+    keep the numbers (the engine's speed) do not."""
     root = Path(__file__).resolve().parent.parent
     files = [f for f in ("priors/batchnorm.py", "priors/features.py", "audit/core/unroll.py", "audit/core/buffers.py",
-                         "audit/core/local_training.py", "attacks/presets.py", "attacks/tv_rule.py")
+                         "audit/core/local_training.py", "attacks/presets.py", "attacks/tv_rule.py",
+                         "attacks/feature_rule.py", "attacks/budget_rule.py")
              if f not in without]
     # the default weight is keyed where it is used (the cells that run "auto"), not through the code
     text = b"".join(line for f in files for line in (root / f).read_bytes().splitlines(keepends=True)
@@ -105,9 +108,24 @@ def _held_out_batch(data, batch: int, group: int, distinct: bool):
     return data.test_images[index], data.test_labels[index]
 
 
+#: ``--weight-knob run_length``: ``ig`` with its weights from the observation as the rules give
+#: them for a run of unknown length (their 400-iteration values), or moved by the run's length
+RUN_LENGTH = ("short", "auto")
+
+
+def _knob_settings(knob: str, value, obs) -> Dict[str, Any]:
+    """``ig``'s settings for one value of the swept knob."""
+    if knob != "run_length":
+        return {knob: value}
+    if value not in RUN_LENGTH:
+        raise SystemExit(f"--weight-knob run_length takes the values {', '.join(RUN_LENGTH)}, got {value!r}")
+    return {"tv": observed_tv(obs), "features": observed_features(obs)} if value == "short" else {}
+
+
 def weight_sweep(args, make_model, log) -> str:
     """PSNR of ``ig`` with one term (``--weight-knob``: the bn-upload term, the per-image
-    features term, or TV) at each weight, on held-out embedded images."""
+    features term, TV; or the learning rate, the schedule, the rules' run-length adjustment)
+    at each value, on held-out embedded images."""
     knob = args.weight_knob
     data = load_dataset("embedded")
     rows = []
@@ -122,19 +140,21 @@ def weight_sweep(args, make_model, log) -> str:
                              seed=args.seed, code=_code_version(("attacks/tv_rule.py",) if knob == "tv" else ()),
                              # the model, where it is not the first cells' (whose keys predate the option)
                              **({"model": args.bn_weight_model} if args.bn_weight_model != "convnet-bn-train" else {}),
-                             **({"knob": knob, "draw": "distinct labels"} if knob != "bn_upload" else {}))
+                             **({"knob": knob, "draw": "distinct labels"} if knob != "bn_upload" else {}),
+                             **({"compile": True} if args.upload_compile else {}))
 
                 def compute():
                     model = make_model(args.bn_weight_model)
                     obs = observe(model, x, y, client_mode="train", shares="state", seed=args.seed)
-                    rec = ATTACKS.build("ig", **{knob: weight}).reconstruct(obs, args.budget, args.seed,
-                                                                           progress=lambda *a: None)
+                    settings = {**_knob_settings(knob, weight, obs), **({"compile": True} if args.upload_compile else {})}
+                    rec = ATTACKS.build("ig", **settings).reconstruct(obs, args.budget, args.seed,
+                                                                      progress=lambda *a: None)
                     return {"psnr": _psnr(rec, x)}
 
                 row = dict(batch=batch, group=group, weight=weight, **stored(parts, compute, log))
                 log(row)
                 rows.append(row)
-    column = knob if knob in ("lr", "schedule") else "weight"
+    column = knob if knob in ("lr", "schedule", "run_length") else "weight"
     lines = [f"| {column} | " + " | ".join(f"batch {b}: mean PSNR dB (images)" for b in args.batches) + " | mean |",
              "|---|" + "---|" * (len(args.batches) + 1)]
     for weight in args.weights:
@@ -409,16 +429,18 @@ def add_options(p) -> None:
     p.add_argument("--bn-weight", action="store_true", help="choose the bn-upload weight on held-out images")
     p.add_argument("--weights", type=lambda s: [_number_or_name(v) for v in s.split(",")], default=list(WEIGHTS),
                    help="the knob's values (numbers; names for --weight-knob schedule)")
-    p.add_argument("--weight-knob", choices=("bn_upload", "features", "tv", "lr", "schedule"), default="bn_upload",
-                   help="with --bn-weight: the term whose weight (or the setting whose value) is swept (ig's knob)")
+    p.add_argument("--weight-knob", choices=("bn_upload", "features", "tv", "lr", "schedule", "run_length"),
+                   default="bn_upload", help="with --bn-weight: the term whose weight (or the setting whose value) "
+                   f"is swept (ig's knob; run_length: {', '.join(RUN_LENGTH)}, the TV and features weights as the "
+                   "rules give them at 400 iterations or moved by the budget, attacks.budget_rule)")
     p.add_argument("--bn-weight-model", choices=("convnet-bn-train", "resnet18-bn-train"), default="convnet-bn-train")
     p.add_argument("--adam-smoothing", action="store_true",
                    help="choose the replica's Adam smoothing on held-out images (FedAvg, 3 Adam steps)")
     p.add_argument("--smoothings", type=lambda s: [float(v) for v in s.split(",")], default=[0.0, 1.0, 3.0, 10.0])
     p.add_argument("--upload-attacks", type=lambda v: v.split(","), default=["ig"],
                    help="--upload: ig, or ig,portfolio (the portfolio with the buffers at ig's budget)")
-    p.add_argument("--upload-compile", action="store_true", help="--upload: ours with compile=true (its one-off "
-                   "compilation reported apart)")
+    p.add_argument("--upload-compile", action="store_true", help="--upload, --bn-weight: ours with compile=true "
+                   "(its one-off compilation reported apart)")
     p.add_argument("--breaching-only", action="store_true", help="--upload: store breaching's cells only")
     p.add_argument("--fedavg-only", action="store_true", help="--upload: the FedAvg optimiser cells only")
     p.add_argument("--no-fedavg", dest="fedavg", action="store_false", help="--upload without the FedAvg cells")

@@ -184,6 +184,33 @@ def test_observed_tv_grows_with_the_private_pixels_and_train_mode_batchnorm():
     assert scaled_tv(obs(1, 16, "convnet", "train", batchnorm=False))["tv"] == pytest.approx(TV_REFERENCE)
 
 
+def test_a_long_run_on_shared_buffers_lets_tv_grow_less_with_the_batch_and_weighs_the_features_more():
+    from attacks.optimization import OptimizationRun
+
+    def weights(shares, iterations, mode="train", side=16):
+        net = build_model("convnet", (3, side, side), 10, mean=MEAN, std=STD, seed=0)
+        o = observe(net, torch.rand(4, 3, side, side), torch.arange(4), client_mode=mode, shares=shares, seed=0)
+        run = OptimizationRun(ATTACKS.build("ig"), o, 0, show_bars=False, iterations=iterations)
+        assert ("run-length" in run.side.notes) == (shares == "state" and mode == "train" and (iterations or 0) > 400)
+        return {k: w for k, _, w in run.priors if k in ("tv", "features")}
+
+    short = weights("state", 400)  # a batch of 4 16x16 images: the unknowns of one 32x32 image
+    assert short == pytest.approx({"tv": 0.5, "features": 0.3})  # the rules' weights at 400 iterations
+    assert weights("state", None) == pytest.approx(short)       # a run of unknown length keeps them
+    # the TV weight does not grow beyond the one-image weight of 0.5 (growth 1, halved, floored at 1)
+    assert weights("state", 1600) == pytest.approx({"tv": 0.5, "features": 1.0})
+    big = weights("state", 400, side=32)  # 4 32x32 images: 4 times the unknowns, growth 4
+    assert big == pytest.approx({"tv": 2.0, "features": 0.3})
+    assert weights("state", 1600, side=32) == pytest.approx({"tv": 1.0, "features": 1.0})  # growth halved
+    assert weights("state", 6400, side=32) == pytest.approx({"tv": 1.0, "features": 1.0})
+    # half way (by the logarithm) between 400 and 1,600 iterations: the geometric means
+    assert weights("state", 800, side=32) == pytest.approx({"tv": (2.0 * 1.0) ** 0.5, "features": (0.3 * 1.0) ** 0.5})
+    # without revealed batch statistics the run's length changes nothing
+    assert weights("gradient", 1600, side=32) == pytest.approx(big)
+    assert weights("update", 1600, side=32) == pytest.approx(big)
+    assert weights("state", 1600, mode="eval", side=32)["tv"] == pytest.approx(0.2)
+
+
 def test_portfolio_beats_fixed_tv_ig_on_a_train_mode_batchnorm_convnet(one_thread, photo16):
     model = build_model("convnet", (3, 16, 16), 10, mean=MEAN, std=STD, seed=0)
     obs = observe(model, photo16, torch.tensor([7]), client_mode="train")
