@@ -117,8 +117,6 @@ def _knob_settings(knob: str, value, obs) -> Dict[str, Any]:
     """``ig``'s settings for one value of the swept knob."""
     if knob != "run_length":
         return {knob: value}
-    if value not in RUN_LENGTH:
-        raise SystemExit(f"--weight-knob run_length takes the values {', '.join(RUN_LENGTH)}, got {value!r}")
     return {"tv": observed_tv(obs), "features": observed_features(obs)} if value == "short" else {}
 
 
@@ -127,6 +125,9 @@ def weight_sweep(args, make_model, log) -> str:
     features term, TV; or the learning rate, the schedule, the rules' run-length adjustment)
     at each value, on held-out embedded images."""
     knob = args.weight_knob
+    unknown = [w for w in args.weights if knob == "run_length" and w not in RUN_LENGTH]
+    if unknown:
+        raise SystemExit(f"--weight-knob run_length takes the values {', '.join(RUN_LENGTH)}, got {unknown}")
     data = load_dataset("embedded")
     rows = []
     for batch in args.batches:
