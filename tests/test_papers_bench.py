@@ -198,6 +198,8 @@ def test_each_row_is_labelled_by_how_far_it_is_from_the_paper():
         run = bp.run_setting(row, cpu)
         assert bp.label(row, run) == bp.AT_PAPER and run["budget"] == 200 and run["images"] == 100
     assert bp.label(bp.BY_ID["bayes-soteria"], bp.run_setting(bp.BY_ID["bayes-soteria"], cpu)) == bp.AT_PAPER
+    ats = bp.run_setting(bp.BY_ID["bayes-ats"], cpu)  # every step of the paper's Fig. 6, 2,000 iterations
+    assert bp.label(bp.BY_ID["bayes-ats"], ats) == bp.AT_PAPER and ats["steps"] == [1, 2, 5, 10, 20, 50]
     censor = bp.BY_ID["censor-none"]
     assert bp.label(censor, bp.run_setting(censor, gpu)) == bp.AT_PAPER  # width 64, 15,000 x 4
     assert "100 of 15,000 iterations x 4 restarts" in bp.label(censor, bp.run_setting(censor, cpu))
@@ -233,6 +235,31 @@ def test_the_planner_cell_runs_its_attacks_at_their_presets_in_an_audit_of_its_o
             assert (planner.call["attack_args"] or {}).get(a.name) in (None, {}) or a.name == "learned-inverter", row.id
         paper = plans[f"paper:{row.attacks[0].name}"]
         assert paper.call["attacks"] == [row.attacks[0].name]
+
+
+def test_the_papers_ig_runs_without_igs_own_features_term_and_the_planners_ig_keeps_it():
+    """The paper's cell runs Inverting Gradients as the papers do: the features term ``ig`` adds
+    by default is off in every paper attack built on ``ig``; the planner's ``ig`` keeps its preset."""
+    import torch
+
+    from attacks import ATTACKS, observe
+    from audit.core.models import build_model
+
+    model = build_model("convnet", (3, 16, 16), 10, seed=0, batchnorm=False)
+    obs = observe(model, torch.rand(2, 3, 16, 16), torch.tensor([3, 6]), seed=0)
+    seen = set()
+    for row in bp.ROWS:
+        for ref in (*row.attacks, *((row.adaptive,) if row.adaptive else ())):
+            if ref.args.get("objective") != "cosine" or (ref.name, ref.label) in seen:
+                continue  # an IG of a paper's: the cosine objective is what it names
+            seen.add((ref.name, ref.label))
+            if ref.name in ("ig", "through-defense"):
+                args = {k: v for k, v in ref.args.items() if k not in ("restarts", "samples")}
+                rec = ATTACKS.build("ig", **args).reconstruct(obs, 2, 0)
+                assert "features" not in rec.trace["prior_weights"], (row.id, ref.label)
+            assert ref.args["features"] == 0.0, (row.id, ref.label)
+    assert {"ig", "layer-drop", "mask-replay", "through-defense"} <= {name for name, _ in seen}
+    assert ATTACKS.build("ig").reconstruct(obs, 2, 0).trace["prior_weights"]["features"] > 0
 
 
 def _null_manifest(images, identified_items):
@@ -492,7 +519,10 @@ def test_a_long_cell_runs_in_slices_of_steps_and_images():
     slices = bp.cell_slices(call)
     per = bp.SLICE_EVALUATIONS // 2000
     assert slices[:2] == [([1], per), ([1], 2 * per)] and slices[-1] == ([1, 50], 16)
-    assert ([50], 16 - per) in slices and all(n < 16 for _, n in slices[:-1])
+    assert ([50], 16 - per) in slices and ([1], 16) in slices and ([50], 16) in slices  # no slice spans steps
+    assert all(len(steps) == 1 for steps, _ in slices[:-1])
+    single = bp.cell_slices({**call, "steps": [1]})
+    assert single[-1] == ([1], 16) and all(n < 16 for _, n in single[:-1])  # the whole call is the last slice
     assert bp.cell_slices({**call, "budget": 200}) == [([1, 50], 16)]  # 20 images a slice: one call
     four = bp.cell_slices({**call, "budget": 200, "attacks": ["ig", "portfolio", "mask-replay", "layer-drop"]})
     assert four[0] == ([1], bp.SLICE_EVALUATIONS // 800) and four[-1] == ([1, 50], 16)  # each attack spends 200
