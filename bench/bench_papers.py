@@ -621,10 +621,11 @@ def restore_partial(partial: Path, out: Path) -> int:
 
 
 def keep_partial(out: Path, key: str, partial: Path) -> None:
-    """Copy the engine run's finished results into the repository (new files only)."""
+    """Copy the engine run's finished results into the repository: new ones, and those the run
+    redid (a result run with other settings is kept under the same name until it is redone)."""
     for src in sorted((out / "runs" / key / "results").glob("*")):
         dst = partial / key / src.name
-        if src.suffix in (".json", ".png") and not dst.exists():
+        if src.suffix in (".json", ".png") and (not dst.exists() or dst.read_bytes() != src.read_bytes()):
             dst.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(src, dst)
 

@@ -552,6 +552,20 @@ def test_an_interrupted_cell_resumes_from_the_repositorys_partial_results(tmp_pa
     assert attacked == [] and again["evidence"]["per_image_psnr"] == first["evidence"]["per_image_psnr"]
 
 
+def test_a_result_the_run_redid_replaces_the_one_kept_in_the_repository(tmp_path):
+    """A kept result run with other settings (the engine redoes it under the same name) must not
+    outlive its redo, else a fresh clone restores the stale one and runs the image again."""
+    results, partial = tmp_path / "out" / "runs" / "k" / "results", tmp_path / "partial"
+    results.mkdir(parents=True)
+    (partial / "k").mkdir(parents=True)
+    (partial / "k" / "s1__ig__i0.json").write_text('{"settings": ["tv"]}')
+    (results / "s1__ig__i0.json").write_text('{"settings": ["tv", "features"]}')
+    (results / "s1__ig__i1.json").write_text('{"settings": ["tv", "features"]}')
+    bp.keep_partial(tmp_path / "out", "k", partial)
+    assert (partial / "k" / "s1__ig__i0.json").read_text() == '{"settings": ["tv", "features"]}'
+    assert (partial / "k" / "s1__ig__i1.json").exists()
+
+
 def test_a_cell_run_with_an_attack_default_since_changed_is_rerun_and_marked_stale(tmp_path, monkeypatch):
     from attacks import ATTACKS
 
