@@ -198,9 +198,13 @@ def test_each_row_is_labelled_by_how_far_it_is_from_the_paper():
         run = bp.run_setting(row, cpu)
         assert bp.label(row, run) == bp.AT_PAPER and run["budget"] == 200 and run["images"] == 100
     assert bp.label(bp.BY_ID["bayes-soteria"], bp.run_setting(bp.BY_ID["bayes-soteria"], cpu)) == bp.AT_PAPER
-    ats = bp.run_setting(bp.BY_ID["bayes-ats"], cpu)  # every step of the paper's Fig. 6, 2,000 iterations
-    assert bp.label(bp.BY_ID["bayes-ats"], ats) == bp.AT_PAPER and ats["steps"] == [1, 2, 5, 10, 20, 50]
     censor = bp.BY_ID["censor-none"]
+    ats_row = bp.BY_ID["bayes-ats"]  # every step of the paper's Fig. 6 at 2,000 iterations, 8 of its 100 images
+    ats = bp.run_setting(ats_row, cpu)
+    assert bp.label(ats_row, ats) == "scaled: 8 of 100 images" and ats["steps"] == [1, 2, 5, 10, 20, 50]
+    # the authors' code attacks the model in eval mode: every cell of the row runs its client so
+    assert {c.call.get("client_mode") for c in bp.plan_cells(ats_row, cpu, "embedded", {}, Path("/x"))} == {"eval"}
+    assert all("client_mode" not in c.call for c in bp.plan_cells(censor, cpu, "embedded", {}, Path("/x")))
     assert bp.label(censor, bp.run_setting(censor, gpu)) == bp.AT_PAPER  # width 64, 15,000 x 4
     assert "100 of 15,000 iterations x 4 restarts" in bp.label(censor, bp.run_setting(censor, cpu))
     svd = bp.BY_ID["svd-prune"]
