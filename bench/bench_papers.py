@@ -92,6 +92,10 @@ class PaperSetting:
     def budget(self) -> Optional[int]:
         return None if self.iterations is None else self.iterations * self.restarts
 
+    def mode_text(self) -> Optional[str]:
+        """How the attacked client computes its gradient, where it is not the default train mode."""
+        return None if self.client_mode == "train" else f"the gradient computed in {self.client_mode} mode"
+
     def text(self) -> str:
         its = ("iterations not stated" if self.iterations is None else f"{self.iterations:,} iterations"
                + (f" x {self.restarts} restarts" if self.restarts > 1 else ""))
@@ -101,8 +105,8 @@ class PaperSetting:
                  f"step{'s' if len(self.steps) > 1 else ''} {steps}"]
         if self.train_batch:
             parts.append(f"training batch {self.train_batch}")
-        if self.client_mode != "train":
-            parts.append(f"the gradient computed in {self.client_mode} mode")
+        if self.mode_text():
+            parts.append(self.mode_text())
         if self.hparams:
             parts.append(self.hparams)
         return "; ".join(parts)
@@ -466,8 +470,8 @@ def own_text(row: Row, run: Dict[str, Any], data: str) -> str:
                   f"step{'s' if len(run['steps']) > 1 else ''} {', '.join(map(str, run['steps']))}"]
     if row.setting.train_batch:
         parts.append(f"training batch {run['train_batch']}")
-    if row.setting.client_mode != "train":
-        parts.append(f"the gradient computed in {row.setting.client_mode} mode")
+    if row.setting.mode_text():
+        parts.append(row.setting.mode_text())
     return "; ".join(parts)
 
 
@@ -632,12 +636,17 @@ def restore_partial(partial: Path, out: Path) -> int:
     return copied
 
 
+def _same_file(a: Path, b: Path) -> bool:
+    """Whether ``b`` exists with ``a``'s bytes (sizes first: most differing results differ in size)."""
+    return b.exists() and a.stat().st_size == b.stat().st_size and a.read_bytes() == b.read_bytes()
+
+
 def keep_partial(out: Path, key: str, partial: Path) -> None:
     """Copy the engine run's finished results into the repository: new ones, and those the run
     redid (a result run with other settings is kept under the same name until it is redone)."""
     for src in sorted((out / "runs" / key / "results").glob("*")):
         dst = partial / key / src.name
-        if src.suffix in (".json", ".png") and (not dst.exists() or dst.read_bytes() != src.read_bytes()):
+        if src.suffix in (".json", ".png") and not _same_file(src, dst):
             dst.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(src, dst)
 
