@@ -223,7 +223,10 @@ def r18_scales(cpu_budget: int, *, planner: Optional[Tuple[str, ...]] = None, wh
 
 
 def censor_setting(source: str, **kw) -> PaperSetting:
+    """CENSOR's experiments as its code runs them: ``run_rec.py`` (KaiyuanZh/censor) calls
+    ``model.eval()`` before it computes the attacked gradient."""
     base = dict(model=R18, model_args={}, data="CIFAR-10 32x32", iterations=15000, restarts=4, images=10,
+                client_mode="eval",
                 hparams="IG: cosine, TV 1e-4, Adam 0.1, lr x0.1 at 3/8, 5/8, 7/8, best of 4 restarts")
     return PaperSetting(source, **{**base, **kw})
 
@@ -273,6 +276,7 @@ ROWS: List[Row] = [
         censor_setting("SVDefense Table I", data="MNIST", images=128, steps=(5, 6, 7, 8, 9), iterations=None,
                        restarts=1,
                        hparams="CENSOR in the first 5 epochs; IG in the later, undefended ones",
+                       client_mode="train",
                        anchor="| CENSOR [21] | 8.1940 | 0.6958 | 16.4071 | 0.2881 |"),
         scales=r18_scales(4 * R18_BUDGET, cpu_steps=(5, 9), gpu_steps=(5, 9), images=IMAGES, gpu_budget=15000),
         profiles=BOTH,

@@ -204,7 +204,12 @@ def test_each_row_is_labelled_by_how_far_it_is_from_the_paper():
     assert bp.label(ats_row, ats) == "scaled: 8 of 100 images" and ats["steps"] == [1, 2, 5, 10, 20, 50]
     # the authors' code attacks the model in eval mode: every cell of the row runs its client so
     assert {c.call.get("client_mode") for c in bp.plan_cells(ats_row, cpu, "embedded", {}, Path("/x"))} == {"eval"}
-    assert all("client_mode" not in c.call for c in bp.plan_cells(censor, cpu, "embedded", {}, Path("/x")))
+    # so does CENSOR's (its run_rec.py); the rows from SVDefense's experiments keep train mode
+    for row_id in ("censor-none", "censor-soteria", "censor-censor", "censor-rounds"):
+        cells = bp.plan_cells(bp.BY_ID[row_id], cpu, "embedded", {}, Path("/x"))
+        assert {c.call.get("client_mode") for c in cells} == {"eval"}, row_id
+    for row_id in ("censor-later", "svd-prune"):
+        assert all("client_mode" not in c.call for c in bp.plan_cells(bp.BY_ID[row_id], cpu, "embedded", {}, Path("/x")))
     assert bp.label(censor, bp.run_setting(censor, gpu)) == bp.AT_PAPER  # width 64, 15,000 x 4
     assert "100 of 15,000 iterations x 4 restarts" in bp.label(censor, bp.run_setting(censor, cpu))
     svd = bp.BY_ID["svd-prune"]
