@@ -87,6 +87,8 @@ class PaperSetting:
     #: the mode the attacked client computes its gradient in ("eval": BatchNorm reads its
     #: running statistics, as code that calls ``model.eval()`` before the attack does)
     client_mode: str = "train"
+    #: where the client mode comes from when the paper's text does not say it (the authors' code)
+    mode_source: str = ""
 
     @property
     def budget(self) -> Optional[int]:
@@ -106,7 +108,7 @@ class PaperSetting:
         if self.train_batch:
             parts.append(f"training batch {self.train_batch}")
         if self.mode_text():
-            parts.append(self.mode_text())
+            parts.append(self.mode_text() + (f" ({self.mode_source})" if self.mode_source else ""))
         if self.hparams:
             parts.append(self.hparams)
         return "; ".join(parts)
@@ -226,7 +228,7 @@ def censor_setting(source: str, **kw) -> PaperSetting:
     """CENSOR's experiments as its code runs them: ``run_rec.py`` (KaiyuanZh/censor) calls
     ``model.eval()`` before it computes the attacked gradient."""
     base = dict(model=R18, model_args={}, data="CIFAR-10 32x32", iterations=15000, restarts=4, images=10,
-                client_mode="eval",
+                client_mode="eval", mode_source="the authors' run_rec.py calls model.eval() before the gradient",
                 hparams="IG: cosine, TV 1e-4, Adam 0.1, lr x0.1 at 3/8, 5/8, 7/8, best of 4 restarts")
     return PaperSetting(source, **{**base, **kw})
 
