@@ -617,3 +617,16 @@ def test_an_attacks_fingerprint_follows_the_defaults_it_relies_on(monkeypatch):
     changed = {k for k in before if before[k] != after[k]}
     # ig's own and the attack built on it change; an explicit schedule and another preset do not
     assert changed == {"ig", "replay", "replay default"}
+
+
+def test_an_adaptive_cell_run_at_its_own_budget_says_so():
+    cpu = bp.Profile("cpu")
+    eot = bp.BY_ID["censor-censor"]  # 4 draws per iteration: 4x the row's budget on the cpu
+    run = bp.run_setting(eot, cpu)
+    cells = {c.name: c for c in bp.plan_cells(eot, cpu, "embedded", {}, Path("/x"))}
+    assert cells["adaptive"].call["budget"] == 4 * run["budget"] == 4 * cells["paper:ig"].call["budget"]
+    assert bp.adaptive_head(eot, run).endswith(f"at budget {4 * run['budget']:,}")
+    refiner = bp.BY_ID["refiner-alpha-0.5"]  # EOT at 200 of the row's 4,000
+    assert bp.adaptive_head(refiner, bp.run_setting(refiner, cpu)).endswith("at budget 200")
+    replay = bp.BY_ID["svd-prune"]  # same budget as the row: no budget named
+    assert bp.adaptive_head(replay, bp.run_setting(replay, cpu)) == replay.adaptive.label
