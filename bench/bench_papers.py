@@ -31,6 +31,7 @@ import copy
 import json
 import math
 import os
+import re
 import shutil
 import sys
 import time
@@ -942,10 +943,10 @@ def _f(v: Optional[float], digits: int = 2) -> str:
     return "inf" if v >= 199.9 else f"{v:.{digits}f}"
 
 
-def cell_text(c: Optional[CellEvidence], head: str = "") -> str:
+def cell_text(c: Optional[CellEvidence], head: str = "", progress: str = "") -> str:
     head = f"{head}: " if head else ""
     if c is None or (c.images == 0 and c.missing):
-        return f"{head}not yet run"
+        return f"{head}{progress or 'not yet run'}"
     text = f"{head}{_f(c.psnr)} dB / {_f(c.ssim, 3)} / {_f(c.lpips, 3)}; {identification_text(c)}; {c.recovered} recovered"
     if len(c.per_step_psnr) > 1:
         text += "; per step " + ", ".join(f"{s}: {_f(v, 1)}" for s, v in sorted(c.per_step_psnr.items()))
@@ -970,6 +971,29 @@ def adaptive_head(row: Row, run: Dict[str, Any]) -> str:
     return row.adaptive.label + (f" at budget {own:,}" if own != run["budget"] else "")
 
 
+PARTIAL_NAME = re.compile(r"^s(\d+)__(.+)__i(\d+)$")
+
+
+def kept_progress(results: Path, plan: CellPlan) -> str:
+    """For a cell not yet stored: how many of its image-steps an unfinished run has kept in the
+    repository ('' where none). Nothing is judged from them until the cell completes."""
+    kept = partial_dir(results, plan.name)
+    steps, images = {int(t) for t in plan.call["steps"]}, int(plan.call["images"])
+    named = [a for a in plan.call["attacks"] if a != "auto"]
+    best = 0
+    for run in (d for d in sorted(kept.glob("*")) if d.is_dir()):
+        done: Dict[Tuple[int, int], set] = {}
+        for f in run.glob("*.json"):
+            m = PARTIAL_NAME.match(f.stem)
+            if m and int(m[1]) in steps and int(m[3]) < images:
+                done.setdefault((int(m[1]), int(m[3])), set()).add(m[2])
+        best = max(best, sum(1 for got in done.values() if set(named) <= got))
+    if not best:
+        return ""
+    return (f"under way: {best} of {len(steps) * images} image-steps kept in "
+            f"{kept.relative_to(ROOT) if kept.is_relative_to(ROOT) else kept} (judged when the cell completes)")
+
+
 def row_lines(row: Row, profile: Profile, data: str, data_args: Dict[str, Any], root: Path,
               out: Path) -> Tuple[str, Conclusion]:
     stored, cells = stored_cells(row, profile, data, data_args, root, out)
@@ -982,14 +1006,19 @@ def row_lines(row: Row, profile: Profile, data: str, data_args: Dict[str, Any], 
     if row.claim == "utility":
         return (f"| {row.figure} | {row.paper_number} | {row.setting.text()} | {setting} | "
                 f"{conclusion.detail or '-'} | - | - | **{conclusion.text()}** |"), conclusion
-    paper_cell = "<br>".join(cell_text(cells.get(f"paper:{a.name}"), a.label) for a in row.attacks)
+    results = results_path(root, profile.name, data, row)
+    plans = plan_cells(row, profile, data, data_args, out, (stored.get("search") or {}).get("chosen"))
+    progress = {p.name: kept_progress(results, p) for p in plans if cells.get(p.name) is None}
+    paper_cell = "<br>".join(cell_text(cells.get(f"paper:{a.name}"), a.label, progress.get(f"paper:{a.name}", ""))
+                             for a in row.attacks)
     search = stored.get("search") or {}
     if row.search and search.get("chosen"):
         paper_cell += "<br>weights chosen on " + f"{search['held_out']} held-out images: " + "; ".join(
             f"{n} {_args_text(v)}{search_edge(search, n)}" for n, v in search["chosen"].items())
     planner = cells.get("planner")
-    planner_cell = cell_text(planner, planner_head(row, run, planner, profile.name))
-    adaptive_cell = cell_text(cells.get("adaptive"), adaptive_head(row, run)) if row.adaptive else "-"
+    planner_cell = cell_text(planner, planner_head(row, run, planner, profile.name), progress.get("planner", ""))
+    adaptive_cell = (cell_text(cells.get("adaptive"), adaptive_head(row, run), progress.get("adaptive", ""))
+                     if row.adaptive else "-")
     first = cells.get(f"paper:{row.attacks[0].name}")
     cause = likely_cause(row, run, data, first.psnr if first else None)
     verdict = conclusion.text() + (f"; {cause}" if cause else "")
@@ -1001,8 +1030,9 @@ def row_lines(row: Row, profile: Profile, data: str, data_args: Dict[str, Any], 
         verdict = (f"{STALE} (the defaults of {', '.join(stale)} changed since these cells ran; running the row "
                    f"again redoes them): {verdict}")
         conclusion = Conclusion(STALE)  # counted apart: its attacks are no longer what the tool runs
-    elif pending and any(c is not None for c in cells.values()):
-        verdict = f"{UNFINISHED} ({', '.join(pending)} not yet run): {verdict}"
+    elif pending and (any(c is not None for c in cells.values()) or any(progress.values())):
+        states = [f"{n} under way" if progress.get(n) else f"{n} not yet run" for n in pending]
+        verdict = f"{UNFINISHED} ({', '.join(states)})" + (f": {verdict}" if conclusion.outcome != NOT_RUN else "")
         conclusion = Conclusion(UNFINISHED)  # the summary counts it as unfinished, whatever its cells say so far
     return (f"| {row.figure} | {row.paper_number} | {row.setting.text()} | {setting} | {paper_cell} | "
             f"{planner_cell} | {adaptive_cell} | **{verdict}** |"), conclusion

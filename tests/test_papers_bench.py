@@ -630,3 +630,22 @@ def test_an_adaptive_cell_run_at_its_own_budget_says_so():
     assert bp.adaptive_head(refiner, bp.run_setting(refiner, cpu)).endswith("at budget 200")
     replay = bp.BY_ID["svd-prune"]  # same budget as the row: no budget named
     assert bp.adaptive_head(replay, bp.run_setting(replay, cpu)) == replay.adaptive.label
+
+
+def test_a_cell_under_way_shows_what_the_repository_keeps_and_judges_nothing_from_it(tmp_path):
+    row, profile = bp.BY_ID["bayes-ats"], bp.Profile("cpu")
+    results = tmp_path / "results"
+    plan = next(p for p in bp.plan_cells(row, profile, "embedded", {}, tmp_path / "out") if p.name == "paper:ig")
+    kept = bp.partial_dir(bp.results_path(results, "cpu", "embedded", row), plan.name) / "somekey"
+    kept.mkdir(parents=True)
+    for step, image in [(1, 0), (1, 1), (2, 0)]:
+        (kept / f"s{step}__ig__i{image}.json").write_text("{}")
+    (kept / "s3__ig__i0.json").write_text("{}")  # a step the cell does not run
+    (kept / "s1__ig__i99.json").write_text("{}")  # an image beyond the cell's
+    total = len(plan.call["steps"]) * plan.call["images"]
+    assert bp.kept_progress(bp.results_path(results, "cpu", "embedded", row), plan).startswith(
+        f"under way: 3 of {total} image-steps kept in ")
+    page = bp.render([row], profile, "embedded", {}, results, tmp_path / "out")
+    assert f"under way: 3 of {total} image-steps" in page
+    assert "**unfinished (paper:ig under way, planner not yet run)**" in page
+    assert page.splitlines()[0].endswith("1 unfinished")
