@@ -1,5 +1,6 @@
 """Attack strength regressions: exact DLG on a sigmoid LeNet, the portfolio beating
 the previous base attack, and no silent stall. Fixed seeds, a few seconds each."""
+import dataclasses
 import os
 
 import numpy as np
@@ -56,6 +57,18 @@ def test_a_stalled_optimiser_is_detected_changed_and_reported(one_thread, photo1
     assert "attack failed to optimise" in rec.trace["failure"]
     events = rec.trace["optimizer_events"]
     assert events and events[0]["iteration"] < 10 and "no decrease" in events[0]["event"]
+
+
+def test_a_silent_upload_is_evidence_of_nothing_not_a_failed_attack(one_thread, photo16):
+    """A client whose model gives its label probability 1 uploads zeros: the cosine cannot
+    fall, yet the attack did not fail; a flat objective on a live upload still does."""
+    live = _lenet_obs(photo16)
+    silent = dataclasses.replace(live, gradients=[torch.zeros_like(g) for g in live.gradients])
+    assert silent.silent and not live.silent
+    rec = ATTACKS.build("ig", tv=0.0).reconstruct(silent, 40, seed=0)
+    assert not rec.trace.get("failed_to_optimise") and "upload is zero" in rec.trace["silent_upload"]
+    stalled = ATTACKS.build("ig", objective=_flat, tv=0.0).reconstruct(live, 40, seed=0)
+    assert stalled.trace["failed_to_optimise"] is True and "silent_upload" not in stalled.trace
 
 
 def test_lbfgs_failed_line_search_resets_and_moves_on():

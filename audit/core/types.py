@@ -411,6 +411,13 @@ class Observation:
         return self.labels is not None
 
     @property
+    def silent(self) -> bool:
+        """True when the upload carries nothing to match: no buffers and every shared tensor
+        zero in float32 (its squared norm underflows to 0), as when the model gives the private
+        label probability 1. No attack can descend on it, and no attack failed on it."""
+        return self.buffers is None and all(float(g.detach().float().pow(2).sum()) == 0.0 for g in self.gradients)
+
+    @property
     def device(self) -> torch.device:
         return self.gradients[0].device
 
