@@ -382,6 +382,8 @@ ROWS: List[Row] = [
                      anchor="The total variation regularization constant is 1 × 10-5", client_mode="eval"),
         scales={"cpu": Scale(images=8, why="a 2,000-iteration IG on the width-64 ConvNet costs about 0.2 s per "
                                          "image-iteration on 2 CPU cores: 8 images at each of the paper's six steps")},
+        differences=("plain SGD between steps (the authors' cifar_train.py: inversefed's SGD at lr 0.1 with "
+                     "momentum 0.9, Nesterov, weight decay 5e-4)",),
         planner_budget=200, notes=("the claim checked: IG recovers the (augmented) image at the earliest step",
                                     "the paper's count of images and its eval mode are those of the authors' code "
                                     "(defense_attacks/ats/benchmark/cifar_attack.py: model.eval(), 100 images); "
