@@ -849,15 +849,16 @@ class OptimizationRun:
                 dict(e, restarts=[original(e, r) - n * restarts for r in e["restarts"]
                                   if original(e, r) // restarts == n])
                 for e in events if any(original(e, r) // restarts == n for r in e["restarts"])]
-            if progressed is not None and not bool(progressed[member]) and self.group[n].silent:
-                trace["silent_upload"] = ("the upload is zero in float32: nothing to match, so the loss cannot "
-                                          "fall; the reconstruction is the attack's start and priors alone, "
-                                          "scored as such (the upload reveals nothing more)")
-            elif progressed is not None and not bool(progressed[member]):
-                trace["failed_to_optimise"] = True
-                trace["failure"] = ("attack failed to optimise: the loss of the chosen restart never went "
-                                    f"below its first value in {len(history)} iterations "
-                                    f"({len(trace['optimizer_events'])} recoveries tried)")
+            if progressed is not None and not bool(progressed[member]):
+                if self.group[n].silent:
+                    trace["silent_upload"] = ("the upload is zero in float32: nothing to match, so the loss cannot "
+                                              "fall; the reconstruction is the attack's start and priors alone, "
+                                              "scored as such (the upload reveals nothing more)")
+                else:
+                    trace["failed_to_optimise"] = True
+                    trace["failure"] = ("attack failed to optimise: the loss of the chosen restart never went "
+                                        f"below its first value in {len(history)} iterations "
+                                        f"({len(trace['optimizer_events'])} recoveries tried)")
             if not history:  # budget 0: the initialisation itself, nothing was optimised
                 trace["failed_to_optimise"] = True
                 trace["failure"] = "attack failed to optimise: no iteration ran (budget 0)"

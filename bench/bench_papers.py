@@ -31,7 +31,6 @@ import copy
 import json
 import math
 import os
-import re
 import shutil
 import sys
 import time
@@ -973,23 +972,23 @@ def adaptive_head(row: Row, run: Dict[str, Any]) -> str:
     return row.adaptive.label + (f" at budget {own:,}" if own != run["budget"] else "")
 
 
-PARTIAL_NAME = re.compile(r"^s(\d+)__(.+)__i(\d+)$")
-
-
 def kept_progress(results: Path, plan: CellPlan) -> str:
     """For a cell not yet stored: how many of its image-steps an unfinished run has kept in the
-    repository ('' where none). Nothing is judged from them until the cell completes."""
+    repository ('' where none), by the engine store's own result names. Nothing is judged from
+    them until the cell completes."""
+    from audit.report.store import result_id
+
     kept = partial_dir(results, plan.name)
-    steps, images = {int(t) for t in plan.call["steps"]}, int(plan.call["images"])
-    named = [a for a in plan.call["attacks"] if a != "auto"]
-    best = 0
-    for run in (d for d in sorted(kept.glob("*")) if d.is_dir()):
-        done: Dict[Tuple[int, int], set] = {}
-        for f in run.glob("*.json"):
-            m = PARTIAL_NAME.match(f.stem)
-            if m and int(m[1]) in steps and int(m[3]) < images:
-                done.setdefault((int(m[1]), int(m[3])), set()).add(m[2])
-        best = max(best, sum(1 for got in done.values() if set(named) <= got))
+    steps, images = [int(t) for t in plan.call["steps"]], int(plan.call["images"])
+    named = [a for a in plan.call["attacks"] if a != "auto"]  # the planner's picks are any attack
+
+    def done(run: Path, step: int, image: int) -> bool:
+        if not named:
+            return any(run.glob(result_id(step, "ATTACK", image).replace("ATTACK", "*") + ".json"))
+        return all((run / f"{result_id(step, a, image)}.json").exists() for a in named)
+
+    runs = [d for d in sorted(kept.glob("*")) if d.is_dir()]
+    best = max((sum(done(r, s, i) for s in steps for i in range(images)) for r in runs), default=0)
     if not best:
         return ""
     return (f"under way: {best} of {len(steps) * images} image-steps kept in "
