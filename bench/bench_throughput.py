@@ -117,7 +117,12 @@ def replayed(step):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step()
-    return graph.replay
+
+    def replay() -> None:
+        graph.replay()
+
+    replay.captured = step  # the graph reads step's tensors by address: they must live as long as it
+    return replay
 
 
 def loop_block(step, iterations: int, device):
@@ -281,14 +286,17 @@ def main(argv=None) -> dict:
     p.add_argument("--ops-members", type=int, default=8, help="images N of the operation counts")
     p.add_argument("--gpu-turn", action="store_true", help="on cuda: the CUDA tests, the floor table, the operation "
                                                            "counts and the paper-scale audit, into one Markdown file")
+    p.add_argument("--gpu-turn-section", choices=["floor", "ops", "paper"], default=None,
+                   help="on cuda: one section of --gpu-turn, its body printed (the turn runs each in its own process)")
     p.add_argument("--gpu-turn-out", default="docs/gpu-turn.md", help="the --gpu-turn file (from the project root)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu")
     add_docs_option(p, "docs/performance.md")
     args = p.parse_args(argv)
 
-    if args.gpu_turn and (not args.device.startswith("cuda") or not torch.cuda.is_available()):
-        print(f"--gpu-turn needs --device cuda on a machine with a CUDA GPU (device {args.device!r}, CUDA "
+    if (args.gpu_turn or args.gpu_turn_section) and (not args.device.startswith("cuda") or not torch.cuda.is_available()):
+        print(f"--gpu-turn and --gpu-turn-section need --device cuda on a machine with a CUDA GPU "
+              f"(device {args.device!r}, CUDA "
               f"{'available' if torch.cuda.is_available() else 'not available'})", file=sys.stderr)
         raise SystemExit(2)
     torch.set_num_threads(args.threads)
@@ -301,12 +309,17 @@ def main(argv=None) -> dict:
     if args.gpu_turn:
         import gpu_turn
 
+        print(f"written: {gpu_turn.run(device, ROOT / args.gpu_turn_out)}")
+        return {}
+    if args.gpu_turn_section:
+        import gpu_turn
+
         args.members, args.iterations, args.repeats = "8,32", 20, 2  # the turn's floor table: about 2 minutes
-        path = gpu_turn.run(device, lambda: throughput(args, device)[0],
-                            lambda: op_counts.table(op_counts.count(floor_step, device, args.ops_members),
-                                                    args.ops_members),
-                            ROOT / args.gpu_turn_out)
-        print(f"written: {path}")
+        make = {"floor": lambda: throughput(args, device)[0],
+                "ops": lambda: op_counts.table(op_counts.count(floor_step, device, args.ops_members), args.ops_members),
+                "paper": lambda: gpu_turn.paper_audit(device)}[args.gpu_turn_section]
+        body = make()
+        print(f"{gpu_turn.BODY}\n{body}")
         return {}
     if args.ops:
         rows = op_counts.count(floor_step, device, args.ops_members)

@@ -10,12 +10,13 @@ time is projected from both.
 """
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable, List
+from typing import List
 
 import torch
 
@@ -25,18 +26,30 @@ PAPER_IMAGES = 32
 #: ``invertinggradients`` configuration: 24,000)
 PAPER_ITERATIONS = 24_000
 REDUCED = (100, 300)
+#: seconds one CUDA test may take before it is stopped (where pytest-timeout is installed)
+TEST_TIMEOUT_S = 150
+#: seconds one section's process may take before it is stopped
+SECTION_TIMEOUT_S = 300
+#: the turn's sections: name (``--gpu-turn-section``) and title
+SECTIONS = {"tests": "CUDA tests", "floor": "IG throughput beside its floor", "ops": "Operations per iteration",
+            "paper": "The paper-scale audit"}
+#: the line after which a section's process prints its body
+BODY = "--- gpu-turn section body ---"
 
 
 def cuda_tests() -> str:
     """``pytest tests/test_cuda.py``: its summary line, and its failures' report when some fail."""
     start = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_cuda.py"],
-                          cwd=ROOT, capture_output=True, text=True)
+    command = [sys.executable, "-m", "pytest", "-q", "-rfE", "--tb=short", "--durations=5", "-p", "no:cacheprovider",
+               "-p", "no:logging", "tests/test_cuda.py"]  # no captured log: torch's debug lines hid the reasons
+    if importlib.util.find_spec("pytest_timeout"):  # a hung capture costs one test, not the turn
+        command.append(f"--timeout={TEST_TIMEOUT_S}")
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
     lines = done.stdout.strip().splitlines()
     summary = lines[-1] if lines else done.stderr.strip()[-500:]
     text = f"`pytest -q tests/test_cuda.py`: {summary} ({time.perf_counter() - start:.0f} s)"
     if done.returncode:
-        text += "\n\n```\n" + "\n".join(lines[-80:]) + "\n```"
+        text += "\n\n```\n" + "\n".join(lines[-150:]) + "\n```"
     return text
 
 
@@ -69,20 +82,33 @@ def paper_audit(device: torch.device) -> str:
             f"({per_iteration * 1e3 / PAPER_IMAGES:.3f} ms per image-iteration), one-off {fixed:.1f} s; {notes}.")
 
 
-def run(device: torch.device, floor_table: Callable[[], str], op_table: Callable[[], str], out: Path) -> Path:
-    """Every section in turn (a failing one says why and the others still run), into ``out``."""
+def in_own_process(name: str, device: torch.device) -> str:
+    """One section's body, computed by ``bench_throughput.py --gpu-turn-section name`` in a process
+    of its own: a fault that poisons the CUDA context (an illegal address) or a hang costs that
+    section alone."""
+    command = [sys.executable, str(ROOT / "bench" / "bench_throughput.py"), "--device", str(device),
+               "--gpu-turn-section", name]
+    try:
+        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=SECTION_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return f"failed: stopped after {SECTION_TIMEOUT_S} s"
+    if done.returncode == 0 and BODY in done.stdout:
+        return done.stdout.split(BODY, 1)[1].strip()
+    return f"failed (exit {done.returncode}):\n\n```\n" + "\n".join(done.stderr.strip().splitlines()[-30:]) + "\n```"
+
+
+def run(device: torch.device, out: Path) -> Path:
+    """Every section in turn, each but the tests in a process of its own (a failing one says why and
+    the others still run), into ``out``; the file is rewritten after each section."""
     sections: List[str] = [f"# A GPU turn\n\n`python bench/bench_throughput.py --device cuda --gpu-turn` "
                            f"(torch {torch.__version__}, {torch.cuda.get_device_name(device)})."]
     start = time.perf_counter()
-    for title, make in (("CUDA tests", cuda_tests), ("IG throughput beside its floor", floor_table),
-                        ("Operations per iteration", op_table), ("The paper-scale audit", lambda: paper_audit(device))):
+    for name, title in SECTIONS.items():
         began = time.perf_counter()
-        try:
-            body = make()
-        except Exception as err:  # the turn goes on: each section is worth having alone
-            body = f"failed: {type(err).__name__}: {err}"
+        body = cuda_tests() if name == "tests" else in_own_process(name, device)
         sections.append(f"## {title}\n\n{body}\n\n({time.perf_counter() - began:.0f} s)")
         print(sections[-1], flush=True)
+        out.write_text("\n\n".join(sections) + "\n")  # a turn cut short keeps its finished sections
     sections.append(f"Whole turn: {time.perf_counter() - start:.0f} s.")
     out.write_text("\n\n".join(sections) + "\n")
     return out
