@@ -613,16 +613,21 @@ def planner_attacks(manifest: Dict[str, Any]) -> List[str]:
 #: run), and each slice's results are copied into the repository as it finishes, so a cell
 #: longer than a sitting accumulates; a slice is 15-30 minutes on one core for the slowest rows
 SLICE_EVALUATIONS = 4000
+#: attacks an ``auto`` call is sized as (the planner's base attacks and picks: six on ATS), for
+#: slicing alone: slices never change a number
+PLANNER_ATTACKS = 6
 
 
 def cell_slices(call: Dict[str, Any]) -> List[Tuple[List[int], int]]:
     """The (steps, images) of each slice of the cell's audit call, then the whole call: an image
-    costs every attack of the call its budget. With several steps each step runs all its images
-    in slices, so the whole call only gathers them (no slice spans steps)."""
+    costs every attack of the call its budget (``auto``: :data:`PLANNER_ATTACKS` of them). With
+    several steps each step runs all its images in slices, so the whole call only gathers them
+    (no slice spans steps)."""
     images, steps = int(call["images"]), list(call["steps"])
-    attacks = max(1, len(call.get("attacks") or ()))
+    named = call.get("attacks") or ()
+    attacks = max(1, len([a for a in named if a != "auto"]) + PLANNER_ATTACKS * ("auto" in named))
     per = max(1, SLICE_EVALUATIONS // (attacks * max(1, int(call["budget"] or 1))))
-    if call.get("utility") or per >= images:
+    if call.get("utility") or (per >= images and len(steps) == 1):
         return [(steps, images)]
     counts = list(range(per, images, per)) + ([images] if len(steps) > 1 else [])
     return [([step], n) for step in steps for n in counts] + [(steps, images)]

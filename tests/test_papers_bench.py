@@ -533,7 +533,10 @@ def test_a_long_cell_runs_in_slices_of_steps_and_images():
     assert all(len(steps) == 1 for steps, _ in slices[:-1])
     single = bp.cell_slices({**call, "steps": [1]})
     assert single[-1] == ([1], 16) and all(n < 16 for _, n in single[:-1])  # the whole call is the last slice
-    assert bp.cell_slices({**call, "budget": 200}) == [([1, 50], 16)]  # 20 images a slice: one call
+    assert bp.cell_slices({**call, "budget": 200}) == [([1], 16), ([50], 16), ([1, 50], 16)]  # a step a slice
+    assert bp.cell_slices({**call, "budget": 200, "steps": [1]}) == [([1], 16)]  # 20 images a slice: one call
+    planner = bp.cell_slices({**call, "budget": 200, "attacks": ["auto"]})  # sized as PLANNER_ATTACKS attacks
+    assert planner[0] == ([1], bp.SLICE_EVALUATIONS // (200 * bp.PLANNER_ATTACKS)) and planner[-1] == ([1, 50], 16)
     four = bp.cell_slices({**call, "budget": 200, "attacks": ["ig", "portfolio", "mask-replay", "layer-drop"]})
     assert four[0] == ([1], bp.SLICE_EVALUATIONS // 800) and four[-1] == ([1, 50], 16)  # each attack spends 200
     assert bp.cell_slices({**call, "utility": True}) == [([1, 50], 16)]
