@@ -586,9 +586,9 @@ def _jsonable(obj: Any) -> Any:
 
 
 def stored_cells(row: Row, profile: Profile, data: str, data_args: Dict[str, Any], root: Path,
-                 out: Path) -> Tuple[Dict[str, Any], Dict[str, Optional[CellEvidence]]]:
-    """The row's stored results and, per planned cell, its evidence when stored under the
-    cell's current key (None: not run yet, or run with other settings)."""
+                 out: Path) -> Tuple[Dict[str, Any], Dict[str, Optional[CellEvidence]], List[CellPlan]]:
+    """The row's stored results; per planned cell, its evidence when stored under the cell's
+    current key (None: not run yet, or run with other settings); and the planned cells."""
     stored = load_results(results_path(root, profile.name, data, row))
     search = stored.get("search") or {}
     if row.search and search.get("key") != current_search_key(row, profile, data, data_args, out):
@@ -600,7 +600,7 @@ def stored_cells(row: Row, profile: Profile, data: str, data_args: Dict[str, Any
         cell = (stored.get("cells") or {}).get(plan.name)
         ok = cell is not None and cell.get("key") == plan.key
         cells[plan.name] = CellEvidence.from_dict(cell["evidence"]) if ok and cell.get("evidence") else None
-    return stored, cells
+    return stored, cells, plans
 
 
 def planner_attacks(manifest: Dict[str, Any]) -> List[str]:
@@ -1002,7 +1002,7 @@ def kept_progress(results: Path, plan: CellPlan) -> str:
 
 def row_lines(row: Row, profile: Profile, data: str, data_args: Dict[str, Any], root: Path,
               out: Path) -> Tuple[str, Conclusion]:
-    stored, cells = stored_cells(row, profile, data, data_args, root, out)
+    stored, cells, plans = stored_cells(row, profile, data, data_args, root, out)
     run = run_setting(row, profile)
     utility = ((stored.get("cells") or {}).get("utility") or {}).get("utility")
     conclusion = conclude(row, cells, run, utility)
@@ -1013,7 +1013,6 @@ def row_lines(row: Row, profile: Profile, data: str, data_args: Dict[str, Any], 
         return (f"| {row.figure} | {row.paper_number} | {row.setting.text()} | {setting} | "
                 f"{conclusion.detail or '-'} | - | - | **{conclusion.text()}** |"), conclusion
     results = results_path(root, profile.name, data, row)
-    plans = plan_cells(row, profile, data, data_args, out, (stored.get("search") or {}).get("chosen"))
     progress = {p.name: kept_progress(results, p) for p in plans if cells.get(p.name) is None}
     paper_cell = "<br>".join(cell_text(cells.get(f"paper:{a.name}"), a.label, progress.get(f"paper:{a.name}", ""))
                              for a in row.attacks)
@@ -1090,7 +1089,7 @@ def _tally(outcome: str, count: int) -> str:
 def timing(rows: Sequence[Row], profile: Profile, data: str, data_args: Dict[str, Any], root: Path, out: Path) -> str:
     seconds, done, total, stale = 0.0, 0, 0, 0
     for row in rows:
-        stored, cells = stored_cells(row, profile, data, data_args, root, out)
+        stored, cells, _ = stored_cells(row, profile, data, data_args, root, out)
         total += len(cells)
         for name, c in cells.items():
             if c is not None or (row.claim == "utility" and (stored.get("cells") or {}).get(name)):
@@ -1133,7 +1132,7 @@ def gpu_batch(rows: Sequence[Row], minutes: float, profile: Profile, data: str, 
     ``minutes`` (at least one row)."""
     chosen, used = [], 0.0
     for row in rows:
-        stored, cells = stored_cells(row, profile, data, data_args, root, out)
+        stored, cells, _ = stored_cells(row, profile, data, data_args, root, out)
         if all(c is not None for c in cells.values()) and not any(
                 stale_attacks(c) for c in (stored.get("cells") or {}).values()):
             continue

@@ -499,7 +499,7 @@ def test_cells_run_with_a_stale_search_are_not_shown_as_current(tmp_path):
     for key, shown in ((current, True), ("an older search", False)):
         bp.save_results(path, {"row": row.id, "search": {"key": key, "chosen": chosen, "table": {}, "held_out": 8},
                                "cells": cells})
-        _, evidence = bp.stored_cells(row, profile, "embedded", {}, tmp_path / "results", tmp_path / "out")
+        _, evidence, _ = bp.stored_cells(row, profile, "embedded", {}, tmp_path / "results", tmp_path / "out")
         paper = [v for k, v in evidence.items() if k.startswith("paper:")]
         assert paper and all((v is not None) == shown for v in paper)
 
