@@ -44,11 +44,16 @@ def cuda_tests() -> str:
                "-p", "no:logging", "tests/test_cuda.py"]  # no captured log: torch's debug lines hid the reasons
     if importlib.util.find_spec("pytest_timeout"):  # a hung capture costs one test, not the turn
         command.append(f"--timeout={TEST_TIMEOUT_S}")
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
-    lines = done.stdout.strip().splitlines()
-    summary = lines[-1] if lines else done.stderr.strip()[-500:]
+    try:
+        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=SECTION_TIMEOUT_S)
+        stdout, stderr, failed = done.stdout, done.stderr, done.returncode != 0
+    except subprocess.TimeoutExpired as stopped:  # a process that does not exit (seen after a compile)
+        stdout, failed = _text(stopped.stdout), True
+        stderr = f"stopped after {SECTION_TIMEOUT_S} s without exiting"
+    lines = stdout.strip().splitlines()
+    summary = lines[-1] if lines and not stderr.startswith("stopped") else stderr.strip()[-500:]
     text = f"`pytest -q tests/test_cuda.py`: {summary} ({time.perf_counter() - start:.0f} s)"
-    if done.returncode:
+    if failed:
         text += "\n\n```\n" + "\n".join(lines[-150:]) + "\n```"
     return text
 
@@ -80,6 +85,10 @@ def paper_audit(device: torch.device) -> str:
             f"step 0, capture route `{route}` (the one the full budget takes):\n\n" + "\n".join(rows) +
             f"\n\n{per_iteration * 1e3:.2f} ms per iteration for the {PAPER_IMAGES} images "
             f"({per_iteration * 1e3 / PAPER_IMAGES:.3f} ms per image-iteration), one-off {fixed:.1f} s; {notes}.")
+
+
+def _text(output) -> str:
+    return output.decode(errors="replace") if isinstance(output, bytes) else (output or "")
 
 
 def in_own_process(name: str, device: torch.device) -> str:

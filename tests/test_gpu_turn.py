@@ -27,3 +27,8 @@ def test_the_cli_knows_every_section_the_turn_spawns(name, capsys):
         bench_throughput.main(["--device", "cpu", "--gpu-turn-section", name])
     assert refused.value.code == 2
     assert "need --device cuda" in capsys.readouterr().err
+
+
+def test_a_test_run_that_does_not_exit_is_stopped_and_said_so(monkeypatch):
+    monkeypatch.setattr(gpu_turn, "SECTION_TIMEOUT_S", 0.5)  # pytest cannot even start in that time
+    assert gpu_turn.cuda_tests().startswith("`pytest -q tests/test_cuda.py`: stopped after 0.5 s without exiting")
