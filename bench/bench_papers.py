@@ -979,21 +979,24 @@ def adaptive_head(row: Row, run: Dict[str, Any]) -> str:
 
 def kept_progress(results: Path, plan: CellPlan) -> str:
     """For a cell not yet stored: how many of its image-steps an unfinished run has kept in the
-    repository ('' where none), by the engine store's own result names. Nothing is judged from
-    them until the cell completes."""
+    repository with every attack's result ('' where none), by the engine store's own result
+    names; a planner cell's attacks are those the kept run has results of. Nothing is judged
+    from them until the cell completes."""
     from audit.report.store import result_id
 
     kept = partial_dir(results, plan.name)
     steps, images = [int(t) for t in plan.call["steps"]], int(plan.call["images"])
-    named = [a for a in plan.call["attacks"] if a != "auto"]  # the planner's picks are any attack
+    named = [a for a in plan.call["attacks"] if a != "auto"]
 
-    def done(run: Path, step: int, image: int) -> bool:
-        if not named:
-            return any(run.glob(result_id(step, "ATTACK", image).replace("ATTACK", "*") + ".json"))
-        return all((run / f"{result_id(step, a, image)}.json").exists() for a in named)
+    def attacks(run: Path) -> List[str]:  # the planner's picks: every attack the kept run has results of
+        return named or sorted({f.stem.split("__")[1] for f in run.glob("s*__*__i*.json")})
 
-    runs = [d for d in sorted(kept.glob("*")) if d.is_dir()]
-    best = max((sum(done(r, s, i) for s in steps for i in range(images)) for r in runs), default=0)
+    def count(run: Path) -> int:
+        ran = attacks(run)
+        return sum(bool(ran) and all((run / f"{result_id(s, a, i)}.json").exists() for a in ran)
+                   for s in steps for i in range(images))
+
+    best = max((count(r) for r in sorted(kept.glob("*")) if r.is_dir()), default=0)
     if not best:
         return ""
     return (f"under way: {best} of {len(steps) * images} image-steps kept in "

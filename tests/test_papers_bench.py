@@ -649,7 +649,14 @@ def test_a_cell_under_way_shows_what_the_repository_keeps_and_judges_nothing_fro
     total = len(plan.call["steps"]) * plan.call["images"]
     assert bp.kept_progress(bp.results_path(results, "cpu", "embedded", row), plan).startswith(
         f"under way: 3 of {total} image-steps kept in ")
+    planner = next(p for p in bp.plan_cells(row, profile, "embedded", {}, tmp_path / "out") if p.name == "planner")
+    picks = bp.partial_dir(bp.results_path(results, "cpu", "embedded", row), planner.name) / "otherkey"
+    picks.mkdir(parents=True)
+    for attack, image in [("ig", 0), ("bayes-optimal", 0), ("ig", 1)]:  # image 1 lacks the planner's second pick
+        (picks / f"s1__{attack}__i{image}.json").write_text("{}")
+    assert bp.kept_progress(bp.results_path(results, "cpu", "embedded", row), planner).startswith(
+        f"under way: 1 of {total} image-steps kept in ")
     page = bp.render([row], profile, "embedded", {}, results, tmp_path / "out")
     assert f"under way: 3 of {total} image-steps" in page
-    assert "**unfinished (paper:ig under way, planner not yet run)**" in page
+    assert "**unfinished (paper:ig under way, planner under way)**" in page
     assert page.splitlines()[0].endswith("1 unfinished")
