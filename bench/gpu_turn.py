@@ -11,6 +11,7 @@ time is projected from both.
 from __future__ import annotations
 
 import importlib.util
+import json
 import subprocess
 import sys
 import tempfile
@@ -58,6 +59,11 @@ def cuda_tests() -> str:
     return text
 
 
+def _capture_trace(result: Path) -> str:
+    """The capture line of one stored result (its route first, then why)."""
+    return str((json.loads(result.read_text()).get("trace") or {}).get("capture", ""))
+
+
 def paper_audit(device: torch.device) -> str:
     """The paper-scale audit at :data:`REDUCED` budgets and its projected time at :data:`PAPER_ITERATIONS`."""
     import audit
@@ -74,7 +80,9 @@ def paper_audit(device: torch.device) -> str:
                                device=str(device), out=out, seed=0)
             torch.cuda.synchronize(device)
             seconds.append(time.perf_counter() - start)
-            notes = f"worst-case PSNR at budget {budget}: {report.psnr(0):.2f} dB"
+            taken = {_capture_trace(f).split(":")[0] for f in Path(out).rglob("s0__ig__i*.json")}
+            notes = (f"worst-case PSNR at budget {budget}: {report.psnr(0):.2f} dB; route taken: "
+                     f"{', '.join(sorted(taken)) or 'not recorded'}")  # a failed compile falls back to `graph`
     per_iteration = (seconds[1] - seconds[0]) / (REDUCED[1] - REDUCED[0])
     fixed = seconds[0] - per_iteration * REDUCED[0]
     full = fixed + per_iteration * PAPER_ITERATIONS

@@ -32,3 +32,11 @@ def test_the_cli_knows_every_section_the_turn_spawns(name, capsys):
 def test_a_test_run_that_does_not_exit_is_stopped_and_said_so(monkeypatch):
     monkeypatch.setattr(gpu_turn, "SECTION_TIMEOUT_S", 0.5)  # pytest cannot even start in that time
     assert gpu_turn.cuda_tests().startswith("`pytest -q tests/test_cuda.py`: stopped after 0.5 s without exiting")
+
+
+def test_the_paper_audit_reads_the_route_a_result_took(tmp_path):
+    result = tmp_path / "s0__ig__i0.json"
+    result.write_text('{"trace": {"capture": "graph: capture=\'compiled-graph\'; compiled-graph failed: X"}}')
+    assert gpu_turn._capture_trace(result).split(":")[0] == "graph"  # the fallback, not the route asked for
+    result.write_text('{"trace": {}}')
+    assert gpu_turn._capture_trace(result) == ""
