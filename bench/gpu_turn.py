@@ -17,7 +17,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import List
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -38,6 +38,18 @@ SECTIONS = {"tests": "CUDA tests", "floor": "IG throughput beside its floor", "o
 BODY = "--- gpu-turn section body ---"
 
 
+def _run(command: List[str]) -> Tuple[str, str, Optional[int]]:
+    """``command``'s stdout, stderr and exit code (None: stopped after :data:`SECTION_TIMEOUT_S`,
+    with what it printed by then)."""
+    try:
+        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=SECTION_TIMEOUT_S)
+    except subprocess.TimeoutExpired as stopped:
+        def text(output) -> str:
+            return output.decode(errors="replace") if isinstance(output, bytes) else (output or "")
+        return text(stopped.stdout), text(stopped.stderr), None
+    return done.stdout, done.stderr, done.returncode
+
+
 def cuda_tests() -> str:
     """``pytest tests/test_cuda.py``: its summary line, and its failures' report when some fail."""
     start = time.perf_counter()
@@ -45,16 +57,14 @@ def cuda_tests() -> str:
                "-p", "no:logging", "tests/test_cuda.py"]  # no captured log: torch's debug lines hid the reasons
     if importlib.util.find_spec("pytest_timeout"):  # a hung capture costs one test, not the turn
         command.append(f"--timeout={TEST_TIMEOUT_S}")
-    try:
-        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=SECTION_TIMEOUT_S)
-        stdout, stderr, failed = done.stdout, done.stderr, done.returncode != 0
-    except subprocess.TimeoutExpired as stopped:  # a process that does not exit (seen after a compile)
-        stdout, failed = _text(stopped.stdout), True
-        stderr = f"stopped after {SECTION_TIMEOUT_S} s without exiting"
+    stdout, stderr, code = _run(command)
     lines = stdout.strip().splitlines()
-    summary = lines[-1] if lines and not stderr.startswith("stopped") else stderr.strip()[-500:]
+    if code is None:  # a process that does not exit (seen after a compile)
+        summary = f"stopped after {SECTION_TIMEOUT_S} s without exiting"
+    else:
+        summary = lines[-1] if lines else stderr.strip()[-500:]
     text = f"`pytest -q tests/test_cuda.py`: {summary} ({time.perf_counter() - start:.0f} s)"
-    if failed:
+    if code != 0:
         text += "\n\n```\n" + "\n".join(lines[-150:]) + "\n```"
     return text
 
@@ -95,23 +105,18 @@ def paper_audit(device: torch.device) -> str:
             f"({per_iteration * 1e3 / PAPER_IMAGES:.3f} ms per image-iteration), one-off {fixed:.1f} s; {notes}.")
 
 
-def _text(output) -> str:
-    return output.decode(errors="replace") if isinstance(output, bytes) else (output or "")
-
-
 def in_own_process(name: str, device: torch.device) -> str:
     """One section's body, computed by ``bench_throughput.py --gpu-turn-section name`` in a process
     of its own: a fault that poisons the CUDA context (an illegal address) or a hang costs that
     section alone."""
     command = [sys.executable, str(ROOT / "bench" / "bench_throughput.py"), "--device", str(device),
                "--gpu-turn-section", name]
-    try:
-        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=SECTION_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
+    stdout, stderr, code = _run(command)
+    if code is None:
         return f"failed: stopped after {SECTION_TIMEOUT_S} s"
-    if done.returncode == 0 and BODY in done.stdout:
-        return done.stdout.split(BODY, 1)[1].strip()
-    return f"failed (exit {done.returncode}):\n\n```\n" + "\n".join(done.stderr.strip().splitlines()[-30:]) + "\n```"
+    if code == 0 and BODY in stdout:
+        return stdout.split(BODY, 1)[1].strip()
+    return f"failed (exit {code}):\n\n```\n" + "\n".join(stderr.strip().splitlines()[-30:]) + "\n```"
 
 
 def run(device: torch.device, out: Path) -> Path:
