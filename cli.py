@@ -165,6 +165,10 @@ def training_options(fn):
 @click.option("--clients", default=None, type=int, help="FL clients with their own data splits  [default: 1]")
 @click.option("--local-steps", default=None, type=int, help="FedAvg local steps  [default: 1 = FedSGD]")
 @click.option("--local-lr", default=None, type=float, help="FedAvg local learning rate  [default: --lr]")
+@click.option("--server-optimizer", default=None, metavar="NAME[:KEY=VALUE,...]",
+              help="the server's optimizer on each round's mean update between audited steps, its state kept "
+                   "across rounds (FedAvgM / FedOpt), e.g. sgd:momentum=0.9,nesterov=1,weight_decay=5e-4  "
+                   "[default: sgd, the update as is]")
 @training_options
 @click.option("--delta", default=None, type=float,
               help="l2 radius of the risk ball  [default: RMSE 0.1 x sqrt(pixels), i.e. 20 dB]")
@@ -187,8 +191,8 @@ def training_options(fn):
 @friendly_errors
 def audit_cmd(defense, defense_arg, model, model_arg, model_normalize, checkpoint, client_mode, dataset, data_path,
               image_size, steps, attacks, attack_arg, images, batch_size, budget, share_labels, lr, train_batch_size,
-              clients, local_steps, local_lr, shares, local_optimizer, local_batch_size, local_epochs, delta, thresholds,
-              utility, utility_steps, utility_seeds, defense_timeout, quiet, out, seed, device):
+              clients, local_steps, local_lr, server_optimizer, shares, local_optimizer, local_batch_size, local_epochs,
+              delta, thresholds, utility, utility_steps, utility_seeds, defense_timeout, quiet, out, seed, device):
     """Audit a defense: attack it at several training steps and write the risk report."""
     from audit.core.registry import parse_kv_args
     from audit.engine.audit import run
@@ -200,8 +204,8 @@ def audit_cmd(defense, defense_arg, model, model_arg, model_normalize, checkpoin
         model=model, model_normalize=model_normalize, checkpoint=checkpoint,
         client_mode=client_mode, image_size=image_size, steps=steps, attacks=attacks, images=images, batch_size=batch_size,
         budget=budget, share_labels=share_labels, lr=lr, train_batch_size=train_batch_size, clients=clients,
-        local_steps=local_steps, local_lr=local_lr, shares=shares, local_optimizer=local_optimizer,
-        local_batch_size=local_batch_size, local_epochs=local_epochs, delta=delta, thresholds=thresholds, utility=utility,
+        local_steps=local_steps, local_lr=local_lr, server_optimizer=server_optimizer, shares=shares,
+        local_optimizer=local_optimizer, local_batch_size=local_batch_size, local_epochs=local_epochs, delta=delta, thresholds=thresholds, utility=utility,
         utility_steps=utility_steps, utility_seeds=utility_seeds, out=out, defense_timeout=defense_timeout)
     report = run(**settings, seed=seed, device=resolve_device(device), progress=not quiet)
     click.echo(report.summary())
@@ -231,7 +235,7 @@ class _KeepsOptionOrder(click.Command):
 # the audit command's setting options that a sweep shares (the same for every cell)
 SWEEP_SHARES = ("model", "model_arg", "model_normalize", "checkpoint", "client_mode", "dataset", "data_path",
                 "image_size", "steps", "attacks", "attack_arg", "images", "batch_size", "budget", "share_labels", "lr", "train_batch_size", "clients",
-                "local_steps", "local_lr", "shares", "local_optimizer", "local_batch_size", "local_epochs", "delta", "thresholds", "utility", "utility_steps", "utility_seeds",
+                "local_steps", "local_lr", "server_optimizer", "shares", "local_optimizer", "local_batch_size", "local_epochs", "delta", "thresholds", "utility", "utility_steps", "utility_seeds",
                 "defense_timeout")
 
 

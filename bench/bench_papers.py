@@ -89,6 +89,20 @@ class PaperSetting:
     client_mode: str = "train"
     #: where the client mode comes from when the paper's text does not say it (the authors' code)
     mode_source: str = ""
+    #: the optimiser that trains the model between the attacked steps (``audit.run``'s
+    #: ``server_optimizer``: one client, FedSGD, so centralised training) and where it comes from
+    train_optimizer: Optional[str] = None
+    train_source: str = ""
+    train_lr: float = 0.1
+
+    def training_text(self, lr: float) -> Optional[str]:
+        """How the model is trained between the attacked steps, where the paper's code says."""
+        if self.train_optimizer is None:
+            return None
+        from audit.core.local_training import LocalOptimizer
+
+        return (f"trained between steps with {LocalOptimizer.parse(self.train_optimizer).describe()} at lr {lr:g}"
+                + (f" ({self.train_source})" if self.train_source else ""))
 
     @property
     def budget(self) -> Optional[int]:
@@ -107,6 +121,8 @@ class PaperSetting:
                  f"step{'s' if len(self.steps) > 1 else ''} {steps}"]
         if self.train_batch:
             parts.append(f"training batch {self.train_batch}")
+        if self.training_text(self.train_lr):
+            parts.append(self.training_text(self.train_lr))
         if self.mode_text():
             parts.append(self.mode_text() + (f" ({self.mode_source})" if self.mode_source else ""))
         if self.hparams:
@@ -378,11 +394,11 @@ ROWS: List[Row] = [
                      "CIFAR-10 32x32", 2000, images=100, steps=(1, 2, 5, 10, 20, 50), train_batch=32,
                      hparams="ATS policy 7-4-15; cosine, Adam 0.1 with decay, TV 1e-5, one random start; "
                              "the label given",
-                     anchor="The total variation regularization constant is 1 × 10-5", client_mode="eval"),
+                     anchor="The total variation regularization constant is 1 × 10-5", client_mode="eval",
+                     train_optimizer="sgd:momentum=0.9,nesterov=1,weight_decay=5e-4",
+                     train_source="the authors' cifar_train.py: inversefed's 'conservative' strategy"),
         scales={"cpu": Scale(images=8, why="a 2,000-iteration IG on the width-64 ConvNet costs about 0.2 s per "
                                          "image-iteration on 2 CPU cores: 8 images at each of the paper's six steps")},
-        differences=("plain SGD between steps (the authors' cifar_train.py: inversefed's SGD at lr 0.1 with "
-                     "momentum 0.9, Nesterov, weight decay 5e-4)",),
         planner_budget=200, notes=("the claim checked: IG recovers the (augmented) image at the earliest step",
                                     "the paper's count of images and its eval mode are those of the authors' code "
                                     "(defense_attacks/ats/benchmark/cifar_attack.py: model.eval(), 100 images); "
@@ -463,6 +479,8 @@ def differences(row: Row, run: Dict[str, Any]) -> List[str]:
             out.append(f"steps {', '.join(map(str, run['steps']))} of {', '.join(map(str, paper.steps))}")
         if paper.images and run["images"] < paper.images:
             out.append(f"{run['images']} of {paper.images:,} images")
+    if paper.train_optimizer and row.lr != paper.train_lr:
+        out.append(f"training lr {row.lr:g} (the paper's: {paper.train_lr:g})")
     out.extend(row.differences)
     return out
 
@@ -480,6 +498,8 @@ def own_text(row: Row, run: Dict[str, Any], data: str) -> str:
                   f"step{'s' if len(run['steps']) > 1 else ''} {', '.join(map(str, run['steps']))}"]
     if row.setting.train_batch:
         parts.append(f"training batch {run['train_batch']}")
+    if row.setting.training_text(row.lr):
+        parts.append(row.setting.training_text(row.lr).split(" (")[0])
     if row.setting.mode_text():
         parts.append(row.setting.mode_text())
     return "; ".join(parts)
@@ -500,8 +520,9 @@ def base_call(row: Row, profile: Profile, data: str, data_args: Dict[str, Any], 
                 utility_steps=4 if profile.shrunk else row.utility_steps,
                 utility_seeds=2 if profile.shrunk else 3, device=profile.device,
                 out=str(store_dir(row, out) / "paper"), progress=not profile.shrunk,
-                # named only where it is not the default, so the other rows' cell keys stay as stored
-                **({"client_mode": row.setting.client_mode} if row.setting.client_mode != "train" else {}))
+                # named only where they are not the default, so the other rows' cell keys stay as stored
+                **({"client_mode": row.setting.client_mode} if row.setting.client_mode != "train" else {}),
+                **({"server_optimizer": row.setting.train_optimizer} if row.setting.train_optimizer else {}))
 
 
 @dataclass

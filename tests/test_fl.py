@@ -87,6 +87,50 @@ def test_fedavg_averages_the_clients_local_training():
         assert torch.allclose(p, (finals[0][i] + finals[1][i]) / 2, atol=1e-6)
 
 
+def test_server_optimizer_trains_as_torch_sgd_with_momentum_and_weight_decay():
+    """One client, full batches, FedSGD: the server's SGD with momentum, Nesterov and weight
+    decay, its state kept across rounds, is centralised training with ``torch.optim.SGD``."""
+    data = synthetic(n_train=24)
+    model, reference, plain = mlp(), mlp(), mlp()
+    train(model, data, None, 4, lr=0.1, batch_size=24, seed=0,
+          server_optimizer="sgd:momentum=0.9,nesterov=1,weight_decay=5e-4")
+    opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9, nesterov=True, weight_decay=5e-4)
+    for _ in range(4):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(reference(data.train_images), data.train_labels).backward()
+        opt.step()
+    train(plain, data, None, 4, lr=0.1, batch_size=24, seed=0)
+    for p, q, r in zip(model.parameters(), reference.parameters(), plain.parameters()):
+        assert torch.allclose(p, q, atol=1e-5)
+    assert max(float((p - r).detach().abs().max()) for p, r in zip(model.parameters(), plain.parameters())) > 1e-3
+
+
+def test_server_momentum_over_fedavg_rounds_steps_on_the_mean_delta():
+    """FedAvg with a server momentum of 0.5: round 1 moves by the clients' mean delta d1
+    (the buffer starts at it), round 2 by d2 + 0.5 d1 (FedAvgM)."""
+    data = synthetic(n_train=24)
+    fedavgm, start = mlp(), mlp()
+    kwargs = dict(lr=0.3, batch_size=24, local_steps=2, seed=2)
+    train(fedavgm, data, None, 2, server_optimizer="sgd:momentum=0.5", **kwargs)
+
+    def local(model):  # two full-batch local steps of plain SGD at lr 0.3
+        client = copy.deepcopy(model)
+        for _ in range(2):
+            grads = clean_gradients(client, data.train_images, data.train_labels)
+            with torch.no_grad():
+                for p, g in zip(client.parameters(), grads):
+                    p -= 0.3 * g
+        return client
+
+    first = local(start)
+    d1 = [p - q for p, q in zip(start.parameters(), first.parameters())]
+    second = local(first)
+    expected = [p - (q - r) - 0.5 * d for p, q, r, d in zip(first.parameters(), first.parameters(),
+                                                             second.parameters(), d1)]
+    for p, e in zip(fedavgm.parameters(), expected):
+        assert torch.allclose(p, e, atol=1e-5)
+
+
 def test_client_splits_are_disjoint_and_cover_the_data():
     splits = client_splits(10, 3, torch.Generator().manual_seed(0))
     assert sorted(torch.cat(splits).tolist()) == list(range(10)) and [len(s) for s in splits] == [4, 3, 3]
@@ -219,3 +263,13 @@ def test_utility_cli_prints_the_table():
     assert f"lr {PROTOCOL.lr} (constant), batch 4" in result.output  # given options over the recipe's
     bad = runner.invoke(main, ["utility", "--defense", "prune", "--defense-arg", "ratio=1.5", "--steps", "1"])
     assert bad.exit_code == 2 and "ratio must be in [0, 1)" in bad.output
+
+
+def test_audit_cli_names_a_bad_server_optimizer_before_work(tmp_path):
+    from cli import main
+
+    out = tmp_path / "run"
+    bad = CliRunner().invoke(main, ["audit", "--defense", "none", "--server-optimizer", "sgd:momentum=1.5",
+                                    "--out", str(out)])
+    assert bad.exit_code == 2 and "momentum must be in [0, 1)" in bad.output
+    assert len(bad.output.strip().splitlines()) == 1 and not out.exists()

@@ -207,6 +207,7 @@ def test_audit_of_a_state_upload_lists_what_was_shared(tmp_path):
     (dict(local_optimizer="lamb"), "unknown local optimizer"),
     (dict(local_steps=3, shares="gradient"), "uploads an update"),
     (dict(local_steps=2, local_epochs=1), "not both"),
+    (dict(server_optimizer="sgd:nesterov=1"), "nesterov needs momentum"),
 ])
 def test_audit_rejects_bad_training_descriptions_before_work(tmp_path, settings, message):
     from audit.engine import audit

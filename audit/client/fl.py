@@ -7,6 +7,11 @@
   and runs ``local_steps`` SGD steps (``local_lr``, default ``lr``) on its own batches, each
   with the defended gradient; the server adds the mean of the clients' parameter deltas
   (floating-point buffers such as BatchNorm statistics are averaged too).
+* **A server optimiser** (``server_optimizer``, FedOpt / FedAvgM): the server treats the
+  round's mean gradient (FedSGD) or mean delta over the learning rate (FedAvg) as a
+  gradient and steps with SGD momentum / Nesterov / weight decay or Adam, its state kept
+  across rounds. With one client and FedSGD this is centralised training with that
+  optimiser, as papers train the models they attack between steps.
 
 Clients hold disjoint random splits of the training set. Architectural defenses are applied
 first (``defense.wrap_model`` modifies the model in place); data-side transforms and
@@ -60,6 +65,26 @@ def _apply(params: List[nn.Parameter], grads: List[Tensor], lr: float) -> None:
             p.sub_(lr * g.detach())
 
 
+class ServerStep:
+    """The server's step on the round's mean update: ``theta -= lr * direction``, the
+    direction from ``optimizer``'s rule with its state kept across rounds (plain SGD: the
+    update itself)."""
+
+    def __init__(self, optimizer: LocalOptimizer):
+        self.optimizer = optimizer
+        self.state: dict = {}
+        self.rounds = 0
+
+    def step(self, params: List[nn.Parameter], grads: List[Tensor], lr: float) -> None:
+        if not self.optimizer.plain:
+            self.rounds += 1
+            moved, self.state = optimizer_step(self.optimizer, {str(i): p.detach() for i, p in enumerate(params)},
+                                               {str(i): g.detach() for i, g in enumerate(grads)}, self.state,
+                                               self.rounds)
+            grads = list(moved.values())
+        _apply(params, grads, lr)
+
+
 def _check_args(dataset, steps, lr, batch_size, local_steps) -> None:
     for attr in ("train_images", "train_labels"):
         if not hasattr(dataset, attr):
@@ -85,7 +110,8 @@ def train(model: nn.Module, dataset, defense, steps: int, *, lr: float, batch_si
           clients: int = 1, local_steps: int = 1, local_lr: Optional[float] = None, seed: int = 0,
           device="cpu", loss_fn: LossFn = default_loss_fn,
           callback: Optional[Callable[[int, nn.Module], None]] = None,
-          schedule: Optional[Callable[[int], float]] = None, optimizer=None) -> History:
+          schedule: Optional[Callable[[int], float]] = None, optimizer=None,
+          server_optimizer=None) -> History:
     """Train ``model`` in place for ``steps`` rounds with the defended updates.
 
     ``model`` is the client's model: for architectural defenses, the one ``defense.wrap_model``
@@ -97,9 +123,11 @@ def train(model: nn.Module, dataset, defense, steps: int, *, lr: float, batch_si
     ``schedule(step)``: a factor on the learning rates of round ``step`` (None: constant).
     ``optimizer``: the clients' local optimiser (a :class:`~audit.core.local_training.LocalOptimizer`
     or its text; a fresh state each round, as a client builds its optimiser in each fit; one
-    other than plain SGD makes the round FedAvg).
+    other than plain SGD makes the round FedAvg). ``server_optimizer``: the server's optimiser on
+    the round's mean update (its text or record; None or plain SGD: the update is applied as is).
     """
     optimizer = LocalOptimizer.parse(optimizer)
+    server = ServerStep(LocalOptimizer.parse(server_optimizer))
     _check_args(dataset, steps, lr, batch_size, local_steps)
     defense = as_defense(defense) or NoDefense()
     device = torch.device(device)
@@ -136,10 +164,18 @@ def train(model: nn.Module, dataset, defense, steps: int, *, lr: float, batch_si
                 else:
                     updates.append([g.detach() for g in grads])
             local_models.append(client)
+        params = trainable_parameters(model)
         if fedavg:
+            before = [p.detach().clone() for p in params]
             _average_into(model, local_models)
+            if not server.optimizer.plain:  # the mean delta over the learning rate, stepped by the server
+                deltas = [(b - p.detach()) / (step_lr * scale) for b, p in zip(before, params)]
+                with torch.no_grad():
+                    for p, b in zip(params, before):
+                        p.copy_(b)
+                server.step(params, deltas, step_lr * scale)
         else:
-            _apply(trainable_parameters(model), [torch.stack(c).mean(0) for c in zip(*updates)], lr * scale)
+            server.step(params, [torch.stack(c).mean(0) for c in zip(*updates)], lr * scale)
         history.losses.append(sum(losses) / len(losses))
     if callback is not None:
         callback(steps, model)

@@ -608,7 +608,8 @@ def _train(audit: "Audit", last_step: int, wanted: set) -> Tuple[Dict[int, Dict[
     try:
         train(model, audit.dataset, audit.defense, last_step, lr=audit.fl_settings.lr, batch_size=audit.fl_settings.batch_size,
               clients=audit.fl_settings.clients, local_steps=audit.fl_settings.local_steps, local_lr=audit.fl_settings.local_lr,
-              seed=audit.seed, device=audit.device, callback=capture, optimizer=audit.fl_settings.local_optimizer)
+              seed=audit.seed, device=audit.device, callback=capture, optimizer=audit.fl_settings.local_optimizer,
+              server_optimizer=audit.fl_settings.server_optimizer)
     except GiaError as err:  # the defense failed on the model of step done["step"]
         failed = done["step"]
         return captured, {"phase": "training", "step": failed, "defense": audit.defense.name,
@@ -684,6 +685,7 @@ def run(
     local_batch_size: Optional[int] = None,
     local_epochs: Optional[int] = None,
     shares: Optional[str] = None,
+    server_optimizer: Any = "sgd",
     utility: bool = True,
     utility_steps: int = PROTOCOL.rounds,
     utility_seeds: int = 3,
@@ -705,8 +707,8 @@ def run(
     ``checkpoint``: a state_dict file its weights start from; ``client_mode``: ``"train"`` or
     ``"eval"``, the mode of the audited client's update (see ``docs/own-model.md``).
     ``steps``: audited training steps (trained between them with the defended updates over
-    ``clients`` clients); the client's training and upload (``local_*``, ``shares``): see
-    :class:`~audit.engine.settings.FLSettings`. ``attacks``: ``"auto"`` (base attacks plus the
+    ``clients`` clients); the client's training and upload (``local_*``, ``shares``) and the
+    server's optimiser (``server_optimizer``): :class:`~audit.engine.settings.FLSettings`. ``attacks``: ``"auto"`` (base attacks plus the
     planner's adaptive attacks) or a list of names (``attack_args``: per-attack settings,
     ``{"ig": {"restarts": 2}}``, over the planner's). ``images``: private batches of
     ``batch_size`` images. ``budget``: gradient evaluations of the model per attack and
@@ -741,7 +743,7 @@ def audit_settings(**flat: Any) -> Dict[str, Any]:
                                    s["share_labels"]),
         fl_settings=FLSettings(s["lr"], s["train_batch_size"], s["clients"], s["local_steps"], s["local_lr"],
                                s["client_mode"], s["local_optimizer"], s["local_batch_size"], s["local_epochs"],
-                               s["shares"]),
+                               s["shares"], s["server_optimizer"]),
         attack_settings=AttackSettings(s["steps"], s["attacks"], s["attack_args"] or {}, s["budget"]),
         output_settings=OutputSettings(s["out"], s["utility"], s["utility_steps"], LeakRule.of(s["thresholds"]),
                                        s["delta"], s["progress"], s["defense_timeout"], s["retry_errors"],

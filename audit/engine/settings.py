@@ -128,7 +128,9 @@ class FLSettings:
     ``local_batch_size``) of ``local_optimizer`` (``"sgd"``, ``"sgd:momentum=0.9,nesterov=1,
     weight_decay=5e-4"``, ``"adam"``, ``"adamw:weight_decay=0.01"``); ``shares``: what it
     uploads, ``"gradient"`` (FedSGD), ``"update"`` (its weights after training) or ``"state"``
-    (weights and buffers: the BatchNorm statistics)."""
+    (weights and buffers: the BatchNorm statistics). ``server_optimizer``: the server's optimiser
+    on each round's mean update, its state kept across rounds (FedAvgM / FedOpt; with one
+    client and FedSGD, centralised training such as a paper's SGD with momentum)."""
 
     lr: float = 0.1
     batch_size: int = 8
@@ -145,6 +147,8 @@ class FLSettings:
     local_epochs: Optional[int] = None
     #: what the client uploads: gradient, update or state (None: gradient for one plain step, else update)
     shares: Optional[str] = None
+    #: the server's optimiser between audited steps (same text as ``local_optimizer``)
+    server_optimizer: Any = "sgd"
 
     def __post_init__(self):
         if self.client_mode not in CLIENT_MODES:
@@ -152,7 +156,7 @@ class FLSettings:
         optimizer = LocalOptimizer.parse(self.local_optimizer)
         if self.local_epochs is not None and self.local_steps != 1:
             raise ConfigError("give local_steps or local_epochs, not both (--local-steps / --local-epochs)")
-        _set(self, local_optimizer=optimizer,
+        _set(self, local_optimizer=optimizer, server_optimizer=LocalOptimizer.parse(self.server_optimizer),
              local_batch_size=None if self.local_batch_size is None else _positive("local_batch_size",
                                                                                   self.local_batch_size),
              local_epochs=None if self.local_epochs is None else _positive("local_epochs", self.local_epochs))
@@ -174,7 +178,9 @@ class FLSettings:
             f"{self.local_steps} local step(s)"
         batch = "" if self.local_batch_size is None else f", mini-batches of {self.local_batch_size}"
         lr = self.local_lr if self.local_lr is not None else self.lr
-        return f"{steps} of {self.local_optimizer.describe()} at lr {lr}{batch}; uploads its {self.shares}"
+        server = "" if self.server_optimizer.plain else \
+            f"; the server steps with {self.server_optimizer.describe()} between audited steps"
+        return f"{steps} of {self.local_optimizer.describe()} at lr {lr}{batch}; uploads its {self.shares}{server}"
 
 
 @dataclass(frozen=True)
