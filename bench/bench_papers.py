@@ -12,9 +12,11 @@ identification among K candidates with its exact 95% interval and the cell's cha
 conclusion by the rule of :mod:`bench.papers_verdict`.
 
 Profiles (``--profile``): ``cpu`` (default) runs every row a CPU reaches at the paper's
-setting and the ResNet-18 rows scaled (width 8, small budgets); ``gpu`` runs the ResNet-18
-rows at width 64 and the papers' budgets, as many rows per invocation as the planning
-estimate (:func:`gpu_minutes`, from ``docs/performance.md``) fits in ``--minutes``;
+setting, the ResNet-18 rows scaled (width 8, small budgets) and ATS and Refiner on fewer
+images; ``gpu`` runs the ResNet-18 rows at width 64 and the papers' budgets and ATS and
+Refiner on the papers' 100 and 1,000 images, as many rows per invocation as the planning
+estimate (:func:`gpu_minutes`, from ``docs/performance.md``) fits in ``--minutes`` (a row
+planned longer runs alone, its cells in slices that are kept as they finish);
 ``quick`` (2 images, tiny budgets, never writes docs) checks the plumbing.
 
 Results persist in the repository: every finished cell is written to
@@ -398,7 +400,9 @@ ROWS: List[Row] = [
                      train_optimizer="sgd:momentum=0.9,nesterov=1,weight_decay=5e-4",
                      train_source="the authors' cifar_train.py: inversefed's 'conservative' strategy"),
         scales={"cpu": Scale(images=8, why="a 2,000-iteration IG on the width-64 ConvNet costs about 0.2 s per "
-                                         "image-iteration on 2 CPU cores: 8 images at each of the paper's six steps")},
+                                         "image-iteration on 2 CPU cores: 8 images at each of the paper's six "
+                                         "steps (the paper's 100 take about 60 hours; the gpu profile runs them)")},
+        profiles=BOTH,
         planner_budget=200, notes=("the claim checked: IG recovers the (augmented) image at the earliest step",
                                     "the paper's count of images and its eval mode are those of the authors' code "
                                     "(defense_attacks/ats/benchmark/cifar_attack.py: model.eval(), 100 images); "
@@ -414,7 +418,10 @@ ROWS: List[Row] = [
           adaptive=AttackRef("through-defense", {"tv": 1e-4, **EOT}, "EOT through Refiner (ours)"),
           paper_psnr=psnr, planner_budget=200,
           scales={"cpu": Scale(images=IMAGES, adaptive_budget=200, why="16 images: 4,000 IG iterations on each of "
-                               "1,000 images is days on 2 CPU cores")},
+                               "1,000 images is days on 2 CPU cores (the gpu profile runs them)"),
+                  "gpu": Scale(adaptive_budget=200, why="the paper's 1,000 images; our EOT attack at budget 200, "
+                               "each of its evaluations runs Refiner's own optimisation")},
+          profiles=BOTH,
           notes=("Refiner's TV weight is not given; IG's 1e-4 stands in",))
       for alpha, psnr in ((0.0, 21.24), (0.5, 13.20), (0.9, 10.52))],
     Row("refiner-utility", "Refiner", "Table 7, utility: PMM (defended / undefended accuracy), alpha 0.5",
@@ -1129,7 +1136,10 @@ def timing(rows: Sequence[Row], profile: Profile, data: str, data_args: Dict[str
 #: ms per image per gradient evaluation of IG on an H100 (``docs/performance.md``: 8 images,
 #: the iteration captured in a CUDA graph): the gpu profile's planning figure, not a measurement
 #: of these rows
-GPU_MS = {"resnet18": 2.46, "cnn": 0.134}
+#: (``convnet9``: the ResNet-18 figure x 3.45, its forward FLOPs over a width-64 ResNet-18's at
+#: 32x32; ``lenet``: the ``cnn`` figure, a model of a tenth of its FLOPs whose iteration is
+#: bound by kernel launches, which the captured graph removes)
+GPU_MS = {"resnet18": 2.46, "cnn": 0.134, "convnet9": 2.46 * 3.45, "lenet": 0.134}
 
 
 def gpu_minutes(row: Row, profile: Profile = Profile("gpu")) -> float:

@@ -230,12 +230,30 @@ def test_the_pages_title_counts_the_rows_at_and_below_the_papers_setting():
 def test_the_gpu_profile_runs_resnet18_at_width_64_and_each_row_plans_under_40_minutes():
     gpu = bp.Profile("gpu")
     rows = bp.selected(None, None, "gpu")
-    assert rows and all(r.model == "resnet18" for r in rows)
-    for row in rows:
+    resnets = [r for r in rows if r.model == "resnet18"]
+    assert len(resnets) == 10
+    for row in resnets:
         assert bp.run_setting(row, gpu)["model_args"] == {}  # the registry's width 64
         assert bp.gpu_minutes(row) <= 40, row.id
     chosen = bp.gpu_batch(rows, 40, gpu, "embedded", {}, Path("/nonexistent"), Path("/nonexistent"))
     assert chosen and sum(bp.gpu_minutes(r) for r in chosen) <= 40
+
+
+def test_the_gpu_profile_runs_ats_and_refiner_on_the_papers_images():
+    """The rows the CPU runs on fewer images run at the paper's setting on a GPU; one planned
+    longer than an invocation's minutes runs alone."""
+    gpu, cpu = bp.Profile("gpu"), bp.Profile("cpu")
+    others = {r.id: r for r in bp.selected(None, None, "gpu") if r.model != "resnet18"}
+    assert set(others) == {"bayes-ats", "refiner-alpha-0.0", "refiner-alpha-0.5", "refiner-alpha-0.9"}
+    for row in others.values():
+        run = bp.run_setting(row, gpu)
+        assert run["images"] == row.setting.images in (100, 1000) and bp.label(row, run) == bp.AT_PAPER, row.id
+        assert bp.label(row, bp.run_setting(row, cpu)) == f"scaled: {bp.run_setting(row, cpu)['images']} of " \
+                                                           f"{row.setting.images:,} images", row.id
+    ats = others["bayes-ats"]
+    assert bp.gpu_minutes(ats) > 40
+    assert bp.gpu_batch([ats, others["refiner-alpha-0.0"]], 40, gpu, "embedded", {}, Path("/nonexistent"),
+                        Path("/nonexistent")) == [ats]
 
 
 def test_the_planner_cell_runs_its_attacks_at_their_presets_in_an_audit_of_its_own():
