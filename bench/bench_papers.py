@@ -11,13 +11,10 @@ its own) and the paper's named adaptive attack, each as mean PSNR / SSIM / LPIPS
 identification among K candidates with its exact 95% interval and the cell's chance; and a
 conclusion by the rule of :mod:`bench.papers_verdict`.
 
-Profiles (``--profile``): ``cpu`` (default) runs every row a CPU reaches at the paper's
-setting, the ResNet-18 rows scaled (width 8, small budgets) and ATS and Refiner on fewer
-images; ``gpu`` runs the ResNet-18 rows at width 64 and the papers' budgets and ATS and
-Refiner on the papers' 100 and 1,000 images, as many rows per invocation as the planning
-estimate (:func:`gpu_minutes`, from ``docs/performance.md``) fits in ``--minutes`` (a row
-planned longer runs alone, its cells in slices that are kept as they finish);
-``quick`` (2 images, tiny budgets, never writes docs) checks the plumbing.
+Profiles (``--profile``): ``cpu`` (default) runs what a CPU reaches at the paper's setting
+(ResNet-18 at width 8, ATS and Refiner on fewer images); ``gpu`` the rest at the papers'
+settings, the rows that fit ``--minutes`` per invocation (:func:`gpu_minutes`); ``quick``
+(2 images, tiny budgets, never writes docs) checks the plumbing.
 
 Results persist in the repository: every finished cell is written to
 ``bench/papers_results/<profile>-<data>/<row>.json`` with the key of the audit call that

@@ -150,6 +150,7 @@ def test_fedavg_with_several_clients_is_simulated_and_declared(tmp_path):
     assert threat["local_steps"] == 2 and threat["local_lr"] == 0.05 and "3 client(s)" in threat["training_data"]
     fl = dict(report.data["settings"]["fl"])
     assert fl.pop("local_optimizer")["name"] == "sgd"
+    assert fl.pop("server_optimizer")["momentum"] == 0.0  # the server applies the mean update as is
     assert fl == {"lr": 0.1, "batch_size": 8, "clients": 3, "local_steps": 2, "local_lr": 0.05, "client_mode": "train",
                   "local_batch_size": None, "local_epochs": None, "shares": "update"}
     assert report.step(2)["attacks"]["analytic"]["status"] in ("ok", "not applicable")
