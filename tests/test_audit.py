@@ -143,6 +143,17 @@ def test_a_changed_attack_default_redoes_its_results_only(tmp_path, monkeypatch)
     assert calls == ["ig"] and len(list((tmp_path / "runs").iterdir())) == 1
 
 
+def test_the_server_optimizer_trains_between_steps_and_is_declared(tmp_path):
+    runs = {}
+    for name, spec in (("plain", "sgd"), ("momentum", "sgd:momentum=0.9,nesterov=1,weight_decay=5e-4")):
+        report = audit.run(defense="none", steps=[0, 3], attacks=["analytic"], images=1, server_optimizer=spec,
+                           out=tmp_path / name, **TINY)
+        runs[name] = torch.load(next((tmp_path / name / "runs").iterdir()) / "checkpoints" / "s3.pt")
+        declared = report.data["threat_model"]["client_training"]
+        assert ("the server steps with sgd(momentum=0.9" in declared) == (name == "momentum"), declared
+    assert not torch.equal(runs["plain"]["2.weight"], runs["momentum"]["2.weight"])  # the momentum moved the model
+
+
 def test_fedavg_with_several_clients_is_simulated_and_declared(tmp_path):
     report = audit.run(defense="none", steps=[0, 2], attacks=["analytic"], images=1, clients=3, local_steps=2,
                        local_lr=0.05, out=tmp_path, **TINY)
