@@ -166,9 +166,9 @@ def train(model: nn.Module, dataset, defense, steps: int, *, lr: float, batch_si
             local_models.append(client)
         params = trainable_parameters(model)
         if fedavg:
-            before = [p.detach().clone() for p in params]
+            before = None if server.optimizer.plain else [p.detach().clone() for p in params]
             _average_into(model, local_models)
-            if not server.optimizer.plain:  # the mean delta over the learning rate, stepped by the server
+            if before is not None:  # the mean delta over the learning rate, stepped by the server
                 deltas = [(b - p.detach()) / (step_lr * scale) for b, p in zip(before, params)]
                 with torch.no_grad():
                     for p, b in zip(params, before):
