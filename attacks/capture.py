@@ -143,9 +143,17 @@ class Graph(Route):
         torch.cuda.empty_cache()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        with capturing(lambda: graph.capture_begin(capture_error_mode="thread_local"), graph.capture_end,
-                       torch.cuda.stream(side)):
-            out = fn()
+        generator = torch.cuda.default_generators[torch.cuda.current_device()]
+        before = generator.clone_state()
+        try:
+            with capturing(lambda: graph.capture_begin(capture_error_mode="thread_local"), graph.capture_end,
+                           torch.cuda.stream(side)):
+                out = fn()
+        except BaseException:
+            # a capture that fails before its end leaves the generator in capture mode, and every
+            # later random draw on this GPU (a compile's, a noise defense's) would then raise
+            generator.graphsafe_set_state(before)
+            raise
         torch.cuda.current_stream().wait_stream(side)
         STATS["captured"] += 1
 

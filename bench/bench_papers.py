@@ -1130,13 +1130,14 @@ def timing(rows: Sequence[Row], profile: Profile, data: str, data_args: Dict[str
             + f", {seconds / 60:.1f} min of runs in all")
 
 
-#: ms per image per gradient evaluation of IG on an H100 (``docs/performance.md``: 8 images,
-#: the iteration captured in a CUDA graph): the gpu profile's planning figure, not a measurement
-#: of these rows
+#: ms per image per gradient evaluation of IG on an H100 (``docs/gpu-turn.md``: the audit's grouped
+#: iteration captured in a CUDA graph, 8 images, measured beside its floor): the gpu profile's
+#: planning figure, not a measurement of these rows (a run of many images or iterations compiles
+#: its program and is faster: 0.84 ms at 32 images on ResNet-18)
 #: (``convnet9``: the ResNet-18 figure x 3.45, its forward FLOPs over a width-64 ResNet-18's at
 #: 32x32; ``lenet``: the ``cnn`` figure, a model of a tenth of its FLOPs whose iteration is
 #: bound by kernel launches, which the captured graph removes)
-GPU_MS = {"resnet18": 2.46, "cnn": 0.134, "convnet9": 2.46 * 3.45, "lenet": 0.134}
+GPU_MS = {"resnet18": 2.75, "cnn": 0.158, "convnet9": 2.75 * 3.45, "lenet": 0.158}
 
 
 def gpu_minutes(row: Row, profile: Profile = Profile("gpu")) -> float:
