@@ -27,6 +27,7 @@ Missing evidence (an attack that failed, or has not run) makes a cell inconclusi
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -58,6 +59,7 @@ class CellEvidence:
     per_step_psnr: Dict[int, Optional[float]] = field(default_factory=dict)
     per_image_identified: Dict[Tuple[int, int, int], bool] = field(default_factory=dict)  # (step, batch, index)
     per_image_psnr: Dict[Tuple[int, int, int], float] = field(default_factory=dict)
+    per_step_recovered: Dict[int, int] = field(default_factory=dict)
     members: int = 1  # m: the (attack, reference) pairs the cell's per-image maximum runs over
     null_chance: Optional[float] = None  # the null's best-of-m identification rate
 
@@ -83,6 +85,27 @@ class CellEvidence:
         """The identification rate's interval lies above the cell's chance."""
         return self.images > 0 and self.chance is not None and self.identification_interval()[0] > self.chance
 
+    def at_steps(self, steps: Sequence[int]) -> "CellEvidence":
+        """The same evidence restricted to ``steps`` (a claim about some of the cell's steps is
+        judged on those alone): counts, PSNR and what is missing there; SSIM and LPIPS, stored
+        pooled only, are left out."""
+        keep = set(steps) & set(self.steps)
+        if not keep <= set(self.per_step_recovered):
+            raise ValueError(f"the cell stores no per-step recovered counts for steps {sorted(keep)}: "
+                             "rerun the cell (python bench/bench_papers.py --rows <row>)")
+        out = CellEvidence(list(self.attacks), sorted(keep), candidates=self.candidates, strongest=self.strongest,
+                           members=self.members, null_chance=self.null_chance)
+        out.per_image_identified = {k: v for k, v in self.per_image_identified.items() if k[0] in keep}
+        out.per_image_psnr = {k: v for k, v in self.per_image_psnr.items() if k[0] in keep}
+        out.per_step_psnr = {s: v for s, v in self.per_step_psnr.items() if s in keep}
+        out.per_step_recovered = {s: v for s, v in self.per_step_recovered.items() if s in keep}
+        out.images = len(out.per_image_identified)
+        out.identified = sum(out.per_image_identified.values())
+        out.recovered = sum(out.per_step_recovered.values())
+        out.missing = [m for m in self.missing if _missing_step(m) in keep | {None}]
+        out.psnr = _mean(list(out.per_image_psnr.values()))
+        return out
+
     def to_dict(self) -> Dict[str, Any]:
         return {"attacks": self.attacks, "steps": self.steps, "images": self.images, "identified": self.identified,
                 "recovered": self.recovered, "candidates": self.candidates, "psnr": self.psnr, "ssim": self.ssim,
@@ -90,6 +113,7 @@ class CellEvidence:
                 "per_step_psnr": {str(k): v for k, v in self.per_step_psnr.items()},
                 "per_image_identified": {f"{s}/{b}/{j}": v for (s, b, j), v in self.per_image_identified.items()},
                 "per_image_psnr": {f"{s}/{b}/{j}": v for (s, b, j), v in self.per_image_psnr.items()},
+                "per_step_recovered": {str(k): v for k, v in self.per_step_recovered.items()},
                 "members": self.members, "null_chance": self.null_chance}
 
     @classmethod
@@ -102,9 +126,16 @@ class CellEvidence:
                                     for k, v in (d.get("per_image_identified") or {}).items()}
         out.per_image_psnr = {tuple(int(p) for p in k.split("/")): float(v)
                               for k, v in (d.get("per_image_psnr") or {}).items() if v is not None}
+        out.per_step_recovered = {int(k): int(v) for k, v in (d.get("per_step_recovered") or {}).items()}
         out.members = int(d.get("members") or 1)
         out.null_chance = d.get("null_chance")
         return out
+
+
+def _missing_step(why: str) -> Optional[int]:
+    """The step a ``missing`` entry names ("step 50: ..."), None if it names none."""
+    found = re.match(r"step (\d+):", why)
+    return int(found.group(1)) if found else None
 
 
 def _image_entries(record: AttackResult) -> List[Dict[str, Any]]:
@@ -156,6 +187,7 @@ def cell_evidence(manifest: Dict[str, Any], records: Sequence[Dict[str, Any]], a
         done = [e for e in wc["per_image"] if e["image_class"] is not None]
         out.images += len(done)
         out.recovered += verdict["recovered"]
+        out.per_step_recovered[step] = int(verdict["recovered"])
         for e in done:
             hit = e["rank"] is not None and e["rank"] <= rule.identify_rank
             out.identified += hit

@@ -86,6 +86,37 @@ def test_a_leak_shown_by_another_cell_confirms_the_leak_claim_and_is_named():
     assert pv.conclude_leaks(_cell(0), True, [("the planner's", _cell(2)), ("x", None)]).outcome == pv.FAILS
 
 
+def test_a_claim_about_early_steps_is_judged_on_those_steps_alone():
+    # 6 images: identified at step 1 by ig, at chance at step 50 where ig failed on image 5
+    records = [_record(1, "ig", i, 25.0, 1) for i in range(6)]
+    records += [_record(50, "ig", i, 11.0, 30) for i in range(5)]
+    records += [_record(50, "ig", 5, 0.0, 0, status=Status.FAILED_TO_OPTIMISE)]
+    coin = NullEvidence(["mean", "other"], [15.0, 12.0], [1, 40], K, 127, "lpips")  # chance 1/2
+    manifest = {"images": 6, "thresholds": {}, "null": {"images": [[coin.to_dict()] for _ in range(6)]}}
+    cell = pv.cell_evidence(manifest, records, ["ig"], [1, 50])
+    # pooled over the steps, 6 of 11 is not above a chance of 1/2, and step 50 misses evidence
+    assert cell.chance == pytest.approx(0.5) and pv.conclude_leaks(cell, True).outcome == pv.INCONCLUSIVE
+    assert cell.missing and cell.per_step_recovered == {1: 6, 50: 0}
+    early = pv.CellEvidence.from_dict(cell.to_dict()).at_steps([1])
+    assert (early.images, early.identified, early.recovered, early.missing) == (6, 6, 6, [])
+    assert early.psnr == pytest.approx(25.0)
+    assert pv.conclude_leaks(early, True).outcome == pv.HOLDS
+    # the ATS row judges its leak claim at its early steps only
+    row = bp.BY_ID["bayes-ats"]
+    early_and_late = pv.cell_evidence(manifest, [dict(r, step=2 if r["step"] == 1 else r["step"]) for r in records],
+                                      ["ig"], [2, 50])
+    run = bp.run_setting(row, bp.Profile("cpu"))
+    assert bp.conclude(row, {"paper:ig": early_and_late, "planner": None}, run).outcome == pv.HOLDS
+    late = cell.at_steps([50])
+    assert (late.images, late.identified, len(late.missing)) == (5, 0, 1)
+    assert pv.conclude_leaks(late, True).outcome == pv.INCONCLUSIVE
+    # a stored cell without per-step counts cannot be restricted silently
+    old = cell.to_dict()
+    del old["per_step_recovered"]
+    with pytest.raises(ValueError, match="rerun the cell"):
+        pv.CellEvidence.from_dict(old).at_steps([1])
+
+
 def test_exact_mcnemar():
     assert pv.mcnemar_exact(0, 0) == 1.0
     assert pv.mcnemar_exact(6, 0) == pytest.approx(2 / 64)  # 2 * 0.5^6
@@ -184,6 +215,8 @@ def test_the_transcription_errors_stay_fixed():
     ats = bp.BY_ID["bayes-ats"]
     assert (ats.model, ats.setting.iterations, ats.setting.train_batch) == ("convnet9", 2000, 32)
     assert ats.attacks[0].args["tv"] == 1e-5
+    assert ats.attacks[0].args["signed"] is True  # the authors' comm.py: inversefed's signed, boxed Adam
+    assert ats.claim_steps == (1, 2, 5, 10)  # App. A.2: high-quality inputs "during the first 10 to 20 steps"
 
 
 def test_each_row_is_labelled_by_how_far_it_is_from_the_paper():
