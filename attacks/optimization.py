@@ -794,6 +794,7 @@ class OptimizationRun:
         # the optimiser's watchdog (attacks.optimizers.Watchdog): interventions and progress
         events = optimizer.all_events() if hasattr(optimizer, "all_events") else []
         progressed = optimizer.progress() if hasattr(optimizer, "progress") and history else None
+        flat = optimizer.flat() if hasattr(optimizer, "flat") and history else None
         self.iteration = self.sim_ctx.iteration = iterations
         final, terms, _ = self.evaluate(variables)
         final = torch.nan_to_num(final, nan=float("inf"))
@@ -859,6 +860,11 @@ class OptimizationRun:
                     trace["failure"] = ("attack failed to optimise: the loss of the chosen restart never went "
                                         f"below its first value in {len(history)} iterations "
                                         f"({len(trace['optimizer_events'])} recoveries tried)")
+                    if flat is not None and bool(flat[member]):
+                        trace["flat_loss"] = True
+                        trace["failure"] += ("; its loss is flat in the image (zero gradient at every step): no unit "
+                                             "the image reaches is alive, or the softmax saturates, so the model "
+                                             "gives the attack nothing to follow from this start")
             if not history:  # budget 0: the initialisation itself, nothing was optimised
                 trace["failed_to_optimise"] = True
                 trace["failure"] = "attack failed to optimise: no iteration ran (budget 0)"

@@ -385,6 +385,7 @@ class Watchdog:
         self.best_point = [v.detach().clone() for v in variables]
         self.since = torch.zeros(r, dtype=torch.long, device=device)
         self.recoveries = torch.zeros(r, dtype=torch.long, device=device)
+        self.moved = torch.zeros(r, dtype=torch.bool, device=device)  # did a step ever change the point?
         self.events: List[dict] = []
         # the captured path's log of recoveries: per restart and recovery, the iteration
         # (-1: none), whether the loss was non-finite, and the inner optimiser's note
@@ -431,6 +432,8 @@ class Watchdog:
     def _track(self, variables: List[Tensor], before: List[Tensor], loss: Tensor) -> Tuple[Tensor, Tensor]:
         """Update the best loss and point; the restarts to recover now, and which losses are finite."""
         finite = torch.isfinite(loss)
+        for v, b in zip(variables, before):
+            self.moved.logical_or_((v.detach() != b).reshape(v.shape[0], -1).any(1))
         self.first.copy_(torch.where(torch.isnan(self.first) & finite, loss, self.first))
         improved = finite & (loss < self.best)
         with torch.no_grad():
@@ -460,6 +463,7 @@ class Watchdog:
         return {**{f"inner.{k}": v for k, v in self.inner.state().items()},
                 **{f"best_point{i}": p for i, p in enumerate(self.best_point)},
                 "first": self.first, "best": self.best, "since": self.since, "recoveries": self.recoveries,
+                "moved": self.moved,
                 "log_at": self.log_at, "log_nonfinite": self.log_nonfinite, "log_note": self.log_note}
 
     def flush_log(self) -> None:
@@ -481,7 +485,7 @@ class Watchdog:
         """Keep only the restarts at ``index``, here and in the inner optimiser."""
         self.inner.select(index)
         self.first, self.best, self.since = self.first[index], self.best[index], self.since[index]
-        self.recoveries = self.recoveries[index]
+        self.recoveries, self.moved = self.recoveries[index], self.moved[index]
         self.best_point = [p[index] for p in self.best_point]
         self.log_at, self.log_nonfinite = self.log_at[index], self.log_nonfinite[index]
         self.log_note = self.log_note[index]
@@ -489,6 +493,11 @@ class Watchdog:
     def progress(self) -> Tensor:
         """Per restart: did the loss ever go below its first value (relative ``tolerance``)?"""
         return torch.isfinite(self.best) & (self.best < self.first - self.tolerance * self.first.abs())
+
+    def flat(self) -> Tensor:
+        """Per restart: did no step ever move its point? (The loss's gradient with respect to
+        the variables was zero throughout: the loss is flat there, not merely hard.)"""
+        return ~self.moved
 
     def all_events(self) -> List[dict]:
         """The watchdog's interventions and the inner optimiser's own (e.g. failed line searches)."""

@@ -57,6 +57,25 @@ def test_a_stalled_optimiser_is_detected_changed_and_reported(one_thread, photo1
     assert "attack failed to optimise" in rec.trace["failure"]
     events = rec.trace["optimizer_events"]
     assert events and events[0]["iteration"] < 10 and "no decrease" in events[0]["event"]
+    assert rec.trace["flat_loss"] is True  # a zero gradient never moves the point
+
+
+def test_a_loss_flat_in_the_image_is_told_apart_from_a_hard_one(one_thread, photo16):
+    """A model with no hidden unit alive for any image (as a collapsed training leaves it):
+    only the classifier's bias has a gradient, so the attack's loss is flat in the image."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 16 * 16, 32), torch.nn.ReLU(),
+                                torch.nn.Linear(32, 10))
+    with torch.no_grad():
+        model[1].bias.fill_(-1e4)
+    obs = observe(model, photo16, torch.tensor([7]), client_mode="eval")
+    assert not obs.silent and sum(int(g.abs().sum() > 0) for g in obs.gradients) == 1
+    rec = ATTACKS.build("ig", tv=0.0, features=0.0).reconstruct(obs, 40, seed=0)
+    assert rec.trace["failed_to_optimise"] is True and rec.trace["flat_loss"] is True
+    assert "flat in the image" in rec.trace["failure"]
+    # the same attack on a live model moves, and is not called flat
+    live = ATTACKS.build("ig", tv=0.0, features=0.0).reconstruct(_lenet_obs(photo16), 40, seed=0)
+    assert "flat_loss" not in live.trace
 
 
 def test_a_silent_upload_is_evidence_of_nothing_not_a_failed_attack(one_thread, photo16):
