@@ -1013,7 +1013,7 @@ def adaptive_head(row: Row, run: Dict[str, Any]) -> str:
 def kept_progress(results: Path, plan: CellPlan) -> str:
     """For a cell not yet stored: how many of its image-steps an unfinished run has kept in the
     repository with every attack's result ('' where none), by the engine store's own result
-    names; a planner cell's attacks are those the kept run has results of. Nothing is judged
+    names, each run with the cell's settings of its attack; a planner cell's attacks are those the kept run has results of. Nothing is judged
     from them until the cell completes."""
     from audit.report.store import result_id
 
@@ -1024,9 +1024,16 @@ def kept_progress(results: Path, plan: CellPlan) -> str:
     def attacks(run: Path) -> List[str]:  # the planner's picks: every attack the kept run has results of
         return named or sorted({f.stem.split("__")[1] for f in run.glob("s*__*__i*.json")})
 
+    wanted = plan.call.get("attack_args") or {}
+
+    def current(path: Path, attack: str) -> bool:  # a result run with other settings is not kept progress
+        if not path.is_file():
+            return False
+        return attack not in wanted or json.loads(path.read_text()).get("settings") == _jsonable(wanted[attack])
+
     def count(run: Path) -> int:
         ran = attacks(run)
-        return sum(bool(ran) and all((run / f"{result_id(s, a, i)}.json").exists() for a in ran)
+        return sum(bool(ran) and all(current(run / f"{result_id(s, a, i)}.json", a) for a in ran)
                    for s in steps for i in range(images))
 
     best = max((count(r) for r in sorted(kept.glob("*")) if r.is_dir()), default=0)

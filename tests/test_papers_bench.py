@@ -697,10 +697,13 @@ def test_a_cell_under_way_shows_what_the_repository_keeps_and_judges_nothing_fro
     plan = next(p for p in bp.plan_cells(row, profile, "embedded", {}, tmp_path / "out") if p.name == "paper:ig")
     kept = bp.partial_dir(bp.results_path(results, "cpu", "embedded", row), plan.name) / "somekey"
     kept.mkdir(parents=True)
+    current = json.dumps({"settings": plan.call["attack_args"]["ig"]})
     for step, image in [(1, 0), (1, 1), (2, 0)]:
-        (kept / f"s{step}__ig__i{image}.json").write_text("{}")
-    (kept / "s3__ig__i0.json").write_text("{}")  # a step the cell does not run
-    (kept / "s1__ig__i99.json").write_text("{}")  # an image beyond the cell's
+        (kept / f"s{step}__ig__i{image}.json").write_text(current)
+    stale = dict(plan.call["attack_args"]["ig"], signed=not plan.call["attack_args"]["ig"]["signed"])
+    (kept / "s5__ig__i0.json").write_text(json.dumps({"settings": stale}))  # run with other settings
+    (kept / "s3__ig__i0.json").write_text(current)  # a step the cell does not run
+    (kept / "s1__ig__i99.json").write_text(current)  # an image beyond the cell's
     total = len(plan.call["steps"]) * plan.call["images"]
     assert bp.kept_progress(bp.results_path(results, "cpu", "embedded", row), plan).startswith(
         f"under way: 3 of {total} image-steps kept in ")
