@@ -862,7 +862,7 @@ class OptimizationRun:
                                         f"({len(trace['optimizer_events'])} recoveries tried)")
                     if flat is not None and bool(flat[member]):
                         trace["flat_loss"] = True
-                        trace["failure"] += ("; its loss is flat in the image (zero gradient at every step): no unit "
+                        trace["failure"] += ("; its loss is flat in the image (no step moved it: a zero or vanishing gradient): no unit "
                                              "the image reaches is alive, or the softmax saturates, so the model "
                                              "gives the attack nothing to follow from this start")
             if not history:  # budget 0: the initialisation itself, nothing was optimised

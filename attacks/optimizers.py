@@ -61,6 +61,8 @@ class Adam:
     and a learning-rate schedule."""
 
     name = "adam"
+    #: a step moves every restart whose gradient is non-zero: a point that never moved had none
+    moves_on_gradient = True
     uncapturable = ""  # elementwise: its update runs inside a captured iteration
 
     def __init__(self, lr: float = 0.1, schedule: str = "step", signed: bool = False,
@@ -157,6 +159,7 @@ class LBFGS:
     """
 
     name = "lbfgs"
+    moves_on_gradient = False  # a step its line search refuses stays put
     uncapturable = "the lbfgs line search accepts or halves each step on the host"
 
     def __init__(self, lr: float = 1.0, history: int = 100, backtracks: int = 6, schedule: str = "constant",
@@ -495,8 +498,11 @@ class Watchdog:
         return torch.isfinite(self.best) & (self.best < self.first - self.tolerance * self.first.abs())
 
     def flat(self) -> Tensor:
-        """Per restart: did no step ever move its point? (The loss's gradient with respect to
-        the variables was zero throughout: the loss is flat there, not merely hard.)"""
+        """Per restart: is its loss flat, not merely hard? True where no step ever moved its
+        point under an optimiser that moves on any non-zero gradient (Adam): the gradient was
+        zero throughout. An optimiser that may refuse steps (L-BFGS) never tells."""
+        if not getattr(self.inner, "moves_on_gradient", False):
+            return torch.zeros_like(self.moved)
         return ~self.moved
 
     def all_events(self) -> List[dict]:

@@ -76,6 +76,10 @@ def test_a_loss_flat_in_the_image_is_told_apart_from_a_hard_one(one_thread, phot
     # the same attack on a live model moves, and is not called flat
     live = ATTACKS.build("ig", tv=0.0, features=0.0).reconstruct(_lenet_obs(photo16), 40, seed=0)
     assert "flat_loss" not in live.trace
+    # L-BFGS may refuse every step on a live loss: a point it never moved says nothing of flatness
+    refusing = Watchdog(LBFGS())
+    refusing.start([torch.zeros(2, 3)], 10)
+    assert not refusing.flat().any()
 
 
 def test_a_silent_upload_is_evidence_of_nothing_not_a_failed_attack(one_thread, photo16):
