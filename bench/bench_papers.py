@@ -632,6 +632,17 @@ def stored_cells(row: Row, profile: Profile, data: str, data_args: Dict[str, Any
     return stored, cells, plans
 
 
+def claim_cells(stored: Dict[str, Any], plans: Sequence[CellPlan]) -> Dict[str, CellEvidence]:
+    """Per cell under way whose claim's steps are complete (:func:`claim_record`, under the
+    cell's current key), the evidence at those steps."""
+    out = {}
+    for plan in plans:
+        cell = (stored.get("cells") or {}).get(plan.name) or {}
+        if cell.get("key") == plan.key and cell.get("claim_evidence"):
+            out[plan.name] = CellEvidence.from_dict(cell["claim_evidence"])
+    return out
+
+
 def planner_attacks(manifest: Dict[str, Any]) -> List[str]:
     """Every attack the planner's audit ran (its base attacks and the planner's picks)."""
     return [a["id"] for a in manifest.get("attacks") or []]
@@ -647,11 +658,12 @@ SLICE_EVALUATIONS = 4000
 PLANNER_ATTACKS = 6
 
 
-def cell_slices(call: Dict[str, Any]) -> List[Tuple[List[int], int]]:
+def cell_slices(call: Dict[str, Any], claim: Sequence[int] = ()) -> List[Tuple[List[int], int]]:
     """The (steps, images) of each slice of the cell's audit call, then the whole call: an image
     costs every attack of the call its budget (``auto``: :data:`PLANNER_ATTACKS` of them). With
     several steps each step runs all its images in slices, so the whole call only gathers them
-    (no slice spans steps)."""
+    (no slice spans steps). The steps of a claim (``claim``: some of the call's steps) run first
+    and are gathered on their own, so the claim is judged before the other steps finish."""
     images, steps = int(call["images"]), list(call["steps"])
     named = call.get("attacks") or ()
     attacks = max(1, len([a for a in named if a != "auto"]) + PLANNER_ATTACKS * ("auto" in named))
@@ -659,7 +671,19 @@ def cell_slices(call: Dict[str, Any]) -> List[Tuple[List[int], int]]:
     if call.get("utility") or (per >= images and len(steps) == 1):
         return [(steps, images)]
     counts = list(range(per, images, per)) + ([images] if len(steps) > 1 else [])
-    return [([step], n) for step in steps for n in counts] + [(steps, images)]
+    first = [s for s in steps if s in claim]
+    if not first or len(first) == len(steps):
+        return [([step], n) for step in steps for n in counts] + [(steps, images)]
+    rest = [s for s in steps if s not in first]
+    return ([([step], n) for step in first for n in counts] + [(first, images)]
+            + [([step], n) for step in rest for n in counts] + [(steps, images)])
+
+
+def claim_of(row: Row, plan: "CellPlan") -> List[int]:
+    """The steps of the row's claim that the cell runs, where they are some of its steps (the
+    cell's evidence there is judged as soon as it is complete); [] otherwise."""
+    claim = [s for s in plan.call["steps"] if s in (row.claim_steps or ())]
+    return claim if 0 < len(claim) < len(plan.call["steps"]) else []
 
 
 def partial_dir(results: Path, cell: str) -> Path:
@@ -695,32 +719,52 @@ def keep_partial(out: Path, key: str, partial: Path) -> None:
             shutil.copyfile(src, dst)
 
 
-def run_cell(row: Row, plan: CellPlan, partial: Optional[Path] = None) -> Dict[str, Any]:
-    """Run (or resume) the cell's audit, slice by slice (:func:`cell_slices`), keeping each
-    slice's results under ``partial``; its evidence from the engine's store."""
-    import audit
+def _stored_evidence(plan: CellPlan, run_key: str, steps: Sequence[int]) -> Tuple[Dict[str, Any], List[str], CellEvidence]:
+    """The engine store's manifest of the cell's run, its attacks, and their evidence at ``steps``."""
     from audit.report.store import ResultStore
+
+    store = ResultStore(plan.call["out"], run_key)
+    manifest = store.load_manifest()
+    attacks = planner_attacks(manifest) if plan.name == "planner" else list(plan.call["attacks"])
+    return manifest, attacks, cell_evidence(manifest, [r.to_dict() for r in store.records()], attacks, steps)
+
+
+def run_cell(row: Row, plan: CellPlan, partial: Optional[Path] = None,
+             on_claim: Optional[Callable[[Dict[str, Any]], None]] = None) -> Dict[str, Any]:
+    """Run (or resume) the cell's audit, slice by slice (:func:`cell_slices`), keeping each
+    slice's results under ``partial``; its evidence from the engine's store. Where the row's
+    claim is about some of the cell's steps, ``on_claim`` receives the record of the claim's
+    evidence (:func:`claim_record`) as soon as those steps are complete."""
+    import audit
 
     started = time.perf_counter()
     out_dir = Path(plan.call["out"])
     if partial is not None and restore_partial(partial, out_dir):
         print(f"    resumed from {partial}", flush=True)
-    for steps, images in cell_slices(plan.call):
+    claim = claim_of(row, plan)
+    for steps, images in cell_slices(plan.call, claim):
         report = audit.run(**{**plan.call, "steps": steps, "images": images})
         if partial is not None:
             keep_partial(out_dir, report.data["run_key"], partial)
-    store = ResultStore(plan.call["out"], report.data["run_key"])
-    manifest = store.load_manifest()
-    records = [r.to_dict() for r in store.records()]
-    attacks = planner_attacks(manifest) if plan.name == "planner" else list(plan.call["attacks"])
+        if on_claim is not None and claim and steps == claim and images == int(plan.call["images"]):
+            _, attacks, evidence = _stored_evidence(plan, report.data["run_key"], claim)
+            on_claim(claim_record(plan, attacks, evidence))
+    manifest, attacks, evidence = _stored_evidence(plan, report.data["run_key"], plan.steps)
     out = {"key": plan.key, "call": _jsonable(plan.call), "seconds": round(time.perf_counter() - started, 1),
            "status": report.data["status"], "attacks": attacks}
     if plan.name == "utility":
         out["utility"] = manifest.get("utility")
     else:
-        out["evidence"] = cell_evidence(manifest, records, attacks, plan.steps).to_dict()
+        out["evidence"] = evidence.to_dict()
         out["fingerprints"] = cell_fingerprints(plan.call, attacks)
     return out
+
+
+def claim_record(plan: CellPlan, attacks: Sequence[str], evidence: CellEvidence) -> Dict[str, Any]:
+    """What a cell under way stores once the steps of the row's claim are complete: the claim's
+    evidence (judged from it; the cell's other steps are still running), keyed as the cell is."""
+    return {"key": plan.key, "call": _jsonable(plan.call), "attacks": list(attacks),
+            "claim_evidence": evidence.to_dict(), "fingerprints": cell_fingerprints(plan.call, attacks)}
 
 
 def cell_fingerprints(call: Dict[str, Any], attacks: Sequence[str]) -> Dict[str, str]:
@@ -920,11 +964,16 @@ def run_row(row: Row, profile: Profile, data: str, data_args: Dict[str, Any], ou
     for plan in plan_cells(row, profile, data, data_args, out, (stored.get("search") or {}).get("chosen")):
         old = stored["cells"].get(plan.name) or {}
         redo = retry and (old.get("evidence") or {}).get("missing")
-        if old.get("key") == plan.key and not redo and not stale_attacks(old):
+        if old.get("key") == plan.key and "claim_evidence" not in old and not redo and not stale_attacks(old):
             continue
         print(f"  [{time.strftime('%H:%M:%S')}] {row.id} {plan.name} (budget {plan.call['budget']})", flush=True)
         partial = partial_dir(path, plan.name)
-        stored["cells"][plan.name] = run_cell(row, plan, partial)
+
+        def keep_claim(record: Dict[str, Any], name: str = plan.name) -> None:
+            stored["cells"][name] = record
+            save_results(path, stored)
+
+        stored["cells"][plan.name] = run_cell(row, plan, partial, keep_claim)
         save_results(path, stored)
         shutil.rmtree(partial, ignore_errors=True)
     return stored
@@ -991,7 +1040,7 @@ def cell_text(c: Optional[CellEvidence], head: str = "", progress: str = "") -> 
         text += " dB; identified per step " + ", ".join(f"{s}: {sum(v)}/{len(v)}" for s, v in found.items())
     if c.missing:
         text += f"; missing: {'; '.join(c.missing[:2])}"
-    return text
+    return text + (f"; the other steps {progress}" if progress else "")
 
 
 def planner_head(row: Row, run: Dict[str, Any], c: Optional[CellEvidence], profile: str) -> str:
@@ -1013,8 +1062,9 @@ def adaptive_head(row: Row, run: Dict[str, Any]) -> str:
 def kept_progress(results: Path, plan: CellPlan) -> str:
     """For a cell not yet stored: how many of its image-steps an unfinished run has kept in the
     repository with every attack's result ('' where none), by the engine store's own result
-    names, each run with the cell's settings of its attack; a planner cell's attacks are those the kept run has results of. Nothing is judged
-    from them until the cell completes."""
+    names, each run with the cell's settings of its attack; a planner cell's attacks are those
+    the kept run has results of. Nothing is judged from them until the steps of the row's claim
+    complete (:func:`claim_record`)."""
     from audit.report.store import result_id
 
     kept = partial_dir(results, plan.name)
@@ -1040,15 +1090,17 @@ def kept_progress(results: Path, plan: CellPlan) -> str:
     if not best:
         return ""
     return (f"under way: {best} of {len(steps) * images} image-steps kept in "
-            f"{kept.relative_to(ROOT) if kept.is_relative_to(ROOT) else kept} (judged when the cell completes)")
+            f"{kept.relative_to(ROOT) if kept.is_relative_to(ROOT) else kept} (judged when the claim's steps complete)")
 
 
 def row_lines(row: Row, profile: Profile, data: str, data_args: Dict[str, Any], root: Path,
               out: Path) -> Tuple[str, Conclusion]:
     stored, cells, plans = stored_cells(row, profile, data, data_args, root, out)
+    claimed = claim_cells(stored, plans)
     run = run_setting(row, profile)
     utility = ((stored.get("cells") or {}).get("utility") or {}).get("utility")
-    conclusion = conclude(row, cells, run, utility)
+    judged = {n: c if c is not None else claimed.get(n) for n, c in cells.items()}  # what the claim is judged on
+    conclusion = conclude(row, judged, run, utility)
     setting = f"{own_text(row, run, data)}. **{label(row, run)}**"
     if row.notes:
         setting += "; open: " + "; ".join(row.notes)
@@ -1057,17 +1109,18 @@ def row_lines(row: Row, profile: Profile, data: str, data_args: Dict[str, Any], 
                 f"{conclusion.detail or '-'} | - | - | **{conclusion.text()}** |"), conclusion
     results = results_path(root, profile.name, data, row)
     progress = {p.name: kept_progress(results, p) for p in plans if cells.get(p.name) is None}
-    paper_cell = "<br>".join(cell_text(cells.get(f"paper:{a.name}"), a.label, progress.get(f"paper:{a.name}", ""))
+    shown = {n: judged[n] for n in cells}  # a cell under way shows its claim's evidence beside its progress
+    paper_cell = "<br>".join(cell_text(shown.get(f"paper:{a.name}"), a.label, progress.get(f"paper:{a.name}", ""))
                              for a in row.attacks)
     search = stored.get("search") or {}
     if row.search and search.get("chosen"):
         paper_cell += "<br>weights chosen on " + f"{search['held_out']} held-out images: " + "; ".join(
             f"{n} {_args_text(v)}{search_edge(search, n)}" for n, v in search["chosen"].items())
-    planner = cells.get("planner")
+    planner = shown.get("planner")
     planner_cell = cell_text(planner, planner_head(row, run, planner, profile.name), progress.get("planner", ""))
-    adaptive_cell = (cell_text(cells.get("adaptive"), adaptive_head(row, run), progress.get("adaptive", ""))
+    adaptive_cell = (cell_text(shown.get("adaptive"), adaptive_head(row, run), progress.get("adaptive", ""))
                      if row.adaptive else "-")
-    first = cells.get(f"paper:{row.attacks[0].name}")
+    first = shown.get(f"paper:{row.attacks[0].name}")
     cause = likely_cause(row, run, data, first.psnr if first else None)
     verdict = conclusion.text() + (f"; {cause}" if cause else "")
     if row.claim_steps and conclusion.outcome != NOT_RUN:
@@ -1080,7 +1133,12 @@ def row_lines(row: Row, profile: Profile, data: str, data_args: Dict[str, Any], 
         verdict = (f"{STALE} (the defaults of {', '.join(stale)} changed since these cells ran; running the row "
                    f"again redoes them): {verdict}")
         conclusion = Conclusion(STALE)  # counted apart: its attacks are no longer what the tool runs
-    elif pending and (any(c is not None for c in cells.values()) or any(progress.values())):
+    elif pending and (conclusion.decided or all(judged[n] is not None for n in pending)):
+        # every pending cell has its claim's steps complete, or a leak shown decides the claim
+        # whatever they add: the verdict counts, the rest of the steps are shown as they finish
+        states = [f"{n} under way" if progress.get(n) else f"{n} not yet run" for n in pending]
+        verdict += f" (decided; {', '.join(states)})"
+    elif pending and (any(c is not None for c in judged.values()) or any(progress.values())):
         states = [f"{n} under way" if progress.get(n) else f"{n} not yet run" for n in pending]
         verdict = f"{UNFINISHED} ({', '.join(states)})" + (f": {verdict}" if conclusion.outcome != NOT_RUN else "")
         conclusion = Conclusion(UNFINISHED)  # the summary counts it as unfinished, whatever its cells say so far
@@ -1199,6 +1257,19 @@ def page_command(argv: Optional[Sequence[str]]) -> List[str]:
     return without_options(argv, valued=("--rows", "--paper", "--minutes"), flags=("--render", "--retry"))
 
 
+def require_lpips() -> None:
+    """The committed cells rank each image's candidates by LPIPS: without its weights the engine
+    keys its runs by another similarity and every kept slice would run again, so stop first."""
+    from audit.core.metrics import MetricUnavailable, lpips_model
+
+    try:
+        lpips_model("cpu")
+    except MetricUnavailable as err:
+        raise SystemExit(f"the committed cells identify images by LPIPS, unavailable here ({err}): run `make weights` "
+                         "(or `gia-audit weights lpips`) first, else every kept slice runs again under another "
+                         "similarity")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--profile", choices=PROFILES, default="cpu")
@@ -1241,6 +1312,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                        f"{timing(page_rows, profile, data, data_args, root, out)}")
             write_table(args.docs_page, args.docs, command_line("bench_papers.py", page_command(argv)), table, setting)
 
+    if not args.render and not profile.shrunk:
+        require_lpips()
     if not args.render:
         todo = gpu_batch(rows, args.minutes, profile, data, data_args, root, out) if name == "gpu" and not args.tiny \
             else rows

@@ -216,6 +216,7 @@ class Conclusion:
     outcome: str  # HOLDS, FAILS, INCONCLUSIVE, NOT_RUN
     detail: str = ""
     below_budget: bool = False  # inconclusive because the attacks ran below the paper's budget
+    decided: bool = False  # a leak shown: no evidence still to come (another cell) can change it
 
     def text(self) -> str:
         detail = f" ({self.detail})" if self.detail else ""
@@ -251,7 +252,8 @@ def conclude_protects(cells: Sequence[Optional[CellEvidence]], at_paper_budget: 
     breaking = [c for c in ran if c.above_chance()]
     if breaking:
         worst = max(breaking, key=lambda c: (c.identification_interval()[0], c.identified))
-        return Conclusion(FAILS, f"{recovered_text(worst)}; {identification_text(worst)}; {worst.strongest}")
+        return Conclusion(FAILS, f"{recovered_text(worst)}; {identification_text(worst)}; {worst.strongest}",
+                          decided=True)
     missing = [m for c in ran for m in c.missing]
     if len(ran) < len(cells) or missing:
         why = "; ".join(missing[:2]) if missing else "some cells have not run"
@@ -271,12 +273,12 @@ def conclude_leaks(cell: Optional[CellEvidence], at_paper_budget: bool,
     if cell is None:
         return Conclusion(NOT_RUN)
     if cell.above_chance():
-        return Conclusion(HOLDS, f"{recovered_text(cell)}; {identification_text(cell)}")
+        return Conclusion(HOLDS, f"{recovered_text(cell)}; {identification_text(cell)}", decided=True)
     for name, other in others:
         if other is not None and other.above_chance():
             who = f"{name} {other.strongest}" if other.strongest else name
             return Conclusion(HOLDS, f"by {who}, {recovered_text(other)}; {identification_text(other)}; "
-                                     f"the paper's attack: {identification_text(cell)}")
+                                     f"the paper's attack: {identification_text(cell)}", decided=True)
     if cell.missing:
         return Conclusion(INCONCLUSIVE, f"evidence missing: {'; '.join(cell.missing[:2])}")
     if not at_paper_budget:

@@ -388,7 +388,7 @@ def test_cells_persist_resume_and_a_changed_row_reruns_only_its_own(tmp_path, mo
 
     runs = []
 
-    def fake_run_cell(row, plan, partial=None):
+    def fake_run_cell(row, plan, partial=None, on_claim=None):
         runs.append((row.id, plan.name))
         return {"key": plan.key, "call": json.loads(json.dumps(plan.call)), "seconds": 1.0, "status": "complete",
                 "attacks": plan.call["attacks"], "evidence": _cell(2).to_dict()}
@@ -560,7 +560,7 @@ def test_cells_run_with_a_stale_search_are_not_shown_as_current(tmp_path):
 
 
 def test_a_row_with_cells_missing_counts_as_unfinished_whatever_its_cells_say(tmp_path, monkeypatch):
-    def fake_run_cell(row, plan, partial=None):
+    def fake_run_cell(row, plan, partial=None, on_claim=None):
         return {"key": plan.key, "call": json.loads(json.dumps(plan.call)), "seconds": 1.0, "status": "complete",
                 "attacks": plan.call["attacks"], "evidence": _cell(2).to_dict()}
 
@@ -639,7 +639,7 @@ def test_a_cell_run_with_an_attack_default_since_changed_is_rerun_and_marked_sta
 
     runs = []
 
-    def fake_run_cell(row, plan, partial=None):
+    def fake_run_cell(row, plan, partial=None, on_claim=None):
         runs.append(plan.name)
         return {"key": plan.key, "call": json.loads(json.dumps(plan.call)), "seconds": 1.0, "status": "complete",
                 "attacks": ["ig"], "evidence": _cell(2).to_dict(),
@@ -718,3 +718,67 @@ def test_a_cell_under_way_shows_what_the_repository_keeps_and_judges_nothing_fro
     assert f"under way: 3 of {total} image-steps" in page
     assert "**unfinished (paper:ig under way, planner under way)**" in page
     assert page.splitlines()[0].endswith("1 unfinished")
+
+
+def test_the_steps_of_a_claim_run_first_and_are_gathered_on_their_own():
+    call = {"images": 8, "steps": [1, 2, 5, 10, 20, 50], "budget": 2000, "attacks": ["ig"], "utility": False}
+    slices = bp.cell_slices(call, [1, 2, 5, 10])
+    gather = slices.index(([1, 2, 5, 10], 8))
+    assert {s for steps, _ in slices[:gather] for s in steps} == {1, 2, 5, 10}  # every claim step before it
+    assert ([10], 8) in slices[:gather] and ([20], 2) == slices[gather + 1] and slices[-1] == (call["steps"], 8)
+    assert bp.cell_slices(call, [1, 2, 5, 10, 20, 50]) == bp.cell_slices(call)  # the claim is every step
+    row = bp.BY_ID["bayes-ats"]
+    plans = {p.name: p for p in bp.plan_cells(row, bp.Profile("cpu"), "embedded", {}, Path("/x"))}
+    assert bp.claim_of(row, plans["paper:ig"]) == bp.claim_of(row, plans["planner"]) == [1, 2, 5, 10]
+    assert bp.claim_of(bp.BY_ID["censor-none"], plans["paper:ig"]) == []
+
+
+def _claim_evidence(identified, steps=(1, 2, 5, 10), images=8):
+    c = pv.CellEvidence(["ig"], list(steps), images=images * len(steps), candidates=K, psnr=20.0, strongest="ig")
+    c.per_image_identified = {(s, i, 0): i < identified for s in steps for i in range(images)}
+    c.per_image_psnr = {k: 20.0 for k in c.per_image_identified}
+    c.per_step_recovered = {s: identified for s in steps}
+    c.per_step_psnr = {s: 20.0 for s in steps}
+    c.identified = c.recovered = identified * len(steps)
+    return c
+
+
+def test_a_claim_whose_steps_are_complete_is_judged_while_the_other_steps_run(tmp_path, monkeypatch):
+    """A cell stores its claim's evidence as soon as those steps finish; a leak shown there is
+    the verdict (nothing still to come undoes a leak), a cell at chance waits for the others."""
+    row, profile = bp.BY_ID["bayes-ats"], bp.Profile("cpu")
+    identified = {"n": 3}
+
+    def interrupted(row_, plan, partial=None, on_claim=None):
+        on_claim(bp.claim_record(plan, ["ig"], _claim_evidence(identified["n"])))
+        raise KeyboardInterrupt  # the sitting ends while steps 20 and 50 run
+
+    monkeypatch.setattr(bp, "run_cell", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        bp.run_row(row, profile, "embedded", {}, tmp_path / "out", tmp_path / "results")
+    stored = json.loads(bp.results_path(tmp_path / "results", "cpu", "embedded", row).read_text())
+    assert set(stored["cells"]) == {"paper:ig"} and "claim_evidence" in stored["cells"]["paper:ig"]
+    page = bp.render([row], profile, "embedded", {}, tmp_path / "results", tmp_path / "out")
+    assert "**judged at steps 1, 2, 5, 10: the claim holds (" in page
+    assert "(decided; paper:ig not yet run, planner not yet run)**" in page
+    assert page.splitlines()[0].endswith("1 holds")
+    assert "identified per step 1: 3/8, 2: 3/8, 5: 3/8, 10: 3/8" in page
+    # the same cell at chance decides nothing while the planner has not run
+    identified["n"] = 0
+    with pytest.raises(KeyboardInterrupt):
+        bp.run_row(row, profile, "embedded", {}, tmp_path / "out", tmp_path / "results")
+    page = bp.render([row], profile, "embedded", {}, tmp_path / "results", tmp_path / "out")
+    assert page.splitlines()[0].endswith("1 unfinished") and "**unfinished (paper:ig not yet run, planner" in page
+    # a claim record is not a finished cell: the next run runs the cell again
+    ran = []
+
+    def finished(row_, plan, partial=None, on_claim=None):
+        ran.append(plan.name)
+        return {"key": plan.key, "call": json.loads(json.dumps(plan.call)), "seconds": 1.0, "status": "complete",
+                "attacks": ["ig"], "evidence": _claim_evidence(0, steps=(1, 2, 5, 10, 20, 50)).to_dict()}
+
+    monkeypatch.setattr(bp, "run_cell", finished)
+    bp.run_row(row, profile, "embedded", {}, tmp_path / "out", tmp_path / "results")
+    assert ran == ["paper:ig", "planner"]
+    page = bp.render([row], profile, "embedded", {}, tmp_path / "results", tmp_path / "out")
+    assert page.splitlines()[0].endswith("1 does not hold") and "decided" not in page

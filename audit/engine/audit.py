@@ -32,7 +32,7 @@ from audit.core.errors import ConfigError, DefenseError, GiaError, NotApplicable
 from audit.core.preflight import runs
 from audit.core.records import AccuracySpread, AttackResult, Scores, Status, UtilityResult
 from audit.engine.compose import AuditParts, build_parts, build_shared, check_model, reconstruct, resolve_defense
-from audit.engine.identity import data_identity, defense_identity, derive_seed, model_identity, versions
+from audit.engine.identity import data_identity, defense_identity, audited_model_identity, derive_seed, versions
 from audit.engine.null import Null, null_evidence
 from audit.engine.privacy import privacy_report
 from audit.engine.scoring import (PSNR_CAP, score_against_trained, score_reconstructions, trace_summary,
@@ -123,7 +123,8 @@ class Audit:
         if fl_settings.shares == "state" and not has_running_stats(self.model):
             raise ConfigError("shares='state' needs buffers to share and the model has no BatchNorm running "
                               "statistics: use --shares update (shares='update')")
-        self.model_ident = {**self.model_settings.describe(), **model_identity(self.base_model, {})}
+        self.model_ident = {**self.model_settings.describe(),
+                            **audited_model_identity(self.model_settings, self.base_model)}
         self.numel = int(math.prod(self.dataset.input_shape))
         self.delta = output.delta if output.delta is not None else default_delta(self.numel)
         self.private = _private_batches(self.dataset, data.images, data.batch_size, self.seed)

@@ -159,27 +159,52 @@ def _rounded_digest(tensors: Sequence[torch.Tensor]) -> str:
     return digest.hexdigest()[:16]
 
 
+def _redraw(model: Any) -> Any:
+    """``model``'s parameters drawn again in float64 from a seeded generator (uniform in
+    +-1/sqrt(fan-in)), in place: torch's float32 initialisation (the probe network's, and the
+    layers a defense such as PRECODE adds) differs in the last bit between CPUs' vectorised
+    kernels, these draws do not."""
+    gen = torch.Generator().manual_seed(PROBE_SEED)
+    with torch.no_grad():
+        for p in model.parameters() if isinstance(model, nn.Module) else ():
+            bound = 1.0 / float(p[0].numel() if p.dim() > 1 else p.numel()) ** 0.5
+            p.copy_((torch.rand(p.shape, generator=gen, dtype=torch.float64) * 2 - 1) * bound)
+    return model
+
+
 def probe_fingerprint(defense: Any, timeout: Optional[float] = None) -> str:
     """What the defense does: its output on a fixed probe (the planner's small network, a
     seeded batch of ``PROBE_BATCH`` random ``PROBE_SHAPE`` images, a seeded generator, round
     0, one CPU thread), hashed after rounding; a defense that fails the probe is fingerprinted
-    by its failure (``"failed: ..."``), never a crash. Runs on a copy of the defense."""
+    by its failure (``"failed: ..."``), never a crash. Runs on a copy of the defense.
+
+    The probe runs in float64, so that CPUs whose kernels sum in another order (the digest of
+    a stored run must match on the next machine) differ far below the rounding; a defense that
+    cannot run in float64 is probed in float32, which ties its digest to the machine's kernels."""
     from adaptive.planner.probe import exact_math, probe_network, random_batch
     from audit.core.defense_call import call_defense, defense_timeout, wrap_client_model
 
-    try:
-        probed = copy.deepcopy(defense)
-    except Exception:  # an object that cannot be copied: probe it as is
-        probed = defense
-    with torch.random.fork_rng(devices=[]), torch_threads(1), exact_math(), defense_timeout(timeout):
-        torch.manual_seed(PROBE_SEED)  # a defense drawing from the global generator
+    def probe(dtype: torch.dtype) -> str:
         try:
-            model = wrap_client_model(probed, probe_network(PROBE_SHAPE, PROBE_CLASSES, seed=PROBE_SEED), PROBE_SEED)
-            x, y = random_batch(PROBE_BATCH, PROBE_SHAPE, PROBE_CLASSES, PROBE_SEED, "cpu")
-            out = call_defense(probed, model, x, y, generator=torch.Generator().manual_seed(PROBE_SEED), round=0)
-            return f"sha256:{_rounded_digest(out)}"
-        except Exception as err:
-            return f"failed: {type(err).__name__}: {_ADDRESS.sub('', str(err))[:300]}"
+            probed = copy.deepcopy(defense)
+        except Exception:  # an object that cannot be copied: probe it as is
+            probed = defense
+        with torch.random.fork_rng(devices=[]), torch_threads(1), exact_math(), defense_timeout(timeout):
+            torch.manual_seed(PROBE_SEED)  # a defense drawing from the global generator
+            try:
+                net = probe_network(PROBE_SHAPE, PROBE_CLASSES, seed=PROBE_SEED).to(dtype)
+                model = _redraw(wrap_client_model(probed, net, PROBE_SEED))
+                x, y = random_batch(PROBE_BATCH, PROBE_SHAPE, PROBE_CLASSES, PROBE_SEED, "cpu", dtype)
+                out = call_defense(probed, model, x, y, generator=torch.Generator().manual_seed(PROBE_SEED), round=0)
+                return f"sha256:{_rounded_digest(out)}"
+            except Exception as err:
+                return f"failed: {type(err).__name__}: {_ADDRESS.sub('', str(err))[:300]}"
+
+    exact = probe(torch.float64)
+    if not exact.startswith("failed"):
+        return exact
+    single = probe(torch.float32)
+    return single if single.startswith("failed") else f"{single} (float32)"
 
 
 def defense_identity(defense, spec: Any, timeout: Optional[float] = None) -> Dict[str, Any]:
@@ -230,6 +255,22 @@ def model_identity(model: Any, model_args: Dict[str, Any]) -> Dict[str, Any]:
                       .contiguous().numpy().tobytes())
     return {"name": type(model).__name__, "architecture_sha256": hashlib.sha256(repr(model).encode()).hexdigest()[:16],
             "state_sha256": digest.hexdigest()[:16]}
+
+
+def audited_model_identity(settings: Any, model: nn.Module) -> Dict[str, Any]:
+    """What identifies the audited model as built: a registered model without a checkpoint by
+    its architecture and its builder's module source (its weights follow from the run's seed,
+    which the key holds: their bytes differ in the last bit between CPUs' vectorised kernels,
+    and a stored run must resume on the next machine); any other model, or weights loaded from
+    a checkpoint, by the weights themselves (:func:`model_identity`)."""
+    from audit.core.model_source import source_kind
+    from audit.core.models import MODELS
+
+    if source_kind(settings.model) != "name" or settings.checkpoint is not None:
+        return model_identity(model, {})
+    builder = inspect.getmodule(MODELS.get(settings.model))
+    return {"name": type(model).__name__, "architecture_sha256": hashlib.sha256(repr(model).encode()).hexdigest()[:16],
+            "builder_sha256": _sha(Path(inspect.getsourcefile(builder)).read_bytes()), "weights": "drawn from the seed"}
 
 
 def versions() -> Dict[str, str]:

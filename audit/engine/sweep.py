@@ -39,7 +39,7 @@ from audit.engine.audit import UTILITY_FORMAT, Audit, audit_settings
 from audit.engine.utility import PROTOCOL
 from audit.engine.compose import AuditParts, SharedParts, build_parts, build_shared, resolve_defense
 from audit.engine.executors import EXECUTORS
-from audit.engine.identity import defense_identity, model_identity
+from audit.engine.identity import audited_model_identity, defense_identity
 from audit.engine.settings import (AttackSettings, DataSettings, FLSettings, ModelSettings, OutputSettings, as_dict,
                                    model_settings)
 from audit.report.store import ResultStore, atomic_write_json, read_json, settings_key
@@ -281,7 +281,7 @@ class Sweep:
         self.shared = build_shared(self.model, data_settings, self.seed, device)
         self.device = self.shared.device
         # the built model's digests key every cell
-        self.model_ident = {**self.model.describe(), **model_identity(self.shared.base_model, {})}
+        self.model_ident = {**self.model.describe(), **audited_model_identity(self.model, self.shared.base_model)}
         self._clients: Dict[str, Any] = {}
         self.cells = grid_cells(grid, self._common_key(), self.output_settings.defense_timeout)
         self.executor = EXECUTORS.build(executor, device=self.device, **(executor_args or {}))
