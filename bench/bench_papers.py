@@ -730,11 +730,13 @@ def _stored_evidence(plan: CellPlan, run_key: str, steps: Sequence[int]) -> Tupl
 
 
 def run_cell(row: Row, plan: CellPlan, partial: Optional[Path] = None,
-             on_claim: Optional[Callable[[Dict[str, Any]], None]] = None) -> Dict[str, Any]:
+             on_claim: Optional[Callable[[Dict[str, Any]], None]] = None,
+             claim_only: bool = False) -> Optional[Dict[str, Any]]:
     """Run (or resume) the cell's audit, slice by slice (:func:`cell_slices`), keeping each
     slice's results under ``partial``; its evidence from the engine's store. Where the row's
     claim is about some of the cell's steps, ``on_claim`` receives the record of the claim's
-    evidence (:func:`claim_record`) as soon as those steps are complete."""
+    evidence (:func:`claim_record`) as soon as those steps are complete; ``claim_only`` stops
+    there (returns None)."""
     import audit
 
     started = time.perf_counter()
@@ -746,9 +748,12 @@ def run_cell(row: Row, plan: CellPlan, partial: Optional[Path] = None,
         report = audit.run(**{**plan.call, "steps": steps, "images": images})
         if partial is not None:
             keep_partial(out_dir, report.data["run_key"], partial)
-        if on_claim is not None and claim and steps == claim and images == int(plan.call["images"]):
-            _, attacks, evidence = _stored_evidence(plan, report.data["run_key"], claim)
-            on_claim(claim_record(plan, attacks, evidence))
+        if claim and steps == claim and images == int(plan.call["images"]):
+            if on_claim is not None:
+                _, attacks, evidence = _stored_evidence(plan, report.data["run_key"], claim)
+                on_claim(claim_record(plan, attacks, evidence))
+            if claim_only:
+                return None
     manifest, attacks, evidence = _stored_evidence(plan, report.data["run_key"], plan.steps)
     out = {"key": plan.key, "call": _jsonable(plan.call), "seconds": round(time.perf_counter() - started, 1),
            "status": report.data["status"], "attacks": attacks}
@@ -961,19 +966,31 @@ def run_row(row: Row, profile: Profile, data: str, data_args: Dict[str, Any], ou
                                                                     2 if profile.shrunk else 8)}
             save_results(path, stored)
     stored.setdefault("cells", {})
+    todo = []
     for plan in plan_cells(row, profile, data, data_args, out, (stored.get("search") or {}).get("chosen")):
         old = stored["cells"].get(plan.name) or {}
         redo = retry and (old.get("evidence") or {}).get("missing")
         if old.get("key") == plan.key and "claim_evidence" not in old and not redo and not stale_attacks(old):
             continue
+        todo.append(plan)
+
+    def keep(plan: CellPlan) -> Callable[[Dict[str, Any]], None]:
+        def keep_claim(record: Dict[str, Any]) -> None:
+            stored["cells"][plan.name] = record
+            save_results(path, stored)
+        return keep_claim
+
+    # the claim's steps of every cell first (they decide the row), then each cell's other steps
+    for plan in todo:
+        old = stored["cells"].get(plan.name) or {}
+        if claim_of(row, plan) and not (old.get("key") == plan.key and "claim_evidence" in old):
+            print(f"  [{time.strftime('%H:%M:%S')}] {row.id} {plan.name}, the claim's steps "
+                  f"(budget {plan.call['budget']})", flush=True)
+            run_cell(row, plan, partial_dir(path, plan.name), keep(plan), claim_only=True)
+    for plan in todo:
         print(f"  [{time.strftime('%H:%M:%S')}] {row.id} {plan.name} (budget {plan.call['budget']})", flush=True)
         partial = partial_dir(path, plan.name)
-
-        def keep_claim(record: Dict[str, Any], name: str = plan.name) -> None:
-            stored["cells"][name] = record
-            save_results(path, stored)
-
-        stored["cells"][plan.name] = run_cell(row, plan, partial, keep_claim)
+        stored["cells"][plan.name] = run_cell(row, plan, partial, keep(plan))
         save_results(path, stored)
         shutil.rmtree(partial, ignore_errors=True)
     return stored

@@ -388,7 +388,7 @@ def test_cells_persist_resume_and_a_changed_row_reruns_only_its_own(tmp_path, mo
 
     runs = []
 
-    def fake_run_cell(row, plan, partial=None, on_claim=None):
+    def fake_run_cell(row, plan, partial=None, on_claim=None, claim_only=False):
         runs.append((row.id, plan.name))
         return {"key": plan.key, "call": json.loads(json.dumps(plan.call)), "seconds": 1.0, "status": "complete",
                 "attacks": plan.call["attacks"], "evidence": _cell(2).to_dict()}
@@ -560,7 +560,7 @@ def test_cells_run_with_a_stale_search_are_not_shown_as_current(tmp_path):
 
 
 def test_a_row_with_cells_missing_counts_as_unfinished_whatever_its_cells_say(tmp_path, monkeypatch):
-    def fake_run_cell(row, plan, partial=None, on_claim=None):
+    def fake_run_cell(row, plan, partial=None, on_claim=None, claim_only=False):
         return {"key": plan.key, "call": json.loads(json.dumps(plan.call)), "seconds": 1.0, "status": "complete",
                 "attacks": plan.call["attacks"], "evidence": _cell(2).to_dict()}
 
@@ -639,7 +639,7 @@ def test_a_cell_run_with_an_attack_default_since_changed_is_rerun_and_marked_sta
 
     runs = []
 
-    def fake_run_cell(row, plan, partial=None, on_claim=None):
+    def fake_run_cell(row, plan, partial=None, on_claim=None, claim_only=False):
         runs.append(plan.name)
         return {"key": plan.key, "call": json.loads(json.dumps(plan.call)), "seconds": 1.0, "status": "complete",
                 "attacks": ["ig"], "evidence": _cell(2).to_dict(),
@@ -749,7 +749,7 @@ def test_a_claim_whose_steps_are_complete_is_judged_while_the_other_steps_run(tm
     row, profile = bp.BY_ID["bayes-ats"], bp.Profile("cpu")
     identified = {"n": 3}
 
-    def interrupted(row_, plan, partial=None, on_claim=None):
+    def interrupted(row_, plan, partial=None, on_claim=None, claim_only=False):
         on_claim(bp.claim_record(plan, ["ig"], _claim_evidence(identified["n"])))
         raise KeyboardInterrupt  # the sitting ends while steps 20 and 50 run
 
@@ -766,19 +766,43 @@ def test_a_claim_whose_steps_are_complete_is_judged_while_the_other_steps_run(tm
     # the same cell at chance decides nothing while the planner has not run
     identified["n"] = 0
     with pytest.raises(KeyboardInterrupt):
-        bp.run_row(row, profile, "embedded", {}, tmp_path / "out", tmp_path / "results")
-    page = bp.render([row], profile, "embedded", {}, tmp_path / "results", tmp_path / "out")
+        bp.run_row(row, profile, "embedded", {}, tmp_path / "out", tmp_path / "at-chance")
+    page = bp.render([row], profile, "embedded", {}, tmp_path / "at-chance", tmp_path / "out")
     assert page.splitlines()[0].endswith("1 unfinished") and "**unfinished (paper:ig not yet run, planner" in page
     # a claim record is not a finished cell: the next run runs the cell again
     ran = []
 
-    def finished(row_, plan, partial=None, on_claim=None):
-        ran.append(plan.name)
+    def finished(row_, plan, partial=None, on_claim=None, claim_only=False):
+        ran.append((plan.name, claim_only))
+        if claim_only:
+            return None
         return {"key": plan.key, "call": json.loads(json.dumps(plan.call)), "seconds": 1.0, "status": "complete",
                 "attacks": ["ig"], "evidence": _claim_evidence(0, steps=(1, 2, 5, 10, 20, 50)).to_dict()}
 
     monkeypatch.setattr(bp, "run_cell", finished)
     bp.run_row(row, profile, "embedded", {}, tmp_path / "out", tmp_path / "results")
-    assert ran == ["paper:ig", "planner"]
+    assert ran == [("planner", True), ("paper:ig", False), ("planner", False)]  # every claim first
     page = bp.render([row], profile, "embedded", {}, tmp_path / "results", tmp_path / "out")
     assert page.splitlines()[0].endswith("1 does not hold") and "decided" not in page
+
+
+def test_a_cell_hands_over_its_claims_evidence_when_those_steps_are_complete(monkeypatch):
+    import audit
+
+    row = bp.BY_ID["bayes-ats"]
+    plan = next(p for p in bp.plan_cells(row, bp.Profile("cpu"), "embedded", {}, Path("/x")) if p.name == "paper:ig")
+    calls, handed = [], []
+
+    class Report:
+        data = {"run_key": "k", "status": "complete"}
+
+    monkeypatch.setattr(audit, "run", lambda **call: (calls.append((call["steps"], call["images"])), Report())[1])
+    monkeypatch.setattr(bp, "_stored_evidence", lambda plan_, key, steps: ({}, ["ig"], _claim_evidence(2, tuple(steps))))
+    assert bp.run_cell(row, plan, None, handed.append, claim_only=True) is None
+    assert calls[-1] == ([1, 2, 5, 10], 8) and all(s[0] in (1, 2, 5, 10) for s, _ in calls)
+    assert len(handed) == 1 and handed[0]["key"] == plan.key
+    assert pv.CellEvidence.from_dict(handed[0]["claim_evidence"]).steps == [1, 2, 5, 10]
+    calls.clear()
+    whole = bp.run_cell(row, plan, None, handed.append)
+    assert calls[-1] == ([1, 2, 5, 10, 20, 50], 8) and ([50], 8) in calls and len(handed) == 2
+    assert whole["key"] == plan.key and "claim_evidence" not in whole and whole["evidence"]["steps"] == [1, 2, 5, 10, 20, 50]
