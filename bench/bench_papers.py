@@ -1057,7 +1057,7 @@ def cell_text(c: Optional[CellEvidence], head: str = "", progress: str = "") -> 
         text += " dB; identified per step " + ", ".join(f"{s}: {sum(v)}/{len(v)}" for s, v in found.items())
     if c.missing:
         text += f"; missing: {'; '.join(c.missing[:2])}"
-    return text + (f"; the other steps {progress}" if progress else "")
+    return text + (f"; {progress}" if progress else "")
 
 
 def planner_head(row: Row, run: Dict[str, Any], c: Optional[CellEvidence], profile: str) -> str:
@@ -1076,12 +1076,12 @@ def adaptive_head(row: Row, run: Dict[str, Any]) -> str:
     return row.adaptive.label + (f" at budget {own:,}" if own != run["budget"] else "")
 
 
-def kept_progress(results: Path, plan: CellPlan) -> str:
+def kept_progress(results: Path, plan: CellPlan, claim_judged: bool = False) -> str:
     """For a cell not yet stored: how many of its image-steps an unfinished run has kept in the
     repository with every attack's result ('' where none), by the engine store's own result
     names, each run with the cell's settings of its attack; a planner cell's attacks are those
     the kept run has results of. Nothing is judged from them until the steps of the row's claim
-    complete (:func:`claim_record`)."""
+    complete (:func:`claim_record`; ``claim_judged``: they are, so the text says so)."""
     from audit.report.store import result_id
 
     kept = partial_dir(results, plan.name)
@@ -1106,8 +1106,10 @@ def kept_progress(results: Path, plan: CellPlan) -> str:
     best = max((count(r) for r in sorted(kept.glob("*")) if r.is_dir()), default=0)
     if not best:
         return ""
-    return (f"under way: {best} of {len(steps) * images} image-steps kept in "
-            f"{kept.relative_to(ROOT) if kept.is_relative_to(ROOT) else kept} (judged when the claim's steps complete)")
+    where = kept.relative_to(ROOT) if kept.is_relative_to(ROOT) else kept
+    if claim_judged:
+        return f"the claim's steps complete, the others under way: {best} of {len(steps) * images} image-steps kept in {where}"
+    return f"under way: {best} of {len(steps) * images} image-steps kept in {where} (judged when the claim's steps complete)"
 
 
 def row_lines(row: Row, profile: Profile, data: str, data_args: Dict[str, Any], root: Path,
@@ -1125,7 +1127,7 @@ def row_lines(row: Row, profile: Profile, data: str, data_args: Dict[str, Any], 
         return (f"| {row.figure} | {row.paper_number} | {row.setting.text()} | {setting} | "
                 f"{conclusion.detail or '-'} | - | - | **{conclusion.text()}** |"), conclusion
     results = results_path(root, profile.name, data, row)
-    progress = {p.name: kept_progress(results, p) for p in plans if cells.get(p.name) is None}
+    progress = {p.name: kept_progress(results, p, p.name in claimed) for p in plans if cells.get(p.name) is None}
     shown = {n: judged[n] for n in cells}  # a cell under way shows its claim's evidence beside its progress
     paper_cell = "<br>".join(cell_text(shown.get(f"paper:{a.name}"), a.label, progress.get(f"paper:{a.name}", ""))
                              for a in row.attacks)
