@@ -1155,8 +1155,11 @@ def row_lines(row: Row, profile: Profile, data: str, data_args: Dict[str, Any], 
     elif pending and (conclusion.decided or all(judged[n] is not None for n in pending)):
         # every pending cell has its claim's steps complete, or a leak shown decides the claim
         # whatever they add: the verdict counts, the rest of the steps are shown as they finish
-        states = [f"{n} under way" if progress.get(n) else f"{n} not yet run" for n in pending]
-        verdict += f" (decided; {', '.join(states)})"
+        if all(judged[n] is not None for n in pending):
+            verdict += f" (decided at the claim's steps; the other steps of {' and '.join(pending)} under way)"
+        else:
+            states = [f"{n} under way" if progress.get(n) else f"{n} not yet run" for n in pending]
+            verdict += f" (decided; {', '.join(states)})"
     elif pending and (any(c is not None for c in judged.values()) or any(progress.values())):
         states = [f"{n} under way" if progress.get(n) else f"{n} not yet run" for n in pending]
         verdict = f"{UNFINISHED} ({', '.join(states)})" + (f": {verdict}" if conclusion.outcome != NOT_RUN else "")

@@ -769,6 +769,11 @@ def test_a_claim_whose_steps_are_complete_is_judged_while_the_other_steps_run(tm
         bp.run_row(row, profile, "embedded", {}, tmp_path / "out", tmp_path / "at-chance")
     page = bp.render([row], profile, "embedded", {}, tmp_path / "at-chance", tmp_path / "out")
     assert page.splitlines()[0].endswith("1 unfinished") and "**unfinished (paper:ig not yet run, planner" in page
+    with pytest.raises(KeyboardInterrupt):  # the planner's claim steps next, at chance too: judged
+        bp.run_row(row, profile, "embedded", {}, tmp_path / "out", tmp_path / "at-chance")
+    page = bp.render([row], profile, "embedded", {}, tmp_path / "at-chance", tmp_path / "out")
+    assert page.splitlines()[0].endswith("1 does not hold")
+    assert "(decided at the claim's steps; the other steps of paper:ig and planner under way)**" in page
     # a claim record is not a finished cell: the next run runs the cell again
     ran = []
 
