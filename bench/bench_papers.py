@@ -1106,10 +1106,11 @@ def kept_progress(results: Path, plan: CellPlan, claim_judged: bool = False) -> 
     best = max((count(r) for r in sorted(kept.glob("*")) if r.is_dir()), default=0)
     if not best:
         return ""
-    where = kept.relative_to(ROOT) if kept.is_relative_to(ROOT) else kept
+    kept_text = (f"{best} of {len(steps) * images} image-steps kept in "
+                 f"{kept.relative_to(ROOT) if kept.is_relative_to(ROOT) else kept}")
     if claim_judged:
-        return f"the claim's steps complete, the others under way: {best} of {len(steps) * images} image-steps kept in {where}"
-    return f"under way: {best} of {len(steps) * images} image-steps kept in {where} (judged when the claim's steps complete)"
+        return f"the claim's steps complete, the others under way: {kept_text}"
+    return f"under way: {kept_text} (judged when the claim's steps complete)"
 
 
 def row_lines(row: Row, profile: Profile, data: str, data_args: Dict[str, Any], root: Path,
@@ -1128,18 +1129,18 @@ def row_lines(row: Row, profile: Profile, data: str, data_args: Dict[str, Any], 
                 f"{conclusion.detail or '-'} | - | - | **{conclusion.text()}** |"), conclusion
     results = results_path(root, profile.name, data, row)
     progress = {p.name: kept_progress(results, p, p.name in claimed) for p in plans if cells.get(p.name) is None}
-    shown = {n: judged[n] for n in cells}  # a cell under way shows its claim's evidence beside its progress
-    paper_cell = "<br>".join(cell_text(shown.get(f"paper:{a.name}"), a.label, progress.get(f"paper:{a.name}", ""))
+    # a cell under way shows its claim's evidence (``judged``) beside its progress
+    paper_cell = "<br>".join(cell_text(judged.get(f"paper:{a.name}"), a.label, progress.get(f"paper:{a.name}", ""))
                              for a in row.attacks)
     search = stored.get("search") or {}
     if row.search and search.get("chosen"):
         paper_cell += "<br>weights chosen on " + f"{search['held_out']} held-out images: " + "; ".join(
             f"{n} {_args_text(v)}{search_edge(search, n)}" for n, v in search["chosen"].items())
-    planner = shown.get("planner")
+    planner = judged.get("planner")
     planner_cell = cell_text(planner, planner_head(row, run, planner, profile.name), progress.get("planner", ""))
-    adaptive_cell = (cell_text(shown.get("adaptive"), adaptive_head(row, run), progress.get("adaptive", ""))
+    adaptive_cell = (cell_text(judged.get("adaptive"), adaptive_head(row, run), progress.get("adaptive", ""))
                      if row.adaptive else "-")
-    first = shown.get(f"paper:{row.attacks[0].name}")
+    first = judged.get(f"paper:{row.attacks[0].name}")
     cause = likely_cause(row, run, data, first.psnr if first else None)
     verdict = conclusion.text() + (f"; {cause}" if cause else "")
     if row.claim_steps and conclusion.outcome != NOT_RUN:
@@ -1148,14 +1149,15 @@ def row_lines(row: Row, profile: Profile, data: str, data_args: Dict[str, Any], 
         verdict += "; alpha: " + projection_text(stored["projection"])
     stale = sorted({a for n in cells for a in stale_attacks((stored.get("cells") or {}).get(n) or {})})
     pending = [n for n, c in cells.items() if c is None]
+    claims_complete = all(judged[n] is not None for n in pending)  # every pending cell has its claim's steps
     if stale:
         verdict = (f"{STALE} (the defaults of {', '.join(stale)} changed since these cells ran; running the row "
                    f"again redoes them): {verdict}")
         conclusion = Conclusion(STALE)  # counted apart: its attacks are no longer what the tool runs
-    elif pending and (conclusion.decided or all(judged[n] is not None for n in pending)):
+    elif pending and (conclusion.decided or claims_complete):
         # every pending cell has its claim's steps complete, or a leak shown decides the claim
         # whatever they add: the verdict counts, the rest of the steps are shown as they finish
-        if all(judged[n] is not None for n in pending):
+        if claims_complete:
             verdict += f" (decided at the claim's steps; the other steps of {' and '.join(pending)} under way)"
         else:
             states = [f"{n} under way" if progress.get(n) else f"{n} not yet run" for n in pending]

@@ -167,7 +167,8 @@ def test_a_stored_run_keeps_its_key_on_a_cpu_whose_kernels_round_otherwise(tmp_p
 
     native, plain = keys_with(None), keys_with("default")
     if native["capability"] == plain["capability"]:
-        pytest.skip(f"this CPU's kernels are torch's plain ones already ({native['capability']})")
+        pytest.skip(f"checks that a run key holds across two CPU kernel sets: this CPU runs torch's plain kernels "
+                    f"already ({native['capability']}), so there is no second set to compare with")
     assert native["weights"] != plain["weights"]  # the same seed, other bytes: why weights are not the key
     for defense, key in native["keys"].items():
         assert key["probe"] == plain["keys"][defense]["probe"] and key["probe"].startswith("sha256:"), defense

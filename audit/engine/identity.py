@@ -253,8 +253,7 @@ def model_identity(model: Any, model_args: Dict[str, Any]) -> Dict[str, Any]:
         digest.update(name.encode())
         digest.update(tensor.detach().cpu().to(torch.float64 if tensor.is_floating_point() else torch.int64)
                       .contiguous().numpy().tobytes())
-    return {"name": type(model).__name__, "architecture_sha256": hashlib.sha256(repr(model).encode()).hexdigest()[:16],
-            "state_sha256": digest.hexdigest()[:16]}
+    return {"name": type(model).__name__, "architecture_sha256": _sha(repr(model)), "state_sha256": digest.hexdigest()[:16]}
 
 
 def audited_model_identity(settings: Any, model: nn.Module) -> Dict[str, Any]:
@@ -269,7 +268,7 @@ def audited_model_identity(settings: Any, model: nn.Module) -> Dict[str, Any]:
     if source_kind(settings.model) != "name" or settings.checkpoint is not None:
         return model_identity(model, {})
     builder = inspect.getmodule(MODELS.get(settings.model))
-    return {"name": type(model).__name__, "architecture_sha256": hashlib.sha256(repr(model).encode()).hexdigest()[:16],
+    return {"name": type(model).__name__, "architecture_sha256": _sha(repr(model)),
             "builder_sha256": _sha(Path(inspect.getsourcefile(builder)).read_bytes()), "weights": "drawn from the seed"}
 
 
