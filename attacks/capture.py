@@ -14,7 +14,9 @@ every ATen operation, refuses host synchronisation, and each replay must run the
 Warm-up iterations are real ones.
 
 Programs are kept in the process (:data:`PROGRAMS`), keyed by everything they bake in
-(:mod:`attacks.program_keys`); a run copies its weights, targets, state and tensors into a kept
+(:mod:`attacks.program_keys`), at most :data:`MAX_PROGRAMS`, and dropped oldest first while the
+GPU's reserved memory (a graph's private pool stays reserved) is above :data:`MEMORY_FRACTION`
+(:func:`evict`); a run copies its weights, targets, state and tensors into a kept
 program's buffers, so the next step, group or layer-drop candidate of that key replays it without
 building again. A group is padded to a few observation counts (each route's ``sizes``: at most 25%
 more work) with copies of its last observation, so shapes repeat. A run that cannot be captured,
@@ -51,7 +53,7 @@ SETTINGS = ("auto", "on", "off")  # or a route name
 GRAPH_MIN_ITERATIONS = 10
 COMPILE_MIN_MEMBER_ITERATIONS = 35_000
 MAX_PROGRAMS = 32  # an audit's attacks x group shapes, with room for the next audit's
-MEMORY_FRACTION = 0.5  # kept CUDA programs are dropped, oldest first, while more than this is allocated
+MEMORY_FRACTION = 0.5  # kept programs are dropped, oldest first, while more than this of a GPU is reserved
 #: the largest share of a padded group's work that padding may take
 PADDING_WASTE = 0.25
 #: programs built, runs served by a kept one, torch.compile calls and graphs captured in this process
@@ -141,6 +143,7 @@ class Graph(Route):
         torch.cuda.synchronize()  # as torch.cuda.graph: nothing pending, cached memory returned
         gc.collect()
         torch.cuda.empty_cache()
+        reserved = torch.cuda.memory_reserved()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         generator = torch.cuda.default_generators[torch.cuda.current_device()]
@@ -162,6 +165,7 @@ class Graph(Route):
             return out
 
         replay.graph = graph  # keeps the graph (and its memory pool) with the program
+        replay.reserved = max(0, torch.cuda.memory_reserved() - reserved)
         return replay
 
 
@@ -313,14 +317,23 @@ def padded_observations(n: int, route: Route) -> int:
 
 
 # -- programs
-def _fill(static: Tensor, real: Tensor, per: int) -> None:
-    """Copy ``real`` into the first rows of ``static``; the rows after it repeat its last
-    ``per`` rows (a padded observation is a copy of the last real one)."""
-    n = real.shape[0]
-    static[:n].copy_(real)
-    if static.shape[0] > n:
-        pad = static[n:].view(-1, per, *static.shape[1:])
-        pad.copy_(real[n - per:].unsqueeze(0).expand_as(pad))
+def _fill(static: Tensor, real: Tensor, n: int, slots: int = 1) -> None:
+    """Copy ``real`` (``n`` observations' rows, as many each) into ``static`` (``slots`` rows an
+    observation, as many observations or more): an observation's slots after its rows repeat its
+    last row (the survivor after the restart selection fills its restarts' slots), and a padded
+    observation is a copy of the last real one."""
+    per = real.shape[0] // n
+    grid, rows = static.view(-1, slots, *static.shape[1:]), real.view(n, per, *real.shape[1:])
+    grid[:n, :per].copy_(rows)
+    if slots > per:
+        grid[:n, per:].copy_(rows[:, -1:].expand(n, slots - per, *rows.shape[2:]))
+    if grid.shape[0] > n:
+        grid[n:].copy_(grid[n - 1:n].expand_as(grid[n:]))
+
+
+def _real(static: Tensor, n: int, per: int, slots: int) -> Tensor:
+    """The rows of ``static`` that :func:`_fill` copied from a real tensor of ``n`` x ``per`` rows."""
+    return static.view(-1, slots, *static.shape[1:])[:n, :per].reshape(n * per, *static.shape[1:])
 
 
 class CaptureFailed(RuntimeError):
@@ -331,12 +344,14 @@ class Program:
     """One iteration function over static buffers and its route's callable. A template run over
     the padded group, built from copies of the run's attack and first observation (so loading
     another run never writes into the first one's objects), holds the weights, targets, labels
-    and the tensors the key lists as inputs."""
+    and the tensors the key lists as inputs. Its members are the attack's restarts of each
+    observation; after the restart selection a run's one survivor an observation fills all of
+    its observation's slots (copies run alongside), so the run keeps its program."""
 
     def __init__(self, run, variables: Sequence[Tensor], route: Route, key: Tuple, inputs: List[Tensor]):
         start = time.perf_counter()
         n_padded = padded_observations(run.n, route)
-        self.route, self.n_padded, self.restarts, self.device = route, n_padded, run.restarts, run.device
+        self.route, self.n_padded, self.restarts, self.device = route, n_padded, run.attack.restarts, run.device
         first = run.group[0]
         own = dataclasses.replace(first, model=copy.deepcopy(first.model), defense=copy.deepcopy(first.defense))
         padded = [own] + run.group[1:] + [run.group[-1]] * (n_padded - run.n)
@@ -346,7 +361,8 @@ class Program:
         shapes = lambda ts: [(tuple(t.shape), t.dtype) for t in ts]  # noqa: E731
         if shapes(self.inputs) != shapes(inputs):
             raise CaptureFailed("the program's copy of the run reads other tensors than the run")
-        members = n_padded * run.restarts
+        members = n_padded * self.restarts
+        self.loaded = (run.n, run.restarts)  # the loaded run's observations and restarts each
         self.variables = [torch.zeros((members, *v.shape[1:]), dtype=v.dtype, device=v.device) for v in variables]
         self.optimizer = copy.deepcopy(run.attack.optimizer)
         self.optimizer.start(self.variables, 1)
@@ -366,6 +382,7 @@ class Program:
         self.fn = route.prepare(iteration)
         self.replay: Optional[Callable[[], Tensor]] = None
         self.calls = 0
+        self.reserved = 0  # bytes its capture reserved (its graph's private pool)
         self.runs = 0  # runs that loaded it
         self.setup_s = time.perf_counter() - start  # building, compiling, warming up, capturing
         STATS["built"] += 1
@@ -386,6 +403,7 @@ class Program:
     def load(self, run, variables: Sequence[Tensor], optimizer, inputs: Sequence[Tensor]) -> None:
         """Copy ``run``'s weights, targets, labels, input tensors, variables and optimiser state in."""
         self.runs += 1
+        n, per = self.loaded = (run.n, run.restarts)
         with torch.no_grad():
             for static, real in zip(self.weights(self.template), self.weights(run)):
                 static.copy_(real)
@@ -394,23 +412,27 @@ class Program:
                     static.copy_(real)
             targets, fixed = run.step_inputs()
             for static, real in zip(self.targets, targets):
-                _fill(static, real, 1)
+                _fill(static, real, n)
             if fixed is not None:
-                _fill(self.fixed, fixed, 1)
+                _fill(self.fixed, fixed, n)
             for static, real in zip(self.variables, variables):
-                _fill(static, real, self.restarts)
+                _fill(static, real, n, self.restarts)
             own = optimizer.state()
             for name, static in self.optimizer.state().items():
-                _fill(static, own[name], self.restarts)
+                _fill(static, own[name], n, self.restarts)
 
     def store(self, variables: Sequence[Tensor], optimizer) -> None:
         """Copy the real members' variables and optimiser state back out."""
         with torch.no_grad():
             for static, real in zip(self.variables, variables):
-                real.copy_(static[:real.shape[0]])
+                real.copy_(self.real(static))
             own = optimizer.state()
             for name, static in self.optimizer.state().items():
-                own[name].copy_(static[:own[name].shape[0]])
+                own[name].copy_(self.real(static))
+
+    def real(self, static: Tensor) -> Tensor:
+        """The loaded run's members' rows of a per-member tensor of the program."""
+        return _real(static, *self.loaded, self.restarts)
 
     def __call__(self, lr: float, iteration: int) -> Tensor:
         """One iteration: the padded group's per-member loss at the point it evaluated."""
@@ -423,6 +445,7 @@ class Program:
         with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
             if self.calls > self.route.warmup:  # streams and graphs on the run's GPU
                 self.replay = self.route.capture(self.fn, self.state())
+                self.reserved = getattr(self.replay, "reserved", 0)
                 out = self.replay()
             else:
                 out = self.route.warm(self.fn)
@@ -447,22 +470,63 @@ def program_for(run, variables: Sequence[Tensor], route: Route) -> Tuple[Program
         return kept, True, inputs
     if (key, route.name) in FAILED:
         raise CaptureFailed(FAILED[(key, route.name)])
-    _make_room(run.device)
+    evict(run.device, room=1)
     program = Program(run, variables, route, key, inputs)
     PROGRAMS[key] = program
-    while len(PROGRAMS) > MAX_PROGRAMS:
-        PROGRAMS.popitem(last=False)
     return program, False, inputs
 
 
-def _make_room(device: torch.device) -> None:
-    """Drop kept programs, oldest first, while the device's memory is more than
-    :data:`MEMORY_FRACTION` allocated (a captured graph keeps its activations' memory)."""
+def evictions(reserved: int, limit: float, entries: Sequence[Tuple[Any, int]],
+              max_entries: int = MAX_PROGRAMS) -> List[Any]:
+    """The keys to drop, oldest first, of ``entries`` (key and the bytes its program holds,
+    oldest first): those beyond the newest ``max_entries``, then more while ``reserved`` less
+    what the dropped hold is above ``limit``."""
+    over = max(0, len(entries) - max_entries)
+    left = reserved - sum(held for _, held in entries[:over])
+    drop = [key for key, _ in entries[:over]]
+    for key, held in entries[over:]:
+        if left <= limit:
+            break
+        drop.append(key)
+        left -= held
+    return drop
+
+
+def device_memory(device: torch.device) -> Tuple[int, float]:
+    """Bytes the caching allocator holds on ``device`` (freed blocks of every graph's private
+    pool included) and the :data:`MEMORY_FRACTION` limit; no limit off CUDA."""
     if device.type != "cuda":
-        return
-    total = torch.cuda.get_device_properties(device).total_memory
-    while PROGRAMS and torch.cuda.memory_allocated(device) > MEMORY_FRACTION * total:
-        PROGRAMS.popitem(last=False)
+        return 0, math.inf
+    return torch.cuda.memory_reserved(device), MEMORY_FRACTION * torch.cuda.get_device_properties(device).total_memory
+
+
+def evict(device: torch.device, room: int = 0) -> List[Tuple]:
+    """Drop kept programs by :func:`evictions` (``room``: programs about to be added) and give
+    their memory back to ``device``; again while the device stays above the limit. The keys dropped."""
+    dropped: List[Tuple] = []
+    while True:
+        reserved, limit = device_memory(device)
+        keys = evictions(reserved, limit, [(k, p.reserved) for k, p in PROGRAMS.items()], MAX_PROGRAMS - room)
+        if not keys:
+            return dropped
+        for key in keys:
+            del PROGRAMS[key]
+        dropped += keys
+        release_memory(device)
+
+
+def release_memory(device: torch.device) -> None:
+    """Return the memory of dropped programs (their graphs' private pools) to ``device``."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+
+
+def release(device: torch.device) -> None:
+    """Drop every kept program and give its memory back to ``device``."""
+    PROGRAMS.clear()
+    release_memory(device)
 
 
 # -- the loop's step, captured or not
@@ -501,16 +565,20 @@ class CapturedSteps(EagerSteps):
         self.replays, self.warm, self.built = 0, 0, []  # programs this run built
         self.reused = 0  # loads of a program an earlier run built
         self.done = 0  # iterations done on the current program since its load
+        self.kept: Optional[Tuple[Program, List[Tensor]]] = None  # this run's program and inputs, once found
 
     def step(self, iteration: int) -> Tensor:
         if self.eager is not None:
             return self.eager.step(iteration)
         run = self.run
         try:
-            if self.program is None:
-                self.program, reused, inputs = program_for(run, self.variables, self.route)
-                self.built += [] if reused else [self.program]
-                self.reused += reused
+            if self.program is None:  # found once: the restart selection does not change the key
+                if self.kept is None:
+                    program, reused, inputs = program_for(run, self.variables, self.route)
+                    self.built += [] if reused else [program]
+                    self.reused += reused
+                    self.kept = program, inputs
+                self.program, inputs = self.kept
                 self.program.load(run, self.variables, self.optimizer, inputs)
                 self.done = 0
             loss = self.program(self.optimizer.lr_at(iteration), iteration)
@@ -524,14 +592,14 @@ class CapturedSteps(EagerSteps):
         self.done += 1
         run.evaluations += 1
         run._count()
-        return loss[:self.variables[0].shape[0]].clone()
+        return self.program.real(loss).clone()
 
     @property
     def captured(self) -> bool:
         return self.eager is None
 
     def _fall_back(self, err: Exception, iteration: int) -> Tensor:
-        program, self.program = self.program, None
+        program, self.program, self.kept = self.program, None, None
         why = f"{self.route.name} failed: {type(err).__name__}: {str(err).strip()}"
         if program is not None:
             if self.done:  # the iterations done on it are the run's

@@ -7,16 +7,22 @@ So :func:`program_key` summarises the run's objects by content -- every value th
 tensor in full, every tensor by shape, dtype and device -- and lists, in walk order, the
 tensors it met (per-layer weights, masks, a prior's or a defense's tensors): a kept program
 copies a run's list into its own, so one program serves any weights, masks and per-run
-constants of the same shapes. Objects no summary reaches are keyed by identity and held by
-the key, so an identity is never reused while its programs are kept.
+constants of the same shapes. Tensors are keyed by their strides too (a channels-last
+convolution runs other kernels than a contiguous one), ``functools.partial`` objects by their
+function and arguments, numpy arrays and scalars by content, and the key holds the process's
+arithmetic settings a capture bakes in (:data:`SETTINGS`: TF32, cuDNN's flags). Objects no
+summary reaches are keyed by identity and held by the key, so an identity is never reused
+while its programs are kept.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 import types
-from typing import Any, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -28,6 +34,23 @@ OBSERVATION_FIELDS = ("input_shape", "num_classes", "batch_size", "local_steps",
 _DESCRIBED_BY_OBJECT = ("objective", "simulator")
 #: a module's own containers, summarised by name and shape instead
 _MODULE_CONTAINERS = ("_parameters", "_buffers", "_modules")
+#: process-wide settings that choose the kernels a program runs (read when a key is made)
+SETTINGS: Dict[str, Callable[[], Any]] = {
+    "matmul allow_tf32": lambda: torch.backends.cuda.matmul.allow_tf32,
+    "matmul fp16 reduced-precision reduction": lambda: torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction,
+    "matmul bf16 reduced-precision reduction": lambda: torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction,
+    "float32 matmul precision": torch.get_float32_matmul_precision,
+    "cudnn enabled": lambda: torch.backends.cudnn.enabled,
+    "cudnn allow_tf32": lambda: torch.backends.cudnn.allow_tf32,
+    "cudnn benchmark": lambda: torch.backends.cudnn.benchmark,
+    "cudnn deterministic": lambda: torch.backends.cudnn.deterministic,
+    "deterministic algorithms": torch.are_deterministic_algorithms_enabled,
+}
+
+
+def settings() -> Tuple[Tuple[str, Any], ...]:
+    """The current value of every :data:`SETTINGS` entry."""
+    return tuple((name, read()) for name, read in SETTINGS.items())
 
 
 class Identity:
@@ -56,16 +79,23 @@ def _digest(t: Tensor) -> str:
 
 def summary(value: Any, inputs: Optional[List[Tensor]] = None, _open: frozenset = frozenset()) -> Any:
     """A hashable summary of ``value``'s content. Tensors: appended to ``inputs`` and summarised by
-    shape, dtype and device when ``inputs`` is a list, else by their bytes. Functions by module,
+    shape, strides, dtype and device when ``inputs`` is a list, else by their bytes; numpy values
+    by their bytes; ``functools.partial`` by function, arguments and keywords. Functions by module,
     name, code, defaults and closure (whose tensors are always summarised by their bytes: a
     function is shared, not copied, so its tensors cannot be a program's own); bound methods by
     function and object; modules by every submodule's type and attributes and every tensor's
     name and shape; other objects by type and attributes; sets in a fixed order."""
     if isinstance(value, Tensor):
         if inputs is None:
-            return ("tensor", tuple(value.shape), str(value.dtype), _digest(value))
+            return ("tensor", tuple(value.shape), value.stride(), str(value.dtype), _digest(value))
         inputs.append(value)
-        return ("input", tuple(value.shape), str(value.dtype), value.device.type)
+        return ("input", tuple(value.shape), value.stride(), str(value.dtype), value.device.type)
+    if isinstance(value, np.ndarray):
+        if value.dtype == object:
+            return ("ndarray", value.shape, summary(value.tolist(), inputs, _open))
+        return ("ndarray", value.shape, str(value.dtype), hashlib.sha1(np.ascontiguousarray(value).tobytes()).hexdigest())
+    if isinstance(value, np.generic):
+        return ("numpy", str(value.dtype), value.item())
     if value is None or isinstance(value, (bool, int, float, complex, str, bytes, torch.dtype, torch.device)):
         return value
     if isinstance(value, type):
@@ -88,6 +118,9 @@ def summary(value: Any, inputs: Optional[List[Tensor]] = None, _open: frozenset 
         return ("function", value.__module__, value.__qualname__, code.co_firstlineno,
                 hashlib.sha1(code.co_code + repr(code.co_consts).encode()).hexdigest(),
                 summary((value.__defaults__, value.__kwdefaults__, cells), None, inner))
+    if isinstance(value, functools.partial):
+        return ("partial", summary(value.func, inputs, inner), summary(value.args, inputs, inner),
+                summary(value.keywords, inputs, inner))
     if isinstance(value, types.MethodType):
         return ("method", summary(value.__func__, inputs, inner), summary(value.__self__, inputs, inner))
     if isinstance(value, (types.BuiltinFunctionType, types.BuiltinMethodType)):
@@ -105,13 +138,13 @@ def summary(value: Any, inputs: Optional[List[Tensor]] = None, _open: frozenset 
 
 def _module(module: torch.nn.Module, inputs: Optional[List[Tensor]], _open: frozenset) -> Tuple:
     """Every submodule's type and attributes (hooks and flags included) and every parameter's
-    and buffer's name, shape, dtype and ``requires_grad``; tensors that are neither are summarised
+    and buffer's name, shape, strides, dtype and ``requires_grad``; tensors that are neither are summarised
     as any attribute is."""
     parts = []
     for name, sub in module.named_modules():
         own = {k: v for k, v in vars(sub).items() if k not in _MODULE_CONTAINERS}
         parts.append((name, type(sub).__module__, type(sub).__qualname__, summary(own, inputs, _open)))
-    tensors = tuple((n, tuple(t.shape), str(t.dtype), t.requires_grad)
+    tensors = tuple((n, tuple(t.shape), t.stride(), str(t.dtype), t.requires_grad)
                     for n, t in itertools.chain(module.named_parameters(), module.named_buffers()))
     return ("module", tuple(parts), tensors)
 
@@ -119,18 +152,20 @@ def _module(module: torch.nn.Module, inputs: Optional[List[Tensor]], _open: froz
 def program_key(run, n_padded: int) -> Tuple[Tuple, List[Tensor]]:
     """The key of ``run``'s program over ``n_padded`` observations, and the run's tensors it reads
     as inputs (in the order a program built from a run of the same key lists its own). The
-    model's weights, the targets and labels are loaded apart (``Program.load``) and keyed by shape."""
+    model's weights, the targets and labels are loaded apart (``Program.load``) and keyed by shape
+    and strides. The restarts are the attack's, not the run's current ones: after the restart
+    selection the run's survivors fill the same program (``Program.load``)."""
     inputs: List[Tensor] = []
     described = {k: v for k, v in run.attack.describe().items() if k not in _DESCRIBED_BY_OBJECT}
     obs = run.obs
     key = (
-        str(run.device), n_padded, run.restarts, run.labels.shape, run.labels.fixed is None,
+        str(run.device), settings(), n_padded, run.attack.restarts, run.labels.shape, run.labels.fixed is None,
         summary(described),
         summary(run.objective, inputs), summary(run.priors, inputs), summary(run.simulator, inputs),
         summary(run.box, inputs), summary(run.attack.optimizer),
         summary(getattr(getattr(run, "side", None), "revealed", None), inputs),
         summary(obs.defense, inputs), summary(obs.model),
         tuple(summary(getattr(obs, f)) for f in OBSERVATION_FIELDS),
-        tuple((tuple(t.shape), str(t.dtype)) for t in run.targets[0]),
+        tuple((tuple(t.shape), t.stride(), str(t.dtype)) for t in run.targets[0]),
     )
     return key, inputs

@@ -1,5 +1,6 @@
 import os
 import sys
+from collections import OrderedDict
 
 import pytest
 import torch
@@ -28,3 +29,13 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def fresh_programs(monkeypatch):
+    """Captured programs, failures and counters of the test's own (attacks.capture)."""
+    from attacks import capture
+
+    monkeypatch.setattr(capture, "PROGRAMS", OrderedDict())
+    monkeypatch.setattr(capture, "FAILED", {})
+    monkeypatch.setattr(capture, "STATS", dict.fromkeys(capture.STATS, 0))

@@ -4,7 +4,6 @@ unchanged, and runs that cannot be captured say why."""
 import os
 import shutil
 import threading
-from collections import OrderedDict
 
 import pytest
 import torch
@@ -109,14 +108,6 @@ def test_a_capture_that_fails_continues_eagerly_with_the_reason(monkeypatch):
     assert failed[0].trace["capture"] == ("off: capture='compiled'; compiled failed: RuntimeError: "
                                           "no C++ compiler found")
     _same(_run(obs, capture="off"), failed)
-
-
-@pytest.fixture
-def fresh_programs(monkeypatch):
-    """Programs, failures and counters of this test's own."""
-    monkeypatch.setattr(capture, "PROGRAMS", OrderedDict())
-    monkeypatch.setattr(capture, "FAILED", {})
-    monkeypatch.setattr(capture, "STATS", dict.fromkeys(capture.STATS, 0))
 
 
 def test_a_recorded_capture_replays_the_eager_loops_reconstruction(fresh_programs):
@@ -324,3 +315,37 @@ def test_a_multi_step_audit_builds_each_program_once_and_reuses_it_at_the_next_s
     layer_drop = [p for p, name, _ in loads if name == "layer-drop"]
     assert len(set(layer_drop)) == 1 and len(layer_drop) > 2  # every candidate layer, both steps, one program
     assert all(p.replay is not None for p in programs)  # captured and replayed
+
+
+def test_the_restart_selection_keeps_the_runs_one_program(fresh_programs):
+    obs = _group(seed=11)
+    eager = _run(obs, 24, capture="off", keep_best_after=0.5)
+    captured = _run(obs, 24, capture="eager", keep_best_after=0.5)
+    assert captured[0].trace["restart_selection"]["iteration"] < captured[0].trace["iterations"] - 1
+    assert capture.STATS["built"] == len(capture.PROGRAMS) == 1, "the restart selection built a second program"
+    assert "programs: 1 built, 0 reused" in captured[0].trace["capture"], captured[0].trace["capture"]
+    _same(eager, captured, atol=1e-5)
+
+
+def test_eviction_drops_the_oldest_beyond_the_count_then_while_reserved_memory_is_over_the_limit():
+    entries = [("a", 30), ("b", 20), ("c", 40), ("d", 10)]  # oldest first
+    assert capture.evictions(50, 100, entries, max_entries=4) == []
+    assert capture.evictions(50, 100, entries, max_entries=2) == ["a", "b"]
+    # reserved memory counts the freed blocks of every graph's private pool: over the limit, the
+    # oldest go until what is left fits
+    assert capture.evictions(160, 110, entries, max_entries=4) == ["a", "b"]
+    assert capture.evictions(160, 100, entries, max_entries=4) == ["a", "b", "c"]
+    assert capture.evictions(160, 100, entries, max_entries=1) == ["a", "b", "c"]
+    assert capture.evictions(500, 100, entries, max_entries=4) == ["a", "b", "c", "d"]  # an estimate short: all go
+    assert capture.evictions(500, 100, [], max_entries=4) == []
+
+
+def test_more_shapes_than_the_cache_holds_keep_the_newest(fresh_programs, monkeypatch):
+    monkeypatch.setattr(capture, "MAX_PROGRAMS", 2)
+    keys = []
+    for n in (1, 2, 3, 4):  # a program per group size
+        _run(_group(seed=n, n=n), 8, capture="eager")
+        keys.append(next(reversed(capture.PROGRAMS)))
+    assert capture.STATS["built"] == 4 and list(capture.PROGRAMS) == keys[2:]
+    capture.release(torch.device("cpu"))
+    assert not capture.PROGRAMS
