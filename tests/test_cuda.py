@@ -1,7 +1,10 @@
 """The cuda path: the same attack, plan and audit numbers on a GPU as on the CPU (within
 float tolerance), and the captured iteration (CUDA graphs) as the eager loop. Skipped where no
 GPU is present."""
+import os
 import re
+import shutil
+import sysconfig
 from collections import OrderedDict
 
 import pytest
@@ -122,7 +125,24 @@ def test_restart_selection_inside_a_replayed_run(deterministic_cudnn):
     eager, graph = _ig(obs, 2 * 30, capture="off", **settings), _ig(obs, 2 * 30, capture="graph", **settings)
     for a, b in zip(eager, graph):
         assert b.trace["restart_selection"]["kept"] == a.trace["restart_selection"]["kept"]
+    assert capture.STATS["built"] == 1, "the restart selection built a second program"
     _close(eager, graph)
+
+
+def test_programs_over_the_reserved_memory_limit_are_dropped_and_their_memory_returned(monkeypatch):
+    cuda = torch.device("cuda")
+    _ig(_cuda_group(2, seed=6)[0], 20, capture="graph")  # the allocator's, cuBLAS's and cuDNN's first blocks
+    capture.release(cuda)
+    start = torch.cuda.memory_reserved(cuda)
+    # any kept program is over the limit: each build drops the ones before and returns their pools
+    monkeypatch.setattr(capture, "MEMORY_FRACTION", (start + 1) / torch.cuda.get_device_properties(cuda).total_memory)
+    for n in (1, 2, 3, 5):  # padded to 1, 2, 4 and 6 observations: four programs, more than the limit holds
+        trace = _ig(_cuda_group(n, seed=n)[0], 20, capture="graph")[0].trace["capture"]
+        assert trace.startswith("graph: ") and "program built here" in trace, trace
+        assert len(capture.PROGRAMS) == 1 and next(iter(capture.PROGRAMS.values())).reserved > 0
+    assert capture.STATS["built"] == 5
+    capture.release(cuda)
+    assert torch.cuda.memory_reserved(cuda) <= start, (torch.cuda.memory_reserved(cuda), start)
 
 
 def test_a_kept_graph_replays_for_the_next_group_with_its_weights_and_labels(deterministic_cudnn):
@@ -176,6 +196,17 @@ def test_a_host_sync_inside_a_capture_falls_back_with_the_stream_restored(monkey
     _close(_ig(obs, 20, capture="off"), recs)
 
 
+def _triton_cannot_build() -> str:
+    """What Triton lacks to build its kernels' launchers here ('' when nothing)."""
+    missing = [] if any(shutil.which(c) for c in (os.environ.get("CC") or "cc", "gcc", "clang")) else \
+        ["a C compiler (cc, gcc, clang or $CC)"]
+    if not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")):
+        missing.append("Python's headers (Python.h)")
+    return " and ".join(missing)
+
+
+@pytest.mark.skipif(bool(_triton_cannot_build()), reason="the compiled graph needs Triton to build its kernels, "
+                    f"which needs {_triton_cannot_build()}")
 def test_the_compiled_graph_matches_and_compiles_once_per_shape(deterministic_cudnn):
     shape = (3, 8, 8)
     model = build_model("cnn", shape, 4, seed=2).to("cuda")
