@@ -21,7 +21,8 @@ def common_options(fn):
 
 
 def friendly_errors(fn):
-    """Print a :class:`GiaError` as one line naming the fix, exit code 2; no traceback."""
+    """Print a :class:`GiaError`, or a file system error (a read-only or full output folder),
+    as one line naming the fix, exit code 2; no traceback."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -29,6 +30,11 @@ def friendly_errors(fn):
             return fn(*args, **kwargs)
         except GiaError as err:
             click.echo(f"error: {err}", err=True)
+            sys.exit(2)
+        except OSError as err:
+            from audit.core.files import storage_error
+
+            click.echo(f"error: {storage_error(err.filename or '(a file)', err, 'use')}", err=True)
             sys.exit(2)
 
     return wrapper

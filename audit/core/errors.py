@@ -25,5 +25,11 @@ class NonFiniteUpdate(DefenseError):
     """A defense's shared update holds NaN/inf (training diverged, or the defense is broken)."""
 
 
+class StoreError(GiaError, OSError):
+    """A file of the output folder that cannot be read or written (truncated, corrupt, a
+    read-only folder, a full disk); the message names the file and the fix. It is an OSError
+    too, for callers that catch those."""
+
+
 class NotApplicable(GiaError):
     """An attack that cannot run on this observation (e.g. analytic inversion, no FC bias)."""

@@ -1,22 +1,41 @@
 """Atomic file writes: a temporary file in the same folder, then a rename, so a reader (a
-resumed audit, a concurrent test worker) never sees half a file."""
+resumed audit, a concurrent test worker) never sees half a file. A write that fails (a full
+disk, a read-only folder, a path under a file) removes its temporary file and raises
+:class:`~audit.core.errors.StoreError` naming the file and the fix."""
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 from pathlib import Path
 from typing import Any
 
+from audit.core.errors import StoreError
+
+
+def storage_error(path: os.PathLike | str, err: OSError, doing: str = "write") -> StoreError:
+    """One line for an OSError on ``path``: what failed, why, and what to do about it."""
+    why = err.strerror or type(err).__name__
+    return StoreError(f"cannot {doing} {path}: {why}; make sure its folder is a writable folder with free "
+                      "space (or choose another output folder) and rerun: finished work is kept")
+
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException as err:  # a failed write, or an interrupt before the rename
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        if isinstance(err, OSError) and not isinstance(err, StoreError):
+            raise storage_error(path, err) from err
+        raise
 
 
 def atomic_torch_save(obj: Any, path: Path) -> Path:

@@ -380,6 +380,9 @@ class Audit:
             if "attacks" in store.load_manifest():
                 AuditReport.from_store(store).write(self.output_settings.out)
             raise
+        except Exception as err:  # a full disk, a broken store: the manifest must not say "running"
+            store.record_stop(err)
+            raise
         store.update_manifest(status="complete", timing={"last_invocation_s": round(time.perf_counter() - started, 1)})
         report = AuditReport.from_store(store)  # its status: 'incomplete (...)' when evidence is missing
         report.write(self.output_settings.out)
@@ -477,10 +480,9 @@ class Audit:
         label = f"step {step} {spec.id} images {','.join(str(i) for i, *_ in group)}"
         bar.set_postfix_str(label)
         credit = _GroupCredit(bar, label, cost * len(group))
-        for done, ((image, *_), (record, aligned)) in enumerate(zip(group, self.attack_group(spec, group, step,
-                                                                                             credit.progress)), 1):
-            store.save_result(record, aligned)
-            credit.settle(done * cost)
+        results = self.attack_group(spec, group, step, credit.progress)
+        store.save_group(results)  # one unit: a rerun after a cut between its writes redoes the group
+        credit.settle(len(results) * cost)
 
 
 def _share(progress: Optional[Callable], k: int, n: int) -> Optional[Callable]:

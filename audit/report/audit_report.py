@@ -122,11 +122,16 @@ class AuditReport:
 
     @classmethod
     def from_store(cls, store: ResultStore, rule: Optional[LeakRule] = None) -> "AuditReport":
-        manifest = store.load_manifest()
+        manifest = store.load_manifest(strict=True)
         if "attacks" not in manifest:
             raise ConfigError(f"the audit in {store.root} (run {store.key}) stopped before its attacks were "
                               "planned; rerun the same audit command to continue it")
-        return cls(build_report(manifest, store.records(), rule), store.dir, store.root)
+        records = store.records()
+        if store.unreadable:  # a lost result is missing evidence, and the report names it
+            lost = [{"phase": "store", "status": "unreadable", "error": why} for why in store.unreadable.values()]
+            manifest = {**manifest, "status": "incomplete (unreadable stored results)",
+                        "failures": list(manifest.get("failures", [])) + lost}
+        return cls(build_report(manifest, records, rule), store.dir, store.root)
 
     # ------------------------------------------------------------------ access
     @property

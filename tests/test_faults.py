@@ -1,0 +1,213 @@
+"""Fault injection: a corrupt store, a failing disk, user code that exits or interrupts, a
+defense that never returns, an interrupt between a group's writes, hostile names, the Flower
+mod's own file writes. Each fault ends in one line naming the file and the fix, or in the
+recomputation of what was lost; nothing claims more than what is stored."""
+import errno
+import json
+import os
+import shutil
+import sys
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+import audit
+import cli
+from audit.core.types import clean_gradients
+from audit.report.store import ResultStore
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+TINY = dict(model="mlp", model_args={"hidden": 32}, image_size=16, budget=5, utility=False, progress=False,
+            defense="none", steps=[0], attacks=["analytic"], images=2)
+
+
+def _psnrs(out):
+    return {(r.step, r.attack_id, r.image): r.metrics.psnr for r in ResultStore.open_latest(out).records()}
+
+
+def _one_line_error(result, *words):
+    """A CLI result that failed with exit status 2 and one line naming ``words``, no traceback."""
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.output
+    assert "Traceback" not in result.output
+    for word in words:
+        assert word in lines[0], lines[0]
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    """A finished tiny audit (2 images, analytic) and its scores."""
+    out = tmp_path_factory.mktemp("finished")
+    audit.run(out=out, **TINY)
+    return out, _psnrs(out)
+
+
+# --------------------------------------------------------------------------- a corrupt store
+CORRUPTIONS = {
+    "truncated": lambda text: text[: len(text) // 2],
+    "a list": lambda text: "[]",
+    "null metrics": lambda text: json.dumps({**json.loads(text), "metrics": None}),
+    "no step": lambda text: json.dumps({k: v for k, v in json.loads(text).items() if k != "step"}),
+    "not utf-8": lambda text: "\udcff",
+}
+
+
+@pytest.mark.parametrize("kind", sorted(CORRUPTIONS))
+def test_a_corrupt_result_is_reported_as_lost_then_recomputed(finished, tmp_path, kind):
+    src, expected = finished
+    out = tmp_path / "out"
+    shutil.copytree(src, out)
+    store = ResultStore.open_latest(out)
+    path = store.result_path(0, "analytic", 1)
+    text = path.read_text()
+    path.write_bytes(CORRUPTIONS[kind](text).encode("utf-8", "surrogateescape"))
+
+    result = CliRunner().invoke(cli.main, ["report", str(out)])
+    assert result.exit_code == 0, result.output
+    report = json.loads((out / "report.json").read_text())
+    assert report["status"].startswith("incomplete"), report["status"]
+    assert any(str(path) in f["error"] for f in report["failures"])
+    assert report["progress"]["done"] == 1
+
+    again = audit.run(out=out, **TINY)  # the lost result is recomputed, the other one reused
+    assert again.data["status"] == "complete"
+    assert _psnrs(out) == expected
+    assert any(f.get("status") == "recomputed" and f.get("image") == 1 for f in again.data["failures"])
+
+
+def test_a_corrupt_manifest_is_one_line_for_report_and_rebuilt_by_the_rerun(finished, tmp_path):
+    src, expected = finished
+    out = tmp_path / "out"
+    shutil.copytree(src, out)
+    manifest = ResultStore.open_latest(out).manifest_path
+    manifest.write_text(manifest.read_text()[:200])
+    _one_line_error(CliRunner().invoke(cli.main, ["report", str(out)]), str(manifest), "rerun")
+    again = audit.run(out=out, **TINY)
+    assert again.data["status"] == "complete" and _psnrs(out) == expected
+    assert json.loads(manifest.read_text())["status"] == "complete"
+
+
+def test_a_truncated_checkpoint_is_retrained(tmp_path):
+    settings = {**TINY, "steps": [1], "images": 1}
+    first = audit.run(out=tmp_path, **settings)
+    store = ResultStore.open_latest(tmp_path)
+    ckpt = store.checkpoint_path(1)
+    ckpt.write_bytes(ckpt.read_bytes()[:100])
+    for path in store.dir.glob("results/*.json"):
+        path.unlink()
+    again = audit.run(out=tmp_path, **settings)
+    assert again.psnr(1, "analytic") == first.psnr(1, "analytic")
+    assert torch.load(ckpt, weights_only=True)  # written again, whole
+
+
+@pytest.mark.parametrize("escape", ["relative", "absolute"])
+def test_a_run_key_is_a_name_never_a_path(finished, tmp_path, escape):
+    """``--run`` and ``latest_run`` never reach a run outside DIR/runs, here another folder's."""
+    src, _ = finished
+    out, other = tmp_path / "out", tmp_path / "other"
+    shutil.copytree(src, out)
+    shutil.copytree(src, other)
+    target = ResultStore.open_latest(other).dir
+    key = "../../other/runs/" + target.name if escape == "relative" else str(target)
+    _one_line_error(CliRunner().invoke(cli.main, ["report", str(out), "--run", key]), "not found")
+    (out / "latest_run").write_text(key)
+    _one_line_error(CliRunner().invoke(cli.main, ["report", str(out)]), "not found")
+
+
+# --------------------------------------------------------------------------- disk and permissions
+@pytest.mark.skipif(hasattr(os, "geteuid") and os.geteuid() == 0, reason="root writes to read-only folders")
+def test_a_read_only_output_folder_is_one_line(tmp_path):
+    out = tmp_path / "ro"
+    out.mkdir()
+    out.chmod(0o500)
+    try:
+        result = CliRunner().invoke(cli.main, ["audit", "--model", "mlp", "--model-arg", "hidden=32", "--image-size",
+                                               "16", "--steps", "0", "--attacks", "analytic", "--images", "1",
+                                               "--budget", "5", "--no-utility", "--quiet", "--out", str(out)])
+    finally:
+        out.chmod(0o700)
+    _one_line_error(result, str(out))
+
+
+def test_an_output_path_under_a_file_is_one_line(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    result = CliRunner().invoke(cli.main, ["audit", "--model", "mlp", "--model-arg", "hidden=32", "--image-size", "16",
+                                           "--steps", "0", "--attacks", "analytic", "--images", "1", "--budget", "5",
+                                           "--no-utility", "--quiet", "--out", str(blocker / "out")])
+    _one_line_error(result, str(blocker))
+
+
+def test_a_report_path_that_is_a_folder_is_one_line(finished, tmp_path):
+    src, _ = finished
+    out = tmp_path / "out"
+    shutil.copytree(src, out)
+    (out / "report.html").unlink()
+    (out / "report.html").mkdir()
+    (out / "report.html" / "x").write_text("keeps the folder non-empty")
+    _one_line_error(CliRunner().invoke(cli.main, ["report", str(out)]), "report.html")
+
+
+def test_a_full_disk_stops_with_one_line_no_temporary_file_and_a_manifest_not_running(tmp_path, monkeypatch):
+    import audit.core.files as files
+
+    real_open, writes = open, {"n": 0}
+
+    def full_disk(path, mode="r", *args, **kwargs):
+        if "w" in mode and str(path).endswith(".tmp") and "results" in str(path):
+            writes["n"] += 1
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return real_open(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(files, "open", full_disk, raising=False)
+    result = CliRunner().invoke(cli.main, ["audit", "--model", "mlp", "--model-arg", "hidden=32", "--image-size", "16",
+                                           "--steps", "0", "--attacks", "analytic", "--images", "1", "--budget", "5",
+                                           "--no-utility", "--quiet", "--out", str(tmp_path)])
+    assert writes["n"] >= 1
+    _one_line_error(result, "No space left on device", "results")
+    assert not list(tmp_path.rglob("*.tmp"))
+    status = json.loads(ResultStore.open_latest(tmp_path).manifest_path.read_text())["status"]
+    assert status.startswith("stopped") and "No space left" in status
+
+
+def test_a_failed_atomic_write_leaves_no_temporary_file(tmp_path):
+    from audit.core.errors import StoreError
+    from audit.core.files import atomic_write_bytes
+
+    (tmp_path / "target").mkdir()
+    (tmp_path / "target" / "x").write_text("a non-empty folder cannot be replaced by a file")
+    with pytest.raises(StoreError, match="target"):
+        atomic_write_bytes(tmp_path / "target", b"data")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["target"]
+
+
+# --------------------------------------------------------------------------- a group cut between writes
+def test_a_group_cut_between_its_writes_is_redone_whole_with_the_same_numbers(tmp_path, monkeypatch):
+    from audit.engine.audit import Audit
+
+    settings = {**TINY, "attacks": ["ig"], "images": 3}
+    audit.run(out=tmp_path / "whole", **settings)
+    expected = _psnrs(tmp_path / "whole")
+
+    real_save, groups = ResultStore.save_result, []
+
+    def cut_after_first(self, *args, **kwargs):
+        real_save(self, *args, **kwargs)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ResultStore, "save_result", cut_after_first)
+    with pytest.raises(KeyboardInterrupt):
+        audit.run(out=tmp_path / "cut", **settings)
+    monkeypatch.setattr(ResultStore, "save_result", real_save)
+    assert len(list((tmp_path / "cut").glob("runs/*/results/*.json"))) == 1
+
+    real_group = Audit.attack_group
+    monkeypatch.setattr(Audit, "attack_group", lambda self, spec, group, *a, **k: (
+        groups.append([g[0] for g in group]), real_group(self, spec, group, *a, **k))[1])
+    audit.run(out=tmp_path / "cut", **settings)
+    assert groups == [[0, 1, 2]]  # the whole group again, not the two it missed
+    assert _psnrs(tmp_path / "cut") == expected
