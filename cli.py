@@ -188,8 +188,8 @@ def training_options(fn):
 @click.option("--utility-seeds", default=None, type=int,
               help="training seeds per arm of the utility section (mean and spread)  [default: 3]")
 @click.option("--defense-timeout", default=None, type=float, metavar="SECONDS",
-              help="abandon a defense call after SECONDS and record it as an error naming the defense  "
-                   "[default: no limit]")
+              help="abandon a defense call after SECONDS and record it as an error naming the defense; 0: no "
+                   "limit  [default: 600, ~19x the slowest built-in defense call measured (docs/performance.md)]")
 @click.option("--quiet", is_flag=True, help="no progress bar")
 @click.option("--out", default=None, type=click.Path(file_okay=False),
               help="output folder (the results and the report in every format)  [default: audit-out]")

@@ -3,6 +3,7 @@ defense that never returns, an interrupt between a group's writes, hostile names
 mod's own file writes. Each fault ends in one line naming the file and the fix, or in the
 recomputation of what was lost; nothing claims more than what is stored."""
 import errno
+import inspect
 import json
 import os
 import shutil
@@ -211,3 +212,103 @@ def test_a_group_cut_between_its_writes_is_redone_whole_with_the_same_numbers(tm
     audit.run(out=tmp_path / "cut", **settings)
     assert groups == [[0, 1, 2]]  # the whole group again, not the two it missed
     assert _psnrs(tmp_path / "cut") == expected
+
+
+# --------------------------------------------------------------------------- user code that ends things
+def _ends_at_round_1(how):
+    def defense(model, inputs, labels, *, loss_fn, generator, round=None):
+        if round == 1:
+            how()
+        return clean_gradients(model, inputs, labels, loss_fn)
+
+    defense.__name__ = defense.__qualname__ = "ends_" + how.__name__
+    return defense
+
+
+def _exit0():
+    sys.exit(0)
+
+
+def _ctrl_c():
+    raise KeyboardInterrupt
+
+
+def _generator_exit():
+    raise GeneratorExit
+
+
+@pytest.mark.parametrize("how", [_exit0, _ctrl_c, _generator_exit], ids=["sys.exit(0)", "KeyboardInterrupt",
+                                                                          "GeneratorExit"])
+@pytest.mark.parametrize("timeout", [None, 30.0], ids=["inline", "worker"])
+def test_a_defense_that_exits_is_its_failure_not_the_audits(tmp_path, how, timeout):
+    report = audit.run(out=tmp_path, **{**TINY, "defense": _ends_at_round_1(how), "steps": [0, 1], "images": 1,
+                                        "defense_timeout": timeout})
+    assert report.step(0)["verdict"]["label"] == "leaks"
+    assert report.step(1)["verdict"]["label"] == "incomplete"
+    (failure,) = report.failures
+    assert f"ends_{how.__name__}" in failure["error"] and "never end the process" in failure["error"]
+    assert json.loads(ResultStore.open_latest(tmp_path).manifest_path.read_text())["status"] == "complete"
+
+
+def test_the_users_own_ctrl_c_still_stops_a_defense_call():
+    import signal
+    import time
+
+    from audit.core.defense_call import user_code
+
+    with pytest.raises(KeyboardInterrupt):
+        with user_code("slow"):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_ctrl_c_during_a_defense_call_interrupts_the_audit_command(tmp_path):
+    """A real SIGINT to ``gia-audit audit`` while its defense runs: the audit stops (not a
+    defense failure), status 'interrupted', the finished step-0 result kept."""
+    import signal
+    import subprocess
+    import time
+
+    marker = tmp_path / "in-round-1"
+    (tmp_path / "slowdef.py").write_text(
+        "import pathlib, time\nfrom audit.core.types import clean_gradients\n"
+        "def slow(model, inputs, labels, *, loss_fn, generator, round=None):\n"
+        f"    if round == 1:\n        pathlib.Path({str(marker)!r}).touch()\n        time.sleep(60)\n"
+        "    return clean_gradients(model, inputs, labels, loss_fn)\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.getcwd()]), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "cli.py", "audit", "--defense", "slowdef:slow", "--model", "mlp",
+                             "--model-arg", "hidden=32", "--image-size", "16", "--steps", "0,1", "--attacks",
+                             "analytic", "--images", "1", "--no-utility", "--quiet", "--out", str(tmp_path / "out")],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    deadline = time.time() + 120
+    while not marker.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.1)
+    assert marker.exists(), proc.communicate()[0]
+    proc.send_signal(signal.SIGINT)
+    output = proc.communicate(timeout=60)[0].decode()
+    assert proc.returncode != 0, output
+    manifest = json.loads(ResultStore.open_latest(tmp_path / "out").manifest_path.read_text())
+    assert manifest["status"] == "interrupted"
+
+
+# --------------------------------------------------------------------------- a defense that never returns
+def test_the_default_defense_timeout_is_finite_and_far_above_the_slowest_built_in_call():
+    import re
+
+    from audit.core.defense_call import DEFAULT_DEFENSE_TIMEOUT
+    from audit.engine.settings import OutputSettings
+
+    assert OutputSettings().defense_timeout == DEFAULT_DEFENSE_TIMEOUT < float("inf")
+    assert inspect.signature(audit.run).parameters["defense_timeout"].default == DEFAULT_DEFENSE_TIMEOUT
+    page = open(os.path.join(os.path.dirname(__file__), "..", "docs", "performance.md")).read()
+    table = page.split("<!-- bench:defenses:begin -->")[1].split("<!-- bench:defenses:end -->")[0]
+    header = next(line for line in table.splitlines() if line.startswith("| defense"))
+    ms_columns = [i for i, cell in enumerate(header.split("|")) if cell.strip().endswith(" ms")]
+    slowest = max(float(line.split("|")[i]) for line in table.splitlines()
+                  if line.startswith("| ") and not line.startswith("| defense") for i in ms_columns)
+    assert slowest > 1000  # the table was read (SOTERIA on ResNet-18 takes seconds)
+    assert DEFAULT_DEFENSE_TIMEOUT >= 10 * slowest / 1000
+    help_text = CliRunner().invoke(cli.main, ["audit", "--help"]).output
+    assert re.search(rf"default:\s+{DEFAULT_DEFENSE_TIMEOUT:g}\b", help_text), help_text

@@ -10,10 +10,12 @@ defended-gradient callable into a :class:`~audit.core.types.Defense` (a *name* i
 """
 from __future__ import annotations
 
+import queue
+import signal
 import threading
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import Any, Callable, Iterator, List, Optional
+from typing import Any, Callable, Iterator, List, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -70,6 +72,44 @@ def check_output(defense: Any, grads: Any, model: nn.Module) -> List[Tensor]:
     return grads
 
 
+# --------------------------------------------------------------------------- user code that ends things
+#: what user code raises to end the process, the audit or a generator: inside a defense, a
+#: failure of that defense (the audit goes on and says "incomplete"), never the process's end
+EXITS = (SystemExit, KeyboardInterrupt, GeneratorExit)
+_SIGINTS = [0]  # SIGINTs received while user code ran on the main thread (see user_code)
+
+
+@contextmanager
+def user_code(name: str, what: str = "") -> Iterator[None]:
+    """Run a defense's code: its ``sys.exit``, ``KeyboardInterrupt`` or ``GeneratorExit``
+    becomes a :class:`DefenseError` naming it (``what``: which of its methods, e.g.
+    "wrap_model"). The user's own Ctrl-C still stops the audit: on the main thread, the SIGINTs
+    that arrive meanwhile are counted (its handler wrapped), and a KeyboardInterrupt raised
+    while one arrived passes through."""
+    counting = threading.current_thread() is threading.main_thread() and callable(signal.getsignal(signal.SIGINT))
+    before = _SIGINTS[0]
+    previous = signal.signal(signal.SIGINT, _counted(signal.getsignal(signal.SIGINT))) if counting else None
+    try:
+        yield
+    except EXITS as err:
+        if isinstance(err, KeyboardInterrupt) and _SIGINTS[0] != before:
+            raise  # the user pressed Ctrl-C
+        where = f" in {what}" if what else ""
+        raise DefenseError(f"defense {name!r} raised {type(err).__name__}{where} ({err!r}); a defense must return its "
+                           "gradients or raise an Exception, never end the process") from None
+    finally:
+        if counting:
+            signal.signal(signal.SIGINT, previous)
+
+
+def _counted(handler: Callable) -> Callable:
+    def count(signum, frame):
+        _SIGINTS[0] += 1
+        return handler(signum, frame)
+
+    return count
+
+
 def wrap_client_model(defense: Any, model: nn.Module, seed: int) -> nn.Module:
     """``defense.wrap_model(model)`` under ``seed``: the client's model (an architectural
     defense such as PRECODE changes it once, before training; a defense without
@@ -80,7 +120,8 @@ def wrap_client_model(defense: Any, model: nn.Module, seed: int) -> nn.Module:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         try:
-            wrapped = wrap(model)
+            with user_code(defense_name(defense), "wrap_model"):
+                wrapped = wrap(model)
         except GiaError:
             raise
         except Exception as err:
@@ -100,6 +141,10 @@ def accepts_round(defense: Any) -> bool:
 
 
 # --------------------------------------------------------------------------- per-call timeout
+#: seconds a defense call may take before the audit abandons it (``--defense-timeout``): ~19x
+#: the slowest built-in defense call measured (SOTERIA, ResNet-18, batch 8: 31.7 s on 2 CPU
+#: threads; docs/performance.md, ``bench/bench_defenses.py --calls``), so only a hung call meets it
+DEFAULT_DEFENSE_TIMEOUT = 600.0
 _TIMEOUT: ContextVar[Optional[float]] = ContextVar("defense_timeout", default=None)
 
 
@@ -134,6 +179,37 @@ def abandoned_calls() -> List[str]:
     return [t.name for t in _ABANDONED]
 
 
+class _Worker:
+    """A daemon thread that runs the defense calls of one calling thread, one at a time (a
+    thread per call would cost ~0.1 ms each); once a call outlives its timeout the worker is
+    abandoned with it and the next call gets a new one."""
+
+    def __init__(self):
+        self.jobs: "queue.SimpleQueue" = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._loop, name="defense-calls", daemon=True)
+        self.thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            fn, box, done = self.jobs.get()
+            try:
+                box["value"] = fn()
+            except BaseException as err:  # handed back to the caller's thread
+                box["error"] = err
+            done.set()
+
+    def run(self, fn: Callable[[], Any], name: str, seconds: float) -> Tuple[bool, dict]:
+        """``fn()`` on this worker: (whether it returned within ``seconds``, its result box)."""
+        box: dict = {}
+        done = threading.Event()
+        self.thread.name = f"defense-{name}"
+        self.jobs.put((fn, box, done))
+        return done.wait(seconds), box
+
+
+_WORKERS = threading.local()
+
+
 def _with_timeout(fn: Callable[[], Any], name: str, seconds: Optional[float]) -> Any:
     """``fn()``, abandoned after ``seconds`` with a DefenseError naming the defense.
 
@@ -143,22 +219,20 @@ def _with_timeout(fn: Callable[[], Any], name: str, seconds: Optional[float]) ->
     :func:`abandoned_calls` names it meanwhile.
     """
     if seconds is None or in_functorch_transform():
-        return fn()
-    box: dict = {}
+        with user_code(name):
+            return fn()
     grad_enabled = torch.is_grad_enabled()
 
-    def work() -> None:
-        try:
-            with torch.set_grad_enabled(grad_enabled):
-                box["value"] = fn()
-        except BaseException as err:  # handed back to the caller's thread
-            box["error"] = err
+    def work() -> Any:
+        with torch.set_grad_enabled(grad_enabled), user_code(name):
+            return fn()
 
-    worker = threading.Thread(target=work, name=f"defense-{name}", daemon=True)
-    worker.start()
-    worker.join(seconds)
-    if worker.is_alive():
-        _ABANDONED.append(worker)
+    worker = getattr(_WORKERS, "worker", None) or _Worker()
+    _WORKERS.worker = worker
+    finished, box = worker.run(work, name, seconds)
+    if not finished:
+        _WORKERS.worker = None
+        _ABANDONED.append(worker.thread)
         raise DefenseError(f"defense {name!r} did not return within {seconds:g} s (the per-call timeout, "
                            "--defense-timeout); the call was abandoned")
     if "error" in box:

@@ -25,7 +25,7 @@ from attacks import ATTACKS
 from attacks.presets import defaults_fingerprint
 from audit.client.fl import train
 from audit.client.observe import observe
-from audit.core.defense_call import defense_timeout
+from audit.core.defense_call import DEFAULT_DEFENSE_TIMEOUT, defense_timeout
 from attacks.side_information import side_information
 from audit.core.buffers import has_running_stats
 from audit.core.errors import ConfigError, DefenseError, GiaError, NotApplicable
@@ -696,7 +696,7 @@ def run(
     delta: Optional[float] = None,
     device: Union[str, torch.device] = "cpu",
     progress: bool = True,
-    defense_timeout: Optional[float] = None,
+    defense_timeout: Optional[float] = DEFAULT_DEFENSE_TIMEOUT,
     retry_errors: bool = True,
 ) -> AuditReport:
     """Audit a defense: how much of the audited client's private data leaks, per training step.
@@ -720,7 +720,7 @@ def run(
     ``utility_steps`` rounds of the utility recipe (``docs/evidence.md``) with and without the
     defense, on ``utility_seeds`` seeds each, and compare test accuracy (mean and spread).
     ``defense_timeout``: seconds per defense call before it is abandoned and recorded as an
-    error (None: no limit). ``thresholds``: the leak rule (``docs/evidence.md``). Results
+    error (default :data:`~audit.core.defense_call.DEFAULT_DEFENSE_TIMEOUT`; None or 0: no limit). ``thresholds``: the leak rule (``docs/evidence.md``). Results
     are stored under ``out`` as they finish (a rerun resumes and, with ``retry_errors``,
     retries stored errors); the report is written there and returned. As objects: :class:`Audit`
     with :mod:`audit.engine.settings`' settings classes.

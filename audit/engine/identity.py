@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from audit.core import __version__
+from audit.core.defense_call import defense_name, user_code
 
 
 def derive_seed(seed: int, *parts: Any) -> int:
@@ -184,9 +185,12 @@ def probe_fingerprint(defense: Any, timeout: Optional[float] = None) -> str:
     from adaptive.planner.probe import exact_math, probe_network, random_batch
     from audit.core.defense_call import call_defense, defense_timeout, wrap_client_model
 
+    name = defense_name(defense)
+
     def probe(dtype: torch.dtype) -> str:
         try:
-            probed = copy.deepcopy(defense)
+            with user_code(name):
+                probed = copy.deepcopy(defense)
         except Exception:  # an object that cannot be copied: probe it as is
             probed = defense
         with torch.random.fork_rng(devices=[]), torch_threads(1), exact_math(), defense_timeout(timeout):
@@ -214,8 +218,9 @@ def defense_identity(defense, spec: Any, timeout: Optional[float] = None) -> Dic
     ident: Dict[str, Any] = {"name": getattr(defense, "name", "defense"),
                              "spec": spec if isinstance(spec, str) else type(spec).__name__}
     try:
-        ident["params"] = {k: repr(v) if not isinstance(v, (int, float, str, bool, type(None))) else v
-                           for k, v in defense.params().items()}
+        with user_code(ident["name"], "params"):
+            ident["params"] = {k: repr(v) if not isinstance(v, (int, float, str, bool, type(None))) else v
+                               for k, v in defense.params().items()}
     except Exception as err:  # a user's Defense subclass with a broken params()
         ident["params"] = {"unavailable": f"{type(err).__name__}: {err}"}
     ident["stochastic"] = bool(getattr(defense, "stochastic", False))

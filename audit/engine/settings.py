@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
+from audit.core.defense_call import DEFAULT_DEFENSE_TIMEOUT
 from audit.core.errors import ConfigError
 from audit.core.local_training import LocalOptimizer
 from audit.core.model_source import model_label, parse_normalize, source_kind
@@ -208,8 +209,8 @@ class OutputSettings:
     """Where and what is written: the output folder, the utility measurement (``utility_steps``
     FL rounds with and without the defense, on ``utility_seeds`` seeds each), the verdict thresholds, the risk radius ``delta``
     (None: RMSE 0.1 per pixel) and the progress bar; how the run treats a defense:
-    ``defense_timeout`` seconds per call (None: no limit; a call past it is abandoned and
-    recorded as an error), and whether a rerun retries stored errors (``retry_errors``)."""
+    ``defense_timeout`` seconds per call (default :data:`~audit.core.defense_call.DEFAULT_DEFENSE_TIMEOUT`;
+    None or 0: no limit; a call past it is abandoned and recorded as an error), and whether a rerun retries stored errors (``retry_errors``)."""
 
     out: Union[str, Path] = "audit-out"
     utility: bool = True
@@ -217,7 +218,7 @@ class OutputSettings:
     thresholds: LeakRule = field(default_factory=LeakRule)
     delta: Optional[float] = None
     progress: bool = True
-    defense_timeout: Optional[float] = None
+    defense_timeout: Optional[float] = DEFAULT_DEFENSE_TIMEOUT
     retry_errors: bool = True
     utility_seeds: int = 3
 
@@ -227,7 +228,7 @@ class OutputSettings:
              utility_seeds=_positive("utility_seeds", self.utility_seeds),
              thresholds=LeakRule.of(self.thresholds),
              delta=None if self.delta is None else _positive("delta", self.delta, float),
-             defense_timeout=None if self.defense_timeout is None else _positive(
+             defense_timeout=None if self.defense_timeout in (None, 0) else _positive(
                  "defense_timeout (seconds)", self.defense_timeout, float),
              retry_errors=bool(self.retry_errors))
 
