@@ -15,8 +15,9 @@ For each model (the project's ``cnn`` and CIFAR ``resnet18``, 32x32) and each N,
 
 Also, in the same process: R restarts batched against the same R restarts one after another
 (``--restarts``), and with ``--precision-check`` on cuda IG's PSNR with TF32 and channels-last
-beside float32; ``--ops``: ATen operations per iteration instead (``op_counts.py``);
-``--gpu-turn`` (cuda only): what a lent GPU should measure, in one file (``gpu_turn.py``)::
+beside float32; ``--ops``: kernels per iteration instead (``op_counts.py``);
+``--gpu-turn`` (cuda only): what a lent GPU should measure, in one file, each section kept under
+``--gpu-turn-dir`` as it finishes and a later turn resuming from them (``gpu_turn.py``)::
 
     python bench/bench_throughput.py --device cpu --threads 2 --members 1,8 --iterations 4
     python bench/bench_throughput.py --ops --threads 1 --docs ops
@@ -29,6 +30,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import json
 import os
 import sys
 import time
@@ -45,6 +47,7 @@ from attacks import ATTACKS, observe  # noqa: E402
 from audit.core.data import load_dataset  # noqa: E402
 from audit.core.metrics import psnr  # noqa: E402
 from audit.core.models import build_model  # noqa: E402
+import gpu_turn  # noqa: E402
 import op_counts  # noqa: E402
 from bench_attack import _sync, best_of  # noqa: E402
 from docs_table import ROOT, add_docs_option, publish  # noqa: E402
@@ -282,19 +285,28 @@ def main(argv=None) -> dict:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--client-mode", default="eval", choices=["train", "eval"])
     p.add_argument("--precision-check", action="store_true")
-    p.add_argument("--ops", action="store_true", help="count ATen operations per iteration instead (bench/op_counts.py)")
+    p.add_argument("--ops", action="store_true", help="count kernels per iteration instead (bench/op_counts.py)")
     p.add_argument("--ops-members", type=int, default=8, help="images N of the operation counts")
-    p.add_argument("--gpu-turn", action="store_true", help="on cuda: the CUDA tests, the floor table, the operation "
-                                                           "counts and the paper-scale audit, into one Markdown file")
-    p.add_argument("--gpu-turn-section", choices=["floor", "ops", "paper"], default=None,
-                   help="on cuda: one section of --gpu-turn, its body printed (the turn runs each in its own process)")
+    p.add_argument("--gpu-turn", action="store_true", help="on cuda: the default audit on CUDA and CPU, a sweep, the "
+                                                           "CUDA tests, the floor table, the kernel counts and the "
+                                                           "paper-scale audit, into one Markdown file")
+    p.add_argument("--gpu-turn-section", choices=[n for n in gpu_turn.SECTIONS if n != "tests"], default=None,
+                   help="one section of --gpu-turn (on its device), its result printed (the turn runs each in its "
+                        "own process)")
     p.add_argument("--gpu-turn-out", default="docs/gpu-turn.md", help="the --gpu-turn file (from the project root)")
+    p.add_argument("--gpu-turn-dir", default="bench/results/gpu-turn",
+                   help="where --gpu-turn keeps each section's result as it finishes (from the project root); a "
+                        "turn runs only the sections not kept there (remove it for a fresh turn)")
+    p.add_argument("--gpu-turn-budget", type=float, default=gpu_turn.TURN_BUDGET_S,
+                   help="seconds a turn may take: a section starts only while its estimate fits")
+    p.add_argument("--gpu-turn-only", default=None, help="comma-separated sections of --gpu-turn to run")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu")
     add_docs_option(p, "docs/performance.md")
     args = p.parse_args(argv)
 
-    if (args.gpu_turn or args.gpu_turn_section) and (not args.device.startswith("cuda") or not torch.cuda.is_available()):
+    needs_cuda = args.gpu_turn or (args.gpu_turn_section and gpu_turn.SECTIONS[args.gpu_turn_section].device == "cuda")
+    if needs_cuda and (not args.device.startswith("cuda") or not torch.cuda.is_available()):
         print(f"--gpu-turn and --gpu-turn-section need --device cuda on a machine with a CUDA GPU "
               f"(device {args.device!r}, CUDA "
               f"{'available' if torch.cuda.is_available() else 'not available'})", file=sys.stderr)
@@ -307,19 +319,18 @@ def main(argv=None) -> dict:
     setting = f"torch {torch.__version__}, " + (torch.cuda.get_device_name(device) if cuda else
                                                  f"cpu, {args.threads} thread(s)")
     if args.gpu_turn:
-        import gpu_turn
-
-        print(f"written: {gpu_turn.run(device, ROOT / args.gpu_turn_out)}")
+        only = args.gpu_turn_only.split(",") if args.gpu_turn_only else None
+        written = gpu_turn.run(device, ROOT / args.gpu_turn_out, ROOT / args.gpu_turn_dir, args.gpu_turn_budget, only)
+        print(f"written: {written}")
         return {}
     if args.gpu_turn_section:
-        import gpu_turn
-
         args.members, args.iterations, args.repeats = "8,32", 20, 2  # the turn's floor table: about 2 minutes
-        make = {"floor": lambda: throughput(args, device)[0],
-                "ops": lambda: op_counts.table(op_counts.count(floor_step, device, args.ops_members), args.ops_members),
-                "paper": lambda: gpu_turn.paper_audit(device)}[args.gpu_turn_section]
-        body = make()
-        print(f"{gpu_turn.BODY}\n{body}")
+        own = {"floor": lambda: (throughput(args, device)[0], {}),
+               "ops": lambda: (op_counts.table(op_counts.count(floor_step, device, args.ops_members),
+                                               args.ops_members), {})}
+        body, data = own[args.gpu_turn_section]() if args.gpu_turn_section in own else \
+            gpu_turn.BODIES[args.gpu_turn_section](device)
+        print(f"{gpu_turn.BODY}\n{json.dumps({'body': body, 'data': data})}")
         return {}
     if args.ops:
         rows = op_counts.count(floor_step, device, args.ops_members)
