@@ -17,6 +17,7 @@ import audit
 import cli
 from audit.core.types import clean_gradients
 from audit.report.store import ResultStore
+from test_flower import task_identity  # noqa: F401  (Flower messages made outside its runtime)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -312,3 +313,56 @@ def test_the_default_defense_timeout_is_finite_and_far_above_the_slowest_built_i
     assert DEFAULT_DEFENSE_TIMEOUT >= 10 * slowest / 1000
     help_text = CliRunner().invoke(cli.main, ["audit", "--help"]).output
     assert re.search(rf"default:\s+{DEFAULT_DEFENSE_TIMEOUT:g}\b", help_text), help_text
+
+
+# --------------------------------------------------------------------------- the Flower mod
+def test_no_file_write_of_the_flower_mod_can_fail_the_clients_round(tmp_path, monkeypatch):
+    """A full disk from the k-th file write of the mod on, for every k: the client's reply
+    comes back unchanged (the round goes on); what could not be recorded is a log line."""
+    pytest.importorskip("flwr")
+    from pathlib import Path
+
+    import audit.core.files as files
+    from test_flower import app, context, initial_state, train_message
+
+    flower_app = app()[0]
+    real_open, real_mkdir = open, Path.mkdir
+    writes = {"n": 0, "fail_from": None}
+
+    def count(path):
+        writes["n"] += 1
+        if writes["fail_from"] is not None and writes["n"] >= writes["fail_from"]:
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    def write_open(path, mode="r", *args, **kwargs):
+        if "w" in mode or "a" in mode:
+            count(path)
+        return real_open(path, mode, *args, **kwargs)
+
+    def mkdir(self, *args, **kwargs):
+        count(self)
+        return real_mkdir(self, *args, **kwargs)
+
+    monkeypatch.setattr(files, "open", write_open, raising=False)
+    monkeypatch.setattr(Path, "mkdir", mkdir)
+
+    def one_round(out, round_):
+        mod = flower_app.AuditMod(rounds=[1, 2], model=flower_app.Net, data=flower_app.client_data, out=str(out),
+                                  blocking=True, budget=5, attacks="ig", seed=0)
+        client = flower_app.client_app([mod])
+        return client(train_message(initial_state(), round_), context())
+
+    one_round(tmp_path / "clean", 2)  # the data lacks the trained rows: a failed round, recorded and logged
+    writes["n"] = 0
+    clean = one_round(tmp_path / "clean", 2)
+    total = writes["n"]
+    assert total >= 4 and not clean.has_error()
+    writes["n"] = 0
+    one_round(tmp_path / "earlier", 2)  # an earlier failed round, its outcome to log
+    for k in range(1, total + 1):
+        out = tmp_path / f"fail-{k}"
+        shutil.copytree(tmp_path / "earlier", out)
+        writes["n"], writes["fail_from"] = 0, k
+        reply = one_round(out, 2)
+        assert not reply.has_error(), (k, reply.error)
+        assert set(reply.content["arrays"].to_torch_state_dict()) == set(initial_state())

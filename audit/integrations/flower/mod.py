@@ -15,7 +15,6 @@ the client's round.
 """
 from __future__ import annotations
 
-import contextlib
 import inspect
 import logging
 import os
@@ -114,8 +113,18 @@ class AuditMod:
                 raise
             return self._refused(msg, context, planned, why)
         if planned is not None:
-            self._start(planned, msg, reply, context, planned_s)
+            self._quietly("the audit of this round", self._start, planned, msg, reply, context, planned_s)
         return reply
+
+    @staticmethod
+    def _quietly(what: str, work: Callable, *args: Any) -> None:
+        """The mod's own bookkeeping ``work(*args)`` (status files, the job, the launch, the log
+        lines): whatever it raises (a full disk, a read-only folder) is one warning on the
+        client's log, never the client's round's failure."""
+        try:
+            work(*args)
+        except Exception as err:
+            LOG.warning("gia-audit: %s could not be recorded: %s", what, one_line(err))
 
     def _plan(self, msg: Any, context: Any) -> Optional[Dict[str, Any]]:
         """The round and a copy of the arriving arrays when ``msg`` is a train message of an
@@ -124,7 +133,7 @@ class AuditMod:
         try:
             if not str(msg.metadata.message_type).startswith("train"):
                 return None
-            self._log_outcomes(context)
+            self._quietly("the outcome of earlier rounds", self._log_outcomes, context)
             round_ = self._round(msg)
             if round_ not in self.settings.rounds:
                 return None
@@ -174,7 +183,7 @@ class AuditMod:
                 write_status(folder, prepared_s=round(planned_s + time.perf_counter() - began, 3))
         except Exception as err:  # recorded as the round's result; the client's round goes on
             self._failed(folder, round_, client, err)
-        self._log_outcomes(context)
+        self._quietly("the outcome of earlier rounds", self._log_outcomes, context)
 
     def _refused(self, msg: Any, context: Any, planned: Optional[Dict[str, Any]], why: str) -> Any:
         """A reply the mods inside this one could not make (:func:`clipping_failure`): one line on
@@ -185,17 +194,19 @@ class AuditMod:
 
         LOG.error("gia-audit: the client's reply failed: %s", why)
         if planned is not None:
-            round_, client = planned["round"], client_name(context)
-            folder = round_dir(self.settings.out, client, round_)
-            try:
-                got = self.data(context) if self.settings.data_arity == 1 else self.data(context, round_)
-            except Exception:  # the round is audited unless the data function says it is not
-                got = True
-            if got is not None:
-                self._failed(folder, round_, client, reason=f"the client's reply failed: {why}")
-                with contextlib.suppress(OSError):  # logged above; the status may not be writable
-                    write_status(folder, logged=True)
+            self._quietly("the failed round", self._record_refusal, planned, context, why)
         return Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=why), reply_to=msg)
+
+    def _record_refusal(self, planned: Dict[str, Any], context: Any, why: str) -> None:
+        round_, client = planned["round"], client_name(context)
+        folder = round_dir(self.settings.out, client, round_)
+        try:
+            got = self.data(context) if self.settings.data_arity == 1 else self.data(context, round_)
+        except Exception:  # the round is audited unless the data function says it is not
+            got = True
+        if got is not None:
+            self._failed(folder, round_, client, reason=f"the client's reply failed: {why}")
+            write_status(folder, logged=True)  # logged above
 
     def _failed(self, folder, round_: int, client: str, err: Optional[BaseException] = None,
                 reason: str = "") -> None:
@@ -222,16 +233,21 @@ class AuditMod:
         if not client_dir.is_dir():
             return
         for folder in round_folders(client_dir):
-            status = read_status(folder)
-            state = status.get("state")
-            if status.get("logged") or state in PENDING or state is None:
-                continue
-            if state == FINISHED and status.get("report_status", "complete") == "complete":
-                continue
-            what = state if state != FINISHED else f"incomplete ({status.get('report_status')})"
-            LOG.warning("gia-audit: the audit of round %s (%s) %s: %s; see %s", status.get("round"),
-                        status.get("client"), what, status.get("reason") or status.get("verdict_reason", ""), folder)
-            write_status(folder, logged=True)
+            self._quietly(f"the outcome of {folder.name}", self._log_outcome, folder)
+
+    @staticmethod
+    def _log_outcome(folder) -> None:
+        """:meth:`_log_outcomes` for one round's folder."""
+        status = read_status(folder)
+        state = status.get("state")
+        if status.get("logged") or state in PENDING or state is None:
+            return
+        if state == FINISHED and status.get("report_status", "complete") == "complete":
+            return
+        what = state if state != FINISHED else f"incomplete ({status.get('report_status')})"
+        LOG.warning("gia-audit: the audit of round %s (%s) %s: %s; see %s", status.get("round"),
+                    status.get("client"), what, status.get("reason") or status.get("verdict_reason", ""), folder)
+        write_status(folder, logged=True)
 
     def _defense(self, msg: Any):
         s = self.settings
