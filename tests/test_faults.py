@@ -366,3 +366,49 @@ def test_no_file_write_of_the_flower_mod_can_fail_the_clients_round(tmp_path, mo
         reply = one_round(out, 2)
         assert not reply.has_error(), (k, reply.error)
         assert set(reply.content["arrays"].to_torch_state_dict()) == set(initial_state())
+
+
+# --------------------------------------------------------------------------- hostile names
+def test_math_text_in_a_defense_name_does_not_break_the_report(tmp_path):
+    def defense(model, inputs, labels, *, loss_fn, generator):
+        return clean_gradients(model, inputs, labels, loss_fn)
+
+    defense.__name__ = defense.__qualname__ = r"my$\frac{$defense"
+    report = audit.run(out=tmp_path, **{**TINY, "defense": defense, "images": 1})
+    assert report.data["defense"]["name"] == r"my$\frac{$defense"
+    png = (tmp_path / "psnr_vs_step.png").read_bytes()
+    assert png.startswith(b"\x89PNG") and len(png) > 1000
+    result = CliRunner().invoke(cli.main, ["report", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+
+
+def test_user_strings_in_report_md_are_text_not_html(tmp_path):
+    def defense(model, inputs, labels, *, loss_fn, generator):
+        return clean_gradients(model, inputs, labels, loss_fn)
+
+    defense.__name__ = defense.__qualname__ = "<img src=x onerror=alert(1)>"
+    audit.run(out=tmp_path, **{**TINY, "defense": defense, "images": 1})
+    text = (tmp_path / "report.md").read_text()
+    assert "&lt;img src=x onerror=alert(1)>" in text and "<img" not in text
+
+
+# --------------------------------------------------------------------------- concurrent writers
+def _add_fields(root, key, tag, n):
+    store = ResultStore(root, key)
+    for i in range(n):
+        store.update_manifest(**{f"{tag}{i}": i})
+
+
+def test_processes_updating_one_manifest_lose_no_field(tmp_path):
+    import multiprocessing
+
+    store = ResultStore.create(tmp_path, {"x": 1})
+    store.update_manifest(status="running")
+    ctx = multiprocessing.get_context("fork")
+    workers = [ctx.Process(target=_add_fields, args=(tmp_path, store.key, tag, 60)) for tag in "ab"]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(60)
+    manifest = json.loads(store.manifest_path.read_text())
+    assert {f"{t}{i}" for t in "ab" for i in range(60)} <= set(manifest)

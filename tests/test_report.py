@@ -175,7 +175,7 @@ def test_store_keys_resume_and_errors(tmp_path):
     assert a != settings_key({"defense": "prune", "seed": 1})
     store = _store(tmp_path)
     assert store.has(0, "ig", 1) and not store.has(20, "ig", 0)
-    store.save_result({"step": 1, "attack_id": "eot", "image": 0, "status": "ok", "settings": {"samples": 8}})
+    store.save_result({**_ok(1, "eot", 0, 20.0, 0.5), "settings": {"samples": 8}})
     assert store.has(1, "eot", 0, settings={"samples": 8})
     assert not store.has(1, "eot", 0, settings={"samples": 4})  # a changed attack is redone
     assert ResultStore.open_latest(tmp_path).key == store.key

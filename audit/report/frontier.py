@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Dict
 
-from audit.report.plots import png_bytes
+from audit.report.plots import plain_text, png_bytes
 
 
 def _short(setting: str) -> str:
@@ -41,10 +41,10 @@ def frontier_png(data: Dict[str, Any]) -> bytes:
             pts = [c for c in cells if c["defense"] == family and not c["undefended"]]
             if not pts:
                 continue
-            line, = ax.plot([c["accuracy"] for c in pts], [c["psnr"] for c in pts], "-o", ms=5, lw=1.3, label=family)
+            line, = ax.plot([c["accuracy"] for c in pts], [c["psnr"] for c in pts], "-o", ms=5, lw=1.3, label=plain_text(family))
             _spread(ax, pts, line.get_color())
             for c in pts:
-                ax.annotate(_short(c["setting"]), (c["accuracy"], c["psnr"]), textcoords="offset points",
+                ax.annotate(plain_text(_short(c["setting"])), (c["accuracy"], c["psnr"]), textcoords="offset points",
                             xytext=(4, 4), fontsize=7, color=line.get_color())
         for c in (c for c in cells if c["undefended"]):
             ax.plot([c["accuracy"]], [c["psnr"]], "*", color="black", ms=13, label="undefended")

@@ -131,4 +131,4 @@ def render_markdown(data: Dict[str, Any]) -> str:
         part = section(data)
         if part:
             lines += part + [""]
-    return "\n".join(lines)
+    return "\n".join(lines).replace("<", "&lt;")  # user strings (names, errors) never become HTML

@@ -9,6 +9,12 @@ PLOTTED = "aligned PSNR"
 Points = List[Tuple[int, float]]
 
 
+def plain_text(text: Any) -> str:
+    """``text`` as matplotlib draws it literally: a user's ``$`` (a defense or attack name)
+    would otherwise start math text, and a name it cannot parse breaks the figure."""
+    return str(text).replace("$", r"\$")
+
+
 def psnr_vs_step_series(data: Dict[str, Any]) -> Dict[str, Any]:
     """The data of the PSNR-versus-step figure, all in aligned PSNR (the leak rule's quantity):
     ``curves`` (attack id -> ``(step, mean aligned PSNR over its images)``), ``worst`` (the
@@ -50,7 +56,7 @@ def psnr_vs_step_png(data: Dict[str, Any]) -> bytes:
     try:
         for aid, pts in series["curves"].items():
             style = "--" if aid in series["adaptive"] else "-"
-            ax.plot(*zip(*pts), style, marker="o", ms=4, lw=1.2, label=aid)
+            ax.plot(*zip(*pts), style, marker="o", ms=4, lw=1.2, label=plain_text(aid))
         if series["worst"]:
             ax.plot(*zip(*series["worst"]), color="black", lw=2.4, alpha=0.55, label="worst case")
         levels = {round(y, 9) for _, y in series["chance"]}
@@ -65,7 +71,7 @@ def psnr_vs_step_png(data: Dict[str, Any]) -> bytes:
             ax.set_xticklabels([str(s) for s in steps])
         ax.set_xlabel(step_name(data)["axis"])
         ax.set_ylabel(f"{series['quantity']} (dB), mean over private images")
-        ax.set_title(f"{data['defense']['name']}: reconstruction quality over training", fontsize=10)
+        ax.set_title(f"{plain_text(data['defense']['name'])}: reconstruction quality over training", fontsize=10)
         return png_bytes(fig, ax)
     finally:
         plt.close(fig)

@@ -182,11 +182,36 @@ class ResultStore:
                                   "error": f"{err}: rebuilt (the utility measured again)"}]}
 
     def update_manifest(self, **fields: Any) -> Dict[str, Any]:
-        manifest = self.load_manifest()
-        manifest.update(to_jsonable(fields))
-        atomic_write_json(self.manifest_path, manifest)
+        """Merge ``fields`` into the manifest; the read-modify-write holds a lock on the run
+        (processes writing one run, such as a sweep's group jobs, never lose each other's fields)."""
+        with self._locked():
+            manifest = self.load_manifest()
+            manifest.update(to_jsonable(fields))
+            atomic_write_json(self.manifest_path, manifest)
         self.unreadable.pop(str(self.manifest_path), None)  # rebuilt, its loss noted in its failures
         return manifest
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        """An exclusive lock on ``DIR/runs/<key>/.lock`` across processes (none where the
+        platform has no ``fcntl``: there, writers of one run must not overlap)."""
+        try:
+            import fcntl
+        except ImportError:
+            yield
+            return
+        path = self.dir / ".lock"
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            handle = open(path, "a")
+        except OSError as err:
+            raise storage_error(path, err) from err
+        with handle:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(handle, fcntl.LOCK_UN)
 
     def record_stop(self, err: BaseException) -> None:
         """Mark the run as stopped by ``err`` in the manifest, as far as the disk allows (a full
