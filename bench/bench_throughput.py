@@ -16,8 +16,7 @@ For each model (the project's ``cnn`` and CIFAR ``resnet18``, 32x32) and each N,
 Also, in the same process: R restarts batched against the same R restarts one after another
 (``--restarts``), and with ``--precision-check`` on cuda IG's PSNR with TF32 and channels-last
 beside float32; ``--ops``: kernels per iteration instead (``op_counts.py``);
-``--gpu-turn`` (cuda only): what a lent GPU should measure, in one file, each section kept under
-``--gpu-turn-dir`` as it finishes and a later turn resuming from them (``gpu_turn.py``)::
+``--gpu-turn`` (cuda only): what a lent GPU should measure, resumable (``gpu_turn.py``)::
 
     python bench/bench_throughput.py --device cpu --threads 2 --members 1,8 --iterations 4
     python bench/bench_throughput.py --ops --threads 1 --docs ops

@@ -1,26 +1,22 @@
 """What a lent GPU should measure, in one command (``bench_throughput.py --device cuda --gpu-turn``)
 and one Markdown file: the default audit on CUDA and on the same machine's CPU, a two-defense
-sweep, the CUDA tests, the floor table, the op counts and the paper-scale audit at a reduced
-budget with its projected full time.
+sweep, the CUDA tests, the floor table, the kernel counts and the paper-scale audit.
 
-Each section (:data:`SECTIONS`) runs in a process of its own and keeps its result in a folder of
-section files as soon as it finishes; a later turn with the same folder keeps them and runs only
-the rest, so a call that is stopped keeps what finished. A turn starts a section only while its
-estimate fits the turn's budget (:data:`TURN_BUDGET_S`, one 9-minute call); the page says which
-are left for the next call.
+Each section (:data:`SECTIONS`) runs in a process of its own and is kept in a folder as soon as it
+finishes; a later turn with that folder runs only the rest. A section starts only while its
+estimate fits the turn's budget (:data:`TURN_BUDGET_S`, one 9-minute call). Where files come back
+from ``$OUT`` only, keep the folder there, seeded with the committed one, and commit what returns::
 
-The default audit: ``make demo``'s (``audit.run`` with every default and 4 images) on CUDA and
-on the CPU of the same machine with 2 threads (the CUDA / CPU wall-time ratio, and whether the
-verdicts are identical), and the 8-image default on CUDA only: on 2 cores the 4-image audit takes
-about 3 minutes, and the 8-image one twice that would not leave the rest of a 9-minute call. The
-sweep: two defenses, audited twice in a row into fresh folders (programs built and reused, and
-the reserved memory after each pass: a second pass that reserves more grows).
+    mkdir -p $OUT/gpu-turn && cp bench/results/gpu-turn/*.json $OUT/gpu-turn/ 2>/dev/null; python \
+      bench/bench_throughput.py --device cuda --gpu-turn --gpu-turn-dir $OUT/gpu-turn --gpu-turn-out $OUT/gpu-turn.md
 
-The paper-scale audit: IG on 32 images of the CIFAR ResNet-18 (width 64, 32x32, client in train
-mode), one restart each, one step, no utility measurement. A first run builds (compiles) the
-program; two more at reduced budgets reuse it with the capture route the full budget would take:
-the difference of their wall times gives the seconds per iteration, the rest is the one-off cost
-of a run (planning, capturing), and the full run's time is projected from these and the build.
+The default audit: ``make demo``'s (every default, 4 images) on CUDA and on the CPU with 2 threads
+(wall-time ratio, verdicts compared); the 8-image default on CUDA only, as on 2 cores the 4-image
+audit takes about 3 minutes and the 8-image one would not leave room for the rest of a call. The
+sweep: two defenses audited twice into fresh folders (programs built and reused; reserved memory
+after each pass). The paper-scale audit: IG on 32 images of the width-64 ResNet-18 (train-mode
+client), one restart, one step; a first run builds the program, two more at reduced budgets reuse
+it, and the full budget's time is projected from their difference and the build.
 """
 from __future__ import annotations
 

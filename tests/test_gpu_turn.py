@@ -118,3 +118,13 @@ def test_a_sections_process_hands_back_its_body_and_numbers(monkeypatch):
     monkeypatch.setattr(gpu_turn, "_run", lambda command, timeout: commands.append(command) or (printed, "", 0))
     assert gpu_turn.in_own_process("audit-cpu", torch.device("cuda"), 60) == ("3.0 s", {"wall_s": 3.0}, True)
     assert commands[0][-6:] == ["--device", "cpu", "--threads", "2", "--gpu-turn-section", "audit-cpu"]
+
+
+def test_the_sweeps_second_pass_reuses_every_program_and_gives_the_same_verdicts(monkeypatch, fresh_programs):
+    # the recording route stands in for a CUDA graph: programs are built and kept as on a GPU
+    monkeypatch.setattr(gpu_turn, "AUDIT_OVERRIDES", {**TINY, "attack_args": {"ig": {"capture": "recording"}}})
+    body, data = gpu_turn.sweep_memory(torch.device("cpu"))
+    first, second = data["passes"]
+    assert first["programs"]["built"] > 0 and second["programs"] == {"built": 0, "reused": first["programs"]["built"]}
+    assert set(first["verdicts"]) >= set(gpu_turn.SWEEP_GRID) and first["verdicts"] == second["verdicts"]
+    assert "Verdicts of the two passes: identical." in body
