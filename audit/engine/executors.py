@@ -54,13 +54,17 @@ class RayExecutor:
     local instance with ``num_cpus`` CPUs (default: all) that is shut down again by
     :meth:`close`. An already initialised Ray (``ray.init`` by the caller) is used as is.
     ``groups``: a sweep's (step, attack) groups of a cell run as tasks of their own too.
+    ``threads``: intra-op torch threads of each task (default: this process's count, so that a
+    task's numbers equal a local run's: float sums, and with them the ties a magnitude pruning
+    breaks, depend on the count; docs/performance.md).
     """
 
     name = "ray"
     shows_job_progress = False  # the workers' bars would interleave in the driver's terminal
 
     def __init__(self, address: Optional[str] = None, num_cpus: Optional[int] = None, cpus: float = 1,
-                 gpus: Optional[float] = None, groups: bool = True, device: Any = None):
+                 gpus: Optional[float] = None, groups: bool = True, device: Any = None,
+                 threads: Optional[int] = None):
         try:
             import ray  # noqa: F401
         except ImportError:
@@ -72,7 +76,9 @@ class RayExecutor:
                 raise ConfigError(f"ray executor: {label} must be a number >= 0, got {value!r}")
         if num_cpus is not None and (not isinstance(num_cpus, int) or num_cpus < 1):
             raise ConfigError(f"ray executor: num_cpus (the local instance's CPUs) must be an integer >= 1, got {num_cpus!r}")
-        self.address, self.num_cpus, self.cpus, self.gpus = address, num_cpus, cpus, gpus
+        if threads is not None and (not isinstance(threads, int) or threads < 1):
+            raise ConfigError(f"ray executor: threads per task must be an integer >= 1, got {threads!r}")
+        self.address, self.num_cpus, self.cpus, self.gpus, self.threads = address, num_cpus, cpus, gpus, threads
         self.splits_cells = bool(groups)
         self._started = False
 
@@ -90,7 +96,9 @@ class RayExecutor:
             return
         ray = self._ray()
         task = ray.remote(_with_threads).options(num_cpus=self.cpus, num_gpus=self.gpus)
-        threads = max(1, int(self.cpus))
+        import torch
+
+        threads = self.threads or torch.get_num_threads()
         common = ray.put(shared)  # in the object store once; each task receives the value
         pending = {task.remote(fn, threads, job, common): index for index, job in enumerate(jobs)}
         try:
@@ -112,8 +120,8 @@ class RayExecutor:
 
 def _with_threads(fn: Callable[[Any, Any], Any], threads: int, job: Any, shared: Any) -> Any:
     """``fn(job, shared)`` with ``threads`` intra-op torch threads: a Ray worker's own count
-    depends on the first task it ran, and float reductions depend on the count (the same
-    count as a local run gives the same numbers)."""
+    depends on how Ray started it, and float reductions depend on the count (the same count
+    as a local run gives the same numbers)."""
     import torch
 
     torch.set_num_threads(threads)
