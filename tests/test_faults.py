@@ -434,3 +434,21 @@ def test_ray_tasks_compute_on_the_drivers_thread_count(local_ray):
         torch.set_num_threads(threads)
     assert got == {0: 2, 1: 2}
     assert RayExecutor(threads=3).threads == 3
+
+
+def test_an_abandoned_defense_call_ends_its_thread_when_it_returns():
+    """A call past its timeout is abandoned; once it returns its worker thread ends (a thread
+    still alive would refuse every later CUDA graph capture), and the next call gets a new one."""
+    import time
+
+    from audit.core.defense_call import _with_timeout, abandoned_calls
+    from audit.core.errors import DefenseError
+
+    with pytest.raises(DefenseError, match="did not return within"):
+        _with_timeout(lambda: time.sleep(0.4), "late", 0.05)
+    assert abandoned_calls() == ["defense-late"]
+    assert _with_timeout(lambda: 7, "next", 5.0) == 7
+    deadline = time.time() + 10
+    while abandoned_calls() and time.time() < deadline:
+        time.sleep(0.05)
+    assert abandoned_calls() == []

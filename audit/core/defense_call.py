@@ -191,7 +191,10 @@ class _Worker:
 
     def _loop(self) -> None:
         while True:
-            fn, box, done = self.jobs.get()
+            job = self.jobs.get()
+            if job is None:  # abandoned: its thread ends once the abandoned call returns
+                return
+            fn, box, done = job
             try:
                 box["value"] = fn()
             except BaseException as err:  # handed back to the caller's thread
@@ -232,6 +235,7 @@ def _with_timeout(fn: Callable[[], Any], name: str, seconds: Optional[float]) ->
     finished, box = worker.run(work, name, seconds)
     if not finished:
         _WORKERS.worker = None
+        worker.jobs.put(None)
         _ABANDONED.append(worker.thread)
         raise DefenseError(f"defense {name!r} did not return within {seconds:g} s (the per-call timeout, "
                            "--defense-timeout); the call was abandoned")
