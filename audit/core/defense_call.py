@@ -10,6 +10,7 @@ defended-gradient callable into a :class:`~audit.core.types.Defense` (a *name* i
 """
 from __future__ import annotations
 
+import contextlib
 import queue
 import signal
 import threading
@@ -216,18 +217,22 @@ _WORKERS = threading.local()
 def _with_timeout(fn: Callable[[], Any], name: str, seconds: Optional[float]) -> Any:
     """``fn()``, abandoned after ``seconds`` with a DefenseError naming the defense.
 
-    The call runs on a daemon worker thread (with this thread's grad mode) that the caller
-    stops waiting for; Python cannot kill a thread, so a timed-out call is *abandoned*: it
-    keeps running in the background until it returns, its result is dropped, and
-    :func:`abandoned_calls` names it meanwhile.
+    The call runs on a daemon worker thread (with this thread's grad mode and CUDA stream)
+    that the caller stops waiting for; Python cannot kill a thread, so a timed-out call is
+    *abandoned*: it keeps running in the background until it returns, its result is dropped,
+    and :func:`abandoned_calls` names it meanwhile. Inside a torch.func transform or a CUDA
+    graph capture (both bound to this thread) the call runs here, without a limit.
     """
-    if seconds is None or in_functorch_transform():
+    cuda = torch.cuda.is_initialized()
+    if seconds is None or in_functorch_transform() or (cuda and torch.cuda.is_current_stream_capturing()):
         with user_code(name):
             return fn()
     grad_enabled = torch.is_grad_enabled()
+    stream = torch.cuda.current_stream() if cuda else None
 
     def work() -> Any:
-        with torch.set_grad_enabled(grad_enabled), user_code(name):
+        with torch.set_grad_enabled(grad_enabled), user_code(name), \
+                (torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()):
             return fn()
 
     worker = getattr(_WORKERS, "worker", None) or _Worker()
