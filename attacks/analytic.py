@@ -50,6 +50,22 @@ def _no_linear_reason(layers) -> str:
     return "the model has no fully connected layer with a bias"
 
 
+def input_blocker(layers, index: int) -> Optional[Tuple[str, nn.Module]]:
+    """The first layer before ``layers[index]`` that is neither Normalize, Flatten nor Identity
+    (None: that layer's input is the image, normalised and flattened)."""
+    return next(((n, layer) for n, layer in layers[:index] if not isinstance(layer, _INVERTIBLE)), None)
+
+
+def layer_input_to_images(z: Tensor, layers, index: int, input_shape) -> Tensor:
+    """``(B, features)`` inputs of ``layers[index]`` -> ``(B, C, H, W)`` images: undo each
+    Normalize before it (the Flatten becomes the reshape)."""
+    x = z.detach()
+    for _, layer in reversed(layers[:index]):
+        if isinstance(layer, Normalize):
+            x = x.reshape(-1, *input_shape) * layer.std.to(x.dtype) + layer.mean.to(x.dtype)
+    return x.reshape(-1, *input_shape)
+
+
 def invert_linear_input(observation: Observation, layer: str) -> Tuple[Tensor, int, float]:
     """``(z, row, |db[row]|)``: the recovered input of the Linear layer named ``layer``."""
     names = trainable_names(observation.model)
@@ -74,9 +90,8 @@ class AnalyticInversion:
         if found is None:
             return Reconstruction.not_applicable(_no_linear_reason(layers))
         index, name, linear = found
-        blockers = [(n, layer) for n, layer in layers[:index] if not isinstance(layer, _INVERTIBLE)]
-        if blockers:
-            first = blockers[0]
+        first = input_blocker(layers, index)
+        if first is not None:
             return Reconstruction.not_applicable(
                 f"analytic inversion recovers the input of the first fully connected layer with a bias "
                 f"({name!r}, {linear.in_features} features), but layer {first[0]!r} "
@@ -91,11 +106,7 @@ class AnalyticInversion:
         z, row, strength = invert_linear_input(observation, name)
         if strength == 0.0:
             return Reconstruction.not_applicable(f"the bias gradient of {name!r} is zero: nothing to divide by")
-        x = z.detach()
-        for _, layer in reversed(layers[:index]):  # undo Normalize; Flatten becomes the final reshape
-            if isinstance(layer, Normalize):
-                x = x.view(-1, *observation.input_shape) * layer.std + layer.mean
-        x = x.reshape(1, *observation.input_shape)
+        x = layer_input_to_images(z.unsqueeze(0), layers, index, observation.input_shape)
         labels = infer_labels(observation, seed=seed)
         note = "" if observation.defense is None else \
             f"; gradients were defended by {observation.defense.name!r}: exact only if the first layer is untouched"

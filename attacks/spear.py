@@ -1,0 +1,417 @@
+"""SPEAR: exact recovery of a whole batch from the gradient of a linear layer followed by ReLU
+(Dimitrov, Mueller, Baader, Vechev, "SPEAR: Exact Gradient Inversion of Batches in Federated
+Learning", NeurIPS 2024).
+
+For ``Z = W X + b`` (``X``: ``n x B``, one column per image) followed by ReLU, the weight
+gradient ``dW = dZ X^T`` has rank at most ``B`` and ``dZ`` is sparse: ``dZ[i, j] = 0`` wherever
+``Z[i, j] <= 0``. Factor ``dW = L R`` (SVD, rank ``B``); then ``dZ = L Q`` and ``X^T = Q^-1 R``
+for an unknown invertible ``B x B`` matrix ``Q``. Each column ``q_j`` spans the kernel of any
+``B - 1`` rows of ``L`` where column ``j`` of ``dZ`` is zero. The attack
+
+1. samples random ``(B-1)``-row subsets of ``L`` and takes each one's kernel direction;
+2. filters: keeps a direction whose ``L q`` is sparse (a wrong one has only its ``B - 1``
+   sampled zeros) and whose subset has a one-dimensional kernel;
+3. selects greedily ``B`` independent directions, sparsest first;
+4. fixes their scales (and signs) from the bias gradient, ``db = dZ 1 = L Q 1``;
+5. reads ``X^T = Q^-1 R`` and the labels from the recovered batch;
+6. stops at the certificate: the recovered batch and labels reproduce the upload (the
+   layer's gradient and every one after it; the whole client update for FedAvg) to a
+   relative error of at most ``tolerance``. Otherwise it samples on, up to ``samples``.
+
+Where the layer is the model's first (only Normalize / Flatten before it) its inputs are the
+images; where convolutions come first they are each image's features
+(``trace["features"]``), an exact per-image prior for the optimisation attacks. All linear
+algebra runs in float64. Measured cost and noise tolerance: docs/strength.md, section "SPEAR".
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Tuple
+
+import torch
+from torch import Tensor, nn
+
+from audit.core.errors import ConfigError
+from audit.core.types import Observation, Reconstruction, trainable_names
+
+from attacks.analytic import input_blocker, layer_input_to_images, leaf_layers
+from attacks.labels import infer_labels
+from attacks.presets import ATTACKS
+from attacks.simulator import GradientSimulator, SimContext
+
+#: relative error of the reproduced upload under which the recovered batch is certified exact
+CERTIFICATE_TOLERANCE = 1e-3
+
+
+@dataclass(frozen=True)
+class ReluLinear:
+    """A ``Linear`` layer with a bias whose output goes through ReLU: its position among the
+    model's leaf layers, its name, and whether its input is the image."""
+
+    index: int
+    name: str
+    layer: nn.Linear
+    is_image: bool
+
+
+def relu_linear_layers(model: nn.Module) -> Tuple[List[ReluLinear], str]:
+    """Every biased ``Linear`` followed directly by ``ReLU`` in a plain layer sequence, first
+    first, and why there is none ('' when some are found)."""
+    layers = leaf_layers(model)
+    found = [ReluLinear(i, name, layer, input_blocker(layers, i) is None)
+             for i, (name, layer) in enumerate(layers[:-1])
+             if isinstance(layer, nn.Linear) and layer.bias is not None and isinstance(layers[i + 1][1], nn.ReLU)]
+    if found:
+        return found, ""
+    if any(isinstance(m, nn.Linear) for _, layer in layers for m in layer.modules() if m is not layer):
+        return [], ("its fully connected layers are inside a module whose forward is not a plain sequence of "
+                    "layers: SPEAR needs an nn.Sequential with a biased Linear followed by ReLU")
+    return [], "the model has no biased Linear layer followed by ReLU (SPEAR needs one, e.g. the 'mlp' or 'cnn')"
+
+
+# --------------------------------------------------------------------------- the linear algebra
+def low_rank_factors(dw: Tensor, rank: int) -> Tuple[Tensor, Tensor]:
+    """``dW ~ L R`` with ``L`` ``(m, rank)`` and ``R`` ``(rank, n)`` from the SVD, in float64."""
+    u, s, vh = torch.linalg.svd(dw.detach().double(), full_matrices=False)
+    return u[:, :rank] * s[:rank], vh[:rank]
+
+
+def sample_directions(rows: Tensor, count: int, generator: torch.Generator, zero_tol: float,
+                      min_zeros: int) -> Tuple[Tensor, Tensor]:
+    """``count`` kernel directions of random ``(B-1)``-row subsets of ``rows`` ``(m, B)``, kept
+    where the subset's kernel is one-dimensional and ``rows @ q`` has at least ``min_zeros``
+    entries within ``zero_tol`` of its largest: ``(directions (k, B) unit, sign-normalised;
+    zero counts (k,))``."""
+    m, b = rows.shape
+    picks = torch.rand(count, m, generator=generator, dtype=rows.dtype, device=rows.device).topk(b - 1, dim=1).indices
+    _, s, vh = torch.linalg.svd(rows[picks], full_matrices=True)
+    q = vh[:, -1, :]
+    one_dim = s[:, -1] > 1e-7 * s[:, 0] if b > 1 else torch.ones(count, dtype=torch.bool, device=rows.device)
+    values = (rows @ q.T).abs()
+    zeros = (values <= zero_tol * values.amax(0)).sum(0)
+    keep = one_dim & (zeros >= min_zeros)
+    q = q[keep]
+    lead = q.gather(1, q.abs().argmax(1, keepdim=True))
+    return q * lead.sign(), zeros[keep]
+
+
+class Candidates:
+    """The distinct directions found so far (at most ``keep``) with their zero counts and how
+    often each was found, the most often found (then sparsest) first: a true direction comes
+    back from every subset of its image's zero rows, a spurious one rarely twice. Directions
+    with ``|cos| > same`` count as one."""
+
+    def __init__(self, b: int, keep: int, dtype, device, same: float = 0.9999):
+        self.q = torch.zeros(0, b, dtype=dtype, device=device)
+        self.zeros = torch.zeros(0, dtype=torch.long, device=device)
+        self.hits = torch.zeros(0, dtype=torch.long, device=device)
+        self.keep, self.same = keep, same
+
+    def __len__(self) -> int:
+        return len(self.q)
+
+    def _ranked(self, hits: Tensor, zeros: Tensor) -> Tensor:
+        return torch.argsort(hits * (int(zeros.max()) + 1) + zeros, descending=True, stable=True)
+
+    def add(self, q: Tensor, zeros: Tensor) -> None:
+        q, zeros = torch.cat([self.q, q]), torch.cat([self.zeros, zeros])
+        hits = torch.cat([self.hits, torch.ones(len(q) - len(self.hits), dtype=torch.long, device=q.device)])
+        if not len(q):
+            return
+        _, groups = torch.unique(torch.round(q * 1e4), dim=0, return_inverse=True)
+        count = int(groups.max()) + 1
+        first = torch.full((count,), len(q), dtype=torch.long, device=q.device)
+        first.scatter_reduce_(0, groups, torch.arange(len(q), device=q.device), "amin")
+        group_hits = torch.zeros(count, dtype=torch.long, device=q.device).scatter_add_(0, groups, hits)
+        group_zeros = torch.zeros(count, dtype=torch.long, device=q.device).scatter_reduce_(0, groups, zeros, "amax")
+        top = self._ranked(group_hits, group_zeros)[: 4 * self.keep]
+        q, zeros, hits = q[first[top]], group_zeros[top], group_hits[top].clone()
+        cos = (q @ q.T).abs()
+        kept: List[int] = []
+        for i in range(len(q)):
+            near = [k for k in kept if float(cos[i, k]) > self.same]
+            if near:
+                hits[near[0]] += hits[i]
+            else:
+                kept.append(i)
+        kept_t = torch.tensor(kept, dtype=torch.long, device=q.device)
+        order = kept_t[self._ranked(hits[kept_t], zeros[kept_t])][: self.keep]
+        self.q, self.zeros, self.hits = q[order], zeros[order], hits[order]
+
+    def greedy(self, b: int, cond: float = 1e-3) -> Optional[Tensor]:
+        """The indices of ``b`` linearly independent directions, in rank order; None when there
+        are not ``b``."""
+        chosen: List[int] = []
+        for k in range(len(self.q)):
+            s = torch.linalg.svdvals(self.q[chosen + [k]])
+            if float(s[-1]) > cond * float(s[0]):
+                chosen.append(k)
+                if len(chosen) == b:
+                    return torch.tensor(chosen)
+        return None
+
+
+def scaled_mixing(rows_all: Tensor, directions: Tensor, db: Tensor) -> Tensor:
+    """``Q`` from its unit columns ``(..., B, B)``: the scales (and signs) that make ``L Q 1`` the
+    bias gradient."""
+    left = rows_all @ directions
+    target = db.detach().double()[:, None].expand(*left.shape[:-1], 1)
+    scales = torch.linalg.lstsq(left, target).solution
+    return directions * scales.transpose(-1, -2)
+
+
+@dataclass
+class Layer:
+    """The observed layer in the rows SPEAR reads (those of ``L`` not zero): ``L``, ``R``, the
+    bias gradient, and ``R W^T`` and the bias, from which a selection's pre-activations follow."""
+
+    left: Tensor
+    right: Tensor
+    db: Tensor
+    rw: Tensor
+    bias: Tensor
+    zero_tol: float
+
+    def activity_match(self, directions: Tensor) -> Tensor:
+        """Per selection ``(K, B, B)`` and image, the share of rows where the ReLU activity the
+        recovered batch predicts (``Z = W x + b > 0``) is the observed one (``dZ != 0``): 1 for the
+        true directions; a wrong direction spoils its own image and the one it mixes in."""
+        mixing = scaled_mixing(self.left, directions, self.db)
+        dz = (self.left @ mixing).abs()
+        observed = dz > self.zero_tol * dz.amax(-2, keepdim=True)
+        predicted = (torch.linalg.solve(mixing, self.rw) + self.bias).transpose(-1, -2) > 0
+        return (observed == predicted).double().mean(-2)
+
+
+def improve(layer: Layer, pool: Tensor, chosen: Tensor, cond: float = 1e-3) -> Tuple[Tensor, Tensor]:
+    """Local search from the greedy selection ``chosen`` (indices into ``pool`` ``(C, B)``): while
+    an image's activity does not match, try every other candidate in its place and keep the
+    best swap. Returns the selection and its per-image match."""
+    match = layer.activity_match(pool[chosen].T[None])[0]
+    for _ in range(2 * len(chosen)):
+        if bool((match >= 1).all()):
+            break
+        best = (float(match.mean()), None)
+        others = torch.tensor([k for k in range(len(pool)) if k not in set(chosen.tolist())], dtype=torch.long)
+        for position in torch.argsort(match)[: int((match < 1).sum())]:
+            trials = chosen.repeat(len(others), 1)
+            trials[:, position] = others
+            directions = pool[trials].transpose(-1, -2)
+            s = torch.linalg.svdvals(directions)
+            ok = s[:, -1] > cond * s[:, 0]
+            if not bool(ok.any()):
+                continue
+            scores = layer.activity_match(directions[ok]).mean(-1)
+            k = int(scores.argmax())
+            if float(scores[k]) > best[0]:
+                best = (float(scores[k]), trials[ok][k])
+        if best[1] is None:
+            break
+        chosen = best[1]
+        match = layer.activity_match(pool[chosen].T[None])[0]
+    return chosen, match
+
+
+# --------------------------------------------------------------------------- labels and certificate
+def _tail(layers, start: int) -> nn.Sequential:
+    return nn.Sequential(*[layer for _, layer in layers[start:]])
+
+
+def labels_from_batch(observation: Observation, tail: nn.Module, z: Tensor) -> Optional[Tensor]:
+    """Each image's label from its recovered layer input ``z`` (one plain gradient of mean
+    cross-entropy; an update after local steps is read per step): the classifier's weight gradient is ``(P - Y)^T H / B`` with ``P`` the
+    softmax and ``H`` the classifier's inputs, both computed from ``z``; so
+    ``Y = P - B (dW H^+)^T``. None where ``H`` has rank below ``B``."""
+    head = [m for m in tail if isinstance(m, nn.Linear)][-1]
+    names = trainable_names(observation.model)
+    captured: List[Tensor] = []
+    hook = head.register_forward_pre_hook(lambda _m, inp: captured.append(inp[0].detach()))
+    try:
+        with torch.no_grad():
+            probs = torch.softmax(tail(z.to(head.weight.dtype)), -1).double()
+    finally:
+        hook.remove()
+    h = captured[0].double()
+    if int(torch.linalg.matrix_rank(h)) < h.shape[0]:
+        return None
+    weight_name = next((n for n, p in observation.model.named_parameters() if p is head.weight), None)
+    if weight_name not in names:
+        return None
+    dw = observation.gradients[names.index(weight_name)].detach().double() / max(1, observation.local_steps)
+    y = probs - h.shape[0] * (dw @ torch.linalg.pinv(h)).T
+    return y.argmax(1)
+
+
+def upload_error(observation: Observation, tail_params: List[str], tail: nn.Module, z: Tensor,
+                 images: Optional[Tensor], labels: Tensor) -> float:
+    """Relative error of the upload the recovered batch reproduces: for one plain gradient,
+    the gradients of the layer and every layer after it (from ``z``); for FedAvg, the whole
+    client update replayed on ``images``."""
+    names = trainable_names(observation.model)
+    if observation.one_step:
+        params = dict(observation.model.named_parameters())
+        loss = observation.loss_fn(tail(z.to(params[tail_params[0]].dtype)), labels)
+        mine = torch.autograd.grad(loss, [params[n] for n in tail_params], allow_unused=True)
+        theirs = [observation.gradients[names.index(n)] for n in tail_params]
+    else:
+        sim = GradientSimulator()
+        replica = sim.prepare(observation)
+        grads, _ = sim(replica, images.to(observation.gradients[0].dtype), labels, functional=False,
+                       context=SimContext(observation, capture_features=False))
+        mine, theirs = grads, observation.gradients
+    diff = sum(float((m.detach().double() - t.detach().double()).pow(2).sum())
+               for m, t in zip(mine, theirs) if m is not None)
+    ref = sum(float(t.detach().double().pow(2).sum()) for t in theirs)
+    return math.sqrt(diff / ref) if ref > 0 else math.inf
+
+
+# --------------------------------------------------------------------------- the attack
+class Spear:
+    """SPEAR on the first ReLU-followed linear layer (see the module docstring).
+
+    ``samples``: most (B-1)-row subsets drawn; ``chunk``: drawn per batched step;
+    ``zero_tol``: an entry of ``L q`` counts as zero within this share of its largest;
+    ``min_sparsity``: share of ``L``'s rows a kept direction must zero; ``tolerance``: the
+    certificate's relative error. ``budget`` (gradient evaluations) is unused: SPEAR's cost is
+    its samples.
+    """
+
+    name = "spear"
+
+    def __init__(self, samples: int = 1 << 22, chunk: int = 4096, zero_tol: float = 1e-5,
+                 min_sparsity: float = 0.0, tolerance: float = CERTIFICATE_TOLERANCE):
+        if samples < 1 or chunk < 1:
+            raise ConfigError(f"spear: samples and chunk must be >= 1, got {samples} and {chunk}")
+        if not 0 < zero_tol < 1 or not 0 <= min_sparsity < 1 or not tolerance > 0:
+            raise ConfigError("spear: need 0 < zero_tol < 1, 0 <= min_sparsity < 1 and tolerance > 0, got "
+                              f"{zero_tol}, {min_sparsity}, {tolerance}")
+        self.samples, self.chunk = int(samples), int(chunk)
+        self.zero_tol, self.min_sparsity, self.tolerance = float(zero_tol), float(min_sparsity), float(tolerance)
+
+    def not_applicable_reason(self, observation: Observation) -> Tuple[Optional[ReluLinear], str]:
+        """The layer SPEAR inverts, or why it does not apply to ``observation``."""
+        found, why = relu_linear_layers(observation.model)
+        if not found:
+            return None, why
+        target = found[0]
+        names = trainable_names(observation.model)
+        if f"{target.name}.weight" not in names or f"{target.name}.bias" not in names:
+            return None, f"the weight or bias of {target.name!r} is frozen: its gradient is not in the upload"
+        if not observation.one_step and not target.is_image:
+            return None, (f"the upload is an update after {observation.local_steps} local step(s) of "
+                          f"{observation.optimizer.describe()}: the features entering {target.name!r} change with "
+                          "the convolutions at every step, so its update is not of rank <= the batch size "
+                          "(SPEAR applies to FedAvg only where the layer's input is the image)")
+        if observation.batch_size > target.layer.out_features:
+            return None, (f"the batch of {observation.batch_size} exceeds the {target.layer.out_features} outputs "
+                          f"of {target.name!r}: its gradient's rank cannot separate the images")
+        return target, ""
+
+    def reconstruct(self, observation: Observation, budget: Optional[int] = None, seed: int = 0,
+                    progress: Optional[Callable] = None) -> Reconstruction:
+        target, why = self.not_applicable_reason(observation)
+        if target is None:
+            return Reconstruction.not_applicable(f"spear: {why}")
+        start = time.perf_counter()
+        names = trainable_names(observation.model)
+        dw = observation.gradients[names.index(f"{target.name}.weight")]
+        db = observation.gradients[names.index(f"{target.name}.bias")]
+        b = observation.batch_size
+        left, right = low_rank_factors(dw, b)
+        norms = left.norm(dim=1)
+        rows = left[norms > 1e-9 * norms.max()]  # rows of dZ that are all zero carry nothing
+        if len(rows) < b:
+            return Reconstruction.not_applicable(f"spear: only {len(rows)} rows of {target.name!r}'s gradient are "
+                                                 f"non-zero, fewer than the batch of {b}")
+        layers = leaf_layers(observation.model)
+        tail = _tail(layers, target.index)
+        tail_params = [n for n in names if any(n.startswith(f"{name}.") for name, _ in layers[target.index:])]
+        min_zeros = max(b + 1, math.ceil(self.min_sparsity * len(rows)))
+        generator = torch.Generator(device=rows.device).manual_seed(int(seed))
+        active = norms > 1e-9 * norms.max()
+        weight = target.layer.weight.detach().double()[active]
+        layer = Layer(rows, right, db.detach().double()[active], right @ weight.T,
+                      target.layer.bias.detach().double()[active][None], self.zero_tol)
+        found = Candidates(b, 32 * b, rows.dtype, rows.device)
+        best = None  # (error, z, labels, label source)
+        drawn = attempts = 0
+        checked: List[Tensor] = []
+        while drawn < self.samples:
+            count = min(self.chunk, self.samples - drawn)
+            q, zeros = sample_directions(rows, count, generator, self.zero_tol, min_zeros)
+            drawn += count
+            found.add(q, zeros)
+            if progress is not None:
+                progress(drawn, self.samples, float(len(found)))
+            chosen = found.greedy(b)
+            if chosen is None:
+                continue
+            chosen, match = improve(layer, found.q, chosen)
+            directions = found.q[chosen].T
+            if any(d.shape == directions.shape and torch.equal(d, directions) for d in checked):
+                continue
+            checked.append(directions)
+            attempts += 1
+            candidate = self._candidate(observation, target, layers, tail, tail_params, left, right, db, directions,
+                                        seed)
+            if best is None or candidate[0] < best[0]:
+                best, best_match = candidate, float(match.min())
+            if best[0] <= self.tolerance:
+                break
+        trace = {"attack": self.name, "layer": target.name, "layer_input": "image" if target.is_image else "features",
+                 "samples": drawn, "directions_kept": len(found), "selections_checked": attempts,
+                 "seconds": time.perf_counter() - start, "certificate_tolerance": self.tolerance}
+        if best is None:
+            trace.update(failed_to_optimise=True, failure=(
+                f"spear kept {len(found)} directions in {drawn} samples, fewer than {b} independent ones: raise samples= "
+                "(the cost grows about 2^batch)"), certified=False)
+            return Reconstruction(torch.full((b, *observation.input_shape), 0.5, device=dw.device),
+                                  infer_labels(observation, seed=seed).labels, trace)
+        error, z, labels, label_source = best
+        certified = error <= self.tolerance
+        trace.update(certificate_error=error, certified=certified, labels_from=label_source, activity_match=best_match,
+                     note=("the recovered batch reproduces the upload to a relative error of "
+                           f"{error:.2e} (tolerance {self.tolerance:g})"))
+        if not certified:
+            trace.update(failed_to_optimise=True, failure=(
+                f"no selection of directions reproduced the upload within {self.tolerance:g} in {drawn} samples "
+                f"(best {error:.2e}): the upload is noisy or more samples are needed"))
+        if target.is_image:
+            images = layer_input_to_images(z, layers, target.index, observation.input_shape)
+            trace["raw_range"] = [float(images.min()), float(images.max())]
+            return Reconstruction(images.float().clamp(0, 1), labels, trace)
+        trace["features"] = z.float()
+        return Reconstruction(None, labels, trace, applicable=False, reason=(
+            f"spear recovers the inputs of {target.name!r} ({target.layer.in_features} features per image), not the "
+            "images: convolutions come before it; trace['features'] holds them for the optimisation attacks"))
+
+    def _candidate(self, observation, target, layers, tail, tail_params, left, right, db, directions, seed):
+        """The batch one selection of directions gives, its labels and its certificate error."""
+        mixing = scaled_mixing(left, directions, db)
+        z = torch.linalg.solve(mixing, right)  # (B, n): row j is image j's layer input
+        images = layer_input_to_images(z, layers, target.index, observation.input_shape) if target.is_image else None
+        options = []
+        if observation.labels_shared:
+            options.append((observation.labels.to(z.device).long(), "shared"))
+        else:
+            mine = labels_from_batch(observation, tail, z)
+            if mine is not None:
+                options.append((mine, "recovered batch"))
+            options.append((infer_labels(observation, seed=seed).labels.to(z.device), "label inference"))
+        scored = []
+        for labels, source in options:
+            error = upload_error(observation, tail_params, tail, z, images, labels)
+            scored.append((error, z, labels, source))
+            if error <= self.tolerance:
+                break
+        return min(scored, key=lambda t: t[0])
+
+
+@ATTACKS.register("spear", "SPEAR: exact recovery of a whole batch through a biased Linear layer followed by ReLU "
+                  "(its inputs: the images of an MLP, the features where convolutions come first), certified "
+                  "by reproducing the upload")
+def spear(samples: int = 1 << 22, chunk: int = 4096, zero_tol: float = 1e-5, min_sparsity: float = 0.0,
+          tolerance: float = CERTIFICATE_TOLERANCE) -> Spear:
+    return Spear(samples, chunk, zero_tol, min_sparsity, tolerance)

@@ -1,0 +1,123 @@
+"""SPEAR: exact batch recovery through a ReLU-followed linear layer, its certificate, labels,
+where it does not apply, the planner's rule and the leak rule's "exact" label."""
+import pytest
+import torch
+from torch import nn
+
+from attacks import ATTACKS, observe
+from attacks.spear import Spear, labels_from_batch, low_rank_factors, relu_linear_layers
+from audit.core.errors import ConfigError
+from audit.core.metrics import score
+from audit.core.models import build_model
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+SHAPE = (3, 8, 8)
+
+
+def _batch(b, seed=0, classes=6):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.rand(b, *SHAPE, generator=g)
+    y = torch.randperm(classes, generator=g)[:b] if b <= classes else torch.randint(classes, (b,), generator=g)
+    return x, y
+
+
+def _mlp(seed=0, hidden=(48, 24)):
+    return build_model("mlp", SHAPE, 6, mean=(0.4, 0.5, 0.6), std=(0.2, 0.25, 0.3), hidden=hidden, seed=seed)
+
+
+def _matched(rec, x, y):
+    """Per-image PSNR and label accuracy after matching (SPEAR finds the images in no set order)."""
+    scores = score(rec.inputs, rec.labels, x, y)
+    return list(scores["psnr"].per_image), scores["label_accuracy"].value
+
+
+def test_mlp_batch_is_recovered_exactly_with_certificate_and_labels():
+    model = _mlp()
+    x, y = _batch(6)
+    rec = ATTACKS.build("spear").reconstruct(observe(model, x, y), None, 0)
+    assert rec.applicable and rec.trace["certified"]
+    assert rec.trace["certificate_error"] < 1e-4
+    per_image, label_accuracy = _matched(rec, x, y)
+    assert min(per_image) > 60
+    assert label_accuracy == 1.0  # each label read off its recovered image
+    assert rec.trace["labels_from"] == "recovered batch"
+    assert rec.trace["layer"] == "2"  # after Normalize and Flatten
+
+
+def test_fedavg_update_with_local_steps_is_recovered_and_certified_by_replay():
+    model = _mlp(1)
+    x, y = _batch(4, 1)
+    obs = observe(model, x, y, local_steps=3, local_lr=0.05)
+    rec = ATTACKS.build("spear").reconstruct(obs, None, 0)
+    assert rec.trace["certified"], rec.trace
+    assert min(_matched(rec, x, y)[0]) > 50
+
+
+def test_noisy_upload_is_not_certified_and_says_so():
+    model = _mlp(2)
+    x, y = _batch(4, 2)
+    obs = observe(model, x, y)
+    g = torch.Generator().manual_seed(5)
+    obs.gradients = [t + 0.5 * t.std() * torch.randn(t.shape, generator=g) for t in obs.gradients]
+    rec = Spear(samples=8192).reconstruct(obs, None, 0)
+    assert not rec.trace["certified"]
+    assert rec.trace["failed_to_optimise"]  # missing evidence, never a silent "exact"
+    assert rec.trace.get("certificate_error", float("inf")) > 1e-3
+
+
+def test_labels_from_batch_use_the_classifier_gradient_not_the_order():
+    model = _mlp(3)
+    x, y = _batch(5, 3)
+    obs = observe(model, x, y)
+    tail = nn.Sequential(*list(obs.model)[2:])  # the layers from the first linear one on, as the server has them
+    z = model[1](model[0](x))  # the exact inputs of the first linear layer
+    assert labels_from_batch(obs, tail, z).tolist() == y.tolist()
+    assert labels_from_batch(obs, tail, z.flip(0)).tolist() == y.flip(0).tolist()
+
+
+def test_low_rank_factors_reproduce_a_rank_b_matrix():
+    g = torch.Generator().manual_seed(0)
+    a, c = torch.randn(20, 3, generator=g), torch.randn(3, 30, generator=g)
+    left, right = low_rank_factors(a @ c, 3)
+    assert left.dtype == torch.float64 and left.shape == (20, 3) and right.shape == (3, 30)
+    assert torch.allclose(left @ right, (a @ c).double(), atol=1e-5)
+
+
+def test_cnn_features_are_recovered_exactly():
+    from audit.core.data import load_dataset
+
+    data = load_dataset("embedded", None, 32)  # natural images: the features' ReLU pattern varies per image
+    model = build_model("cnn", data.input_shape, data.num_classes, seed=0)
+    x, y = data.test_images[:4], data.test_labels[:4]
+    rec = ATTACKS.build("spear").reconstruct(observe(model, x, y), None, 0)
+    assert not rec.applicable and "features" in rec.reason  # not the images
+    assert rec.trace["certified"] and rec.trace["layer_input"] == "features"
+    layers = list(model)
+    index = next(i for i, m in enumerate(layers) if isinstance(m, nn.Linear))
+    truth = nn.Sequential(*layers[:index])(x)
+    found = rec.trace["features"]
+    distance = torch.cdist(found.double(), truth.double())  # each recovered row is one image's features
+    order = distance.argmin(1)
+    assert sorted(order.tolist()) == list(range(4))
+    assert float(distance.min(1).values.max()) < 1e-4 * float(truth.norm(dim=1).min())
+    assert rec.labels.tolist() == y[order].tolist()
+
+
+def test_where_spear_does_not_apply_it_says_why():
+    x, y = _batch(2)
+    lenet = build_model("lenet", SHAPE, 6)  # sigmoid, one linear layer at the end
+    rec = ATTACKS.build("spear").reconstruct(observe(lenet, x, y), None, 0)
+    assert not rec.applicable and "Linear layer followed by ReLU" in rec.reason
+    cnn = build_model("cnn", SHAPE, 6)
+    obs = observe(cnn, x, y, local_steps=2, local_lr=0.1)
+    rec = ATTACKS.build("spear").reconstruct(obs, None, 0)
+    assert not rec.applicable and "features" in rec.reason and "change" in rec.reason
+    assert relu_linear_layers(build_model("convnet", SHAPE, 6, width=2))[0] == []
+
+
+def test_bad_settings_are_one_line_config_errors():
+    with pytest.raises(ConfigError, match="samples"):
+        ATTACKS.build("spear", samples=0)
+    with pytest.raises(ConfigError, match="zero_tol"):
+        ATTACKS.build("spear", zero_tol=2.0)
