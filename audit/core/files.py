@@ -5,6 +5,7 @@ disk, a read-only folder, a path under a file) removes its temporary file and ra
 from __future__ import annotations
 
 import contextlib
+import errno
 import io
 import os
 from pathlib import Path
@@ -13,11 +14,24 @@ from typing import Any
 from audit.core.errors import StoreError
 
 
+#: the fix for an OSError, by its errno (else :data:`DEFAULT_FIX`)
+FIXES = {
+    errno.ENOSPC: "free disk space",
+    errno.EDQUOT: "free disk space (the disk quota is used up)",
+    errno.EISDIR: "it is a folder: remove or rename it",
+    errno.ENOTDIR: "a part of the path is a file, not a folder: choose another output folder",
+    errno.EACCES: "make the folder writable, or choose another output folder",
+    errno.EPERM: "make the folder writable, or choose another output folder",
+    errno.EROFS: "the file system is read-only: choose another output folder",
+}
+DEFAULT_FIX = "make sure its folder is a writable folder with free space, or choose another output folder"
+
+
 def storage_error(path: os.PathLike | str, err: OSError, doing: str = "write") -> StoreError:
     """One line for an OSError on ``path``: what failed, why, and what to do about it."""
     why = err.strerror or type(err).__name__
-    return StoreError(f"cannot {doing} {path}: {why}; make sure its folder is a writable folder with free "
-                      "space (or choose another output folder) and rerun: finished work is kept")
+    fix = FIXES.get(err.errno, DEFAULT_FIX)
+    return StoreError(f"cannot {doing} {path}: {why}; {fix}, then rerun (finished work is kept)")
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
