@@ -18,6 +18,10 @@ for an unknown invertible ``B x B`` matrix ``Q``. Each column ``q_j`` spans the 
    layer's gradient and every one after it; the whole client update for FedAvg) to a
    relative error of at most ``tolerance``. Otherwise it samples on, up to ``samples``.
 
+An image whose zero rows are all zero rows of another image too (correlated ReLU patterns,
+as untrained convolutions give) has no subset that isolates its direction: the search then
+ends without a certificate, and says so.
+
 Where the layer is the model's first (only Normalize / Flatten before it) its inputs are the
 images; where convolutions come first they are each image's features
 (``trace["features"]``), an exact per-image prior for the optimisation attacks. All linear
