@@ -121,3 +121,28 @@ def test_bad_settings_are_one_line_config_errors():
         ATTACKS.build("spear", samples=0)
     with pytest.raises(ConfigError, match="zero_tol"):
         ATTACKS.build("spear", zero_tol=2.0)
+
+
+def test_planner_plans_spear_on_clean_and_gaussian_uploads_not_on_pruned_ones():
+    from adaptive.planner.plan import plan
+    from audit.core.types import NoDefense
+    from defenses import DEFENSES
+
+    clean = plan(NoDefense())
+    assert "spear" in clean.names() and "rank" in clean.get("spear").reason
+    assert "spear" in plan(DEFENSES.build("gaussian")).names()
+    assert "spear" not in plan(DEFENSES.build("prune")).names()  # pruning breaks the rank and the zeros
+
+
+def test_leak_rule_labels_exact_only_recovered_images_with_a_certificate():
+    from audit.core.records import ImageClass
+    from audit.report.rule import LeakRule
+
+    rule = LeakRule()
+    assert rule.exact(ImageClass.RECOVERED, 1e-7)
+    assert not rule.exact(ImageClass.RECOVERED, None)  # no certificate: never exact
+    assert not rule.exact(ImageClass.RECOVERED, 0.05)  # reproduces the upload only roughly
+    assert not rule.exact(ImageClass.PARTIAL, 1e-7)
+    assert not LeakRule(exact_error=1e-9).exact(ImageClass.RECOVERED, 1e-7)
+    with pytest.raises(ConfigError, match="exact_error"):
+        LeakRule(exact_error=0)

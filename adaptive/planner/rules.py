@@ -18,7 +18,7 @@ RULES = Registry("planner rule")
 EOT_SAMPLES = 8
 #: the order attacks are listed in a plan: the most defense-specific first
 ORDER = ("precode-latent", "svd-subspace", "mask-replay", "layer-drop", "censor-invariants", "analytic",
-         "through-defense", "bayes-l2", "bayes-l1", "bayes-optimal", "learned-inverter")
+         "spear", "through-defense", "bayes-l2", "bayes-l1", "bayes-optimal", "learned-inverter")
 
 
 @dataclass
@@ -54,6 +54,21 @@ def analytic(t: DefenseTraits) -> List[PlannedAttack]:
         f"linear-layer gradients stay exactly rank-1 consistent (dW = db x^T) in "
         f"{len(t.analytic_layers)} layer(s): the layer input is recovered in closed form "
         "for batch 1 when the audited model starts with a linear layer"))]
+
+
+@RULES.register("spear", "linear-layer gradients keep their rank and ReLU sparsity: exact batch recovery")
+def spear(t: DefenseTraits) -> List[PlannedAttack]:
+    noisy = t.noise_family == "gaussian" and not (t.sparse or t.low_rank or t.quantized or t.orthogonal)
+    if not (t.analytic_layers or noisy):
+        return []
+    why = (f"linear-layer gradients stay exactly rank-structured in {len(t.analytic_layers)} layer(s)"
+           if t.analytic_layers else f"additive gaussian noise only (std ~{t.noise_std:.3g}), which SPEAR tolerates up "
+                                     "to a level (docs/strength.md, section SPEAR)")
+    return [PlannedAttack("spear", {}, (
+        f"{why}: where a biased Linear layer followed by ReLU is in the upload (FedSGD, or FedAvg where its input "
+        "is the image), its gradient has rank <= the batch size and ReLU zeros: the whole batch's inputs are "
+        "recovered exactly and certified by reproducing the upload; models without such a layer get a "
+        "'not applicable' line naming the reason"))]
 
 
 @RULES.register("through-defense", "pass the dummy gradient through the defense (replay / EOT)")

@@ -119,7 +119,8 @@ def verdict_text(verdict: Dict[str, Any]) -> str:
     """A step verdict in words: the label, the image counts with the recovery rate's interval,
     what a 'no recovered image' excludes, and why when not judged or incomplete."""
     label = verdict.get("label", "not judged")
-    counts = (f"{verdict.get('recovered', 0)} recovered, {verdict.get('partially', 0)} partially, "
+    exact = f" ({verdict['exact']} exact)" if verdict.get("exact") else ""
+    counts = (f"{verdict.get('recovered', 0)} recovered{exact}, {verdict.get('partially', 0)} partially, "
               f"{verdict.get('not_recovered', 0)} not recovered of {verdict.get('images', 0)} image(s)")
     if verdict.get("recovery_rate", {}).get("n"):
         counts += f"; recovered {interval_text(verdict['recovery_rate'])}"

@@ -77,6 +77,7 @@ def image_metrics(record: AttackResult) -> List[Dict[str, Any]]:
             entry[name] = _best([m.per_image(name, count)[j] for m in refs], higher)
         entry["l2"] = _best([m.l2[j] if m.l2 is not None and len(m.l2) == count else None for m in refs], False)
         entry["evidence"] = [e[j] for e in evidence]
+        entry["certificate_error"] = (record.trace or {}).get("certificate_error")  # the batch reproduces the upload
         out.append(entry)
     return out
 
@@ -185,11 +186,11 @@ def worst_case(by_attack: Dict[str, List[AttackResult]], rule: LeakRule, nulls: 
                 level = chance if ev.chance_level is None else ev.chance_level
                 cls = rule.classify(ev.aligned_psnr, ev.rank, level)
                 if cls is not None:
-                    judged.append((CLASS_ORDER[cls], ev.aligned_psnr - level, attack, cls, ev, level))
+                    judged.append((CLASS_ORDER[cls], ev.aligned_psnr - level, attack, cls, ev, level, e))
         if judged:
-            _, _, attack, cls, ev, level = max(judged, key=lambda t: t[:2])
+            _, _, attack, cls, ev, level, e = max(judged, key=lambda t: t[:2])
             entry.update(best_attack=attack, image_class=cls.value, aligned_psnr=ev.aligned_psnr, rank=ev.rank,
-                         candidates=ev.candidates, chance_level=level)
+                         candidates=ev.candidates, chance_level=level, exact=rule.exact(cls, e["certificate_error"]))
         else:
             entry.update(best_attack=None, image_class=None, aligned_psnr=None, rank=None, candidates=None)
         per_image.append(entry)
@@ -215,7 +216,8 @@ def step_verdict(per_image: List[Dict[str, Any]], rule: LeakRule, missing: Seque
              else Verdict.PRIVATE if judged else None)
     rate = rule.interval(counts[ImageClass.RECOVERED], n)
     identified = rule.interval(sum(e["rank"] is not None and e["rank"] <= rule.identify_rank for e in judged), n)
-    out = {"recovered": counts[ImageClass.RECOVERED], "partially": counts[ImageClass.PARTIAL],
+    out = {"recovered": counts[ImageClass.RECOVERED], "exact": sum(bool(e.get("exact")) for e in judged),
+           "partially": counts[ImageClass.PARTIAL],
            "not_recovered": counts[ImageClass.NOT_RECOVERED], "images": n,
            "judged": None if found is None else found.value, "failed_attacks": list(missing),
            "recovery_rate": rate.to_dict(), "identification_rate": identified.to_dict()}

@@ -29,6 +29,9 @@ class LeakRule:
     identify_rank: int = 1
     partial_rank: int = 3
     level: float = 0.95  # of every interval the report prints
+    #: an image recovered by an attack whose reconstruction reproduces the upload within this
+    #: relative error (the attack's certificate, e.g. SPEAR's) is labelled "exact"
+    exact_error: float = 1e-3
 
     def __post_init__(self):
         if not self.margin_db >= 0:
@@ -36,6 +39,8 @@ class LeakRule:
         if not 1 <= self.identify_rank <= self.partial_rank:
             raise ConfigError(f"thresholds: need 1 <= identify_rank <= partial_rank, got "
                               f"{self.identify_rank} and {self.partial_rank}")
+        if not 0 < self.exact_error < 1:
+            raise ConfigError(f"thresholds: exact_error must be in (0, 1), got {self.exact_error}")
         if not 0.5 <= self.level < 1:
             raise ConfigError(f"thresholds: level must be in [0.5, 1), got {self.level}")
 
@@ -49,6 +54,12 @@ class LeakRule:
             return ImageClass.PARTIAL
         return ImageClass.NOT_RECOVERED
 
+    def exact(self, image_class: Optional[ImageClass], certificate_error: Optional[float]) -> bool:
+        """A recovered image whose attack's reconstruction reproduces the upload within
+        ``exact_error`` (a missing certificate is never exact)."""
+        return (image_class is ImageClass.RECOVERED and certificate_error is not None
+                and 0 <= certificate_error <= self.exact_error)
+
     def describe(self) -> str:
         return (
             f"an image counts as recovered if its reconstruction's PSNR after the best per-channel gain and offset "
@@ -56,7 +67,8 @@ class LeakRule:
             f"unrelated images of the data set and data-only guesses) by at least {self.margin_db:g} dB and it "
             f"identifies its private image (rank <= {self.identify_rank} among the K candidates: the private image "
             f"and K-1 unrelated ones); as partially recovered if it reaches the chance level and ranks <= "
-            f"{self.partial_rank}; as not recovered otherwise. A step 'leaks' if any image is recovered; is "
+            f"{self.partial_rank}; as not recovered otherwise. A recovered image is 'exact' where its attack's "
+            f"reconstruction reproduces the upload within a relative error of {self.exact_error:g}. A step 'leaks' if any image is recovered; is "
             "'incomplete' (naming the attacks) if any planned attack raised, failed to optimise, has no evidence or "
             "has not run; is 'partially' if any image is partially recovered, and has 'no recovered image' "
             "otherwise; a step where no attack applies is 'not judged'. The overall verdict is the worst judged step."
