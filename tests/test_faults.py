@@ -452,3 +452,47 @@ def test_an_abandoned_defense_call_ends_its_thread_when_it_returns():
     while abandoned_calls() and time.time() < deadline:
         time.sleep(0.05)
     assert abandoned_calls() == []
+
+
+RACER = """
+import os, sys, time
+from pathlib import Path
+import audit
+from audit.engine.audit import Audit
+folder = Path(sys.argv[1])
+real = Audit.attack_group
+
+def logged(self, spec, group, step, *args, **kwargs):
+    with open(folder / "groups.log", "a") as fh:
+        fh.write(f"{os.getpid()} {step} {spec.id}\\n")
+    time.sleep(1.5)  # long enough for the other process to reach the same group
+    return real(self, spec, group, step, *args, **kwargs)
+
+Audit.attack_group = logged
+(folder / f"ready-{os.getpid()}").touch()
+while not (folder / "go").exists():
+    time.sleep(0.02)
+audit.run(out=folder / "out", model="mlp", model_args={"hidden": 32}, image_size=16, budget=5, utility=False,
+          progress=False, defense="none", steps=[0], attacks=["ig", "analytic"], images=2)
+"""
+
+
+def test_two_identical_audits_into_one_folder_attack_each_group_once(tmp_path):
+    import subprocess
+    import time
+
+    (tmp_path / "racer.py").write_text(RACER)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root, "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, str(tmp_path / "racer.py"), str(tmp_path)], env=env, cwd=root,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for _ in range(2)]
+    deadline = time.time() + 120
+    while len(list(tmp_path.glob("ready-*"))) < 2 and time.time() < deadline:
+        time.sleep(0.05)
+    (tmp_path / "go").touch()
+    for proc in procs:
+        assert proc.wait(180) == 0, proc.stdout.read().decode()[-2000:]
+    groups = [line.split()[1:] for line in (tmp_path / "groups.log").read_text().splitlines()]
+    assert sorted(map(tuple, groups)) == [("0", "analytic"), ("0", "ig")]  # each group once, by either process
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert report["progress"] == {"done": 4, "total": 4}

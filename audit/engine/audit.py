@@ -468,8 +468,16 @@ class Audit:
     def _attack_step(self, store, spec: AttackSpec, observations: Dict[int, Any], step: int,
                      images: Sequence[int], bar) -> None:
         """Attack ``images`` of ``step`` with ``spec`` as one group; store each result."""
-        failed = [i for i in images if isinstance(observations[i], str)]
+        with store.claim(step, spec.id):  # another process attacking this group: wait, then reuse its results
+            self._attack_claimed(store, spec, observations, step, images, bar)
+
+    def _attack_claimed(self, store, spec: AttackSpec, observations: Dict[int, Any], step: int,
+                        images: Sequence[int], bar) -> None:
         cost = self.result_cost()
+        done = [i for i in images if store.has(step, spec.id, i, settings=spec.settings, defaults=spec.defaults)]
+        bar.update(cost * len(done))
+        images = [i for i in images if i not in done]
+        failed = [i for i in images if isinstance(observations[i], str)]
         for image in failed:  # the defense failed on this batch: nothing to attack
             store.save_result(replace(self._record(spec, step, image), status=Status.ERROR, failed="defense",
                                       reason=observations[image]))

@@ -26,7 +26,7 @@ import math
 import os
 import re
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, ContextManager, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -191,18 +191,23 @@ class ResultStore:
         self.unreadable.pop(str(self.manifest_path), None)  # rebuilt, its loss noted in its failures
         return manifest
 
+    def claim(self, step: int, attack_id: str) -> ContextManager[None]:
+        """Hold the (step, attack) group against other processes: a second audit of the same run
+        waits here while the first attacks the group, then finds its results stored."""
+        return self._locked(f"locks/{result_id(step, attack_id, 0).rsplit('__', 1)[0]}.lock")
+
     @contextlib.contextmanager
-    def _locked(self) -> Iterator[None]:
-        """An exclusive lock on ``DIR/runs/<key>/.lock`` across processes (none where the
+    def _locked(self, name: str = ".lock") -> Iterator[None]:
+        """An exclusive lock on ``DIR/runs/<key>/<name>`` across processes (none where the
         platform has no ``fcntl``: there, writers of one run must not overlap)."""
         try:
             import fcntl
         except ImportError:
             yield
             return
-        path = self.dir / ".lock"
+        path = self.dir / name
         try:
-            self.dir.mkdir(parents=True, exist_ok=True)
+            path.parent.mkdir(parents=True, exist_ok=True)
             handle = open(path, "a")
         except OSError as err:
             raise storage_error(path, err) from err
