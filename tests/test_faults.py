@@ -94,6 +94,15 @@ def test_a_corrupt_manifest_is_one_line_for_report_and_rebuilt_by_the_rerun(fini
     assert json.loads(manifest.read_text())["status"] == "complete"
 
 
+def test_a_manifest_missing_what_the_report_needs_is_one_line(finished, tmp_path):
+    src, _ = finished
+    out = tmp_path / "out"
+    shutil.copytree(src, out)
+    manifest = ResultStore.open_latest(out).manifest_path
+    manifest.write_text(json.dumps({k: v for k, v in json.loads(manifest.read_text()).items() if k != "risk_delta"}))
+    _one_line_error(CliRunner().invoke(cli.main, ["report", str(out)]), str(manifest), "risk_delta", "rerun")
+
+
 def test_a_truncated_checkpoint_is_retrained(tmp_path):
     settings = {**TINY, "steps": [1], "images": 1}
     first = audit.run(out=tmp_path, **settings)

@@ -12,7 +12,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from audit.core.errors import ConfigError
+from audit.core.errors import ConfigError, StoreError
 from audit.core.records import AttackResult
 from audit.report.risk import (empirical_risk, false_positive_rates, judge_step, nulls_from_manifest, overall_verdict,
                                status_of, summarize_attack)
@@ -126,6 +126,10 @@ class AuditReport:
         if "attacks" not in manifest:
             raise ConfigError(f"the audit in {store.root} (run {store.key}) stopped before its attacks were "
                               "planned; rerun the same audit command to continue it")
+        lost = [k for k in ("steps", "images", "risk_delta", "defense") if k not in manifest]
+        if lost:
+            raise StoreError(f"{store.manifest_path} lacks {', '.join(lost)}; rerun the same audit command to "
+                             "rebuild it")
         records = store.records()
         if store.unreadable:  # a lost result is missing evidence, and the report names it
             lost = [{"phase": "store", "status": "unreadable", "error": why} for why in store.unreadable.values()]
