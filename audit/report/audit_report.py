@@ -126,9 +126,9 @@ class AuditReport:
         if "attacks" not in manifest:
             raise ConfigError(f"the audit in {store.root} (run {store.key}) stopped before its attacks were "
                               "planned; rerun the same audit command to continue it")
-        lost = [k for k in ("steps", "images", "risk_delta", "defense") if k not in manifest]
-        if lost:
-            raise StoreError(f"{store.manifest_path} lacks {', '.join(lost)}; rerun the same audit command to "
+        absent = [k for k in ("steps", "images", "risk_delta", "defense") if k not in manifest]
+        if absent:
+            raise StoreError(f"{store.manifest_path} lacks {', '.join(absent)}; rerun the same audit command to "
                              "rebuild it")
         records = store.records()
         if store.unreadable:  # a lost result is missing evidence, and the report names it
