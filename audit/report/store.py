@@ -7,6 +7,7 @@ Layout under the output directory ``DIR``::
     DIR/runs/<key>/checkpoints/s<S>.pt    model state at audited step S
     DIR/runs/<key>/results/s<S>__<attack>__i<N>.json   one finished (step, attack, image)
     DIR/runs/<key>/results/s<S>__<attack>__i<N>.png    its reconstruction
+    DIR/runs/<key>/.lock, locks/s<S>__<attack>.lock   cross-process locks (manifest, group)
     DIR/latest_run                        the key of the last run written to DIR
 
 ``key`` is a hash of every setting that changes a number (defense, model and its
@@ -14,7 +15,9 @@ arguments, the data: path, grid, limit, size and a digest of the images; FL sett
 budget, seed, ...), so a rerun of the same command resumes, while a changed
 setting starts a fresh run instead of reusing stale results. A stored error is retried
 by a rerun (``retry_errors``). Every file is written to a
-temporary name and renamed, so an interrupt (Ctrl-C) never leaves a half-written result.
+temporary name and renamed, so an interrupt (Ctrl-C) never leaves a half-written result; the
+results of one (step, attack) group name the group, and count as finished only together, so a
+cut between their writes redoes the group whole. A file that cannot be read is a cache miss.
 """
 from __future__ import annotations
 
