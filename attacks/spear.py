@@ -1,31 +1,23 @@
 """SPEAR: exact recovery of a whole batch from the gradient of a linear layer followed by ReLU
-(Dimitrov, Mueller, Baader, Vechev, "SPEAR: Exact Gradient Inversion of Batches in Federated
-Learning", NeurIPS 2024).
+(Dimitrov, Mueller, Baader, Vechev, NeurIPS 2024).
 
-For ``Z = W X + b`` (``X``: ``n x B``, one column per image) followed by ReLU, the weight
-gradient ``dW = dZ X^T`` has rank at most ``B`` and ``dZ`` is sparse: ``dZ[i, j] = 0`` wherever
-``Z[i, j] <= 0``. Factor ``dW = L R`` (SVD, rank ``B``); then ``dZ = L Q`` and ``X^T = Q^-1 R``
-for an unknown invertible ``B x B`` matrix ``Q``. Each column ``q_j`` spans the kernel of any
-``B - 1`` rows of ``L`` where column ``j`` of ``dZ`` is zero. The attack
-
-1. samples random ``(B-1)``-row subsets of ``L`` and takes each one's kernel direction;
-2. filters: keeps a direction whose ``L q`` is sparse (a wrong one has only its ``B - 1``
-   sampled zeros) and whose subset has a one-dimensional kernel;
-3. selects greedily ``B`` independent directions, sparsest first;
-4. fixes their scales (and signs) from the bias gradient, ``db = dZ 1 = L Q 1``;
-5. reads ``X^T = Q^-1 R`` and the labels from the recovered batch;
-6. stops at the certificate: the recovered batch and labels reproduce the upload (the
-   layer's gradient and every one after it; the whole client update for FedAvg) to a
-   relative error of at most ``tolerance``. Otherwise it samples on, up to ``samples``.
+For ``Z = W X + b`` (``X``: ``n x B``) followed by ReLU, ``dW = dZ X^T`` has rank <= ``B`` and
+``dZ[i, j] = 0`` wherever ``Z[i, j] <= 0``. With ``dW = L R`` (SVD, rank ``B``), ``dZ = L Q`` and
+``X^T = Q^-1 R`` for an unknown invertible ``Q``, whose column ``q_j`` spans the kernel of any
+``B - 1`` rows of ``L`` where column ``j`` of ``dZ`` is zero. The attack samples random
+``(B-1)``-row subsets and their kernel directions; keeps those whose ``L q`` has more zeros
+than the sampled ones (a one-dimensional kernel), ranked by how often each comes back; picks
+``B`` independent ones and swaps in others while the ReLU activity the recovered batch
+predicts (``Z > 0``) differs from the observed one (``dZ != 0``); fixes the scales from the
+bias gradient (``db = L Q 1``); reads ``X^T = Q^-1 R`` and the labels; and stops at the
+certificate: the batch and labels reproduce the upload (this layer's gradient and those
+after it; the whole client update for FedAvg) within ``tolerance``.
 
 An image whose zero rows are all zero rows of another image too (correlated ReLU patterns,
-as untrained convolutions give) has no subset that isolates its direction: the search then
-ends without a certificate, and says so.
-
-Where the layer is the model's first (only Normalize / Flatten before it) its inputs are the
-images; where convolutions come first they are each image's features
-(``trace["features"]``), an exact per-image prior for the optimisation attacks. All linear
-algebra runs in float64. Measured cost and noise tolerance: docs/strength.md, section "SPEAR".
+as untrained convolutions give) has no subset that isolates it: the search then ends without
+a certificate and says so. Where the layer is the model's first (only Normalize / Flatten
+before it) its inputs are the images; where convolutions come first they are each image's
+features (``trace["features"]``). Float64 throughout. Cost and noise: docs/strength.md, section 7.
 """
 from __future__ import annotations
 
@@ -132,15 +124,10 @@ class Candidates:
         group_zeros = torch.zeros(count, dtype=torch.long, device=q.device).scatter_reduce_(0, groups, zeros, "amax")
         top = self._ranked(group_hits, group_zeros)[: 4 * self.keep]
         q, zeros, hits = q[first[top]], group_zeros[top], group_hits[top].clone()
-        cos = (q @ q.T).abs()
-        kept: List[int] = []
-        for i in range(len(q)):
-            near = [k for k in kept if float(cos[i, k]) > self.same]
-            if near:
-                hits[near[0]] += hits[i]
-            else:
-                kept.append(i)
-        kept_t = torch.tensor(kept, dtype=torch.long, device=q.device)
+        earlier = torch.tril((q @ q.T).abs() > self.same, diagonal=-1)  # a copy of a higher-ranked one
+        copy = earlier.any(1)
+        hits.scatter_add_(0, earlier.double().argmax(1)[copy], hits[copy])
+        kept_t = torch.nonzero(~copy).flatten()
         order = kept_t[self._ranked(hits[kept_t], zeros[kept_t])][: self.keep]
         self.q, self.zeros, self.hits = q[order], zeros[order], hits[order]
 
