@@ -82,12 +82,18 @@ def sample_directions(rows: Tensor, count: int, generator: torch.Generator, zero
     zero counts (k,))``."""
     m, b = rows.shape
     picks = torch.rand(count, m, generator=generator, dtype=rows.dtype, device=rows.device).topk(b - 1, dim=1).indices
-    _, s, vh = torch.linalg.svd(rows[picks], full_matrices=True)
-    q = vh[:, -1, :]
-    one_dim = s[:, -1] > 1e-7 * s[:, 0] if b > 1 else torch.ones(count, dtype=torch.bool, device=rows.device)
+    subsets = rows[picks]
+    # the kernel of [A a] is (-A^-1 a, 1) where A is invertible (otherwise it is not one-dimensional or
+    # not of this form; the other (B-1) x (B-1) minors would give it, at (B-1)x the cost, for a rare case)
+    head, info = torch.linalg.solve_ex(subsets[..., :-1], -subsets[..., -1:])
+    q = torch.cat([head[..., 0], torch.ones(count, 1, dtype=rows.dtype, device=rows.device)], dim=1)
+    q = q / q.norm(dim=1, keepdim=True)
     values = (rows @ q.T).abs()
     zeros = (values <= zero_tol * values.amax(0)).sum(0)
-    keep = one_dim & (zeros >= min_zeros)
+    keep = (info == 0) & torch.isfinite(q).all(1) & (zeros >= min_zeros)
+    if bool(keep.any()):
+        s = torch.linalg.svdvals(subsets[keep])
+        keep[keep.clone()] = s[:, -1] > 1e-7 * s[:, 0]
     q = q[keep]
     lead = q.gather(1, q.abs().argmax(1, keepdim=True))
     return q * lead.sign(), zeros[keep]
@@ -146,10 +152,10 @@ class Candidates:
 
 def scaled_mixing(rows_all: Tensor, directions: Tensor, db: Tensor) -> Tensor:
     """``Q`` from its unit columns ``(..., B, B)``: the scales (and signs) that make ``L Q 1`` the
-    bias gradient."""
-    left = rows_all @ directions
-    target = db.detach().double()[:, None].expand(*left.shape[:-1], 1)
-    scales = torch.linalg.lstsq(left, target).solution
+    bias gradient (least squares, through the normal equations)."""
+    gram, proj = rows_all.T @ rows_all, rows_all.T @ db.detach().double()
+    lhs = directions.transpose(-1, -2) @ gram @ directions
+    scales = torch.linalg.solve(lhs, (directions.transpose(-1, -2) @ proj[:, None]))
     return directions * scales.transpose(-1, -2)
 
 
@@ -172,21 +178,21 @@ class Layer:
         mixing = scaled_mixing(self.left, directions, self.db)
         dz = (self.left @ mixing).abs()
         observed = dz > self.zero_tol * dz.amax(-2, keepdim=True)
-        predicted = (torch.linalg.solve(mixing, self.rw) + self.bias).transpose(-1, -2) > 0
+        predicted = (torch.linalg.inv(mixing) @ self.rw + self.bias).transpose(-1, -2) > 0
         return (observed == predicted).double().mean(-2)
 
 
 def improve(layer: Layer, pool: Tensor, chosen: Tensor, cond: float = 1e-3) -> Tuple[Tensor, Tensor]:
     """Local search from the greedy selection ``chosen`` (indices into ``pool`` ``(C, B)``): while
-    an image's activity does not match, try every other candidate in its place and keep the
-    best swap. Returns the selection and its per-image match."""
+    an image's activity does not match, try every other candidate in the place of the two worst
+    and keep the best swap. Returns the selection and its per-image match."""
     match = layer.activity_match(pool[chosen].T[None])[0]
     for _ in range(2 * len(chosen)):
         if bool((match >= 1).all()):
             break
         best = (float(match.mean()), None)
         others = torch.tensor([k for k in range(len(pool)) if k not in set(chosen.tolist())], dtype=torch.long)
-        for position in torch.argsort(match)[: int((match < 1).sum())]:
+        for position in torch.argsort(match)[: min(2, int((match < 1).sum()))]:
             trials = chosen.repeat(len(others), 1)
             trials[:, position] = others
             directions = pool[trials].transpose(-1, -2)
@@ -339,11 +345,12 @@ class Spear:
             chosen = found.greedy(b)
             if chosen is None:
                 continue
+            state = (found.q[chosen].T, int((found.hits > 1).sum()))  # recurring directions are the true ones
+            if any(torch.equal(d, state[0]) and n == state[1] for d, n in checked):
+                continue
+            checked.append(state)
             chosen, match = improve(layer, found.q, chosen)
             directions = found.q[chosen].T
-            if any(d.shape == directions.shape and torch.equal(d, directions) for d in checked):
-                continue
-            checked.append(directions)
             attempts += 1
             candidate = self._candidate(observation, target, layers, tail, tail_params, left, right, db, directions,
                                         seed)
