@@ -146,3 +146,20 @@ def test_leak_rule_labels_exact_only_recovered_images_with_a_certificate():
     assert not LeakRule(exact_error=1e-9).exact(ImageClass.RECOVERED, 1e-7)
     with pytest.raises(ConfigError, match="exact_error"):
         LeakRule(exact_error=0)
+
+
+def test_spear_ig_adds_the_exact_features_term_paired_with_spears_labels():
+    from attacks.spear_features import ExactFeatures
+    from audit.core.data import load_dataset
+
+    data = load_dataset("embedded", None, 32)
+    model = build_model("cnn", data.input_shape, data.num_classes, seed=0)
+    x, y = data.test_images[4:8], data.test_labels[4:8]
+    rec = ATTACKS.build("spear-ig").reconstruct(observe(model, x, y), 2, 0)
+    assert "exact-features" in rec.trace["prior_weights"] and rec.trace["spear"]["certificate_error"] < 1e-3
+    assert sorted(rec.labels.tolist()) == sorted(y.tolist())
+    prefix = nn.Sequential(*list(model)[:8])
+    term = ExactFeatures(prefix, prefix(x).flatten(1))
+    assert float(term(x, None)) < 1e-10 < float(term(x.flip(0), None))  # zero only for each image in its row
+    plain = ATTACKS.build("spear-ig").reconstruct(observe(_mlp(), *_batch(2)), 2, 0)
+    assert "exact-features" not in plain.trace["prior_weights"] and plain.trace["spear"]  # says why not
