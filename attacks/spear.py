@@ -39,6 +39,9 @@ from attacks.simulator import GradientSimulator, SimContext
 
 #: relative error of the reproduced upload under which the recovered batch is certified exact
 CERTIFICATE_TOLERANCE = 1e-3
+#: an entry of ``L q`` counts as zero within this many noise floors (the SVD's first dropped
+#: singular value over its last kept) of the largest, where that exceeds ``zero_tol`` (at most 0.1)
+NOISE_MARGIN = 3.0
 
 
 @dataclass(frozen=True)
@@ -68,10 +71,12 @@ def relu_linear_layers(model: nn.Module) -> Tuple[List[ReluLinear], str]:
 
 
 # --------------------------------------------------------------------------- the linear algebra
-def low_rank_factors(dw: Tensor, rank: int) -> Tuple[Tensor, Tensor]:
-    """``dW ~ L R`` with ``L`` ``(m, rank)`` and ``R`` ``(rank, n)`` from the SVD, in float64."""
+def low_rank_factors(dw: Tensor, rank: int) -> Tuple[Tensor, Tensor, float]:
+    """``dW ~ L R`` with ``L`` ``(m, rank)`` and ``R`` ``(rank, n)`` from the SVD, in float64, and
+    the noise floor: the first dropped singular value over the last kept (0 for rank ``rank``)."""
     u, s, vh = torch.linalg.svd(dw.detach().double(), full_matrices=False)
-    return u[:, :rank] * s[:rank], vh[:rank]
+    floor = float(s[rank] / s[rank - 1]) if len(s) > rank and s[rank - 1] > 0 else 0.0
+    return u[:, :rank] * s[:rank], vh[:rank], floor
 
 
 def sample_directions(rows: Tensor, count: int, generator: torch.Generator, zero_tol: float,
@@ -316,9 +321,10 @@ class Spear:
         dw = observation.gradients[names.index(f"{target.name}.weight")]
         db = observation.gradients[names.index(f"{target.name}.bias")]
         b = observation.batch_size
-        left, right = low_rank_factors(dw, b)
+        left, right, floor = low_rank_factors(dw, b)
+        zero_tol = min(max(self.zero_tol, NOISE_MARGIN * floor), 0.1)  # noise lifts the zeros to about its floor
         norms = left.norm(dim=1)
-        rows = left[norms > 1e-9 * norms.max()]  # rows of dZ that are all zero carry nothing
+        rows = left[norms > max(1e-9, zero_tol) * norms.max()]  # rows of dZ that are all zero carry nothing
         if len(rows) < b:
             return Reconstruction.not_applicable(f"spear: only {len(rows)} rows of {target.name!r}'s gradient are "
                                                  f"non-zero, fewer than the batch of {b}")
@@ -327,17 +333,17 @@ class Spear:
         tail_params = [n for n in names if any(n.startswith(f"{name}.") for name, _ in layers[target.index:])]
         min_zeros = max(b + 1, math.ceil(self.min_sparsity * len(rows)))
         generator = torch.Generator(device=rows.device).manual_seed(int(seed))
-        active = norms > 1e-9 * norms.max()
+        active = norms > max(1e-9, zero_tol) * norms.max()
         weight = target.layer.weight.detach().double()[active]
         layer = Layer(rows, right, db.detach().double()[active], right @ weight.T,
-                      target.layer.bias.detach().double()[active][None], self.zero_tol)
+                      target.layer.bias.detach().double()[active][None], zero_tol)
         found = Candidates(b, 32 * b, rows.dtype, rows.device)
         best = None  # (error, z, labels, label source)
         drawn = attempts = 0
         checked: List[Tensor] = []
         while drawn < self.samples:
             count = min(self.chunk, self.samples - drawn)
-            q, zeros = sample_directions(rows, count, generator, self.zero_tol, min_zeros)
+            q, zeros = sample_directions(rows, count, generator, zero_tol, min_zeros)
             drawn += count
             found.add(q, zeros)
             if progress is not None:
@@ -360,7 +366,8 @@ class Spear:
                 break
         trace = {"attack": self.name, "layer": target.name, "layer_input": "image" if target.is_image else "features",
                  "samples": drawn, "directions_kept": len(found), "selections_checked": attempts,
-                 "seconds": time.perf_counter() - start, "certificate_tolerance": self.tolerance}
+                 "seconds": time.perf_counter() - start, "certificate_tolerance": self.tolerance,
+                 "noise_floor": floor, "zero_tol": zero_tol}
         if best is None:
             trace.update(failed_to_optimise=True, failure=(
                 f"spear kept {len(found)} directions in {drawn} samples, fewer than {b} independent ones: raise samples= "
