@@ -315,7 +315,7 @@ class Spear:
                     progress: Optional[Callable] = None) -> Reconstruction:
         target, why = self.not_applicable_reason(observation)
         if target is None:
-            return Reconstruction.not_applicable(f"spear: {why}")
+            return Reconstruction.not_applicable(why)
         start = time.perf_counter()
         names = trainable_names(observation.model)
         dw = observation.gradients[names.index(f"{target.name}.weight")]
@@ -326,7 +326,7 @@ class Spear:
         norms = left.norm(dim=1)
         rows = left[norms > max(1e-9, zero_tol) * norms.max()]  # rows of dZ that are all zero carry nothing
         if len(rows) < b:
-            return Reconstruction.not_applicable(f"spear: only {len(rows)} rows of {target.name!r}'s gradient are "
+            return Reconstruction.not_applicable(f"only {len(rows)} rows of {target.name!r}'s gradient are "
                                                  f"non-zero, fewer than the batch of {b}")
         layers = leaf_layers(observation.model)
         tail = _tail(layers, target.index)
