@@ -164,3 +164,15 @@ def test_spear_ig_adds_the_exact_features_term_paired_with_spears_labels():
     assert float(term(x, None)) < 1e-10 < float(term(x.flip(0), None))  # zero only for each image in its row
     plain = ATTACKS.build("spear-ig").reconstruct(observe(_mlp(), *_batch(2)), 2, 0)
     assert "exact-features" not in plain.trace["prior_weights"] and plain.trace["spear"]  # says why not
+
+
+def test_cli_attack_names_why_spear_does_not_apply(tmp_path):
+    from click.testing import CliRunner
+
+    from cli import main
+
+    result = CliRunner().invoke(main, ["attack", "--attack", "spear", "--model", "lenet", "--batch", "2", "--size", "8",
+                                       "--quiet", "--out", str(tmp_path)])
+    assert result.exit_code == 0
+    assert result.output.strip().splitlines()[-1].startswith(
+        "spear: not applicable: the model has no biased Linear layer followed by ReLU")
