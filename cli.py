@@ -164,7 +164,12 @@ def training_options(fn):
               help="attack setting over the planner's, e.g. learned-inverter.pairs=256 (repeatable)")
 @click.option("--images", default=None, type=int, help="private batches attacked per step (8: a step with none recovered excludes a recovery rate above 31%, 95%)  [default: 8]")
 @click.option("--batch-size", default=None, type=int, help="images per private batch  [default: 1]")
-@click.option("--budget", default=None, type=int, help="gradient evaluations of the model per attack and private batch (each attack maps it to its iterations)  [default: 200]")
+@click.option("--budget", default=None, metavar="N|auto",
+              help="gradient evaluations of the model per attack and private batch (each attack maps it to its "
+                   "iterations), or auto: doubled from 200 on the positive control (the same attacks without the "
+                   "defense) until it recovers half of the first step's images  [default: 200]")
+@click.option("--max-budget", default=None, type=int,
+              help="the ceiling of --budget auto's search  [default: 3200]")
 @click.option("--share-labels", is_flag=True, default=None, help="the protocol shares the labels")
 @click.option("--lr", default=None, type=float, help="FL server learning rate  [default: 0.1]")
 @click.option("--train-batch-size", default=None, type=int, help="client batch size in training  [default: 8]")
@@ -196,9 +201,10 @@ def training_options(fn):
 @common_options
 @friendly_errors
 def audit_cmd(defense, defense_arg, model, model_arg, model_normalize, checkpoint, client_mode, dataset, data_path,
-              image_size, steps, attacks, attack_arg, images, batch_size, budget, share_labels, lr, train_batch_size,
-              clients, local_steps, local_lr, server_optimizer, shares, local_optimizer, local_batch_size, local_epochs,
-              delta, thresholds, utility, utility_steps, utility_seeds, defense_timeout, quiet, out, seed, device):
+              image_size, steps, attacks, attack_arg, images, batch_size, budget, max_budget, share_labels, lr,
+              train_batch_size, clients, local_steps, local_lr, server_optimizer, shares, local_optimizer,
+              local_batch_size, local_epochs, delta, thresholds, utility, utility_steps, utility_seeds, defense_timeout,
+              quiet, out, seed, device):
     """Audit a defense: attack it at several training steps and write the risk report."""
     from audit.core.registry import parse_kv_args
     from audit.engine.audit import run
@@ -209,7 +215,7 @@ def audit_cmd(defense, defense_arg, model, model_arg, model_normalize, checkpoin
         model_arg, dataset, data_path, attack_arg, defense=defense, defense_args=parse_kv_args(defense_arg) or None,
         model=model, model_normalize=model_normalize, checkpoint=checkpoint,
         client_mode=client_mode, image_size=image_size, steps=steps, attacks=attacks, images=images, batch_size=batch_size,
-        budget=budget, share_labels=share_labels, lr=lr, train_batch_size=train_batch_size, clients=clients,
+        budget=budget, max_budget=max_budget, share_labels=share_labels, lr=lr, train_batch_size=train_batch_size, clients=clients,
         local_steps=local_steps, local_lr=local_lr, server_optimizer=server_optimizer, shares=shares,
         local_optimizer=local_optimizer, local_batch_size=local_batch_size, local_epochs=local_epochs, delta=delta, thresholds=thresholds, utility=utility,
         utility_steps=utility_steps, utility_seeds=utility_seeds, out=out, defense_timeout=defense_timeout)
@@ -240,7 +246,7 @@ class _KeepsOptionOrder(click.Command):
 
 # the audit command's setting options that a sweep shares (the same for every cell)
 SWEEP_SHARES = ("model", "model_arg", "model_normalize", "checkpoint", "client_mode", "dataset", "data_path",
-                "image_size", "steps", "attacks", "attack_arg", "images", "batch_size", "budget", "share_labels", "lr", "train_batch_size", "clients",
+                "image_size", "steps", "attacks", "attack_arg", "images", "batch_size", "budget", "max_budget", "share_labels", "lr", "train_batch_size", "clients",
                 "local_steps", "local_lr", "server_optimizer", "shares", "local_optimizer", "local_batch_size", "local_epochs", "delta", "thresholds", "utility", "utility_steps", "utility_seeds",
                 "defense_timeout")
 

@@ -82,6 +82,7 @@ class AnalyticInversion:
     """Exact first-layer inversion (no optimisation; ``budget`` is unused)."""
 
     name = "analytic"
+    uses_budget = False  # closed form: a larger budget gives it nothing
 
     def reconstruct(self, observation: Observation, budget: Optional[int] = None, seed: int = 0,
                     progress=None) -> Reconstruction:

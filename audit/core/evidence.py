@@ -12,6 +12,7 @@ from; nothing here knows about audits.
   blind to gain and offset), LPIPS when its weights are installed, else SSIM.
 * :func:`clopper_pearson`, :func:`excluded_rate`, :func:`images_to_exclude`: exact binomial
   statements about a recovery rate seen on few images.
+* :func:`mcnemar_exact`: the paired exact test of a defense's effect on the same images.
 * :func:`mean_difference`: the difference of two means over seeds (e.g. test accuracies of
   training runs) with its Welch t interval.
 """
@@ -181,6 +182,17 @@ def excluded_rate(n: int, level: float = 0.95) -> float:
 def images_to_exclude(rate: float, level: float = 0.95) -> int:
     """How many images with none recovered exclude a recovery rate of ``rate`` at ``level``."""
     return int(math.ceil(math.log(1.0 - level) / math.log(1.0 - rate)))
+
+
+def mcnemar_exact(stopped: int, let_through: int) -> float:
+    """One-sided exact McNemar p-value for paired binary outcomes: ``stopped`` pairs where only
+    the first arm succeeded (the control recovered the image, the defended run did not),
+    ``let_through`` pairs where only the second did. Under the null of no effect each
+    discordant pair is a fair coin, so p = P(Binomial(b + c, 1/2) >= b)."""
+    n = stopped + let_through
+    if n == 0:
+        return 1.0
+    return sum(math.comb(n, i) for i in range(stopped, n + 1)) / 2.0 ** n
 
 
 # --------------------------------------------------------------------------- means over seeds

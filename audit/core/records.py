@@ -37,11 +37,17 @@ class Verdict(str, Enum):
     PARTIALLY = "partially"
     PRIVATE = "no recovered image"
     INCOMPLETE = "incomplete"
+    #: the defended run recovered nothing, but neither did the same attacks without the
+    #: defense (the positive control): the audit measured its attacks, not the defense
+    INCONCLUSIVE = "inconclusive"
     NOT_JUDGED = "not judged"
 
 
-#: how bad a judged verdict is for the defender; "not judged" is listed, never ranked
-SEVERITY = {Verdict.LEAKS: 3, Verdict.PARTIALLY: 2, Verdict.INCOMPLETE: 1, Verdict.PRIVATE: 0}
+#: how bad a verdict is for the defender, worst first: every verdict that lacks evidence
+#: ranks above "no recovered image", so an overall verdict never reads private while any
+#: step is incomplete, inconclusive or not judged
+SEVERITY = {Verdict.LEAKS: 5, Verdict.PARTIALLY: 4, Verdict.INCOMPLETE: 3, Verdict.INCONCLUSIVE: 2,
+            Verdict.NOT_JUDGED: 1, Verdict.PRIVATE: 0}
 
 
 class _Record:

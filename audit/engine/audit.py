@@ -9,7 +9,9 @@ data learned attacks may use.
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
+import json
 import math
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -32,20 +34,22 @@ from audit.core.errors import ConfigError, DefenseError, GiaError, NotApplicable
 from audit.core.preflight import runs
 from audit.core.records import AccuracySpread, AttackResult, Scores, Status, UtilityResult
 from audit.engine.compose import AuditParts, build_parts, build_shared, check_model, reconstruct, resolve_defense
+from audit.engine.control import CONTROL_DIR, SEARCH_START, PositiveControl, check_budget_search
 from audit.engine.identity import data_identity, defense_identity, audited_model_identity, derive_seed, versions
 from audit.engine.null import Null, null_evidence
 from audit.engine.privacy import privacy_report
 from audit.engine.scoring import (PSNR_CAP, score_against_trained, score_reconstructions, trace_summary,
                                   trained_batch)
 from audit.engine.utility import PROTOCOL, measure_utility
-from audit.engine.settings import (DEFAULT_BUDGET, DEFAULT_IMAGES, DEFAULT_STEPS, AttackSettings, DataSettings,
-                                   FLSettings, ModelSettings, OutputSettings, model_settings)
+from audit.engine.settings import (DEFAULT_BUDGET, DEFAULT_IMAGES, DEFAULT_MAX_BUDGET, DEFAULT_STEPS, AttackSettings,
+                                   DataSettings, FLSettings, ModelSettings, OutputSettings, model_settings)
 from audit.report.audit_report import AuditReport
 from audit.report.risk import default_delta
 from audit.report.rule import LeakRule
-from audit.report.store import ResultStore
+from audit.report.store import ResultStore, to_jsonable
 
-DEFAULT_DEFENSE = "prune"  # 90% magnitude pruning: cheap, and the planner has adaptive attacks for it
+DEFAULT_DEFENSE = "prune"
+UNDEFENDED = "none"  # the positive control's defense  # 90% magnitude pruning: cheap, and the planner has adaptive attacks for it
 # the portfolio of plain strategies (docs/strength.md), and IG alone: at small budgets IG's full
 # share can beat the portfolio's pick, and the verdict takes the strongest attack
 BASE_ATTACKS = ("portfolio", "ig")
@@ -128,9 +132,14 @@ class Audit:
         self.numel = int(math.prod(self.dataset.input_shape))
         self.delta = output.delta if output.delta is not None else default_delta(self.numel)
         self.private = _private_batches(self.dataset, data.images, data.batch_size, self.seed)
+        if self.attack_settings.searches_budget:
+            check_budget_search(self.attack_settings.names, self.attack_settings.max_budget, SEARCH_START)
         # observations x restarts batched in one computation (chunks of at most this many)
         self.max_members = 256 if self.device.type == "cuda" else 64
         self._null: Optional[Null] = None
+        self._planned: Optional[Tuple[List[AttackSpec], Dict[str, Any]]] = None
+        #: the progress bar's name (the positive control's audit says "control")
+        self.progress_label = "audit"
 
     @property
     def null(self) -> Null:
@@ -162,6 +171,12 @@ class Audit:
                 "utility_seeds": self.output_settings.utility_seeds, "risk_delta": self.delta}
 
     # ------------------------------------------------------------------ phases
+    def planned(self) -> Tuple[List[AttackSpec], Dict[str, Any]]:
+        """:meth:`plan`, computed once per audit (the control and the audit share it)."""
+        if self._planned is None:
+            self._planned = self.plan()
+        return self._planned
+
     def plan(self) -> Tuple[List[AttackSpec], Dict[str, Any]]:
         """The attacks to run (base + the planner's adaptive ones) and the plan for the report."""
         probe_model, probe_note = planner_model(self.base_model, self.dataset)
@@ -368,17 +383,31 @@ class Audit:
 
     # ------------------------------------------------------------------ the whole audit
     def run(self) -> AuditReport:
-        """Every phase under the per-call defense timeout; the status is 'complete' only when
-        no (step, attack, image) result is an error (else the report says 'incomplete')."""
+        """Every phase under the per-call defense timeout: plan, find the budget on the positive
+        control when it is "auto", run the control and the audit at that budget. The status is
+        'complete' only when no (step, attack, image) result is an error (else the report says
+        'incomplete'); every finished result is on disk when it is interrupted."""
         started = time.perf_counter()
-        store = ResultStore.create(self.output_settings.out, self.key_settings(), retry_errors=self.output_settings.retry_errors)
+        store: Optional[ResultStore] = None
         try:
             with defense_timeout(self.output_settings.defense_timeout):
-                self._attack_all(store, self._prepare(store))
+                specs, _ = self.planned()
+                control, search = PositiveControl(self), None
+                if self.attack_settings.searches_budget:
+                    search = control.search(specs, SEARCH_START, self.attack_settings.max_budget)
+                    self.attack_settings = replace(self.attack_settings, budget=search.budget)
+                store = ResultStore.create(self.output_settings.out, self.key_settings(),
+                                           retry_errors=self.output_settings.retry_errors)
+                self._prepare(store)
+                budget = self.attack_settings.budget
+                control_store, _ = control.run(specs, budget, self.attack_settings.steps)
+                store.update_manifest(control=control.describe(control_store, specs, budget, search))
+                self._attack_all(store, specs)
         except KeyboardInterrupt:  # every finished result is already on disk
-            store.update_manifest(status="interrupted")
-            if "attacks" in store.load_manifest():
-                AuditReport.from_store(store).write(self.output_settings.out)
+            if store is not None:
+                store.update_manifest(status="interrupted")
+                if "attacks" in store.load_manifest():
+                    AuditReport.from_store(store).write(self.output_settings.out)
             raise
         except Exception as err:  # a full disk, a broken store: the manifest must not say "running"
             store.record_stop(err)
@@ -388,10 +417,45 @@ class Audit:
         report.write(self.output_settings.out)
         return report
 
+    # ------------------------------------------------------------------ the positive control
+    def is_undefended(self) -> bool:
+        """Whether the audited defense behaves as the identity: then the audit is its own control."""
+        return to_jsonable(self.defense_ident) == undefended_identity()
+
+    def control_out(self) -> Path:
+        """The folder of the control's result store (a sweep points it at its undefended cell)."""
+        return Path(self.output_settings.out) / CONTROL_DIR
+
+    def control_description(self) -> str:
+        return ("the same attacks' base forms, budget, seeds and private images against the client without the "
+                "defense: its uploads and its training between audited steps without it, everything else as audited")
+
+    def control_audit(self, budget: int, steps: Sequence[int], out: Path) -> "Audit":
+        """The audit of the undefended client at ``budget`` on ``steps``, writing to ``out``."""
+        none = resolve_defense(UNDEFENDED, {})
+        parts = build_parts(self.parts.shared, none, UNDEFENDED, self.seed, undefended_identity())
+        control = Audit(UNDEFENDED, self.model_settings, data_settings=self.data_settings,
+                        fl_settings=self.fl_settings,
+                        attack_settings=replace(self.attack_settings, steps=tuple(steps), budget=int(budget)),
+                        output_settings=replace(self.output_settings, out=Path(out), utility=False),
+                        seed=self.seed, parts=parts)
+        return self.adopt_control(control)
+
+    def adopt_control(self, control: "Audit") -> "Audit":
+        """Share what the control computes the same way (the null) and name its progress bar."""
+        control._null = self.null
+        control.progress_label = "control"
+        return control
+
+    def run_attacks(self, store: ResultStore, specs: Sequence[AttackSpec]) -> None:
+        """Compute every (step, attack, image) result of ``specs`` not yet in ``store`` (the
+        control's use: no manifest, no report)."""
+        self._attack_all(store, specs)
+
     def _prepare(self, store: ResultStore) -> List[AttackSpec]:
         """Plan the attacks and write the manifest (threat model, settings, utility, ...)."""
         manifest = store.load_manifest()
-        specs, plan = self.plan()
+        specs, plan = self.planned()
         store.update_manifest(
             run_key=store.key, status="running", settings=self.settings(), steps=self.attack_settings.steps,
             images=self.data_settings.images, attacks=[s.as_dict() for s in specs], plan=plan,
@@ -432,7 +496,7 @@ class Audit:
         if failure is not None and failure not in known:
             store.update_manifest(failures=known + [failure])
         cost = self.result_cost()
-        bar = _progress(total * cost, (total - len(pending)) * cost, self.output_settings.progress)
+        bar = _progress(total * cost, (total - len(pending)) * cost, self.output_settings.progress, self.progress_label)
         try:
             for step in pending_steps:
                 todo = [(i, a) for s, i, a in pending if s == step]
@@ -629,6 +693,16 @@ def _train(audit: "Audit", last_step: int, wanted: set) -> Tuple[Dict[int, Dict[
     return captured, None
 
 
+@functools.lru_cache(maxsize=None)
+def _undefended_identity() -> str:
+    return json.dumps(to_jsonable(defense_identity(resolve_defense(UNDEFENDED, {}), UNDEFENDED)), sort_keys=True)
+
+
+def undefended_identity() -> Dict[str, Any]:
+    """The identity of the undefended client's defense (computed once per process)."""
+    return json.loads(_undefended_identity())
+
+
 def _state(model: nn.Module) -> Dict[str, torch.Tensor]:
     return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
 
@@ -658,10 +732,10 @@ def _data_description(dataset, private) -> Dict[str, Any]:
             "splits": "FL clients train on the train split; the private batches come from the disjoint test split"}
 
 
-def _progress(total: int, initial: int, enabled: bool):
+def _progress(total: int, initial: int, enabled: bool, label: str = "audit"):
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, initial=initial, desc="audit", unit=" image-it", unit_scale=True,
+    return tqdm(total=total, initial=initial, desc=label, unit=" image-it", unit_scale=True,
                 disable=not enabled, dynamic_ncols=True)
 
 
@@ -673,7 +747,7 @@ def run(
     steps: Union[str, Sequence[int]] = DEFAULT_STEPS,
     attacks: Union[str, Sequence[str]] = "auto",
     images: int = DEFAULT_IMAGES,
-    budget: int = DEFAULT_BUDGET,
+    budget: Union[int, str] = DEFAULT_BUDGET,
     seed: int = 0,
     out: Union[str, Path] = "audit-out",
     *,
@@ -706,6 +780,7 @@ def run(
     progress: bool = True,
     defense_timeout: Optional[float] = DEFAULT_DEFENSE_TIMEOUT,
     retry_errors: bool = True,
+    max_budget: int = DEFAULT_MAX_BUDGET,
 ) -> AuditReport:
     """Audit a defense: how much of the audited client's private data leaks, per training step.
 
@@ -724,7 +799,10 @@ def run(
     ``{"ig": {"restarts": 2}}``, over the planner's). ``images``: private batches of
     ``batch_size`` images. ``budget``: gradient evaluations of the model per attack and
     private batch (each attack maps it to its iterations; see
-    :data:`audit.core.types.BUDGET_DEFINITION`). ``utility``: also train
+    :data:`audit.core.types.BUDGET_DEFINITION`), or ``"auto"``: doubled from 200 on the positive
+    control up to ``max_budget`` until it recovers half of the first step's images
+    (:mod:`audit.engine.control`). Every step is also attacked without the defense (the positive
+    control) and a step reads "no recovered image" only where that control recovers images. ``utility``: also train
     ``utility_steps`` rounds of the utility recipe (``docs/evidence.md``) with and without the
     defense, on ``utility_seeds`` seeds each, and compare test accuracy (mean and spread).
     ``defense_timeout``: seconds per defense call before it is abandoned and recorded as an
@@ -755,7 +833,7 @@ def audit_settings(**flat: Any) -> Dict[str, Any]:
         fl_settings=FLSettings(s["lr"], s["train_batch_size"], s["clients"], s["local_steps"], s["local_lr"],
                                s["client_mode"], s["local_optimizer"], s["local_batch_size"], s["local_epochs"],
                                s["shares"], s["server_optimizer"]),
-        attack_settings=AttackSettings(s["steps"], s["attacks"], s["attack_args"] or {}, s["budget"]),
+        attack_settings=AttackSettings(s["steps"], s["attacks"], s["attack_args"] or {}, s["budget"], s["max_budget"]),
         output_settings=OutputSettings(s["out"], s["utility"], s["utility_steps"], LeakRule.of(s["thresholds"]),
                                        s["delta"], s["progress"], s["defense_timeout"], s["retry_errors"],
                                        utility_seeds=s["utility_seeds"]))

@@ -21,6 +21,11 @@ from audit.report.rule import LeakRule
 
 DEFAULT_STEPS = (0, 1, 5, 20)
 DEFAULT_BUDGET = 200
+#: the budget search's word (audit.engine.control), and its default ceiling: 3,200 gradient
+#: evaluations, four doublings of the start; DLG's LeNet at 32x32 needs 800 (docs/evidence.md,
+#: "Attack power", lists what each registered model needs)
+AUTO_BUDGET = "auto"
+DEFAULT_MAX_BUDGET = 3200
 # private batches per step: with none recovered, 8 images exclude a recovery rate above 31%
 # (one-sided 95%); 59 would exclude 5% (docs/evidence.md)
 DEFAULT_IMAGES = 8
@@ -193,15 +198,35 @@ class AttackSettings:
     steps: Tuple[int, ...] = DEFAULT_STEPS
     names: Union[str, Sequence[str]] = "auto"
     args: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
-    budget: int = DEFAULT_BUDGET
+    #: gradient evaluations, or "auto": found on the positive control (audit.engine.control)
+    budget: Union[int, str] = DEFAULT_BUDGET
+    #: the ceiling of the "auto" budget search
+    max_budget: int = DEFAULT_MAX_BUDGET
 
     def __post_init__(self):
         _set(self, steps=tuple(_parse_steps(self.steps)), names=tuple(attack_names(self.names)),
              args={name: dict(kv) for name, kv in (self.args or {}).items()},
-             budget=_positive("budget", self.budget))
+             budget=_budget(self.budget), max_budget=_positive("max_budget", self.max_budget))
+
+    @property
+    def searches_budget(self) -> bool:
+        """Whether the budget is found by the control's search (``budget="auto"``)."""
+        return self.budget == AUTO_BUDGET
 
     def budget_description(self) -> Dict[str, Any]:
         return {"value": self.budget, "unit": BUDGET_UNIT, "definition": BUDGET_DEFINITION}
+
+
+def _budget(value: Any) -> Union[int, str]:
+    """A budget: a positive integer (also as text) or "auto"."""
+    if isinstance(value, str):
+        if value.strip().lower() == AUTO_BUDGET:
+            return AUTO_BUDGET
+        try:
+            value = int(value)
+        except ValueError:
+            raise ConfigError(f"budget must be a positive integer or 'auto', got {value!r}") from None
+    return _positive("budget", value)
 
 
 @dataclass(frozen=True)

@@ -16,29 +16,45 @@ from audit.core.errors import ConfigError, StoreError
 from audit.core.records import AttackResult
 from audit.report.risk import (empirical_risk, false_positive_rates, judge_step, nulls_from_manifest, overall_verdict,
                                status_of, summarize_attack)
+from audit.report.control import judge_with_control
 from audit.report.rule import LeakRule
-from audit.report.format import overall_text, progress_text, verdict_text
+from audit.report.format import control_text, overall_text, progress_text, verdict_text
 from audit.report.store import ResultStore, to_jsonable
 
 
+def _by_step(records: Sequence[AttackResult]) -> Dict[int, Dict[str, List[AttackResult]]]:
+    by_step: Dict[int, Dict[str, List[AttackResult]]] = defaultdict(lambda: defaultdict(list))
+    for rec in records:
+        by_step[rec.step][rec.attack_id].append(rec)
+    return by_step
+
+
 def build_report(manifest: Dict[str, Any], records: Sequence[Any],
-                 rule: Optional[LeakRule] = None) -> Dict[str, Any]:
+                 rule: Optional[LeakRule] = None, control_records: Optional[Sequence[Any]] = None) -> Dict[str, Any]:
     """Every number of the report, as one JSON-able dictionary; ``rule`` (default: the
-    audit's) judges the stored evidence, so other thresholds need no recomputation."""
+    audit's) judges the stored evidence, so other thresholds need no recomputation.
+    ``control_records``: the positive control's results (``manifest["control"]`` says which
+    attacks and budget; :mod:`audit.report.control`); without them no step reads "no recovered image"."""
     thresholds = rule or LeakRule.from_dict(manifest.get("thresholds"))
     records = [AttackResult.from_dict(r) for r in records]
     nulls = nulls_from_manifest(manifest)
     delta = manifest["risk_delta"]["delta"]
     attack_ids = [a["id"] for a in manifest["attacks"]]
     images = int(manifest["images"])
-    by_step: Dict[int, Dict[str, List[Dict[str, Any]]]] = defaultdict(lambda: defaultdict(list))
-    for rec in records:
-        by_step[rec.step][rec.attack_id].append(rec)
+    by_step = _by_step(records)
     steps = []
     for step in manifest["steps"]:
         by_attack = {a: by_step[step].get(a, []) for a in attack_ids}
         steps.append({"step": step, "attacks": {a: summarize_attack(recs) for a, recs in by_attack.items()},
                       **judge_step(by_attack, images, thresholds, nulls), "risk": empirical_risk(by_attack, delta)})
+    info = manifest.get("control")
+    controls: Dict[int, Optional[Dict[str, Any]]] = {}
+    if info and control_records is not None:
+        control_by_step = _by_step([AttackResult.from_dict(r) for r in control_records])
+        for step in manifest["steps"]:
+            mine = {a: control_by_step[step].get(a, []) for a in info.get("attacks", [])}
+            controls[step] = judge_step(mine, images, thresholds, nulls)
+    judge_with_control(steps, controls, info, thresholds)
     planned = [r for r in records if r.step in manifest["steps"] and r.attack_id in attack_ids]
     skipped = sum(status_of(r) == "not_applicable" for r in planned)
     progress = {"done": len(planned) - skipped, "total": len(manifest["steps"]) * len(attack_ids) * images - skipped}
@@ -64,6 +80,7 @@ def build_report(manifest: Dict[str, Any], records: Sequence[Any],
         "privacy": manifest.get("privacy") or {"applicable": False, "reason": "not recorded by this audit"},
         "threat_model": manifest.get("threat_model", {}),
         "plan": manifest.get("plan", {}),
+        "control": manifest.get("control") or {"unavailable": "no positive control was stored for this audit"},
         "attacks": manifest["attacks"],
         "thresholds": thresholds.as_dict(),
         "false_positive_rate": false_positive_rates(thresholds, nulls),
@@ -108,6 +125,20 @@ def run_status(stored: str, steps: List[Dict[str, Any]]) -> str:
     return stored
 
 
+def control_records(store: ResultStore, manifest: Dict[str, Any]) -> Optional[List[AttackResult]]:
+    """The positive control's stored results for ``manifest`` (its ``control`` entry names the
+    folder, relative to the audit's, and the run); None when there is none to read."""
+    info = manifest.get("control")
+    if not info:
+        return None
+    if info.get("same_run"):
+        return store.records()
+    control = ResultStore(store.root / info["dir"], info["run_key"])
+    if not (control.dir / "results").is_dir():
+        return None
+    return control.records()
+
+
 class AuditReport:
     """The result of an audit: ``data`` holds every number (the content of ``report.json``).
 
@@ -135,7 +166,7 @@ class AuditReport:
             lost = [{"phase": "store", "status": "unreadable", "error": why} for why in store.unreadable.values()]
             manifest = {**manifest, "status": "incomplete (unreadable stored results)",
                         "failures": list(manifest.get("failures", [])) + lost}
-        return cls(build_report(manifest, records, rule), store.dir, store.root)
+        return cls(build_report(manifest, records, rule, control_records(store, manifest)), store.dir, store.root)
 
     # ------------------------------------------------------------------ access
     @property
@@ -196,8 +227,9 @@ class AuditReport:
             wc, risk = entry["worst_case"], entry["risk"]
             psnr = "n/a" if wc["psnr"] is None else f"{wc['psnr']:.2f} dB"
             success = "n/a" if risk["success"] is None else f"{risk['success']:.0%}"
-            worst = "" if wc.get("psnr_max") is None else f" (worst image {wc['psnr_max']:.2f} dB)"
-            lines.append(f"  {column} {entry['step']:>5}: worst-case PSNR {psnr}{worst}, within delta {success}, "
+            best = "" if wc.get("psnr_max") is None else f", best-recovered image {wc['psnr_max']:.2f} dB"
+            lines.append(f"  {column} {entry['step']:>5}: mean PSNR over images {psnr} (each at its strongest attack)"
+                         f"{best}, within delta {success}; without the defense: {control_text(entry.get('control'))}; "
                          f"verdict: {verdict_text(entry['verdict'])}")
         lines.append(f"verdict: {overall_text(self.data['verdict'], column)}")
         if self.failures:

@@ -41,15 +41,18 @@ def fmt_fraction(value: Optional[float]) -> str:
 
 
 def summary_header(column: str = "step"):
-    """The per-step table's columns: worst case per metric (mean over images), the worst image."""
+    """The per-step table's columns: worst case per metric (mean over images, each image at its
+    most leaking attack), the best-recovered image, the positive control, the verdict."""
     return ([column] + [f"worst-case {COLUMNS[m][0]}" for m in COLUMNS]
-            + ["worst image PSNR (dB)", "within delta (strongest attack)", "verdict"])
+            + ["best-recovered image PSNR (dB)", "within delta (strongest attack)", "without the defense (control)",
+               "verdict"])
 
 
 def summary_row(step: Dict[str, Any]):
     wc = step["worst_case"]
     return ([step["step"]] + [fmt(m, wc[m]) for m in COLUMNS]
-            + [fmt("psnr", wc.get("psnr_max")), risk_text(step["risk"]), verdict_text(step["verdict"])])
+            + [fmt("psnr", wc.get("psnr_max")), risk_text(step["risk"]), control_text(step.get("control")),
+               verdict_text(step["verdict"])])
 
 
 def attack_header(column: str = "step"):
@@ -129,6 +132,11 @@ def verdict_text(verdict: Dict[str, Any]) -> str:
         return f"incomplete ({verdict.get('reason', '')}); finished attacks: {found}, {counts}"
     if label == "not judged":
         return f"not judged ({verdict.get('reason', '')})"
+    if label == "inconclusive":
+        return f"inconclusive ({verdict.get('reason', '')}); {counts}"
+    effect = verdict.get("defense_effect")
+    if label == "no recovered image" and effect:
+        counts += "; " + effect_text(effect)
     if verdict.get("excludes_rate_above") is not None:
         need = verdict.get("images_to_exclude") or {}
         counts += (f"; excludes a recovery rate above {verdict['excludes_rate_above']:.0%} (one-sided 95%)"
@@ -136,15 +144,36 @@ def verdict_text(verdict: Dict[str, Any]) -> str:
     return f"{label} ({counts})"
 
 
+def effect_text(effect: Dict[str, Any]) -> str:
+    """``the defense stops 5 of the 5 images its control recovered (exact McNemar p = 0.031)``."""
+    text = (f"the defense stops {effect['stopped']} of the {effect['control_recovered']} image(s) its control "
+            f"recovered (exact McNemar p = {effect['p_value']:.2g}")
+    if effect.get("let_through"):
+        text += f"; {effect['let_through']} recovered only with the defense"
+    return text + ")"
+
+
+def control_text(control: Optional[Dict[str, Any]]) -> str:
+    """The step's positive control in a few words: ``4 of 4 recovered (100%; 95% CI 40%-100%) at budget 800``."""
+    if not control:
+        return UNAVAILABLE
+    if not control.get("available"):
+        return f"unavailable ({control.get('reason', 'not run')})"
+    return f"{interval_text(control.get('recovery_rate'))} recovered at budget {control.get('budget')}"
+
+
 def evidence_header(column: str = "step"):
     """The per-image evidence table: the leak rule's inputs and its class per private image."""
     return [column, "image", "class", "by attack", "aligned PSNR (dB)", "chance level (dB)", "above chance (dB)",
-            "rank among K", "PSNR (dB)", "SSIM"]
+            "rank among K", "PSNR (dB)", "SSIM", "without the defense (control)"]
 
 
 def evidence_rows(step: Dict[str, Any]):
     rows = []
+    control = step.get("control") or {}
+    by_image = {(c["image"], c["index"]): c["recovered"] for c in control.get("per_image", [])}
     for e in step["worst_case"]["per_image"]:
+        seen = by_image.get((e["image"], e.get("index", 0)))
         above = (None if e.get("aligned_psnr") is None or e.get("chance_level") is None
                  else e["aligned_psnr"] - e["chance_level"])
         where = f"{e['image']}" if not e.get("index") else f"{e['image']}.{e['index']}"
@@ -152,7 +181,8 @@ def evidence_rows(step: Dict[str, Any]):
         rows.append([step["step"], where, e.get("image_class") or "no evidence", e.get("best_attack") or UNAVAILABLE,
                      fmt("psnr", e.get("aligned_psnr")), fmt("psnr", e.get("chance_level")),
                      UNAVAILABLE if above is None else f"{above:+.2f}", rank, fmt("psnr", e.get("psnr")),
-                     fmt("ssim", e.get("ssim"))])
+                     fmt("ssim", e.get("ssim")),
+                     UNAVAILABLE if seen is None else "recovered" if seen else "not recovered"])
     return rows
 
 
@@ -180,13 +210,15 @@ def overall_text(verdict: Dict[str, Any], column: str = "step") -> str:
     text = label
     if verdict.get("worst_step") is not None:
         text += f" (worst at {column} {verdict['worst_step']})"
-    if label in ("incomplete", "not judged") and verdict.get("reason"):
+    if label in ("incomplete", "not judged", "inconclusive") and verdict.get("reason"):
         text += f": {verdict['reason']}"
     skipped = verdict.get("not_judged_steps") or []
     if skipped and label != "not judged":
         text += "; not judged: " + "; ".join(f"{column} {n['step']} ({n['reason']})" for n in skipped)
     if verdict.get("incomplete_steps") and label != "incomplete":
         text += f"; incomplete {column}s: " + ", ".join(map(str, verdict["incomplete_steps"]))
+    if verdict.get("inconclusive_steps") and label != "inconclusive":
+        text += f"; inconclusive {column}s (attack power): " + ", ".join(map(str, verdict["inconclusive_steps"]))
     return text
 
 

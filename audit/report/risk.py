@@ -24,6 +24,7 @@ METRICS = {"psnr": True, "ssim": True, "lpips": False, "label_acc": True}
 
 RECOVERED, PARTIAL, PRIVATE = Verdict.LEAKS.value, Verdict.PARTIALLY.value, Verdict.PRIVATE.value
 INCOMPLETE, NOT_JUDGED = Verdict.INCOMPLETE.value, Verdict.NOT_JUDGED.value
+INCONCLUSIVE = Verdict.INCONCLUSIVE.value
 #: a rate the report says how many images would exclude
 TARGET_RATE = 0.05
 
@@ -297,24 +298,25 @@ def false_positive_rates(rule: LeakRule, nulls: Nulls) -> Dict[str, Any]:
 
 # --------------------------------------------------------------------------- the run
 def overall_verdict(steps: List[Dict[str, Any]]) -> Dict[str, Any]:
-    """The worst judged step (leaks > partially > incomplete > no recovered image); steps
-    that are not judged are listed with their reasons, and never count as private."""
+    """The worst step by :data:`~audit.core.records.SEVERITY` (leaks > partially > incomplete >
+    inconclusive > not judged > no recovered image): a run reads "no recovered image" only when
+    every step does; steps lacking evidence are listed with their reasons."""
     severity = {v.value: rank for v, rank in SEVERITY.items()}
-    judged = [s for s in steps if s["verdict"]["label"] in severity]
     not_judged = [{"step": s["step"], "reason": s["verdict"].get("reason", "")}
-                  for s in steps if s["verdict"]["label"] not in severity]
-    incomplete = [s["step"] for s in judged if s["verdict"]["label"] == INCOMPLETE]
-    if not judged:
-        why = "; ".join(f"step {n['step']}: {n['reason']}" for n in not_judged) or "no audited step"
-        return {"label": NOT_JUDGED, "reason": why, "worst_step": None, "worst_psnr": None,
-                "leaking_steps": [], "incomplete_steps": [], "not_judged_steps": not_judged}
+                  for s in steps if s["verdict"]["label"] not in severity or s["verdict"]["label"] == NOT_JUDGED]
+    incomplete = [s["step"] for s in steps if s["verdict"]["label"] == INCOMPLETE]
+    inconclusive = [s["step"] for s in steps if s["verdict"]["label"] == INCONCLUSIVE]
+    if not steps:
+        return {"label": NOT_JUDGED, "reason": "no audited step", "worst_step": None, "worst_psnr": None,
+                "leaking_steps": [], "incomplete_steps": [], "inconclusive_steps": [], "not_judged_steps": []}
 
-    def rank(s):
-        return severity[s["verdict"]["label"]], s["worst_case"].get("above_chance_max") or -math.inf
+    def rank(s):  # an unknown label ranks with "not judged" (fail closed)
+        return (severity.get(s["verdict"]["label"], severity[NOT_JUDGED]),
+                s["worst_case"].get("above_chance_max") or -math.inf)
 
-    worst = max(judged, key=rank)
-    label = worst["verdict"]["label"]
+    worst = max(steps, key=rank)
+    label = worst["verdict"]["label"] if worst["verdict"]["label"] in severity else NOT_JUDGED
     return {"label": label, "reason": worst["verdict"].get("reason", ""), "worst_step": worst["step"],
             "worst_psnr": worst["worst_case"]["psnr"], "worst_image_psnr": worst["worst_case"].get("psnr_max"),
-            "leaking_steps": [s["step"] for s in judged if s["verdict"]["label"] == RECOVERED],
-            "incomplete_steps": incomplete, "not_judged_steps": not_judged}
+            "leaking_steps": [s["step"] for s in steps if s["verdict"]["label"] == RECOVERED],
+            "incomplete_steps": incomplete, "inconclusive_steps": inconclusive, "not_judged_steps": not_judged}

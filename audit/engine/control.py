@@ -1,0 +1,206 @@
+"""The positive control beside every verdict: the same attacks' base forms, at the same budget
+and seeds, on the same private images, against the client that uploads *without* the defense.
+
+A defended step with no recovered image says as much about the attacks' power as about the
+defense. The control separates the two: where it recovers none of the images either, the step
+is "inconclusive (attack power)"; where it recovers k of them, "no recovered image" comes with
+"the defense stops k of k" and an exact paired test (:mod:`audit.report.control`).
+
+The control is an audit of the undefended client (defense ``none``) with the audited settings
+otherwise unchanged: model, data, seeds, steps, FL training and what the client shares
+(:meth:`audit.engine.audit.Audit.control_audit` builds it; a sweep's undefended cell and a
+Flower round's replica supply their own). Its results live in its own result store
+(``OUT/control`` by default), keyed like every result, so they resume and are reused.
+
+``budget="auto"`` finds the attacks' power first: the control of the first audited step runs at
+:data:`SEARCH_START` gradient evaluations and doubles until it recovers at least half of that
+step's images or reaches ``max_budget``; the defended audit then runs at the budget found.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from attacks import ATTACKS
+from audit.core.errors import ConfigError
+from audit.engine.null import null_evidence
+from audit.engine.settings import DEFAULT_BUDGET, DEFAULT_MAX_BUDGET  # noqa: F401  (the search's ceiling)
+from audit.report.risk import judge_step
+from audit.report.store import ResultStore
+
+#: where an audit keeps its control's results, under its output folder
+CONTROL_DIR = "control"
+#: the budget search starts at the fixed default budget and doubles
+SEARCH_START = DEFAULT_BUDGET
+#: the adaptive attacks' base form where they name none: the optimisation attack they adapt
+DEFAULT_BASE = "ig"
+
+
+def is_adaptive(name: str) -> bool:
+    """Whether the registered attack ``name`` is defense-aware (registered by :mod:`adaptive`)."""
+    return getattr(ATTACKS.get(name), "__module__", "").startswith("adaptive")
+
+
+def uses_budget(name: str) -> bool:
+    """Whether attack ``name`` spends the budget (False for closed-form attacks: ``uses_budget``)."""
+    try:
+        attack = ATTACKS.build(name)
+    except Exception:  # an attack that needs settings to build: it is judged by its own checks
+        return True
+    return bool(getattr(attack, "uses_budget", True))
+
+
+def base_form(name: str, settings: Dict[str, Any]) -> str:
+    """The attack an adaptive attack adapts (its ``base`` setting, else :data:`DEFAULT_BASE`);
+    a plain attack is its own base form."""
+    if not is_adaptive(name):
+        return name
+    base = settings.get("base")
+    return base if isinstance(base, str) and base in ATTACKS and not is_adaptive(base) else DEFAULT_BASE
+
+
+def control_specs(specs: Sequence[Any], args: Dict[str, Dict[str, Any]]) -> List[Any]:
+    """The control's attacks: each audited attack's base form, once, in order. A plain attack
+    keeps its settings (and so its seeds and stored results); an adaptive attack's base form
+    runs with the user's settings for that base (``args``), as the audit's own base attacks do."""
+    out: Dict[str, Any] = {}
+    for spec in specs:
+        base = base_form(spec.name, spec.settings)
+        if base == spec.name:
+            out.setdefault(base, replace(spec, settings=dict(spec.settings), kind="base"))
+        elif base not in out:
+            out[base] = type(spec)(base, dict(args.get(base, {})), f"base form of {spec.name}", "base")
+    return list(out.values())
+
+
+@dataclass
+class ControlStep:
+    """The control's judgement of one step (``judge_step``'s output) and where it came from."""
+
+    step: int
+    judged: Dict[str, Any]
+
+    @property
+    def recovered(self) -> int:
+        return int(self.judged["verdict"]["recovered"])
+
+    @property
+    def images(self) -> int:
+        return int(self.judged["verdict"]["images"])
+
+
+@dataclass
+class BudgetSearch:
+    """How ``budget="auto"`` found the budget: each tried budget with the control's recovered
+    images at the first audited step, the budget chosen and why."""
+
+    start: int
+    max_budget: int
+    tried: List[Dict[str, Any]] = field(default_factory=list)
+    budget: Optional[int] = None
+    reason: str = ""
+
+    def as_dict(self) -> Dict[str, Any]:
+        return {"start": self.start, "max_budget": self.max_budget, "tried": self.tried, "budget": self.budget,
+                "reason": self.reason}
+
+
+class PositiveControl:
+    """The control of one audit (see the module docstring): ``search`` the budget, ``run`` the
+    control at it on every audited step, and ``describe`` where its results are for the report."""
+
+    def __init__(self, audit: Any):
+        self.audit = audit
+        self._audits: Dict[Tuple[int, Tuple[int, ...]], Any] = {}
+
+    # ------------------------------------------------------------------ where and what
+    @property
+    def same_run(self) -> bool:
+        """True when the audited defense is the identity: the audit is its own control."""
+        return self.audit.is_undefended()
+
+    def out(self) -> Path:
+        return Path(self.audit.output_settings.out) if self.same_run else Path(self.audit.control_out())
+
+    def specs(self, specs: Sequence[Any]) -> List[Any]:
+        return control_specs(specs, self.audit.attack_settings.args)
+
+    def audit_at(self, budget: int, steps: Sequence[int]) -> Any:
+        """The control's audit at ``budget`` on ``steps`` (built once per pair)."""
+        key = (int(budget), tuple(steps))
+        if key not in self._audits:
+            self._audits[key] = self.audit.control_audit(budget, tuple(steps), self.out())
+        return self._audits[key]
+
+    # ------------------------------------------------------------------ running
+    def run(self, specs: Sequence[Any], budget: int, steps: Sequence[int]) -> Tuple[ResultStore, Dict[int, ControlStep]]:
+        """The control's results at ``budget`` on ``steps`` (computing what is not stored) and
+        its judgement per step."""
+        control = self.audit_at(budget, steps)
+        store = ResultStore.create(self.out(), control.key_settings(), retry_errors=control.output_settings.retry_errors)
+        mine = self.specs(specs)
+        control.run_attacks(store, mine)
+        return store, self.judge(store, mine, steps)
+
+    def judge(self, store: ResultStore, specs: Sequence[Any], steps: Sequence[int]) -> Dict[int, ControlStep]:
+        audit = self.audit
+        nulls = {(i, j): e for i, batch in enumerate(null_evidence(audit.null, audit.private)) for j, e in enumerate(batch)}
+        ids = [s.id for s in specs]
+        records = [r for r in store.records() if r.attack_id in ids and r.image < audit.data_settings.images]
+        out = {}
+        for step in steps:
+            by_attack = {a: [r for r in records if r.step == step and r.attack_id == a] for a in ids}
+            out[step] = ControlStep(step, judge_step(by_attack, audit.data_settings.images,
+                                                     audit.output_settings.thresholds, nulls))
+        return out
+
+    def search(self, specs: Sequence[Any], start: int, max_budget: int) -> BudgetSearch:
+        """Double the budget from ``start`` until the control recovers at least half of the first
+        audited step's images, or ``max_budget`` is reached."""
+        first = min(self.audit.attack_settings.steps)
+        found = BudgetSearch(start, max_budget)
+        budget = start
+        while True:
+            _, judged = self.run(specs, budget, (first,))
+            step = judged[first]
+            need = math.ceil(step.images / 2) if step.images else 1
+            found.tried.append({"budget": budget, "step": first, "recovered": step.recovered, "images": step.images})
+            if step.images and step.recovered >= need:
+                found.budget = budget
+                found.reason = (f"the control recovered {step.recovered} of {step.images} images of step {first} "
+                                f"at {budget} gradient evaluations (at least half)")
+                return found
+            if budget * 2 > max_budget:
+                found.budget = budget
+                found.reason = (f"the control recovered {step.recovered} of {step.images} images of step {first} "
+                                f"at the largest budget tried, {budget} (max_budget {max_budget}); steps where it "
+                                "recovers none are inconclusive")
+                return found
+            budget *= 2
+
+    def describe(self, store: ResultStore, specs: Sequence[Any], budget: int,
+                 search: Optional[BudgetSearch]) -> Dict[str, Any]:
+        """The manifest's ``control`` entry: where its results are (relative to the audit's
+        output folder), which attacks, at which budget, and how the budget was found."""
+        root = Path(self.audit.output_settings.out).resolve()
+        where = Path(store.root).resolve()
+        rel = Path(os.path.relpath(where, root)).as_posix()
+        return {"dir": rel, "run_key": store.key, "same_run": self.same_run, "budget": int(budget),
+                "attacks": [s.id for s in self.specs(specs)], "defense": "none",
+                "description": self.audit.control_description(),
+                **({"search": search.as_dict()} if search is not None else {})}
+
+
+def check_budget_search(names: Sequence[str], max_budget: int, start: int = SEARCH_START) -> None:
+    """``budget="auto"``'s bad inputs, before any work: a ceiling below the start, or an attack
+    named by the user that spends no budget (doubling cannot give it power)."""
+    if max_budget < start:
+        raise ConfigError(f"max_budget {max_budget} is below the budget search's start {start}; give "
+                          f"--max-budget {start} or more, or a fixed --budget")
+    fixed = [n for n in names if n != "auto" and n in ATTACKS and not uses_budget(n)]
+    if fixed:
+        raise ConfigError(f"--budget auto searches the budget of attacks that spend one, but {', '.join(fixed)} "
+                          "spends none (closed form): give a fixed --budget, or leave it out of --attacks")

@@ -1,0 +1,113 @@
+"""The positive control in the report: per step, what the same attacks recovered without the
+defense, and the verdict words that follow from both runs.
+
+The engine stores the control's results (:mod:`audit.engine.control`); here they are judged by
+the same leak rule and null as the defended run, image by image, and the defended step's
+verdict is qualified:
+
+* the defended run recovers an image: "leaks" stands, with the control beside it;
+* it recovers none and the control recovers none either: "inconclusive" (attack power): these
+  attacks at this budget cannot tell a defense from their own limits;
+* it recovers none and the control recovers k > 0: "no recovered image", with "the defense
+  stops k of k" and the exact one-sided McNemar p-value on the per-image pairs;
+* the control's evidence is missing or incomplete: "incomplete", never "no recovered image".
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from audit.core.evidence import mcnemar_exact
+from audit.core.records import ImageClass, Verdict
+from audit.report.rule import LeakRule
+
+PRIVATE, INCOMPLETE, INCONCLUSIVE = Verdict.PRIVATE.value, Verdict.INCOMPLETE.value, Verdict.INCONCLUSIVE.value
+RECOVERED = ImageClass.RECOVERED.value
+#: what to do when the control recovers nothing, for the verdict's reason
+POWER_ADVICE = ("raise --budget (or --budget auto, which searches it on the control), add attacks with --attacks, "
+                "or run on a GPU (--device cuda) where larger budgets are affordable")
+
+Image = Tuple[int, int]
+
+
+def _recovered(per_image: Sequence[Dict[str, Any]]) -> Dict[Image, bool]:
+    """``(batch, index) -> recovered`` for every judged image."""
+    return {(e["image"], e.get("index", 0)): e.get("image_class") == RECOVERED
+            for e in per_image if e.get("image_class") is not None}
+
+
+def control_summary(judged: Optional[Dict[str, Any]], info: Dict[str, Any], rule: LeakRule) -> Dict[str, Any]:
+    """The control of one step for the report: ``available``, its label, ``k of n`` recovered
+    with the interval, the images it recovered, its budget and attacks (``info``: the manifest's
+    ``control`` entry); ``judged``: ``judge_step``'s output on the control's records (None:
+    no control was run)."""
+    base = {"budget": info.get("budget"), "attacks": list(info.get("attacks") or []),
+            "description": info.get("description", "")}
+    if judged is None:
+        return {**base, "available": False, "reason": info.get("unavailable") or "no positive control was stored "
+                "for this audit; rerun the audit command to compute it"}
+    verdict = judged["verdict"]
+    per_image = judged["worst_case"]["per_image"]
+    recovered = _recovered(per_image)
+    complete = verdict["label"] not in (INCOMPLETE, Verdict.NOT_JUDGED.value)
+    out = {**base, "available": complete, "label": verdict["label"], "recovered": verdict["recovered"],
+           "images": verdict["images"], "recovery_rate": rule.interval(verdict["recovered"], verdict["images"]).to_dict(),
+           "recovered_images": [list(k) for k, v in sorted(recovered.items()) if v],
+           "per_image": [{"image": i, "index": j, "recovered": v} for (i, j), v in sorted(recovered.items())],
+           "mean_psnr": judged["worst_case"].get("psnr")}
+    if not complete:
+        out["reason"] = f"the control is {verdict['label']}: {verdict.get('reason', '')}".rstrip(": ")
+    return out
+
+
+def defense_effect(defended: Sequence[Dict[str, Any]], control: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+    """The paired comparison on the images both runs judged: the control recovered and the
+    defended run did not (``stopped``), the reverse (``let_through``), and the one-sided exact
+    McNemar p-value that the defense recovers no fewer images than the control."""
+    if not control.get("available"):
+        return None
+    mine = _recovered(defended)
+    theirs = {(e["image"], e["index"]): e["recovered"] for e in control.get("per_image", [])}
+    both = sorted(set(mine) & set(theirs))
+    if not both:
+        return None
+    stopped = sum(theirs[k] and not mine[k] for k in both)
+    let_through = sum(mine[k] and not theirs[k] for k in both)
+    return {"images": len(both), "control_recovered": sum(theirs[k] for k in both), "stopped": stopped,
+            "let_through": let_through, "p_value": mcnemar_exact(stopped, let_through),
+            "test": "exact McNemar (one-sided): each image recovered by one run only is a fair coin under no effect"}
+
+
+def controlled_verdict(verdict: Dict[str, Any], per_image: Sequence[Dict[str, Any]],
+                       control: Dict[str, Any]) -> Dict[str, Any]:
+    """The step's verdict qualified by its control (see the module docstring)."""
+    out = dict(verdict)
+    effect = defense_effect(per_image, control)
+    if effect is not None:
+        out["defense_effect"] = effect
+    if verdict["label"] != PRIVATE:
+        return out
+    if not control.get("available"):
+        out.update(label=INCOMPLETE, reason=f"no recovered image, but the positive control is missing: "
+                                            f"{control.get('reason', 'not run')}")
+        return out
+    if not control["recovered"]:
+        attacks = ", ".join(control.get("attacks") or []) or "the attacks"
+        out.update(label=INCONCLUSIVE, attack_power=False, reason=(
+            f"attack power: {attacks} recover none of these {control['images']} images without the defense at "
+            f"budget {control.get('budget')}; {POWER_ADVICE}"))
+        return out
+    if effect is None:
+        out.update(label=INCOMPLETE, reason="no recovered image, but no image was judged by both the defended run "
+                                            "and its control")
+    return out
+
+
+def judge_with_control(steps: List[Dict[str, Any]], controls: Dict[int, Optional[Dict[str, Any]]],
+                       info: Optional[Dict[str, Any]], rule: LeakRule) -> None:
+    """Add each step's ``control`` and qualify its verdict (in place); ``controls``: the
+    control's ``judge_step`` output per step (None where it has none); ``info``: the manifest's
+    ``control`` entry (None: the audit stored no control)."""
+    for step in steps:
+        summary = control_summary(controls.get(step["step"]) if info else None, info or {}, rule)
+        step["control"] = summary
+        step["verdict"] = controlled_verdict(step["verdict"], step["worst_case"]["per_image"], summary)
