@@ -10,7 +10,8 @@ import torch
 from audit.core.errors import ConfigError
 from audit.core.records import AccuracySpread, ImageClass, TrainingRun, UtilityResult
 from audit.report.audit_report import AuditReport, build_report, render
-from audit.report.risk import INCOMPLETE, NOT_JUDGED, PARTIAL, PRIVATE, RECOVERED, default_delta, overall_verdict
+from audit.report.risk import (INCOMPLETE, INCONCLUSIVE, NOT_JUDGED, PARTIAL, PRIVATE, RECOVERED, default_delta,
+                               overall_verdict)
 from audit.report.rule import LeakRule
 from audit.report.store import ResultStore, settings_key
 
@@ -202,11 +203,30 @@ def _ok(step, attack, image, psnr, ssim, rank=1, **extra):
                                               "l2": [9.0], **evidence, **extra})
 
 
-def _report(records, steps=(0,), images=1, attacks=("ig", "mask-replay"), batch=1, rule=None, **manifest):
+def _control(steps=(0,), images=1, psnr=30.0, budget=200, batch=1):
+    """A positive control (the manifest's entry and its records) whose ``ig`` reaches ``psnr`` on
+    every image: recovered at 30 dB (chance 15), not at 12; None leaves it out."""
+    info = {"dir": "control", "run_key": "k", "same_run": False, "budget": budget, "attacks": ["ig"]}
+    if psnr is None:
+        return info, []
+    def metrics():
+        return {"psnr": psnr, "ssim": 0.9, "lpips": None, "label_acc": 1.0, "l2": [1.0] * batch,
+                "evidence": [_evidence(psnr, 1)] * batch}
+
+    return info, [_rec(s, "ig", i, metrics=metrics()) for s in steps for i in range(images)]
+
+
+def _report(records, steps=(0,), images=1, attacks=("ig", "mask-replay"), batch=1, rule=None, control="recovers",
+            **manifest):
+    """A report of ``records``; ``control``: "recovers" (every image, at 30 dB), "recovers none",
+    None (no control stored) or ``(info, records)``."""
+    if control in ("recovers", "recovers none"):
+        control = _control(steps, images, 30.0 if control == "recovers" else 12.0, batch=batch)
+    info, found = control if control is not None else (None, None)
     base = {"defense": {"name": "prune"}, "attacks": [{"id": a, "name": a} for a in attacks], "steps": list(steps),
             "images": images, "thresholds": LeakRule().as_dict(), "status": "complete", "null": _nulls(images, batch),
-            "risk_delta": {"delta": 5.0, "description": "l2"}, **manifest}
-    return AuditReport(build_report(base, records, rule))
+            "risk_delta": {"delta": 5.0, "description": "l2"}, **({"control": info} if info else {}), **manifest}
+    return AuditReport(build_report(base, records, rule, found))
 
 
 def test_missing_evidence_never_reads_as_private():
@@ -358,3 +378,55 @@ def test_rerun_retries_stored_errors_unless_told_not_to(tmp_path):
     store.save_result(_rec(0, "ig", 1, "not_applicable"))
     assert not store.has(0, "ig", 0) and store.has(0, "ig", 1)
     assert ResultStore.create(tmp_path, {"seed": 0}, retry_errors=False).has(0, "ig", 0)
+
+
+# --------------------------------------------------------------------------- the positive control
+def test_no_recovered_image_needs_a_control_that_recovers_the_same_images():
+    unrecovered = [_ok(0, "ig", i, 12.0, 0.1) for i in range(3)]  # the defended run: nothing recovered
+    held = _report(unrecovered, images=3, attacks=("ig",))
+    verdict = held.step(0)["verdict"]
+    assert held.verdict == PRIVATE and held.step(0)["control"]["recovered"] == 3
+    assert verdict["defense_effect"]["stopped"] == 3 and verdict["defense_effect"]["p_value"] == pytest.approx(1 / 8)
+    assert "the defense stops 3 of the 3 image(s) its control recovered" in held.summary()
+    # the same attacks recover none of the images without the defense: attack power, never private
+    weak = _report(unrecovered, images=3, attacks=("ig",), control="recovers none")
+    assert weak.verdict == INCONCLUSIVE and weak.step(0)["verdict"]["label"] == INCONCLUSIVE
+    assert "recover none of these 3 images without the defense at budget 200" in weak.step(0)["verdict"]["reason"]
+    assert "--budget" in weak.summary() and "no recovered image" not in weak.summary().splitlines()[-1]
+    # no control stored, or a control that failed: incomplete
+    assert _report(unrecovered, images=3, attacks=("ig",), control=None).verdict == INCOMPLETE
+    info, records = _control(images=3)
+    failed = [_rec(0, "ig", i, "error", reason="RuntimeError: boom") for i in range(3)]
+    assert _report(unrecovered, images=3, attacks=("ig",), control=(info, failed)).verdict == INCOMPLETE
+    # a control that recovered two images and failed on the third still shows the defense stopping two
+    partial = records[:2] + failed[2:]
+    stopped = _report(unrecovered, images=3, attacks=("ig",), control=(info, partial)).step(0)["verdict"]
+    assert stopped["label"] == PRIVATE and stopped["defense_effect"]["stopped"] == 2
+    # a leak stands whatever the control found, and the control is shown beside it
+    leak = _report([_ok(0, "ig", 0, 30.0, 0.9)], attacks=("ig",), control="recovers none")
+    assert leak.verdict == RECOVERED and leak.step(0)["control"]["recovered"] == 0
+    assert leak.data["steps"][0]["control"]["recovery_rate"]["n"] == 1  # report.json carries it
+
+
+def test_a_partly_recovering_control_is_paired_image_by_image():
+    info, records = _control(images=4)
+    records[1]["metrics"]["evidence"] = [_evidence(12.0, 30)]  # the control misses image 1
+    defended = [_ok(0, "ig", i, 30.0 if i == 1 else 12.0, 0.5) for i in range(4)]  # ... which the defended run gets
+    effect = _report(defended, images=4, attacks=("ig",), control=(info, records)).step(0)["verdict"]["defense_effect"]
+    assert (effect["stopped"], effect["let_through"], effect["control_recovered"]) == (3, 1, 3)
+    from scipy.stats import binomtest
+
+    assert effect["p_value"] == pytest.approx(binomtest(3, 4, 0.5, alternative="greater").pvalue)
+
+
+def test_the_overall_verdict_is_the_worst_step_including_those_not_judged():
+    def step(n, label):
+        return {"step": n, "verdict": {"label": label, "reason": f"why {n}"},
+                "worst_case": {"psnr": 10.0, "above_chance_max": -3.0}}
+
+    assert overall_verdict([step(1, PRIVATE), step(2, NOT_JUDGED)])["label"] == NOT_JUDGED
+    assert overall_verdict([step(1, PRIVATE), step(2, INCONCLUSIVE)])["label"] == INCONCLUSIVE
+    assert overall_verdict([step(1, INCONCLUSIVE), step(2, INCOMPLETE)])["label"] == INCOMPLETE
+    assert overall_verdict([step(1, NOT_JUDGED), step(2, RECOVERED)])["label"] == RECOVERED
+    assert overall_verdict([step(1, PRIVATE), step(2, PRIVATE)])["label"] == PRIVATE
+    assert overall_verdict([step(1, PRIVATE), step(2, "a label from elsewhere")])["label"] == NOT_JUDGED

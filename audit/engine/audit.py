@@ -24,6 +24,7 @@ from torch import nn
 
 from adaptive import plan as plan_attacks  # importing adaptive registers its attacks in ATTACKS
 from attacks import ATTACKS
+from attacks.classic import classic_attacks
 from attacks.presets import defaults_fingerprint
 from audit.client.fl import train
 from audit.client.observe import observe
@@ -191,8 +192,10 @@ class Audit:
         proposed = [] if plan is None else [
             AttackSpec(a.name, dict(a.settings), a.reason, "adaptive" if a.adaptive else "base")
             for a in plan.attacks]
-        auto = [AttackSpec(n, {}, "base attack: always run") for n in BASE_ATTACKS
-                if n not in {p.name for p in proposed}] + proposed
+        classic = [AttackSpec(n, {}, f"the model's classic attack: {why}") for n, why in classic_attacks(self.base_model)]
+        auto = [AttackSpec(n, {}, "base attack: always run") for n in BASE_ATTACKS] + classic
+        auto = [s for k, s in enumerate(auto) if s.name not in {p.name for p in proposed}
+                and s.name not in {a.name for a in auto[:k]}] + proposed
         by_name = {p.name: p for p in proposed}
         specs: Dict[str, AttackSpec] = {}
         for name in self.attack_settings.names:  # "auto" may be combined with names
