@@ -413,7 +413,8 @@ class Audit:
                     AuditReport.from_store(store).write(self.output_settings.out)
             raise
         except Exception as err:  # a full disk, a broken store: the manifest must not say "running"
-            store.record_stop(err)
+            if store is not None:
+                store.record_stop(err)
             raise
         store.update_manifest(status="complete", timing={"last_invocation_s": round(time.perf_counter() - started, 1)})
         report = AuditReport.from_store(store)  # its status: 'incomplete (...)' when evidence is missing

@@ -188,9 +188,14 @@ class CellJob:
 
 
 class CellAudit(Audit):
-    """An audit whose utility reuses the sweep's undefended training runs instead of its own."""
+    """An audit whose utility reuses the sweep's undefended training runs instead of its own,
+    and whose positive control is the sweep's undefended cell (the same audit: its results are
+    computed once for every cell)."""
 
     baseline: Optional[Dict[str, Any]] = None  # the undefended cell's UtilityResult, as stored
+
+    def control_out(self) -> Path:
+        return Path(self.output_settings.out).parent / UNDEFENDED
 
     def utility(self, baseline: Optional[AccuracySpread] = None) -> UtilityResult:
         stored = UtilityResult.from_dict(self.baseline) if self.baseline else None
