@@ -691,12 +691,20 @@ def partial_dir(results: Path, cell: str) -> Path:
     return results.parent / f"{results.stem}.partial" / cell.replace(":", "-")
 
 
+#: where a cell's positive control is kept under its partial folder (its store: ``out/control``)
+CONTROL_PARTIAL = "control"
+
+
 def restore_partial(partial: Path, out: Path) -> int:
     """Copy the repository's unfinished results into the engine's store (its run keys as
-    stored; the engine reuses a result only if its settings and defaults still match)."""
+    stored; the engine reuses a result only if its settings and defaults still match), the
+    positive control's into the control's store."""
     copied = 0
-    for src in sorted(partial.glob("*/*")) if partial.is_dir() else []:
-        dst = out / "runs" / src.parent.name / "results" / src.name
+    found = [(src, out / "runs" / src.parent.name / "results" / src.name)
+             for src in (sorted(partial.glob("*/*")) if partial.is_dir() else []) if src.is_file()]
+    found += [(src, out / CONTROL_PARTIAL / "runs" / src.parent.name / "results" / src.name)
+              for src in sorted((partial / CONTROL_PARTIAL).glob("*/*")) if src.is_file()]
+    for src, dst in found:
         if not dst.exists():
             dst.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(src, dst)
@@ -709,11 +717,15 @@ def _same_file(a: Path, b: Path) -> bool:
     return b.exists() and a.stat().st_size == b.stat().st_size and a.read_bytes() == b.read_bytes()
 
 
-def keep_partial(out: Path, key: str, partial: Path) -> None:
+def keep_partial(out: Path, key: str, partial: Path, control: Optional[Dict[str, Any]] = None) -> None:
     """Copy the engine run's finished results into the repository: new ones, and those the run
-    redid (a result run with other settings is kept under the same name until it is redone)."""
-    for src in sorted((out / "runs" / key / "results").glob("*")):
-        dst = partial / key / src.name
+    redid (a result run with other settings is kept under the same name until it is redone);
+    ``control`` (the report's ``control`` entry): its own store's results too."""
+    found = [(src, partial / key / src.name) for src in sorted((out / "runs" / key / "results").glob("*"))]
+    if control and control.get("run_key") and control.get("dir") == CONTROL_PARTIAL:
+        found += [(src, partial / CONTROL_PARTIAL / control["run_key"] / src.name)
+                  for src in sorted((out / CONTROL_PARTIAL / "runs" / control["run_key"] / "results").glob("*"))]
+    for src, dst in found:
         if src.suffix in (".json", ".png") and not _same_file(src, dst):
             dst.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(src, dst)
@@ -747,7 +759,7 @@ def run_cell(row: Row, plan: CellPlan, partial: Optional[Path] = None,
     for steps, images in cell_slices(plan.call, claim):
         report = audit.run(**{**plan.call, "steps": steps, "images": images})
         if partial is not None:
-            keep_partial(out_dir, report.data["run_key"], partial)
+            keep_partial(out_dir, report.data["run_key"], partial, report.data.get("control"))
         if claim and steps == claim and images == int(plan.call["images"]):
             if on_claim is not None:
                 _, attacks, evidence = _stored_evidence(plan, report.data["run_key"], claim)

@@ -320,7 +320,7 @@ def test_progress_counts_image_iterations_for_the_whole_audit(tmp_path, monkeypa
         def close(self):
             pass
 
-    monkeypatch.setattr(engine, "_progress", lambda total, initial, enabled: Recorder(total, initial))
+    monkeypatch.setattr(engine, "_progress", lambda total, initial, enabled, label="audit": Recorder(total, initial))
     settings = {**TINY, "budget": 20, "batch_size": 2}
     audit.run(defense="none", steps=[0, 1], attacks=["ig", "analytic"], images=2, out=tmp_path, **settings)
     bar, = bars

@@ -20,7 +20,7 @@ from defenses.dpsgd import privacy_spent
 
 needs_flwr = pytest.mark.skipif(importlib.util.find_spec("flwr") is None,
                                 reason="runs Flower's own mods and a Flower simulation: needs the [flower] extra")
-JUDGED = {"leaks", "partially", "no recovered image"}
+JUDGED = {"leaks", "partially", "no recovered image", "inconclusive"}  # the round was attacked and judged
 SMALL = dict(budget=5, attacks="ig", seed=0)
 
 
@@ -700,3 +700,42 @@ def test_a_flower_simulation_is_audited_per_round_on_its_real_replies_and_its_we
     strict = json.loads((out / "partition-0" / "report.json").read_text())
     assert strict["thresholds"]["margin_db"] == 200
     assert all(s["verdict"]["recovered"] == 0 for s in strict["steps"])
+
+
+@needs_flwr
+def test_a_round_not_judged_beside_a_private_round_makes_the_client_not_judged(tmp_path):
+    from test_report import _ok, _report
+
+    from audit.integrations.flower.job import FINISHED, NOT_JUDGED
+    from audit.integrations.flower.rounds import RoundPart, merge_rounds
+
+    judged = RoundPart(1, tmp_path / "round-1", FINISHED, "", key="run1",
+                       data=_report([_ok(1, "ig", 0, 12.0, 0.1)], steps=(1,), attacks=("ig",)).data)
+    unreproduced = RoundPart(2, tmp_path / "round-2", NOT_JUDGED, "the declared training does not reproduce the reply")
+    merged = merge_rounds([judged, unreproduced], defense="none", client="partition-0")
+    assert [s["verdict"]["label"] for s in merged["steps"]] == ["no recovered image", "not judged"]
+    assert merged["verdict"]["label"] == "not judged" and [n["step"] for n in merged["verdict"]["not_judged_steps"]] == [2]
+
+
+def test_fidelity_under_noise_that_drowns_the_update_is_not_checkable_never_reproduced():
+    """A wrong training description (the reply trained another way) under noise far above the
+    whole update: the residual has the noise's energy either way, so the check cannot see it."""
+    from audit.integrations.flower.fidelity import compare
+    from audit.integrations.flower.reply import NamedArrays
+
+    g = torch.Generator().manual_seed(0)
+    n, noise = 20_000, 0.05
+    before = NamedArrays({"w": torch.zeros(n)}, {}, {})
+    declared = torch.randn(n, generator=g) * 1e-4  # the replayed update: norm about 0.014
+    trained = torch.randn(n, generator=g) * 1e-4  # what the client really ran: another update of that size
+    real = NamedArrays({"w": trained + noise * torch.randn(n, generator=g)}, {}, {})
+    check = compare(before, real, NamedArrays({"w": declared}, {}, {}), noise_std=noise)
+    assert check.reproduces is None and check.reason.startswith("fidelity not checkable under this noise")
+    assert abs(check.noise["energy_ratio"] - 1) <= check.noise["band"]  # the old test alone would pass it
+    # the same wrong description under noise small against the update is caught
+    big_declared, big_trained = declared * 1e3, trained * 1e3
+    real = NamedArrays({"w": big_trained + noise * torch.randn(n, generator=g)}, {}, {})
+    caught = compare(before, real, NamedArrays({"w": big_declared}, {}, {}), noise_std=noise)
+    assert caught.reproduces is False
+    right = NamedArrays({"w": big_declared + noise * torch.randn(n, generator=g)}, {}, {})
+    assert compare(before, right, NamedArrays({"w": big_declared}, {}, {}), noise_std=noise).reproduces is True

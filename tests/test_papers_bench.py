@@ -611,9 +611,10 @@ def test_an_interrupted_cell_resumes_from_the_repositorys_partial_results(tmp_pa
     monkeypatch.setattr(Audit, "_attack_step", lambda self, store, spec, obs, step, images, bar:
                         (attacked.append(list(images)), real(self, store, spec, obs, step, images, bar)))
     first = bp.run_cell(row, paper, partial)
-    assert attacked == [[0], [1]]  # slice by slice, then the whole call finds both done
+    assert attacked == [[0], [0], [1], [1]]  # slice by slice (the control, then the cell), then the whole call
     kept = sorted(p.name for p in partial.glob("*/*.json"))
     assert len(kept) == 2 and all(p.startswith("s0__") for p in kept)
+    assert len(list((partial / bp.CONTROL_PARTIAL).glob("*/*.json"))) == 2  # the positive control is kept too
     shutil.rmtree(tmp_path / "out")  # a fresh clone: the engine's store is gone, the repository's kept
     attacked.clear()
     again = bp.run_cell(row, paper, partial)

@@ -394,14 +394,13 @@ class Audit:
         store: Optional[ResultStore] = None
         try:
             with defense_timeout(self.output_settings.defense_timeout):
-                specs, _ = self.planned()
                 control, search = PositiveControl(self), None
-                if self.attack_settings.searches_budget:
-                    search = control.search(specs, SEARCH_START, self.attack_settings.max_budget)
+                if self.attack_settings.searches_budget:  # the key holds the budget: found first
+                    search = control.search(self.planned()[0], SEARCH_START, self.attack_settings.max_budget)
                     self.attack_settings = replace(self.attack_settings, budget=search.budget)
                 store = ResultStore.create(self.output_settings.out, self.key_settings(),
                                            retry_errors=self.output_settings.retry_errors)
-                self._prepare(store)
+                specs = self._prepare(store)
                 budget = self.attack_settings.budget
                 control_store, _ = control.run(specs, budget, self.attack_settings.steps)
                 store.update_manifest(control=control.describe(control_store, specs, budget, search))
@@ -436,14 +435,20 @@ class Audit:
 
     def control_audit(self, budget: int, steps: Sequence[int], out: Path) -> "Audit":
         """The audit of the undefended client at ``budget`` on ``steps``, writing to ``out``."""
-        none = resolve_defense(UNDEFENDED, {})
-        parts = build_parts(self.parts.shared, none, UNDEFENDED, self.seed, undefended_identity())
         control = Audit(UNDEFENDED, self.model_settings, data_settings=self.data_settings,
                         fl_settings=self.fl_settings,
                         attack_settings=replace(self.attack_settings, steps=tuple(steps), budget=int(budget)),
                         output_settings=replace(self.output_settings, out=Path(out), utility=False),
-                        seed=self.seed, parts=parts)
+                        seed=self.seed, parts=self.control_parts())
         return self.adopt_control(control)
+
+    def control_parts(self) -> AuditParts:
+        """The undefended client's parts: this audit's own when it is undefended, else built on
+        the same shared parts (a sweep hands over its undefended cell's)."""
+        if self.is_undefended():
+            return self.parts
+        none = resolve_defense(UNDEFENDED, {})
+        return build_parts(self.parts.shared, none, UNDEFENDED, self.seed, undefended_identity())
 
     def adopt_control(self, control: "Audit") -> "Audit":
         """Share what the control computes the same way (the null) and name its progress bar."""
@@ -801,12 +806,9 @@ def run(
     server's optimiser (``server_optimizer``): :class:`~audit.engine.settings.FLSettings`. ``attacks``: ``"auto"`` (base attacks plus the
     planner's adaptive attacks) or a list of names (``attack_args``: per-attack settings,
     ``{"ig": {"restarts": 2}}``, over the planner's). ``images``: private batches of
-    ``batch_size`` images. ``budget``: gradient evaluations of the model per attack and
-    private batch (each attack maps it to its iterations; see
-    :data:`audit.core.types.BUDGET_DEFINITION`), or ``"auto"``: doubled from 200 on the positive
-    control up to ``max_budget`` until it recovers half of the first step's images
-    (:mod:`audit.engine.control`). Every step is also attacked without the defense (the positive
-    control) and a step reads "no recovered image" only where that control recovers images. ``utility``: also train
+    ``batch_size`` images. ``budget``: gradient evaluations per attack and private batch
+    (:data:`audit.core.types.BUDGET_DEFINITION`) or ``"auto"``, searched up to ``max_budget`` on
+    the positive control (:mod:`audit.engine.control`), which every audit runs beside the defense. ``utility``: also train
     ``utility_steps`` rounds of the utility recipe (``docs/evidence.md``) with and without the
     defense, on ``utility_seeds`` seeds each, and compare test accuracy (mean and spread).
     ``defense_timeout``: seconds per defense call before it is abandoned and recorded as an

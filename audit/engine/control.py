@@ -119,8 +119,9 @@ class PositiveControl:
     # ------------------------------------------------------------------ where and what
     @property
     def same_run(self) -> bool:
-        """True when the audited defense is the identity: the audit is its own control."""
-        return self.audit.is_undefended()
+        """True when the audited defense is the identity and the audit simulates its client:
+        then the audit is its own control (one store, one key)."""
+        return self.audit.simulates_client and self.audit.is_undefended()
 
     def out(self) -> Path:
         return Path(self.audit.output_settings.out) if self.same_run else Path(self.audit.control_out())

@@ -10,9 +10,10 @@ The report is the audit's report with the round in place of the training step
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 from typing import Any, Dict, Optional, Sequence, Tuple
 
-from audit.engine.audit import Audit, _state
+from audit.engine.audit import UNDEFENDED, Audit, _state
 from audit.engine.privacy import privacy_report
 from audit.engine.settings import AttackSettings, DataSettings, FLSettings, ModelSettings, OutputSettings
 from audit.report.audit_report import AuditReport
@@ -58,6 +59,19 @@ class StateAudit(Audit):
                                   "(if the client took part in each), every example in each update (sample rate 1), "
                                   f"delta {out['delta']:g}")
         return out
+
+    def control_audit(self, budget: int, steps, out) -> "StateAudit":
+        """The undefended client at the same given state: nothing is trained here either."""
+        control = StateAudit(UNDEFENDED, self.model_settings, self.round, origin=self.origin,
+                             data_settings=self.data_settings, fl_settings=self.fl_settings,
+                             attack_settings=replace(self.attack_settings, budget=int(budget)),
+                             output_settings=replace(self.output_settings, out=Path(out)), seed=self.seed,
+                             device=self.device)
+        return self.adopt_control(control)
+
+    def control_description(self) -> str:
+        return ("the same attacks' base forms, budget, seeds and private images against the client's upload from the "
+                "same state without the defense")
 
     def _prepare(self, store: ResultStore):
         specs = super()._prepare(store)

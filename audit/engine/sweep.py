@@ -35,7 +35,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from audit.core.errors import ConfigError
 from audit.core.records import AccuracySpread, UtilityResult
-from audit.engine.audit import UTILITY_FORMAT, Audit, audit_settings
+from audit.engine.audit import UTILITY_FORMAT, Audit, audit_settings, undefended_identity
 from audit.engine.utility import PROTOCOL
 from audit.engine.compose import AuditParts, SharedParts, build_parts, build_shared, resolve_defense
 from audit.engine.executors import EXECUTORS
@@ -185,6 +185,7 @@ class CellJob:
     client_model: Any
     baseline: Optional[Dict[str, Any]] = None  # the undefended cell's UtilityResult, as stored
     only: Optional[Tuple[int, str]] = None  # one (step, attack) group of the cell
+    control: Optional[Tuple[Any, Any]] = None  # the undefended cell's (defense, client model): every cell's control
 
 
 class CellAudit(Audit):
@@ -194,8 +195,16 @@ class CellAudit(Audit):
 
     baseline: Optional[Dict[str, Any]] = None  # the undefended cell's UtilityResult, as stored
 
+    control: Optional[Tuple[Any, Any]] = None  # the undefended cell's (defense, client model), built once
+
     def control_out(self) -> Path:
         return Path(self.output_settings.out).parent / UNDEFENDED
+
+    def control_parts(self) -> AuditParts:
+        if self.control is None or self.is_undefended():
+            return super().control_parts()
+        defense, client = self.control
+        return AuditParts(self.parts.shared, defense, undefended_identity(), client)
 
     def utility(self, baseline: Optional[AccuracySpread] = None) -> UtilityResult:
         stored = UtilityResult.from_dict(self.baseline) if self.baseline else None
@@ -216,7 +225,7 @@ def _cell_audit(job: CellJob, shared: SharedParts) -> CellAudit:
     audit = CellAudit(job.cell.defense, job.model, defense_args=dict(job.cell.params),
                       data_settings=job.data_settings, fl_settings=job.fl_settings, attack_settings=attacks,
                       output_settings=output, seed=job.seed, parts=parts)
-    audit.baseline = job.baseline
+    audit.baseline, audit.control = job.baseline, job.control
     return audit
 
 
@@ -317,8 +326,10 @@ class Sweep:
         if cell.name not in self._clients:  # the cell's client model, wrapped once
             self._clients[cell.name] = build_parts(self.shared, cell.built, cell.defense, self.seed, cell.ident).model
         client = self._clients[cell.name]
+        undefended = next(c for c in self.cells if c.undefended)
+        control = (undefended.built, client if cell is undefended else self._job(undefended).client_model)
         return CellJob(cell, self.model, self.data_settings, self.fl_settings, self.attack_settings,
-                       output, self.seed, client, baseline)
+                       output, self.seed, client, baseline, control=control)
 
     def _baseline(self) -> Optional[Dict[str, Any]]:
         """The undefended training run, stored in ``baseline.json`` (measured once per settings)."""

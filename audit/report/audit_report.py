@@ -131,7 +131,7 @@ def control_records(store: ResultStore, manifest: Dict[str, Any]) -> Optional[Li
     info = manifest.get("control")
     if not info:
         return None
-    if info.get("same_run"):
+    if info.get("same_run") and info.get("run_key") == store.key:
         return store.records()
     control = ResultStore(store.root / info["dir"], info["run_key"])
     if not (control.dir / "results").is_dir():

@@ -316,7 +316,8 @@ def overall_verdict(steps: List[Dict[str, Any]]) -> Dict[str, Any]:
 
     worst = max(steps, key=rank)
     label = worst["verdict"]["label"] if worst["verdict"]["label"] in severity else NOT_JUDGED
-    return {"label": label, "reason": worst["verdict"].get("reason", ""), "worst_step": worst["step"],
+    return {"label": label, "reason": worst["verdict"].get("reason", ""),
+            "worst_step": None if label == NOT_JUDGED else worst["step"],
             "worst_psnr": worst["worst_case"]["psnr"], "worst_image_psnr": worst["worst_case"].get("psnr_max"),
             "leaking_steps": [s["step"] for s in steps if s["verdict"]["label"] == RECOVERED],
             "incomplete_steps": incomplete, "inconclusive_steps": inconclusive, "not_judged_steps": not_judged}

@@ -9,7 +9,9 @@ group (the weights' update, the buffers' change) the real reply is compared with
 cosine and norm ratio (real / replayed). Without noise the groups must agree to
 :data:`COSINE_MIN` and :data:`RATIO_TOLERANCE`; with a Flower mod's Gaussian noise of known std
 ``s`` the residual (real - replayed, every float array) must have the energy of that noise:
-``|residual|^2 / (n s^2)`` within :data:`NOISE_SIGMAS` standard deviations of 1.
+``|residual|^2 / (n s^2)`` within :data:`NOISE_SIGMAS` standard deviations of 1, and the replayed
+update must carry more energy than that band: where the noise drowns the whole update, no
+description could fail the check, so it is "not checkable" (the round is not judged).
 """
 from __future__ import annotations
 
@@ -55,6 +57,8 @@ class Fidelity:
         if self.noise is not None:
             parts.append(f"residual {self.noise['residual_std_ratio']:.3f} x the declared noise std")
         text = "; ".join(parts) or self.reason
+        if self.reproduces is None and parts and self.reason:
+            text = f"{self.reason} ({text})"
         return text if self.reproduces is not False else f"{text} (differs: {', '.join(self.differs)})"
 
 
@@ -148,8 +152,15 @@ def compare(before: NamedArrays, real: NamedArrays, replayed: NamedArrays, noise
         n = residual.numel()
         energy = float(residual.pow(2).sum()) / (n * noise_std ** 2)
         band = NOISE_SIGMAS * math.sqrt(2.0 / n)
+        signal = float(_flat([replayed.state()[k].double() - before.state()[k].double() for k in keys]).pow(2).sum())
+        signal /= n * noise_std ** 2
         out.noise = {"noise_std": noise_std, "entries": n, "residual_std_ratio": math.sqrt(energy),
-                     "energy_ratio": energy, "band": band}
+                     "energy_ratio": energy, "band": band, "signal_energy_ratio": signal}
+        if signal <= band:  # even a description that trained nothing would pass: the check sees nothing
+            out.reason = (f"fidelity not checkable under this noise: the replayed update's energy is {signal:.3g} "
+                          f"of the noise's over its {n} entries, inside the check's band ({band:.3g}), so a wrong "
+                          "training description would pass unseen")
+            return out
         out.reproduces = abs(energy - 1.0) <= band
         if not out.reproduces:
             out.differs = ["update" + (" and buffers" if floats else "") + " (the residual is not the declared noise)"]

@@ -9,12 +9,16 @@ the order it trained on them. A ``cancel`` event stops the audit at its next pro
 """
 from __future__ import annotations
 
+import hashlib
 import threading
+from dataclasses import replace
+from pathlib import Path
 from typing import Any, Dict, Optional
 
 from audit.core.buffers import has_running_stats
 from audit.core.types import Observation
 from audit.engine.settings import AttackSettings, DataSettings, FLSettings, ModelSettings, OutputSettings
+from audit.engine.audit import UNDEFENDED
 from audit.engine.state import StateAudit
 from audit.integrations.flower.reply import audited_prefix, deployment_module, named_arrays, update_in_gradient_units
 
@@ -59,6 +63,18 @@ class ReplyAudit(StateAudit):
             self._observation = reply_observation(self, model, images, labels)
         return self._observation
 
+    def control_audit(self, budget: int, steps, out) -> "ReplicaControl":
+        control = ReplicaControl(UNDEFENDED, self.model_settings, self.round, origin=self.origin,
+                                 trained=self.private[0], data_settings=self.data_settings, fl_settings=self.fl_settings,
+                                 attack_settings=replace(self.attack_settings, budget=int(budget)),
+                                 output_settings=replace(self.output_settings, out=Path(out)), seed=self.seed,
+                                 device=self.device)
+        return self.adopt_control(control)
+
+    def control_description(self) -> str:
+        return ("the replica's own upload of the round's images with the declared training and no privacy mod, from "
+                "the same global model: the same attacks' base forms, budget and seeds")
+
     def threat_model(self, specs) -> Dict[str, Any]:
         out = super().threat_model(specs)
         out.pop("training_step", None)
@@ -87,6 +103,20 @@ class ReplyAudit(StateAudit):
         if self.cancel.is_set():
             raise Cancelled()
         return super().attack_group(spec, group, step, _cancellable(progress, self.cancel))
+
+
+class ReplicaControl(StateAudit):
+    """The positive control of a round: the replica's own upload of the round's ``trained``
+    images with the declared training and no privacy mod, from the same global model."""
+
+    def __init__(self, *args: Any, trained, **settings: Any):
+        super().__init__(*args, **settings)
+        self.private = [(trained[0].clone(), trained[1].clone())]
+        self.trained_key = hashlib.sha256(b"".join(t.detach().cpu().contiguous().numpy().tobytes()
+                                                   for t in trained)).hexdigest()[:12]
+
+    def key_settings(self) -> Dict[str, Any]:
+        return {**super().key_settings(), "trained": self.trained_key}
 
 
 def reply_observation(audit: ReplyAudit, model, images, labels) -> Observation:
