@@ -175,11 +175,14 @@ def test_a_full_disk_stops_with_one_line_no_temporary_file_and_a_manifest_not_ru
             raise OSError(errno.ENOSPC, "No space left on device", str(path))
         return real_open(path, mode, *args, **kwargs)
 
+    args = ["audit", "--model", "mlp", "--model-arg", "hidden=32", "--image-size", "16", "--steps", "0", "--attacks",
+            "analytic", "--images", "1", "--budget", "5", "--no-utility", "--quiet", "--out", str(tmp_path)]
+    assert CliRunner().invoke(cli.main, args + ["--seed", "1"]).exit_code == 0  # an older, complete run's report
+    assert (tmp_path / "report.json").is_file()
     monkeypatch.setattr(files, "open", full_disk, raising=False)
-    result = CliRunner().invoke(cli.main, ["audit", "--model", "mlp", "--model-arg", "hidden=32", "--image-size", "16",
-                                           "--steps", "0", "--attacks", "analytic", "--images", "1", "--budget", "5",
-                                           "--no-utility", "--quiet", "--out", str(tmp_path)])
+    result = CliRunner().invoke(cli.main, args)
     assert writes["n"] >= 1
+    assert not (tmp_path / "report.json").exists()  # the stopped run leaves no report claiming more than is stored
     _one_line_error(result, "No space left on device", "results")
     assert not list(tmp_path.rglob("*.tmp"))
     status = json.loads(ResultStore.open_latest(tmp_path).manifest_path.read_text())["status"]

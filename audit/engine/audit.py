@@ -45,6 +45,7 @@ from audit.engine.utility import PROTOCOL, measure_utility
 from audit.engine.settings import (DEFAULT_BUDGET, DEFAULT_IMAGES, DEFAULT_MAX_BUDGET, DEFAULT_STEPS, AttackSettings,
                                    DataSettings, FLSettings, ModelSettings, OutputSettings, model_settings)
 from audit.report.audit_report import AuditReport
+from audit.report.formats import remove_report
 from audit.report.risk import default_delta
 from audit.report.rule import LeakRule
 from audit.report.store import ResultStore, to_jsonable
@@ -414,6 +415,7 @@ class Audit:
         except Exception as err:  # a full disk, a broken store: the manifest must not say "running"
             if store is not None:
                 store.record_stop(err)
+            remove_report("audit", self.output_settings.out)  # an older report would claim more than is stored
             raise
         store.update_manifest(status="complete", timing={"last_invocation_s": round(time.perf_counter() - started, 1)})
         report = AuditReport.from_store(store)  # its status: 'incomplete (...)' when evidence is missing

@@ -7,6 +7,8 @@ names from here, so a new format is one new module (imported below).
 """
 from __future__ import annotations
 
+import contextlib
+
 from pathlib import Path
 from typing import Any, Dict
 
@@ -30,6 +32,14 @@ def write_report(kind: str, report: Any, out: Path) -> Dict[str, Path]:
             fmt.writers[kind](report, path, cache)
             paths[fmt.files[kind]] = path
     return paths
+
+
+def remove_report(kind: str, out: Path) -> None:
+    """Delete ``out``'s report files of ``kind`` as far as the disk allows: a run that stopped
+    must not leave an older report claiming more than what is stored."""
+    for name in report_files(kind):
+        with contextlib.suppress(OSError):
+            (Path(out) / name).unlink(missing_ok=True)
 
 
 def files_message(kind: str, out: Path) -> str:
