@@ -340,7 +340,7 @@ class Spear:
         found = Candidates(b, 32 * b, rows.dtype, rows.device)
         best = None  # (error, z, labels, label source)
         drawn = attempts = 0
-        checked: List[Tensor] = []
+        checked: List[Tuple[Tensor, int]] = []  # selections (and recurring counts) already certified
         while drawn < self.samples:
             count = min(self.chunk, self.samples - drawn)
             q, zeros = sample_directions(rows, count, generator, zero_tol, min_zeros)
