@@ -2,7 +2,9 @@
 
 ``--docs NAME`` on a bench puts the run's command line and its Markdown table between the
 lines ``<!-- bench:NAME:begin -->`` and ``<!-- bench:NAME:end -->`` of the bench's page, so
-rerunning the command written there refreshes that table and nothing else.
+rerunning the command written there refreshes that table and nothing else. A bench whose
+measurements behind a default live apart from its docs page (``bench/results/<bench>.md``, linked
+from the page) names that file too; the section is written where its markers are.
 """
 from __future__ import annotations
 
@@ -15,11 +17,24 @@ from typing import List, Optional, Sequence
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def add_docs_option(parser: argparse.ArgumentParser, page: str) -> None:
-    """``--docs NAME``: write the table into ``page`` (relative to the repository root)."""
+def add_docs_option(parser: argparse.ArgumentParser, page: str, results: Optional[str] = None) -> None:
+    """``--docs NAME``: write the table into ``page`` (relative to the repository root), or into
+    ``results`` when that file holds the section NAME."""
+    where = page if results is None else f"{page} or {results}"
     parser.add_argument("--docs", metavar="NAME", default=None,
-                        help=f"write the table into {page}, between its <!-- bench:NAME:begin/end --> lines")
-    parser.set_defaults(docs_page=page)
+                        help=f"write the table into {where}, between its <!-- bench:NAME:begin/end --> lines")
+    parser.set_defaults(docs_page=page if results is None else (page, results))
+
+
+def section_page(pages, name: str) -> str:
+    """The one of ``pages`` (a path or a tuple of paths) that holds the section ``name``; the
+    first when none does (``write_table`` then names the missing markers)."""
+    pages = (pages,) if isinstance(pages, str) else tuple(pages)
+    for page in pages:
+        path = ROOT / page
+        if path.exists() and f"<!-- bench:{name}:begin -->" in path.read_text():
+            return page
+    return pages[0]
 
 
 def command_line(script: str, argv: Optional[Sequence[str]]) -> str:
@@ -43,9 +58,10 @@ def without_options(argv: Optional[Sequence[str]], valued: Sequence[str] = (),
     return out
 
 
-def write_table(page: str, name: str, command: str, table: str, setting: str = "") -> Path:
-    """Replace the section ``name`` of ``page`` with ``command`` (and ``setting``: torch
-    version, threads, device) and ``table``."""
+def write_table(page, name: str, command: str, table: str, setting: str = "") -> Path:
+    """Replace the section ``name`` of ``page`` (or of the one of several pages that holds it)
+    with ``command`` (and ``setting``: torch version, threads, device) and ``table``."""
+    page = section_page(page, name)
     path = ROOT / page
     text = path.read_text()
     begin, end = f"<!-- bench:{name}:begin -->", f"<!-- bench:{name}:end -->"
