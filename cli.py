@@ -20,6 +20,10 @@ def common_options(fn):
     return fn
 
 
+#: the exit status of an audit that ran but lacks evidence (a failed attack or defense call)
+INCOMPLETE_EXIT = 3
+
+
 def friendly_errors(fn):
     """Print a :class:`GiaError`, or a file system error (a read-only or full output folder),
     as one line naming the fix, exit code 2; no traceback."""
@@ -222,6 +226,10 @@ def audit_cmd(defense, defense_arg, model, model_arg, model_normalize, checkpoin
     report = run(**settings, seed=seed, device=resolve_device(device), progress=not quiet)
     click.echo(report.summary())
     click.echo(files_message("audit", report.out))
+    if report.data["status"] != "complete":  # evidence is missing: a script must not read this as a finished audit
+        click.echo(f"exit status {INCOMPLETE_EXIT}: the audit is {report.data['status']}; see the report's Failures",
+                   err=True)
+        sys.exit(INCOMPLETE_EXIT)
 
 
 # --------------------------------------------------------------------------- sweep

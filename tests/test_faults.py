@@ -264,6 +264,19 @@ def test_a_defense_that_exits_is_its_failure_not_the_audits(tmp_path, how, timeo
     assert json.loads(ResultStore.open_latest(tmp_path).manifest_path.read_text())["status"] == "complete"
 
 
+def test_a_defense_that_exits_makes_the_audit_command_exit_non_zero(tmp_path, monkeypatch):
+    (tmp_path / "exiting.py").write_text(
+        "import sys\nfrom audit.core.types import clean_gradients\n"
+        "def defense(model, inputs, labels, *, loss_fn, generator, round=None):\n"
+        "    if round == 1:\n        sys.exit(0)\n    return clean_gradients(model, inputs, labels, loss_fn)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    result = CliRunner().invoke(cli.main, ["audit", "--defense", "exiting:defense", "--model", "mlp", "--model-arg",
+                                           "hidden=32", "--image-size", "16", "--steps", "0,1", "--attacks", "analytic",
+                                           "--images", "1", "--no-utility", "--quiet", "--out", str(tmp_path / "out")])
+    assert result.exit_code == cli.INCOMPLETE_EXIT, result.output
+    assert "incomplete" in result.output and (tmp_path / "out" / "report.json").is_file()
+
+
 def test_the_users_own_ctrl_c_still_stops_a_defense_call():
     import signal
     import time
