@@ -270,10 +270,18 @@ def upload_error(observation: Observation, tail_params: List[str], tail: nn.Modu
 
 
 # --------------------------------------------------------------------------- the attack
+def default_samples(batch: int) -> int:
+    """The most subsets drawn by default: ``2^(B+8)``, at most ``2^22``. A subset isolates an
+    image with chance about ``s^(B-1)`` (``s``: the share of its zero rows, near 1/2 at
+    initialisation), so this is ~2^9 times the expected draws per image; measured needs:
+    docs/strength.md, section 7."""
+    return min(1 << 22, 1 << (batch + 8))
+
+
 class Spear:
     """SPEAR on the first ReLU-followed linear layer (see the module docstring).
 
-    ``samples``: most (B-1)-row subsets drawn; ``chunk``: drawn per batched step;
+    ``samples``: most (B-1)-row subsets drawn (None: :func:`default_samples`); ``chunk``: drawn per batched step;
     ``zero_tol``: an entry of ``L q`` counts as zero within this share of its largest;
     ``min_sparsity``: share of ``L``'s rows a kept direction must zero; ``tolerance``: the
     certificate's relative error. ``budget`` (gradient evaluations) is unused: SPEAR's cost is
@@ -282,14 +290,14 @@ class Spear:
 
     name = "spear"
 
-    def __init__(self, samples: int = 1 << 22, chunk: int = 4096, zero_tol: float = 1e-5,
+    def __init__(self, samples: Optional[int] = None, chunk: int = 4096, zero_tol: float = 1e-5,
                  min_sparsity: float = 0.0, tolerance: float = CERTIFICATE_TOLERANCE):
-        if samples < 1 or chunk < 1:
+        if samples is not None and samples < 1 or chunk < 1:
             raise ConfigError(f"spear: samples and chunk must be >= 1, got {samples} and {chunk}")
         if not 0 < zero_tol < 1 or not 0 <= min_sparsity < 1 or not tolerance > 0:
             raise ConfigError("spear: need 0 < zero_tol < 1, 0 <= min_sparsity < 1 and tolerance > 0, got "
                               f"{zero_tol}, {min_sparsity}, {tolerance}")
-        self.samples, self.chunk = int(samples), int(chunk)
+        self.samples, self.chunk = None if samples is None else int(samples), int(chunk)
         self.zero_tol, self.min_sparsity, self.tolerance = float(zero_tol), float(min_sparsity), float(tolerance)
 
     def not_applicable_reason(self, observation: Observation) -> Tuple[Optional[ReluLinear], str]:
@@ -341,13 +349,14 @@ class Spear:
         best = None  # (error, z, labels, label source)
         drawn = attempts = 0
         checked: List[Tuple[Tensor, int]] = []  # selections (and recurring counts) already certified
-        while drawn < self.samples:
-            count = min(self.chunk, self.samples - drawn)
+        cap = default_samples(b) if self.samples is None else self.samples
+        while drawn < cap:
+            count = min(self.chunk, cap - drawn)
             q, zeros = sample_directions(rows, count, generator, zero_tol, min_zeros)
             drawn += count
             found.add(q, zeros)
             if progress is not None:
-                progress(drawn, self.samples, float(len(found)))
+                progress(drawn, cap, float(len(found)))
             chosen = found.greedy(b)
             if chosen is None:
                 continue
@@ -417,6 +426,6 @@ class Spear:
 @ATTACKS.register("spear", "SPEAR: exact recovery of a whole batch through a biased Linear layer followed by ReLU "
                   "(its inputs: the images of an MLP, the features where convolutions come first), certified "
                   "by reproducing the upload")
-def spear(samples: int = 1 << 22, chunk: int = 4096, zero_tol: float = 1e-5, min_sparsity: float = 0.0,
+def spear(samples: Optional[int] = None, chunk: int = 4096, zero_tol: float = 1e-5, min_sparsity: float = 0.0,
           tolerance: float = CERTIFICATE_TOLERANCE) -> Spear:
     return Spear(samples, chunk, zero_tol, min_sparsity, tolerance)

@@ -78,5 +78,5 @@ class SpearFeaturesIg:
 
 @ATTACKS.register("spear-ig", "ig with SPEAR's certified per-image features (and labels) as a prior, where "
                   "convolutions come before a ReLU-followed linear layer (cnn, convbig)")
-def spear_ig(weight: float = FEATURES_PRIOR_WEIGHT, samples: int = 1 << 22, **ig: Any) -> SpearFeaturesIg:
+def spear_ig(weight: float = FEATURES_PRIOR_WEIGHT, samples: Optional[int] = None, **ig: Any) -> SpearFeaturesIg:
     return SpearFeaturesIg(weight, Spear(samples=samples), **ig)
