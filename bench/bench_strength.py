@@ -523,7 +523,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     p.add_argument("--json", default=None, help="write the raw rows here")
     strength_upload.add_options(p)
     strength_upload.add_audit_options(p)
-    add_docs_option(p, "docs/strength.md")
+    add_docs_option(p, "docs/strength.md", results="bench/results/strength.md")
     args = p.parse_args(argv)
     try:  # the CLI's own parsers: the same value syntax as `gia-audit --attack-arg / --model-arg`
         args.attack_args = parse_attack_args(args.attack_args)
