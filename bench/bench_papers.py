@@ -43,7 +43,7 @@ from audit.engine.utility import PROTOCOL  # noqa: E402
 from bench.docs_table import ROOT, add_docs_option, command_line, without_options, write_table  # noqa: E402
 from bench.papers_verdict import (INCONCLUSIVE, NOT_RUN, CellEvidence, Conclusion,  # noqa: E402
                                   cell_evidence, conclude_leaks, conclude_order, conclude_protects,
-                                  conclude_utility, identification_text)
+                                  conclude_utility, control_from_report, identification_text)
 
 PAPERS = ("CENSOR", "SVDefense", "Bayes framework", "Refiner")
 PROFILES = ("cpu", "gpu", "quick")
@@ -731,6 +731,12 @@ def keep_partial(out: Path, key: str, partial: Path, control: Optional[Dict[str,
             shutil.copyfile(src, dst)
 
 
+def with_control(evidence: CellEvidence, report: Dict[str, Any]) -> CellEvidence:
+    """``evidence`` with the positive control the report stored at its steps."""
+    evidence.control, evidence.control_missing = control_from_report(report.get("steps") or [], evidence.steps)
+    return evidence
+
+
 def _stored_evidence(plan: CellPlan, run_key: str, steps: Sequence[int]) -> Tuple[Dict[str, Any], List[str], CellEvidence]:
     """The engine store's manifest of the cell's run, its attacks, and their evidence at ``steps``."""
     from audit.report.store import ResultStore
@@ -763,7 +769,7 @@ def run_cell(row: Row, plan: CellPlan, partial: Optional[Path] = None,
         if claim and steps == claim and images == int(plan.call["images"]):
             if on_claim is not None:
                 _, attacks, evidence = _stored_evidence(plan, report.data["run_key"], claim)
-                on_claim(claim_record(plan, attacks, evidence))
+                on_claim(claim_record(plan, attacks, with_control(evidence, report.data)))
             if claim_only:
                 return None
     manifest, attacks, evidence = _stored_evidence(plan, report.data["run_key"], plan.steps)
@@ -772,7 +778,7 @@ def run_cell(row: Row, plan: CellPlan, partial: Optional[Path] = None,
     if plan.name == "utility":
         out["utility"] = manifest.get("utility")
     else:
-        out["evidence"] = evidence.to_dict()
+        out["evidence"] = with_control(evidence, report.data).to_dict()
         out["fingerprints"] = cell_fingerprints(plan.call, attacks)
     return out
 
@@ -1015,6 +1021,15 @@ def at_paper_budget(row: Row, run: Dict[str, Any]) -> bool:
     return budget is not None and run["budget"] >= budget and run["model_args"] == row.setting.model_args
 
 
+def budget_note(row: Row, run: Dict[str, Any]) -> str:
+    """Why the row's attacks are not at the paper's setting, in words (where they are not)."""
+    if row.setting.budget is None:
+        return f"the paper states no iteration count ({run['budget']:,} gradient evaluations here)"
+    if run["model_args"] != row.setting.model_args:
+        return f"a smaller model than the paper's ({_args_text(run['model_args'])})"
+    return f"the attacks ran below the paper's budget ({run['budget']:,} of {row.setting.budget:,})"
+
+
 def conclude(row: Row, cells: Dict[str, Optional[CellEvidence]], run: Dict[str, Any],
              utility: Optional[Dict[str, Any]] = None) -> Conclusion:
     """The row's conclusion from its cells (see :mod:`bench.papers_verdict`)."""
@@ -1027,12 +1042,12 @@ def conclude(row: Row, cells: Dict[str, Optional[CellEvidence]], run: Dict[str, 
     if row.claim_steps:
         cells = {name: c.at_steps(row.claim_steps) if c is not None else None for name, c in cells.items()}
     if row.claim == "protects":
-        return conclude_protects(list(cells.values()), full)
+        return conclude_protects(list(cells.values()), full, budget_note(row, run))
     if row.claim == "leaks":
         key = "adaptive" if row.leak_cell == "adaptive" else f"paper:{row.attacks[0].name}"
         others = [(name, cells.get(k)) for name, k in (("the planner's", "planner"),
                                                         ("the paper's adaptive attack", "adaptive")) if k != key]
-        return conclude_leaks(cells.get(key), full, others)
+        return conclude_leaks(cells.get(key), full, others, budget_note(row, run))
     first = cells.get("paper:bayes-optimal")
     others = {n: cells.get(f"paper:{n}") for n in ("bayes-l2", "bayes-l1", "bayes-cos")}
     gaps = {n: row.order_psnr["bayes-optimal"] - row.order_psnr[n] for n in others}

@@ -7,11 +7,13 @@ PSNR / SSIM / LPIPS, images *identified* (rank 1 among K) and *recovered*, with 
 intervals; its *chance* is the null's best of ``m`` (:func:`best_of_chance`). Conclusions:
 
 * a claim that the defense **protects** fails when a cell identifies its private images
-  above chance (the interval's lower end above the cell's chance); it holds when no cell
-  does and the attacks ran at the paper's budget; below that budget it is inconclusive at
-  this budget;
+  above chance (the interval's lower end above the cell's chance); it holds only where every
+  cell's *positive control* (the same attacks' base forms, budget and images on the undefended
+  upload) recovers images and the defended cell recovers significantly fewer (one-sided exact
+  McNemar on the per-image pairs, 5%), at the paper's budget; a cell with no stored control,
+  or whose control recovers nothing, is inconclusive, never "holds";
 * a claim that an attack **leaks** holds when its cell identifies above chance; when it does
-  not, it fails at the paper's budget and is inconclusive below it;
+  not, it fails only at the paper's budget and where the control recovers images;
 * an **order** of attacks (the Bayes paper's Table 2) is compared pair by pair on the same
   images: a Wilcoxon signed-rank test on per-image PSNR (the papers' metric) and an exact
   McNemar test on identification, both two-sided 5%, each with its power;
@@ -32,12 +34,17 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from audit.core.evidence import clopper_pearson, mean_difference
-from audit.core.records import AccuracySpread, AttackResult
+from audit.core.evidence import mcnemar_exact as mcnemar_one_sided
+from audit.core.records import AccuracySpread, AttackResult, ImageClass
 from audit.report.risk import judge_step, nulls_from_manifest
 from audit.report.rule import LeakRule
 
 HOLDS, FAILS, INCONCLUSIVE, NOT_RUN = "holds", "does not hold", "inconclusive", "not yet run"
 LEVEL = 0.95
+#: the one-sided level of the paired test that the defense recovers fewer images than its control
+CONTROL_ALPHA = 0.05
+NO_CONTROL = "no positive control stored: rerun the row"
+BELOW_BUDGET = "the attacks ran below the paper's budget"
 
 
 # --------------------------------------------------------------------------- one cell
@@ -62,6 +69,10 @@ class CellEvidence:
     per_step_recovered: Dict[int, int] = field(default_factory=dict)
     members: int = 1  # m: the (attack, reference) pairs the cell's per-image maximum runs over
     null_chance: Optional[float] = None  # the null's best-of-m identification rate
+    per_image_recovered: Dict[Tuple[int, int, int], bool] = field(default_factory=dict)
+    #: the positive control: per image, recovered on the undefended upload (None: not stored)
+    control: Optional[Dict[Tuple[int, int, int], bool]] = None
+    control_missing: str = ""  # why the stored control cannot be judged ('' where it can)
 
     @property
     def complete(self) -> bool:
@@ -99,6 +110,9 @@ class CellEvidence:
         out.per_image_psnr = {k: v for k, v in self.per_image_psnr.items() if k[0] in keep}
         out.per_step_psnr = {s: v for s, v in self.per_step_psnr.items() if s in keep}
         out.per_step_recovered = {s: v for s, v in self.per_step_recovered.items() if s in keep}
+        out.per_image_recovered = {k: v for k, v in self.per_image_recovered.items() if k[0] in keep}
+        out.control = None if self.control is None else {k: v for k, v in self.control.items() if k[0] in keep}
+        out.control_missing = self.control_missing
         out.images = len(out.per_image_identified)
         out.identified = sum(out.per_image_identified.values())
         out.recovered = sum(out.per_step_recovered.values())
@@ -114,7 +128,10 @@ class CellEvidence:
                 "per_image_identified": {f"{s}/{b}/{j}": v for (s, b, j), v in self.per_image_identified.items()},
                 "per_image_psnr": {f"{s}/{b}/{j}": v for (s, b, j), v in self.per_image_psnr.items()},
                 "per_step_recovered": {str(k): v for k, v in self.per_step_recovered.items()},
-                "members": self.members, "null_chance": self.null_chance}
+                "members": self.members, "null_chance": self.null_chance,
+                "per_image_recovered": _keyed_out(self.per_image_recovered),
+                "control": None if self.control is None else _keyed_out(self.control),
+                "control_missing": self.control_missing}
 
     @classmethod
     def from_dict(cls, d: Dict[str, Any]) -> "CellEvidence":
@@ -129,7 +146,70 @@ class CellEvidence:
         out.per_step_recovered = {int(k): int(v) for k, v in (d.get("per_step_recovered") or {}).items()}
         out.members = int(d.get("members") or 1)
         out.null_chance = d.get("null_chance")
+        out.per_image_recovered = _keyed_in(d.get("per_image_recovered") or {})
+        out.control = None if d.get("control") is None else _keyed_in(d["control"])
+        out.control_missing = d.get("control_missing") or ""
         return out
+
+    def control_effect(self) -> Optional["ControlEffect"]:
+        """The paired comparison with the positive control (None: no control stored)."""
+        if self.control is None:
+            return None
+        both = sorted(set(self.control) & set(self.per_image_recovered))
+        stopped = sum(self.control[k] and not self.per_image_recovered[k] for k in both)
+        through = sum(self.per_image_recovered[k] and not self.control[k] for k in both)
+        return ControlEffect(len(both), sum(self.control[k] for k in both), stopped, through,
+                             mcnemar_one_sided(stopped, through))
+
+    def power_text(self) -> str:
+        """The control's recovery, as the page shows it beside a verdict."""
+        effect = self.control_effect()
+        if effect is None:
+            return "no control stored"
+        return f"{effect.control_recovered} of {effect.images} without the defense"
+
+
+@dataclass(frozen=True)
+class ControlEffect:
+    """A cell against its positive control on the images both judged: the control's recoveries,
+    those the defense stopped and let through, and the one-sided exact McNemar p-value."""
+
+    images: int
+    control_recovered: int
+    stopped: int
+    let_through: int
+    p_value: float
+
+    def text(self) -> str:
+        return (f"power: {self.control_recovered} of {self.images} recovered without the defense; the defense stops "
+                f"{self.stopped} of {self.control_recovered} and lets {self.let_through} through, exact McNemar "
+                f"p={self.p_value:.2g}")
+
+
+def _keyed_out(values: Dict[Tuple[int, int, int], bool]) -> Dict[str, bool]:
+    return {f"{s}/{b}/{j}": bool(v) for (s, b, j), v in values.items()}
+
+
+def _keyed_in(values: Dict[str, Any]) -> Dict[Tuple[int, int, int], bool]:
+    return {tuple(int(p) for p in k.split("/")): bool(v) for k, v in values.items()}
+
+
+def control_from_report(steps: Sequence[Dict[str, Any]], keep: Sequence[int]) -> Tuple[Optional[Dict], str]:
+    """The positive control of a report's ``steps`` (``audit.run``'s ``steps[i].control``) at the
+    steps ``keep``: per image recovered, and why it cannot be judged ('' where it can); None
+    where the report stored no control."""
+    found: Dict[Tuple[int, int, int], bool] = {}
+    why = []
+    entries = [s for s in steps if int(s["step"]) in set(keep)]
+    if not entries or any(not s.get("control") for s in entries):
+        return None, ""
+    for s in entries:
+        control = s["control"]
+        if not control.get("available"):
+            why.append(f"step {s['step']}: {control.get('reason', 'control unavailable')}")
+        for e in control.get("per_image") or []:
+            found[(int(s["step"]), int(e["image"]), int(e.get("index", 0)))] = bool(e["recovered"])
+    return found, "; ".join(why)
 
 
 def _missing_step(why: str) -> Optional[int]:
@@ -189,6 +269,7 @@ def cell_evidence(manifest: Dict[str, Any], records: Sequence[Dict[str, Any]], a
         out.recovered += verdict["recovered"]
         out.per_step_recovered[step] = int(verdict["recovered"])
         for e in done:
+            out.per_image_recovered[(step, e["image"], e["index"])] = e["image_class"] == ImageClass.RECOVERED.value
             hit = e["rank"] is not None and e["rank"] <= rule.identify_rank
             out.identified += hit
             out.per_image_identified[(step, e["image"], e["index"])] = hit
@@ -231,21 +312,53 @@ def _pct(x: float) -> str:
     return f"{100 * x:.0f}%"
 
 
+def interval_text(lo: float, hi: float) -> str:
+    """An interval in percent, its ends rounded outwards to 0.1 so that a lower end below a
+    chance level never prints above it."""
+    return f"{math.floor(1000 * lo) / 10:g}%-{math.ceil(1000 * hi) / 10:g}%"
+
+
+#: why a best-of-m cell's chance is a bound: what each cell of the page says beside it
+BOUND_WHY = "hypergeometric bound: the attacks were not run on null uploads"
+
+
 def identification_text(c: CellEvidence) -> str:
     lo, hi = c.identification_interval()
     k = f"K={c.candidates}" if c.candidates else "K=?"
-    chance = f", chance {100 * c.chance:.1f}%" + (f" (best of {c.members})" if c.members > 1 else "") \
-        if c.chance is not None else ""
-    return f"{c.identified} of {c.images} identified among {k}, 95% CI {_pct(lo)}-{_pct(hi)}{chance}"
+    chance = ""
+    if c.chance is not None:
+        how = f" (best of {c.members}, {BOUND_WHY})" if c.members > 1 else ""
+        chance = f", chance {100 * c.chance:.1f}%{how}, {'above' if c.above_chance() else 'not above'} chance"
+    return f"{c.identified} of {c.images} identified among {k}, 95% CI {interval_text(lo, hi)}{chance}"
 
 
 def recovered_text(c: CellEvidence) -> str:
     lo, hi = c.recovered_interval()
-    return f"{c.recovered} of {c.images} recovered, CI {_pct(lo)}-{_pct(hi)}"
+    return f"{c.recovered} of {c.images} recovered, CI {interval_text(lo, hi)}"
 
 
-def conclude_protects(cells: Sequence[Optional[CellEvidence]], at_paper_budget: bool) -> Conclusion:
-    """The defense protects against every attack of ``cells``."""
+def control_verdict(cells: Sequence[CellEvidence]) -> Optional[str]:
+    """Why the cells' positive controls cannot show that the defense stops their attacks (None:
+    every control recovers images and every defended cell recovers significantly fewer)."""
+    for c in cells:
+        effect = c.control_effect()
+        if effect is None:
+            return NO_CONTROL
+        if c.control_missing:
+            return f"positive control incomplete: {c.control_missing}"
+        if not effect.control_recovered:
+            return (f"attack power: the control recovers none of {effect.images} images without the defense "
+                    "(these attacks at this budget cannot tell the defense from their own limits)")
+        if effect.p_value >= CONTROL_ALPHA:
+            return f"{effect.text()}: not significant"
+    return None
+
+
+def conclude_protects(cells: Sequence[Optional[CellEvidence]], at_paper_budget: bool,
+                      budget_note: str = BELOW_BUDGET) -> Conclusion:
+    """The defense protects against every attack of ``cells``: no cell above chance, and every
+    cell's control recovers images that the defense significantly stops (:func:`control_verdict`);
+    ``budget_note``: why the attacks are not at the paper's budget, where they are not."""
     ran = [c for c in cells if c is not None]
     if not ran:
         return Conclusion(NOT_RUN)
@@ -259,17 +372,23 @@ def conclude_protects(cells: Sequence[Optional[CellEvidence]], at_paper_budget: 
         why = "; ".join(missing[:2]) if missing else "some cells have not run"
         return Conclusion(INCONCLUSIVE, f"evidence missing: {why}")
     best = max(ran, key=lambda c: c.identified)
+    why = control_verdict(ran)
+    if why is not None:
+        return Conclusion(INCONCLUSIVE, f"{why}; no cell above chance, at most {identification_text(best)}")
+    effects = "; ".join(c.control_effect().text() for c in ran)
     if not at_paper_budget:
-        return Conclusion(INCONCLUSIVE, f"no cell above chance, at most {identification_text(best)}; the attacks "
-                                        "ran below the paper's budget", below_budget=True)
-    return Conclusion(HOLDS, f"no cell above chance; at most {identification_text(best)}")
+        return Conclusion(INCONCLUSIVE, f"{effects}; at most {identification_text(best)}; {budget_note}",
+                          below_budget=True)
+    return Conclusion(HOLDS, f"{effects}; at most {identification_text(best)}")
 
 
 def conclude_leaks(cell: Optional[CellEvidence], at_paper_budget: bool,
-                   others: Sequence[Tuple[str, Optional[CellEvidence]]] = ()) -> Conclusion:
+                   others: Sequence[Tuple[str, Optional[CellEvidence]]] = (),
+                   budget_note: str = BELOW_BUDGET) -> Conclusion:
     """The attack of ``cell`` identifies the private images. Where it does not, a leak shown by
     another of the row's cells (``others``: (name, cell), e.g. the planner's) confirms the
-    claim that the defense leaks, and the conclusion names that cell."""
+    claim that the defense leaks, and the conclusion names that cell. It does not hold only at
+    the paper's budget and where the cell's control recovers images (else inconclusive)."""
     if cell is None:
         return Conclusion(NOT_RUN)
     if cell.above_chance():
@@ -282,9 +401,12 @@ def conclude_leaks(cell: Optional[CellEvidence], at_paper_budget: bool,
     if cell.missing:
         return Conclusion(INCONCLUSIVE, f"evidence missing: {'; '.join(cell.missing[:2])}")
     if not at_paper_budget:
-        return Conclusion(INCONCLUSIVE, f"{identification_text(cell)}, not above chance, below the paper's budget",
-                          below_budget=True)
-    return Conclusion(FAILS, f"{recovered_text(cell)}; {identification_text(cell)}, not above chance")
+        return Conclusion(INCONCLUSIVE, f"{identification_text(cell)}; {budget_note}", below_budget=True)
+    effect = cell.control_effect()
+    if effect is None or not effect.control_recovered or cell.control_missing:
+        why = NO_CONTROL if effect is None else cell.control_missing or "attack power: the control recovers nothing"
+        return Conclusion(INCONCLUSIVE, f"{why}; {identification_text(cell)}")
+    return Conclusion(FAILS, f"{recovered_text(cell)}; {identification_text(cell)}; {effect.text()}")
 
 
 def mcnemar_exact(b: int, c: int) -> float:

@@ -52,16 +52,59 @@ def test_missing_evidence_is_never_read_as_protection():
     assert pv.conclude_protects([pending], at_paper_budget=True).outcome == pv.INCONCLUSIVE
 
 
-def _cell(identified, images=16, missing=()):
+def _cell(identified, images=16, missing=(), control=None):
+    """A cell identifying and recovering its first ``identified`` images; ``control``: the number
+    of the first images its positive control recovers (None: no control stored)."""
     c = pv.CellEvidence(["ig"], [0], images=images, identified=identified, recovered=identified, candidates=K,
                         psnr=20.0, strongest="ig", missing=list(missing))
     c.per_image_identified = {(0, i, 0): i < identified for i in range(images)}
+    c.per_image_recovered = dict(c.per_image_identified)
+    if control is not None:
+        c.control = {(0, i, 0): i < control for i in range(images)}
     return c
+
+
+def test_protection_holds_only_where_the_control_recovers_what_the_defense_significantly_stops():
+    # nothing above chance but no control stored: never "holds"
+    bare = pv.conclude_protects([_cell(0)], True)
+    assert bare.outcome == pv.INCONCLUSIVE and pv.NO_CONTROL in bare.text()
+    # the control recovers nothing: attack power, inconclusive
+    weak = pv.conclude_protects([_cell(0, control=0)], True)
+    assert weak.outcome == pv.INCONCLUSIVE and "attack power" in weak.detail
+    # the control recovers 8 and the defense stops all 8: p = 0.5^8, holds, with its power stated
+    held = pv.conclude_protects([_cell(0, control=8)], True)
+    assert held.outcome == pv.HOLDS and "8 of 16 recovered without the defense" in held.detail
+    assert "stops 8 of 8" in held.detail
+    # the control recovers 3, the defense stops 2 of them (not above chance): p = 0.5, not significant
+    partial = _cell(1, control=3)
+    assert pv.conclude_protects([partial], True).outcome == pv.INCONCLUSIVE
+    assert "not significant" in pv.conclude_protects([partial], True).detail
+    # every cell must show it: one cell without its control keeps the row inconclusive
+    assert pv.conclude_protects([_cell(0, control=8), _cell(0)], True).outcome == pv.INCONCLUSIVE
+    # an incomplete control is not a control
+    broken = _cell(0, control=8)
+    broken.control_missing = "step 0: the control is incomplete"
+    assert pv.conclude_protects([broken], True).outcome == pv.INCONCLUSIVE
+
+
+def test_a_cells_control_survives_storage_and_restriction_to_steps():
+    c = _cell(0, control=8)
+    back = pv.CellEvidence.from_dict(json.loads(json.dumps(c.to_dict())))
+    assert back.control == c.control and back.control_effect() == c.control_effect()
+    assert back.control_effect().stopped == 8 and back.control_effect().p_value == pytest.approx(0.5 ** 8)
+    assert pv.CellEvidence.from_dict(_cell(0).to_dict()).control is None
+    report = [{"step": 0, "control": {"available": True, "per_image": [{"image": i, "index": 0, "recovered": i < 2}
+                                                                      for i in range(4)]}},
+              {"step": 1, "control": {"available": False, "reason": "incomplete", "per_image": []}}]
+    control, why = pv.control_from_report(report, [0])
+    assert control == {(0, 0, 0): True, (0, 1, 0): True, (0, 2, 0): False, (0, 3, 0): False} and why == ""
+    assert "step 1: incomplete" in pv.control_from_report(report, [0, 1])[1]
+    assert pv.control_from_report([{"step": 0}], [0]) == (None, "")
 
 
 def test_protection_fails_only_when_identification_is_above_chance():
     # 2 of 16: the interval's lower end (0.2%) is below chance (1/64), 3 of 16 is above it
-    assert pv.conclude_protects([_cell(2)], True).outcome == pv.HOLDS
+    assert pv.conclude_protects([_cell(2, control=10)], True).outcome == pv.HOLDS
     failed = pv.conclude_protects([_cell(0), _cell(3)], True)
     assert failed.outcome == pv.FAILS and "3 of 16 recovered" in failed.detail
     # below the paper's budget no recovered image is not evidence that the defense holds
@@ -73,7 +116,9 @@ def test_protection_fails_only_when_identification_is_above_chance():
 def test_a_leak_claim_holds_above_chance_and_fails_only_at_the_paper_budget():
     assert pv.conclude_leaks(_cell(12), False).outcome == pv.HOLDS
     assert pv.conclude_leaks(_cell(0), False).outcome == pv.INCONCLUSIVE
-    assert pv.conclude_leaks(_cell(0), True).outcome == pv.FAILS
+    assert pv.conclude_leaks(_cell(0), True).outcome == pv.INCONCLUSIVE  # no control: never a verdict
+    assert pv.conclude_leaks(_cell(0, control=0), True).outcome == pv.INCONCLUSIVE  # no attack power
+    assert pv.conclude_leaks(_cell(0, control=6), True).outcome == pv.FAILS
     assert pv.conclude_leaks(_cell(0, missing=["step 0: ig failed"]), True).outcome == pv.INCONCLUSIVE
 
 
@@ -83,7 +128,7 @@ def test_a_leak_shown_by_another_cell_confirms_the_leak_claim_and_is_named():
     assert held.outcome == pv.HOLDS and "by the planner's ig, 13 of 16 recovered" in held.detail
     assert "the paper's attack: 1 of 16 identified" in held.detail
     # another cell at chance changes nothing; a missing one neither
-    assert pv.conclude_leaks(_cell(0), True, [("the planner's", _cell(2)), ("x", None)]).outcome == pv.FAILS
+    assert pv.conclude_leaks(_cell(0, control=6), True, [("the planner's", _cell(2)), ("x", None)]).outcome == pv.FAILS
 
 
 def test_a_claim_about_early_steps_is_judged_on_those_steps_alone():
@@ -379,8 +424,20 @@ def test_at_this_budget_is_said_only_below_the_papers_budget():
     a, b = _psnr_cell([10, 11, 12, 13]), _psnr_cell([10.4, 10.2, 12.9, 12.1])
     assert "at this budget" not in pv.conclude_order(a, {"l2": b}, {"l2": 0.5}).text()
     assert "at this budget" in pv.conclude_order(a, {"l2": b}, {"l2": 0.5}, below_budget=True).text()
-    assert "at this budget" in pv.conclude_protects([_cell(0)], False).text()
+    assert "at this budget" in pv.conclude_protects([_cell(0, control=8)], False).text()
     assert "at this budget" not in pv.conclude_protects([_cell(0, missing=["x"])], True).text()
+    # a paper that states no iteration count is never said to have a budget ours is below
+    svd = bp.BY_ID["svd-svdefense"]
+    note = bp.budget_note(svd, bp.run_setting(svd, bp.Profile("cpu")))
+    assert "states no iteration count" in note and "below the paper's budget" not in note
+    said = pv.conclude_protects([_cell(0, control=8)], False, note).text()
+    assert "states no iteration count" in said and "below the paper's budget" not in said
+
+
+def test_a_lower_end_below_chance_never_prints_above_it():
+    c = _cell(2, images=16)  # 95% CI 1.55%-38.3%, chance 1/64 = 1.56%
+    text = pv.identification_text(c)
+    assert "CI 1.5%-38.4%" in text and "not above chance" in text
 
 
 def test_cells_persist_resume_and_a_changed_row_reruns_only_its_own(tmp_path, monkeypatch):
@@ -741,6 +798,8 @@ def _claim_evidence(identified, steps=(1, 2, 5, 10), images=8):
     c.per_step_recovered = {s: identified for s in steps}
     c.per_step_psnr = {s: 20.0 for s in steps}
     c.identified = c.recovered = identified * len(steps)
+    c.per_image_recovered = dict(c.per_image_identified)
+    c.control = {k: k[1] < 6 for k in c.per_image_identified}  # the control recovers 6 of 8 a step
     return c
 
 
