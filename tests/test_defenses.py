@@ -540,7 +540,7 @@ def test_every_defense_declares_its_differences_as_sentences():
     def mine(model, inputs, labels, *, loss_fn, generator):
         return clean_gradients(model, inputs, labels, loss_fn)
 
-    readme = open(os.path.join(os.path.dirname(__file__), os.pardir, "README.md"), encoding="utf-8").read()
+    readme = open(os.path.join(os.path.dirname(__file__), os.pardir, "docs", "reference.md"), encoding="utf-8").read()
     section = readme.split("## Where our reference defenses differ from the papers", 1)[1].split("\n## ", 1)[0]
     listed = [line.strip()[2:] for line in section.splitlines() if line.startswith("  - ")]
     assert listed == [d for name in ALL for d in DEFENSES.get(name).differences]

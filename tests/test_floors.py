@@ -2,7 +2,7 @@
 
 Reads every project module's imports with ``ast`` (module-level and inside functions) and
 fails naming the offending file and the imported name. The floors, bottom up, are in the
-README ("Where things live").
+docs/reference.md ("Where things live").
 """
 import ast
 from pathlib import Path
