@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from typing import Optional
 
-from audit.core.buffers import norm_layers
+from audit.core.buffers import upload_statistics
 from audit.core.types import Observation
 
 #: the iterations the rules' weights were chosen at, and those where the long-run weights take over
@@ -29,10 +29,9 @@ BUDGET_RULE = {"short": SHORT, "long": LONG, "tv_growth_long": TV_GROWTH_LONG,
 
 
 def reveals_batch_statistics(obs: Observation) -> bool:
-    """Whether the upload's buffers give away the private batch's BatchNorm statistics (the
-    state shared by a client whose BatchNorm runs in train mode)."""
-    return (obs.buffers is not None and obs.client_mode == "train"
-            and any(m.track_running_stats for _, m in norm_layers(obs.model)))
+    """Whether the upload's buffers give away the private batch's BatchNorm statistics: the one
+    predicate (:func:`audit.core.buffers.upload_statistics`) the prior and the report use too."""
+    return upload_statistics(obs)[0] is not None
 
 
 def long_share(obs: Observation, iterations: Optional[int]) -> float:

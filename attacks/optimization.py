@@ -366,9 +366,12 @@ class OptimizationRun:
         if len({s.revealed is None for s in sides}) > 1:
             raise ConfigError("the grouped observations differ in what they share (buffers in some only)")
         # weights from the observation resolve with the planned iterations (attacks.budget_rule)
-        self.priors = [(k, p, w(self.obs, iterations) if isinstance(w, ObservedWeight) else w)
+        # the run-length rule stands only where the attack uses the revealed statistics
+        # (bn_upload=0 switches it off with the term)
+        run = iterations if self.side.revealed is not None else None
+        self.priors = [(k, p, w(self.obs, run) if isinstance(w, ObservedWeight) else w)
                        for k, p, w in attack.priors] + self.side.priors
-        share = long_share(self.obs, iterations)
+        share = long_share(self.obs, run)
         if share and any(isinstance(w, ObservedWeight) for _, _, w in attack.priors):
             self.side.notes["run-length"] = (f"the weights from the observation moved {share:.0%} of the way to "
                                              f"their {LONG}-iteration values for a run of {iterations} iterations "

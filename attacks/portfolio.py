@@ -21,11 +21,11 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from audit.core.buffers import revealed_statistics
 from audit.core.errors import ConfigError, NotApplicable
 from audit.core.registry import Registry
 from audit.core.types import Observation, Reconstruction
 
+from attacks.budget_rule import reveals_batch_statistics
 from attacks.optimization import OptimizationAttack, ungroupable
 from attacks.presets import ATTACKS, defaults_fingerprint
 from attacks.tv_rule import RULE, batchnorm_layers
@@ -50,8 +50,7 @@ def _has_bn_stats(obs: Observation, knobs: Dict[str, Any]) -> Optional[str]:
     if not any(m.running_mean is not None for m in batchnorm_layers(obs)):
         return "the model has no BatchNorm running statistics"
     if knobs.get("bn_upload", "auto") not in (0, 0.0):
-        revealed, _ = revealed_statistics(obs.model, obs.buffers, obs.local_steps, obs.client_mode)
-        if revealed is not None:
+        if reveals_batch_statistics(obs):
             return ("the uploaded buffers reveal the batch's own BatchNorm statistics, which every strategy "
                     "matches (bn-upload): the running statistics would only guess at them")
     return None

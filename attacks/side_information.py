@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple, Union
 
-from audit.core.buffers import RevealedStatistics, revealed_statistics
+from audit.core.buffers import RevealedStatistics, upload_statistics
 from audit.core.errors import ConfigError
 from audit.core.types import Observation
 from priors import UploadedBatchNormStatistics
@@ -62,8 +62,7 @@ def check_weight(weight: Union[str, float, None]) -> Union[str, float]:
 
 def side_information(observation: Observation, weight: Union[str, float]) -> SideInformation:
     """The side-information terms for an attack on ``observation`` (``weight``: ``bn_upload``)."""
-    revealed, why = revealed_statistics(observation.model, observation.buffers, observation.local_steps,
-                                        observation.client_mode)
+    revealed, why = upload_statistics(observation)
     if revealed is None:
         return SideInformation([], None, {"bn-upload": f"not used: {why}"})
     if weight == 0:

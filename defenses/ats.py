@@ -91,6 +91,7 @@ class ATS(Defense):
     """Data-side defense: :meth:`transform_inputs` applies the policy to the private batch."""
 
     name = "ats"
+    buffer_effect = "transformed"  # the client trains on, and its buffers record, the transformed batch
     stochastic = True
     differences = (
         "Follows the ATS code rather than AutoAugment's semantics: every operation of the chain is "
@@ -125,6 +126,11 @@ class ATS(Defense):
                 img = AUGMENTATIONS.get(name)(img, level, 1.0 if draws[4 + k] < 0.5 else -1.0)
             out.append(img.clamp(0, 1))
         return torch.cat(out)
+
+    def buffer_inputs(self, inputs: Tensor, generator) -> Tensor:
+        """The batch the client trains on, whose statistics its buffers record: the same draws
+        as the shared gradient's when ``generator`` is at the state the defense's call began with."""
+        return self.transform_inputs(inputs, generator)
 
     def params(self):
         return {"policy": self.policy, "crop_flip": self.crop_flip}

@@ -75,6 +75,7 @@ class Censor(Defense):
     (``layerwise=true``, the paper's default) or for the whole model."""
 
     name = "censor"
+    buffer_effect = "untouched"  # audit.core.buffers.BUFFER_EFFECTS
     stochastic = True
     differences = (
         "The raw gradient is never shared: the lowest-loss candidate is sent even when none lowers "

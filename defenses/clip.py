@@ -25,6 +25,7 @@ class Clip(Defense):
     """Deterministic norm clipping: ``g * min(1, bound / ||g||)``."""
 
     name = "clip"
+    buffer_effect = "untouched"  # audit.core.buffers.BUFFER_EFFECTS
     stochastic = False
 
     def __init__(self, bound: float = 4.0, per_layer: bool = False):

@@ -42,6 +42,7 @@ class Decoy(Defense):
     """The clean gradient of :func:`decoy_images` with the true labels."""
 
     name = "decoy"
+    buffer_effect = "transformed"  # the buffers record the decoy batch
 
     def __init__(self, kind: str = "flat", level: float = 0.25):
         self.kind = check_choice(self.name, "kind", kind, KINDS)
@@ -51,6 +52,6 @@ class Decoy(Defense):
         return [g.detach() for g in clean_gradients(model, self.buffer_inputs(inputs), labels, loss_fn,
                                                     create_graph=False)]
 
-    def buffer_inputs(self, inputs: Tensor) -> Tensor:
+    def buffer_inputs(self, inputs: Tensor, generator=None) -> Tensor:
         """A client that shares its state uploads the decoy batch's BatchNorm statistics too."""
         return decoy_images(self.kind, tuple(inputs.shape), self.level, inputs.device, inputs.dtype)

@@ -155,6 +155,7 @@ class DPSGD(Defense):
     tensor), average, and add ``N(0, (noise_multiplier * clip / B)^2)`` to every coordinate."""
 
     name = "dp-sgd"
+    buffer_effect = "untouched"  # audit.core.buffers.BUFFER_EFFECTS
     stochastic = True
     differences = (
         "Batches are drawn as fixed-size samples without replacement, while the (epsilon, delta) "

@@ -61,6 +61,7 @@ class FlowerFixedClipping(Defense):
     gradient clipped to ``clipping_norm / lr`` (see the module docstring)."""
 
     name = "flower-fixedclipping"
+    buffer_effect = "untouched"  # audit.core.buffers.BUFFER_EFFECTS
     stochastic = False
     whole_update = True  # the transform of a round's whole update: one local step, never per step
     differences = mirror_differences("clips")
@@ -88,6 +89,7 @@ class FlowerLocalDP(FlowerFixedClipping):
     likelihood and its (epsilon, delta) accounting (see the module docstring)."""
 
     name = "flower-localdp"
+    buffer_effect = "noised"  # LocalDpMod noises every array of the reply, buffers included
     vmap_draws = True  # its noise comes from defenses.common.randn (audit.core.randomness)
     differences = mirror_differences("clips and noises")
 
@@ -102,6 +104,12 @@ class FlowerLocalDP(FlowerFixedClipping):
     def noise_std(self) -> float:
         """The std of the noise Flower adds to every entry of the update."""
         return localdp_noise_std(self.sensitivity, self.epsilon, self.delta)
+
+    @property
+    def buffer_noise_std(self) -> float:
+        """The noise on every uploaded buffer: LocalDpMod noises each array of the reply with
+        ``noise_std`` (buffers are sent as they are, not in gradient units)."""
+        return self.noise_std
 
     @property
     def gradient_noise_std(self) -> float:

@@ -71,10 +71,12 @@ class AdditiveNoise(Defense):
 @DEFENSES.register("gaussian", "Add N(0, sigma^2) noise to every gradient entry (sigma=0.1)")
 class GaussianNoise(AdditiveNoise):
     name = "gaussian"
+    buffer_effect = "untouched"  # audit.core.buffers.BUFFER_EFFECTS
     noise = "gaussian"
 
 
 @DEFENSES.register("laplacian", "Add Laplace(0, sigma) noise to every gradient entry (sigma=0.1)")
 class LaplacianNoise(AdditiveNoise):
     name = "laplacian"
+    buffer_effect = "untouched"  # audit.core.buffers.BUFFER_EFFECTS
     noise = "laplacian"

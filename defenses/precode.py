@@ -90,6 +90,7 @@ class Precode(Defense):
     """Architectural defense: use :meth:`wrap_model` on the client model before training."""
 
     name = "precode"
+    buffer_effect = "untouched"  # audit.core.buffers.BUFFER_EFFECTS
     stochastic = True
 
     def __init__(self, latent: int = 256, beta: float = 1e-3, seed: int = 0):

@@ -30,6 +30,7 @@ class Prune(Defense):
     ``scope='layer'``, over the whole model when ``scope='global'``)."""
 
     name = "prune"
+    buffer_effect = "untouched"  # audit.core.buffers.BUFFER_EFFECTS
     stochastic = False
     SCOPES = ("layer", "global")
 
@@ -58,6 +59,7 @@ class SoftPrune(Defense):
     """
 
     name = "soft-prune"
+    buffer_effect = "untouched"  # audit.core.buffers.BUFFER_EFFECTS
     stochastic = True
     vmap_draws = True
 

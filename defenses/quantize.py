@@ -32,6 +32,7 @@ class Quantize(Defense):
     """Quantises every gradient tensor to ``2**bits`` levels spanning its range."""
 
     name = "quantize"
+    buffer_effect = "untouched"  # audit.core.buffers.BUFFER_EFFECTS
 
     def __init__(self, bits: int = 8, stochastic_rounding: bool = False):
         self.bits = check_range(self.name, "bits", bits, 1, 32, integer=True)

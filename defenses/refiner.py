@@ -139,6 +139,7 @@ def _restack(rows):
 @DEFENSES.register("refiner", "Gradient of robust data (evaluation network + weighted utility), eps-projected (eps=0.1)")
 class Refiner(Defense):
     name = "refiner"
+    buffer_effect = "untouched"  # audit.core.buffers.BUFFER_EFFECTS
     stochastic = True
     differences = (
         "The evaluation network D defaults to d_width=32 (32/64/128 filters) instead of the paper's "

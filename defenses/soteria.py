@@ -35,6 +35,7 @@ class Soteria(Defense):
     or a module name from ``model.named_modules()`` (for the built models, its index)."""
 
     name = "soteria"
+    buffer_effect = "untouched"  # audit.core.buffers.BUFFER_EFFECTS
     stochastic = False
 
     def __init__(self, ratio: float = 0.8, layer="last", chunk: int = 64):

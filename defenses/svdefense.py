@@ -87,6 +87,7 @@ def rank_for_energy(s: Tensor, energy: float) -> int:
 @DEFENSES.register("svdefense", "Channel-weighted truncated SVD per layer, self-adaptive energy E=1-exp(-eta*H), eta=0.3")
 class SVDefense(Defense):
     name = "svdefense"
+    buffer_effect = "untouched"  # audit.core.buffers.BUFFER_EFFECTS
     stochastic = False
     WEIGHTINGS = ("sqrt", "square")
     differences = (

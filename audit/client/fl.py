@@ -1,12 +1,14 @@
 """Federated training with defended updates.
 
-* **FedSGD** (``local_steps=1`` and no ``local_lr``): every step each client computes its
+* **FedSGD** (the client shares its gradient): every step each client computes its
   defended gradient on a batch of its own data at the global model; the server applies
   ``theta -= lr * mean_clients(g)``.
-* **FedAvg** (``local_steps > 1`` or ``local_lr`` given): each client copies the global model
-  and runs ``local_steps`` SGD steps (``local_lr``, default ``lr``) on its own batches, each
-  with the defended gradient; the server adds the mean of the clients' parameter deltas
-  (floating-point buffers such as BatchNorm statistics are averaged too).
+* **FedAvg** (it shares an update or its state): each client copies the global model and runs
+  the audited client's round on a batch of its own data (its steps or epochs, local
+  mini-batches, learning rate and optimiser: :class:`~audit.core.client_training.ClientTraining`),
+  each step with the defended gradient; the server adds the mean of the clients' parameter
+  deltas. Floating-point buffers such as BatchNorm statistics are averaged in both (as the
+  defense's declared buffer effect leaves them, for a client that shares its state).
 * **A server optimiser** (``server_optimizer``, FedOpt / FedAvgM): the server treats the
   round's mean gradient (FedSGD) or mean delta over the learning rate (FedAvg) as a
   gradient and steps with SGD momentum / Nesterov / weight decay or Adam, its state kept
@@ -20,13 +22,15 @@ training-time losses (ATS, PRECODE's KL term) run inside the defense, on the cli
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, List, Optional
 
 import torch
 from torch import Tensor, nn
 
-from audit.core.defense_call import as_defense, call_defense
+from audit.client.observe import client_round
+from audit.core.client_training import ClientTraining
+from audit.core.defense_call import as_defense
 from audit.core.models import preserved_buffers
 
 from audit.core.errors import ConfigError, DataError
@@ -111,24 +115,28 @@ def train(model: nn.Module, dataset, defense, steps: int, *, lr: float, batch_si
           device="cpu", loss_fn: LossFn = default_loss_fn,
           callback: Optional[Callable[[int, nn.Module], None]] = None,
           schedule: Optional[Callable[[int], float]] = None, optimizer=None,
-          server_optimizer=None) -> History:
+          server_optimizer=None, training: Optional[ClientTraining] = None) -> History:
     """Train ``model`` in place for ``steps`` rounds with the defended updates.
 
     ``model`` is the client's model: for architectural defenses, the one ``defense.wrap_model``
     already returned (the caller wraps once). ``defense`` is a resolved
     :class:`~audit.core.types.Defense`, a plain callable, or None (no defense). ``callback(step, model)``
     is called before each round's update (``step = 0 .. steps - 1``, the model the clients
-    receive) and once after the last one (``step = steps``). A defense that accepts a ``round``
-    keyword gets ``round=step`` (every local step of a FedAvg round shares the round's index).
-    ``schedule(step)``: a factor on the learning rates of round ``step`` (None: constant).
-    ``optimizer``: the clients' local optimiser (a :class:`~audit.core.local_training.LocalOptimizer`
-    or its text; a fresh state each round, as a client builds its optimiser in each fit; one
-    other than plain SGD makes the round FedAvg). ``server_optimizer``: the server's optimiser on
-    the round's mean update (its text or record; None or plain SGD: the update is applied as is).
+    receive) and once after the last one (``step = steps``). Each client runs the audited
+    client's round (:func:`audit.client.observe.client_round`) on a fresh batch of
+    ``batch_size`` images of its split with ``training`` (None: built from ``local_steps``,
+    ``local_lr`` (default ``lr``) and ``optimizer``), local mini-batches and epochs included; a
+    defense that accepts ``round`` gets ``round=step``. A client that shares its gradient makes
+    the round FedSGD (the server steps by ``lr``), else FedAvg. ``schedule(step)``: a factor on
+    the learning rates of round ``step``. ``server_optimizer``: the server's optimiser on the
+    round's mean update (its text or record; None or plain SGD: the update is applied as is).
     """
-    optimizer = LocalOptimizer.parse(optimizer)
+    _check_args(dataset, steps, lr, batch_size, local_steps if training is None else training.steps)
+    if training is None:
+        fedavg = local_steps > 1 or local_lr is not None or not LocalOptimizer.parse(optimizer).plain
+        training = ClientTraining(optimizer or "sgd", local_steps, None, lr if local_lr is None else local_lr,
+                                  shares="update" if fedavg else None)
     server = ServerStep(LocalOptimizer.parse(server_optimizer))
-    _check_args(dataset, steps, lr, batch_size, local_steps)
     defense = as_defense(defense) or NoDefense()
     device = torch.device(device)
     model = model.to(device)
@@ -136,46 +144,34 @@ def train(model: nn.Module, dataset, defense, steps: int, *, lr: float, batch_si
     data_gen = torch.Generator().manual_seed(seed)
     defense_gen = torch.Generator(device=device).manual_seed(seed + 1)
     splits = client_splits(len(dataset.train_labels), clients, data_gen)
-    fedavg = local_steps > 1 or local_lr is not None or not optimizer.plain
-    step_lr = lr if local_lr is None else local_lr
+    fedavg = training.shares != "gradient"
     history = History(model)
     for step in range(steps):
         if callback is not None:
             callback(step, model)
         scale = 1.0 if schedule is None else float(schedule(step))
+        # a scaled round (a factor of 0 leaves the model as it is: the server steps by 0)
+        rounds = replace(training, lr=training.lr * scale) if fedavg and scale > 0 and scale != 1.0 else training
         losses, updates, local_models = [], [], []
         for split in splits:
-            client = copy.deepcopy(model) if fedavg else model
-            params = trainable_parameters(client)
-            state: dict = {}
-            for k in range(local_steps):
-                x, y = _batch(dataset, split, batch_size, data_gen, device)
-                if k == 0:
-                    losses.append(_batch_loss(client, x, y, loss_fn))
-                grads = call_defense(defense, client, x, y, loss_fn=loss_fn, generator=defense_gen,
-                                     round=step)
-                if fedavg:
-                    if not optimizer.plain:
-                        named = {str(i): p.detach() for i, p in enumerate(params)}
-                        moved, state = optimizer_step(optimizer, named, {str(i): g.detach() for i, g in
-                                                                         enumerate(grads)}, state, k + 1)
-                        grads = list(moved.values())
-                    _apply(params, grads, step_lr * scale)
-                else:
-                    updates.append([g.detach() for g in grads])
+            x, y = _batch(dataset, split, batch_size, data_gen, device)
+            client = copy.deepcopy(model)
+            losses.append(_batch_loss(client, x, y, loss_fn))
+            done = client_round(client, x, y, defense, rounds, generator=defense_gen, loss_fn=loss_fn, round=step)
+            if training.shares == "state":  # what the server receives: the buffers as the defense leaves them
+                with torch.no_grad():
+                    for name, b in client.named_buffers():
+                        b.copy_(done.buffers[name])
+            updates.append(done.update)
             local_models.append(client)
         params = trainable_parameters(model)
-        if fedavg:
-            before = None if server.optimizer.plain else [p.detach().clone() for p in params]
-            _average_into(model, local_models)
-            if before is not None:  # the mean delta over the learning rate, stepped by the server
-                deltas = [(b - p.detach()) / (step_lr * scale) for b, p in zip(before, params)]
-                with torch.no_grad():
-                    for p, b in zip(params, before):
-                        p.copy_(b)
-                server.step(params, deltas, step_lr * scale)
-        else:
-            server.step(params, [torch.stack(c).mean(0) for c in zip(*updates)], lr * scale)
+        before = [p.detach().clone() for p in params]
+        _average_into(model, local_models)
+        with torch.no_grad():
+            for p, b in zip(params, before):
+                p.copy_(b)
+        # the mean update (FedAvg: the mean delta over the local learning rate), stepped by the server
+        server.step(params, [torch.stack(u).mean(0) for u in zip(*updates)], (training.lr if fedavg else lr) * scale)
         history.losses.append(sum(losses) / len(losses))
     if callback is not None:
         callback(steps, model)

@@ -9,17 +9,18 @@ the returned observation.
 from __future__ import annotations
 
 import copy
-from typing import Optional
+from dataclasses import dataclass
+from typing import Dict, List, Optional
 
 import torch
 from torch import Tensor, nn
 
-from audit.core.buffers import has_running_stats, state_buffers
+from audit.core.buffers import buffer_effect, has_running_stats, state_buffers
+from audit.core.client_training import ClientTraining
 from audit.core.defense_call import as_defense, call_defense
 from audit.core.errors import ConfigError, DataError
-from audit.core.local_training import LocalOptimizer
 from audit.core.models import Normalize, last_linear, preserved_buffers
-from audit.core.types import LossFn, Observation, default_loss_fn, resolve_shares, trainable_parameters
+from audit.core.types import LossFn, Observation, default_loss_fn, trainable_parameters
 from audit.core.unroll import client_update
 
 
@@ -60,25 +61,25 @@ def observe(
     extra: Optional[dict] = None,
     optimizer=None,
     shares: Optional[str] = None,
+    training: Optional[ClientTraining] = None,
 ) -> Observation:
-    """Run one client round on ``(images, labels)`` and return what the server observes.
+    """Run one client round (:func:`client_round`) on ``(images, labels)`` and return what
+    the server observes.
 
     The model is copied (neither it nor its BatchNorm buffers change). ``defense`` is None,
     a :class:`~audit.core.types.Defense` or a defended-gradient callable (a name is resolved
-    first: :func:`defenses.resolve_defense`); every
-    local step shares ``defense(model_k, batch_k, labels_k, loss_fn=, generator=)`` (plus
-    ``round=step`` for a defense that accepts the FL round index).
-    Architectural defenses: pass the client's model, i.e. the one ``defense.wrap_model``
-    returned. FedAvg (``local_steps > 1`` or an ``optimizer`` other than plain SGD, e.g.
-    ``"sgd:momentum=0.9"``) shares ``(theta_0 - theta_K) / local_lr``; ``shares="state"`` adds
-    the client's buffers after its training (one train-mode forward pass per local step, as a
-    training loop runs; the defense's own passes leave them alone).
+    first: :func:`defenses.resolve_defense`); every local step shares ``defense(model_k,
+    batch_k, labels_k, loss_fn=, generator=)`` (plus ``round=step`` for a defense that accepts
+    the FL round index). Architectural defenses: pass the client's model, i.e. the one
+    ``defense.wrap_model`` returned. ``training``: the client's training record
+    (:class:`~audit.core.client_training.ClientTraining`); without it, built from ``local_*``,
+    ``optimizer``, ``shares`` and ``client_mode`` (one SGD step of ``local_steps`` = 1 shares the
+    gradient). ``shares="state"`` adds the buffers as the defense's declared effect leaves them.
     """
-    if client_mode not in ("train", "eval"):
-        raise ConfigError(f"client_mode must be 'train' or 'eval', got {client_mode!r}")
-    optimizer = LocalOptimizer.parse(optimizer)
-    shares = resolve_shares(shares, local_steps, optimizer)
-    if shares == "state" and not has_running_stats(model):
+    if training is None:
+        training = ClientTraining(optimizer or "sgd", local_steps, None, local_lr if local_lr > 0 or local_steps > 1 else 0.1,
+                                  local_batch_size, shares, client_mode)
+    if training.shares == "state" and not has_running_stats(model):
         raise ConfigError("shares='state' needs buffers to share, and the model has no BatchNorm running "
                           "statistics: use shares='update' (--shares update)")
     device = next(model.parameters()).device
@@ -88,33 +89,49 @@ def observe(
     server_model = copy.deepcopy(model)
     num_classes = last_linear(server_model)[1].out_features
     _check_batch(images, labels, num_classes)
-    client = copy.deepcopy(server_model)
-    shared = client_round(client, images, labels, defense, loss_fn, generator, local_steps, local_lr,
-                          local_batch_size, client_mode, round=step, optimizer=optimizer)
+    done = client_round(copy.deepcopy(server_model), images, labels, defense, training, generator=generator,
+                        loss_fn=loss_fn, round=step)
+    steps = training.steps_for(images.shape[0])
     mean, std = _normalisation(server_model)
     return Observation(
-        model=server_model, gradients=shared, input_shape=tuple(images.shape[1:]), num_classes=num_classes,
+        model=server_model, gradients=done.update, input_shape=tuple(images.shape[1:]), num_classes=num_classes,
         batch_size=images.shape[0], labels=labels.clone() if share_labels else None, loss_fn=loss_fn,
-        local_steps=local_steps, local_lr=local_lr if local_steps > 1 else 0.0,
-        local_batch_size=local_batch_size, defense=defense, step=step, data_mean=mean, data_std=std,
-        extra=dict(extra or {}), client_mode=client_mode, optimizer=optimizer, shares=shares,
-        buffers=state_buffers(client) if shares == "state" else None,
+        local_steps=steps, local_lr=training.lr if steps > 1 else 0.0,
+        local_batch_size=training.batch_size, defense=defense, step=step, data_mean=mean, data_std=std,
+        extra=dict(extra or {}), client_mode=training.mode, optimizer=training.optimizer, shares=training.shares,
+        buffers=done.buffers if training.shares == "state" else None, buffer_effect=done.effect,
     )
 
 
-def client_round(model, images, labels, defense, loss_fn, generator, steps, lr, local_batch_size, mode,
-                 round=None, optimizer: Optional[LocalOptimizer] = None):
-    """The client's local training on its own copy; returns the shared update (gradient units).
-    ``round`` (the FL round index) goes to a defense that accepts it. In train mode each local
-    step advances the copy's BatchNorm buffers by one forward pass on its mini-batch."""
+@dataclass
+class ClientRound:
+    """What one client round ends with: the ``update`` in gradient units (one tensor per
+    trainable parameter), the ``buffers`` it would upload with its state (the defense's
+    declared effect applied) and that effect's name."""
 
-    model.train(mode == "train")
+    update: List[Tensor]
+    buffers: Dict[str, Tensor]
+    effect: str
+
+
+def client_round(model: nn.Module, images: Tensor, labels: Tensor, defense, training: ClientTraining, *,
+                 generator: Optional[torch.Generator], loss_fn: LossFn = default_loss_fn,
+                 round: Optional[int] = None) -> ClientRound:
+    """The client's local training on ``model`` (its own copy, moved in place): the one round
+    the observation, the FL trainer between audited steps and the Flower fidelity replay run.
+    Each local step shares the defended gradient (``round`` goes to a defense that accepts it);
+    in train mode the step's forward pass moves the buffers on the inputs the defense's
+    :func:`~audit.core.buffers.buffer_effect` records; the upload's buffers follow that effect."""
+    model.train(training.mode == "train")
     params = trainable_parameters(model)
+    effect = buffer_effect(defense)
+    before = state_buffers(model)
 
     def step_grads(p, xb, yb, k):
         with torch.no_grad():  # the client's model at theta_k
             for q, value in zip(params, p.values()):
                 q.copy_(value)
+        start = None if generator is None else generator.get_state()
         with preserved_buffers(model):
             if defense is None:
                 loss = loss_fn(model(xb), yb)
@@ -122,12 +139,30 @@ def client_round(model, images, labels, defense, loss_fn, generator, steps, lr, 
                 grads = [torch.zeros_like(q) if g is None else g for q, g in zip(params, grads)]
             else:
                 grads = call_defense(defense, model, xb, yb, loss_fn=loss_fn, generator=generator, round=round)
-        if mode == "train":  # the training loop's forward pass: the buffers move once per step
-            recorded = getattr(defense, "buffer_inputs", None)
+        if training.mode == "train":  # the training loop's forward pass: the buffers move once per step
             with torch.no_grad():
-                model(recorded(xb) if callable(recorded) else xb)
+                model(effect.records(defense, xb, _restarted(generator, start)))
         return {str(i): g.detach() for i, g in enumerate(grads)}
 
     theta0 = {str(i): q.detach().clone() for i, q in enumerate(params)}
-    return client_update(step_grads, theta0, images, labels, steps=steps, lr=lr, batch_size=local_batch_size,
-                         optimizer=optimizer)
+    update = client_update(step_grads, theta0, images, labels, steps=training.steps_for(images.shape[0]),
+                           lr=training.lr, batch_size=training.batch_size, optimizer=training.optimizer)
+    with torch.no_grad():  # the model ends at theta_K, as the client's training leaves it
+        for q, t0, u in zip(params, theta0.values(), update):
+            q.copy_(t0 - training.lr * u)
+    return ClientRound(update, effect.uploads(defense, state_buffers(model), before, generator), effect.name)
+
+
+def _restarted(generator: Optional[torch.Generator], state) -> Optional[torch.Generator]:
+    """A generator at ``state`` (the defense call's start), so a transform is drawn again alike."""
+    if generator is None:
+        return None
+    again = torch.Generator(device=generator.device)
+    again.set_state(state)
+    return again
+
+
+def observed_training(obs: Observation) -> ClientTraining:
+    """The client training ``obs`` declares (for replaying a round on other data)."""
+    return ClientTraining(obs.optimizer, obs.local_steps, None, obs.local_lr if obs.local_lr > 0 else 0.1,
+                          obs.local_batch_size, obs.shares, obs.client_mode)

@@ -16,10 +16,13 @@ predicts the same mixture from its own unroll (:mod:`priors.batchnorm`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
+
+from audit.core.errors import ConfigError
+from audit.core.registry import Registry
 
 NORM_TYPES = (nn.modules.batchnorm._BatchNorm,)
 
@@ -105,3 +108,85 @@ def revealed_statistics(model: nn.Module, uploaded: Optional[Dict[str, Tensor]],
            for n, m in layers):
         return None, "the uploaded buffers equal the global model's: they carry no batch statistics"
     return RevealedStatistics(names, means, variances, weights), ""
+
+
+# --------------------------------------------------------------------------- what a defense does to them
+@dataclass(frozen=True)
+class BufferEffect:
+    """What a defense does to the buffers a client uploads with its state: ``text`` for the
+    threat model; ``records(defense, inputs, generator)`` the inputs whose statistics the
+    training loop's forward pass records (``generator`` at the state the defense's call began
+    with); ``uploads(defense, trained, before, generator)`` the buffers sent (``trained``: the
+    client's after training, ``before``: the global model's); ``reveals``: whether the upload's
+    statistics are the attack's to use (:func:`upload_statistics`)."""
+
+    name: str
+    text: str
+    records: Callable[[Any, Tensor, Optional[torch.Generator]], Tensor]
+    uploads: Callable[[Any, Dict[str, Tensor], Dict[str, Tensor], Optional[torch.Generator]], Dict[str, Tensor]]
+    reveals: bool = True
+
+
+BUFFER_EFFECTS = Registry("buffer effect")
+NOT_DECLARED = "not declared"
+
+
+def _private(defense, inputs, generator):
+    return inputs
+
+
+def _trained(defense, trained, before, generator):
+    return trained
+
+
+def _transformed_inputs(defense, inputs, generator):
+    record = getattr(defense, "buffer_inputs", None)
+    if not callable(record):
+        raise ConfigError(f"defense {getattr(defense, 'name', defense)!r} declares buffer_effect 'transformed' "
+                          "but has no buffer_inputs(inputs, generator): add it, or declare another effect")
+    return record(inputs, generator)
+
+
+def _noised(defense, trained, before, generator):
+    std = float(getattr(defense, "buffer_noise_std", 0.0))
+    return {n: b + std * torch.randn(b.shape, generator=generator, device=b.device, dtype=b.dtype)
+            if b.is_floating_point() and std > 0 else b for n, b in trained.items()}
+
+
+def _dropped(defense, trained, before, generator):
+    return {n: b.detach().clone() for n, b in before.items()}
+
+
+for _effect in (
+    BufferEffect("untouched", "the defense acts on the gradient only: the uploaded BatchNorm buffers carry the "
+                              "private batch's statistics untouched", _private, _trained),
+    BufferEffect("transformed", "the client trains on transformed inputs: the uploaded BatchNorm buffers carry the "
+                                "statistics of the batch it trained on (buffer_inputs)", _transformed_inputs, _trained),
+    BufferEffect("noised", "the defense adds Gaussian noise to every uploaded buffer (std buffer_noise_std); the "
+                           "attacks do not model that noise and leave the buffers' statistics unused",
+                 _private, _noised, reveals=False),
+    BufferEffect("dropped", "the defense uploads the global model's buffers: they carry no batch statistics",
+                 _private, _dropped, reveals=False),
+    BufferEffect(NOT_DECLARED, "the defense does not declare what it does to the buffers (buffer_effect): the "
+                               "simulated client uploads the private batch's statistics untouched, which a real "
+                               "client running this defense may not", _private, _trained),
+):
+    BUFFER_EFFECTS.add(_effect.name, _effect, _effect.text)
+
+
+def buffer_effect(defense: Any) -> BufferEffect:
+    """The effect ``defense`` declares (its ``buffer_effect``); no defense: untouched; a defense
+    that declares none: :data:`NOT_DECLARED`."""
+    if defense is None:
+        return BUFFER_EFFECTS.get("untouched")
+    return BUFFER_EFFECTS.get(getattr(defense, "buffer_effect", None) or NOT_DECLARED)
+
+
+def upload_statistics(obs: Any) -> Tuple[Optional[RevealedStatistics], str]:
+    """The one predicate of "the upload reveals the private batch's statistics": what
+    ``obs``' uploaded buffers reveal (:func:`revealed_statistics`) where its defense's
+    declared effect leaves them usable, else ``(None, why not)``."""
+    effect = BUFFER_EFFECTS.get(getattr(obs, "buffer_effect", "untouched"))
+    if obs.buffers is not None and not effect.reveals:
+        return None, f"the buffers are {effect.name}: {effect.text}"
+    return revealed_statistics(obs.model, obs.buffers, obs.local_steps, obs.client_mode)

@@ -118,9 +118,9 @@ class Defense:
     * ``transform_inputs(inputs, generator)`` -- data-side defenses (ATS, Refiner).
     * ``differences`` -- where this reference implementation departs from its paper or the
       authors' code, one sentence each (data only; the report of an audit prints them).
-    * ``buffer_inputs(inputs)`` (optional) -- the inputs whose statistics the client's
-      BatchNorm buffers record when it shares its state (undeclared: the private inputs; a
-      gradient defense leaves the buffers untouched).
+    * ``buffer_effect`` -- what it does to the BatchNorm buffers a client uploads with its
+      state (:data:`audit.core.buffers.BUFFER_EFFECTS`; unset: "not declared"), with
+      ``buffer_inputs(inputs, generator)`` for "transformed", ``buffer_noise_std`` for "noised".
 
     A defense whose ``__call__`` takes a ``round`` keyword gets the FL round index (the
     training step) from the client simulation; ``accepts_round`` says whether it does.
@@ -201,6 +201,7 @@ class NoDefense(Defense):
 
     name = "none"
     stochastic = False
+    buffer_effect = "untouched"
 
 
 def is_gradient_only(defense: Any) -> bool:
@@ -391,6 +392,8 @@ class Observation:
     # one plain local step, update otherwise
     shares: Optional[str] = None
     buffers: Optional[Dict[str, Tensor]] = None  # the uploaded buffers (shares="state" only)
+    # what the defense did to them (audit.core.buffers.BUFFER_EFFECTS: untouched, noised, ...)
+    buffer_effect: str = "untouched"
 
     def __post_init__(self):
         self.shares = resolve_shares(self.shares, self.local_steps, self.optimizer)

@@ -30,7 +30,7 @@ from audit.client.fl import train
 from audit.client.observe import observe
 from audit.core.defense_call import DEFAULT_DEFENSE_TIMEOUT, defense_timeout
 from attacks.side_information import side_information
-from audit.core.buffers import has_running_stats
+from audit.core.buffers import buffer_effect, has_running_stats, upload_statistics
 from audit.core.errors import ConfigError, DefenseError, GiaError, NotApplicable
 from audit.core.preflight import runs
 from audit.core.records import AccuracySpread, AttackResult, Scores, Status, UtilityResult
@@ -223,6 +223,7 @@ class Audit:
     def threat_model(self, specs: Sequence[AttackSpec]) -> Dict[str, Any]:
         """What the attacker was given; from a real observation of step 0, image 0."""
         x, y = self.private[0]
+        obs = None
         try:
             obs = self.observe(self.model, x, y, 0, 0)
             declared = obs.threat_model()
@@ -242,17 +243,13 @@ class Audit:
             "client_mode": CLIENT_MODE_TEXT[self.fl_settings.client_mode],
             "model_state": _state_description(self.model_settings, self.seed),
             "client_training": self.fl_settings.training_description(),
-            **buffer_note(self.defense, self.fl_settings.shares, self.fl_settings.client_mode),
+            **buffer_note(obs, self.defense, self.fl_settings.shares),
         }
 
     def observe(self, model: nn.Module, images, labels, step: int, image: int):
-        fl = self.fl_settings
-        local_lr = fl.local_lr if fl.local_lr is not None else fl.lr
         return observe(model, images, labels, self.defense, share_labels=self.data_settings.share_labels,
-                       local_steps=fl.client_steps(images.shape[0]), local_lr=local_lr,
-                       local_batch_size=fl.local_batch_size, optimizer=fl.local_optimizer, shares=fl.shares,
-                       client_mode=fl.client_mode, step=step,
-                       seed=self.defense_seed(step, image), extra=self.auxiliary_data())
+                       training=self.fl_settings.client, step=step, seed=self.defense_seed(step, image),
+                       extra=self.auxiliary_data())
 
     def auxiliary_data(self) -> Dict[str, Any]:
         """The extras every observation declares: the data set's *train* split (the same tensors
@@ -649,17 +646,18 @@ CLIENT_MODE_TEXT = {
 }
 
 
-def buffer_note(defense, shares: str, client_mode: str = "train") -> Dict[str, str]:
-    """The threat model's line on the uploaded buffers (shares="state" only)."""
+def buffer_note(obs, defense, shares: str) -> Dict[str, str]:
+    """The threat model's lines on the uploaded buffers (shares="state" only): what the defense
+    declares it does to them (:func:`audit.core.buffers.buffer_effect`) and whether the upload
+    of ``obs`` (None: no observation) reveals the batch's statistics (:func:`upload_statistics`)."""
     if shares != "state":
         return {}
-    if client_mode != "train":
-        return {"buffers": "the client trains in eval mode: its uploaded buffers are the global model's and carry "
-                           "no batch statistics"}
-    if callable(getattr(defense, "buffer_inputs", None)):
-        return {"buffers": f"the defense {defense.name!r} declares what the uploaded buffers record (buffer_inputs)"}
-    return {"buffers": "the defense acts on the gradient only: the uploaded BatchNorm buffers carry the private "
-                       "batch's statistics untouched"}
+    effect = buffer_effect(defense)
+    if obs is None:
+        return {"buffers": f"{effect.name}: {effect.text}", "buffers_reveal": "not judged: no observation"}
+    revealed, why = upload_statistics(obs)
+    return {"buffers": f"{effect.name}: {effect.text}",
+            "buffers_reveal": revealed.describe() if revealed is not None else f"nothing: {why}"}
 
 
 def _check_local_steps(defense, fl: FLSettings) -> None:
@@ -692,10 +690,10 @@ def _train(audit: "Audit", last_step: int, wanted: set) -> Tuple[Dict[int, Dict[
     if last_step == 0:
         return captured, None
     try:
-        train(model, audit.dataset, audit.defense, last_step, lr=audit.fl_settings.lr, batch_size=audit.fl_settings.batch_size,
-              clients=audit.fl_settings.clients, local_steps=audit.fl_settings.local_steps, local_lr=audit.fl_settings.local_lr,
-              seed=audit.seed, device=audit.device, callback=capture, optimizer=audit.fl_settings.local_optimizer,
-              server_optimizer=audit.fl_settings.server_optimizer)
+        fl = audit.fl_settings
+        train(model, audit.dataset, audit.defense, last_step, lr=fl.lr, batch_size=fl.batch_size, clients=fl.clients,
+              training=fl.client, seed=audit.seed, device=audit.device, callback=capture,
+              server_optimizer=fl.server_optimizer)
     except GiaError as err:  # the defense failed on the model of step done["step"]
         failed = done["step"]
         return captured, {"phase": "training", "step": failed, "defense": audit.defense.name,

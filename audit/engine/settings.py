@@ -12,11 +12,11 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from audit.core.defense_call import DEFAULT_DEFENSE_TIMEOUT
 from audit.core.errors import ConfigError
+from audit.core.client_training import CLIENT_MODES, ClientTraining
 from audit.core.local_training import LocalOptimizer
 from audit.core.model_source import model_label, parse_normalize, source_kind
 from audit.core.registry import parse_kv_args
-from audit.core.types import BUDGET_DEFINITION, BUDGET_UNIT, resolve_shares
-from audit.core.unroll import steps_for_epochs
+from audit.core.types import BUDGET_DEFINITION, BUDGET_UNIT
 from audit.report.rule import LeakRule
 
 DEFAULT_STEPS = (0, 1, 5, 20)
@@ -29,7 +29,6 @@ DEFAULT_MAX_BUDGET = 3200
 # private batches per step: with none recovered, 8 images exclude a recovery rate above 31%
 # (one-sided 95%); 59 would exclude 5% (docs/evidence.md)
 DEFAULT_IMAGES = 8
-CLIENT_MODES = ("train", "eval")
 
 
 def _comma_list(value: Any) -> Any:
@@ -156,37 +155,30 @@ class FLSettings:
     #: the server's optimiser between audited steps (same text as ``local_optimizer``)
     server_optimizer: Any = "sgd"
 
+    #: the audited client's training as one record, built here once (from the fields above)
+    client: ClientTraining = field(init=False, repr=False)
+
     def __post_init__(self):
-        if self.client_mode not in CLIENT_MODES:
-            raise ConfigError(f"client_mode must be 'train' or 'eval', got {self.client_mode!r}")
-        optimizer = LocalOptimizer.parse(self.local_optimizer)
-        if self.local_epochs is not None and self.local_steps != 1:
-            raise ConfigError("give local_steps or local_epochs, not both (--local-steps / --local-epochs)")
-        _set(self, local_optimizer=optimizer, server_optimizer=LocalOptimizer.parse(self.server_optimizer),
-             local_batch_size=None if self.local_batch_size is None else _positive("local_batch_size",
-                                                                                  self.local_batch_size),
-             local_epochs=None if self.local_epochs is None else _positive("local_epochs", self.local_epochs))
-        trains = self.local_epochs is not None or self.local_steps > 1 or not optimizer.plain
-        _set(self, shares=resolve_shares(self.shares, 2 if trains else 1, optimizer))
-        _set(self, lr=_positive("lr", self.lr, float), batch_size=_positive("train_batch_size", self.batch_size),
-             clients=_positive("clients", self.clients), local_steps=_positive("local_steps", self.local_steps),
-             local_lr=None if self.local_lr is None else _positive("local_lr", self.local_lr, float))
+        lr = _positive("lr", self.lr, float)
+        local_lr = None if self.local_lr is None else _positive("local_lr", self.local_lr, float)
+        # the one place that decides the client's learning rate: local_lr if given, else lr
+        client = ClientTraining(self.local_optimizer, self.local_steps, self.local_epochs,
+                                lr if local_lr is None else local_lr, self.local_batch_size, self.shares,
+                                self.client_mode)
+        _set(self, client=client, lr=lr, local_lr=local_lr, local_optimizer=client.optimizer,
+             local_steps=client.steps, local_epochs=client.epochs, local_batch_size=client.batch_size,
+             shares=client.shares, server_optimizer=LocalOptimizer.parse(self.server_optimizer),
+             batch_size=_positive("train_batch_size", self.batch_size), clients=_positive("clients", self.clients))
 
     def client_steps(self, batch_size: int) -> int:
         """Local steps of the audited client on a private batch of ``batch_size`` images."""
-        if self.local_epochs is None:
-            return self.local_steps
-        return steps_for_epochs(self.local_epochs, batch_size, self.local_batch_size)
+        return self.client.steps_for(batch_size)
 
     def training_description(self) -> str:
         """The client's local training, in one phrase, for reports."""
-        steps = f"{self.local_epochs} local epoch(s)" if self.local_epochs is not None else \
-            f"{self.local_steps} local step(s)"
-        batch = "" if self.local_batch_size is None else f", mini-batches of {self.local_batch_size}"
-        lr = self.local_lr if self.local_lr is not None else self.lr
         server = "" if self.server_optimizer.plain else \
             f"; the server steps with {self.server_optimizer.describe()} between audited steps"
-        return f"{steps} of {self.local_optimizer.describe()} at lr {lr}{batch}; uploads its {self.shares}{server}"
+        return self.client.describe() + server
 
 
 @dataclass(frozen=True)

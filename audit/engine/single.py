@@ -110,9 +110,7 @@ def run_attack(
         net = client_model(defense, net, seed)
     elif defense_args:
         raise ConfigError("--defense-arg needs --defense")
-    obs = observe(net, x.to(device), y.to(device), defense, share_labels=share_labels,
-                  local_steps=fl.client_steps(batch), local_lr=local_lr, local_batch_size=local_batch_size,
-                  optimizer=fl.local_optimizer, shares=fl.shares, client_mode=client_mode, seed=seed)
+    obs = observe(net, x.to(device), y.to(device), defense, share_labels=share_labels, training=fl.client, seed=seed)
     settings = dict(attack_args or {})
     if restarts is not None:
         settings["restarts"] = restarts

@@ -23,12 +23,10 @@ from typing import Any, Dict, List, Optional
 import torch
 from torch import Tensor
 
-from audit.core.buffers import state_buffers
-from audit.core.defense_call import call_defense
-from audit.core.models import preserved_buffers
-from audit.core.types import default_loss_fn, trainable_names, trainable_parameters
-from audit.core.unroll import client_update
-from audit.integrations.flower.reply import NamedArrays, deployment_module
+from audit.client.observe import client_round
+from audit.core.client_training import ClientTraining
+from audit.core.types import trainable_names
+from audit.integrations.flower.reply import NamedArrays, audited_prefix, deployment_module
 
 COSINE_MIN = 0.999  # per layer group, without noise
 RATIO_TOLERANCE = 0.01  # |norm ratio - 1|, without noise
@@ -84,46 +82,21 @@ def _flat(tensors) -> Tensor:
     return torch.cat(items) if items else torch.zeros(0, dtype=torch.float64)
 
 
-def _client_round(model, images, labels, defense, generator, steps, lr, local_batch_size, mode, round, optimizer):
-    """The client's local training on ``model`` (moved in place, buffers included): one
-    train-mode forward per step moves the buffers, as a training loop does; the update in
-    gradient units (:func:`audit.core.unroll.client_update`)."""
-    model.train(mode == "train")
-    params = trainable_parameters(model)
-
-    def step_grads(p, xb, yb, k):
-        with torch.no_grad():
-            for q, value in zip(params, p.values()):
-                q.copy_(value)
-        with preserved_buffers(model):
-            if defense is None:
-                grads = torch.autograd.grad(default_loss_fn(model(xb), yb), params, allow_unused=True)
-                grads = [torch.zeros_like(q) if g is None else g for q, g in zip(params, grads)]
-            else:
-                grads = call_defense(defense, model, xb, yb, loss_fn=default_loss_fn, generator=generator, round=round)
-        if mode == "train":
-            with torch.no_grad():
-                model(xb)
-        return {str(i): g.detach() for i, g in enumerate(grads)}
-
-    theta0 = {str(i): q.detach().clone() for i, q in enumerate(params)}
-    return client_update(step_grads, theta0, images, labels, steps=steps, lr=lr, batch_size=local_batch_size,
-                         optimizer=optimizer)
-
-
-def replay(model, images: Tensor, labels: Tensor, *, defense, steps: int, lr: float,
-           local_batch_size: Optional[int], optimizer, client_mode: str, round: int, seed: int) -> NamedArrays:
-    """The state the declared training ends in, from ``model`` (the audited model holding the
-    global state), by the deployment's ``state_dict`` names."""
+def replay(model, images: Tensor, labels: Tensor, *, defense, training: ClientTraining, round: int,
+           seed: int) -> NamedArrays:
+    """The state the declared ``training`` ends in, from ``model`` (the audited model holding the
+    global state), by the deployment's ``state_dict`` names: the audit's own client round
+    (:func:`audit.client.observe.client_round`), buffers as the defense's declared effect leaves them."""
     client = copy.deepcopy(model)
-    generator = torch.Generator().manual_seed(int(seed))
-    update = _client_round(client, images, labels, defense, generator, steps, lr, local_batch_size, client_mode,
-                           round, optimizer)
+    generator = torch.Generator(device=images.device).manual_seed(int(seed))
+    done = client_round(client, images, labels, defense, training, generator=generator, round=round)
     net = deployment_module(model)
     before = dict(net.named_parameters())
     names = trainable_names(net)
-    weights = {n: (before[n].detach() - lr * g).detach() for n, g in zip(names, update)}
-    return NamedArrays(weights, state_buffers(deployment_module(client)), {})
+    weights = {n: (before[n].detach() - training.lr * g).detach() for n, g in zip(names, done.update)}
+    prefix = len(audited_prefix(client))
+    return NamedArrays(weights, {n[prefix:]: b for n, b in done.buffers.items()
+                                 if n.startswith(audited_prefix(client))}, {})
 
 
 def clip_whole(before: NamedArrays, after: NamedArrays, clipping_norm: float) -> NamedArrays:

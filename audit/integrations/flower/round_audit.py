@@ -125,8 +125,7 @@ def reply_observation(audit: ReplyAudit, model, images, labels) -> Observation:
     net = deployment_module(model)
     before = named_arrays(audit.global_arrays, net, "the train message")
     after = named_arrays(audit.reply, net, "the reply")
-    lr = fl.local_lr if fl.local_lr is not None else fl.lr
-    steps = fl.client_steps(len(labels))
+    lr, steps = fl.client.lr, fl.client_steps(len(labels))
     prefix = audited_prefix(model)
     buffers = ({prefix + n: v.to(audit.device) for n, v in after.buffers.items()}
                if after.buffers and has_running_stats(model) else None)

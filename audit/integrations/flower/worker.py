@@ -91,11 +91,8 @@ def fidelity(audit: ReplyAudit, job: RoundJob) -> Fidelity:
     before = named_arrays(job.global_arrays, net, "the train message")
     real = named_arrays(job.reply, net, "the reply")
     x, y = job.trained
-    lr = fl.local_lr if fl.local_lr is not None else fl.lr
     replayed = replay(audit.model, x.to(audit.device), y.to(audit.device), defense=None if whole else defense,
-                      steps=fl.client_steps(len(y)), lr=lr, local_batch_size=fl.local_batch_size,
-                      optimizer=fl.local_optimizer, client_mode=fl.client_mode, round=job.round,
-                      seed=audit.defense_seed(job.round, 0))
+                      training=fl.client, round=job.round, seed=audit.defense_seed(job.round, 0))
     replayed = NamedArrays({n: v.cpu() for n, v in replayed.weights.items()},
                            {n: v.cpu() for n, v in replayed.buffers.items() if n in real.buffers and n in before.buffers},
                            {})
