@@ -88,3 +88,8 @@ def test_a_sweep_cell_takes_its_control_from_the_undefended_cell(tmp_path):
     assert not (tmp_path / "cells" / "decoy" / "control").exists()
     assert decoy["steps"][0]["control"]["recovered"] == none["steps"][0]["verdict"]["recovered"] == 2
     assert decoy["verdict"]["label"] == "no recovered image" and "decoy" in cells
+    # the single audit of the same setting shows the same control, from a store of its own
+    single = audit.run(defense="decoy", out=tmp_path / "single", steps=[0], images=2, attacks=["analytic"], budget=5,
+                       **TINY)
+    assert single.data["control"]["run_key"] == decoy["control"]["run_key"]
+    assert single.step(0)["control"]["per_image"] == decoy["steps"][0]["control"]["per_image"]
