@@ -223,6 +223,11 @@ class FunctionDefense(Defense):
         self.stochastic = getattr(fn, "stochastic", stochastic)
         self._takes_round = takes_round(fn)
         self.differences = tuple(getattr(fn, "differences", ()))
+        # what it declares it does to the uploaded buffers (None: not declared)
+        self.buffer_effect = getattr(fn, "buffer_effect", None)
+        for key in ("buffer_inputs", "buffer_noise_std"):
+            if hasattr(fn, key):
+                setattr(self, key, getattr(fn, key))
 
     @property
     def accepts_round(self) -> bool:
