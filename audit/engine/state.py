@@ -60,13 +60,14 @@ class StateAudit(Audit):
                                   f"delta {out['delta']:g}")
         return out
 
-    def control_audit(self, budget: int, steps, out) -> "StateAudit":
-        """The undefended client at the same given state: nothing is trained here either."""
-        control = StateAudit(UNDEFENDED, self.model_settings, self.round, origin=self.origin,
-                             data_settings=self.data_settings, fl_settings=self.fl_settings,
-                             attack_settings=replace(self.attack_settings, budget=int(budget)),
-                             output_settings=replace(self.output_settings, out=Path(out)), seed=self.seed,
-                             device=self.device)
+    def control_audit(self, budget: int, steps, out, kind: Optional[type] = None, **extra: Any) -> "StateAudit":
+        """The undefended client at the same given state: nothing is trained here either
+        (``kind``: a subclass to build instead, with its ``extra`` keywords)."""
+        control = (kind or StateAudit)(UNDEFENDED, self.model_settings, self.round, origin=self.origin,
+                                       data_settings=self.data_settings, fl_settings=self.fl_settings,
+                                       attack_settings=replace(self.attack_settings, budget=int(budget)),
+                                       output_settings=replace(self.output_settings, out=Path(out)), seed=self.seed,
+                                       device=self.device, **extra)
         return self.adopt_control(control)
 
     def control_description(self) -> str:

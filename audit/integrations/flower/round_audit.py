@@ -11,14 +11,11 @@ from __future__ import annotations
 
 import hashlib
 import threading
-from dataclasses import replace
-from pathlib import Path
 from typing import Any, Dict, Optional
 
 from audit.core.buffers import has_running_stats
 from audit.core.types import Observation
 from audit.engine.settings import AttackSettings, DataSettings, FLSettings, ModelSettings, OutputSettings
-from audit.engine.audit import UNDEFENDED
 from audit.engine.state import StateAudit
 from audit.integrations.flower.reply import audited_prefix, deployment_module, named_arrays, update_in_gradient_units
 
@@ -63,13 +60,8 @@ class ReplyAudit(StateAudit):
             self._observation = reply_observation(self, model, images, labels)
         return self._observation
 
-    def control_audit(self, budget: int, steps, out) -> "ReplicaControl":
-        control = ReplicaControl(UNDEFENDED, self.model_settings, self.round, origin=self.origin,
-                                 trained=self.private[0], data_settings=self.data_settings, fl_settings=self.fl_settings,
-                                 attack_settings=replace(self.attack_settings, budget=int(budget)),
-                                 output_settings=replace(self.output_settings, out=Path(out)), seed=self.seed,
-                                 device=self.device)
-        return self.adopt_control(control)
+    def control_audit(self, budget: int, steps, out, kind=None, **extra) -> "ReplicaControl":
+        return super().control_audit(budget, steps, out, kind=ReplicaControl, trained=self.private[0])
 
     def control_description(self) -> str:
         return ("the replica's own upload of the round's images with the declared training and no privacy mod, from "
