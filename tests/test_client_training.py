@@ -99,7 +99,10 @@ def test_one_predicate_no_statistics_where_the_buffers_equal_the_global_models()
     net, x, y, obs = _state_obs(dropping)
     for name, b in net.named_buffers():
         assert torch.equal(obs.buffers[name], b)
-    # the old predicate said True for any train-mode upload with buffers
+    assert upload_statistics(obs)[0] is None and not reveals_batch_statistics(obs)
+    # BatchNorm with momentum 0: the buffers never move, so the upload reveals nothing
+    still = small_bn_net(momentum=0.0)
+    obs = observe(still, *batch(), shares="state", seed=0)
     assert upload_statistics(obs)[0] is None and not reveals_batch_statistics(obs)
 
 

@@ -188,5 +188,5 @@ def upload_statistics(obs: Any) -> Tuple[Optional[RevealedStatistics], str]:
     declared effect leaves them usable, else ``(None, why not)``."""
     effect = BUFFER_EFFECTS.get(getattr(obs, "buffer_effect", "untouched"))
     if obs.buffers is not None and not effect.reveals:
-        return None, f"the buffers are {effect.name}: {effect.text}"
+        return None, f"the defense declares the uploaded buffers {effect.name} (buffer_effect): their statistics are not used"
     return revealed_statistics(obs.model, obs.buffers, obs.local_steps, obs.client_mode)

@@ -653,6 +653,9 @@ def buffer_note(obs, defense, shares: str) -> Dict[str, str]:
     if shares != "state":
         return {}
     effect = buffer_effect(defense)
+    std = getattr(defense, "buffer_noise_std", None)
+    if std is not None and effect.name == "noised":
+        effect = replace(effect, text=effect.text.replace("std buffer_noise_std", f"std {float(std):.3g}"))
     if obs is None:
         return {"buffers": f"{effect.name}: {effect.text}", "buffers_reveal": "not judged: no observation"}
     revealed, why = upload_statistics(obs)

@@ -29,6 +29,16 @@ def _by_step(records: Sequence[AttackResult]) -> Dict[int, Dict[str, List[Attack
     return by_step
 
 
+def buffers_used(by_attack: Dict[str, Sequence[Any]], effect: str) -> str:
+    """``the buffers' statistics used`` when an attack of the step matched the statistics the
+    uploaded buffers reveal, else why not (the defense's declared effect on them)."""
+    notes = [r.trace.get("side_information", {}).get("bn-upload", "") for recs in by_attack.values() for r in recs
+             if isinstance(r.trace.get("side_information"), dict)]
+    if any(n.startswith("used") for n in notes):
+        return "the buffers' statistics used"
+    return f"the buffers' statistics not used (buffers {effect.split(':')[0]})"
+
+
 def build_report(manifest: Dict[str, Any], records: Sequence[Any],
                  rule: Optional[LeakRule] = None, control_records: Optional[Sequence[Any]] = None) -> Dict[str, Any]:
     """Every number of the report, as one JSON-able dictionary; ``rule`` (default: the
@@ -55,6 +65,10 @@ def build_report(manifest: Dict[str, Any], records: Sequence[Any],
             mine = {a: control_by_step[step].get(a, []) for a in info.get("attacks", [])}
             controls[step] = judge_step(mine, images, thresholds, nulls)
     judge_with_control(steps, controls, info, thresholds)
+    effect = (manifest.get("threat_model") or {}).get("buffers")
+    for step in steps:  # what the uploaded buffers did for this step's verdict (shares="state")
+        if effect:
+            step["verdict"]["buffers"] = buffers_used(by_step[step["step"]], effect)
     planned = [r for r in records if r.step in manifest["steps"] and r.attack_id in attack_ids]
     skipped = sum(status_of(r) == "not_applicable" for r in planned)
     progress = {"done": len(planned) - skipped, "total": len(manifest["steps"]) * len(attack_ids) * images - skipped}

@@ -127,6 +127,8 @@ def verdict_text(verdict: Dict[str, Any]) -> str:
               f"{verdict.get('not_recovered', 0)} not recovered of {verdict.get('images', 0)} image(s)")
     if verdict.get("recovery_rate", {}).get("n"):
         counts += f"; recovered {interval_text(verdict['recovery_rate'])}"
+    if verdict.get("buffers"):  # whether the uploaded buffers' statistics carried the attacks
+        counts += "; " + verdict["buffers"]
     if label == "incomplete":
         found = verdict.get("judged") or "nothing judged"
         return f"incomplete ({verdict.get('reason', '')}); finished attacks: {found}, {counts}"
