@@ -224,3 +224,18 @@ def test_the_attackers_smoothed_adam_states_its_eps_and_shrinks_the_first_step()
     full = client_update(lambda q, xb, yb, k: g, p, torch.zeros(1), torch.zeros(1), steps=1, optimizer=exact)[0]
     assert float(got.norm()) < float(full.norm())
     torch.testing.assert_close(full, torch.sign(g["w"]), atol=1e-5, rtol=0)
+
+
+def test_the_step_verdict_line_says_whether_the_buffers_carried_the_attacks():
+    from types import SimpleNamespace
+
+    from audit.report.audit_report import buffers_used
+    from audit.report.format import verdict_text
+
+    used = SimpleNamespace(trace={"side_information": {"bn-upload": "used (weight 3): the private batch's ..."}})
+    unused = SimpleNamespace(trace={"side_information": {"bn-upload": "not used: switched off (bn_upload=0)"}})
+    assert buffers_used({"ig": [unused], "portfolio": [used]}, "untouched: ...") == "the buffers' statistics used"
+    line = buffers_used({"ig": [unused]}, "noised: the defense adds Gaussian noise")
+    assert line == "the buffers' statistics not used (buffers noised)"
+    verdict = {"label": "leaks", "recovered": 7, "images": 8, "buffers": "the buffers' statistics used"}
+    assert "7 recovered" in verdict_text(verdict) and "the buffers' statistics used" in verdict_text(verdict)
