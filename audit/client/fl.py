@@ -29,7 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from audit.client.observe import client_round
-from audit.core.client_training import ClientTraining
+from audit.core.client_training import ClientTraining, client_lr
 from audit.core.defense_call import as_defense
 from audit.core.models import preserved_buffers
 
@@ -134,7 +134,7 @@ def train(model: nn.Module, dataset, defense, steps: int, *, lr: float, batch_si
     _check_args(dataset, steps, lr, batch_size, local_steps if training is None else training.steps)
     if training is None:
         fedavg = local_steps > 1 or local_lr is not None or not LocalOptimizer.parse(optimizer).plain
-        training = ClientTraining(optimizer or "sgd", local_steps, None, lr if local_lr is None else local_lr,
+        training = ClientTraining(optimizer or "sgd", local_steps, None, client_lr(lr, local_lr),
                                   shares="update" if fedavg else None)
     server = ServerStep(LocalOptimizer.parse(server_optimizer))
     defense = as_defense(defense) or NoDefense()

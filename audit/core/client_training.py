@@ -26,6 +26,11 @@ def _count(name: str, value: Any) -> Optional[int]:
     return int(value)
 
 
+def client_lr(lr: float, local_lr: Optional[float]) -> float:
+    """The one place that decides the client's learning rate: ``local_lr`` if given, else ``lr``."""
+    return lr if local_lr is None else local_lr
+
+
 @dataclass(frozen=True)
 class ClientTraining:
     """``steps`` local steps (or ``epochs`` over the private batch in mini-batches of

@@ -824,6 +824,11 @@ def run(
     return Audit(defense, defense_args=defense_args, **audit_settings(**flat)).run()
 
 
+#: run's keyword settings that are FLSettings' fields of the same name (train_batch_size is its batch_size)
+FL_OPTIONS = ("lr", "clients", "local_steps", "local_lr", "client_mode", "local_optimizer", "local_batch_size",
+              "local_epochs", "shares", "server_optimizer")
+
+
 def audit_settings(**flat: Any) -> Dict[str, Any]:
     """:func:`audit.engine.audit.run`'s flat keyword settings (its defaults where not given) as
     the keyword objects :class:`Audit` and :class:`Sweep` take (``data_settings``,
@@ -839,9 +844,8 @@ def audit_settings(**flat: Any) -> Dict[str, Any]:
         seed=s["seed"], device=s["device"],
         data_settings=DataSettings(s["data"], s["data_args"] or {}, s["image_size"], s["images"], s["batch_size"],
                                    s["share_labels"]),
-        fl_settings=FLSettings(s["lr"], s["train_batch_size"], s["clients"], s["local_steps"], s["local_lr"],
-                               s["client_mode"], s["local_optimizer"], s["local_batch_size"], s["local_epochs"],
-                               s["shares"], s["server_optimizer"]),
+        fl_settings=FLSettings(batch_size=s["train_batch_size"],
+                               **{k: s[k] for k in FL_OPTIONS}),  # the client's record is built there, once
         attack_settings=AttackSettings(s["steps"], s["attacks"], s["attack_args"] or {}, s["budget"], s["max_budget"]),
         output_settings=OutputSettings(s["out"], s["utility"], s["utility_steps"], LeakRule.of(s["thresholds"]),
                                        s["delta"], s["progress"], s["defense_timeout"], s["retry_errors"],

@@ -12,7 +12,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from audit.core.defense_call import DEFAULT_DEFENSE_TIMEOUT
 from audit.core.errors import ConfigError
-from audit.core.client_training import CLIENT_MODES, ClientTraining
+from audit.core.client_training import CLIENT_MODES, ClientTraining, client_lr
 from audit.core.local_training import LocalOptimizer
 from audit.core.model_source import model_label, parse_normalize, source_kind
 from audit.core.registry import parse_kv_args
@@ -161,9 +161,8 @@ class FLSettings:
     def __post_init__(self):
         lr = _positive("lr", self.lr, float)
         local_lr = None if self.local_lr is None else _positive("local_lr", self.local_lr, float)
-        # the one place that decides the client's learning rate: local_lr if given, else lr
         client = ClientTraining(self.local_optimizer, self.local_steps, self.local_epochs,
-                                lr if local_lr is None else local_lr, self.local_batch_size, self.shares,
+                                client_lr(lr, local_lr), self.local_batch_size, self.shares,
                                 self.client_mode)
         _set(self, client=client, lr=lr, local_lr=local_lr, local_optimizer=client.optimizer,
              local_steps=client.steps, local_epochs=client.epochs, local_batch_size=client.batch_size,

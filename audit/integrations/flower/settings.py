@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence, Tuple, Union
 
+from audit.core.client_training import client_lr
 from audit.core.errors import ConfigError
 from audit.core.registry import import_attr
 from audit.engine.settings import AttackSettings, DataSettings, FLSettings, ModelSettings, OutputSettings
@@ -126,8 +127,7 @@ def _data_arity(data: Any) -> int:
 def _learning_rate(lr: Optional[float], local_lr: Optional[float]) -> float:
     if lr is not None and local_lr is not None and float(lr) != float(local_lr):
         raise ConfigError(f"lr={lr} and local_lr={local_lr} name the same learning rate; give one")
-    chosen = local_lr if local_lr is not None else lr
-    return DEFAULT_LR if chosen is None else chosen
+    return client_lr(DEFAULT_LR if lr is None else lr, local_lr)
 
 
 def mod_settings(*, rounds, model, data: Callable, defense: Any = "none", defense_args=None, lr: Optional[float] = None,
