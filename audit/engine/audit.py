@@ -27,7 +27,7 @@ from attacks import ATTACKS
 from attacks.classic import classic_attacks
 from attacks.presets import defaults_fingerprint
 from audit.client.fl import train
-from audit.client.observe import observe
+from audit.client.observe import client_round, observe  # client_round: the round the Flower replay runs
 from audit.core.defense_call import DEFAULT_DEFENSE_TIMEOUT, defense_timeout
 from attacks.side_information import side_information
 from audit.core.buffers import buffer_effect, has_running_stats, upload_statistics

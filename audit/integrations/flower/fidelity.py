@@ -23,9 +23,9 @@ from typing import Any, Dict, List, Optional
 import torch
 from torch import Tensor
 
-from audit.client.observe import client_round
 from audit.core.client_training import ClientTraining
 from audit.core.types import trainable_names
+from audit.engine.audit import client_round  # the audit's own client round (audit.client.observe)
 from audit.integrations.flower.reply import NamedArrays, audited_prefix, deployment_module
 
 COSINE_MIN = 0.999  # per layer group, without noise
