@@ -440,6 +440,27 @@ def test_processes_updating_one_manifest_lose_no_field(tmp_path):
     assert {f"{t}{i}" for t in "ab" for i in range(60)} <= set(manifest)
 
 
+def _add_status_fields(folder, tag, n):
+    from audit.integrations.flower.job import write_status
+
+    for i in range(n):
+        write_status(folder, **{f"{tag}{i}": i})
+
+
+def test_processes_updating_one_flower_status_lose_no_field(tmp_path):
+    """The mod and a round's own process both merge fields into the round's status file."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    workers = [ctx.Process(target=_add_status_fields, args=(tmp_path, tag, 60)) for tag in "ab"]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(60)
+    status = json.loads((tmp_path / "audit.json").read_text())
+    assert {f"{t}{i}" for t in "ab" for i in range(60)} <= set(status)
+
+
 # --------------------------------------------------------------------------- a sweep on Ray
 def test_ray_tasks_compute_on_the_drivers_thread_count(local_ray):
     """A Ray task's float sums (and the ties magnitude pruning breaks by them) match a local

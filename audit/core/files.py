@@ -9,7 +9,7 @@ import errno
 import io
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from audit.core.errors import StoreError
 
@@ -60,3 +60,26 @@ def atomic_torch_save(obj: Any, path: Path) -> Path:
     torch.save(obj, buf)
     atomic_write_bytes(Path(path), buf.getvalue())
     return Path(path)
+
+
+@contextlib.contextmanager
+def exclusive_lock(path: os.PathLike | str) -> Iterator[None]:
+    """An exclusive lock on the file ``path`` across processes, held for the ``with`` block
+    (none where the platform has no ``fcntl``: there, writers must not overlap)."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    path = Path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle = open(path, "a")
+    except OSError as err:
+        raise storage_error(path, err) from err
+    with handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)

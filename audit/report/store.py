@@ -35,7 +35,7 @@ import torch
 
 from audit.core.errors import ConfigError, StoreError
 from audit.core.records import AttackResult
-from audit.core.files import atomic_torch_save, atomic_write_bytes, storage_error
+from audit.core.files import atomic_torch_save, atomic_write_bytes, exclusive_lock, storage_error
 
 MANIFEST = "manifest.json"
 LATEST = "latest_run"
@@ -199,27 +199,9 @@ class ResultStore:
         waits here while the first attacks the group, then finds its results stored."""
         return self._locked(f"locks/{result_id(step, attack_id, 0).rsplit('__', 1)[0]}.lock")
 
-    @contextlib.contextmanager
-    def _locked(self, name: str = ".lock") -> Iterator[None]:
-        """An exclusive lock on ``DIR/runs/<key>/<name>`` across processes (none where the
-        platform has no ``fcntl``: there, writers of one run must not overlap)."""
-        try:
-            import fcntl
-        except ImportError:
-            yield
-            return
-        path = self.dir / name
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            handle = open(path, "a")
-        except OSError as err:
-            raise storage_error(path, err) from err
-        with handle:
-            fcntl.flock(handle, fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(handle, fcntl.LOCK_UN)
+    def _locked(self, name: str = ".lock") -> ContextManager[None]:
+        """An exclusive lock on ``DIR/runs/<key>/<name>`` across processes."""
+        return exclusive_lock(self.dir / name)
 
     def record_stop(self, err: BaseException) -> None:
         """Mark the run as stopped by ``err`` in the manifest, as far as the disk allows (a full

@@ -24,11 +24,12 @@ import torch
 from torch import Tensor
 
 from audit.core.errors import DataError
-from audit.core.files import atomic_torch_save, atomic_write_bytes
+from audit.core.files import atomic_torch_save, atomic_write_bytes, exclusive_lock
 from audit.engine.null import MIN_CANDIDATES
 from audit.integrations.flower.settings import ModSettings
 
 STATUS, JOB, STATE, LOG_FILE, PID_FILE = "audit.json", "job.pkl", "global_model.pt", "worker.log", "worker.pid"
+STATUS_LOCK = ".audit.json.lock"  # held across processes while the status is read, merged and written
 PENDING = ("queued", "running")  # an audit in these states has no verdict yet
 FINISHED = "finished"
 NOT_JUDGED = "not judged"  # the declared training does not reproduce the reply: no attack ran
@@ -75,7 +76,7 @@ def read_status(folder: Path) -> Dict[str, Any]:
 def write_status(folder: Path, fresh: bool = False, **fields: Any) -> Dict[str, Any]:
     """Merge ``fields`` into the round's status (``fresh``: replace it), written atomically;
     the status."""
-    with _WRITING:
+    with _WRITING, exclusive_lock(Path(folder) / STATUS_LOCK):  # the mod and a round's process write it both
         status = {**({} if fresh else read_status(folder)), **fields, "updated": time.strftime("%Y-%m-%dT%H:%M:%S")}
         atomic_write_bytes(Path(folder) / STATUS, json.dumps(status, indent=2).encode())
     return status

@@ -33,7 +33,26 @@ def _cancellable(progress, cancel: threading.Event):
     return report
 
 
-class ReplyAudit(StateAudit):
+class _Cancellable:
+    """An audit that stops at its next progress report once its ``cancel`` event is set (the
+    round's audit and its control share the round's event)."""
+
+    cancel: threading.Event
+
+    def _attack_all(self, store, specs) -> None:
+        if self.cancel.is_set():
+            raise Cancelled()
+        super()._attack_all(store, specs)
+        if self.cancel.is_set():
+            raise Cancelled()
+
+    def attack_group(self, spec, group, step, progress=None):
+        if self.cancel.is_set():
+            raise Cancelled()
+        return super().attack_group(spec, group, step, _cancellable(progress, self.cancel))
+
+
+class ReplyAudit(_Cancellable, StateAudit):
     """A :class:`StateAudit` of ``round`` whose observation is the client's ``reply`` (arrays by
     name) from the ``global_arrays`` it received; ``trained``: the round's images and labels in
     training order; ``fl``: the client's declared training; ``extra_threat``: lines for the
@@ -61,7 +80,8 @@ class ReplyAudit(StateAudit):
         return self._observation
 
     def control_audit(self, budget: int, steps, out, kind=None, **extra) -> "ReplicaControl":
-        return super().control_audit(budget, steps, out, kind=ReplicaControl, trained=self.private[0])
+        return super().control_audit(budget, steps, out, kind=ReplicaControl, trained=self.private[0],
+                                     cancel=self.cancel)
 
     def control_description(self) -> str:
         return ("the replica's own upload of the round's images with the declared training and no privacy mod, from "
@@ -84,24 +104,12 @@ class ReplyAudit(StateAudit):
         store.update_manifest(data=data)
         return specs
 
-    def _attack_all(self, store, specs) -> None:
-        if self.cancel.is_set():
-            raise Cancelled()
-        super()._attack_all(store, specs)
-        if self.cancel.is_set():
-            raise Cancelled()
-
-    def attack_group(self, spec, group, step, progress=None):
-        if self.cancel.is_set():
-            raise Cancelled()
-        return super().attack_group(spec, group, step, _cancellable(progress, self.cancel))
-
-
-class ReplicaControl(StateAudit):
+class ReplicaControl(_Cancellable, StateAudit):
     """The positive control of a round: the replica's own upload of the round's ``trained``
     images with the declared training and no privacy mod, from the same global model."""
 
-    def __init__(self, *args: Any, trained, **settings: Any):
+    def __init__(self, *args: Any, trained, cancel: threading.Event, **settings: Any):
+        self.cancel = cancel
         super().__init__(*args, **settings)
         self.private = [(trained[0].clone(), trained[1].clone())]
         self.trained_key = hashlib.sha256(b"".join(t.detach().cpu().contiguous().numpy().tobytes()
