@@ -289,6 +289,7 @@ class Spear:
     """
 
     name = "spear"
+    uses_budget = False  # its cost is its samples: a larger budget gives it nothing
 
     def __init__(self, samples: Optional[int] = None, chunk: int = 4096, zero_tol: float = 1e-5,
                  min_sparsity: float = 0.0, tolerance: float = CERTIFICATE_TOLERANCE):

@@ -61,8 +61,9 @@ def test_the_budget_search_doubles_on_the_control_until_half_the_images_or_the_c
 def test_bad_budget_searches_are_one_line_errors_before_any_work(tmp_path):
     with pytest.raises(ConfigError, match="below the budget search's start 200"):
         audit.run(defense="none", steps=[0], images=1, budget="auto", max_budget=100, out=tmp_path, **TINY)
-    with pytest.raises(ConfigError, match="analytic spends none"):
-        audit.run(defense="none", steps=[0], images=1, budget="auto", attacks=["analytic"], out=tmp_path, **TINY)
+    for closed_form in ("analytic", "spear"):
+        with pytest.raises(ConfigError, match=f"{closed_form} spends none"):
+            audit.run(defense="none", steps=[0], images=1, budget="auto", attacks=[closed_form], out=tmp_path, **TINY)
     with pytest.raises(ConfigError, match="positive integer or 'auto'"):
         audit.run(defense="none", steps=[0], images=1, budget="lots", out=tmp_path, **TINY)
     assert not any(tmp_path.iterdir())
