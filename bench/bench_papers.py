@@ -32,6 +32,7 @@ import math
 import os
 import shutil
 import sys
+import textwrap
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,7 +43,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from audit.engine.utility import PROTOCOL  # noqa: E402
 from bench.docs_table import ROOT, add_docs_option, command_line, without_options, write_table  # noqa: E402
 from bench.papers_verdict import (INCONCLUSIVE, NOT_RUN, CellEvidence, Conclusion,  # noqa: E402
-                                  cell_evidence, conclude_leaks, conclude_order, conclude_protects,
+                                  cell_evidence, conclude_chain, conclude_leaks, conclude_order, conclude_protects,
+                                  conclude_steps,
                                   conclude_utility, control_from_report, identification_text)
 
 PAPERS = ("CENSOR", "SVDefense", "Bayes framework", "Refiner")
@@ -177,6 +179,15 @@ class Row:
     lr: float = 0.1
     planner_budget: Optional[int] = None  # the planner cell's budget (default: the paper cell's)
     store: Optional[str] = None  # the engine store's folder (default ``<defense>-<model>``)
+    #: judged at each step of ``claim_steps`` apart, a step whose model collapsed not judged
+    per_step: bool = False
+    #: the paper's own words for the claim judged, with where they stand
+    quote: str = ""
+    #: claim "order": the kind of each pairwise claim (:data:`bench.papers_verdict.PAIR_KINDS`)
+    #: where the paper's text states it; else taken from the paper's gaps
+    order_kinds: Tuple[Tuple[str, str], ...] = ()
+    #: claim "chain": the rows (in order) whose paper cells the paper ranks by PSNR
+    chain: Tuple[str, ...] = ()
 
     def scale(self, profile: str) -> Scale:
         """The profile's scaling (the quick check shrinks the cpu profile's row)."""
@@ -221,11 +232,27 @@ SOTERIA_CONVBIG_WHY = ("not through-defense nor the learned inverter: they call 
                        "pullbacks on ConvBig each, once an image-iteration and for 1,024 training pairs")
 CENSOR_NOTES = ("CENSOR here never shares the clean gradient; the authors' code falls back to it when no "
                 "candidate lowers the loss",)
+CENSOR_IG_NOTE = ("CENSOR's text says its IG \"uses Adam on signed gradients\" (Sec. V); the rows run plain Adam, as "
+                "Inverting Gradients' own code does: changing it would discard every stored CENSOR cell",)
 SVD_NOTES = ("SVDefense's channel weight matrix is read as diag(sqrt(w)) and its threshold as E = 1 - exp(-eta H): "
              "the paper's equations are lost from its text",)
 SVD_IG_NOTE = ("SVDefense gives IG's objective and optimiser (cosine, Adam) but no TV weight, learning rate or "
                "iteration count; Inverting Gradients' own (TV 1e-4, Adam 0.1, step decay) stand in",)
 R18 = "CIFAR ResNet-18 (3x3 stem), width 64"
+#: Refiner's Table 7 rows: alpha, the paper's PSNR, the claim and the paper's words for it
+REFINER_ALPHAS = (
+    (0.0, 21.24, "leaks", "\"when alpha is set to 0 (without noise-blended initialization), the PSNR surges, indicating "
+                          "high semantic similarity between robust and clients' data\" (Sec. 6, Impact of alpha)"),
+    (0.5, 13.20, "protects", "\"we employ noise-blended initialization, enabling a significant decrease in PSNR with a "
+                             "moderate sacrifice in PMM\" (Sec. 6, Impact of alpha); alpha 0.5 is the paper's default"),
+    (0.9, 10.52, "protects", "Table 7: the lowest PSNR of the three, 10.52 dB, at alpha 0.9"))
+#: the Bayes paper's words on Table 2 (Sec. 6)
+BAYES_GAUSS_QUOTE = ("\"Bayes optimal adversary generally performs best [...] in the case of Gaussian defense, l2 and "
+                     "Bayes attacks are equivalent up to a constant factor [...] and it is expected that they achieve "
+                     "a similar result\" (Sec. 6, Table 2): judged as Bayes ~ L2 (within 1 dB) and Bayes not behind L1 "
+                     "or cosine by more than 1 dB")
+BAYES_QUOTE = ("\"In all other cases, Bayes optimal adversary outperforms the other two attacks\" (Sec. 6, Table 2); "
+               "the pairs the paper's table puts within 1 dB are judged as ties")
 
 
 def r18_scales(cpu_budget: int, *, planner: Optional[Tuple[str, ...]] = None, why: str = "",
@@ -263,7 +290,7 @@ ROWS: List[Row] = [
     Row("censor-none", "CENSOR", "Table I, CIFAR-10, IG, no defense", "26.32 dB (SSIM 0.814, LPIPS 0.091)",
         "leaks", "resnet18", "none", {}, (CENSOR_IG,),
         censor_setting("Table I", anchor="CIFAR-10, IG: none .0023/.0905/26.324/.8139"),
-        scales=r18_scales(4 * R18_BUDGET), profiles=BOTH, paper_psnr=26.32),
+        scales=r18_scales(4 * R18_BUDGET), profiles=BOTH, paper_psnr=26.32, notes=CENSOR_IG_NOTE),
     Row("censor-soteria", "CENSOR", "Table I, CIFAR-10, IG, Soteria (10% of fc-input features)",
         "12.54 dB (SSIM 0.122, LPIPS 0.585)", "protects", "resnet18", "soteria", {"ratio": 0.1, "layer": "last"},
         (AttackRef("mask-replay", IG_CENSOR, "IG with Soteria's mask on the dummy (the paper's code)"),),
@@ -272,7 +299,7 @@ ROWS: List[Row] = [
                        anchor="Soteria .0558/.5846/12.537/.1222"),
         scales=r18_scales(R18_BUDGET, planner=("mask-replay", "ig", "portfolio", "layer-drop", "analytic",
                                                "learned-inverter"), why=SOTERIA_REPLAY_LEFT_OUT),
-        profiles=BOTH, paper_psnr=12.54),
+        profiles=BOTH, paper_psnr=12.54, notes=CENSOR_IG_NOTE),
     Row("censor-censor", "CENSOR", "Table I, CIFAR-10, IG, CENSOR (T=20)", "10.27 dB (SSIM 0.011, LPIPS 0.688)",
         "protects", "resnet18", "censor", {"trials": 20}, (CENSOR_IG,),
         censor_setting("Table I", hparams="CENSOR T=20; IG as above", anchor="CENSOR .0939/.6884/10.272/.0112"),
@@ -280,7 +307,7 @@ ROWS: List[Row] = [
                                                                    "13.32 -> 13.39 dB on ImageNet)"),
         scales=r18_scales(R18_BUDGET, gpu_adaptive_budget=4000, cpu_adaptive_budget=4 * R18_BUDGET), profiles=BOTH,
         paper_psnr=10.27,
-        notes=CENSOR_NOTES + ("the paper gives no budget for its EOT attack; it runs 4 draws per iteration, so the "
+        notes=CENSOR_NOTES + CENSOR_IG_NOTE + ("the paper gives no budget for its EOT attack; it runs 4 draws per iteration, so the "
                               "gpu profile gives it 4,000 gradient evaluations and the cpu profile 4x the row's",)),
     Row("censor-rounds", "CENSOR", "Table V, CENSOR across rounds 0-9 (ImageNet, GIFD)",
         "13.32, 10.50, 9.94, 10.37, 9.07, 10.16, 10.28, 9.95, 10.69, 10.65 dB", "protects", "resnet18", "censor",
@@ -289,18 +316,21 @@ ROWS: List[Row] = [
                        hparams="GIFD (1,000 steps per generator layer, lr 0.1, cosine + TV 1e-4)",
                        anchor="4 | 0.1717 | 0.7528 | 9.07 | 0.041"),
         scales=r18_scales(R18_BUDGET, cpu_steps=(0, 9), gpu_steps=(0, 9), gpu_budget=15000),
-        profiles=BOTH, differences=("IG instead of GIFD (no pretrained generator here)",), notes=CENSOR_NOTES),
+        profiles=BOTH, differences=("IG instead of GIFD (no pretrained generator here)",),
+        notes=CENSOR_NOTES + CENSOR_IG_NOTE),
     Row("censor-later", "CENSOR", "rounds 5-9 with CENSOR off after round 4 (SVDefense's adaptive attack)",
         "16.41 dB (SVDefense Table I, MNIST)", "leaks", "resnet18", "censor", {"trials": 20, "active_rounds": 5},
         (CENSOR_IG,),
-        censor_setting("SVDefense Table I", data="MNIST", images=128, steps=(5, 6, 7, 8, 9), iterations=None,
-                       restarts=1,
-                       hparams="CENSOR in the first 5 epochs; IG in the later, undefended ones",
+        censor_setting("SVDefense Table I (its number; the model and client are CENSOR's Table I setting here)",
+                       model="SVDefense's ResNet-18 on MNIST (its Table I), not CENSOR's CIFAR ResNet-18",
+                       data="MNIST", images=128, steps=(5, 6, 7, 8, 9), iterations=None, restarts=1,
+                       hparams="CENSOR in the first 5 epochs; IG in the later, undefended ones; the row runs CENSOR's "
+                               "CIFAR ResNet-18 and IG, whose Table I has no such experiment",
                        client_mode="train",
                        anchor="| CENSOR [21] | 8.1940 | 0.6958 | 16.4071 | 0.2881 |"),
         scales=r18_scales(4 * R18_BUDGET, cpu_steps=(5, 9), gpu_steps=(5, 9), images=IMAGES, gpu_budget=15000),
         profiles=BOTH,
-        differences=("rounds of FedSGD instead of epochs",), store="censor-resnet18-later"),
+        differences=("rounds of FedSGD instead of epochs",), store="censor-resnet18-later", notes=CENSOR_IG_NOTE),
     # ---------------------------------------------------------------- SVDefense (paper 002)
     Row("svd-prune", "SVDefense", "Table I, prune 90%: IG -> mask replay", "12.93 -> 36.13 dB", "leaks",
         "resnet18", "prune", {"ratio": 0.9}, (SVD_IG,),
@@ -355,9 +385,13 @@ ROWS: List[Row] = [
                                "grid-searched per attack",
                        anchor=f"| CIFAR-10 | {table_label} | " + " | ".join(f"{v:.2f}" for v in table[0])),
           order_psnr=dict(zip(("bayes-optimal", "bayes-l2", "bayes-l1", "bayes-cos"), numbers)),
+          order_kinds=(("bayes-l2", "tie"), ("bayes-l1", "not-worse"), ("bayes-cos", "not-worse"))
+          if (key, step) == ("gauss", 0) else (),
+          quote=BAYES_GAUSS_QUOTE if (key, step) == ("gauss", 0) else BAYES_QUOTE,
           paper_psnr=numbers[0], lr=0.01, search=True, planner_budget=200,
           notes=("training through the defense at lr 0.01 (the paper gives none; at 0.1 the noise makes the model "
-                 "diverge before step 500)", "the attacks start from U(0, 1) (the authors' code: N(0, 1))"))
+                 "diverge before step 500)", "the attacks start from U(0, 1); the authors' code starts from N(0, 1) (authors' code, not the paper's "
+                 "text): changing it would discard every stored Bayes cell"))
       for key, label, table_label, defense, args, table in (
           ("gauss", "Gaussian 0.1", "Gaussian", "gaussian", {"sigma": 0.1},
            {0: (21.86, 21.81, 21.49, 21.53), 500: (17.94, 18.64, 18.00, 18.34)}),
@@ -401,7 +435,8 @@ ROWS: List[Row] = [
                                          "image-iteration on 2 CPU cores: 8 images at each of the paper's six "
                                          "steps (the paper's 100 take about 60 hours; the gpu profile runs them)")},
         profiles=BOTH,
-        planner_budget=200, claim_steps=(1, 2, 5, 10),
+        planner_budget=200, claim_steps=(1, 2, 5, 10), per_step=True,
+        quote="\"we can recover high-quality inputs during the first 10 to 20 training steps\" (App. A.2)",
         notes=("the claim is judged at steps 1, 2, 5 and 10: \"we can recover high-quality inputs during the first "
                "10 to 20 training steps\" (App. A.2), \"the visual quality starts to decline after 10 steps\" (Fig. 6); "
                "steps 20 and 50 are shown beside them",
@@ -410,7 +445,7 @@ ROWS: List[Row] = [
                "the labels here are inferred from the gradient (iDLG), exact at batch 1")),
     # ---------------------------------------------------------------- Refiner (paper 004)
     *[Row(f"refiner-alpha-{alpha}", "Refiner", f"Table 7, LeNet, eps 0.1, alpha {alpha}",
-          f"{psnr:.2f} dB" + (" (Table 15 adaptive: iDLG 10.67, IG 10.44)" if alpha == 0.5 else ""), "protects",
+          f"{psnr:.2f} dB" + (" (Table 15 adaptive: iDLG 10.67, IG 10.44)" if alpha == 0.5 else ""), claim,
           "lenet", "refiner", {"eps": 0.1, "alpha": alpha, "d_width": 128}, (REFINER_IG,),
           PaperSetting("Table 7 (Sec. 6)", "DLG's LeNet", {}, "CIFAR-10 32x32", 4000, images=1000,
                        hparams=f"Refiner eps 0.1, alpha {alpha}, beta 1, iota 10, tau 0.95, evaluation network "
@@ -423,8 +458,20 @@ ROWS: List[Row] = [
                   "gpu": Scale(adaptive_budget=200, why="the paper's 1,000 images; our EOT attack at budget 200, "
                                "each of its evaluations runs Refiner's own optimisation")},
           profiles=BOTH,
-          notes=("Refiner's TV weight is not given; IG's 1e-4 stands in",))
-      for alpha, psnr in ((0.0, 21.24), (0.5, 13.20), (0.9, 10.52))],
+          notes=("Refiner's TV weight is not given; IG's 1e-4 stands in",), quote=quote)
+      for alpha, psnr, claim, quote in REFINER_ALPHAS],
+    Row("refiner-order", "Refiner", "Table 7, LeNet, eps 0.1: PSNR falls as alpha rises (0, 0.5, 0.9)",
+        "21.24 > 13.20 > 10.52 dB", "chain", "lenet", "refiner", {"eps": 0.1, "alpha": 0.5, "d_width": 128},
+        (REFINER_IG,),
+        PaperSetting("Table 7 (Sec. 6)", "DLG's LeNet", {}, "CIFAR-10 32x32", 4000, images=1000,
+                     hparams="Refiner eps 0.1, alpha 0, 0.5 and 0.9; IG: cosine + TV, Adam 0.01",
+                     anchor="PSNR 21.24 16.52 14.99 13.20 12.53 10.52"),
+        paper_psnr=13.20, chain=tuple(f"refiner-alpha-{a}" for a, *_ in REFINER_ALPHAS),
+        scales={"cpu": Scale(images=IMAGES, why="the alpha rows' 16 images, paired image by image"),
+                "gpu": Scale(why="the alpha rows' 1,000 images")}, profiles=BOTH,
+        quote=("\"The results in Table 7 align with this thought where a rise in alpha corresponds to lower PSNR "
+               "and PMM values\" (Sec. 6, Impact of alpha); judged on the paper's IG cells of the three alpha rows, "
+               "pair by pair on the same images (Wilcoxon on per-image PSNR)")),
     Row("refiner-utility", "Refiner", "Table 7, utility: PMM (defended / undefended accuracy), alpha 0.5",
         "PMM 90.69%", "utility", "lenet", "refiner", {"eps": 0.1, "alpha": 0.5}, (),
         PaperSetting("Table 7", "DLG's LeNet", {}, "CIFAR-10 32x32", None, images=None,
@@ -567,6 +614,8 @@ def plan_cells(row: Row, profile: Profile, data: str, data_args: Dict[str, Any],
     base = base_call(row, profile, data, data_args, out, run)
     if row.claim == "utility":
         return [CellPlan("utility", {**base, "attacks": ["ig"], "budget": QUICK["budget"]}, [0])]
+    if row.chain:  # judged on the cells of the rows it orders
+        return []
     steps = list(run["steps"])
     cells = []
     for a in row.attacks:
@@ -958,6 +1007,68 @@ def projection_text(m: Dict[str, Any]) -> str:
             "what leaks here")
 
 
+#: a model whose logits spread this much (standard deviation over the private images' logits) has
+#: diverged: its softmax saturates, so its gradient no longer carries the image
+DIVERGED_LOGIT_STD = 1e3
+
+
+def model_health(call: Dict[str, Any]) -> Dict[str, Dict[str, Any]]:
+    """Per step of an ``audit.run`` call, the model the audit trains there (the engine's own
+    training, same seed) on the call's private images in the client's mode: its logits' spread,
+    and how many images' clean gradients are non-finite or exactly zero."""
+    import torch
+
+    from audit.core.types import clean_gradients, default_loss_fn
+    from audit.engine.audit import Audit, _train, audit_settings
+
+    flat = {k: v for k, v in call.items() if k not in ("defense", "defense_args", "out", "progress")}
+    audit = Audit(call["defense"], defense_args=call.get("defense_args"), **audit_settings(**flat))
+    steps = sorted(int(s) for s in call["steps"])
+    states, _ = _train(audit, max(steps), set(steps))
+    out = {}
+    for step in steps:
+        if step not in states:
+            out[str(step)] = {"trained": False}
+            continue
+        model = copy.deepcopy(audit.model)
+        model.load_state_dict(states[step])
+        model.train(audit.fl_settings.client_mode == "train")
+        logits, finite, zero = [], 0, 0
+        for x, y in audit.private:
+            with torch.no_grad():
+                logits.append(model(x))
+            grads = clean_gradients(model, x, y, default_loss_fn)
+            finite += all(bool(torch.isfinite(g).all()) for g in grads)
+            zero += all(not bool(g.any()) for g in grads)
+        spread = torch.cat(logits).double()
+        out[str(step)] = {"trained": True, "images": len(audit.private), "logit_std": float(spread.std()),
+                          "finite": finite, "zero": zero}
+    return out
+
+
+def collapsed(health: Dict[str, Any]) -> str:
+    """Why a step's model cannot be judged ('' where it can): not trained to, a non-finite or
+    exactly zero upload, or diverged logits (:data:`DIVERGED_LOGIT_STD`)."""
+    if not health.get("trained"):
+        return "the model was not trained to this step"
+    if health["finite"] < health["images"]:
+        return f"non-finite gradients on {health['images'] - health['finite']} of {health['images']} images"
+    if health["zero"]:
+        return f"exactly zero gradients on {health['zero']} of {health['images']} images"
+    if not math.isfinite(health["logit_std"]) or health["logit_std"] > DIVERGED_LOGIT_STD:
+        return f"the model diverged (logit std {health['logit_std']:.2g})"
+    return ""
+
+
+def store_health(row: Row, profile: Profile, data: str, data_args: Dict[str, Any], out: Path,
+                 stored: Dict[str, Any]) -> None:
+    """Measure, where not stored under the paper cell's key, the model at each step of a row
+    judged step by step (:func:`model_health`), into ``stored["health"]``."""
+    plan = plan_cells(row, profile, data, data_args, out, (stored.get("search") or {}).get("chosen"))[0]
+    if (stored.get("health") or {}).get("key") != plan.key:
+        stored["health"] = {"key": plan.key, "steps": model_health(plan.call)}
+
+
 def run_row(row: Row, profile: Profile, data: str, data_args: Dict[str, Any], out: Path, root: Path,
             retry: bool = False) -> Dict[str, Any]:
     """Run the row's cells not stored under their current key, writing each to the row's
@@ -983,6 +1094,9 @@ def run_row(row: Row, profile: Profile, data: str, data_args: Dict[str, Any], ou
             stored["projection"] = {"key": key, **refiner_projection(row, profile, run,
                                                                     2 if profile.shrunk else 8)}
             save_results(path, stored)
+    if row.per_step:
+        store_health(row, profile, data, data_args, out, stored)
+        save_results(path, stored)
     stored.setdefault("cells", {})
     todo = []
     for plan in plan_cells(row, profile, data, data_args, out, (stored.get("search") or {}).get("chosen")):
@@ -1030,28 +1144,81 @@ def budget_note(row: Row, run: Dict[str, Any]) -> str:
     return f"the attacks ran below the paper's budget ({run['budget']:,} of {row.setting.budget:,})"
 
 
-def conclude(row: Row, cells: Dict[str, Optional[CellEvidence]], run: Dict[str, Any],
-             utility: Optional[Dict[str, Any]] = None) -> Conclusion:
-    """The row's conclusion from its cells (see :mod:`bench.papers_verdict`)."""
-    if row.claim == "utility":
-        claim, ratio = row.utility or ("not-worse", 1.0)
-        return conclude_utility(utility, claim, ratio) if utility else Conclusion(NOT_RUN)
-    full = at_paper_budget(row, run)
-    if not any(c is not None for c in cells.values()):
-        return Conclusion(NOT_RUN)
-    if row.claim_steps:
-        cells = {name: c.at_steps(row.claim_steps) if c is not None else None for name, c in cells.items()}
-    if row.claim == "protects":
-        return conclude_protects(list(cells.values()), full, budget_note(row, run))
-    if row.claim == "leaks":
-        key = "adaptive" if row.leak_cell == "adaptive" else f"paper:{row.attacks[0].name}"
-        others = [(name, cells.get(k)) for name, k in (("the planner's", "planner"),
-                                                        ("the paper's adaptive attack", "adaptive")) if k != key]
-        return conclude_leaks(cells.get(key), full, others, budget_note(row, run))
-    first = cells.get("paper:bayes-optimal")
-    others = {n: cells.get(f"paper:{n}") for n in ("bayes-l2", "bayes-l1", "bayes-cos")}
+@dataclass
+class Judging:
+    """What a row is judged on: its cells (at the claim's steps), its run setting, its stored
+    results (utility, the model's health per step) and the cells of the rows it orders."""
+
+    cells: Dict[str, Optional[CellEvidence]]
+    run: Dict[str, Any]
+    stored: Dict[str, Any] = field(default_factory=dict)
+    chain: List[Tuple[str, Optional[CellEvidence]]] = field(default_factory=list)
+
+
+def _conclude_utility(row: Row, j: Judging) -> Conclusion:
+    claim, ratio = row.utility or ("not-worse", 1.0)
+    utility = ((j.stored.get("cells") or {}).get("utility") or {}).get("utility")
+    return conclude_utility(utility, claim, ratio) if utility else Conclusion(NOT_RUN)
+
+
+def _conclude_protects(row: Row, j: Judging) -> Conclusion:
+    return conclude_protects(list(j.cells.values()), at_paper_budget(row, j.run), budget_note(row, j.run))
+
+
+def _conclude_leaks(row: Row, j: Judging) -> Conclusion:
+    key = "adaptive" if row.leak_cell == "adaptive" else f"paper:{row.attacks[0].name}"
+    others = [(name, j.cells.get(k)) for name, k in (("the planner's", "planner"),
+                                                      ("the paper's adaptive attack", "adaptive")) if k != key]
+    return conclude_leaks(j.cells.get(key), at_paper_budget(row, j.run), others, budget_note(row, j.run))
+
+
+def _conclude_order(row: Row, j: Judging) -> Conclusion:
+    first = j.cells.get("paper:bayes-optimal")
+    others = {n: j.cells.get(f"paper:{n}") for n in ("bayes-l2", "bayes-l1", "bayes-cos")}
     gaps = {n: row.order_psnr["bayes-optimal"] - row.order_psnr[n] for n in others}
-    return conclude_order(first, others, gaps, below_budget=not full)
+    return conclude_order(first, others, gaps, below_budget=not at_paper_budget(row, j.run),
+                          kinds=dict(row.order_kinds) or None)
+
+
+def _conclude_chain(row: Row, j: Judging) -> Conclusion:
+    return conclude_chain(j.chain, [BY_ID[r].paper_psnr for r in row.chain])
+
+
+#: how each kind of claim is concluded from its evidence
+CONCLUDERS: Dict[str, Callable[[Row, Judging], Conclusion]] = {
+    "utility": _conclude_utility, "protects": _conclude_protects, "leaks": _conclude_leaks,
+    "order": _conclude_order, "chain": _conclude_chain}
+
+
+def conclude(row: Row, cells: Dict[str, Optional[CellEvidence]], run: Dict[str, Any],
+             utility: Optional[Dict[str, Any]] = None, stored: Optional[Dict[str, Any]] = None,
+             chain: Sequence[Tuple[str, Optional[CellEvidence]]] = ()) -> Conclusion:
+    """The row's conclusion from its cells (see :mod:`bench.papers_verdict`); a row judged step
+    by step (``per_step``) leaves out the steps whose model collapsed (:func:`collapsed`)."""
+    stored = dict(stored or {})
+    if utility is not None:
+        stored["cells"] = {**(stored.get("cells") or {}), "utility": {"utility": utility}}
+    judging = Judging(cells, run, stored, list(chain))
+    if row.claim not in ("utility", "chain") and not any(c is not None for c in cells.values()):
+        return Conclusion(NOT_RUN)
+    if not row.claim_steps:
+        return CONCLUDERS[row.claim](row, judging)
+    if not row.per_step:
+        judging.cells = {n: c.at_steps(row.claim_steps) if c is not None else None for n, c in cells.items()}
+        return CONCLUDERS[row.claim](row, judging)
+    health = (stored.get("health") or {}).get("steps") or {}
+    judged, skipped = {}, {}
+    for step in row.claim_steps:
+        why = collapsed(health[str(step)]) if str(step) in health else "the model's health is not measured: rerun the row"
+        at_step = {n: c.at_steps([step]) if c is not None and step in c.steps else None for n, c in cells.items()}
+        if not any(c is not None for c in at_step.values()):
+            why = why or "no cell has run this step yet"
+        if why:
+            skipped[step] = why
+            continue
+        judging.cells = at_step
+        judged[step] = CONCLUDERS[row.claim](row, judging)
+    return conclude_steps(judged, skipped)
 
 
 def likely_cause(row: Row, run: Dict[str, Any], data: str, ours: Optional[float]) -> str:
@@ -1140,20 +1307,72 @@ def kept_progress(results: Path, plan: CellPlan, claim_judged: bool = False) -> 
     return f"under way: {kept_text} (judged when the claim's steps complete)"
 
 
+@dataclass
+class RowView:
+    """A row on the page: its line of the verdict table and its paragraphs below it."""
+
+    row: Row
+    conclusion: Conclusion
+    label: str
+    ours: str
+    power: str
+    verdict: str
+    details: List[Tuple[str, str]]  # (what, text) paragraphs
+
+    def line(self) -> str:
+        label = "at the paper's setting" if self.label == AT_PAPER else "scaled"
+        cells = [f"[{self.row.id}](#{self.row.id})", self.row.paper, CLAIM_WORDS[self.row.claim], label,
+                 self.row.paper_number, self.ours, self.power, f"**{_short(self.verdict, 150)}**"]
+        return "| " + " | ".join(_short(c.replace("|", "/"), MAX_CELL) for c in cells) + " |"
+
+    def section(self) -> str:
+        head = f'<a id="{self.row.id}"></a>\n#### {self.row.id}: {self.row.figure}'
+        paragraphs = [textwrap.fill(f"**{what}.** {text}", 100, break_long_words=False, break_on_hyphens=False)
+                      for what, text in self.details if text]
+        return "\n\n".join([head, *paragraphs])
+
+
+#: a verdict table cell's longest text
+MAX_CELL = 300
+#: the claim of each kind, in a few words
+CLAIM_WORDS = {"protects": "the defense protects", "leaks": "the attack recovers images",
+               "order": "the attacks' order", "utility": "accuracy kept", "chain": "PSNR falls as alpha rises"}
+
+
+def _short(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[:limit - 3].rsplit(" ", 1)[0] + " ..."
+
+
+def _power(cells: Sequence[Optional[CellEvidence]]) -> str:
+    """The positive control's recovery of each cell that has one, else why none."""
+    found = [c.power_text() for c in cells if c is not None and c.control is not None]
+    return "; ".join(found) if found else ("no control stored" if any(c is not None for c in cells) else "-")
+
+
+def _ours(c: Optional[CellEvidence]) -> str:
+    if c is None:
+        return "-"
+    return f"{_f(c.psnr)} dB; {c.identified} of {c.images} identified"
+
+
 def row_lines(row: Row, profile: Profile, data: str, data_args: Dict[str, Any], root: Path,
-              out: Path) -> Tuple[str, Conclusion]:
+              out: Path) -> RowView:
     stored, cells, plans = stored_cells(row, profile, data, data_args, root, out)
     claimed = claim_cells(stored, plans)
     run = run_setting(row, profile)
     utility = ((stored.get("cells") or {}).get("utility") or {}).get("utility")
     judged = {n: c if c is not None else claimed.get(n) for n, c in cells.items()}  # what the claim is judged on
-    conclusion = conclude(row, judged, run, utility)
-    setting = f"{own_text(row, run, data)}. **{label(row, run)}**"
-    if row.notes:
-        setting += "; open: " + "; ".join(row.notes)
-    if row.claim == "utility":
-        return (f"| {row.figure} | {row.paper_number} | {row.setting.text()} | {setting} | "
-                f"{conclusion.detail or '-'} | - | - | **{conclusion.text()}** |"), conclusion
+    chain = [(r, stored_cells(BY_ID[r], profile, data, data_args, root, out)[1].get(f"paper:{row.attacks[0].name}"))
+             for r in row.chain]
+    conclusion = conclude(row, judged, run, utility, stored, chain)
+    setting = f"{own_text(row, run, data)}. Label: {label(row, run)}"
+    base = [("The paper's claim", row.quote), ("The paper", row.setting.text()), ("Ours", setting),
+            ("Open or different", "; ".join(row.notes))]
+    if row.claim in ("utility", "chain"):
+        chained = [c for _, c in chain]
+        ours = "-" if row.claim == "utility" else "; ".join(f"{_f(c.psnr)}" if c else "-" for c in chained) + " dB"
+        return RowView(row, conclusion, label(row, run), ours, _power(chained), conclusion.text(),
+                       base + [("Verdict", f"**{conclusion.text()}**")])
     results = results_path(root, profile.name, data, row)
     progress = {p.name: kept_progress(results, p, p.name in claimed) for p in plans if cells.get(p.name) is None}
     # a cell under way shows its claim's evidence (``judged``) beside its progress
@@ -1193,8 +1412,11 @@ def row_lines(row: Row, profile: Profile, data: str, data_args: Dict[str, Any], 
         states = [f"{n} under way" if progress.get(n) else f"{n} not yet run" for n in pending]
         verdict = f"{UNFINISHED} ({', '.join(states)})" + (f": {verdict}" if conclusion.outcome != NOT_RUN else "")
         conclusion = Conclusion(UNFINISHED)  # the summary counts it as unfinished, whatever its cells say so far
-    return (f"| {row.figure} | {row.paper_number} | {row.setting.text()} | {setting} | {paper_cell} | "
-            f"{planner_cell} | {adaptive_cell} | **{verdict}** |"), conclusion
+    details = base + [("The paper's attack", paper_cell.replace("<br>", "; ")),
+                      ("The planner's attacks at their presets", planner_cell),
+                      ("The paper's adaptive attack", "" if adaptive_cell == "-" else adaptive_cell),
+                      ("Verdict", f"**{verdict}**")]
+    return RowView(row, conclusion, label(row, run), _ours(first), _power(list(judged.values())), verdict, details)
 
 
 #: a row with some of its cells stored: its verdict so far is shown, never counted as one
@@ -1203,9 +1425,8 @@ UNFINISHED = "unfinished"
 STALE = "stale"
 
 
-HEADER = ("| figure | paper's number | paper's setting | ours | the paper's attack, ours: PSNR / SSIM / LPIPS; "
-          "identification | the planner's attacks at their presets (strongest per image) | the paper's adaptive "
-          "attack | conclusion |\n|---|---|---|---|---|---|---|---|")
+HEADER = ("| row | paper | claim | label | paper's number | ours: the paper's attack | power (control) | verdict |\n"
+          "|---|---|---|---|---|---|---|---|")
 
 
 def counts(rows: Sequence[Row], profile: Profile) -> Tuple[int, int]:
@@ -1218,20 +1439,43 @@ def render(rows: Sequence[Row], profile: Profile, data: str, data_args: Dict[str
            out: Path) -> str:
     at, scaled = counts(rows, profile)
     outcomes: Dict[str, int] = {}
-    parts = []
-    for paper in PAPERS:
-        chosen = [r for r in rows if r.paper == paper]
-        if not chosen:
-            continue
-        lines = [f"### {paper}", "", HEADER]
-        for row in chosen:
-            line, conclusion = row_lines(row, profile, data, data_args, root, out)
-            lines.append(line)
-            outcomes[conclusion.outcome] = outcomes.get(conclusion.outcome, 0) + 1
-        parts.append("\n".join(lines))
+    views = [row_lines(row, profile, data, data_args, root, out) for row in rows]
+    for view in views:
+        outcomes[view.conclusion.outcome] = outcomes.get(view.conclusion.outcome, 0) + 1
     summary = (f"{len(rows)} rows: **{at} at the paper's setting, {scaled} scaled** (profile `{profile.name}`); "
                + ", ".join(f"{n} {_tally(o, n)}" for o, n in sorted(outcomes.items())))
-    return summary + "\n\n" + "\n\n".join(parts)
+    table = "\n".join([HEADER, *(v.line() for v in views)])
+    parts = []
+    for paper in PAPERS:
+        chosen = [v for v in views if v.row.paper == paper]
+        if chosen:
+            parts.append("\n\n".join([f"### {paper}", *(v.section() for v in chosen)]))
+    return "\n\n".join([summary, table, "## Each row", CHANCE_NOTE,
+                         textwrap.fill(grid_note(rows, profile, data, data_args, root, out), 100), *parts])
+
+
+def grid_note(rows: Sequence[Row], profile: Profile, data: str, data_args: Dict[str, Any], root: Path,
+              out: Path) -> str:
+    """How many of the searched rows' chosen prior weights sit at the edge of their grid."""
+    chosen = edges = 0
+    for row in rows:
+        search = (stored_cells(row, profile, data, data_args, root, out)[0].get("search") or {}) if row.search else {}
+        for name in search.get("chosen") or {}:
+            chosen += 1
+            edges += bool(search_edge(search, name))
+    return (f"**The searched weights.** {edges} of the {chosen} prior weights chosen on held-out images sit at the "
+            "edge of their searched grid (each edge was extended a decade up to four times, then the search "
+            "stopped): those are not bracketed by worse values, and the row says so beside the weight. The "
+            "learning rate is chosen from 0.1 and 0.5 alone, so it is always at an edge.")
+
+
+#: why each cell's chance is a bound, said once above the rows' details
+CHANCE_NOTE = ("**Chance, per cell.** A cell's chance is the probability that the best of its m null guesses "
+               "(m: its attacks times the references each is judged against) identifies the image: a "
+               "hypergeometric draw of m of the null items ranked for that image. It is a bound, not a "
+               "measurement: the same attacks were not run on null uploads (that would double every cell's cost), "
+               "and a draw of m independent null items errs high when the attacks' outputs are alike, so a cell "
+               "needs more identified images to read above chance. Each cell below names it.")
 
 
 def _tally(outcome: str, count: int) -> str:
@@ -1276,6 +1520,59 @@ def gpu_minutes(row: Row, profile: Profile = Profile("gpu")) -> float:
         attacks = 6 if plan.name == "planner" else 1  # auto: about six attacks on ResNet-18
         total += plan.call["images"] * len(plan.steps) * plan.call["budget"] * attacks
     return total * ms / 60000
+
+
+#: the planned minutes of one GPU call: a lent GPU gives 9-minute calls, each of which must
+#: finish a slice and keep its results
+GPU_CALL_MINUTES = 9.0
+
+
+@dataclass(frozen=True)
+class GpuSlice:
+    """One slice of a cell on the GPU: a step and a range of its images, with its planned minutes."""
+
+    row: str
+    cell: str
+    step: int
+    first: int
+    images: int
+    minutes: float
+
+    def text(self) -> str:
+        fits = "" if self.minutes <= GPU_CALL_MINUTES else f" (over one {GPU_CALL_MINUTES:g}-minute call: one image-step)"
+        return (f"{self.row} {self.cell} step {self.step} images {self.first}-{self.first + self.images - 1}: "
+                f"{self.minutes:.1f} min{fits}")
+
+
+def gpu_slices(row: Row, profile: Profile, data: str, data_args: Dict[str, Any], root: Path,
+               out: Path) -> List[GpuSlice]:
+    """The slices of the row's cells not yet stored, each as many images of one step as fit
+    :data:`GPU_CALL_MINUTES` at :data:`GPU_MS` (one image a slice where one image is longer)."""
+    ms = GPU_MS.get(row.model, GPU_MS["resnet18"])
+    _, cells, plans = stored_cells(row, profile, data, data_args, root, out)
+    found = []
+    for plan in plans:
+        if cells.get(plan.name) is not None or plan.name == "utility":
+            continue
+        attacks = PLANNER_ATTACKS if plan.name == "planner" else 1
+        per_image = int(plan.call["budget"]) * attacks * ms / 60000
+        per_slice = max(1, int(GPU_CALL_MINUTES // per_image)) if per_image else int(plan.call["images"])
+        for step in plan.steps:
+            for first in range(0, int(plan.call["images"]), per_slice):
+                n = min(per_slice, int(plan.call["images"]) - first)
+                found.append(GpuSlice(row.id, plan.name, step, first, n, n * per_image))
+    return found
+
+
+def gpu_plan(rows: Sequence[Row], profile: Profile, data: str, data_args: Dict[str, Any], root: Path,
+             out: Path) -> str:
+    """The GPU slices left, row by row, with their planned minutes and the total."""
+    slices = [s for row in rows for s in gpu_slices(row, profile, data, data_args, root, out)]
+    lines = [s.text() for s in slices]
+    lines.append(f"{len(slices)} slices left, {sum(s.minutes for s in slices):.0f} planned minutes in all "
+                 f"(each slice one {GPU_CALL_MINUTES:g}-minute call; unmeasured: the plan counts {GPU_MS['resnet18']} "
+                 "ms per image-iteration on ResNet-18)")
+    return "\n".join(lines)
 
 
 # --------------------------------------------------------------------------- main
@@ -1337,6 +1634,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--tiny", action="store_true", help="with --profile gpu: its rows and width-64 models at the "
                         "quick check's budgets (2 images, 4 evaluations), results under --out, never the page")
     parser.add_argument("--render", action="store_true", help="write the page from stored results; run nothing")
+    parser.add_argument("--plan", action="store_true", help="print the slices left and their planned GPU minutes")
     add_docs_option(parser, "docs/papers.md")
     args = parser.parse_args(argv)
 
@@ -1355,6 +1653,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     root = Path(args.results) if args.results else (out / "results" if profile.shrunk else RESULTS)
     rows = selected(args.rows, args.paper, name)
     page_rows = selected(None, None, name)  # the page shows every row of the profile
+    if args.plan:
+        print(gpu_plan(rows, profile, data, data_args, root, out))
+        return
 
     def publish() -> None:
         if args.docs and not profile.shrunk:

@@ -469,51 +469,104 @@ def _sd(values: Sequence[float]) -> float:
     return math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
 
 
-def conclude_order(first: Optional[CellEvidence], others: Dict[str, Optional[CellEvidence]],
-                   paper_gaps: Dict[str, float], tie_db: float = 1.0, alpha: float = 0.05,
-                   below_budget: bool = False) -> Conclusion:
-    """The paper's claim on ``first`` against each of ``others``, pair by pair on the same
-    images: better where the paper's gap (dB) is at least ``tie_db``, within ``tie_db``
-    otherwise. Per pair a Wilcoxon signed-rank test on per-image PSNR decides (a significant
-    difference in the claimed direction holds, against it does not; a claimed tie holds when
-    the 95% interval of the mean difference lies within ``tie_db``, and does not when a
-    significant difference exceeds it), and an exact McNemar test on identification that
-    contradicts the claim significantly makes it not hold. Each test's power is stated:
-    Wilcoxon's to detect the paper's gap at the observed spread, McNemar's as the smallest
-    p-value its discordant pairs allow."""
+#: the kinds of a pairwise claim on per-image PSNR: ``better`` (significantly higher), ``tie``
+#: (the mean difference's 95% interval within the tie margin) and ``not-worse`` (its lower end
+#: above minus the margin: "performs best" read as no attack ahead by more than the margin)
+PAIR_KINDS = ("better", "tie", "not-worse")
+
+
+def pair_test(first: CellEvidence, other: CellEvidence, kind: str, gap: float, tie_db: float = 1.0,
+              alpha: float = 0.05) -> Tuple[str, str]:
+    """One pairwise claim of ``first`` over ``other`` (``kind`` of :data:`PAIR_KINDS`; ``gap``:
+    the paper's dB), on the images both scored: a Wilcoxon signed-rank test on per-image PSNR
+    decides, an exact McNemar test on identification that contradicts it significantly makes
+    it not hold. Returns the outcome and its text, with each test's power."""
     from scipy.stats import t as student
 
+    if kind not in PAIR_KINDS:
+        raise ValueError(f"unknown pairwise claim {kind!r}: one of {', '.join(PAIR_KINDS)}")
+    diffs = paired_psnr(first, other)
+    n = len(diffs)
+    mean, sd = (sum(diffs) / n if n else 0.0), _sd(diffs)
+    p_w = wilcoxon_p(diffs) if n else 1.0
+    half = student.ppf(1 - alpha / 2, n - 1) * sd / math.sqrt(n) if n > 1 else math.inf
+    power = wilcoxon_power(n, sd, gap if kind == "better" else tie_db, alpha)
+    wins, losses = paired(first, other)
+    p_m = mcnemar_exact(wins, losses)
+    contradicts_id = p_m < alpha and (losses > wins or kind == "tie")
+    if kind == "better":
+        outcome = (FAILS if (p_w < alpha and mean < 0) or contradicts_id else
+                   HOLDS if p_w < alpha and mean > 0 else INCONCLUSIVE)
+    elif kind == "tie":
+        outcome = (FAILS if (p_w < alpha and abs(mean) > tie_db) or contradicts_id else
+                   HOLDS if abs(mean) + half <= tie_db else INCONCLUSIVE)
+    else:
+        outcome = (FAILS if (p_w < alpha and mean < -tie_db) or contradicts_id else
+                   HOLDS if mean - half > -tie_db else INCONCLUSIVE)
+    text = (f"{kind}: PSNR {mean:+.2f} dB (95% CI {mean - half:+.2f} to {mean + half:+.2f}) over {n} images, "
+            f"Wilcoxon p={p_w:.2g}, power {100 * power:.0f}% to detect "
+            + (f"the paper's {gap:+.2f} dB" if kind == "better" else f"a {tie_db:g} dB difference")
+            + f"; identification {wins}/{losses} discordant, McNemar p={p_m:.2g} (at best "
+              f"{mcnemar_floor(wins + losses):.2g}): {outcome}")
+    if kind == "better" and n > 1 and mean + half < gap:
+        text += " (the interval excludes the paper's gap)"
+    return outcome, text
+
+
+def _combined(outcomes: Sequence[str]) -> str:
+    return FAILS if FAILS in outcomes else INCONCLUSIVE if INCONCLUSIVE in outcomes else HOLDS
+
+
+def conclude_order(first: Optional[CellEvidence], others: Dict[str, Optional[CellEvidence]],
+                   paper_gaps: Dict[str, float], tie_db: float = 1.0, alpha: float = 0.05,
+                   below_budget: bool = False, kinds: Optional[Dict[str, str]] = None) -> Conclusion:
+    """The paper's claim on ``first`` against each of ``others`` (:func:`pair_test`): of the
+    kind ``kinds`` names (the paper's text), else better where the paper's gap (dB) is at least
+    ``tie_db`` and a tie otherwise. Missing evidence makes it inconclusive."""
     if first is None or any(c is None for c in others.values()):
         return Conclusion(NOT_RUN if first is None else INCONCLUSIVE, "" if first is None else "some cells have not run")
     parts, outcomes = [], []
     for name, other in others.items():
         gap = paper_gaps.get(name, 0.0)
-        claim_better = gap >= tie_db
-        diffs = paired_psnr(first, other)
-        n = len(diffs)
-        mean, sd = (sum(diffs) / n if n else 0.0), _sd(diffs)
-        p_w = wilcoxon_p(diffs) if n else 1.0
-        half = student.ppf(1 - alpha / 2, n - 1) * sd / math.sqrt(n) if n > 1 else math.inf
-        power = wilcoxon_power(n, sd, gap if claim_better else tie_db, alpha)
-        wins, losses = paired(first, other)
-        p_m = mcnemar_exact(wins, losses)
-        contradicts_id = p_m < alpha and (losses > wins or not claim_better)
-        if claim_better:
-            outcome = (FAILS if (p_w < alpha and mean < 0) or contradicts_id else
-                       HOLDS if p_w < alpha and mean > 0 else INCONCLUSIVE)
-        else:
-            outcome = (FAILS if (p_w < alpha and abs(mean) > tie_db) or contradicts_id else
-                       HOLDS if abs(mean) + half <= tie_db else INCONCLUSIVE)
+        kind = (kinds or {}).get(name) or ("better" if gap >= tie_db else "tie")
+        outcome, text = pair_test(first, other, kind, gap, tie_db, alpha)
         outcomes.append(outcome)
-        parts.append(f"vs {name}: PSNR {mean:+.2f} dB (95% CI {mean - half:+.2f} to {mean + half:+.2f}) over {n} "
-                     f"images, Wilcoxon p={p_w:.2g}, power {100 * power:.0f}% to detect "
-                     + (f"the paper's {gap:+.2f} dB" if claim_better else f"a {tie_db:g} dB difference")
-                     + f"; identification {wins}/{losses} discordant, McNemar p={p_m:.2g} (at best "
-                     f"{mcnemar_floor(wins + losses):.2g})")
+        parts.append(f"vs {name}, {text}")
     if first.missing or any(o.missing for o in others.values()):
         return Conclusion(INCONCLUSIVE, "evidence missing; " + "; ".join(parts), below_budget)
-    outcome = FAILS if FAILS in outcomes else INCONCLUSIVE if INCONCLUSIVE in outcomes else HOLDS
+    outcome = _combined(outcomes)
     return Conclusion(outcome, "; ".join(parts), below_budget and outcome == INCONCLUSIVE)
+
+
+def conclude_chain(cells: Sequence[Tuple[str, Optional[CellEvidence]]], paper_db: Sequence[float],
+                   tie_db: float = 1.0, alpha: float = 0.05) -> Conclusion:
+    """An ordering the paper reports along a setting (Refiner's PSNR falling as alpha rises):
+    each cell better than the next, pair by pair on the same images (:func:`pair_test`)."""
+    if any(c is None for _, c in cells):
+        missing = [n for n, c in cells if c is None]
+        return Conclusion(INCONCLUSIVE if len(missing) < len(cells) else NOT_RUN,
+                          f"not yet run: {', '.join(missing)}")
+    parts, outcomes = [], []
+    for (name, a), (other, b), gap_a, gap_b in zip(cells, cells[1:], paper_db, paper_db[1:]):
+        outcome, text = pair_test(a, b, "better", gap_a - gap_b, tie_db, alpha)
+        outcomes.append(outcome)
+        parts.append(f"{name} over {other}, {text}")
+    if any(c.missing for _, c in cells):
+        return Conclusion(INCONCLUSIVE, "evidence missing; " + "; ".join(parts))
+    return Conclusion(_combined(outcomes), "; ".join(parts))
+
+
+def conclude_steps(judged: Dict[int, Conclusion], not_judged: Dict[int, str]) -> Conclusion:
+    """A claim about each of several steps: every judged step's conclusion, and the steps not
+    judged with why (a collapsed model is no evidence either way). It holds (does not hold)
+    only where every judged step does; no judged step: inconclusive."""
+    parts = [f"step {s}: {judged[s].text() if s in judged else 'not judged (' + not_judged[s] + ')'}"
+             for s in sorted(set(judged) | set(not_judged))]
+    outcomes = {c.outcome for c in judged.values()}
+    if not judged:
+        return Conclusion(INCONCLUSIVE, "no step judged; " + "; ".join(parts))
+    outcome = next(iter(outcomes)) if len(outcomes) == 1 and outcomes <= {HOLDS, FAILS, NOT_RUN} else INCONCLUSIVE
+    return Conclusion(outcome, "; ".join(parts), decided=all(c.decided for c in judged.values()))
 
 
 #: accuracy (a fraction) by which a utility claim may miss and still hold

@@ -151,7 +151,9 @@ def test_a_claim_about_early_steps_is_judged_on_those_steps_alone():
     early_and_late = pv.cell_evidence(manifest, [dict(r, step=2 if r["step"] == 1 else r["step"]) for r in records],
                                       ["ig"], [2, 50])
     run = bp.run_setting(row, bp.Profile("cpu"))
-    assert bp.conclude(row, {"paper:ig": early_and_late, "planner": None}, run).outcome == pv.HOLDS
+    healthy = {"trained": True, "images": 6, "logit_std": 0.05, "finite": 6, "zero": 0}
+    health = {"health": {"steps": {str(s): healthy for s in (1, 2, 5, 10)}}}
+    assert bp.conclude(row, {"paper:ig": early_and_late, "planner": None}, run, stored=health).outcome == pv.HOLDS
     late = cell.at_steps([50])
     assert (late.images, late.identified, len(late.missing)) == (5, 0, 1)
     assert pv.conclude_leaks(late, True).outcome == pv.INCONCLUSIVE
@@ -322,7 +324,8 @@ def test_the_gpu_profile_runs_ats_and_refiner_on_the_papers_images():
     longer than an invocation's minutes runs alone."""
     gpu, cpu = bp.Profile("gpu"), bp.Profile("cpu")
     others = {r.id: r for r in bp.selected(None, None, "gpu") if r.model != "resnet18"}
-    assert set(others) == {"bayes-ats", "refiner-alpha-0.0", "refiner-alpha-0.5", "refiner-alpha-0.9"}
+    assert set(others) == {"bayes-ats", "refiner-alpha-0.0", "refiner-alpha-0.5", "refiner-alpha-0.9",
+                           "refiner-order"}
     for row in others.values():
         run = bp.run_setting(row, gpu)
         assert run["images"] == row.setting.images in (100, 1000) and bp.label(row, run) == bp.AT_PAPER, row.id
@@ -871,3 +874,75 @@ def test_a_cell_hands_over_its_claims_evidence_when_those_steps_are_complete(mon
     whole = bp.run_cell(row, plan, None, handed.append)
     assert calls[-1] == ([1, 2, 5, 10, 20, 50], 8) and ([50], 8) in calls and len(handed) == 2
     assert whole["key"] == plan.key and "claim_evidence" not in whole and whole["evidence"]["steps"] == [1, 2, 5, 10, 20, 50]
+
+
+def test_a_step_whose_model_collapsed_is_not_judged_and_never_evidence():
+    row = bp.BY_ID["bayes-ats"]
+    run = bp.run_setting(row, bp.Profile("cpu"))
+    cell = _claim_evidence(4, steps=(1, 2))  # 4 of 8 identified at steps 1 and 2
+    healthy = {"trained": True, "images": 8, "logit_std": 0.05, "finite": 8, "zero": 0}
+    diverged = dict(healthy, logit_std=5.9e9)
+    flat = dict(healthy, zero=4)
+    # step 2's model diverged: step 1 alone decides, step 2 says why it is not judged
+    stored = {"health": {"steps": {"1": healthy, "2": diverged}}}
+    said = bp.conclude(row, {"paper:ig": cell, "planner": None}, run, stored=stored)
+    assert said.outcome == pv.HOLDS and "step 2: not judged (the model diverged" in said.detail
+    # every step collapsed: nothing is judged, whatever the cells identify
+    stored = {"health": {"steps": {"1": flat, "2": diverged}}}
+    said = bp.conclude(row, {"paper:ig": cell, "planner": None}, run, stored=stored)
+    assert said.outcome == pv.INCONCLUSIVE and "exactly zero gradients on 4 of 8" in said.detail
+    # the model's health not measured: not judged either
+    assert bp.conclude(row, {"paper:ig": cell, "planner": None}, run).outcome == pv.INCONCLUSIVE
+    assert bp.collapsed(dict(healthy, finite=7)).startswith("non-finite") and not bp.collapsed(healthy)
+
+
+def test_paper_claims_are_judged_as_the_paper_words_them():
+    # Bayes ~ L2 under Gaussian noise, and Bayes not behind the others by more than 1 dB
+    row = bp.BY_ID["bayes-gauss-0"]
+    assert dict(row.order_kinds) == {"bayes-l2": "tie", "bayes-l1": "not-worse", "bayes-cos": "not-worse"}
+    assert "equivalent up to a constant factor" in row.quote
+    bayes = _psnr_cell([20.0 + 0.1 * i for i in range(12)])
+    l1 = _psnr_cell([20.3 + 0.1 * i + (0.05 if i % 2 else -0.05) for i in range(12)])  # 0.3 dB ahead of Bayes
+    assert pv.conclude_order(bayes, {"l1": l1}, {"l1": 0.37}).outcome == pv.FAILS  # read as a claimed tie: misses
+    assert pv.conclude_order(bayes, {"l1": l1}, {"l1": 0.37}, kinds={"l1": "not-worse"}).outcome == pv.HOLDS
+    far = _psnr_cell([22.0 + 0.1 * i + (0.05 if i % 2 else -0.05) for i in range(12)])  # 2 dB ahead of Bayes
+    assert pv.conclude_order(bayes, {"l1": far}, {"l1": 0.37}, kinds={"l1": "not-worse"}).outcome == pv.FAILS
+    with pytest.raises(ValueError):
+        pv.pair_test(bayes, l1, "similar", 0.0)
+
+
+def test_refiners_ordering_in_alpha_is_judged_pair_by_pair_on_the_same_images():
+    row = bp.BY_ID["refiner-order"]
+    assert row.chain == ("refiner-alpha-0.0", "refiner-alpha-0.5", "refiner-alpha-0.9") and "rise in alpha" in row.quote
+    falling = [("a0", _psnr_cell([20.0 + 0.1 * i for i in range(12)])),
+               ("a5", _psnr_cell([15.0 + 0.1 * i + (0.05 if i % 2 else -0.05) for i in range(12)])),
+               ("a9", _psnr_cell([12.0 + 0.1 * i for i in range(12)]))]
+    assert pv.conclude_chain(falling, [21.24, 13.20, 10.52]).outcome == pv.HOLDS
+    same = [(n, _psnr_cell([15.0 + 0.1 * i + (0.01 if i % 3 else -0.02) * k for i in range(12)]))
+            for k, n in enumerate(("a0", "a5", "a9"))]
+    flat = pv.conclude_chain(same, [21.24, 13.20, 10.52])
+    assert flat.outcome != pv.HOLDS and "excludes the paper's gap" in flat.detail
+    assert pv.conclude_chain([("a0", None), *falling[1:]], [21.24, 13.20, 10.52]).outcome == pv.INCONCLUSIVE
+    assert bp.plan_cells(row, bp.Profile("cpu"), "embedded", {}, Path("/x")) == []
+
+
+def test_the_verdict_table_opens_the_page_on_one_screen():
+    page = (ROOT / "docs" / "papers.md").read_text().splitlines()
+    head = page[:40]
+    rows = [line for line in head if line.startswith("| [")]
+    assert len(rows) == len(bp.selected(None, None, "cpu"))
+    assert all(len(line) <= 600 for line in page)
+    for line in rows:
+        assert all(len(cell) <= bp.MAX_CELL for cell in line.strip("|").split(" | "))
+    assert "run_key" not in "\n".join(page)
+
+
+def test_the_gpu_plan_lists_slices_that_each_fit_one_call(tmp_path):
+    profile = bp.Profile("gpu")
+    slices = bp.gpu_slices(bp.BY_ID["censor-none"], profile, "embedded", {}, tmp_path, tmp_path)
+    assert slices and all(s.minutes <= bp.GPU_CALL_MINUTES for s in slices)
+    row = bp.BY_ID["censor-none"]
+    images = bp.run_setting(row, profile)["images"]
+    assert sum(s.images for s in slices if s.cell == "paper:ig") == images
+    text = bp.gpu_plan([row], profile, "embedded", {}, tmp_path, tmp_path)
+    assert f"{len(slices)} slices left" in text and "censor-none paper:ig step 0 images 0-" in text
