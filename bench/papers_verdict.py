@@ -14,17 +14,15 @@ intervals; its *chance* is the null's best of ``m`` (:func:`best_of_chance`). Co
   or whose control recovers nothing, is inconclusive, never "holds";
 * a claim that an attack **leaks** holds when its cell identifies above chance; when it does
   not, it fails only at the paper's budget and where the control recovers images;
-* an **order** of attacks (the Bayes paper's Table 2) is compared pair by pair on the same
-  images: a Wilcoxon signed-rank test on per-image PSNR (the papers' metric) and an exact
-  McNemar test on identification, both two-sided 5%, each with its power;
+* an **order** (Bayes' Table 2, Refiner's alpha) is tested pair by pair on the same images
+  (:func:`pair_test`); a claim over several steps is judged step by step (:func:`conclude_steps`);
 * a **utility** claim (defended accuracy at least the undefended, or at least a ratio of it)
   is judged on the 95% Welch interval of ``defended - ratio x undefended`` over the training
   seeds, against a tolerance of ``UTILITY_TOLERANCE``: it holds when the whole interval lies
   above ``-tolerance``, does not hold when it lies below, and is inconclusive otherwise (the
   interval's half-width is the noise named).
 
-Missing evidence (an attack that failed, or has not run) makes a cell inconclusive, never a
-"holds".
+Missing evidence (an attack that failed, or has not run) makes a cell inconclusive.
 """
 from __future__ import annotations
 
