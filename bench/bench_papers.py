@@ -1339,6 +1339,13 @@ CLAIM_WORDS = {"protects": "the defense protects", "leaks": "the attack recovers
                "order": "the attacks' order", "utility": "accuracy kept", "chain": "PSNR falls as alpha rises"}
 
 
+def health_text(stored: Dict[str, Any]) -> str:
+    """The stored model health per step (:func:`model_health`), in words ('' where none)."""
+    steps = (stored.get("health") or {}).get("steps") or {}
+    return "; ".join(f"step {s}: " + (collapsed(h) or f"logit std {h['logit_std']:.2g}, {h['finite']} of {h['images']} "
+                                      "gradients finite, none zero") for s, h in sorted(steps.items(), key=lambda i: int(i[0])))
+
+
 def _short(text: str, limit: int) -> str:
     return text if len(text) <= limit else text[:limit - 3].rsplit(" ", 1)[0] + " ..."
 
@@ -1415,6 +1422,7 @@ def row_lines(row: Row, profile: Profile, data: str, data_args: Dict[str, Any], 
     details = base + [("The paper's attack", paper_cell.replace("<br>", "; ")),
                       ("The planner's attacks at their presets", planner_cell),
                       ("The paper's adaptive attack", "" if adaptive_cell == "-" else adaptive_cell),
+                      ("The model at each step, as the audit trains it", health_text(stored)),
                       ("Verdict", f"**{verdict}**")]
     return RowView(row, conclusion, label(row, run), _ours(first), _power(list(judged.values())), verdict, details)
 
