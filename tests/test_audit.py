@@ -162,6 +162,8 @@ def test_fedavg_with_several_clients_is_simulated_and_declared(tmp_path):
     fl = dict(report.data["settings"]["fl"])
     assert fl.pop("local_optimizer")["name"] == "sgd"
     assert fl.pop("server_optimizer")["momentum"] == 0.0  # the server applies the mean update as is
+    client = fl.pop("client")  # the client's training as one record: the local lr decided there
+    assert (client["lr"], client["steps"], client["shares"], client["mode"]) == (0.05, 2, "update", "train")
     assert fl == {"lr": 0.1, "batch_size": 8, "clients": 3, "local_steps": 2, "local_lr": 0.05, "client_mode": "train",
                   "local_batch_size": None, "local_epochs": None, "shares": "update"}
     assert report.step(2)["attacks"]["analytic"]["status"] in ("ok", "not applicable")
