@@ -146,7 +146,7 @@ def test_cli_defense_timeout(tmp_path):
             "--steps", "0,1", "--images", "1", "--attacks", "analytic", "--budget", "5", "--no-utility", "--quiet",
             "--out", str(tmp_path)]
     result = CliRunner().invoke(cli.main, args + ["--defense-timeout", str(TIMEOUT_S)])
-    assert result.exit_code == 0, result.output
+    assert result.exit_code == cli.INCOMPLETE_EXIT, result.output  # it ran, but lacks evidence: not finished
     assert "[incomplete (analytic failed)" in result.output and "verdict: leaks" in result.output
     bad = CliRunner().invoke(cli.main, args + ["--defense-timeout", "-1"])
     assert bad.exit_code == 2 and "defense_timeout (seconds) must be a positive number" in bad.output
