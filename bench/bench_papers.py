@@ -1321,8 +1321,8 @@ class RowView:
 
     def line(self) -> str:
         label = "at the paper's setting" if self.label == AT_PAPER else "scaled"
-        cells = [f"[{self.row.id}](#{self.row.id})", self.row.paper, CLAIM_WORDS[self.row.claim], label,
-                 self.row.paper_number, self.ours, self.power, f"**{_short(self.verdict, 150)}**"]
+        cells = [f"[{self.row.id}]({DETAILS_LINK}#{self.row.id})", self.row.paper, CLAIM_WORDS[self.row.claim], label,
+                 self.row.paper_number, self.ours, self.power, f"**{_short(self.verdict, 110)}**"]
         return "| " + " | ".join(_short(c.replace("|", "/"), MAX_CELL) for c in cells) + " |"
 
     def section(self) -> str:
@@ -1334,6 +1334,9 @@ class RowView:
 
 #: a verdict table cell's longest text
 MAX_CELL = 300
+#: where each row's details live (the page holds the verdict table), from the page
+DETAILS_PAGE = "bench/results/papers.md"
+DETAILS_LINK = "../" + DETAILS_PAGE
 #: the claim of each kind, in a few words
 CLAIM_WORDS = {"protects": "the defense protects", "leaks": "the attack recovers images",
                "order": "the attacks' order", "utility": "accuracy kept", "chain": "PSNR falls as alpha rises"}
@@ -1445,6 +1448,13 @@ def counts(rows: Sequence[Row], profile: Profile) -> Tuple[int, int]:
 
 def render(rows: Sequence[Row], profile: Profile, data: str, data_args: Dict[str, Any], root: Path,
            out: Path) -> str:
+    """The verdict table, then each row's details."""
+    return "\n\n".join(render_parts(rows, profile, data, data_args, root, out))
+
+
+def render_parts(rows: Sequence[Row], profile: Profile, data: str, data_args: Dict[str, Any], root: Path,
+                 out: Path) -> Tuple[str, str]:
+    """The page's summary and verdict table, and the rows' details (:data:`DETAILS_PAGE`)."""
     at, scaled = counts(rows, profile)
     outcomes: Dict[str, int] = {}
     views = [row_lines(row, profile, data, data_args, root, out) for row in rows]
@@ -1458,8 +1468,10 @@ def render(rows: Sequence[Row], profile: Profile, data: str, data_args: Dict[str
         chosen = [v for v in views if v.row.paper == paper]
         if chosen:
             parts.append("\n\n".join([f"### {paper}", *(v.section() for v in chosen)]))
-    return "\n\n".join([summary, table, "## Each row", CHANCE_NOTE,
-                         textwrap.fill(grid_note(rows, profile, data, data_args, root, out), 100), *parts])
+    link = f"Each row's details, its cells and its verdict in full: [{DETAILS_PAGE}]({DETAILS_LINK})."
+    return ("\n\n".join([summary, table, link]),
+            "\n\n".join([textwrap.fill(CHANCE_NOTE, 100),
+                          textwrap.fill(grid_note(rows, profile, data, data_args, root, out), 100), *parts]))
 
 
 def grid_note(rows: Sequence[Row], profile: Profile, data: str, data_args: Dict[str, Any], root: Path,
@@ -1667,10 +1679,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
     def publish() -> None:
         if args.docs and not profile.shrunk:
-            table = render(page_rows, profile, data, data_args, root, out)
+            table, details = render_parts(page_rows, profile, data, data_args, root, out)
             setting = (f"torch {torch.__version__}, {args.threads} thread(s), {device}; "
                        f"{timing(page_rows, profile, data, data_args, root, out)}")
-            write_table(args.docs_page, args.docs, command_line("bench_papers.py", page_command(argv)), table, setting)
+            command = command_line("bench_papers.py", page_command(argv))
+            write_table(args.docs_page, args.docs, command, table, setting)
+            write_table(DETAILS_PAGE, args.docs, command, details, setting)
 
     if not args.render and not profile.shrunk:
         require_lpips()
