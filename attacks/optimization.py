@@ -645,13 +645,13 @@ class OptimizationRun:
         def members(target, fixed, mean, *per_member):
             if self.n > 1 or per_member[0].shape[0] != 1:
                 return inner(target, fixed, mean, *per_member)
-            # a single member runs without vmap: faster compiled (docs/strength.md, section 2)
+            # a single member runs without vmap: faster compiled (docs/strength.md (Speed))
             grads, (loss, terms) = step(target, fixed, mean, *(v[0] for v in per_member))
             return [g[None] for g in grads], (loss[None], {k: t[None] for k, t in terms.items()})
 
         if not compiled:
             return members
-        if self.device.type == "cpu":  # channels-last weights: faster compiled on a CPU (docs/strength.md, section 2)
+        if self.device.type == "cpu":  # channels-last weights: faster compiled on a CPU (docs/strength.md (Speed))
             self.replica.channels_last()
         return torch.compile(members, dynamic=False, fullgraph=True)  # a graph break is a failure, not eager
 

@@ -17,7 +17,7 @@ An image whose zero rows are all zero rows of another image too (correlated ReLU
 as untrained convolutions give) has no subset that isolates it: the search then ends without
 a certificate and says so. Where the layer is the model's first (only Normalize / Flatten
 before it) its inputs are the images; where convolutions come first they are each image's
-features (``trace["features"]``). Float64 throughout. Cost and noise: docs/strength.md, section "SPEAR".
+features (``trace["features"]``). Float64 throughout. Cost and noise: docs/strength.md (SPEAR).
 """
 from __future__ import annotations
 
@@ -274,7 +274,7 @@ def default_samples(batch: int) -> int:
     """The most subsets drawn by default: ``2^(B+8)``, at most ``2^22``. A subset isolates an
     image with chance about ``s^(B-1)`` (``s``: the share of its zero rows, near 1/2 at
     initialisation), so this is ~2^9 times the expected draws per image; measured needs:
-    docs/strength.md, section "SPEAR"."""
+    docs/strength.md (SPEAR)."""
     return min(1 << 22, 1 << (batch + 8))
 
 

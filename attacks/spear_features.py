@@ -6,7 +6,7 @@ image's label, certified by reproducing the upload. ``ig`` then runs with one mo
 :class:`ExactFeatures`: the distance between the dummy images' features and the recovered ones,
 dummy image ``i`` against row ``i`` (its label is row ``i``'s, so the two stay paired). Without
 certified features the run is plain ``ig`` and its trace says why. Measured gain:
-docs/strength.md, section "SPEAR".
+docs/strength.md (SPEAR).
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """SPEAR against batch size and gaussian noise, side by side with `analytic` and `ig` on the
-same private batches (``gia-audit attack`` end to end; docs/strength.md, section SPEAR).
+same private batches (``gia-audit attack`` end to end; docs/strength.md (SPEAR)).
 
 An image counts as exact at PSNR >= 50 dB; "certified" says whether SPEAR's recovered batch
 reproduced the upload within its tolerance.

@@ -63,7 +63,7 @@ def spear(t: DefenseTraits) -> List[PlannedAttack]:
         return []
     why = (f"linear-layer gradients stay exactly rank-structured in {len(t.analytic_layers)} layer(s)"
            if t.analytic_layers else f"additive gaussian noise only (std ~{t.noise_std:.3g}), which SPEAR tolerates up "
-                                     "to a level (docs/strength.md, section SPEAR)")
+                                     "to a level (docs/strength.md (SPEAR))")
     return [PlannedAttack("spear", {}, (
         f"{why}: where a biased Linear layer followed by ReLU is in the upload (FedSGD, or FedAvg where its input "
         "is the image), its gradient has rank <= the batch size and ReLU zeros: the whole batch's inputs are "

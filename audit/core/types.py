@@ -1,4 +1,4 @@
-"""The public contracts of gia-audit (the README's "The contracts" explains them for users).
+"""The public contracts of gia-audit (docs/reference.md, "The contracts", explains them for users).
 
 * **Images are in [0, 1]**, shape ``(B, C, H, W)``. Normalisation lives *inside* the model
   (the model registry prepends a :class:`~audit.core.models.Normalize` layer, and so does
