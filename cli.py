@@ -171,7 +171,7 @@ def training_options(fn):
 @click.option("--budget", default=None, metavar="N|auto",
               help="gradient evaluations of the model per attack and private batch (each attack maps it to its "
                    "iterations), or auto: doubled from 200 on the positive control (the same attacks without the "
-                   "defense) until it recovers half of the first step's images  [default: 200]")
+                   "defense) until it recovers half of the first step's images  [default: auto]")
 @click.option("--max-budget", default=None, type=int,
               help="the ceiling of --budget auto's search  [default: 3200]")
 @click.option("--share-labels", is_flag=True, default=None, help="the protocol shares the labels")

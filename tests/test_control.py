@@ -69,6 +69,14 @@ def test_bad_budget_searches_are_one_line_errors_before_any_work(tmp_path):
     assert not any(tmp_path.iterdir())
 
 
+def test_the_budget_is_searched_by_default_except_for_closed_form_attacks_alone():
+    from audit.engine.settings import AttackSettings
+
+    assert AttackSettings().budget == "auto" and AttackSettings(names=["ig", "analytic"]).budget == "auto"
+    assert AttackSettings(names=["analytic"]).budget == 200  # doubling cannot give a closed form power
+    assert AttackSettings(names=["analytic"], budget=50).budget == 50
+
+
 def test_the_control_runs_each_attacks_base_form_once():
     specs = [AttackSpec("portfolio", {}, "base"), AttackSpec("ig", {"restarts": 2}, "base"),
              AttackSpec("through-defense", {"samples": 8}, "planner", "adaptive"),

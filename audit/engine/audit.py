@@ -42,7 +42,7 @@ from audit.engine.privacy import privacy_report
 from audit.engine.scoring import (PSNR_CAP, score_against_trained, score_reconstructions, trace_summary,
                                   trained_batch)
 from audit.engine.utility import PROTOCOL, measure_utility
-from audit.engine.settings import (DEFAULT_BUDGET, DEFAULT_IMAGES, DEFAULT_MAX_BUDGET, DEFAULT_STEPS, AttackSettings,
+from audit.engine.settings import (DEFAULT_IMAGES, DEFAULT_MAX_BUDGET, DEFAULT_STEPS, AttackSettings,
                                    DataSettings, FLSettings, ModelSettings, OutputSettings, model_settings)
 from audit.report.audit_report import AuditReport
 from audit.report.formats import remove_report
@@ -759,7 +759,7 @@ def run(
     steps: Union[str, Sequence[int]] = DEFAULT_STEPS,
     attacks: Union[str, Sequence[str]] = "auto",
     images: int = DEFAULT_IMAGES,
-    budget: Union[int, str] = DEFAULT_BUDGET,
+    budget: Union[int, str, None] = None,
     seed: int = 0,
     out: Union[str, Path] = "audit-out",
     *,
@@ -810,8 +810,8 @@ def run(
     planner's adaptive attacks) or a list of names (``attack_args``: per-attack settings,
     ``{"ig": {"restarts": 2}}``, over the planner's). ``images``: private batches of
     ``batch_size`` images. ``budget``: gradient evaluations per attack and private batch
-    (:data:`audit.core.types.BUDGET_DEFINITION`) or ``"auto"``, searched up to ``max_budget`` on
-    the positive control (:mod:`audit.engine.control`), which every audit runs beside the defense. ``utility``: also train
+    (:data:`audit.core.types.BUDGET_DEFINITION`) or ``"auto"`` (the default), searched up to
+    ``max_budget`` on the positive control (:mod:`audit.engine.control`) every audit runs. ``utility``: also train
     ``utility_steps`` rounds of the utility recipe (``docs/evidence.md``) with and without the
     defense, on ``utility_seeds`` seeds each, and compare test accuracy (mean and spread).
     ``defense_timeout``: seconds per defense call before it is abandoned and recorded as an

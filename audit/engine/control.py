@@ -196,12 +196,13 @@ class PositiveControl:
 
 
 def check_budget_search(names: Sequence[str], max_budget: int, start: int = SEARCH_START) -> None:
-    """``budget="auto"``'s bad inputs, before any work: a ceiling below the start, or an attack
-    named by the user that spends no budget (doubling cannot give it power)."""
+    """``budget="auto"``'s bad inputs, before any work: a ceiling below the start, or attacks
+    named by the user none of which spends a budget (doubling cannot give them power)."""
     if max_budget < start:
         raise ConfigError(f"max_budget {max_budget} is below the budget search's start {start}; give "
                           f"--max-budget {start} or more, or a fixed --budget")
-    fixed = [n for n in names if n != "auto" and n in ATTACKS and not uses_budget(n)]
-    if fixed:
+    named = [n for n in names if n != "auto"]
+    fixed = [n for n in named if n in ATTACKS and not uses_budget(n)]
+    if named and len(fixed) == len(names):
         raise ConfigError(f"--budget auto searches the budget of attacks that spend one, but {', '.join(fixed)} "
-                          "spends none (closed form): give a fixed --budget, or leave it out of --attacks")
+                          "spends none (closed form): give a fixed --budget, or add an optimisation attack")

@@ -189,15 +189,17 @@ class AttackSettings:
     steps: Tuple[int, ...] = DEFAULT_STEPS
     names: Union[str, Sequence[str]] = "auto"
     args: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
-    #: gradient evaluations, or "auto": found on the positive control (audit.engine.control)
-    budget: Union[int, str] = DEFAULT_BUDGET
+    #: gradient evaluations, or "auto": found on the positive control (audit.engine.control);
+    #: None: "auto", or the start when every named attack is closed-form (a search gives it nothing)
+    budget: Union[int, str, None] = None
     #: the ceiling of the "auto" budget search
     max_budget: int = DEFAULT_MAX_BUDGET
 
     def __post_init__(self):
         _set(self, steps=tuple(_parse_steps(self.steps)), names=tuple(attack_names(self.names)),
              args={name: dict(kv) for name, kv in (self.args or {}).items()},
-             budget=_budget(self.budget), max_budget=_positive("max_budget", self.max_budget))
+             max_budget=_positive("max_budget", self.max_budget))
+        _set(self, budget=_budget(self.budget) if self.budget is not None else _default_budget(self.names))
 
     @property
     def searches_budget(self) -> bool:
@@ -206,6 +208,16 @@ class AttackSettings:
 
     def budget_description(self) -> Dict[str, Any]:
         return {"value": self.budget, "unit": BUDGET_UNIT, "definition": BUDGET_DEFINITION}
+
+
+def _default_budget(names: Sequence[str]) -> Union[int, str]:
+    """"auto", unless every named attack spends no budget (closed form): then the start."""
+    from audit.engine.control import uses_budget
+
+    named = [n for n in names if n != "auto"]
+    if named and len(named) == len(names) and not any(uses_budget(n) for n in named):
+        return DEFAULT_BUDGET
+    return AUTO_BUDGET
 
 
 def _budget(value: Any) -> Union[int, str]:
