@@ -378,6 +378,10 @@ class Spear:
                  "samples": drawn, "directions_kept": len(found), "selections_checked": attempts,
                  "seconds": time.perf_counter() - start, "certificate_tolerance": self.tolerance,
                  "noise_floor": floor, "zero_tol": zero_tol}
+        if best is None and not target.is_image:
+            return Reconstruction(None, None, trace, applicable=False, reason=(
+                f"spear found fewer than {b} independent directions for the inputs of {target.name!r}, features "
+                "behind convolutions, not the images"))
         if best is None:
             trace.update(failed_to_optimise=True, failure=(
                 f"spear kept {len(found)} directions in {drawn} samples, fewer than {b} independent ones: raise samples= "
@@ -389,8 +393,8 @@ class Spear:
         trace.update(certificate_error=error, certified=certified, labels_from=label_source, activity_match=best_match,
                      note=("the recovered batch reproduces the upload to a relative error of "
                            f"{error:.2e} (tolerance {self.tolerance:g})"))
-        if not certified:
-            trace.update(failed_to_optimise=True, failure=(
+        if not certified:  # still a reconstruction, scored like any attack's; only "exact" needs the certificate
+            trace.update(uncertified=(
                 f"no selection of directions reproduced the upload within {self.tolerance:g} in {drawn} samples "
                 f"(best {error:.2e}): the upload is noisy or more samples are needed"))
         if target.is_image:
