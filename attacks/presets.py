@@ -144,6 +144,16 @@ def _base(name: str, settings: Dict[str, Any]) -> Optional[str]:
     return base if isinstance(base, str) and base != name and base in ATTACKS else None
 
 
+def uses_budget(name: str) -> bool:
+    """Whether attack ``name`` spends the budget (False where it declares ``uses_budget = False``:
+    closed-form attacks, to which a larger budget gives nothing)."""
+    try:
+        attack = ATTACKS.build(name)
+    except Exception:  # an attack that needs settings to build: it is judged by its own checks
+        return True
+    return bool(getattr(attack, "uses_budget", True))
+
+
 def defaults_fingerprint(name: str) -> str:
     """A short hash of what attack ``name`` runs with the settings left out: a preset's
     :data:`KNOBS` defaults, another factory's keyword defaults, what it composes

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from attacks import ATTACKS
+from attacks.presets import uses_budget
 from audit.core.errors import ConfigError
 from audit.engine.null import null_evidence
 from audit.engine.settings import DEFAULT_BUDGET, DEFAULT_MAX_BUDGET  # noqa: F401  (the search's ceiling)
@@ -42,15 +43,6 @@ DEFAULT_BASE = "ig"
 def is_adaptive(name: str) -> bool:
     """Whether the registered attack ``name`` is defense-aware (registered by :mod:`adaptive`)."""
     return getattr(ATTACKS.get(name), "__module__", "").startswith("adaptive")
-
-
-def uses_budget(name: str) -> bool:
-    """Whether attack ``name`` spends the budget (False for closed-form attacks: ``uses_budget``)."""
-    try:
-        attack = ATTACKS.build(name)
-    except Exception:  # an attack that needs settings to build: it is judged by its own checks
-        return True
-    return bool(getattr(attack, "uses_budget", True))
 
 
 def base_form(name: str, settings: Dict[str, Any]) -> str:

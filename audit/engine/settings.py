@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from audit.core.defense_call import DEFAULT_DEFENSE_TIMEOUT
+from attacks.presets import uses_budget
 from audit.core.errors import ConfigError
 from audit.core.client_training import CLIENT_MODES, ClientTraining, client_lr
 from audit.core.local_training import LocalOptimizer
@@ -212,8 +213,6 @@ class AttackSettings:
 
 def _default_budget(names: Sequence[str]) -> Union[int, str]:
     """"auto", unless every named attack spends no budget (closed form): then the start."""
-    from audit.engine.control import uses_budget
-
     named = [n for n in names if n != "auto"]
     if named and len(named) == len(names) and not any(uses_budget(n) for n in named):
         return DEFAULT_BUDGET
