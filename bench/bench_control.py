@@ -66,7 +66,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--models", default=",".join(MODELS), help="registered models, comma-separated")
     parser.add_argument("--images", type=int, default=4)
     parser.add_argument("--max-budget", type=int, default=None, help="the search's ceiling  [default: the audit's]")
-    parser.add_argument("--out", default="bench/results/control", help="where each model's audit is kept")
+    parser.add_argument("--out", default="bench-out/control", help="where each model's audit is kept (resumed)")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cpu")
