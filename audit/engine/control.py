@@ -28,7 +28,7 @@ from attacks import ATTACKS
 from attacks.presets import uses_budget
 from audit.core.errors import ConfigError
 from audit.engine.null import null_evidence
-from audit.engine.settings import DEFAULT_BUDGET, DEFAULT_MAX_BUDGET  # noqa: F401  (the search's ceiling)
+from audit.engine.settings import DEFAULT_BUDGET
 from audit.report.risk import judge_step
 from audit.report.store import ResultStore
 
