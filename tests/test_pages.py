@@ -69,6 +69,11 @@ def missing_in_bench(command: str):
     if not script.is_file():
         return [f"no script {words[1]}"]
     source = script.read_text() + (ROOT / "bench" / "docs_table.py").read_text()
+    modules = re.findall(r"^from bench\.(\w+) import", source, flags=re.M)
+    modules += [m for line in re.findall(r"^from bench import ([\w, ]+)", source, flags=re.M) for m in line.split(", ")]
+    for module in dict.fromkeys(modules):  # the options a bench module of the script adds
+        path = ROOT / "bench" / f"{module.strip()}.py"
+        source += path.read_text() if path.is_file() else ""
     return [f"{words[1]} has no option {o}" for o in options(words[2:])
             if f'"{o}"' not in source and f"'{o}'" not in source]
 
