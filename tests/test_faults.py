@@ -131,7 +131,7 @@ def test_a_run_key_is_a_name_never_a_path(finished, tmp_path, escape):
 
 
 # --------------------------------------------------------------------------- disk and permissions
-@pytest.mark.skipif(hasattr(os, "geteuid") and os.geteuid() == 0, reason="root writes to read-only folders")
+@pytest.mark.skipif(hasattr(os, "geteuid") and os.geteuid() == 0, reason="a read-only folder cannot be made as root (root writes through the permission bits): run the suite as an ordinary user to check it")
 def test_a_read_only_output_folder_is_one_line(tmp_path):
     out = tmp_path / "ro"
     out.mkdir()
