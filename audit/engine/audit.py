@@ -400,7 +400,7 @@ class Audit:
                                            retry_errors=self.output_settings.retry_errors)
                 specs = self._prepare(store)
                 budget = self.attack_settings.budget
-                control_store, _ = control.run(specs, budget, self.attack_settings.steps)
+                control_store = control.run(specs, budget, self.attack_settings.steps)
                 store.update_manifest(control=control.describe(control_store, specs, budget, search))
                 self._attack_all(store, specs)
         except KeyboardInterrupt:  # every finished result is already on disk

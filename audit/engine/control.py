@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -96,8 +96,7 @@ class BudgetSearch:
     reason: str = ""
 
     def as_dict(self) -> Dict[str, Any]:
-        return {"start": self.start, "max_budget": self.max_budget, "tried": self.tried, "budget": self.budget,
-                "reason": self.reason}
+        return asdict(self)
 
 
 class PositiveControl:
@@ -129,14 +128,13 @@ class PositiveControl:
         return self._audits[key]
 
     # ------------------------------------------------------------------ running
-    def run(self, specs: Sequence[Any], budget: int, steps: Sequence[int]) -> Tuple[ResultStore, Dict[int, ControlStep]]:
-        """The control's results at ``budget`` on ``steps`` (computing what is not stored) and
-        its judgement per step."""
+    def run(self, specs: Sequence[Any], budget: int, steps: Sequence[int]) -> ResultStore:
+        """The control's store at ``budget`` on ``steps``, computing what is not stored (the
+        report judges it; :meth:`judge` is the search's own reading)."""
         control = self.audit_at(budget, steps)
         store = ResultStore.create(self.out(), control.key_settings(), retry_errors=control.output_settings.retry_errors)
-        mine = self.specs(specs)
-        control.run_attacks(store, mine)
-        return store, self.judge(store, mine, steps)
+        control.run_attacks(store, self.specs(specs))
+        return store
 
     def judge(self, store: ResultStore, specs: Sequence[Any], steps: Sequence[int]) -> Dict[int, ControlStep]:
         audit = self.audit
@@ -157,8 +155,7 @@ class PositiveControl:
         found = BudgetSearch(start, max_budget)
         budget = start
         while True:
-            _, judged = self.run(specs, budget, (first,))
-            step = judged[first]
+            step = self.judge(self.run(specs, budget, (first,)), self.specs(specs), (first,))[first]
             need = math.ceil(step.images / 2) if step.images else 1
             found.tried.append({"budget": budget, "step": first, "recovered": step.recovered, "images": step.images})
             if step.images and step.recovered >= need:
