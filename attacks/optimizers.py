@@ -124,11 +124,11 @@ class Adam:
 
     def recover_(self, restarts: Tensor) -> None:
         """:meth:`recover` in place with no host synchronisation (capture-safe)."""
-        self.factor.copy_(torch.where(restarts, self.factor * 0.1, self.factor))
+        torch.where(restarts, self.factor * 0.1, self.factor, out=self.factor)
         for m, v in zip(self.m, self.v):
-            m.mul_(_expand(~restarts, m))
-            v.mul_(_expand(~restarts, v))
-        self.t.copy_(torch.where(restarts, torch.zeros_like(self.t), self.t))
+            m.masked_fill_(_expand(restarts, m), 0)
+            v.masked_fill_(_expand(restarts, v), 0)
+        self.t.masked_fill_(restarts, 0)
 
     def recovery_note(self) -> Tensor:
         """Per restart, the number a recovery message reports (the step factor)."""
@@ -383,7 +383,8 @@ class Watchdog:
         self.inner.start(variables, iterations)
         r = variables[0].shape[0]
         device = variables[0].device
-        self.first = torch.full((r,), float("nan"), device=device)
+        # the first finite loss (inf until there is one) and the best, per restart
+        self.first = torch.full((r,), float("inf"), device=device)
         self.best = torch.full((r,), float("inf"), device=device)
         self.best_point = [v.detach().clone() for v in variables]
         self.since = torch.zeros(r, dtype=torch.long, device=device)
@@ -391,10 +392,12 @@ class Watchdog:
         self.moved = torch.zeros(r, dtype=torch.bool, device=device)  # did a step ever change the point?
         self.events: List[dict] = []
         # the captured path's log of recoveries: per restart and recovery, the iteration
-        # (-1: none), whether the loss was non-finite, and the inner optimiser's note
-        self.log_at = torch.full((r, self.max_recoveries), -1, dtype=torch.long, device=device)
-        self.log_nonfinite = torch.zeros((r, self.max_recoveries), dtype=torch.bool, device=device)
-        self.log_note = torch.zeros((r, self.max_recoveries), device=device)
+        # (-1: none), whether the loss was non-finite, and the inner optimiser's note; a last
+        # column takes the writes of the restarts not recovering (so no read-modify-write)
+        shape = (r, self.max_recoveries + 1)
+        self.log_at = torch.full(shape, -1, dtype=torch.long, device=device)
+        self.log_nonfinite = torch.zeros(shape, dtype=torch.bool, device=device)
+        self.log_note = torch.zeros(shape, device=device)
 
     @property
     def evaluations(self) -> int:
@@ -406,57 +409,61 @@ class Watchdog:
     def step(self, variables: List[Tensor], closure: Closure, iteration: int) -> Tensor:
         before = [v.detach().clone() for v in variables]
         loss = self.inner.step(variables, closure, iteration).detach()
-        stalled, finite = self._track(variables, before, loss)
+        # the loss was evaluated at the point before an Adam step, after an L-BFGS step
+        stalled, nonfinite = self._judge(loss, variables if getattr(self.inner, "name", "") == "lbfgs" else before)
+        for v, b in zip(variables, before):
+            self.moved.logical_or_((v.detach() != b).reshape(v.shape[0], -1).any(1))
         if stalled.any() and hasattr(self.inner, "recover"):
             self._back_to_best(variables, stalled)
             what = self.inner.recover(stalled)
             self.events.append({"iteration": int(iteration), "restarts": stalled.nonzero().flatten().tolist(),
-                                "event": f"{self._why(finite[stalled])}: {what}"})
+                                "event": f"{self._why(~nonfinite[stalled])}: {what}"})
         return loss
 
     def update(self, variables: List[Tensor], loss: Tensor, grads: Sequence[Tensor], lr, iteration: Tensor) -> None:
         """:meth:`step` given the evaluated ``loss`` and ``grads``, in place and with no host
         synchronisation (capture-safe): every restart's recovery is applied by mask and
-        logged at ``iteration`` (a 0-dim tensor) for :meth:`flush_log`."""
-        before = [v.detach().clone() for v in variables]
+        logged at ``iteration`` (a 0-dim tensor) for :meth:`flush_log`. Written for few
+        kernels (it runs in every captured iteration): a restart "moved" where its gradient
+        was non-zero, which is when an Adam step moves it."""
+        stalled, nonfinite = self._judge(loss.detach(), variables)  # evaluated here, before the step
+        for g in grads:
+            self.moved.logical_or_((g != 0).reshape(g.shape[0], -1).any(1))
         self.inner.update(variables, loss, grads, lr, iteration)
-        stalled, finite = self._track(variables, before, loss.detach())
-        column = self.recoveries.clamp(max=self.max_recoveries - 1)[:, None]
-        self._log(self.log_at, column, stalled, iteration.to(self.log_at.dtype))
-        self._log(self.log_nonfinite, column, stalled, ~finite[:, None])
+        column = torch.where(stalled, self.recoveries, self.max_recoveries)[:, None]
+        self.log_at.scatter_(1, column, iteration.to(self.log_at.dtype).expand(column.shape))
+        self.log_nonfinite.scatter_(1, column, nonfinite[:, None])
         self.inner.recover_(stalled)
-        self._log(self.log_note, column, stalled, self.inner.recovery_note()[:, None])
+        self.log_note.scatter_(1, column, self.inner.recovery_note()[:, None])
         self._back_to_best(variables, stalled)
 
-    @staticmethod
-    def _log(log: Tensor, column: Tensor, stalled: Tensor, value: Tensor) -> None:
-        log.scatter_(1, column, torch.where(stalled[:, None], value, log.gather(1, column)))
-
-    def _track(self, variables: List[Tensor], before: List[Tensor], loss: Tensor) -> Tuple[Tensor, Tensor]:
-        """Update the best loss and point; the restarts to recover now, and which losses are finite."""
-        finite = torch.isfinite(loss)
-        for v, b in zip(variables, before):
-            self.moved.logical_or_((v.detach() != b).reshape(v.shape[0], -1).any(1))
-        self.first.copy_(torch.where(torch.isnan(self.first) & finite, loss, self.first))
-        improved = finite & (loss < self.best)
+    def _judge(self, loss: Tensor, at: List[Tensor]) -> Tuple[Tensor, Tensor]:
+        """Take ``loss``, evaluated at the point ``at``: update the best loss and point; the
+        restarts to recover now, and which losses are not finite."""
+        inf = float("inf")
+        loss = loss.nan_to_num(nan=inf, posinf=inf, neginf=inf)  # a non-finite loss never improves
+        nonfinite = loss == inf
+        improved = loss < self.best
         with torch.no_grad():
-            for point, v, b in zip(self.best_point, variables, before):
-                # the loss was evaluated at the point before an Adam step, after an L-BFGS step
-                at = v if getattr(self.inner, "name", "") == "lbfgs" else b
-                point.copy_(torch.where(_expand(improved, point), at, point))
-        self.best.copy_(torch.where(improved, loss, self.best))
-        self.since.copy_(torch.where(improved, torch.zeros_like(self.since), self.since + 1))
-        never = ~(self.best < self.first - self.tolerance * self.first.abs())
-        stalled = (~finite) | ((self.since >= self.patience) & never)
-        return stalled & (self.recoveries < self.max_recoveries), finite
+            for point, v in zip(self.best_point, at):
+                torch.where(_expand(improved, point), v.detach(), point, out=point)
+        torch.where(improved, loss, self.best, out=self.best)
+        torch.where(self.first == inf, loss, self.first, out=self.first)
+        self.since.add_(1).masked_fill_(improved, 0)
+        stalled = nonfinite | ((self.since >= self.patience) > self._progressed())
+        return stalled & (self.recoveries < self.max_recoveries), nonfinite
+
+    def _progressed(self) -> Tensor:
+        """Per restart: is its best loss below its first by the relative ``tolerance``?"""
+        return self.best < torch.add(self.first, self.first.abs(), alpha=-self.tolerance)
 
     def _back_to_best(self, variables: List[Tensor], stalled: Tensor) -> None:
         """Send the ``stalled`` restarts back to their best point (or the start)."""
         with torch.no_grad():
             for v, point in zip(variables, self.best_point):
-                v.copy_(torch.where(_expand(stalled, v), point, v))
-        self.recoveries += stalled.long()
-        self.since.copy_(torch.where(stalled, torch.zeros_like(self.since), self.since))
+                torch.where(_expand(stalled, v), point, v, out=v)
+        self.recoveries.add_(stalled)
+        self.since.masked_fill_(stalled, 0)
 
     def _why(self, finite: Tensor) -> str:
         return "non-finite loss" if not bool(finite.all()) else f"no decrease in {self.patience} steps"
@@ -472,14 +479,14 @@ class Watchdog:
     def flush_log(self) -> None:
         """Turn the logged recoveries into ``events`` (one per iteration, as :meth:`step`
         records them) and clear the log."""
-        at = self.log_at.cpu()
+        at, nonfinite, note = (log[:, :self.max_recoveries].cpu()
+                               for log in (self.log_at, self.log_nonfinite, self.log_note))
         for iteration in sorted(set(at[at >= 0].tolist())):
             hit = at == iteration
             restarts = hit.any(1)
             self.events.append({
                 "iteration": int(iteration), "restarts": restarts.nonzero().flatten().tolist(),
-                "event": f"{self._why(~self.log_nonfinite.cpu()[hit])}: "
-                         f"{self.inner.recovery_message(self.log_note.cpu()[hit])}"})
+                "event": f"{self._why(~nonfinite[hit])}: {self.inner.recovery_message(note[hit])}"})
         self.log_at.fill_(-1)
         self.log_nonfinite.fill_(False)
         self.log_note.zero_()
@@ -495,7 +502,7 @@ class Watchdog:
 
     def progress(self) -> Tensor:
         """Per restart: did the loss ever go below its first value (relative ``tolerance``)?"""
-        return torch.isfinite(self.best) & (self.best < self.first - self.tolerance * self.first.abs())
+        return torch.isfinite(self.best) & self._progressed()
 
     def flat(self) -> Tensor:
         """Per restart: is its loss flat, not merely hard? True where no step ever moved its

@@ -47,9 +47,9 @@ NOT_KERNELS = ("_record_function_enter_new", "_record_function_exit", "_unsafe_v
 #: what an attack's operations beyond the IG floor are for
 EXTRA = {
     "ig": "the watchdog's per-restart bookkeeping with no host synchronisation (best loss and point, stall "
-          "test, recoveries applied by mask and logged: where, lt, bitwise, gather / scatter_, isnan, any; the "
-          "next row without it), signed Adam (sign), the program's learning rate and iteration written in "
-          "(fill_), the loss copied out (clone)",
+          "test, recoveries applied by mask and logged: where, masked_fill_, lt / ge / eq, scatter_, any, "
+          "nan_to_num; the next row without it), signed Adam (sign), the program's learning rate and iteration "
+          "written in (fill_), the loss copied out (clone)",
     "ig without its watchdog": "ig's less the watchdog (plain signed Adam): no stalled or diverging restart is "
                                "sent back and retried, no failure to optimise is reported; stated to show the "
                                "watchdog's share of ig's extra kernels",
