@@ -198,7 +198,7 @@ def adam_smoothing(args, make_model, log) -> str:
                 obs = observe(make_model("convnet-bn-train"), x, y, client_mode="train", local_steps=3, local_lr=lr,
                               optimizer=spec, shares="state", seed=args.seed)
                 if value == "plain":
-                    obs = dataclasses.replace(obs, optimizer=LocalOptimizer())
+                    obs = dataclasses.replace(obs, training=dataclasses.replace(obs.training, optimizer=LocalOptimizer()))
                 with replica_smoothing(0.0 if value == "plain" else float(value)):
                     rec = ATTACKS.build("ig").reconstruct(obs, args.budget, args.seed, progress=lambda *a: None)
                 return {"psnr": _psnr(rec, x)}
@@ -268,7 +268,7 @@ def _state_cell(args, model_name, batch, group, images, make_model, run_breachin
 
     def ours():
         state = client("state")
-        update = dataclasses.replace(state, shares="update", buffers=None)  # the same weights, no buffers
+        update = dataclasses.replace(state, training=dataclasses.replace(state.training, shares="update"), buffers=None)  # the same weights, no buffers
         budget, ratio, compiling = matched_budget(state, update, y, iterations, run_breaching, timed, args.seed,
                                                   settings)
         out = {"speed_ratio": ratio, **({"compile_seconds": round(compiling, 1)} if settings else {})}
@@ -382,7 +382,7 @@ def _fedavg_cell(args, cell: str, group: int, images, make_model, log) -> Dict[s
                        local_steps=3, local_lr=lr,
                        local_batch_size=args.fedavg_local_batch, optimizer=spec, shares=args.fedavg_shares,
                        seed=args.seed)
-        assumed = dataclasses.replace(real, optimizer=LocalOptimizer())  # the attacker assumes plain SGD
+        assumed = dataclasses.replace(real, training=dataclasses.replace(real.training, optimizer=LocalOptimizer()))  # the attacker assumes plain SGD
         out = {}
         for name, obs in (("unrolls the real optimizer", real), ("assumes plain SGD", assumed)):
             rec = ATTACKS.build("ig").reconstruct(obs, args.fedavg_budget, args.seed, progress=lambda *a: None)

@@ -148,7 +148,7 @@ def test_attack_that_assumes_plain_sgd_misses_the_update():
 
     net, (x, y) = small_bn_net(), batch(3)
     real = observe(net, x, y, local_steps=3, local_lr=0.1, optimizer="sgd:momentum=0.9", shares="update", seed=0)
-    assumed = dataclasses.replace(real, optimizer=LocalOptimizer())
+    assumed = dataclasses.replace(real, training=dataclasses.replace(real.training, optimizer=LocalOptimizer()))
     exact, wrong = float(_attack_loss_at(real, x, y)["match"]), float(_attack_loss_at(assumed, x, y)["match"])
     assert exact < 1e-5 and wrong > 1e-3
 

@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 
 from attacks.simulator import ClientReplica, param_grads
 from audit.core.errors import DefenseError, GiaError
-from audit.client.observe import client_round, observed_training
+from audit.client.observe import client_round
 from audit.core.types import Defense, Observation, is_gradient_only
 from audit.core.defense_call import call_defense_many, check_output
 
@@ -85,7 +85,7 @@ def _per_batch(obs: Observation, images, labels, index, sketch, generator, out, 
     state = {k: v.clone() for k, v in work.state_dict().items()}
     for p in range(len(index)):
         rows = index[p].to(images.device)
-        shared = client_round(work, images[rows], labels[rows], obs.defense, observed_training(obs),
+        shared = client_round(work, images[rows], labels[rows], obs.defense, obs.training,
                               generator=generator, loss_fn=obs.loss_fn, round=obs.step).update
         out[p] = sketch(flatten_gradients(shared).detach().float())
         work.load_state_dict(state)

@@ -77,8 +77,7 @@ def observe(
     gradient). ``shares="state"`` adds the buffers as the defense's declared effect leaves them.
     """
     if training is None:
-        training = ClientTraining(optimizer or "sgd", local_steps, None, local_lr if local_lr > 0 or local_steps > 1 else 0.1,
-                                  local_batch_size, shares, client_mode)
+        training = ClientTraining(optimizer or "sgd", local_steps, None, local_lr, local_batch_size, shares, client_mode)
     if training.shares == "state" and not has_running_stats(model):
         raise ConfigError("shares='state' needs buffers to share, and the model has no BatchNorm running "
                           "statistics: use shares='update' (--shares update)")
@@ -91,14 +90,11 @@ def observe(
     _check_batch(images, labels, num_classes)
     done = client_round(copy.deepcopy(server_model), images, labels, defense, training, generator=generator,
                         loss_fn=loss_fn, round=step)
-    steps = training.steps_for(images.shape[0])
     mean, std = _normalisation(server_model)
     return Observation(
         model=server_model, gradients=done.update, input_shape=tuple(images.shape[1:]), num_classes=num_classes,
         batch_size=images.shape[0], labels=labels.clone() if share_labels else None, loss_fn=loss_fn,
-        local_steps=steps, local_lr=training.lr if steps > 1 else 0.0,
-        local_batch_size=training.batch_size, defense=defense, step=step, data_mean=mean, data_std=std,
-        extra=dict(extra or {}), client_mode=training.mode, optimizer=training.optimizer, shares=training.shares,
+        training=training, defense=defense, step=step, data_mean=mean, data_std=std, extra=dict(extra or {}),
         buffers=done.buffers if training.shares == "state" else None, buffer_effect=done.effect,
     )
 
@@ -161,8 +157,3 @@ def _restarted(generator: Optional[torch.Generator], state) -> Optional[torch.Ge
     again.set_state(state)
     return again
 
-
-def observed_training(obs: Observation) -> ClientTraining:
-    """The client training ``obs`` declares (for replaying a round on other data)."""
-    return ClientTraining(obs.optimizer, obs.local_steps, None, obs.local_lr if obs.local_lr > 0 else 0.1,
-                          obs.local_batch_size, obs.shares, obs.client_mode)

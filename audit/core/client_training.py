@@ -12,10 +12,27 @@ from typing import Any, Optional
 
 from audit.core.errors import ConfigError
 from audit.core.local_training import LocalOptimizer
-from audit.core.types import resolve_shares
 from audit.core.unroll import steps_for_epochs
 
 CLIENT_MODES = ("train", "eval")
+
+#: what a client uploads: its defended gradient (FedSGD), its update after local training
+#: (weights only), or that update with its buffers (the state a PyTorch client sends)
+SHARES = ("gradient", "update", "state")
+
+
+def resolve_shares(shares: Optional[str], local_steps: int, optimizer: LocalOptimizer) -> str:
+    """``shares`` checked against the local training (None: ``"gradient"`` for one plain SGD
+    step, ``"update"`` otherwise); a gradient cannot be shared after local training."""
+    trains = local_steps > 1 or not optimizer.plain
+    if shares is None:
+        return "update" if trains else "gradient"
+    if shares not in SHARES:
+        raise ConfigError(f"shares must be one of {', '.join(SHARES)}, got {shares!r}")
+    if shares == "gradient" and trains:
+        raise ConfigError(f"a client that trains locally ({local_steps} step(s) of {optimizer.describe()}) uploads "
+                          "an update, not a gradient: use shares='update' or 'state' (--shares update|state)")
+    return shares
 
 
 def _count(name: str, value: Any) -> Optional[int]:

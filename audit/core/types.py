@@ -35,6 +35,7 @@ import torch
 from torch import Tensor, nn
 
 from audit.core.errors import ConfigError
+from audit.core.client_training import SHARES, ClientTraining
 from audit.core.local_training import LocalOptimizer
 
 LossFn = Callable[[Tensor, Tensor], Tensor]
@@ -342,25 +343,6 @@ def parameter_names(fn: Callable) -> List[str]:
 
 
 # --------------------------------------------------------------------------- observation
-#: what a client uploads: its defended gradient (FedSGD), its update after local training
-#: (weights only), or that update with its buffers (the state a PyTorch client sends)
-SHARES = ("gradient", "update", "state")
-
-
-def resolve_shares(shares: Optional[str], local_steps: int, optimizer: LocalOptimizer) -> str:
-    """``shares`` checked against the local training (None: ``"gradient"`` for one plain SGD
-    step, ``"update"`` otherwise); a gradient cannot be shared after local training."""
-    trains = local_steps > 1 or not optimizer.plain
-    if shares is None:
-        return "update" if trains else "gradient"
-    if shares not in SHARES:
-        raise ConfigError(f"shares must be one of {', '.join(SHARES)}, got {shares!r}")
-    if shares == "gradient" and trains:
-        raise ConfigError(f"a client that trains locally ({local_steps} step(s) of {optimizer.describe()}) uploads "
-                          "an update, not a gradient: use shares='update' or 'state' (--shares update|state)")
-    return shares
-
-
 @dataclass
 class Observation:
     """Everything the server sees, and nothing more.
@@ -370,8 +352,10 @@ class Observation:
     ``(theta_0 - theta_K) / lr`` of its local training with ``optimizer``, in gradient units,
     see :mod:`audit.core.unroll`). With ``shares="state"``, ``buffers`` holds the buffers the
     client uploaded with it (BatchNorm running statistics after its local training), by
-    ``state_dict`` name; ``model`` keeps the global model's. The remaining fields are
-    declared side information; :meth:`threat_model` lists them for the report.
+    ``state_dict`` name; ``model`` keeps the global model's. ``training`` is the client's
+    training record, whole (:class:`~audit.core.client_training.ClientTraining`); the
+    ``local_*``, ``optimizer``, ``shares`` and ``client_mode`` properties read it. The remaining
+    fields are declared side information; :meth:`threat_model` lists them for the report.
     """
 
     model: nn.Module
@@ -381,32 +365,54 @@ class Observation:
     batch_size: int = 1
     labels: Optional[Tensor] = None  # only when the protocol shares labels
     loss_fn: LossFn = default_loss_fn
-    local_steps: int = 1
-    local_lr: float = 0.0
-    local_batch_size: Optional[int] = None  # FedAvg mini-batch size (None: full batch)
+    training: ClientTraining = field(default_factory=ClientTraining)  # the client's training, whole
     defense: Optional[Defense] = None  # white-box access to the mechanism (not its randomness)
     step: int = 0  # training step at which the update was captured
     data_mean: Optional[Tuple[float, ...]] = None  # informational: normalisation in the model
     data_std: Optional[Tuple[float, ...]] = None
     extra: Dict[str, Any] = field(default_factory=dict)  # declared extras (e.g. aux data)
-    # the mode the client ran the model in: "train" (BatchNorm uses batch statistics, as FL
-    # clients train) or "eval" (BatchNorm uses the running statistics in the model's buffers)
-    client_mode: str = "train"
-    optimizer: LocalOptimizer = field(default_factory=LocalOptimizer)  # the client's local optimiser
-    # gradient (FedSGD), update (weights after local training) or state (+ buffers); None: gradient for
-    # one plain local step, update otherwise
-    shares: Optional[str] = None
     buffers: Optional[Dict[str, Tensor]] = None  # the uploaded buffers (shares="state" only)
     # what the defense did to them (audit.core.buffers.BUFFER_EFFECTS: untouched, noised, ...)
     buffer_effect: str = "untouched"
 
     def __post_init__(self):
-        self.shares = resolve_shares(self.shares, self.local_steps, self.optimizer)
-        if self.shares not in SHARES:
-            raise ConfigError(f"shares must be one of {', '.join(SHARES)}, got {self.shares!r}")
+        if not isinstance(self.training, ClientTraining):
+            raise ConfigError(f"an observation's training is a ClientTraining record, got {type(self.training).__name__}")
         if (self.shares == "state") != (self.buffers is not None):
             raise ConfigError("an observation carries buffers exactly when the client shares its state "
                               f"(shares={self.shares!r}, buffers {'given' if self.buffers is not None else 'missing'})")
+
+    @property
+    def local_steps(self) -> int:
+        """The client's local steps on this batch (its epochs counted in steps)."""
+        return self.training.steps_for(self.batch_size)
+
+    @property
+    def local_lr(self) -> float:
+        """The client's learning rate where it took several steps; 0 for one step (whose
+        update is the gradient whatever the rate)."""
+        return self.training.lr if self.local_steps > 1 else 0.0
+
+    @property
+    def local_batch_size(self) -> Optional[int]:
+        """The client's local mini-batch size (None: its whole batch each step)."""
+        return self.training.batch_size
+
+    @property
+    def optimizer(self) -> LocalOptimizer:
+        return self.training.optimizer
+
+    @property
+    def shares(self) -> str:
+        """What the client uploaded: gradient (FedSGD), update (weights after local training)
+        or state (weights and buffers)."""
+        return self.training.shares
+
+    @property
+    def client_mode(self) -> str:
+        """The mode the client ran the model in: "train" (BatchNorm normalises with the batch's
+        statistics, as FL clients train) or "eval" (with the buffers' running statistics)."""
+        return self.training.mode
 
     @property
     def one_step(self) -> bool:

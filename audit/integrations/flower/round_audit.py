@@ -9,6 +9,7 @@ the order it trained on them. A ``cancel`` event stops the audit at its next pro
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import threading
 from typing import Any, Dict, Optional
@@ -135,12 +136,13 @@ def reply_observation(audit: ReplyAudit, model, images, labels) -> Observation:
     first = next(model.parameters())
     shared = [g.to(first.device, first.dtype) for g in update_in_gradient_units(before, after, lr)]
     mean, std = _normalisation(model)
+    # what the reply carries decides what was shared: with buffers its state, else the update (gradient for one step)
+    training = dataclasses.replace(fl.client, shares="state" if buffers is not None else None)
     return Observation(
         model=model, gradients=shared, input_shape=tuple(images.shape[1:]), num_classes=audit.dataset.num_classes,
         batch_size=len(labels), labels=labels.clone().to(first.device) if audit.data_settings.share_labels else None,
-        local_steps=steps, local_lr=lr, local_batch_size=fl.local_batch_size, defense=defense, step=audit.round,
-        data_mean=mean, data_std=std, extra=audit.auxiliary_data(), client_mode=fl.client_mode,
-        optimizer=fl.local_optimizer, shares="state" if buffers is not None else None, buffers=buffers)
+        training=training, defense=defense, step=audit.round,
+        data_mean=mean, data_std=std, extra=audit.auxiliary_data(), buffers=buffers)
 
 
 def _normalisation(model):
