@@ -239,3 +239,20 @@ def test_the_step_verdict_line_says_whether_the_buffers_carried_the_attacks():
     assert line == "the buffers' statistics not used (buffers noised)"
     verdict = {"label": "leaks", "recovered": 7, "images": 8, "buffers": "the buffers' statistics used"}
     assert "7 recovered" in verdict_text(verdict) and "the buffers' statistics used" in verdict_text(verdict)
+
+
+def test_run_hands_every_setting_by_name_to_the_one_builder():
+    """``audit.run`` and the builder of its settings objects take the same names with the same
+    defaults, and a run's observation carries the client's training record built from them."""
+    import inspect
+
+    from audit.engine.audit import run, settings_objects
+
+    ran = {k: p.default for k, p in inspect.signature(run).parameters.items() if k not in ("defense", "defense_args")}
+    built = {k: p.default for k, p in inspect.signature(settings_objects).parameters.items()}
+    assert ran == built
+    fl = settings_objects(local_optimizer="sgd:momentum=0.9", local_steps=3, local_lr=0.05,
+                          local_batch_size=2, shares="state")["fl_settings"]
+    assert (fl.client.optimizer.momentum, fl.client.steps, fl.client.lr, fl.client.batch_size, fl.client.shares) == \
+        (0.9, 3, 0.05, 2, "state")
+    assert "sgd:momentum=0.9" not in repr(fl.client.optimizer)  # parsed once into the record, not kept as text

@@ -820,33 +820,108 @@ def run(
     retries stored errors); the report is written there and returned. As objects: :class:`Audit`
     with :mod:`audit.engine.settings`' settings classes.
     """
-    flat = {name: value for name, value in locals().items() if name not in ("defense", "defense_args")}
-    return Audit(defense, defense_args=defense_args, **audit_settings(**flat)).run()
+    return Audit(defense, defense_args=defense_args, **settings_objects(
+        model=model,
+        data=data,
+        steps=steps,
+        attacks=attacks,
+        images=images,
+        budget=budget,
+        seed=seed,
+        out=out,
+        attack_args=attack_args,
+        model_args=model_args,
+        model_normalize=model_normalize,
+        checkpoint=checkpoint,
+        client_mode=client_mode,
+        data_args=data_args,
+        image_size=image_size,
+        batch_size=batch_size,
+        share_labels=share_labels,
+        lr=lr,
+        train_batch_size=train_batch_size,
+        clients=clients,
+        local_steps=local_steps,
+        local_lr=local_lr,
+        local_optimizer=local_optimizer,
+        local_batch_size=local_batch_size,
+        local_epochs=local_epochs,
+        shares=shares,
+        server_optimizer=server_optimizer,
+        utility=utility,
+        utility_steps=utility_steps,
+        utility_seeds=utility_seeds,
+        thresholds=thresholds,
+        delta=delta,
+        device=device,
+        progress=progress,
+        defense_timeout=defense_timeout,
+        retry_errors=retry_errors,
+        max_budget=max_budget)).run()
 
 
-#: run's keyword settings that are FLSettings' fields of the same name (train_batch_size is its batch_size)
-FL_OPTIONS = ("lr", "clients", "local_steps", "local_lr", "client_mode", "local_optimizer", "local_batch_size",
-              "local_epochs", "shares", "server_optimizer")
+def settings_objects(
+    *,
+    model: Any = "cnn",
+    data: Any = "embedded",
+    steps: Union[str, Sequence[int]] = DEFAULT_STEPS,
+    attacks: Union[str, Sequence[str]] = "auto",
+    images: int = DEFAULT_IMAGES,
+    budget: Union[int, str, None] = None,
+    seed: int = 0,
+    out: Union[str, Path] = "audit-out",
+    attack_args: Optional[Dict[str, Dict[str, Any]]] = None,
+    model_args: Optional[Dict[str, Any]] = None,
+    model_normalize: Any = None,
+    checkpoint: Optional[Union[str, Path]] = None,
+    client_mode: str = "train",
+    data_args: Optional[Dict[str, Any]] = None,
+    image_size: int = 32,
+    batch_size: int = 1,
+    share_labels: bool = False,
+    lr: float = 0.1,
+    train_batch_size: int = 8,
+    clients: int = 1,
+    local_steps: int = 1,
+    local_lr: Optional[float] = None,
+    local_optimizer: Any = "sgd",
+    local_batch_size: Optional[int] = None,
+    local_epochs: Optional[int] = None,
+    shares: Optional[str] = None,
+    server_optimizer: Any = "sgd",
+    utility: bool = True,
+    utility_steps: int = PROTOCOL.rounds,
+    utility_seeds: int = 3,
+    thresholds: Union[LeakRule, Dict[str, Any], str, None] = None,
+    delta: Optional[float] = None,
+    device: Union[str, torch.device] = "cpu",
+    progress: bool = True,
+    defense_timeout: Optional[float] = DEFAULT_DEFENSE_TIMEOUT,
+    retry_errors: bool = True,
+    max_budget: int = DEFAULT_MAX_BUDGET,
+) -> Dict[str, Any]:
+    """:func:`run`'s settings (the same names and defaults) as the keyword objects
+    :class:`Audit` and :class:`Sweep` take (``model``, ``seed``, ``device``, ``data_settings``,
+    ``fl_settings``, ``attack_settings``, ``output_settings``); the client's training record is
+    built once, in :class:`~audit.engine.settings.FLSettings`."""
+    return dict(
+        model=ModelSettings(model, model_args or {}, model_normalize, checkpoint),
+        seed=seed, device=device,
+        data_settings=DataSettings(data, data_args or {}, image_size, images, batch_size, share_labels),
+        fl_settings=FLSettings(lr=lr, batch_size=train_batch_size, clients=clients, local_steps=local_steps,
+                               local_lr=local_lr, client_mode=client_mode, local_optimizer=local_optimizer,
+                               local_batch_size=local_batch_size, local_epochs=local_epochs, shares=shares,
+                               server_optimizer=server_optimizer),
+        attack_settings=AttackSettings(steps, attacks, attack_args or {}, budget, max_budget),
+        output_settings=OutputSettings(out, utility, utility_steps, LeakRule.of(thresholds), delta, progress,
+                                       defense_timeout, retry_errors, utility_seeds=utility_seeds))
 
 
 def audit_settings(**flat: Any) -> Dict[str, Any]:
-    """:func:`audit.engine.audit.run`'s flat keyword settings (its defaults where not given) as
-    the keyword objects :class:`Audit` and :class:`Sweep` take (``data_settings``,
-    ``fl_settings``, ``attack_settings``, ``output_settings``)."""
-    params = inspect.signature(run).parameters
-    valid = [p for p in params if p not in ("defense", "defense_args")]
+    """:func:`settings_objects` for a dict of :func:`run`'s settings (a sweep's, a bench's):
+    an unknown name is a one-line error listing the valid ones."""
+    valid = list(inspect.signature(settings_objects).parameters)
     unknown = sorted(k for k in flat if k not in valid)
     if unknown:
         raise ConfigError(f"unknown audit setting(s) {', '.join(unknown)}; valid settings: {', '.join(valid)}")
-    s = {name: flat.get(name, p.default) for name, p in params.items()}
-    return dict(
-        model=ModelSettings(s["model"], s["model_args"] or {}, s["model_normalize"], s["checkpoint"]),
-        seed=s["seed"], device=s["device"],
-        data_settings=DataSettings(s["data"], s["data_args"] or {}, s["image_size"], s["images"], s["batch_size"],
-                                   s["share_labels"]),
-        fl_settings=FLSettings(batch_size=s["train_batch_size"],
-                               **{k: s[k] for k in FL_OPTIONS}),  # the client's record is built there, once
-        attack_settings=AttackSettings(s["steps"], s["attacks"], s["attack_args"] or {}, s["budget"], s["max_budget"]),
-        output_settings=OutputSettings(s["out"], s["utility"], s["utility_steps"], LeakRule.of(s["thresholds"]),
-                                       s["delta"], s["progress"], s["defense_timeout"], s["retry_errors"],
-                                       utility_seeds=s["utility_seeds"]))
+    return settings_objects(**flat)
