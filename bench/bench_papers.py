@@ -13,8 +13,8 @@ conclusion by the rule of :mod:`bench.papers_verdict`.
 
 Profiles (``--profile``): ``cpu`` (default) runs what a CPU reaches at the paper's setting
 (ResNet-18 at width 8, ATS and Refiner on fewer images); ``gpu`` the rest at the papers'
-settings, the rows that fit ``--minutes`` per invocation (:func:`gpu_minutes`); ``quick``
-(2 images, tiny budgets, never writes docs) checks the plumbing.
+settings, in slices that each fit one GPU call (below); ``quick`` (2 images, tiny budgets,
+never writes docs) checks the plumbing.
 
 Results persist in the repository: every finished cell is written to
 ``bench/papers_results/<profile>-<data>/<row>.json`` with the key of the audit call that
@@ -22,11 +22,30 @@ made it (every setting that changes a number); the page renders from these files
 skips the cells whose key is stored, and a changed row setting reruns only that row's cells.
 A cell runs in slices (:func:`cell_slices`) whose results stay in ``<row>.partial/`` until it
 finishes, so it resumes from a fresh clone. ``--render`` writes the page from the stored cells.
+
+A lent GPU call (at most 9 minutes; only what it writes under ``$OUT`` comes back) runs the gpu
+profile's slices (:func:`gpu_slices`: a step and as many images as fit
+:data:`GPU_SLICE_MINUTES` at :data:`GPU_MS`) in order, starting each only while its planned
+minutes fit what is left of ``--call-minutes``; each finished slice's results are in
+``--results`` before the next starts, and a kept slice is never run again. ``--plan`` lists
+the slices left, their minutes and the calls they need. Seed ``$OUT`` with the committed
+results and run (the machine needs the LPIPS weights, ``make weights``)::
+
+    mkdir -p $OUT/papers-gpu && cp -r bench/papers_results/gpu-embedded $OUT/papers-gpu/ 2>/dev/null; python bench/bench_papers.py --profile gpu --call-minutes 8 --results $OUT/papers-gpu
+
+then replace the committed folder by what came back (``R``: where ``$OUT``'s files landed)
+and commit it::
+
+    rm -rf bench/papers_results/gpu-embedded && cp -r R/papers-gpu/gpu-embedded bench/papers_results/
+    git add bench/papers_results/gpu-embedded && git commit -m "papers bench: gpu slices"
+
+``python bench/bench_papers.py --profile gpu --render --docs papers-gpu`` then writes the page.
 """
 from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import json
 import math
 import os
@@ -36,7 +55,7 @@ import textwrap
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -583,11 +602,13 @@ def base_call(row: Row, profile: Profile, data: str, data_args: Dict[str, Any], 
 @dataclass
 class CellPlan:
     """One cell: its name (``paper:<attack>``, ``adaptive``, ``planner``, ``utility``), the
-    ``audit.run`` call that makes it and the steps it is judged at."""
+    ``audit.run`` call that makes it and the steps it is judged at; ``gpu``: it runs in slices
+    sized for a GPU call (:func:`slice_evaluations`), not for a CPU sitting."""
 
     name: str
     call: Dict[str, Any]
     steps: List[int]
+    gpu: bool = False
 
     @property
     def key(self) -> str:
@@ -606,6 +627,15 @@ def cell_key(call: Dict[str, Any]) -> str:
 
 
 def plan_cells(row: Row, profile: Profile, data: str, data_args: Dict[str, Any], out: Path,
+               searched: Optional[Dict[str, Dict[str, Any]]] = None) -> List[CellPlan]:
+    """The row's cells (:func:`_row_cells`), sliced for a GPU call on the gpu profile."""
+    cells = _row_cells(row, profile, data, data_args, out, searched)
+    for cell in cells:
+        cell.gpu = profile.name == "gpu"
+    return cells
+
+
+def _row_cells(row: Row, profile: Profile, data: str, data_args: Dict[str, Any], out: Path,
                searched: Optional[Dict[str, Dict[str, Any]]] = None) -> List[CellPlan]:
     """The row's cells: the paper's attacks one by one (with the weights ``searched`` on
     held-out images where the row searches them) and its adaptive attack, in one engine store;
@@ -707,16 +737,24 @@ SLICE_EVALUATIONS = 4000
 PLANNER_ATTACKS = 6
 
 
-def cell_slices(call: Dict[str, Any], claim: Sequence[int] = ()) -> List[Tuple[List[int], int]]:
-    """The (steps, images) of each slice of the cell's audit call, then the whole call: an image
-    costs every attack of the call its budget (``auto``: :data:`PLANNER_ATTACKS` of them). With
-    several steps each step runs all its images in slices, so the whole call only gathers them
-    (no slice spans steps). The steps of a claim (``claim``: some of the call's steps) run first
-    and are gathered on their own, so the claim is judged before the other steps finish."""
-    images, steps = int(call["images"]), list(call["steps"])
+def image_evaluations(call: Dict[str, Any]) -> int:
+    """What one image of the cell's audit call costs in gradient evaluations: every attack of the
+    call its budget (``auto``: :data:`PLANNER_ATTACKS` of them)."""
     named = call.get("attacks") or ()
     attacks = max(1, len([a for a in named if a != "auto"]) + PLANNER_ATTACKS * ("auto" in named))
-    per = max(1, SLICE_EVALUATIONS // (attacks * max(1, int(call["budget"] or 1))))
+    return attacks * max(1, int(call["budget"] or 1))
+
+
+def cell_slices(call: Dict[str, Any], claim: Sequence[int] = (),
+                evaluations: Optional[float] = None) -> List[Tuple[List[int], int]]:
+    """The (steps, images) of each slice of the cell's audit call, then the whole call: as many
+    images a slice as ``evaluations`` (default :data:`SLICE_EVALUATIONS`) pays for at
+    :func:`image_evaluations` each. With several steps each step runs all its images in slices,
+    so the whole call only gathers them (no slice spans steps). The steps of a claim (``claim``:
+    some of the call's steps) run first and are gathered on their own, so the claim is judged
+    before the other steps finish."""
+    images, steps = int(call["images"]), list(call["steps"])
+    per = max(1, int((SLICE_EVALUATIONS if evaluations is None else evaluations) // image_evaluations(call)))
     if call.get("utility") or (per >= images and len(steps) == 1):
         return [(steps, images)]
     counts = list(range(per, images, per)) + ([images] if len(steps) > 1 else [])
@@ -796,28 +834,123 @@ def _stored_evidence(plan: CellPlan, run_key: str, steps: Sequence[int]) -> Tupl
     return manifest, attacks, cell_evidence(manifest, [r.to_dict() for r in store.records()], attacks, steps)
 
 
-def run_cell(row: Row, plan: CellPlan, partial: Optional[Path] = None,
-             on_claim: Optional[Callable[[Dict[str, Any]], None]] = None,
-             claim_only: bool = False) -> Optional[Dict[str, Any]]:
-    """Run (or resume) the cell's audit, slice by slice (:func:`cell_slices`), keeping each
-    slice's results under ``partial``; its evidence from the engine's store. Where the row's
-    claim is about some of the cell's steps, ``on_claim`` receives the record of the claim's
-    evidence (:func:`claim_record`) as soon as those steps are complete; ``claim_only`` stops
-    there (returns None)."""
+@dataclass(frozen=True)
+class CellCall:
+    """One audit call of a cell (:func:`cell_slices`): its steps and image count; ``work``: the
+    slice of images it attacks that no kept result covers (None: it attacks nothing new);
+    ``claim``: it completes the steps of the row's claim; ``whole``: the cell's last call."""
+
+    steps: List[int]
+    images: int
+    work: Optional["GpuSlice"]
+    claim: bool
+    whole: bool
+
+    @property
+    def needed(self) -> bool:
+        """Whether the call must run: it attacks something, or its report is read."""
+        return self.work is not None or self.claim or self.whole
+
+
+def cell_calls(row: Row, plan: CellPlan, kept: Set[Tuple[int, int]] = frozenset(),
+               claim_only: bool = False) -> List[CellCall]:
+    """The cell's audit calls in order, each with the slice of new work it does given the
+    image-steps ``kept`` (each call of one step attacks the images after its step's previous
+    call, up to its count); ``claim_only``: up to the call that completes the claim's steps."""
+    claim, total = claim_of(row, plan), int(plan.call["images"])
+    slices = cell_slices(plan.call, claim, slice_evaluations(plan))
+    per_image, covered, calls = image_minutes(plan.call), {}, []
+    for i, (steps, images) in enumerate(slices):
+        work = None
+        if len(steps) == 1:
+            first = covered.get(steps[0], 0)
+            new = sum((steps[0], image) not in kept for image in range(first, images))
+            if new:
+                work = GpuSlice(row.id, plan.name, steps[0], first, images - first, new * per_image)
+            covered[steps[0]] = max(first, images)
+        completes = bool(claim) and steps == claim and images == total
+        calls.append(CellCall(steps, images, work, completes, i == len(slices) - 1))
+        if completes and claim_only:
+            break
+    return calls
+
+
+class CallOver(Exception):
+    """A slice's planned minutes do not fit what is left of the invocation's deadline."""
+
+    def __init__(self, work: "GpuSlice", left: float):
+        super().__init__(f"{work.text()}: {max(0.0, left):.1f} minutes left")
+        self.work, self.left = work, left
+
+
+@dataclass
+class Deadline:
+    """The minutes one invocation may run slices for (``--call-minutes``), by the wall clock
+    from when it is set: a slice starts only while its planned minutes fit what is left, so a
+    call never loses a slice it started; ``ran``: the slices finished, in order."""
+
+    minutes: float
+    clock: Callable[[], float] = time.monotonic
+    ran: List["GpuSlice"] = field(default_factory=list)
+    started: float = field(init=False)
+    began: float = field(init=False)  # when the slice under way started
+
+    def __post_init__(self) -> None:
+        self.started = self.began = self.clock()
+
+    def used(self) -> float:
+        """Minutes since the deadline was set."""
+        return (self.clock() - self.started) / 60
+
+    def admit(self, work: Optional["GpuSlice"]) -> None:
+        """Start ``work`` (None: a call that attacks nothing new), or raise :class:`CallOver`."""
+        left = self.minutes - self.used()
+        if work is not None and work.minutes > left:
+            raise CallOver(work, left)
+        self.began = self.clock()
+
+    def finished(self, work: Optional["GpuSlice"]) -> None:
+        """Count ``work`` as run, and say how long it took beside its plan (:data:`GPU_MS`)."""
+        if work is not None:
+            self.ran.append(work)
+            print(f"    slice {work.text()}; took {(self.clock() - self.began) / 60:.1f} min", flush=True)
+
+
+def run_slice(call: Dict[str, Any], steps: Sequence[int], images: int) -> Any:
+    """One audit call of a cell: its settings at these steps and this many images (the engine
+    adds them to the cell's run, reusing every result it already has)."""
     import audit
 
+    return audit.run(**{**call, "steps": list(steps), "images": images})
+
+
+def run_cell(row: Row, plan: CellPlan, partial: Optional[Path] = None,
+             on_claim: Optional[Callable[[Dict[str, Any]], None]] = None,
+             claim_only: bool = False, deadline: Optional[Deadline] = None) -> Optional[Dict[str, Any]]:
+    """Run (or resume) the cell's audit, call by call (:func:`cell_calls`), keeping each call's
+    results under ``partial`` before the next starts and skipping the slices whose results it
+    kept; its evidence from the engine's store. Where the row's claim is about some of the
+    cell's steps, ``on_claim`` receives the record of the claim's evidence (:func:`claim_record`)
+    as soon as those steps are complete; ``claim_only`` stops there (returns None). Under a
+    ``deadline`` a slice that does not fit raises :class:`CallOver` before it starts."""
     started = time.perf_counter()
     out_dir = Path(plan.call["out"])
     if partial is not None and restore_partial(partial, out_dir):
         print(f"    resumed from {partial}", flush=True)
-    claim = claim_of(row, plan)
-    for steps, images in cell_slices(plan.call, claim):
-        report = audit.run(**{**plan.call, "steps": steps, "images": images})
+    kept = kept_image_steps(partial, plan) if partial is not None else set()
+    for call in cell_calls(row, plan, kept, claim_only):
+        if not call.needed:
+            continue
+        if deadline is not None:
+            deadline.admit(call.work)
+        report = run_slice(plan.call, call.steps, call.images)
         if partial is not None:
             keep_partial(out_dir, report.data["run_key"], partial, report.data.get("control"))
-        if claim and steps == claim and images == int(plan.call["images"]):
+        if deadline is not None:
+            deadline.finished(call.work)
+        if call.claim:
             if on_claim is not None:
-                _, attacks, evidence = _stored_evidence(plan, report.data["run_key"], claim)
+                _, attacks, evidence = _stored_evidence(plan, report.data["run_key"], call.steps)
                 on_claim(claim_record(plan, attacks, with_control(evidence, report.data)))
             if claim_only:
                 return None
@@ -1070,9 +1203,11 @@ def store_health(row: Row, profile: Profile, data: str, data_args: Dict[str, Any
 
 
 def run_row(row: Row, profile: Profile, data: str, data_args: Dict[str, Any], out: Path, root: Path,
-            retry: bool = False) -> Dict[str, Any]:
-    """Run the row's cells not stored under their current key, writing each to the row's
-    results file as it finishes; returns the stored results."""
+            retry: bool = False, deadline: Optional[Deadline] = None) -> Dict[str, Any]:
+    """Run the row's cells not stored under their current key (:func:`cells_to_run`, in the
+    order of :func:`row_passes`), writing each to the row's results file as it finishes;
+    returns the stored results. Under a ``deadline`` a slice that does not fit stops the row
+    (:class:`CallOver`), every finished slice kept."""
     path = results_path(root, profile.name, data, row)
     stored = load_results(path)
     stored.update(row=row.id, profile=profile.name, data=data)
@@ -1098,13 +1233,7 @@ def run_row(row: Row, profile: Profile, data: str, data_args: Dict[str, Any], ou
         store_health(row, profile, data, data_args, out, stored)
         save_results(path, stored)
     stored.setdefault("cells", {})
-    todo = []
-    for plan in plan_cells(row, profile, data, data_args, out, (stored.get("search") or {}).get("chosen")):
-        old = stored["cells"].get(plan.name) or {}
-        redo = retry and (old.get("evidence") or {}).get("missing")
-        if old.get("key") == plan.key and "claim_evidence" not in old and not redo and not stale_attacks(old):
-            continue
-        todo.append(plan)
+    plans = plan_cells(row, profile, data, data_args, out, (stored.get("search") or {}).get("chosen"))
 
     def keep(plan: CellPlan) -> Callable[[Dict[str, Any]], None]:
         def keep_claim(record: Dict[str, Any]) -> None:
@@ -1112,20 +1241,41 @@ def run_row(row: Row, profile: Profile, data: str, data_args: Dict[str, Any], ou
             save_results(path, stored)
         return keep_claim
 
-    # the claim's steps of every cell first (they decide the row), then each cell's other steps
-    for plan in todo:
-        old = stored["cells"].get(plan.name) or {}
-        if claim_of(row, plan) and not (old.get("key") == plan.key and "claim_evidence" in old):
-            print(f"  [{time.strftime('%H:%M:%S')}] {row.id} {plan.name}, the claim's steps "
-                  f"(budget {plan.call['budget']})", flush=True)
-            run_cell(row, plan, partial_dir(path, plan.name), keep(plan), claim_only=True)
-    for plan in todo:
-        print(f"  [{time.strftime('%H:%M:%S')}] {row.id} {plan.name} (budget {plan.call['budget']})", flush=True)
+    for plan, claim_only in row_passes(row, cells_to_run(stored, plans, retry), stored):
+        what = ", the claim's steps" if claim_only else ""
+        print(f"  [{time.strftime('%H:%M:%S')}] {row.id} {plan.name}{what} (budget {plan.call['budget']})", flush=True)
         partial = partial_dir(path, plan.name)
-        stored["cells"][plan.name] = run_cell(row, plan, partial, keep(plan))
-        save_results(path, stored)
-        shutil.rmtree(partial, ignore_errors=True)
+        cell = run_cell(row, plan, partial, keep(plan), claim_only=claim_only, deadline=deadline)
+        if not claim_only:
+            stored["cells"][plan.name] = cell
+            save_results(path, stored)
+            shutil.rmtree(partial, ignore_errors=True)
     return stored
+
+
+def cells_to_run(stored: Dict[str, Any], plans: Sequence[CellPlan], retry: bool = False) -> List[CellPlan]:
+    """The planned cells not stored under their current key, or stored with only their claim's
+    steps, with an attack default since changed, or (``retry``) with missing evidence."""
+    todo = []
+    for plan in plans:
+        old = (stored.get("cells") or {}).get(plan.name) or {}
+        redo = retry and (old.get("evidence") or {}).get("missing")
+        if old.get("key") == plan.key and "claim_evidence" not in old and not redo and not stale_attacks(old):
+            continue
+        todo.append(plan)
+    return todo
+
+
+def row_passes(row: Row, todo: Sequence[CellPlan], stored: Dict[str, Any]) -> List[Tuple[CellPlan, bool]]:
+    """The order a row runs its cells in, as (cell, claim only): the claim's steps of every cell
+    whose claim is not stored yet first (they decide the row), then each cell whole."""
+    cells = stored.get("cells") or {}
+
+    def claim_stored(plan: CellPlan) -> bool:
+        old = cells.get(plan.name) or {}
+        return old.get("key") == plan.key and "claim_evidence" in old
+
+    return [(p, True) for p in todo if claim_of(row, p) and not claim_stored(p)] + [(p, False) for p in todo]
 
 
 # --------------------------------------------------------------------------- judging a row
@@ -1270,37 +1420,51 @@ def adaptive_head(row: Row, run: Dict[str, Any]) -> str:
     return row.adaptive.label + (f" at budget {own:,}" if own != run["budget"] else "")
 
 
-def kept_progress(results: Path, plan: CellPlan, claim_judged: bool = False) -> str:
-    """For a cell not yet stored: how many of its image-steps an unfinished run has kept in the
-    repository with every attack's result ('' where none), by the engine store's own result
-    names, each run with the cell's settings of its attack; a planner cell's attacks are those
-    the kept run has results of. Nothing is judged from them until the steps of the row's claim
-    complete (:func:`claim_record`; ``claim_judged``: they are, so the text says so)."""
-    from audit.report.store import result_id
+def kept_image_steps(kept: Path, plan: CellPlan) -> Set[Tuple[int, int]]:
+    """The (step, image) pairs of the cell that an unfinished run kept in ``kept`` (its partial
+    folder) with every attack's result the cell's call reuses, as the engine decides by the
+    store's own result names: run with the cell's settings of its attack and the attack's
+    current defaults, and not an error (retried); from the kept run with the most. A planner
+    cell's attacks are those the kept run has results of."""
+    import adaptive  # noqa: F401  (registers the adaptive attacks in ATTACKS)
+    from attacks import ATTACKS
+    from attacks.presets import defaults_fingerprint
+    from audit.report.store import RETRIED, result_id
 
-    kept = partial_dir(results, plan.name)
     steps, images = [int(t) for t in plan.call["steps"]], int(plan.call["images"])
     named = [a for a in plan.call["attacks"] if a != "auto"]
+    wanted = plan.call.get("attack_args") or {}
+    fingerprint = functools.lru_cache(maxsize=None)(defaults_fingerprint)
 
     def attacks(run: Path) -> List[str]:  # the planner's picks: every attack the kept run has results of
         return named or sorted({f.stem.split("__")[1] for f in run.glob("s*__*__i*.json")})
 
-    wanted = plan.call.get("attack_args") or {}
-
-    def current(path: Path, attack: str) -> bool:  # a result run with other settings is not kept progress
+    def reused(path: Path, attack: str) -> bool:  # a result run with other settings is redone, not kept progress
         if not path.is_file():
             return False
-        return attack not in wanted or json.loads(path.read_text()).get("settings") == _jsonable(wanted[attack])
+        record = json.loads(path.read_text())
+        return (record.get("status") not in RETRIED and attack in ATTACKS
+                and record.get("defaults") == fingerprint(attack)
+                and (attack not in wanted or record.get("settings") == _jsonable(wanted[attack])))
 
-    def count(run: Path) -> int:
+    def done(run: Path) -> Set[Tuple[int, int]]:
         ran = attacks(run)
-        return sum(bool(ran) and all(current(run / f"{result_id(s, a, i)}.json", a) for a in ran)
-                   for s in steps for i in range(images))
+        return {(s, i) for s in steps for i in range(images)
+                if ran and all(reused(run / f"{result_id(s, a, i)}.json", a) for a in ran)}
 
-    best = max((count(r) for r in sorted(kept.glob("*")) if r.is_dir()), default=0)
+    return max((done(r) for r in sorted(kept.glob("*")) if r.is_dir()), key=len, default=set())
+
+
+def kept_progress(results: Path, plan: CellPlan, claim_judged: bool = False) -> str:
+    """For a cell not yet stored: how many of its image-steps an unfinished run has kept in the
+    repository (:func:`kept_image_steps`; '' where none). Nothing is judged from them until the
+    steps of the row's claim complete (:func:`claim_record`; ``claim_judged``: they are, so the
+    text says so)."""
+    kept = partial_dir(results, plan.name)
+    best = len(kept_image_steps(kept, plan))
     if not best:
         return ""
-    kept_text = (f"{best} of {len(steps) * images} image-steps kept in "
+    kept_text = (f"{best} of {len(plan.call['steps']) * int(plan.call['images'])} image-steps kept in "
                  f"{kept.relative_to(ROOT) if kept.is_relative_to(ROOT) else kept}")
     if claim_judged:
         return f"the claim's steps complete, the others under way: {kept_text}"
@@ -1528,28 +1692,37 @@ def timing(rows: Sequence[Row], profile: Profile, data: str, data_args: Dict[str
 #: 32x32; ``lenet``: the ``cnn`` figure, a model of a tenth of its FLOPs whose iteration is
 #: bound by kernel launches, which the captured graph removes)
 GPU_MS = {"resnet18": 2.75, "cnn": 0.158, "convnet9": 2.75 * 3.45, "lenet": 0.158}
-
-
-def gpu_minutes(row: Row, profile: Profile = Profile("gpu")) -> float:
-    """Planned minutes of ``row`` on one H100: image-iterations of every cell times
-    :data:`GPU_MS` (the defense's own cost inside adaptive attacks and the planner's probe are
-    not counted; unmeasured)."""
-    ms = GPU_MS.get(row.model, GPU_MS["resnet18"])
-    total = 0.0
-    for plan in plan_cells(row, profile, "embedded", {}, Path("/nonexistent")):
-        attacks = 6 if plan.name == "planner" else 1  # auto: about six attacks on ResNet-18
-        total += plan.call["images"] * len(plan.steps) * plan.call["budget"] * attacks
-    return total * ms / 60000
-
-
-#: the planned minutes of one GPU call: a lent GPU gives 9-minute calls, each of which must
-#: finish a slice and keep its results
+#: the minutes of one lent GPU call: its command's wall-clock limit
 GPU_CALL_MINUTES = 9.0
+#: the planned minutes of one GPU slice at most: a call less a minute for seeding ``$OUT`` and
+#: copying it back (the one-call command's ``--call-minutes 8``) and a minute for the process's
+#: start (imports, LPIPS weights, restoring the kept results, a row's model health), so that every
+#: call starts at least one slice and finishes it
+GPU_SLICE_MINUTES = 7.0
+
+
+def gpu_ms(model: str) -> float:
+    """:data:`GPU_MS` of ``model`` (an unlisted model is planned as ResNet-18)."""
+    return GPU_MS.get(model, GPU_MS["resnet18"])
+
+
+def image_minutes(call: Dict[str, Any]) -> float:
+    """Planned GPU minutes of one image of the cell's audit call (:func:`image_evaluations` at
+    :data:`GPU_MS`; the defense's own cost inside adaptive attacks and the planner's probe are
+    not counted: unmeasured)."""
+    return image_evaluations(call) * gpu_ms(call["model"]) / 60000
+
+
+def slice_evaluations(plan: CellPlan) -> float:
+    """The gradient evaluations one slice of the cell pays for (:func:`cell_slices`): on the gpu
+    profile, :data:`GPU_SLICE_MINUTES` at :data:`GPU_MS`; else :data:`SLICE_EVALUATIONS`."""
+    return GPU_SLICE_MINUTES * 60000 / gpu_ms(plan.call["model"]) if plan.gpu else SLICE_EVALUATIONS
 
 
 @dataclass(frozen=True)
 class GpuSlice:
-    """One slice of a cell on the GPU: a step and a range of its images, with its planned minutes."""
+    """One slice of a cell: a step and a range of its images, with its planned GPU minutes (of
+    the images no kept result covers)."""
 
     row: str
     cell: str
@@ -1559,40 +1732,61 @@ class GpuSlice:
     minutes: float
 
     def text(self) -> str:
-        fits = "" if self.minutes <= GPU_CALL_MINUTES else f" (over one {GPU_CALL_MINUTES:g}-minute call: one image-step)"
+        fits = "" if self.minutes <= GPU_SLICE_MINUTES else \
+            f" (over a call's {GPU_SLICE_MINUTES:g} planned minutes: one image-step; no call starts it)"
         return (f"{self.row} {self.cell} step {self.step} images {self.first}-{self.first + self.images - 1}: "
                 f"{self.minutes:.1f} min{fits}")
 
 
 def gpu_slices(row: Row, profile: Profile, data: str, data_args: Dict[str, Any], root: Path,
-               out: Path) -> List[GpuSlice]:
-    """The slices of the row's cells not yet stored, each as many images of one step as fit
-    :data:`GPU_CALL_MINUTES` at :data:`GPU_MS` (one image a slice where one image is longer)."""
-    ms = GPU_MS.get(row.model, GPU_MS["resnet18"])
-    _, cells, plans = stored_cells(row, profile, data, data_args, root, out)
-    found = []
-    for plan in plans:
-        if cells.get(plan.name) is not None or plan.name == "utility":
-            continue
-        attacks = PLANNER_ATTACKS if plan.name == "planner" else 1
-        per_image = int(plan.call["budget"]) * attacks * ms / 60000
-        per_slice = max(1, int(GPU_CALL_MINUTES // per_image)) if per_image else int(plan.call["images"])
-        for step in plan.steps:
-            for first in range(0, int(plan.call["images"]), per_slice):
-                n = min(per_slice, int(plan.call["images"]) - first)
-                found.append(GpuSlice(row.id, plan.name, step, first, n, n * per_image))
+               out: Path, retry: bool = False) -> List[GpuSlice]:
+    """The slices the row has left, in the order :func:`run_row` runs them: the slices of its
+    cells' calls (:func:`cell_calls`, sliced as ``profile`` slices them) that attack something no
+    kept result covers, each once."""
+    stored, _, plans = stored_cells(row, profile, data, data_args, root, out)
+    path = results_path(root, profile.name, data, row)
+    found: List[GpuSlice] = []
+    for plan, claim_only in row_passes(row, cells_to_run(stored, plans, retry), stored):
+        kept = kept_image_steps(partial_dir(path, plan.name), plan)
+        found += [c.work for c in cell_calls(row, plan, kept, claim_only) if c.work and c.work not in found]
     return found
 
 
-def gpu_plan(rows: Sequence[Row], profile: Profile, data: str, data_args: Dict[str, Any], root: Path,
-             out: Path) -> str:
-    """The GPU slices left, row by row, with their planned minutes and the total."""
-    slices = [s for row in rows for s in gpu_slices(row, profile, data, data_args, root, out)]
-    lines = [s.text() for s in slices]
-    lines.append(f"{len(slices)} slices left, {sum(s.minutes for s in slices):.0f} planned minutes in all "
-                 f"(each slice one {GPU_CALL_MINUTES:g}-minute call; unmeasured: the plan counts {GPU_MS['resnet18']} "
-                 "ms per image-iteration on ResNet-18)")
-    return "\n".join(lines)
+def slices_left(rows: Sequence[Row], profile: Profile, data: str, data_args: Dict[str, Any], root: Path,
+                out: Path, retry: bool = False) -> List[GpuSlice]:
+    """Every row's slices left (:func:`gpu_slices`), row by row."""
+    return [s for row in rows for s in gpu_slices(row, profile, data, data_args, root, out, retry)]
+
+
+def calls_needed(slices: Sequence[GpuSlice], minutes: float = GPU_SLICE_MINUTES) -> int:
+    """How many calls run ``slices`` in order when each starts slices while their planned
+    minutes fit its ``minutes`` (one slice at least)."""
+    calls, left = 0, 0.0
+    for s in slices:
+        if not calls or s.minutes > left:
+            calls, left = calls + 1, minutes
+        left -= s.minutes
+    return calls
+
+
+def left_text(slices: Sequence[GpuSlice]) -> str:
+    """The slices left in words: how many, their planned minutes and the calls they need."""
+    return (f"{len(slices)} left, ~{sum(s.minutes for s in slices):.0f} planned minutes in "
+            f"{calls_needed(slices)} {GPU_CALL_MINUTES:g}-minute calls")
+
+
+def gpu_plan(slices: Sequence[GpuSlice]) -> str:
+    """The GPU slices left, row by row, with their planned minutes, the total and the calls."""
+    return "\n".join([s.text() for s in slices] + [
+        f"slices: {left_text(slices)} (each call runs {GPU_SLICE_MINUTES:g} planned minutes of slices; "
+        f"unmeasured: the plan counts {GPU_MS['resnet18']} ms per image-iteration on ResNet-18)"])
+
+
+def call_summary(deadline: Deadline, over: Optional[CallOver], left: Sequence[GpuSlice]) -> str:
+    """What one invocation under a deadline ran, why it stopped, and what is left."""
+    stop = f"; stopped before {over}" if over else ""
+    return (f"{len(deadline.ran)} slices run in {deadline.used():.1f} of {deadline.minutes:g} minutes{stop}; "
+            f"{left_text(left)}")
 
 
 # --------------------------------------------------------------------------- main
@@ -1601,28 +1795,29 @@ def selected(rows: Optional[Sequence[str]], papers: Optional[Sequence[str]], pro
             and (not papers or r.paper in papers)]
 
 
-def gpu_batch(rows: Sequence[Row], minutes: float, profile: Profile, data: str, data_args: Dict[str, Any],
-              root: Path, out: Path) -> List[Row]:
-    """The rows with cells not yet stored, in order, while their planned minutes fit
-    ``minutes`` (at least one row)."""
-    chosen, used = [], 0.0
-    for row in rows:
-        stored, cells, _ = stored_cells(row, profile, data, data_args, root, out)
-        if all(c is not None for c in cells.values()) and not any(
-                stale_attacks(c) for c in (stored.get("cells") or {}).values()):
+def run_rows(rows: Sequence[Row], profile: Profile, data: str, data_args: Dict[str, Any], out: Path, root: Path,
+             retry: bool = False, deadline: Optional[Deadline] = None,
+             after_row: Callable[[], None] = lambda: None) -> Optional[CallOver]:
+    """Run the rows in turn (:func:`run_row`), ``after_row`` after each that finishes; a failing
+    row is reported and the others still run. Under a ``deadline`` the first slice that does not
+    fit stops them all: returns why (None: every row ran)."""
+    for i, row in enumerate(rows, 1):
+        print(f"[{time.strftime('%H:%M:%S')}] row {i}/{len(rows)} {row.id} ({profile.name})", flush=True)
+        try:
+            run_row(row, profile, data, data_args, out, root, retry=retry, deadline=deadline)
+        except CallOver as over:
+            return over
+        except Exception as err:  # a failing row is reported; the others still run
+            print(f"  row {row.id} failed: {type(err).__name__}: {err}", flush=True)
             continue
-        need = gpu_minutes(row, profile)
-        if chosen and used + need > minutes:
-            break
-        chosen.append(row)
-        used += need
-    return chosen
+        after_row()
+    return None
 
 
 def page_command(argv: Optional[Sequence[str]]) -> List[str]:
     """The arguments of the command that writes the whole page: the given ones without
     ``--render``, the row filters and the per-invocation limits."""
-    return without_options(argv, valued=("--rows", "--paper", "--minutes"), flags=("--render", "--retry"))
+    return without_options(argv, valued=("--rows", "--paper", "--call-minutes"), flags=("--render", "--retry"))
 
 
 def require_lpips() -> None:
@@ -1638,8 +1833,18 @@ def require_lpips() -> None:
                          "similarity")
 
 
+#: how the module docstring's paragraph on a lent GPU call begins
+GPU_CALL_HEAD = "A lent GPU call"
+
+
+def gpu_call_help() -> str:
+    """The module docstring's paragraph on a lent GPU call, with its command, for ``--help``."""
+    return __doc__[__doc__.index(GPU_CALL_HEAD):].strip()
+
+
 def main(argv: Optional[Sequence[str]] = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=gpu_call_help(),
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--profile", choices=PROFILES, default="cpu")
     parser.add_argument("--images", type=int, default=None, help="private images per cell (default: the row's)")
     parser.add_argument("--rows", action="append", choices=list(BY_ID), help="run only these rows")
@@ -1647,16 +1852,20 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--data-path", default=None, help="a local CIFAR-10 (python pickle format)")
     parser.add_argument("--device", default=None, help="default: cuda for the gpu profile, else cpu")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--minutes", type=float, default=40.0, help="gpu profile: planned minutes per invocation")
+    parser.add_argument("--call-minutes", type=float, default=GPU_CALL_MINUTES,
+                        help="gpu profile: start a slice only while its planned minutes fit what is left of these "
+                             f"(default {GPU_CALL_MINUTES:g}: one lent call; 8 in the one-call command below)")
     parser.add_argument("--out", default=str(ROOT / "bench-out" / "papers"), help="the engine's result stores")
     parser.add_argument("--results", default=None, help=f"the persisted cells (default {RESULTS})")
     parser.add_argument("--retry", action="store_true", help="rerun stored cells with missing evidence")
     parser.add_argument("--tiny", action="store_true", help="with --profile gpu: its rows and width-64 models at the "
                         "quick check's budgets (2 images, 4 evaluations), results under --out, never the page")
     parser.add_argument("--render", action="store_true", help="write the page from stored results; run nothing")
-    parser.add_argument("--plan", action="store_true", help="print the slices left and their planned GPU minutes")
+    parser.add_argument("--plan", action="store_true", help="print the slices left, their planned GPU minutes and "
+                        "the calls they need")
     add_docs_option(parser, "docs/papers.md")
     args = parser.parse_args(argv)
+    deadline = Deadline(args.call_minutes) if args.profile == "gpu" else None
 
     import torch
 
@@ -1674,7 +1883,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     rows = selected(args.rows, args.paper, name)
     page_rows = selected(None, None, name)  # the page shows every row of the profile
     if args.plan:
-        print(gpu_plan(rows, profile, data, data_args, root, out))
+        print(gpu_plan(slices_left(rows, profile, data, data_args, root, out, args.retry)))
         return
 
     def publish() -> None:
@@ -1688,20 +1897,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
     if not args.render and not profile.shrunk:
         require_lpips()
-    if not args.render:
-        todo = gpu_batch(rows, args.minutes, profile, data, data_args, root, out) if name == "gpu" and not args.tiny \
-            else rows
-        for i, row in enumerate(todo, 1):
-            print(f"[{time.strftime('%H:%M:%S')}] row {i}/{len(todo)} {row.id} ({name})", flush=True)
-            try:
-                run_row(row, profile, data, data_args, out, root, retry=args.retry)
-            except Exception as err:  # a failing row is reported; the others still run
-                print(f"  row {row.id} failed: {type(err).__name__}: {err}", flush=True)
-                continue
-            publish()
+    over = None if args.render else run_rows(rows, profile, data, data_args, out, root, args.retry, deadline, publish)
     print(render(rows, profile, data, data_args, root, out))
     publish()
     print(f"results: {root}")
+    if deadline is not None and not args.render:
+        print(call_summary(deadline, over, slices_left(rows, profile, data, data_args, root, out, args.retry)))
 
 
 if __name__ == "__main__":

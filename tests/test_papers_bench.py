@@ -1,5 +1,6 @@
 """The papers page (bench/bench_papers.py): cells pooled from stored audit records, and the
 conclusions decided by the identification interval, failing closed."""
+import dataclasses
 import json
 import math
 import shutil
@@ -307,21 +308,19 @@ def test_the_pages_title_counts_the_rows_at_and_below_the_papers_setting():
     assert f"{at} at the paper's setting" in title and f"{scaled} scaled" in title
 
 
-def test_the_gpu_profile_runs_resnet18_at_width_64_and_each_row_plans_under_40_minutes():
+def test_the_gpu_profile_runs_resnet18_at_width_64_in_slices_that_each_fit_a_call(tmp_path):
     gpu = bp.Profile("gpu")
     rows = bp.selected(None, None, "gpu")
     resnets = [r for r in rows if r.model == "resnet18"]
     assert len(resnets) == 10
     for row in resnets:
         assert bp.run_setting(row, gpu)["model_args"] == {}  # the registry's width 64
-        assert bp.gpu_minutes(row) <= 40, row.id
-    chosen = bp.gpu_batch(rows, 40, gpu, "embedded", {}, Path("/nonexistent"), Path("/nonexistent"))
-    assert chosen and sum(bp.gpu_minutes(r) for r in chosen) <= 40
+        slices = bp.gpu_slices(row, gpu, "embedded", {}, tmp_path, tmp_path)
+        assert slices and all(s.minutes <= bp.GPU_SLICE_MINUTES + 1e-9 for s in slices), row.id
 
 
-def test_the_gpu_profile_runs_ats_and_refiner_on_the_papers_images():
-    """The rows the CPU runs on fewer images run at the paper's setting on a GPU; one planned
-    longer than an invocation's minutes runs alone."""
+def test_the_gpu_profile_runs_ats_and_refiner_on_the_papers_images(tmp_path):
+    """The rows the CPU runs on fewer images run at the paper's setting on a GPU, over many calls."""
     gpu, cpu = bp.Profile("gpu"), bp.Profile("cpu")
     others = {r.id: r for r in bp.selected(None, None, "gpu") if r.model != "resnet18"}
     assert set(others) == {"bayes-ats", "refiner-alpha-0.0", "refiner-alpha-0.5", "refiner-alpha-0.9",
@@ -331,10 +330,9 @@ def test_the_gpu_profile_runs_ats_and_refiner_on_the_papers_images():
         assert run["images"] == row.setting.images in (100, 1000) and bp.label(row, run) == bp.AT_PAPER, row.id
         assert bp.label(row, bp.run_setting(row, cpu)) == f"scaled: {bp.run_setting(row, cpu)['images']} of " \
                                                            f"{row.setting.images:,} images", row.id
-    ats = others["bayes-ats"]
-    assert bp.gpu_minutes(ats) > 40
-    assert bp.gpu_batch([ats, others["refiner-alpha-0.0"]], 40, gpu, "embedded", {}, Path("/nonexistent"),
-                        Path("/nonexistent")) == [ats]
+    ats = bp.gpu_slices(others["bayes-ats"], gpu, "embedded", {}, tmp_path, tmp_path)
+    assert len(ats) == 6 * 5 + 6 * 3  # 100 images at each of six steps: 22 a slice of IG, 36 of the planner's
+    assert bp.calls_needed(ats) == len(ats)  # no two of its slices fit one call
 
 
 def test_the_planner_cell_runs_its_attacks_at_their_presets_in_an_audit_of_its_own():
@@ -448,7 +446,7 @@ def test_cells_persist_resume_and_a_changed_row_reruns_only_its_own(tmp_path, mo
 
     runs = []
 
-    def fake_run_cell(row, plan, partial=None, on_claim=None, claim_only=False):
+    def fake_run_cell(row, plan, partial=None, on_claim=None, claim_only=False, deadline=None):
         runs.append((row.id, plan.name))
         return {"key": plan.key, "call": json.loads(json.dumps(plan.call)), "seconds": 1.0, "status": "complete",
                 "attacks": plan.call["attacks"], "evidence": _cell(2).to_dict()}
@@ -620,7 +618,7 @@ def test_cells_run_with_a_stale_search_are_not_shown_as_current(tmp_path):
 
 
 def test_a_row_with_cells_missing_counts_as_unfinished_whatever_its_cells_say(tmp_path, monkeypatch):
-    def fake_run_cell(row, plan, partial=None, on_claim=None, claim_only=False):
+    def fake_run_cell(row, plan, partial=None, on_claim=None, claim_only=False, deadline=None):
         return {"key": plan.key, "call": json.loads(json.dumps(plan.call)), "seconds": 1.0, "status": "complete",
                 "attacks": plan.call["attacks"], "evidence": _cell(2).to_dict()}
 
@@ -700,7 +698,7 @@ def test_a_cell_run_with_an_attack_default_since_changed_is_rerun_and_marked_sta
 
     runs = []
 
-    def fake_run_cell(row, plan, partial=None, on_claim=None, claim_only=False):
+    def fake_run_cell(row, plan, partial=None, on_claim=None, claim_only=False, deadline=None):
         runs.append(plan.name)
         return {"key": plan.key, "call": json.loads(json.dumps(plan.call)), "seconds": 1.0, "status": "complete",
                 "attacks": ["ig"], "evidence": _cell(2).to_dict(),
@@ -758,11 +756,15 @@ def test_a_cell_under_way_shows_what_the_repository_keeps_and_judges_nothing_fro
     plan = next(p for p in bp.plan_cells(row, profile, "embedded", {}, tmp_path / "out") if p.name == "paper:ig")
     kept = bp.partial_dir(bp.results_path(results, "cpu", "embedded", row), plan.name) / "somekey"
     kept.mkdir(parents=True)
-    current = json.dumps({"settings": plan.call["attack_args"]["ig"]})
+    from attacks.presets import defaults_fingerprint
+
+    current = json.dumps({"settings": plan.call["attack_args"]["ig"], "defaults": defaults_fingerprint("ig")})
     for step, image in [(1, 0), (1, 1), (2, 0)]:
         (kept / f"s{step}__ig__i{image}.json").write_text(current)
     stale = dict(plan.call["attack_args"]["ig"], signed=not plan.call["attack_args"]["ig"]["signed"])
     (kept / "s5__ig__i0.json").write_text(json.dumps({"settings": stale}))  # run with other settings
+    (kept / "s10__ig__i0.json").write_text(current.replace(defaults_fingerprint("ig"), "older"))  # other defaults
+    (kept / "s20__ig__i0.json").write_text(current[:-1] + ', "status": "error"}')  # an error the engine retries
     (kept / "s3__ig__i0.json").write_text(current)  # a step the cell does not run
     (kept / "s1__ig__i99.json").write_text(current)  # an image beyond the cell's
     total = len(plan.call["steps"]) * plan.call["images"]
@@ -772,7 +774,7 @@ def test_a_cell_under_way_shows_what_the_repository_keeps_and_judges_nothing_fro
     picks = bp.partial_dir(bp.results_path(results, "cpu", "embedded", row), planner.name) / "otherkey"
     picks.mkdir(parents=True)
     for attack, image in [("ig", 0), ("bayes-optimal", 0), ("ig", 1)]:  # image 1 lacks the planner's second pick
-        (picks / f"s1__{attack}__i{image}.json").write_text("{}")
+        (picks / f"s1__{attack}__i{image}.json").write_text(json.dumps({"defaults": defaults_fingerprint(attack)}))
     assert bp.kept_progress(bp.results_path(results, "cpu", "embedded", row), planner).startswith(
         f"under way: 1 of {total} image-steps kept in ")
     page = bp.render([row], profile, "embedded", {}, results, tmp_path / "out")
@@ -817,7 +819,7 @@ def test_a_claim_whose_steps_are_complete_is_judged_while_the_other_steps_run(tm
     row, profile = bp.BY_ID["bayes-ats"], bp.Profile("cpu")
     identified = {"n": 3}
 
-    def interrupted(row_, plan, partial=None, on_claim=None, claim_only=False):
+    def interrupted(row_, plan, partial=None, on_claim=None, claim_only=False, deadline=None):
         on_claim(bp.claim_record(plan, ["ig"], _claim_evidence(identified["n"])))
         raise KeyboardInterrupt  # the sitting ends while steps 20 and 50 run
 
@@ -846,7 +848,7 @@ def test_a_claim_whose_steps_are_complete_is_judged_while_the_other_steps_run(tm
     # a claim record is not a finished cell: the next run runs the cell again
     ran = []
 
-    def finished(row_, plan, partial=None, on_claim=None, claim_only=False):
+    def finished(row_, plan, partial=None, on_claim=None, claim_only=False, deadline=None):
         ran.append((plan.name, claim_only))
         if claim_only:
             return None
@@ -947,9 +949,138 @@ def test_the_verdict_table_opens_the_page_on_one_screen():
 def test_the_gpu_plan_lists_slices_that_each_fit_one_call(tmp_path):
     profile = bp.Profile("gpu")
     slices = bp.gpu_slices(bp.BY_ID["censor-none"], profile, "embedded", {}, tmp_path, tmp_path)
-    assert slices and all(s.minutes <= bp.GPU_CALL_MINUTES for s in slices)
+    assert slices and all(s.minutes <= bp.GPU_SLICE_MINUTES for s in slices)
     row = bp.BY_ID["censor-none"]
     images = bp.run_setting(row, profile)["images"]
     assert sum(s.images for s in slices if s.cell == "paper:ig") == images
-    text = bp.gpu_plan([row], profile, "embedded", {}, tmp_path, tmp_path)
-    assert f"{len(slices)} slices left" in text and "censor-none paper:ig step 0 images 0-" in text
+    text = bp.gpu_plan(slices)
+    assert "censor-none paper:ig step 0 images 0-" in text
+    # 5 IG slices of 5.5 planned minutes (2 images each), then the planner's 2.8: one call each
+    assert [s.minutes for s in slices] == pytest.approx([5.5] * 5 + [2.75])
+    assert text.splitlines()[-1].startswith("slices: 6 left, ~30 planned minutes in 6 9-minute calls")
+    assert bp.calls_needed([dataclasses.replace(s, minutes=2.0) for s in slices]) == 2  # three slices a call
+
+
+class _FakeEngine:
+    """The audit engine's calls, faked: a call writes a result for every image-step it covers
+    that its store lacks (as the engine attacks only those), and its clock advances by their
+    planned GPU minutes; ``calls``: per call, its cell's store and the image-steps it attacked."""
+
+    def __init__(self, monkeypatch):
+        self.now, self.calls = 0.0, []
+        monkeypatch.setattr(bp, "run_slice", self.run_slice)
+        monkeypatch.setattr(bp, "_stored_evidence", lambda plan, key, steps: ({}, list(plan.call["attacks"]), _cell(2)))
+        monkeypatch.setattr(bp, "model_health", _healthy_model)
+
+    def clock(self):
+        return self.now
+
+    def run_slice(self, call, steps, images):
+        from types import SimpleNamespace
+
+        from attacks.presets import defaults_fingerprint
+
+        results = Path(call["out"]) / "runs" / "k" / "results"
+        results.mkdir(parents=True, exist_ok=True)
+        attacks = [a for a in call["attacks"] if a != "auto"] or ["ig"]  # the planner's pick, for the fake
+        new = [(s, i) for s in steps for i in range(images)
+               if not (results / f"s{s}__{attacks[0]}__i{i}.json").exists()]
+        for (s, i) in new:
+            for a in attacks:
+                record = {"settings": (call.get("attack_args") or {}).get(a), "defaults": defaults_fingerprint(a),
+                          "status": "ok"}
+                (results / f"s{s}__{a}__i{i}.json").write_text(json.dumps(record))
+        self.now += len(new) * bp.image_minutes(call) * 60
+        self.calls.append((Path(call["out"]).name, new))
+        return SimpleNamespace(data={"run_key": "k", "status": "complete"})
+
+    def attacked(self):
+        """The image-steps each call that attacked something attacked, by cell store."""
+        return [(store, set(new)) for store, new in self.calls if new]
+
+
+def _covers(slices):
+    """What each slice attacks: its cell's store and its image-steps."""
+    return [("planner" if s.cell == "planner" else "paper", {(s.step, i) for i in range(s.first, s.first + s.images)})
+            for s in slices]
+
+
+def _gpu_call(engine, row, repo, where, minutes):
+    """One GPU call: a fresh machine seeded with the committed results (``repo``), the row run
+    under a deadline of ``minutes``, and what it kept copied back into ``repo``."""
+    results = where / "papers-gpu"
+    if repo.exists():
+        shutil.copytree(repo, results)
+    deadline = bp.Deadline(minutes, clock=engine.clock)
+    over = bp.run_rows([row], bp.Profile("gpu"), "embedded", {}, where / "out", results, deadline=deadline)
+    shutil.rmtree(repo, ignore_errors=True)
+    shutil.copytree(results, repo)
+    return deadline, over
+
+
+def test_a_gpu_call_starts_only_the_slices_that_fit_and_the_next_call_runs_the_rest(tmp_path, monkeypatch):
+    """Under a deadline a call starts a slice only while its planned minutes fit what is left,
+    keeps what it finished and stops; the next call, seeded with what came back, runs only the
+    rest (no kept slice is attacked or even called again) and finishes the row."""
+    engine = _FakeEngine(monkeypatch)
+    row, repo = bp.BY_ID["censor-none"], tmp_path / "repo"
+    plan = bp.gpu_slices(row, bp.Profile("gpu"), "embedded", {}, repo, tmp_path / "out")
+    assert [s.minutes for s in plan] == pytest.approx([5.5] * 5 + [2.75])
+    deadline, over = _gpu_call(engine, row, repo, tmp_path / "call-1", 13.0)  # two slices fit, not a third
+    assert deadline.ran == plan[:2] and over.work == plan[2] and over.left == pytest.approx(2.0)
+    assert engine.attacked() == _covers(plan[:2]) and len(engine.calls) == 2
+    assert bp.gpu_slices(row, bp.Profile("gpu"), "embedded", {}, repo, tmp_path / "out") == plan[2:]
+    assert "paper:ig" not in bp.load_results(bp.results_path(repo, "gpu", "embedded", row)).get("cells", {})
+    kept = bp.partial_dir(bp.results_path(repo, "gpu", "embedded", row), "paper:ig")
+    assert sorted(p.name for p in kept.glob("k/*.json")) == [f"s0__ig__i{i}.json" for i in range(4)]
+    summary = bp.call_summary(deadline, over, plan[2:])
+    assert summary.startswith("2 slices run in 11.0 of 13 minutes; stopped before censor-none paper:ig step 0 "
+                              "images 4-5: 5.5 min: 2.0 minutes left; 4 left, ~19 planned minutes in 4 9-minute calls")
+    engine.calls.clear()
+    deadline, over = _gpu_call(engine, row, repo, tmp_path / "call-2", 60.0)
+    assert over is None and deadline.ran == plan[2:]
+    assert engine.attacked() == _covers(plan[2:]) and len(engine.calls) == 4  # every call attacks something
+    stored = json.loads(bp.results_path(repo, "gpu", "embedded", row).read_text())
+    assert set(stored["cells"]) == {"paper:ig", "planner"} and not list(repo.rglob("*.partial/*"))  # kept no more
+    assert bp.gpu_slices(row, bp.Profile("gpu"), "embedded", {}, repo, tmp_path / "out") == []
+
+
+def test_the_slices_a_gpu_call_runs_are_the_plans(tmp_path, monkeypatch):
+    """What the gpu profile runs is what ``--plan`` lists, slice for slice and in its order (the
+    steps of the row's claim of every cell first); every image-step once, sliced for a GPU call."""
+    engine = _FakeEngine(monkeypatch)
+    row, profile = bp.BY_ID["bayes-ats"], bp.Profile("gpu")
+    plan = bp.gpu_slices(row, profile, "embedded", {}, tmp_path / "results", tmp_path / "out")
+    deadline = bp.Deadline(10_000.0, clock=engine.clock)
+    assert bp.run_rows([row], profile, "embedded", {}, tmp_path / "out", tmp_path / "results", deadline=deadline) \
+        is None
+    assert deadline.ran == plan
+    assert engine.attacked() == _covers(plan)
+    claim = [i for i, s in enumerate(plan) if s.step in row.claim_steps]
+    assert claim == list(range(len(claim))) and {plan[i].cell for i in claim} == {"paper:ig", "planner"}
+    for cell in ("paper", "planner"):
+        covered = [pair for store, pairs in _covers(plan) if store == cell for pair in pairs]
+        assert sorted(covered) == [(s, i) for s in row.setting.steps for i in range(100)]
+    assert max(s.minutes for s in plan) <= bp.GPU_SLICE_MINUTES + 1e-9 and plan[0].images == 22
+
+
+def test_the_gpu_profile_stops_cleanly_when_no_slice_fits_its_call_minutes(tmp_path, monkeypatch, capsys):
+    """``--call-minutes`` shorter than the first slice: nothing starts, the run returns (exit 0)
+    and its last line says what it ran, why it stopped and what is left."""
+    engine = _FakeEngine(monkeypatch)
+    monkeypatch.setattr(bp, "require_lpips", lambda: None)
+    bp.main(["--profile", "gpu", "--rows", "censor-none", "--call-minutes", "5", "--out", str(tmp_path / "out"),
+             "--results", str(tmp_path / "results")])
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("0 slices run in ") and " of 5 minutes; stopped before censor-none paper:ig step 0 " \
+        "images 0-1: 5.5 min: " in last and last.endswith("; 6 left, ~30 planned minutes in 6 9-minute calls")
+    assert engine.calls == []
+
+
+def test_the_one_call_command_fits_a_remote_command_and_is_in_the_help(capsys):
+    command = next(line.strip() for line in bp.__doc__.splitlines() if "--call-minutes 8" in line)
+    assert len(command) < 2000 and command.startswith("mkdir -p $OUT/papers-gpu && cp -r bench/papers_results/")
+    assert "--results $OUT/papers-gpu" in command
+    with pytest.raises(SystemExit):
+        bp.main(["--help"])
+    assert command in capsys.readouterr().out
