@@ -25,14 +25,15 @@ that sensitivity bounds the update's change.
 from __future__ import annotations
 
 import math
-from typing import List, Sequence
+from typing import Dict, List, Sequence, Tuple
 
+import torch
 from torch import Tensor
 
 from audit.core.types import Defense
 
 from defenses.clip import clip_by_norm
-from defenses.common import check_range
+from defenses.common import check_range, global_norm
 from defenses.dpsgd import PrivacySpent, privacy_spent
 from defenses.noise import add_noise, gaussian_log_density
 from defenses.registry import DEFENSES
@@ -42,9 +43,9 @@ def mirror_differences(action: str) -> tuple:
     return (
         f"Flower {action} the round's whole update after local training; the mirror models one local SGD step with "
         "learning rate lr (update = -lr * gradient) and shares the update in gradient units (-update / lr).",
-        f"Flower's update covers every array of the ArrayRecord (buffers such as BatchNorm statistics included); the "
-        f"mirror {action} the trainable parameters' update, the same transform for a model whose state is its "
-        "trainable parameters.",
+        f"Flower's update covers every array of the reply; the mirror {action} the weights' update and, where the "
+        "client shares its state, the floating-point buffers' change with it (one norm over both); integer buffers "
+        "(BatchNorm's num_batches_tracked) are left as they are.",
     )
 
 
@@ -61,7 +62,7 @@ class FlowerFixedClipping(Defense):
     gradient clipped to ``clipping_norm / lr`` (see the module docstring)."""
 
     name = "flower-fixedclipping"
-    buffer_effect = "untouched"  # audit.core.buffers.BUFFER_EFFECTS
+    buffer_effect = "clipped"  # the buffers' change is clipped with the weights' (transform_state)
     stochastic = False
     whole_update = True  # the transform of a round's whole update: one local step, never per step
     differences = mirror_differences("clips")
@@ -78,6 +79,33 @@ class FlowerFixedClipping(Defense):
     def transform(self, grads, *, generator=None, model=None) -> List[Tensor]:
         return clip_by_norm(grads, self.gradient_bound)
 
+    def transform_state(self, update: Sequence[Tensor], buffers: Dict[str, Tensor], before: Dict[str, Tensor], *,
+                        lr: float, generator=None) -> Tuple[List[Tensor], Dict[str, Tensor]]:
+        """The mod on a reply that carries the client's state: ``update`` (the weights' update in
+        gradient units, ``(theta_0 - theta_1) / lr``) and the floating-point ``buffers``' change
+        from ``before`` scaled by ``min(1, clipping_norm / norm)``, the norm over every array's
+        change as Flower computes it (integer buffers' counts included; those pass unscaled, as
+        Flower's in-place scaling leaves a 0-d integer difference as it is), then :meth:`noise_state`."""
+        steps = [-lr * u for u in update]
+        names = [n for n, b in buffers.items() if b.is_floating_point()]
+        moved = [buffers[n] - before[n] for n in names]
+        counts = [(b - before[n]).double() for n, b in buffers.items() if not b.is_floating_point()]
+        norm = global_norm([t.double() for t in steps + moved] + counts)
+        factor = torch.clamp(self.clipping_norm / (norm + 1e-12), max=1.0)
+        steps, moved = self.noise_state([t * factor.to(t.dtype) for t in steps],
+                                        [t * factor.to(t.dtype) for t in moved], generator)
+        out = dict(buffers)
+        out.update({n: before[n] + m for n, m in zip(names, moved)})
+        return [-t / lr for t in steps], out
+
+    def noise_state(self, steps: List[Tensor], moved: List[Tensor], generator) -> Tuple[List[Tensor], List[Tensor]]:
+        """The clipped arrays as the mod sends them (fixed clipping adds nothing)."""
+        return steps, moved
+
+    def without_noise(self) -> "FlowerFixedClipping":
+        """The mod's clipping alone: what a reply is expected to be before any noise."""
+        return FlowerFixedClipping(self.clipping_norm, self.lr)
+
 
 @DEFENSES.register("flower-localdp",
                    "Flower's LocalDpMod: clip the one-step update to clipping_norm, add Gaussian noise of std "
@@ -89,7 +117,7 @@ class FlowerLocalDP(FlowerFixedClipping):
     likelihood and its (epsilon, delta) accounting (see the module docstring)."""
 
     name = "flower-localdp"
-    buffer_effect = "noised"  # LocalDpMod noises every array of the reply, buffers included
+    buffer_effect = "clipped and noised"  # LocalDpMod clips and noises every array of the reply (transform_state)
     vmap_draws = True  # its noise comes from defenses.common.randn (audit.core.randomness)
     differences = mirror_differences("clips and noises")
 
@@ -105,11 +133,13 @@ class FlowerLocalDP(FlowerFixedClipping):
         """The std of the noise Flower adds to every entry of the update."""
         return localdp_noise_std(self.sensitivity, self.epsilon, self.delta)
 
-    @property
-    def buffer_noise_std(self) -> float:
-        """The noise on every uploaded buffer: LocalDpMod noises each array of the reply with
-        ``noise_std`` (buffers are sent as they are, not in gradient units)."""
-        return self.noise_std
+    def noise_state(self, steps: List[Tensor], moved: List[Tensor], generator) -> Tuple[List[Tensor], List[Tensor]]:
+        """``N(0, noise_std^2)`` on every entry of the clipped weights' step and buffers' change
+        (LocalDpMod noises each array of the reply; the buffers are sent as they are)."""
+        if self.noise_std == 0:
+            return steps, moved
+        noised = add_noise(steps + moved, "gaussian", self.noise_std, generator)
+        return noised[:len(steps)], noised[len(steps):]
 
     @property
     def gradient_noise_std(self) -> float:

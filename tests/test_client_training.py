@@ -28,22 +28,63 @@ def _state_obs(defense, seed=0, **kw):
     return net, x, y, observe(net, x, y, defense, shares="state", seed=seed, **kw)
 
 
-def test_flower_localdp_noises_the_uploaded_buffers_as_localdpmod():
-    dp = build_defense("flower-localdp", epsilon=50.0)
-    net, x, y, obs = _state_obs(dp)
+def _clipped_by_hand(clean, clipping_norm, lr=0.1):
+    """Flower's clipping of a one-step reply, computed here from the clean round: one norm over
+    the weights' step, the float buffers' change and the integer counts' change."""
+    net = clean.model
+    before = dict(net.named_buffers())
+    steps = [lr * g for g in clean.gradients]
+    moved = {n: b - before[n] for n, b in clean.buffers.items() if b.is_floating_point()}
+    counts = [float(b - before[n]) for n, b in clean.buffers.items() if not b.is_floating_point()]
+    norm = (sum(float(t.double().pow(2).sum()) for t in steps + list(moved.values())) + sum(c * c for c in counts)) ** 0.5
+    factor = min(1.0, clipping_norm / norm)
+    return factor, [g * factor for g in clean.gradients], {n: before[n] + factor * m for n, m in moved.items()}
+
+
+def test_flower_clipping_scales_the_buffers_change_with_the_weights_as_flower_does():
+    clip = build_defense("flower-fixedclipping", clipping_norm=0.05)
+    _, _, _, obs = _state_obs(clip)
     _, _, _, clean = _state_obs(None)
-    assert obs.buffer_effect == "noised"
-    floats = [n for n, b in clean.buffers.items() if b.is_floating_point()]
-    residual = torch.cat([(obs.buffers[n] - clean.buffers[n]).flatten() for n in floats])
-    # every float buffer carries N(0, s^2) with LocalDpMod's s (here 0.097): 32 entries, std within 35%
-    assert residual.abs().min() > 0
-    assert residual.std().item() == pytest.approx(dp.noise_std, rel=0.35)
+    factor, update, buffers = _clipped_by_hand(clean, 0.05)
+    assert factor < 0.5  # the bound bites: an unclipped buffer would be far off
+    assert obs.buffer_effect == "clipped"
+    for mine, theirs in zip(obs.gradients, update):
+        torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-7)
+    for name, expected in buffers.items():
+        torch.testing.assert_close(obs.buffers[name], expected, rtol=1e-4, atol=1e-7)
+        assert not torch.allclose(obs.buffers[name], clean.buffers[name])
     for name, b in clean.buffers.items():
         if not b.is_floating_point():
-            assert torch.equal(obs.buffers[name], b)
+            assert torch.equal(obs.buffers[name], b)  # the counts pass unscaled
     revealed, why = upload_statistics(obs)
-    assert revealed is None and "noised" in why
+    assert revealed is None and "clipped" in why
     assert not reveals_batch_statistics(obs)
+
+
+def test_flower_localdp_clips_then_noises_the_uploaded_buffers_as_localdpmod():
+    dp = build_defense("flower-localdp", epsilon=50.0, clipping_norm=0.05)
+    _, _, _, obs = _state_obs(dp)
+    _, _, _, clean = _state_obs(None)
+    _, update, buffers = _clipped_by_hand(clean, 0.05)
+    assert obs.buffer_effect == "clipped and noised"
+    residual = torch.cat([(obs.buffers[n] - b).flatten() for n, b in buffers.items()])
+    # every float buffer carries N(0, s^2) around the clipped change, LocalDpMod's s (here 0.097): 32 entries
+    assert residual.abs().min() > 0
+    assert residual.std().item() == pytest.approx(dp.noise_std, rel=0.35)
+    weights = torch.cat([(0.1 * (mine - theirs)).flatten() for mine, theirs in zip(obs.gradients, update)])
+    assert weights.std().item() == pytest.approx(dp.noise_std, rel=0.1)  # the same noise on the weights' step
+    assert not reveals_batch_statistics(obs)
+
+
+def test_a_declared_whole_reply_effect_needs_its_transform():
+    class Half:
+        name, buffer_effect = "half", "clipped"
+
+        def __call__(self, model, inputs, labels, *, loss_fn, generator=None):
+            return clean_gradients(model, inputs, labels, loss_fn)
+
+    with pytest.raises(ConfigError, match="transform_state"):
+        _state_obs(Half())
 
 
 def test_ats_buffers_record_the_transformed_batch_the_client_trained_on():
@@ -72,7 +113,7 @@ def test_the_threat_model_line_follows_the_declared_effect():
                           ("gaussian", build_defense("gaussian")), ("user", silent)]:
         _, _, _, obs = _state_obs(defense)
         lines[name] = buffer_note(obs, obs.defense, "state")
-    assert lines["localdp"]["buffers"].startswith("noised") and "untouched" not in lines["localdp"]["buffers"]
+    assert lines["localdp"]["buffers"].startswith("clipped and noised") and "untouched" not in lines["localdp"]["buffers"]
     assert lines["localdp"]["buffers_reveal"].startswith("nothing")
     assert lines["ats"]["buffers"].startswith("transformed")
     assert lines["gaussian"]["buffers"].startswith("untouched")
@@ -88,7 +129,8 @@ def test_a_declared_effect_outside_the_vocabulary_is_a_one_line_error():
 
     with pytest.raises(ConfigError, match="untouched"):
         buffer_effect(Odd())
-    assert set(BUFFER_EFFECTS.names()) == {"untouched", "noised", "transformed", "dropped", "not declared"}
+    assert set(BUFFER_EFFECTS.names()) == {"untouched", "noised", "transformed", "dropped", "clipped",
+                                           "clipped and noised", "not declared"}
 
 
 def test_one_predicate_no_statistics_where_the_buffers_equal_the_global_models():

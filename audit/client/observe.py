@@ -122,6 +122,12 @@ def client_round(model: nn.Module, images: Tensor, labels: Tensor, defense, trai
     params = trainable_parameters(model)
     effect = buffer_effect(defense)
     before = state_buffers(model)
+    whole = effect.on_state and training.shares == "state"  # the defense acts on the reply, not on each step
+    if whole and not callable(getattr(defense, "transform_state", None)):
+        raise ConfigError(f"defense {getattr(defense, 'name', defense)!r} declares buffer_effect {effect.name!r} but "
+                          "has no transform_state(update, buffers, before, lr=, generator=): add it, or declare "
+                          "another effect")
+    per_step = None if whole else defense
 
     def step_grads(p, xb, yb, k):
         with torch.no_grad():  # the client's model at theta_k
@@ -129,12 +135,12 @@ def client_round(model: nn.Module, images: Tensor, labels: Tensor, defense, trai
                 q.copy_(value)
         start = None if generator is None else generator.get_state()
         with preserved_buffers(model):
-            if defense is None:
+            if per_step is None:
                 loss = loss_fn(model(xb), yb)
                 grads = torch.autograd.grad(loss, params, allow_unused=True)
                 grads = [torch.zeros_like(q) if g is None else g for q, g in zip(params, grads)]
             else:
-                grads = call_defense(defense, model, xb, yb, loss_fn=loss_fn, generator=generator, round=round)
+                grads = call_defense(per_step, model, xb, yb, loss_fn=loss_fn, generator=generator, round=round)
         if training.mode == "train":  # the training loop's forward pass: the buffers move once per step
             with torch.no_grad():
                 model(effect.records(defense, xb, _restarted(generator, start)))
@@ -146,7 +152,10 @@ def client_round(model: nn.Module, images: Tensor, labels: Tensor, defense, trai
     with torch.no_grad():  # the model ends at theta_K, as the client's training leaves it
         for q, t0, u in zip(params, theta0.values(), update):
             q.copy_(t0 - training.lr * u)
-    return ClientRound(update, effect.uploads(defense, state_buffers(model), before, generator), effect.name)
+    trained = state_buffers(model)
+    if whole:  # the reply as the defense sends it: the update and the buffers transformed together
+        update, trained = defense.transform_state(update, trained, before, lr=training.lr, generator=generator)
+    return ClientRound(update, effect.uploads(defense, trained, before, generator), effect.name)
 
 
 def _restarted(generator: Optional[torch.Generator], state) -> Optional[torch.Generator]:

@@ -118,13 +118,17 @@ class BufferEffect:
     training loop's forward pass records (``generator`` at the state the defense's call began
     with); ``uploads(defense, trained, before, generator)`` the buffers sent (``trained``: the
     client's after training, ``before``: the global model's); ``reveals``: whether the upload's
-    statistics are the attack's to use (:func:`upload_statistics`)."""
+    statistics are the attack's to use (:func:`upload_statistics`); ``on_state``: the defense
+    transforms the whole reply, weights' update and buffers together, by its
+    ``transform_state(update, buffers, before, lr=, generator=)`` (as Flower's mods do), instead
+    of each local step's gradient, where the client shares its state."""
 
     name: str
     text: str
     records: Callable[[Any, Tensor, Optional[torch.Generator]], Tensor]
     uploads: Callable[[Any, Dict[str, Tensor], Dict[str, Tensor], Optional[torch.Generator]], Dict[str, Tensor]]
     reveals: bool = True
+    on_state: bool = False
 
 
 BUFFER_EFFECTS = Registry("buffer effect")
@@ -165,6 +169,13 @@ for _effect in (
     BufferEffect("noised", "the defense adds Gaussian noise to every uploaded buffer (std buffer_noise_std); the "
                            "attacks do not model that noise and leave the buffers' statistics unused",
                  _private, _noised, reveals=False),
+    BufferEffect("clipped", "the defense clips the client's whole update, the buffers' change with the weights' "
+                            "(one norm over both): the uploaded buffers' change is scaled by a factor the attacker "
+                            "does not know, so their statistics are not used", _private, _trained, reveals=False,
+                 on_state=True),
+    BufferEffect("clipped and noised", "the defense clips the client's whole update, the buffers' change with the "
+                                       "weights', and adds Gaussian noise to every array it uploads: the buffers' "
+                                       "statistics are not used", _private, _trained, reveals=False, on_state=True),
     BufferEffect("dropped", "the defense uploads the global model's buffers: they carry no batch statistics",
                  _private, _dropped, reveals=False),
     BufferEffect(NOT_DECLARED, "the defense does not declare what it does to the buffers (buffer_effect): the "

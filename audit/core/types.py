@@ -121,7 +121,9 @@ class Defense:
       authors' code, one sentence each (data only; the report of an audit prints them).
     * ``buffer_effect`` -- what it does to the BatchNorm buffers a client uploads with its
       state (:data:`audit.core.buffers.BUFFER_EFFECTS`; unset: "not declared"), with
-      ``buffer_inputs(inputs, generator)`` for "transformed", ``buffer_noise_std`` for "noised".
+      ``buffer_inputs(inputs, generator)`` for "transformed", ``buffer_noise_std`` for "noised",
+      ``transform_state(update, buffers, before, lr=, generator=)`` for "clipped" and "clipped and
+      noised" (a transform of the whole reply, as Flower's mods clip every array together).
 
     A defense whose ``__call__`` takes a ``round`` keyword gets the FL round index (the
     training step) from the client simulation; ``accepts_round`` says whether it does.
@@ -226,7 +228,7 @@ class FunctionDefense(Defense):
         self.differences = tuple(getattr(fn, "differences", ()))
         # what it declares it does to the uploaded buffers (None: not declared)
         self.buffer_effect = getattr(fn, "buffer_effect", None)
-        for key in ("buffer_inputs", "buffer_noise_std"):
+        for key in ("buffer_inputs", "buffer_noise_std", "transform_state"):
             if hasattr(fn, key):
                 setattr(self, key, getattr(fn, key))
 

@@ -99,16 +99,6 @@ def replay(model, images: Tensor, labels: Tensor, *, defense, training: ClientTr
                                  if n.startswith(audited_prefix(client))}, {})
 
 
-def clip_whole(before: NamedArrays, after: NamedArrays, clipping_norm: float) -> NamedArrays:
-    """Flower's clipping of the update over every array the reply holds (weights and buffers)."""
-    keys = list(after.weights) + list(after.buffers)
-    start, end = before.state(), after.state()
-    norm = float(_flat([(end[k].double() - start[k].double()) for k in keys]).norm())
-    scale = min(1.0, clipping_norm / norm) if norm > 0 else 1.0
-    moved = {k: (start[k].double() + (end[k].double() - start[k].double()) * scale).to(end[k].dtype) for k in keys}
-    return NamedArrays({k: moved[k] for k in after.weights}, {k: moved[k] for k in after.buffers}, {})
-
-
 def compare(before: NamedArrays, real: NamedArrays, replayed: NamedArrays, noise_std: float = 0.0) -> Fidelity:
     """The real reply against the replayed training, from the global state ``before``."""
     out = Fidelity()

@@ -22,7 +22,7 @@ import torch
 
 from audit.core.data import Dataset
 from audit.engine.settings import ModelSettings
-from audit.integrations.flower.fidelity import (NOT_REPRODUCED, Fidelity, clip_whole, compare, replay,
+from audit.integrations.flower.fidelity import (NOT_REPRODUCED, Fidelity, compare, replay,
                                                 tolerance_text, unverifiable)
 from audit.integrations.flower.job import (FINISHED, JOB, NOT_JUDGED, STATE, RoundJob, load_job, one_line,
                                            read_status, write_status)
@@ -91,13 +91,13 @@ def fidelity(audit: ReplyAudit, job: RoundJob) -> Fidelity:
     before = named_arrays(job.global_arrays, net, "the train message")
     real = named_arrays(job.reply, net, "the reply")
     x, y = job.trained
-    replayed = replay(audit.model, x.to(audit.device), y.to(audit.device), defense=None if whole else defense,
-                      training=fl.client, round=job.round, seed=audit.defense_seed(job.round, 0))
+    # a Flower mod is replayed without its noise (its clipping of the whole reply included): the residual is the noise
+    replayed = replay(audit.model, x.to(audit.device), y.to(audit.device),
+                      defense=defense.without_noise() if whole else defense, training=fl.client, round=job.round,
+                      seed=audit.defense_seed(job.round, 0))
     replayed = NamedArrays({n: v.cpu() for n, v in replayed.weights.items()},
                            {n: v.cpu() for n, v in replayed.buffers.items() if n in real.buffers and n in before.buffers},
                            {})
-    if whole:
-        replayed = clip_whole(before, replayed, defense.clipping_norm)
     noise = float(getattr(defense, "noise_std", 0.0)) if whole else 0.0
     return compare(before, real, replayed, noise)
 
