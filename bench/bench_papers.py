@@ -16,30 +16,13 @@ Profiles (``--profile``): ``cpu`` (default) runs what a CPU reaches at the paper
 settings, in slices that each fit one GPU call (below); ``quick`` (2 images, tiny budgets,
 never writes docs) checks the plumbing.
 
-Results persist in the repository: every finished cell is written to
-``bench/papers_results/<profile>-<data>/<row>.json`` with the key of the audit call that
-made it (every setting that changes a number); the page renders from these files, a rerun
-skips the cells whose key is stored, and a changed row setting reruns only that row's cells.
+Every finished cell is kept in ``bench/papers_results/<profile>-<data>/<row>.json`` with the
+key of the audit call that made it: the page renders from these files, a rerun skips stored
+keys, and a changed row setting reruns only that row's cells.
 A cell runs in slices (:func:`cell_slices`) whose results stay in ``<row>.partial/`` until it
 finishes, so it resumes from a fresh clone. ``--render`` writes the page from the stored cells.
 
-A lent GPU call (at most 9 minutes; only what it writes under ``$OUT`` comes back) runs the gpu
-profile's slices (:func:`gpu_slices`: a step and as many images as fit
-:data:`GPU_SLICE_MINUTES` at :data:`GPU_MS`) in order, starting each only while its planned
-minutes fit what is left of ``--call-minutes``; each finished slice's results are in
-``--results`` before the next starts, and a kept slice is never run again. ``--plan`` lists
-the slices left, their minutes and the calls they need. Seed ``$OUT`` with the committed
-results and run (the machine needs the LPIPS weights, ``make weights``)::
-
-    mkdir -p $OUT/papers-gpu && cp -r bench/papers_results/gpu-embedded $OUT/papers-gpu/ 2>/dev/null; python bench/bench_papers.py --profile gpu --call-minutes 8 --results $OUT/papers-gpu
-
-then replace the committed folder by what came back (``R``: where ``$OUT``'s files landed)
-and commit it::
-
-    rm -rf bench/papers_results/gpu-embedded && cp -r R/papers-gpu/gpu-embedded bench/papers_results/
-    git add bench/papers_results/gpu-embedded && git commit -m "papers bench: gpu slices"
-
-``python bench/bench_papers.py --profile gpu --render --docs papers-gpu`` then writes the page.
+A lent GPU call runs the gpu profile slice by slice: :data:`GPU_CALL` (also ``--help``).
 """
 from __future__ import annotations
 
@@ -1833,13 +1816,31 @@ def require_lpips() -> None:
                          "similarity")
 
 
-#: how the module docstring's paragraph on a lent GPU call begins
-GPU_CALL_HEAD = "A lent GPU call"
+#: how a lent GPU call runs the gpu profile, with its command (``--help`` prints it)
+GPU_CALL = """\
+A lent GPU call (at most 9 minutes; only what it writes under ``$OUT`` comes back) runs the gpu
+profile's slices (:func:`gpu_slices`: a step and as many images as fit
+:data:`GPU_SLICE_MINUTES` at :data:`GPU_MS`) in order, starting each only while its planned
+minutes fit what is left of ``--call-minutes``; each finished slice's results are in
+``--results`` before the next starts, and a kept slice is never run again. ``--plan`` lists
+the slices left, their minutes and the calls they need. Seed ``$OUT`` with the committed
+results and run (the machine needs the LPIPS weights, ``make weights``)::
+
+    mkdir -p $OUT/papers-gpu && cp -r bench/papers_results/gpu-embedded $OUT/papers-gpu/ 2>/dev/null; python bench/bench_papers.py --profile gpu --call-minutes 8 --results $OUT/papers-gpu
+
+then replace the committed folder by what came back (``R``: where ``$OUT``'s files landed)
+and commit it::
+
+    rm -rf bench/papers_results/gpu-embedded && cp -r R/papers-gpu/gpu-embedded bench/papers_results/
+    git add bench/papers_results/gpu-embedded && git commit -m "papers bench: gpu slices"
+
+``python bench/bench_papers.py --profile gpu --render --docs papers-gpu`` then writes the page.
+"""
 
 
 def gpu_call_help() -> str:
-    """The module docstring's paragraph on a lent GPU call, with its command, for ``--help``."""
-    return __doc__[__doc__.index(GPU_CALL_HEAD):].strip()
+    """:data:`GPU_CALL`, for ``--help``."""
+    return GPU_CALL.strip()
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
