@@ -289,7 +289,7 @@ def main(argv=None) -> dict:
     p.add_argument("--gpu-turn", action="store_true", help="on cuda: the default audit on CUDA and CPU, a sweep, the "
                                                            "CUDA tests, the floor table, the kernel counts and the "
                                                            "paper-scale audit, into one Markdown file")
-    p.add_argument("--gpu-turn-section", choices=[n for n in gpu_turn.SECTIONS if n != "tests"], default=None,
+    p.add_argument("--gpu-turn-section", choices=[n for n in gpu_turn.SECTIONS if n not in ("tests", gpu_turn.REPEATED)], default=None,
                    help="one section of --gpu-turn (on its device), its result printed (the turn runs each in its "
                         "own process)")
     p.add_argument("--gpu-turn-out", default="docs/gpu-turn.md", help="the --gpu-turn file (from the project root)")

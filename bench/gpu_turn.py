@@ -1,6 +1,7 @@
 """What a lent GPU should measure, in one command (``bench_throughput.py --device cuda --gpu-turn``)
 and one Markdown file: the default audit on CUDA and on the same machine's CPU, a two-defense
-sweep, the CUDA tests, the floor table, the kernel counts and the paper-scale audit.
+sweep, the CUDA tests, the floor table, the kernel counts and the paper-scale audit; then, in
+every turn with time left, more slices of the papers' gpu profile (:func:`papers_slices`).
 
 Each section (:data:`SECTIONS`) runs in a process of its own and is kept in a folder as soon as it
 finishes; a later turn with that folder runs only the rest. A section starts only while its
@@ -9,6 +10,8 @@ from ``$OUT`` only, keep the folder there, seeded with the committed one, and co
 
     mkdir -p $OUT/gpu-turn && cp bench/results/gpu-turn/*.json $OUT/gpu-turn/ 2>/dev/null; python \
       bench/bench_throughput.py --device cuda --gpu-turn --gpu-turn-dir $OUT/gpu-turn --gpu-turn-out $OUT/gpu-turn.md
+
+and copy ``gpu-turn/papers-gpu/gpu-embedded`` back over ``bench/papers_results/gpu-embedded``.
 
 The default audit: ``make demo``'s (every default, 4 images) on CUDA and on the CPU with 2 threads
 (wall-time ratio, verdicts compared); the 8-image default on CUDA only, as on 2 cores the 4-image
@@ -24,6 +27,7 @@ import dataclasses
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -80,7 +84,14 @@ SECTIONS: Dict[str, Section] = {
     "floor": Section("IG throughput beside its floor", 80),
     "ops": Section("Kernels per iteration", 30),
     "paper": Section("The paper-scale audit", 180),
+    "papers": Section("The papers' GPU rows, slice by slice", 150),
 }
+#: the section that is never finished: each turn with time left runs more of the papers' gpu
+#: profile (bench_papers.py's slices), kept in the turn's folder under PAPERS_DIR
+REPEATED = "papers"
+PAPERS_DIR = "papers-gpu"
+#: seconds a turn keeps for the papers bench's own start and its last write
+PAPERS_MARGIN_S = 45
 #: the pair of sections whose wall times and verdicts the page compares
 COMPARED = ("audit-cuda", "audit-cpu")
 
@@ -293,6 +304,26 @@ def in_this_process(name: str, device: torch.device, timeout: float = SECTION_TI
     return body, data, True
 
 
+def papers_slices(folder: Path, seconds: float) -> Result:
+    """The papers' gpu profile for ``seconds`` (``bench_papers.py --call-minutes``), its results
+    in ``folder / PAPERS_DIR``, seeded from the committed ones the first time: every slice it
+    finishes is kept there, and a later turn goes on from it. Copy that folder's
+    ``gpu-embedded`` back into ``bench/papers_results/`` and commit it."""
+    results = folder / PAPERS_DIR
+    committed = ROOT / "bench" / "papers_results" / "gpu-embedded"
+    if not (results / "gpu-embedded").exists() and committed.is_dir():
+        shutil.copytree(committed, results / "gpu-embedded")
+    minutes = max(0.0, seconds - PAPERS_MARGIN_S) / 60
+    command = [sys.executable, str(ROOT / "bench" / "bench_papers.py"), "--profile", "gpu",
+               "--call-minutes", f"{minutes:.1f}", "--results", str(results)]
+    stdout, stderr, code = _run(command, seconds)
+    lines = [line for line in stdout.splitlines() if "slices run in" in line or " left, ~" in line]
+    if code != 0:
+        tail = "\n".join((stderr or stdout).strip().splitlines()[-20:])
+        return f"failed (exit {code}; its finished slices are kept):\n\n```\n{tail}\n```", {}, False
+    return ("; ".join(lines[-1:]) or "no slice left") + f" (results: {results})", {"minutes": minutes}, True
+
+
 def _section(name: str, device: torch.device, timeout: float, spawn: Callable[..., Result]) -> Result:
     if name == "tests":
         body, ok = cuda_tests(timeout)
@@ -303,7 +334,7 @@ def _section(name: str, device: torch.device, timeout: float, spawn: Callable[..
 def kept(folder: Path) -> Dict[str, Dict[str, Any]]:
     """The section results stored in ``folder`` (a section that ran to its end), by name."""
     out = {}
-    for name in SECTIONS:
+    for name in (n for n in SECTIONS if n != REPEATED):
         path = folder / f"{name}.json"
         if path.is_file():
             out[name] = json.loads(path.read_text())
@@ -359,10 +390,13 @@ def run(device: torch.device, out: Path, folder: Path, budget_s: float = TURN_BU
                              f"{budget_s:.0f} s were left; the next turn with the same folder runs it")
             continue
         began = time.perf_counter()
-        body, data, ok = _section(name, device, min(SECTION_TIMEOUT_S, left), spawn)
+        if name == REPEATED:  # every turn with time left moves the papers' profile on
+            body, data, ok = papers_slices(folder, left)
+        else:
+            body, data, ok = _section(name, device, min(SECTION_TIMEOUT_S, left), spawn)
         results[name] = {"title": section.title, "body": body, "data": data, "ok": ok,
                          "seconds": round(time.perf_counter() - began, 1)}
-        if ok:
+        if ok and name != REPEATED:
             _keep(folder, name, results[name])
         print(f"## {section.title}\n\n{body}", flush=True)
         out.write_text(page(device, results, waiting))  # a turn cut short keeps its finished sections

@@ -22,7 +22,8 @@ def test_a_failing_section_reports_its_exit_code_and_reason():
     assert "need --device cuda on a machine with a CUDA GPU" in body, body
 
 
-@pytest.mark.parametrize("name", [n for n, s in gpu_turn.SECTIONS.items() if n != "tests" and s.device == "cuda"])
+@pytest.mark.parametrize("name", [n for n, s in gpu_turn.SECTIONS.items()
+                                  if n not in ("tests", gpu_turn.REPEATED) and s.device == "cuda"])
 def test_the_cli_knows_every_section_the_turn_spawns(name, capsys):
     import bench_throughput
 
@@ -128,3 +129,33 @@ def test_the_sweeps_second_pass_reuses_every_program_and_gives_the_same_verdicts
     assert first["programs"]["built"] > 0 and second["programs"] == {"built": 0, "reused": first["programs"]["built"]}
     assert set(first["verdicts"]) >= set(gpu_turn.SWEEP_GRID) and first["verdicts"] == second["verdicts"]
     assert "Verdicts of the two passes: identical." in body
+
+
+def test_every_turn_with_time_left_runs_more_papers_slices_from_its_own_folder(tmp_path, monkeypatch):
+    """The papers section is never kept as finished: each turn whose other sections are kept
+    gives the papers bench what is left of its budget, results in the turn's folder (seeded from
+    the committed ones)."""
+    commands = []
+    printed = "row 1/1 x\n2 slices run in 6.5 of 7.2 minutes; 3 left, ~20 planned minutes in 3 9-minute calls\n"
+    monkeypatch.setattr(gpu_turn, "_run", lambda command, timeout: commands.append((command, timeout)) or
+                        (printed, "", 0))
+    folder = tmp_path / "turn"
+    folder.mkdir()
+    for name in gpu_turn.SECTIONS:
+        if name != gpu_turn.REPEATED:
+            (folder / f"{name}.json").write_text(json.dumps({"title": name, "body": "kept", "data": {}, "ok": False,
+                                                            "seconds": 1.0}))
+    committed = tmp_path / "repo" / "bench" / "papers_results" / "gpu-embedded"
+    committed.mkdir(parents=True)
+    (committed / "row.json").write_text("{}")
+    monkeypatch.setattr(gpu_turn, "ROOT", tmp_path / "repo")
+    for _ in range(2):
+        page = gpu_turn.run(torch.device("cpu"), tmp_path / "turn.md", folder, budget_s=480).read_text()
+    assert len(commands) == 2, "the papers section must run in every turn"
+    command, timeout = commands[-1]
+    minutes = float(command[command.index("--call-minutes") + 1])
+    assert 7.0 <= minutes <= (480 - gpu_turn.PAPERS_MARGIN_S) / 60 and timeout <= 480
+    assert command[command.index("--results") + 1] == str(folder / gpu_turn.PAPERS_DIR)
+    assert (folder / gpu_turn.PAPERS_DIR / "gpu-embedded" / "row.json").is_file()  # seeded from the committed ones
+    assert not (folder / "papers.json").exists()
+    assert "2 slices run in 6.5 of 7.2 minutes; 3 left" in page
