@@ -1238,11 +1238,13 @@ def run_row(row: Row, profile: Profile, data: str, data_args: Dict[str, Any], ou
 
 def cells_to_run(stored: Dict[str, Any], plans: Sequence[CellPlan], retry: bool = False) -> List[CellPlan]:
     """The planned cells not stored under their current key, or stored with only their claim's
-    steps, with an attack default since changed, or (``retry``) with missing evidence."""
+    steps, with an attack default since changed, or (``retry``) with missing evidence or no
+    positive control beside their attacks' evidence."""
     todo = []
     for plan in plans:
         old = (stored.get("cells") or {}).get(plan.name) or {}
-        redo = retry and (old.get("evidence") or {}).get("missing")
+        evidence = old.get("evidence") or {}
+        redo = retry and (evidence.get("missing") or (evidence.get("steps") and not evidence.get("control")))
         if old.get("key") == plan.key and "claim_evidence" not in old and not redo and not stale_attacks(old):
             continue
         todo.append(plan)
@@ -1858,7 +1860,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                              f"(default {GPU_CALL_MINUTES:g}: one lent call; 8 in the one-call command below)")
     parser.add_argument("--out", default=str(ROOT / "bench-out" / "papers"), help="the engine's result stores")
     parser.add_argument("--results", default=None, help=f"the persisted cells (default {RESULTS})")
-    parser.add_argument("--retry", action="store_true", help="rerun stored cells with missing evidence")
+    parser.add_argument("--retry", action="store_true",
+                        help="rerun stored cells with missing evidence or no positive control")
     parser.add_argument("--tiny", action="store_true", help="with --profile gpu: its rows and width-64 models at the "
                         "quick check's budgets (2 images, 4 evaluations), results under --out, never the page")
     parser.add_argument("--render", action="store_true", help="write the page from stored results; run nothing")

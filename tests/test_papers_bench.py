@@ -1084,3 +1084,19 @@ def test_the_one_call_command_fits_a_remote_command_and_is_in_the_help(capsys):
     with pytest.raises(SystemExit):
         bp.main(["--help"])
     assert command in capsys.readouterr().out
+
+
+def test_retry_reruns_a_stored_cell_that_has_no_positive_control():
+    """A cell stored under its current key is skipped, unless ``--retry`` and its evidence has
+    steps but no control (the verdict cannot say "protects" without one)."""
+    from types import SimpleNamespace
+
+    plan = SimpleNamespace(name="planner", key="k1")
+    cell = {"key": "k1", "fingerprints": {}, "call": {}, "evidence": {"steps": [0], "missing": [], "control": None}}
+    stored = {"cells": {"planner": cell}}
+    assert bp.cells_to_run(stored, [plan]) == []
+    assert bp.cells_to_run(stored, [plan], retry=True) == [plan]
+    cell["evidence"]["control"] = {"0": {"recovered": 3, "images": 8}}
+    assert bp.cells_to_run(stored, [plan], retry=True) == []
+    utility = {"key": "k1", "fingerprints": {}, "call": {}, "evidence": {}}
+    assert bp.cells_to_run({"cells": {"planner": utility}}, [plan], retry=True) == []
