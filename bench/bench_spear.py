@@ -137,7 +137,7 @@ def main(argv=None) -> None:
     if args.audits is not None:
         batch = int(args.batches.split(",")[0])
         lines = [f"| defense (mlp, batch {batch}, step 0) | verdict | recovered (95% CI) | marked exact | "
-                 "SPEAR's images >= 50 dB, mean PSNR (dB) | wall (s, 0: resumed) |", "|---|---|---|---|---|---|"]
+                 "SPEAR's images >= 50 dB, mean PSNR (dB) | wall of this run (s; a stored audit is only read) |", "|---|---|---|---|---|---|"]
         for r in audits([float(v) for v in args.audits.split(",")], batch, args.seed):
             what = "none" if r["sigma"] == 0 else f"gaussian sigma {r['sigma']:g}"
             lines.append(f"| {what} | {r['verdict']} | {r['recovered']} | {r['exact']} | {r['spear']} | "
