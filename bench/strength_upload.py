@@ -479,8 +479,8 @@ def shared_form_audits(args, log) -> str:
                 client_mode="train")
     runs = [(args.audit_defense, form, settings) for form, settings in SHARED_FORMS.items()]
     runs.append(("decoy", "state", SHARED_FORMS["state"]))
-    lines = ["| defense | client shares | verdict | recovered (95% CI) | strongest attack: worst-case PSNR dB | "
-             "bn-upload | attack s |", "|---|---|---|---|---|---|---|"]
+    lines = ["| defense | client shares | verdict | recovered (95% CI) | without the defense (positive control) | "
+             "strongest attack: worst-case PSNR dB | bn-upload | attack s |", "|---|---|---|---|---|---|---|---|"]
     for defense, form, settings in runs:
         out = RESULTS.parent / "upload-audits" / f"{defense}-{form}"
         audit.run(defense=defense, out=out, **base, **settings)
@@ -489,14 +489,14 @@ def shared_form_audits(args, log) -> str:
         seconds = sum(float(r.get("time_s") or 0) for r in data.get("results", []))
         log(f"{defense} / {form}: {data['verdict']['label']}")
         side = (data.get("plan") or {}).get("side_information", {}).get("bn-upload", "")
-        lines.append(f"| {defense} | {form} | {data['verdict']['label']} | {_recovered(step)} | {_worst(step)} | "
-                     f"{side.split(':')[0]} | {seconds:.0f} |")
+        lines.append(f"| {defense} | {form} | {data['verdict']['label']} | {_recovered(step)} | "
+                     f"{_recovered(step.get('control') or {})} | {_worst(step)} | {side.split(':')[0]} | {seconds:.0f} |")
     return "\n".join(lines)
 
 
 def _recovered(step: Dict[str, Any]) -> str:
-    verdict = step.get("verdict") or {}
-    rate = verdict.get("recovery_rate") or {}
+    """``k of n (low-high%)`` of a step's verdict (or of its control, which carries the rate itself)."""
+    rate = (step.get("verdict") or {}).get("recovery_rate") or step.get("recovery_rate") or {}
     if not rate:
         return "-"
     return f"{rate['k']} of {rate['n']} ({100 * rate['low']:.0f}-{100 * rate['high']:.0f}%)"
