@@ -283,18 +283,30 @@ def test_the_step_verdict_line_says_whether_the_buffers_carried_the_attacks():
     assert "7 recovered" in verdict_text(verdict) and "the buffers' statistics used" in verdict_text(verdict)
 
 
-def test_run_hands_every_setting_by_name_to_the_one_builder():
-    """``audit.run`` and the builder of its settings objects take the same names with the same
-    defaults, and a run's observation carries the client's training record built from them."""
+def test_run_hands_every_setting_by_name_to_the_one_builder(monkeypatch):
+    """``audit.run`` passes its settings whole to the one builder of the settings objects (its
+    signature is that builder's), the client's training record is built there from them, and an
+    unknown setting is a one-line error naming the valid ones."""
     import inspect
 
-    from audit.engine.audit import run, settings_objects
+    from audit.engine import audit as engine
 
-    ran = {k: p.default for k, p in inspect.signature(run).parameters.items() if k not in ("defense", "defense_args")}
-    built = {k: p.default for k, p in inspect.signature(settings_objects).parameters.items()}
-    assert ran == built
-    fl = settings_objects(local_optimizer="sgd:momentum=0.9", local_steps=3, local_lr=0.05,
-                          local_batch_size=2, shares="state")["fl_settings"]
-    assert (fl.client.optimizer.momentum, fl.client.steps, fl.client.lr, fl.client.batch_size, fl.client.shares) == \
+    seen = {}
+
+    class Stub:
+        def __init__(self, defense, defense_args=None, **objects):
+            seen.update(objects, defense=defense, defense_args=defense_args)
+
+        def run(self):
+            return "report"
+
+    monkeypatch.setattr(engine, "Audit", Stub)
+    assert list(inspect.signature(engine.run).parameters)[2:] == list(inspect.signature(engine.settings_objects).parameters)
+    assert engine.run("gaussian", defense_args={"sigma": 0.1}, local_optimizer="sgd:momentum=0.9", local_steps=3,
+                      local_lr=0.05, local_batch_size=2, shares="state") == "report"
+    client = seen["fl_settings"].client
+    assert (seen["defense"], seen["defense_args"]) == ("gaussian", {"sigma": 0.1})
+    assert (client.optimizer.momentum, client.steps, client.lr, client.batch_size, client.shares) == \
         (0.9, 3, 0.05, 2, "state")
-    assert "sgd:momentum=0.9" not in repr(fl.client.optimizer)  # parsed once into the record, not kept as text
+    with pytest.raises(ConfigError, match="unknown audit setting.*local_step.*valid settings"):
+        engine.run("none", local_step=3)

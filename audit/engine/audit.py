@@ -752,48 +752,7 @@ def _progress(total: int, initial: int, enabled: bool, label: str = "audit"):
 
 
 # --------------------------------------------------------------------------- public entry point
-def run(
-    defense: Any = DEFAULT_DEFENSE,
-    model: Any = "cnn",
-    data: Any = "embedded",
-    steps: Union[str, Sequence[int]] = DEFAULT_STEPS,
-    attacks: Union[str, Sequence[str]] = "auto",
-    images: int = DEFAULT_IMAGES,
-    budget: Union[int, str, None] = None,
-    seed: int = 0,
-    out: Union[str, Path] = "audit-out",
-    *,
-    attack_args: Optional[Dict[str, Dict[str, Any]]] = None,
-    defense_args: Optional[Dict[str, Any]] = None,
-    model_args: Optional[Dict[str, Any]] = None,
-    model_normalize: Any = None,
-    checkpoint: Optional[Union[str, Path]] = None,
-    client_mode: str = "train",
-    data_args: Optional[Dict[str, Any]] = None,
-    image_size: int = 32,
-    batch_size: int = 1,
-    share_labels: bool = False,
-    lr: float = 0.1,
-    train_batch_size: int = 8,
-    clients: int = 1,
-    local_steps: int = 1,
-    local_lr: Optional[float] = None,
-    local_optimizer: Any = "sgd",
-    local_batch_size: Optional[int] = None,
-    local_epochs: Optional[int] = None,
-    shares: Optional[str] = None,
-    server_optimizer: Any = "sgd",
-    utility: bool = True,
-    utility_steps: int = PROTOCOL.rounds,
-    utility_seeds: int = 3,
-    thresholds: Union[LeakRule, Dict[str, Any], str, None] = None,
-    delta: Optional[float] = None,
-    device: Union[str, torch.device] = "cpu",
-    progress: bool = True,
-    defense_timeout: Optional[float] = DEFAULT_DEFENSE_TIMEOUT,
-    retry_errors: bool = True,
-    max_budget: int = DEFAULT_MAX_BUDGET,
-) -> AuditReport:
+def run(defense: Any = DEFAULT_DEFENSE, **settings: Any) -> AuditReport:
     """Audit a defense: how much of the audited client's private data leaks, per training step.
 
     ``defense``: a built-in name (``defense_args`` are its parameters), a ``Defense`` object,
@@ -820,44 +779,7 @@ def run(
     retries stored errors); the report is written there and returned. As objects: :class:`Audit`
     with :mod:`audit.engine.settings`' settings classes.
     """
-    return Audit(defense, defense_args=defense_args, **settings_objects(
-        model=model,
-        data=data,
-        steps=steps,
-        attacks=attacks,
-        images=images,
-        budget=budget,
-        seed=seed,
-        out=out,
-        attack_args=attack_args,
-        model_args=model_args,
-        model_normalize=model_normalize,
-        checkpoint=checkpoint,
-        client_mode=client_mode,
-        data_args=data_args,
-        image_size=image_size,
-        batch_size=batch_size,
-        share_labels=share_labels,
-        lr=lr,
-        train_batch_size=train_batch_size,
-        clients=clients,
-        local_steps=local_steps,
-        local_lr=local_lr,
-        local_optimizer=local_optimizer,
-        local_batch_size=local_batch_size,
-        local_epochs=local_epochs,
-        shares=shares,
-        server_optimizer=server_optimizer,
-        utility=utility,
-        utility_steps=utility_steps,
-        utility_seeds=utility_seeds,
-        thresholds=thresholds,
-        delta=delta,
-        device=device,
-        progress=progress,
-        defense_timeout=defense_timeout,
-        retry_errors=retry_errors,
-        max_budget=max_budget)).run()
+    return Audit(defense, defense_args=settings.pop("defense_args", None), **audit_settings(**settings)).run()
 
 
 def settings_objects(
@@ -900,7 +822,7 @@ def settings_objects(
     retry_errors: bool = True,
     max_budget: int = DEFAULT_MAX_BUDGET,
 ) -> Dict[str, Any]:
-    """:func:`run`'s settings (the same names and defaults) as the keyword objects
+    """:func:`run`'s settings, the one list of their names and defaults, as the keyword objects
     :class:`Audit` and :class:`Sweep` take (``model``, ``seed``, ``device``, ``data_settings``,
     ``fl_settings``, ``attack_settings``, ``output_settings``); the client's training record is
     built once, in :class:`~audit.engine.settings.FLSettings`."""
@@ -925,3 +847,11 @@ def audit_settings(**flat: Any) -> Dict[str, Any]:
     if unknown:
         raise ConfigError(f"unknown audit setting(s) {', '.join(unknown)}; valid settings: {', '.join(valid)}")
     return settings_objects(**flat)
+
+
+#: ``run``'s signature for help() and editors: the defense, then :func:`settings_objects`' settings
+run.__signature__ = inspect.Signature(
+    [inspect.Parameter("defense", inspect.Parameter.POSITIONAL_OR_KEYWORD, default=DEFAULT_DEFENSE),
+     inspect.Parameter("defense_args", inspect.Parameter.KEYWORD_ONLY, default=None)]
+    + list(inspect.signature(settings_objects).parameters.values()),
+    return_annotation=AuditReport)
