@@ -10,7 +10,8 @@ times one IG iteration against a forward + backward; ``--adaptive`` measures ada
 against the same attack on the clean gradient. ``--docs NAME`` writes the table into
 ``docs/strength.md``.
 
-breaching is a bench-only extra (``pip install breaching==0.1.2 --no-deps hydra-core``);
+breaching is a bench-only extra (``pip install breaching==0.1.2 --no-deps hydra-core omegaconf
+antlr4-python3-runtime==4.9.3``);
 when it cannot be imported the bench says so and runs ours alone, at fixed budgets.
 
 Usage (run on purpose, not in CI)::
@@ -142,7 +143,8 @@ def breaching_status() -> Tuple[bool, str]:
         from omegaconf import OmegaConf  # noqa: F401
     except Exception as err:  # noqa: BLE001  (any import failure means: run ours alone)
         return False, (f"breaching cannot be imported ({type(err).__name__}: {err}); "
-                       "pip install breaching==0.1.2 --no-deps hydra-core -- running ours alone")
+                       "pip install breaching==0.1.2 --no-deps hydra-core omegaconf antlr4-python3-runtime==4.9.3 "
+                       "-- running ours alone")
     import importlib.metadata as md
 
     version = md.version("breaching")
