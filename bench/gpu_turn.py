@@ -294,7 +294,13 @@ def in_own_process(name: str, device: torch.device, timeout: float = SECTION_TIM
     if code == 0 and BODY in stdout:
         result = json.loads(stdout.split(BODY, 1)[1].strip())
         return result["body"], result["data"], True
-    return (f"failed (exit {code}):\n\n```\n" + "\n".join(stderr.strip().splitlines()[-30:]) + "\n```"), {}, False
+    return _failed(code, stderr), {}, False
+
+
+def _failed(code: Optional[int], output: str, note: str = "") -> str:
+    """A section's failure: its exit code and the last lines it printed."""
+    tail = "\n".join(output.strip().splitlines()[-30:])
+    return f"failed (exit {code}{note}):\n\n```\n{tail}\n```"
 
 
 def in_this_process(name: str, device: torch.device, timeout: float = SECTION_TIMEOUT_S) -> Result:
@@ -319,8 +325,7 @@ def papers_slices(folder: Path, seconds: float) -> Result:
     stdout, stderr, code = _run(command, seconds)
     lines = [line for line in stdout.splitlines() if "slices run in" in line or " left, ~" in line]
     if code != 0:
-        tail = "\n".join((stderr or stdout).strip().splitlines()[-20:])
-        return f"failed (exit {code}; its finished slices are kept):\n\n```\n{tail}\n```", {}, False
+        return _failed(code, stderr or stdout, "; its finished slices are kept"), {}, False
     return ("; ".join(lines[-1:]) or "no slice left") + f" (results: {results})", {"minutes": minutes}, True
 
 
