@@ -80,19 +80,29 @@ def low_rank_factors(dw: Tensor, rank: int) -> Tuple[Tensor, Tensor, float]:
 
 
 def sample_directions(rows: Tensor, count: int, generator: torch.Generator, zero_tol: float,
-                      min_zeros: int) -> Tuple[Tensor, Tensor]:
+                      min_zeros: int, replace: bool = False, screen: int = 0) -> Tuple[Tensor, Tensor]:
     """``count`` kernel directions of random ``(B-1)``-row subsets of ``rows`` ``(m, B)``, kept
     where the subset's kernel is one-dimensional and ``rows @ q`` has at least ``min_zeros``
     entries within ``zero_tol`` of its largest: ``(directions (k, B) unit, sign-normalised;
-    zero counts (k,))``."""
+    zero counts (k,))``. ``replace``: draw rows independently (cheaper for thousands of rows; a
+    subset that repeats a row has no one-dimensional kernel and is dropped). ``screen``: count
+    zeros on that many random rows first, and on all rows only for directions with more than
+    ``B + 1`` there (a true direction of thousands of rows has tens)."""
     m, b = rows.shape
-    picks = torch.rand(count, m, generator=generator, dtype=rows.dtype, device=rows.device).topk(b - 1, dim=1).indices
+    if replace:
+        picks = torch.randint(0, m, (count, b - 1), generator=generator, device=rows.device)
+    else:
+        picks = torch.rand(count, m, generator=generator, dtype=rows.dtype, device=rows.device).topk(b - 1, dim=1).indices
     subsets = rows[picks]
     # the kernel of [A a] is (-A^-1 a, 1) where A is invertible (otherwise it is not one-dimensional or
     # not of this form; the other (B-1) x (B-1) minors would give it, at (B-1)x the cost, for a rare case)
     head, info = torch.linalg.solve_ex(subsets[..., :-1], -subsets[..., -1:])
     q = torch.cat([head[..., 0], torch.ones(count, 1, dtype=rows.dtype, device=rows.device)], dim=1)
     q = q / q.norm(dim=1, keepdim=True)
+    if screen and m > screen:
+        probe = (rows[torch.randint(0, m, (screen,), generator=generator, device=rows.device)] @ q.T).abs()
+        passed = (info == 0) & ((probe <= zero_tol * probe.amax(0)).sum(0) > b + 1)
+        q, info, subsets = q[passed], info[passed], subsets[passed]
     values = (rows @ q.T).abs()
     zeros = (values <= zero_tol * values.amax(0)).sum(0)
     keep = (info == 0) & torch.isfinite(q).all(1) & (zeros >= min_zeros)
@@ -284,15 +294,18 @@ class Spear:
     ``samples``: most (B-1)-row subsets drawn (None: :func:`default_samples`); ``chunk``: drawn per batched step;
     ``zero_tol``: an entry of ``L q`` counts as zero within this share of its largest;
     ``min_sparsity``: share of ``L``'s rows a kept direction must zero; ``tolerance``: the
-    certificate's relative error. ``budget`` (gradient evaluations) is unused: SPEAR's cost is
-    its samples.
+    certificate's relative error; ``input_samples``: where no selection is certified and the
+    layer's input is features, column subsets drawn from the other side, the zeros of the
+    input (:mod:`attacks.spear_dual`; None: its default, 0: off).
+    ``budget`` (gradient evaluations) is unused: SPEAR's cost is its samples.
     """
 
     name = "spear"
     uses_budget = False  # its cost is its samples: a larger budget gives it nothing
 
     def __init__(self, samples: Optional[int] = None, chunk: int = 4096, zero_tol: float = 1e-5,
-                 min_sparsity: float = 0.0, tolerance: float = CERTIFICATE_TOLERANCE):
+                 min_sparsity: float = 0.0, tolerance: float = CERTIFICATE_TOLERANCE,
+                 input_samples: Optional[int] = None):
         if samples is not None and samples < 1 or chunk < 1:
             raise ConfigError(f"spear: samples and chunk must be >= 1, got {samples} and {chunk}")
         if not 0 < zero_tol < 1 or not 0 <= min_sparsity < 1 or not tolerance > 0:
@@ -300,6 +313,9 @@ class Spear:
                               f"{zero_tol}, {min_sparsity}, {tolerance}")
         self.samples, self.chunk = None if samples is None else int(samples), int(chunk)
         self.zero_tol, self.min_sparsity, self.tolerance = float(zero_tol), float(min_sparsity), float(tolerance)
+        if input_samples is not None and input_samples < 0:
+            raise ConfigError(f"spear: input_samples must be >= 0 (0: off), got {input_samples}")
+        self._input_samples = input_samples
 
     def not_applicable_reason(self, observation: Observation) -> Tuple[Optional[ReluLinear], str]:
         """The layer SPEAR inverts, or why it does not apply to ``observation``."""
@@ -322,6 +338,8 @@ class Spear:
 
     def reconstruct(self, observation: Observation, budget: Optional[int] = None, seed: int = 0,
                     progress: Optional[Callable] = None) -> Reconstruction:
+        from attacks.spear_dual import InputSide, default_input_samples  # it builds on this module
+
         target, why = self.not_applicable_reason(observation)
         if target is None:
             return Reconstruction.not_applicable(why)
@@ -350,6 +368,7 @@ class Spear:
         best = None  # (error, z, labels, label source)
         drawn = attempts = 0
         checked: List[Tuple[Tensor, int]] = []  # selections (and recurring counts) already certified
+        from_input = False
         cap = default_samples(b) if self.samples is None else self.samples
         while drawn < cap:
             count = min(self.chunk, cap - drawn)
@@ -366,16 +385,33 @@ class Spear:
                 continue
             checked.append(state)
             chosen, match = improve(layer, found.q, chosen)
-            directions = found.q[chosen].T
             attempts += 1
-            candidate = self._candidate(observation, target, layers, tail, tail_params, left, right, db, directions,
-                                        seed)
+            candidate = self._candidate(observation, target, layers, tail, tail_params, left, right, db,
+                                        found.q[chosen].T, seed)
             if best is None or candidate[0] < best[0]:
                 best, best_match = candidate, float(match.min())
             if best[0] <= self.tolerance:
                 break
+        input_drawn = 0
+        input_cap = default_input_samples(b) if self._input_samples is None else self._input_samples
+        if input_cap and not target.is_image and (best is None or best[0] > self.tolerance):
+            side = InputSide(right, generator, zero_tol)  # the batch from the zeros of the features
+            while input_drawn < input_cap and (best is None or best[0] > self.tolerance):
+                count = min(4 * self.chunk, input_cap - input_drawn)
+                side.draw(count)
+                input_drawn += count
+                for directions in side.selections(layer) + side.completions(layer):
+                    attempts += 1
+                    candidate = self._candidate(observation, target, layers, tail, tail_params, left, right, db,
+                                                directions, seed)
+                    if best is None or candidate[0] < best[0]:
+                        best = candidate
+                        best_match = float(layer.activity_match(directions[None])[0].min())
+                        from_input = True
+                    if best[0] <= self.tolerance:
+                        break
         trace = {"attack": self.name, "layer": target.name, "layer_input": "image" if target.is_image else "features",
-                 "samples": drawn, "directions_kept": len(found), "selections_checked": attempts,
+                 "samples": drawn, "input_samples": input_drawn, "directions_kept": len(found), "selections_checked": attempts,
                  "seconds": time.perf_counter() - start, "certificate_tolerance": self.tolerance,
                  "noise_floor": floor, "zero_tol": zero_tol}
         if best is None and not target.is_image:
@@ -391,6 +427,7 @@ class Spear:
         error, z, labels, label_source = best
         certified = error <= self.tolerance
         trace.update(certificate_error=error, certified=certified, labels_from=label_source, activity_match=best_match,
+                     from_input_zeros=from_input,
                      note=("the recovered batch reproduces the upload to a relative error of "
                            f"{error:.2e} (tolerance {self.tolerance:g})"))
         if not certified:  # still a reconstruction, scored like any attack's; only "exact" needs the certificate
@@ -432,5 +469,5 @@ class Spear:
                   "(its inputs: the images of an MLP, the features where convolutions come first), certified "
                   "by reproducing the upload")
 def spear(samples: Optional[int] = None, chunk: int = 4096, zero_tol: float = 1e-5, min_sparsity: float = 0.0,
-          tolerance: float = CERTIFICATE_TOLERANCE) -> Spear:
-    return Spear(samples, chunk, zero_tol, min_sparsity, tolerance)
+          tolerance: float = CERTIFICATE_TOLERANCE, input_samples: Optional[int] = None) -> Spear:
+    return Spear(samples, chunk, zero_tol, min_sparsity, tolerance, input_samples)

@@ -44,10 +44,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from audit.engine.utility import PROTOCOL  # noqa: E402
 from bench.docs_table import ROOT, add_docs_option, command_line, without_options, write_table  # noqa: E402
-from bench.papers_verdict import (INCONCLUSIVE, NOT_RUN, CellEvidence, Conclusion,  # noqa: E402
+from bench.papers_verdict import (INCONCLUSIVE, LEVEL, NOT_RUN, CellEvidence, Conclusion,  # noqa: E402
                                   cell_evidence, conclude_chain, conclude_leaks, conclude_order, conclude_protects,
-                                  conclude_steps,
-                                  conclude_utility, control_from_report, identification_text)
+                                  conclude_steps, conclude_utility, control_from_report, identification_text,
+                                  interval_text)
 
 PAPERS = ("CENSOR", "SVDefense", "Bayes framework", "Refiner")
 PROFILES = ("cpu", "gpu", "quick")
@@ -200,17 +200,20 @@ class Row:
 #: Inverting Gradients as the papers run it: plain Adam with step decay, and none of ``ig``'s own
 #: additions (the features read off the output layer): each paper attack built on ``ig`` starts here
 PAPER_IG = {"objective": "cosine", "signed": False, "schedule": "step", "features": 0.0}
-IG_CENSOR = {**PAPER_IG, "tv": 1e-4, "restarts": 4, "lr": 0.1}
-CENSOR_IG = AttackRef("ig", IG_CENSOR, "IG (cosine, TV 1e-4, Adam 0.1, 4 restarts)")
+#: CENSOR's IG "uses Adam on signed gradients" (Sec. V, Attacks Configurations)
+IG_CENSOR = {**PAPER_IG, "signed": True, "tv": 1e-4, "restarts": 4, "lr": 0.1}
+CENSOR_IG = AttackRef("ig", IG_CENSOR, "IG (cosine, TV 1e-4, signed Adam 0.1, 4 restarts)")
 #: SVDefense names IG (cosine, Adam) and gives neither TV weight, learning rate nor iterations:
 #: Inverting Gradients' own settings (cosine, TV 1e-4, Adam 0.1, step decay) stand in for them
 IG_SVD = {**PAPER_IG, "tv": 1e-4, "lr": 0.1}
 SVD_IG = AttackRef("ig", IG_SVD, "IG (cosine, TV 1e-4, Adam 0.1)")
+#: the Bayes rows' attacks start from Gaussian noise, N(0, 1) pixels, as the paper's code does
+BAYES_START = {"init": "randn"}
 BAYES_ATTACKS = (
-    AttackRef("bayes-optimal", {}, "Bayes (the defense's likelihood + TV)"),
-    AttackRef("bayes-l2", {}, "L2 + TV"),
-    AttackRef("bayes-l1", {}, "L1 + TV"),
-    AttackRef("bayes-cos", {}, "cosine + TV"),
+    AttackRef("bayes-optimal", dict(BAYES_START), "Bayes (the defense's likelihood + TV)"),
+    AttackRef("bayes-l2", dict(BAYES_START), "L2 + TV"),
+    AttackRef("bayes-l1", dict(BAYES_START), "L1 + TV"),
+    AttackRef("bayes-cos", dict(BAYES_START), "cosine + TV"),
 )
 REFINER_IG = AttackRef("ig", {**PAPER_IG, "tv": 1e-4, "lr": 0.01},
                        "IG (cosine, TV 1e-4, Adam 0.01)")
@@ -234,8 +237,7 @@ SOTERIA_CONVBIG_WHY = ("not through-defense nor the learned inverter: they call 
                        "pullbacks on ConvBig each, once an image-iteration and for 1,024 training pairs")
 CENSOR_NOTES = ("CENSOR here never shares the clean gradient; the authors' code falls back to it when no "
                 "candidate lowers the loss",)
-CENSOR_IG_NOTE = ("CENSOR's text says its IG \"uses Adam on signed gradients\" (Sec. V); the rows run plain Adam, as "
-                "Inverting Gradients' own code does: changing it would discard every stored CENSOR cell",)
+CENSOR_IG_NOTE = ("IG on signed gradients, as CENSOR's text says (\"uses Adam on signed gradients\", Sec. V)",)
 SVD_NOTES = ("SVDefense's channel weight matrix is read as diag(sqrt(w)) and its threshold as E = 1 - exp(-eta H): "
              "the paper's equations are lost from its text",)
 SVD_IG_NOTE = ("SVDefense gives IG's objective and optimiser (cosine, Adam) but no TV weight, learning rate or "
@@ -392,8 +394,8 @@ ROWS: List[Row] = [
           quote=BAYES_GAUSS_QUOTE if (key, step) == ("gauss", 0) else BAYES_QUOTE,
           paper_psnr=numbers[0], lr=0.01, search=True, planner_budget=200,
           notes=("training through the defense at lr 0.01 (the paper gives none; at 0.1 the noise makes the model "
-                 "diverge before step 500)", "the attacks start from U(0, 1); the authors' code starts from N(0, 1) (authors' code, not the paper's "
-                 "text): changing it would discard every stored Bayes cell"))
+                 "diverge before step 500)", "the attacks start from N(0, 1) pixels (the authors' code; the paper's text says \"randomly "
+                 "initialized\")"))
       for key, label, table_label, defense, args, table in (
           ("gauss", "Gaussian 0.1", "Gaussian", "gaussian", {"sigma": 0.1},
            {0: (21.86, 21.81, 21.49, 21.53), 500: (17.94, 18.64, 18.00, 18.34)}),
@@ -1003,8 +1005,9 @@ def search_key(row: Row, plan: CellPlan, held_out: int) -> str:
     from audit.report.store import settings_key
 
     base = {k: v for k, v in plan.call.items() if k not in ("out", "progress", "attacks", "attack_args")}
+    fixed = {a.name: a.args for a in row.attacks if a.args}  # e.g. the attacks' start
     return settings_key({"call": base, "grid": SEARCH, "lr": SEARCH_LR, "held_out": held_out,
-                         "extend": SEARCH_EXTEND}, 16)
+                         "extend": SEARCH_EXTEND, **({"attacks": fixed} if fixed else {})}, 16)
 
 
 def search_weights(row: Row, plan: CellPlan, held_out: int) -> Dict[str, Any]:
@@ -1034,12 +1037,13 @@ def search_weights(row: Row, plan: CellPlan, held_out: int) -> Dict[str, Any]:
     observations = [auditor.observe(model, x, y, step, 100_000 + i) for i, (x, y) in enumerate(held)]
     table: Dict[str, List[List[float]]] = {}
     chosen: Dict[str, Dict[str, Any]] = {}
+    fixed = {a.name: dict(a.args) for a in row.attacks}  # the row's own settings of each attack
     for name, (knob, values) in SEARCH.items():
         rows: List[List[float]] = []
 
         def measure(value: float) -> None:
             for lr in SEARCH_LR:
-                attack = ATTACKS.build(name, **{knob: value, "lr": lr})
+                attack = ATTACKS.build(name, **{**fixed.get(name, {}), knob: value, "lr": lr})
                 scores = []
                 for i, (obs, (x, _)) in enumerate(zip(observations, held)):
                     rec = reconstruct(attack, obs, call["budget"], 1000 + i, None)
@@ -1611,6 +1615,7 @@ def render_parts(rows: Sequence[Row], profile: Profile, data: str, data_args: Di
         outcomes[view.conclusion.outcome] = outcomes.get(view.conclusion.outcome, 0) + 1
     summary = (f"{len(rows)} rows: **{at} at the paper's setting, {scaled} scaled** (profile `{profile.name}`); "
                + ", ".join(f"{n} {_tally(o, n)}" for o, n in sorted(outcomes.items())))
+    summary += "\n\n" + calibration_note(rows, profile, data, data_args, root, out)
     table = "\n".join([HEADER, *(v.line() for v in views)])
     parts = []
     for paper in PAPERS:
@@ -1621,6 +1626,34 @@ def render_parts(rows: Sequence[Row], profile: Profile, data: str, data_args: Di
     return ("\n\n".join([summary, table, link]),
             "\n\n".join([textwrap.fill(CHANCE_NOTE, 100),
                           textwrap.fill(grid_note(rows, profile, data, data_args, root, out), 100), *parts]))
+
+
+def calibration_note(rows: Sequence[Row], profile: Profile, data: str, data_args: Dict[str, Any], root: Path,
+                     out: Path) -> str:
+    """The two numbers every verdict leans on, pooled over the stored cells: the leak rule's
+    false-positive rate on the cells' own null items, and what the positive control recovers."""
+    from audit.core.evidence import clopper_pearson
+
+    fp = items = with_fp = controlled = recovered = judged = cells = 0
+    for row in rows:
+        for cell in stored_cells(row, profile, data, data_args, root, out)[1].values():
+            if cell is None:
+                continue
+            cells += 1
+            if cell.false_positives:
+                fp, items, with_fp = fp + cell.false_positives[0], items + cell.false_positives[1], with_fp + 1
+            effect = cell.control_effect()
+            if effect is not None:
+                controlled, recovered, judged = controlled + 1, recovered + effect.control_recovered, judged + effect.images
+    lo, hi = clopper_pearson(fp, items, LEVEL) if items else (0.0, 1.0)
+    rule = (f"the leak rule calls {fp} of {items} null items recovered (95% CI {interval_text(lo, hi)}; each "
+            f"unrelated image or data-only guess judged as if it were the reconstruction, leave-one-out), over the "
+            f"{with_fp} of {cells} stored cells that keep it" if items else
+            f"the leak rule's false-positive rate is kept by none of the {cells} stored cells yet (they ran before "
+            "it was stored; docs/evidence.md measures it on the embedded data: 0 of 1,040)")
+    control = (f"the positive control recovers {recovered} of {judged} images without the defense, over the "
+               f"{controlled} cells that store one" if controlled else "no cell stores a positive control yet")
+    return f"**Calibration.** {rule}; {control}."
 
 
 def grid_note(rows: Sequence[Row], profile: Profile, data: str, data_args: Dict[str, Any], root: Path,

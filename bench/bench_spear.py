@@ -54,7 +54,8 @@ def isolation(model_name: str, batch: int, batches: int, seed: int, samples: int
     """Why SPEAR can or cannot separate a batch, from the private batch itself (a diagnosis, not
     an attack): per audit private batch (the audit's own draw), the live rows of the layer's
     ``dZ``, each image's zero rows among them, the images some row subset can isolate (the other
-    images' ``dZ`` on its zero rows has rank ``B - 1``), and what SPEAR then certified."""
+    images' ``dZ`` on its zero rows has rank ``B - 1``), the same on the other side (the layer's
+    input: its zero share per image, the images its zeros isolate), and what SPEAR certified."""
     import torch
 
     from attacks import ATTACKS, observe
@@ -70,7 +71,7 @@ def isolation(model_name: str, batch: int, batches: int, seed: int, samples: int
         obs = observe(model, x, y, client_mode="train")
         layer = relu_linear_layers(obs.model)[0][0].layer
         seen = {}
-        hook = layer.register_forward_hook(lambda _m, _i, out: seen.setdefault("z", out))
+        hook = layer.register_forward_hook(lambda _m, inp, out: seen.update(z=out, x=inp[0].detach()))
         out = obs.model.train()(x)
         seen["z"].retain_grad()
         torch.nn.functional.cross_entropy(out, y).backward()
@@ -81,9 +82,17 @@ def isolation(model_name: str, batch: int, batches: int, seed: int, samples: int
         zero = dz == 0
         isolable = sum(int(torch.linalg.matrix_rank(dz[zero[:, i]][:, [j for j in range(batch) if j != i]]))
                        == batch - 1 for i in range(batch))
+        inputs = seen["x"].double()  # (B, n): the layer's input, its other side
+        inputs = inputs[:, inputs.abs().amax(0) > 0]
+        in_zero = inputs == 0
+        input_isolable = sum(int(torch.linalg.matrix_rank(inputs[[j for j in range(batch) if j != i]][:, in_zero[i]]))
+                             == batch - 1 for i in range(batch))
         trace = ATTACKS.build("spear", samples=samples).reconstruct(obs, None, seed).trace
         rows.append({"batch": k, "labels": len(set(y.tolist())), "live": int(live.sum()),
                      "zeros": f"{int(zero.sum(0).min())}-{int(zero.sum(0).max())}", "isolable": isolable,
+                     "input_zeros": f"{100 * float(in_zero.double().mean(1).min()):.0f}-"
+                                    f"{100 * float(in_zero.double().mean(1).max()):.0f}%",
+                     "input_isolable": input_isolable, "from_input": bool(trace.get("from_input_zeros")),
                      "certified": trace.get("certified", False),
                      "match": f"{trace['activity_match']:.2f}" if "activity_match" in trace else "-"})
     return rows
@@ -147,12 +156,14 @@ def main(argv=None) -> None:
         return
     if args.isolation:
         lines = ["| model | batch | private batch | distinct labels | live rows of dZ | zero rows per image | "
-                 "images a row subset isolates | SPEAR certified | activity match |", "|---|---|---|---|---|---|---|---|---|"]
+                 "images a row subset isolates | the input's zero share per image | images its zeros isolate | "
+                 "SPEAR certified | from the input's zeros | activity match |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for model in args.models.split(","):
             for batch in map(int, args.batches.split(",")):
                 for r in isolation(model, batch, args.isolation, args.seed, args.samples):
                     lines.append(f"| {model} | {batch} | {r['batch']} | {r['labels']} | {r['live']} | {r['zeros']} | "
-                                 f"{r['isolable']} of {batch} | {r['certified']} | {r['match']} |")
+                                 f"{r['isolable']} of {batch} | {r['input_zeros']} | {r['input_isolable']} of {batch} | "
+                                 f"{r['certified']} | {r['from_input']} | {r['match']} |")
                     print(lines[-1], flush=True)
         publish(args, "bench_spear.py", argv, "\n".join(lines))
         return

@@ -71,6 +71,8 @@ class CellEvidence:
     #: the positive control: per image, recovered on the undefended upload (None: not stored)
     control: Optional[Dict[Tuple[int, int, int], bool]] = None
     control_missing: str = ""  # why the stored control cannot be judged ('' where it can)
+    #: the leak rule on the cell's own null items, leave-one-out: [recovered, items] (None: not stored)
+    false_positives: Optional[List[int]] = None
 
     @property
     def complete(self) -> bool:
@@ -111,6 +113,7 @@ class CellEvidence:
         out.per_image_recovered = {k: v for k, v in self.per_image_recovered.items() if k[0] in keep}
         out.control = None if self.control is None else {k: v for k, v in self.control.items() if k[0] in keep}
         out.control_missing = self.control_missing
+        out.false_positives = self.false_positives
         out.images = len(out.per_image_identified)
         out.identified = sum(out.per_image_identified.values())
         out.recovered = sum(out.per_step_recovered.values())
@@ -129,7 +132,7 @@ class CellEvidence:
                 "members": self.members, "null_chance": self.null_chance,
                 "per_image_recovered": _keyed_out(self.per_image_recovered),
                 "control": None if self.control is None else _keyed_out(self.control),
-                "control_missing": self.control_missing}
+                "control_missing": self.control_missing, "false_positives": self.false_positives}
 
     @classmethod
     def from_dict(cls, d: Dict[str, Any]) -> "CellEvidence":
@@ -147,6 +150,7 @@ class CellEvidence:
         out.per_image_recovered = _keyed_in(d.get("per_image_recovered") or {})
         out.control = None if d.get("control") is None else _keyed_in(d["control"])
         out.control_missing = d.get("control_missing") or ""
+        out.false_positives = d.get("false_positives")
         return out
 
     def control_effect(self) -> Optional["ControlEffect"]:
@@ -284,6 +288,9 @@ def cell_evidence(manifest: Dict[str, Any], records: Sequence[Dict[str, Any]], a
         out.per_step_psnr[step] = _mean([e["psnr"] for e in done])
     out.psnr, out.ssim, out.lpips = (_mean(metric[n]) for n in ("psnr", "ssim", "lpips"))
     out.null_chance = _mean(chances)
+    if nulls:
+        found, _ = rule.false_positives(nulls.values())
+        out.false_positives = [found.k, found.n]
     if best_count:
         out.strongest = max(best_count, key=lambda a: (best_count[a], -list(attacks).index(a)))
     return out

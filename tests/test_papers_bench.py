@@ -1100,3 +1100,35 @@ def test_retry_reruns_a_stored_cell_that_has_no_positive_control():
     assert bp.cells_to_run(stored, [plan], retry=True) == []
     utility = {"key": "k1", "fingerprints": {}, "call": {}, "evidence": {}}
     assert bp.cells_to_run({"cells": {"planner": utility}}, [plan], retry=True) == []
+
+
+@pytest.mark.parametrize("lr, why", [(30, "the model diverged"), (300, "non-finite gradients on 2 of 2 images")])
+def test_model_health_reads_a_collapsed_step_off_the_audits_own_training(tmp_path, one_thread, lr, why):
+    """The model as the audit trains it: healthy at step 0; after 3 rounds at a learning rate
+    far too large its logits blow up (lr 30) or its gradients are no longer finite (lr 300), and
+    that step is not judged."""
+    call = {"defense": "none", "defense_args": None, "model": "cnn", "steps": [0, 3], "images": 2, "image_size": 16,
+            "batch_size": 1, "lr": lr, "seed": 0, "out": str(tmp_path), "progress": False}
+    health = bp.model_health(call)
+    assert health["0"]["trained"] and health["0"]["finite"] == 2 and bp.collapsed(health["0"]) == ""
+    assert health["0"]["logit_std"] < bp.DIVERGED_LOGIT_STD
+    assert health["3"]["trained"] and why in bp.collapsed(health["3"])
+
+
+def test_calibration_pools_the_rules_false_positives_and_the_controls_recoveries(monkeypatch, tmp_path):
+    """Above the table: the rule's false positives on the cells' own null items and what the
+    positive control recovers, summed over the stored cells that keep them."""
+    first = pv.CellEvidence(["ig"], [0])
+    first.false_positives = [1, 400]
+    first.per_image_recovered = {(0, 0, 0): False, (0, 1, 0): False}
+    first.control = {(0, 0, 0): True, (0, 1, 0): False}
+    second = pv.CellEvidence(["ig"], [0])
+    second.false_positives = [0, 600]
+    unrun = None
+    monkeypatch.setattr(bp, "stored_cells", lambda row, *a: ({}, {"a": first, "b": second, "c": unrun}, []))
+    note = bp.calibration_note(bp.ROWS[:1], bp.Profile("cpu"), "embedded", {}, tmp_path, tmp_path)
+    assert "calls 1 of 1000 null items recovered" in note and "2 of 2 stored cells" in note
+    assert "recovers 1 of 2 images without the defense, over the 1 cells" in note
+    monkeypatch.setattr(bp, "stored_cells", lambda row, *a: ({}, {"b": pv.CellEvidence(["ig"], [0])}, []))
+    assert "kept by none of the 1 stored cells" in bp.calibration_note(bp.ROWS[:1], bp.Profile("cpu"), "embedded",
+                                                                          {}, tmp_path, tmp_path)

@@ -133,6 +133,10 @@ def test_planner_plans_spear_on_clean_and_gaussian_uploads_not_on_pruned_ones():
     assert "spear" in clean.names() and "rank" in clean.get("spear").reason
     assert "spear" in plan(DEFENSES.build("gaussian")).names()
     assert "spear" not in plan(DEFENSES.build("prune")).names()  # pruning breaks the rank and the zeros
+    behind_convolutions = plan(NoDefense(), build_model("cnn", SHAPE, 6, seed=0), SHAPE, 6)
+    assert "spear-ig" in behind_convolutions.names() and "spear" not in behind_convolutions.names()
+    assert "features" in behind_convolutions.get("spear-ig").reason
+    assert "spear" in plan(NoDefense(), _mlp(), SHAPE, 6).names()
 
 
 def test_leak_rule_labels_exact_only_recovered_images_with_a_certificate():
@@ -176,3 +180,45 @@ def test_cli_attack_names_why_spear_does_not_apply(tmp_path):
     assert result.exit_code == 0
     assert result.output.strip().splitlines()[-1].startswith(
         "spear: not applicable: the model has no biased Linear layer followed by ReLU")
+
+
+def test_one_label_cnn_batch_needs_the_inputs_zeros_and_is_then_certified():
+    """Eight images of one label on an untrained cnn: their dZ columns differ only by their
+    masks, so differences of two images recur like true directions and dZ's zeros alone give
+    no certificate; the features' zeros (the other side) do, and give each image's features."""
+    from audit.core.data import load_dataset
+
+    data = load_dataset("embedded", None, 32)
+    model = build_model("cnn", data.input_shape, data.num_classes, seed=0)
+    x, y = data.test_images[0:8], data.test_labels[0:8]
+    assert len(set(y.tolist())) == 1
+    obs = observe(model, x, y)
+    alone = Spear(input_samples=0).reconstruct(obs, None, 0)
+    assert not alone.trace.get("certified")
+    rec = Spear().reconstruct(obs, None, 0)
+    assert rec.trace["certified"] and rec.trace["from_input_zeros"] and rec.trace["input_samples"] > 0
+    index = next(i for i, layer in enumerate(model) if isinstance(layer, nn.Linear))
+    truth = nn.Sequential(*list(model)[:index])(x).double()
+    distance = torch.cdist(rec.trace["features"].double(), truth)
+    assert sorted(distance.argmin(1).tolist()) == list(range(8))
+    assert float(distance.min(1).values.max()) < 1e-4 * float(truth.norm(dim=1).min())
+
+
+def test_completion_recovers_the_columns_no_input_row_was_found_for():
+    """Four of six rows of Q^-1 known: the two missing columns come from the null space's
+    sparsest dZ columns, the four known images' columns from m zero rows each."""
+    from attacks.spear_dual import complete
+
+    g = torch.Generator().manual_seed(3)
+    b, n, m = 6, 300, 80
+    x = torch.rand(b, n, generator=g, dtype=torch.float64) * (torch.rand(b, n, generator=g) > 0.3)
+    dz = torch.randn(m, b, generator=g, dtype=torch.float64) * (torch.rand(m, b, generator=g) > 0.4)
+    left, right, _ = low_rank_factors(dz @ x, b)
+    p = x @ torch.linalg.pinv(right)  # the true rows of Q^-1 in this factorisation
+    truth = torch.linalg.inv(p)
+    truth = truth / truth.norm(dim=0, keepdim=True)
+    q = complete(p[:4] * torch.tensor([[2.0], [-1.0], [0.5], [3.0]], dtype=torch.float64), left, g, 1e-7)
+    assert q is not None
+    cos = (q.T @ truth).abs()
+    assert bool((cos.max(1).values > 1 - 1e-8).all())
+    assert sorted(cos.argmax(1).tolist()) == list(range(b))

@@ -462,7 +462,16 @@ def _probe(defense, model, input_shape, num_classes, *, seed, batch_size, loss_f
         layers=layers,
         notes=notes,
         rounds_probe=by_round,
+        relu_linear_input=_relu_linear_input(model),
     )
+
+
+def _relu_linear_input(model: nn.Module) -> str:
+    """What enters the model's first biased Linear followed by ReLU (``DefenseTraits.relu_linear_input``)."""
+    from attacks.spear import relu_linear_layers
+
+    found, _ = relu_linear_layers(model)
+    return "" if not found else "image" if found[0].is_image else "features"
 
 
 def _mostly(changed: Sequence[LayerProbe], test: Callable[[LayerProbe], bool], share: float = 0.99) -> bool:

@@ -18,7 +18,7 @@ RULES = Registry("planner rule")
 EOT_SAMPLES = 8
 #: the order attacks are listed in a plan: the most defense-specific first
 ORDER = ("precode-latent", "svd-subspace", "mask-replay", "layer-drop", "censor-invariants", "analytic",
-         "spear", "through-defense", "bayes-l2", "bayes-l1", "bayes-optimal", "learned-inverter")
+         "spear", "spear-ig", "through-defense", "bayes-l2", "bayes-l1", "bayes-optimal", "learned-inverter")
 
 
 @dataclass
@@ -64,6 +64,11 @@ def spear(t: DefenseTraits) -> List[PlannedAttack]:
     why = (f"linear-layer gradients stay exactly rank-structured in {len(t.analytic_layers)} layer(s)"
            if t.analytic_layers else f"additive gaussian noise only (std ~{t.noise_std:.3g}), which SPEAR tolerates up "
                                      "to a level (docs/strength.md (SPEAR))")
+    if t.relu_linear_input == "features":
+        return [PlannedAttack("spear-ig", {}, (
+            f"{why}: the model's first biased Linear followed by ReLU comes after convolutions; SPEAR recovers "
+            "its input, each image's features, exactly (certified by reproducing the upload, FedSGD), and ig "
+            "runs with them as a per-image prior"))]
     return [PlannedAttack("spear", {}, (
         f"{why}: where a biased Linear layer followed by ReLU is in the upload (FedSGD, or FedAvg where its input "
         "is the image), its gradient has rank <= the batch size and ReLU zeros: the whole batch's inputs are "

@@ -74,6 +74,9 @@ class DefenseTraits:
     #: calls at several FL rounds x trained checkpoints: how often the clean gradient (or an
     #: exact multiple) was shared (:func:`adaptive.planner.probe.probe_rounds`)
     rounds_probe: Dict[str, Any] = field(default_factory=dict)
+    #: the input of the model's first biased Linear followed by ReLU: "image" (an MLP), "features"
+    #: (convolutions come first) or "" (none): where SPEAR's recovery lands
+    relu_linear_input: str = ""
 
     @property
     def sometimes_clean(self) -> bool:
