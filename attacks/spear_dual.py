@@ -13,7 +13,7 @@ is that image's row. The columns are drawn with replacement (thousands of them);
 where it zeroes more entries than the drawn ones and the rest share one sign (a ReLU's output
 is non-negative; a difference of two images' features is not), ranked by how often it returns;
 every choice of ``B`` among the most frequent is scored by the ReLU activity it predicts
-(:meth:`attacks.spear.Layer.activity_match`); the best go to SPEAR's scaling and certificate.
+(:meth:`attacks.spear_algebra.Layer.activity_match`); the best go to SPEAR's scaling and certificate.
 Measured: docs/strength.md (SPEAR).
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import List, Optional, Set
 import torch
 from torch import Tensor
 
-from attacks.spear import Candidates, Layer, sample_directions
+from attacks.spear_algebra import Candidates, Layer, sample_directions
 
 #: best-ranked rows beyond the batch size among which every selection is scored
 SPARE = 4
@@ -71,8 +71,8 @@ class InputSide:
 
     def completions(self, layer: Layer) -> List[Tensor]:
         """Where fewer than ``B`` rows are found: ``Q`` completed from the ``k`` best-ranked
-        independent rows ``P_U`` (see :func:`complete`), once per ``k``; [] where ``B - k`` is
-        above :data:`COMPLETE_MISSING`."""
+        independent rows ``P_U`` (see :func:`complete`), once per such set; [] where ``B - k``
+        is above :data:`COMPLETE_MISSING`."""
         chosen: List[int] = []
         for k in range(len(self.found)):
             s = torch.linalg.svdvals(self.found.q[chosen + [k]])
@@ -115,14 +115,14 @@ class InputSide:
 
 
 def _sparsest(rows: Tensor, generator: torch.Generator, zero_tol: float, draws: int = 4096) -> Tensor:
-    """Kernel directions ``(k, d)`` of random ``d - 1``-row subsets of ``rows`` ``(n, d)`` that zero
-    more rows than the drawn ones, the most often found first (all subsets where ``n`` is small)."""
-    n, d = rows.shape
-    found = Candidates(d, 8 * d, rows.dtype, rows.device)
+    """Kernel directions ``(k, d)`` of ``draws`` random ``d - 1``-row subsets of ``rows`` ``(n, d)``
+    that zero more rows than the drawn ones, the most often found first (the one direction
+    where ``d`` is 1)."""
+    d = rows.shape[1]
     if d == 1:
         return torch.ones(1, 1, dtype=rows.dtype, device=rows.device)
-    q, zeros = sample_directions(rows, draws, generator, zero_tol, d + 1)
-    found.add(q, zeros)
+    found = Candidates(d, 8 * d, rows.dtype, rows.device)
+    found.add(*sample_directions(rows, draws, generator, zero_tol, d + 1))
     return found.q
 
 
@@ -132,9 +132,7 @@ def complete(known: Tensor, left: Tensor, generator: torch.Generator, zero_tol: 
     ``N`` of ``P_U`` (``m = B - k`` dimensions); each is the sparsest ``L q`` in it (``m - 1``
     zero rows fix it). Image ``u`` of ``U`` has ``q_u = q_u0 + N c`` with ``P_U q_u0 = e_u``; ``m``
     zero rows of ``dZ_u`` fix ``c``. None where some column is not found."""
-    b = known.shape[1]
-    u, s, vh = torch.linalg.svd(known, full_matrices=True)
-    null = vh[known.shape[0]:].T  # (B, m)
+    null = torch.linalg.svd(known, full_matrices=True).Vh[known.shape[0]:].T  # (B, m)
     m = null.shape[1]
     inside = _sparsest(left @ null, generator, zero_tol)
     if len(inside) < m:
