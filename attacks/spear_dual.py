@@ -34,6 +34,8 @@ PER_ROUND = 3
 SCREEN = 256
 #: images without a found row that :func:`complete` recovers from ``dZ``'s zeros instead
 COMPLETE_MISSING = 3
+#: subsets drawn per search inside :func:`complete` (a few rows or columns each)
+DRAWS = 4096
 
 
 def default_input_samples(batch: int) -> int:
@@ -70,22 +72,28 @@ class InputSide:
         self.found.add(p, zeros[one_sign])
 
     def completions(self, layer: Layer) -> List[Tensor]:
-        """Where fewer than ``B`` rows are found: ``Q`` completed from the ``k`` best-ranked
-        independent rows ``P_U`` (see :func:`complete`), once per such set; [] where ``B - k``
-        is above :data:`COMPLETE_MISSING`."""
-        chosen: List[int] = []
-        for k in range(len(self.found)):
-            s = torch.linalg.svdvals(self.found.q[chosen + [k]])
-            if float(s[-1]) > 1e-6 * float(s[0]):
-                chosen.append(k)
-        if not chosen or len(chosen) >= self.b or self.b - len(chosen) > COMPLETE_MISSING:
-            return []
-        key = torch.round(self.found.q[chosen] * 1e4).sort(0).values.numpy().tobytes()
-        if key in self.tried:
-            return []
-        self.tried.add(key)
-        q = complete(self.found.q[chosen], layer.left, self.generator, self.zero_tol)
-        return [] if q is None else [q]
+        """``Q`` completed from ``dZ``'s zeros (:func:`complete`) from up to ``B - 1`` best-ranked
+        independent rows ``P_U``: those found more than once, then any; each set once, and none
+        where more than :data:`COMPLETE_MISSING` rows would be missing."""
+        out = []
+        for pool in (torch.nonzero(self.found.hits > 1).flatten().tolist(), list(range(len(self.found)))):
+            chosen: List[int] = []
+            for k in pool:
+                s = torch.linalg.svdvals(self.found.q[chosen + [k]])
+                if float(s[-1]) > 1e-6 * float(s[0]):
+                    chosen.append(k)
+                if len(chosen) == self.b - 1:
+                    break
+            if len(chosen) < self.b - COMPLETE_MISSING:
+                continue
+            key = torch.round(self.found.q[chosen] * 1e4).sort(0).values.numpy().tobytes()
+            if key in self.tried:
+                continue
+            self.tried.add(key)
+            q = complete(self.found.q[chosen], layer, self.generator, self.zero_tol)
+            if q is not None:
+                out.append(q)
+        return out
 
     def selections(self, layer: Layer) -> List[Tensor]:
         """Up to :data:`PER_ROUND` untried choices of ``B`` among the best-ranked rows, as ``Q``'s
@@ -114,7 +122,7 @@ class InputSide:
         return out
 
 
-def _sparsest(rows: Tensor, generator: torch.Generator, zero_tol: float, draws: int = 4096) -> Tensor:
+def _sparsest(rows: Tensor, generator: torch.Generator, zero_tol: float, draws: int = DRAWS) -> Tensor:
     """Kernel directions ``(k, d)`` of ``draws`` random ``d - 1``-row subsets of ``rows`` ``(n, d)``
     that zero more rows than the drawn ones, the most often found first (the one direction
     where ``d`` is 1)."""
@@ -126,26 +134,56 @@ def _sparsest(rows: Tensor, generator: torch.Generator, zero_tol: float, draws: 
     return found.q
 
 
-def complete(known: Tensor, left: Tensor, generator: torch.Generator, zero_tol: float) -> Optional[Tensor]:
+def _inactive_kernel(affine: Tensor, pre: Tensor, bias: Tensor, zero_tol: float) -> Optional[Tensor]:
+    """The direction ``(c, t)`` of image ``u``'s column from its known input: ``Z_u = s W x_u + b``
+    (``pre``: ``W x_u`` up to the scale ``s > 0``) is inactive on some rows for each ``s``, and
+    ``dZ_u`` vanishes exactly there. Each interval of ``s`` between the rows' breakpoints gives
+    a set of rows; the largest set whose ``affine`` rows have a one-dimensional kernel with
+    ``t != 0`` gives the column. None where no set does."""
+    with torch.no_grad():
+        cuts = (-bias / pre)[(pre != 0) & (-bias / pre > 0)].sort().values
+        if not len(cuts):
+            return None
+        trials = torch.cat([cuts[:1] / 2, (cuts[1:] + cuts[:-1]) / 2, cuts[-1:] * 2])
+        best: Optional[Tensor] = None
+        size = affine.shape[1] - 1
+        for scale in trials.tolist():
+            rows = affine[scale * pre + bias <= 0]
+            if len(rows) <= size or (best is not None and len(rows) <= best[1]):
+                continue
+            _, sv, vh = torch.linalg.svd(rows, full_matrices=False)
+            if float(sv[-1]) <= zero_tol * float(sv[0]) and float(sv[-2]) > zero_tol * float(sv[0]) \
+                    and abs(float(vh[-1, -1])) > 1e-4:
+                best = (vh[-1], len(rows))
+        return None if best is None else best[0]
+
+
+def complete(known: Tensor, layer: Layer, generator: torch.Generator, zero_tol: float) -> Optional[Tensor]:
     """``Q``'s unit columns ``(B, B)`` from ``k`` rows ``P_U`` ``(k, B)`` of ``Q^-1`` and the zeros of
-    ``dZ = L Q`` (``left``: ``L``'s live rows). The other images' columns span the null space
-    ``N`` of ``P_U`` (``m = B - k`` dimensions); each is the sparsest ``L q`` in it (``m - 1``
-    zero rows fix it). Image ``u`` of ``U`` has ``q_u = q_u0 + N c`` with ``P_U q_u0 = e_u``; ``m``
-    zero rows of ``dZ_u`` fix ``c``. None where some column is not found."""
+    ``dZ = L Q`` (``layer.left``: ``L``'s live rows). The other images' columns span the null
+    space ``N`` of ``P_U`` (``m = B - k`` dimensions); each is the sparsest ``L q`` in it (``m - 1``
+    zero rows fix it). Image ``u`` of ``U`` has ``q_u = q_u0 + N c`` with ``P_U q_u0 = e_u``: its
+    input ``p_u R`` is known, so its inactive rows are, up to the input's scale, and ``dZ_u``
+    vanishes there (:func:`_inactive_kernel`); else ``m`` sampled zero rows of ``dZ_u`` fix
+    ``c``. None where some column is not found."""
+    left = layer.left
     null = torch.linalg.svd(known, full_matrices=True).Vh[known.shape[0]:].T  # (B, m)
     m = null.shape[1]
     inside = _sparsest(left @ null, generator, zero_tol)
     if len(inside) < m:
         return None
-    columns = []
+    columns, loose = [], []
     base = torch.linalg.pinv(known)  # (B, k): P_U q_u0 = e_u
     for i in range(known.shape[0]):
         affine = torch.cat([left @ null, (left @ base[:, i])[:, None]], dim=1)  # (n, m + 1): (c, t)
-        found = _sparsest(affine, generator, zero_tol)
-        found = found[found[:, -1].abs() > 1e-4]  # t = 0 is N alone: the other images' columns
-        if not len(found):
-            return None
-        c = found[0]
+        c = _inactive_kernel(affine, known[i] @ layer.rw, layer.bias[0], zero_tol)
+        if c is None:
+            loose.append(i)
+            found = _sparsest(affine, generator, zero_tol)
+            found = found[found[:, -1].abs() > 1e-4]  # t = 0 is N alone: the other images' columns
+            if not len(found):
+                return None
+            c = found[0]
         columns.append(null @ c[:-1] / c[-1] + base[:, i])
     chosen: List[Tensor] = []
     for q in inside @ null.T:  # the other images' columns: the best-ranked independent ones
@@ -160,4 +198,26 @@ def complete(known: Tensor, left: Tensor, generator: torch.Generator, zero_tol: 
     q = torch.stack(columns + chosen, dim=1)
     if float(torch.linalg.svdvals(q)[-1]) <= 1e-8 * float(torch.linalg.svdvals(q)[0]):
         return None
+    if loose:
+        q = _sparser_missing(q, known.shape[0], loose, layer.right, generator, zero_tol)
     return q / q.norm(dim=0, keepdim=True)
+
+
+def _sparser_missing(q: Tensor, k: int, loose: List[int], right: Tensor, generator: torch.Generator,
+                     zero_tol: float) -> Tensor:
+    """``Q`` with the missing images' rows of ``Q^-1`` (those after the ``k`` known) made as sparse
+    as their input is. A known image whose inactive rows left its column loose (``loose``) had
+    it from sampled zeros of ``dZ``, which may add missing images' columns to it; that shows
+    in ``Q^-1`` as the known images' rows (exact) mixed into the missing ones. Each missing row
+    is therefore taken as the sparsest ``p_m R`` in the span of itself and the loose known rows
+    (most zeros among the directions that recur)."""
+    p = torch.linalg.inv(q)
+    for r in range(k, p.shape[0]):
+        family = p[[r, *loose]]
+        family = family / family.norm(dim=1, keepdim=True)  # (1 + a, B), comparable weights
+        found = Candidates(family.shape[0], 8 * family.shape[0], family.dtype, family.device)
+        found.add(*sample_directions((family @ right).T, DRAWS, generator, zero_tol, family.shape[0] + 1))
+        keep = (found.q[:, 0].abs() > 1e-4) & (found.hits > 1)  # the missing row itself stays in
+        if bool(keep.any()):  # the sparsest: recurring mixes of two images' inputs share fewer zeros
+            p[r] = found.q[keep][int(found.zeros[keep].argmax())] @ family
+    return torch.linalg.inv(p)

@@ -205,22 +205,25 @@ def test_one_label_cnn_batch_needs_the_inputs_zeros_and_is_then_certified():
 
 
 def test_completion_recovers_the_columns_no_input_row_was_found_for():
-    """Four of six rows of Q^-1 known: the two missing columns come from the null space's
-    sparsest dZ columns, the four known images' columns from m zero rows each."""
+    """Rows of Q^-1 known for some images of a ReLU layer's batch: the missing images' columns
+    come from the null space's sparsest dZ columns, the known images' from where their known
+    inputs make the layer inactive (up to the inputs' scale), in a float32 upload."""
+    from attacks.spear_algebra import Layer
     from attacks.spear_dual import complete
 
     g = torch.Generator().manual_seed(3)
     b, n, m = 6, 300, 80
     x = torch.rand(b, n, generator=g, dtype=torch.float64) * (torch.rand(b, n, generator=g) > 0.3)
-    dz = torch.randn(m, b, generator=g, dtype=torch.float64) * (torch.rand(m, b, generator=g) > 0.4)
-    left, right, _ = low_rank_factors((dz @ x).float(), b)  # an upload in float32, as clients send it
+    weight = torch.randn(m, n, generator=g, dtype=torch.float64) / n ** 0.5
+    bias = torch.randn(m, generator=g, dtype=torch.float64) * 0.3
+    dz = torch.randn(b, m, generator=g, dtype=torch.float64) * ((x @ weight.T + bias) > 0)
+    left, right, _ = low_rank_factors((dz.T @ x).float(), b)  # an upload in float32, as clients send it
+    layer = Layer(left, right, dz.sum(0), right @ weight.T, bias[None], 1e-5)
     p = x @ torch.linalg.pinv(right)  # the true rows of Q^-1 in this factorisation
     truth = torch.linalg.inv(p)
     truth = truth / truth.norm(dim=0, keepdim=True)
-    q = complete(p[:4] * torch.tensor([[2.0], [-1.0], [0.5], [3.0]], dtype=torch.float64), left, g, 1e-5)
-    assert q is not None
-    cos = (q.T @ truth).abs()
-    assert bool((cos.max(1).values > 1 - 1e-6).all())
-    assert sorted(cos.argmax(1).tolist()) == list(range(b))
-    one_missing = complete(p[:5], left, g, 1e-5)  # the null space is the missing column, the sparsest there
-    assert one_missing is not None and bool(((one_missing.T @ truth).abs().max(1).values > 1 - 1e-6).all())
+    for known in (4, 5):  # two columns missing, then one (the null space is the missing column)
+        q = complete(p[:known] * torch.linspace(0.5, 2.0, known, dtype=torch.float64)[:, None], layer, g, 1e-5)
+        assert q is not None
+        cos = (q.T @ truth).abs()
+        assert bool((cos.max(1).values > 1 - 1e-6).all()) and sorted(cos.argmax(1).tolist()) == list(range(b))
