@@ -96,14 +96,22 @@ class Candidates:
     def greedy(self, b: int, cond: float = 1e-3) -> Optional[Tensor]:
         """The indices of ``b`` linearly independent directions, in rank order; None when there
         are not ``b``."""
-        chosen: List[int] = []
-        for k in range(len(self.q)):
-            s = torch.linalg.svdvals(self.q[chosen + [k]])
-            if float(s[-1]) > cond * float(s[0]):
-                chosen.append(k)
-                if len(chosen) == b:
-                    return torch.tensor(chosen)
-        return None
+        chosen = independent(self.q, b, cond)
+        return torch.tensor(chosen) if len(chosen) == b else None
+
+
+def independent(vectors: Tensor, most: int, cond: float, among: Optional[List[int]] = None) -> List[int]:
+    """Up to ``most`` indices of rows of ``vectors`` (of ``among``, in its order; default all)
+    that are linearly independent, each kept where the rows chosen so far with it keep their
+    smallest singular value above ``cond`` times the largest."""
+    chosen: List[int] = []
+    for k in range(len(vectors)) if among is None else among:
+        if len(chosen) == most:
+            break
+        s = torch.linalg.svdvals(vectors[chosen + [k]])
+        if float(s[-1]) > cond * float(s[0]):
+            chosen.append(k)
+    return chosen
 
 
 def scaled_mixing(rows_all: Tensor, directions: Tensor, db: Tensor) -> Tensor:

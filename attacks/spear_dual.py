@@ -24,7 +24,7 @@ from typing import List, Optional, Set
 import torch
 from torch import Tensor
 
-from attacks.spear_algebra import Candidates, Layer, sample_directions
+from attacks.spear_algebra import Candidates, Layer, independent, sample_directions
 
 #: best-ranked rows beyond the batch size among which every selection is scored
 SPARE = 4
@@ -36,6 +36,11 @@ SCREEN = 256
 COMPLETE_MISSING = 3
 #: subsets drawn per search inside :func:`complete` (a few rows or columns each)
 DRAWS = 4096
+
+
+def _set_key(rows: Tensor) -> bytes:
+    """The same key for the same set of rows in any order (a choice tried once)."""
+    return torch.round(rows * 1e4).sort(0).values.numpy().tobytes()
 
 
 def default_input_samples(batch: int) -> int:
@@ -77,16 +82,10 @@ class InputSide:
         where more than :data:`COMPLETE_MISSING` rows would be missing."""
         out = []
         for pool in (torch.nonzero(self.found.hits > 1).flatten().tolist(), list(range(len(self.found)))):
-            chosen: List[int] = []
-            for k in pool:
-                s = torch.linalg.svdvals(self.found.q[chosen + [k]])
-                if float(s[-1]) > 1e-6 * float(s[0]):
-                    chosen.append(k)
-                if len(chosen) == self.b - 1:
-                    break
+            chosen = independent(self.found.q, self.b - 1, 1e-6, pool)
             if len(chosen) < self.b - COMPLETE_MISSING:
                 continue
-            key = torch.round(self.found.q[chosen] * 1e4).sort(0).values.numpy().tobytes()
+            key = _set_key(self.found.q[chosen])
             if key in self.tried:
                 continue
             self.tried.add(key)
@@ -112,7 +111,7 @@ class InputSide:
         order = torch.argsort(layer.activity_match(q).mean(-1), descending=True)
         out = []
         for k in order.tolist():
-            key = torch.round(rows[k] * 1e4).sort(0).values.numpy().tobytes()
+            key = _set_key(rows[k])
             if key in self.tried:
                 continue
             self.tried.add(key)
@@ -185,17 +184,11 @@ def complete(known: Tensor, layer: Layer, generator: torch.Generator, zero_tol: 
                 return None
             c = found[0]
         columns.append(null @ c[:-1] / c[-1] + base[:, i])
-    chosen: List[Tensor] = []
-    for q in inside @ null.T:  # the other images' columns: the best-ranked independent ones
-        trial = torch.stack(chosen + [q], dim=1)
-        sv = torch.linalg.svdvals(trial)
-        if float(sv[-1]) > 1e-6 * float(sv[0]):
-            chosen.append(q)
-        if len(chosen) == m:
-            break
+    others = inside @ null.T  # the other images' columns: the best-ranked independent ones
+    chosen = independent(others, m, 1e-6)
     if len(chosen) < m:
         return None
-    q = torch.stack(columns + chosen, dim=1)
+    q = torch.stack(columns + list(others[chosen]), dim=1)
     if float(torch.linalg.svdvals(q)[-1]) <= 1e-8 * float(torch.linalg.svdvals(q)[0]):
         return None
     if loose:
