@@ -1506,10 +1506,11 @@ def _short(text: str, limit: int) -> str:
     return text if len(text) <= limit else text[:limit - 3].rsplit(" ", 1)[0] + " ..."
 
 
-def _power(cells: Sequence[Optional[CellEvidence]]) -> str:
-    """The positive control's recovery of each cell that has one, else why none."""
-    found = [c.power_text() for c in cells if c is not None and c.control is not None]
-    return "; ".join(found) if found else ("no control stored" if any(c is not None for c in cells) else "-")
+def _power(cells: Dict[str, Optional[CellEvidence]]) -> str:
+    """The positive control's recovery of each cell, named (``ig 3/8; planner 5/8``): 'none stored'
+    for a cell judged without one; '-' where the row has no attack cell (an accuracy claim)."""
+    found = [f"{name.split(':', 1)[-1]} {c.power_text(short=True)}" for name, c in cells.items() if c is not None]
+    return "; ".join(found) if found else "-"
 
 
 def _ours(c: Optional[CellEvidence]) -> str:
@@ -1534,7 +1535,9 @@ def row_lines(row: Row, profile: Profile, data: str, data_args: Dict[str, Any], 
     if row.claim in ("utility", "chain"):
         chained = [c for _, c in chain]
         ours = "-" if row.claim == "utility" else "; ".join(f"{_f(c.psnr)}" if c else "-" for c in chained) + " dB"
-        return RowView(row, conclusion, label(row, run), ours, _power(chained), conclusion.text(),
+        power = "none: an accuracy claim, no attack" if row.claim == "utility" else _power(
+            {r.replace(row.id.rsplit("-", 1)[0] + "-", ""): c for r, c in chain})
+        return RowView(row, conclusion, label(row, run), ours, power, conclusion.text(),
                        base + [("Verdict", f"**{conclusion.text()}**")])
     results = results_path(root, profile.name, data, row)
     progress = {p.name: kept_progress(results, p, p.name in claimed) for p in plans if cells.get(p.name) is None}
@@ -1580,7 +1583,7 @@ def row_lines(row: Row, profile: Profile, data: str, data_args: Dict[str, Any], 
                       ("The paper's adaptive attack", "" if adaptive_cell == "-" else adaptive_cell),
                       ("The model at each step, as the audit trains it", health_text(stored)),
                       ("Verdict", f"**{verdict}**")]
-    return RowView(row, conclusion, label(row, run), _ours(first), _power(list(judged.values())), verdict, details)
+    return RowView(row, conclusion, label(row, run), _ours(first), _power(judged), verdict, details)
 
 
 #: a row with some of its cells stored: its verdict so far is shown, never counted as one
@@ -1589,7 +1592,7 @@ UNFINISHED = "unfinished"
 STALE = "stale"
 
 
-HEADER = ("| row | paper | claim | label | paper's number | ours: the paper's attack | power (control) | verdict |\n"
+HEADER = ("| row | paper | claim | label | paper's number | ours: the paper's attack | power: recovered without the defense | verdict |\n"
           "|---|---|---|---|---|---|---|---|")
 
 

@@ -163,11 +163,14 @@ class CellEvidence:
         return ControlEffect(len(both), sum(self.control[k] for k in both), stopped, through,
                              mcnemar_one_sided(stopped, through))
 
-    def power_text(self) -> str:
-        """The control's recovery, as the page shows it beside a verdict."""
+    def power_text(self, short: bool = False) -> str:
+        """The control's recovery, as the page shows it beside a verdict (``short``: ``3/8``, for
+        the one-screen table)."""
         effect = self.control_effect()
         if effect is None:
-            return "no control stored"
+            return "none stored" if short else "no control stored"
+        if short:
+            return f"{effect.control_recovered}/{effect.images}"
         return f"{effect.control_recovered} of {effect.images} without the defense"
 
 

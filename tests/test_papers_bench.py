@@ -65,6 +65,12 @@ def _cell(identified, images=16, missing=(), control=None):
     return c
 
 
+def test_the_power_column_names_each_cells_control():
+    power = bp._power({"paper:ig": _cell(0, control=5), "planner": _cell(2), "adaptive": None})
+    assert power == "ig 5/16; planner none stored"
+    assert bp._power({"paper:ig": None}) == "-"
+
+
 def test_protection_holds_only_where_the_control_recovers_what_the_defense_significantly_stops():
     # nothing above chance but no control stored: never "holds"
     bare = pv.conclude_protects([_cell(0)], True)
