@@ -44,6 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from audit.engine.utility import PROTOCOL  # noqa: E402
 from bench.docs_table import ROOT, add_docs_option, command_line, without_options, write_table  # noqa: E402
+from bench.papers_stale import PlanCache, cell_fingerprints, stale_attacks, stale_plan  # noqa: E402
 from bench.papers_verdict import (INCONCLUSIVE, LEVEL, NOT_RUN, CellEvidence, Conclusion,  # noqa: E402
                                   cell_evidence, conclude_chain, conclude_leaks, conclude_order, conclude_protects,
                                   conclude_steps, conclude_utility, control_from_report, identification_text,
@@ -950,30 +951,55 @@ def run_cell(row: Row, plan: CellPlan, partial: Optional[Path] = None,
     return out
 
 
+def needs_control_only(cell: Dict[str, Any], plan: CellPlan, cache: Optional[PlanCache] = None) -> bool:
+    """Whether a stored cell lacks only its positive control: stored whole under its current key,
+    running what the tool runs, its evidence complete, no control beside it (a cell stored
+    before the bench ran one). :func:`run_control` adds it without redoing the defended run."""
+    evidence = cell.get("evidence") or {}
+    return (cell.get("key") == plan.key and "claim_evidence" not in cell and bool(evidence.get("steps"))
+            and not evidence.get("missing") and not evidence.get("control") and not stale_cell(cell, cache))
+
+
+def run_control(row: Row, plan: CellPlan, cell: Dict[str, Any], partial: Optional[Path] = None) -> Dict[str, Any]:
+    """The stored ``cell`` with its positive control beside its evidence: the engine's control
+    (:class:`audit.engine.control.PositiveControl`: the base forms of the attacks the cell ran,
+    same budget, images and seeds, defense ``none``) run alone in the cell's slices, each slice's
+    results kept under ``partial`` as it finishes; the defended results are not redone."""
+    from audit.engine.audit import Audit, audit_settings
+    from audit.engine.control import PositiveControl
+    from audit.report.control import control_summary
+
+    started = time.perf_counter()
+    out_dir = Path(plan.call["out"])
+    if partial is not None and restore_partial(partial, out_dir):
+        print(f"    resumed from {partial}", flush=True)
+    for steps, images in cell_slices(plan.call, claim_of(row, plan), slice_evaluations(plan)):
+        settings = {**plan.call, "steps": list(steps), "images": images}
+        defense, defense_args = settings.pop("defense"), settings.pop("defense_args", None)
+        audit = Audit(defense, defense_args=defense_args, **audit_settings(**settings))
+        specs = [s for s in audit.planned()[0] if s.id in cell["attacks"]]
+        control, budget = PositiveControl(audit), audit.attack_settings.budget
+        store = control.run(specs, budget, list(steps))
+        if partial is not None:
+            for src in sorted((store.dir / "results").glob("*")):
+                dst = partial / CONTROL_PARTIAL / store.key / src.name
+                if src.suffix in (".json", ".png") and not _same_file(src, dst):
+                    dst.parent.mkdir(parents=True, exist_ok=True)
+                    shutil.copyfile(src, dst)
+    info = control.describe(store, specs, budget, None)  # the last slice is the whole call
+    judged = control.judge(store, control.specs(specs), list(steps))
+    reports = [{"step": s, "control": control_summary(judged[s].judged, info, audit.output_settings.thresholds)}
+               for s in steps]
+    evidence = CellEvidence.from_dict(cell["evidence"])
+    evidence.control, evidence.control_missing = control_from_report(reports, evidence.steps)
+    return {**cell, "evidence": evidence.to_dict(), "control_seconds": round(time.perf_counter() - started, 1)}
+
+
 def claim_record(plan: CellPlan, attacks: Sequence[str], evidence: CellEvidence) -> Dict[str, Any]:
     """What a cell under way stores once the steps of the row's claim are complete: the claim's
     evidence (judged from it; the cell's other steps are still running), keyed as the cell is."""
     return {"key": plan.key, "call": _jsonable(plan.call), "attacks": list(attacks),
             "claim_evidence": evidence.to_dict(), "fingerprints": cell_fingerprints(plan.call, attacks)}
-
-
-def cell_fingerprints(call: Dict[str, Any], attacks: Sequence[str]) -> Dict[str, str]:
-    """What each attack of a cell ran: its settings in the call over its defaults
-    (:func:`attacks.presets.settings_fingerprint`), stored with the cell."""
-    import adaptive  # noqa: F401  (registers the adaptive attacks in ATTACKS)
-    from attacks import ATTACKS
-    from attacks.presets import settings_fingerprint
-
-    args = call.get("attack_args") or {}
-    return {a: settings_fingerprint(a, args.get(a)) for a in attacks if a in ATTACKS}
-
-
-def stale_attacks(cell: Dict[str, Any]) -> List[str]:
-    """The attacks of a stored cell whose defaults changed since it ran (a planner's ``ig`` at
-    its preset, say): the bench reruns the cell and the page says so meanwhile."""
-    recorded = cell.get("fingerprints") or {}
-    current = cell_fingerprints(cell.get("call") or {}, list(recorded))
-    return sorted(a for a, fp in recorded.items() if current.get(a) != fp)
 
 
 #: the held-out grid search of the Bayes rows' attacks (the paper's App. A.3 searches the prior
@@ -1228,10 +1254,19 @@ def run_row(row: Row, profile: Profile, data: str, data_args: Dict[str, Any], ou
             save_results(path, stored)
         return keep_claim
 
-    for plan, claim_only in row_passes(row, cells_to_run(stored, plans, retry), stored):
-        what = ", the claim's steps" if claim_only else ""
+    cache = PlanCache(path.parent)
+    for plan, claim_only in row_passes(row, cells_to_run(stored, plans, retry, cache), stored):
+        old = stored["cells"].get(plan.name) or {}
+        # a lent call plans its slices as whole cells: there the cell reruns whole
+        control_only = deadline is None and not claim_only and needs_control_only(old, plan, cache)
+        what = ", the claim's steps" if claim_only else (", its positive control" if control_only else "")
         print(f"  [{time.strftime('%H:%M:%S')}] {row.id} {plan.name}{what} (budget {plan.call['budget']})", flush=True)
         partial = partial_dir(path, plan.name)
+        if control_only:
+            stored["cells"][plan.name] = run_control(row, plan, old, partial)
+            save_results(path, stored)
+            shutil.rmtree(partial, ignore_errors=True)
+            continue
         cell = run_cell(row, plan, partial, keep(plan), claim_only=claim_only, deadline=deadline)
         if not claim_only:
             stored["cells"][plan.name] = cell
@@ -1240,19 +1275,36 @@ def run_row(row: Row, profile: Profile, data: str, data_args: Dict[str, Any], ou
     return stored
 
 
-def cells_to_run(stored: Dict[str, Any], plans: Sequence[CellPlan], retry: bool = False) -> List[CellPlan]:
+def cells_to_run(stored: Dict[str, Any], plans: Sequence[CellPlan], retry: bool = False,
+                 cache: Optional[PlanCache] = None) -> List[CellPlan]:
     """The planned cells not stored under their current key, or stored with only their claim's
-    steps, with an attack default since changed, or (``retry``) with missing evidence or no
-    positive control beside their attacks' evidence."""
+    steps, with an attack default since changed, with a planner's plan since changed (where
+    ``cache`` is given), or (``retry``) with missing evidence or no positive control beside
+    their attacks' evidence."""
     todo = []
     for plan in plans:
         old = (stored.get("cells") or {}).get(plan.name) or {}
         evidence = old.get("evidence") or {}
         redo = retry and (evidence.get("missing") or (evidence.get("steps") and not evidence.get("control")))
-        if old.get("key") == plan.key and "claim_evidence" not in old and not redo and not stale_attacks(old):
+        if old.get("key") == plan.key and "claim_evidence" not in old and not redo and not stale_cell(old, cache):
             continue
         todo.append(plan)
     return todo
+
+
+def stale_cell(cell: Dict[str, Any], cache: Optional[PlanCache]) -> List[str]:
+    """Why a stored cell no longer runs what the tool runs ([] where it does): each attack
+    whose defaults changed, and (``cache`` given) each change of the planner's plan."""
+    return stale_attacks(cell) + (stale_plan(cell, cache) if cache is not None else [])
+
+
+def stale_text(changes: Sequence[str]) -> str:
+    """:func:`stale_cell`'s changes in words."""
+    moved = [c for c in changes if c[:1] in "+-"]
+    defaults = [c for c in changes if c not in moved]
+    parts = ([f"the defaults of {', '.join(defaults)} changed"] if defaults else []) + (
+        [f"the planner's plan changed ({', '.join(moved)})"] if moved else [])
+    return " and ".join(parts) + " since these cells ran"
 
 
 def row_passes(row: Row, todo: Sequence[CellPlan], stored: Dict[str, Any]) -> List[Tuple[CellPlan, bool]]:
@@ -1523,6 +1575,7 @@ def row_lines(row: Row, profile: Profile, data: str, data_args: Dict[str, Any], 
               out: Path) -> RowView:
     stored, cells, plans = stored_cells(row, profile, data, data_args, root, out)
     claimed = claim_cells(stored, plans)
+    cache = PlanCache(results_path(root, profile.name, data, row).parent)
     run = run_setting(row, profile)
     utility = ((stored.get("cells") or {}).get("utility") or {}).get("utility")
     judged = {n: c if c is not None else claimed.get(n) for n, c in cells.items()}  # what the claim is judged on
@@ -1559,12 +1612,11 @@ def row_lines(row: Row, profile: Profile, data: str, data_args: Dict[str, Any], 
         verdict = f"judged at steps {', '.join(map(str, row.claim_steps))}: {verdict}"
     if stored.get("projection"):
         verdict += "; alpha: " + projection_text(stored["projection"])
-    stale = sorted({a for n in cells for a in stale_attacks((stored.get("cells") or {}).get(n) or {})})
+    stale = sorted({a for n in cells for a in stale_cell((stored.get("cells") or {}).get(n) or {}, cache)})
     pending = [n for n, c in cells.items() if c is None]
     claims_complete = all(judged[n] is not None for n in pending)  # every pending cell has its claim's steps
     if stale:
-        verdict = (f"{STALE} (the defaults of {', '.join(stale)} changed since these cells ran; running the row "
-                   f"again redoes them): {verdict}")
+        verdict = f"{STALE} ({stale_text(stale)}; running the row again redoes them): {verdict}"
         conclusion = Conclusion(STALE)  # counted apart: its attacks are no longer what the tool runs
     elif pending and (conclusion.decided or claims_complete):
         # every pending cell has its claim's steps complete, or a leak shown decides the claim
@@ -1699,7 +1751,7 @@ def timing(rows: Sequence[Row], profile: Profile, data: str, data_args: Dict[str
                 done += 1
                 cell = (stored.get("cells") or {}).get(name) or {}
                 seconds += float(cell.get("seconds") or 0.0)
-                stale += bool(stale_attacks(cell))
+                stale += bool(stale_cell(cell, PlanCache(results_path(root, profile.name, data, row).parent)))
         seconds += float((stored.get("search") or {}).get("seconds") or 0.0)
     return (f"{done} of {total} cells stored" + (f" ({stale} stale)" if stale else "")
             + f", {seconds / 60:.1f} min of runs in all")
@@ -1767,7 +1819,7 @@ def gpu_slices(row: Row, profile: Profile, data: str, data_args: Dict[str, Any],
     stored, _, plans = stored_cells(row, profile, data, data_args, root, out)
     path = results_path(root, profile.name, data, row)
     found: List[GpuSlice] = []
-    for plan, claim_only in row_passes(row, cells_to_run(stored, plans, retry), stored):
+    for plan, claim_only in row_passes(row, cells_to_run(stored, plans, retry, PlanCache(path.parent)), stored):
         kept = kept_image_steps(partial_dir(path, plan.name), plan)
         found += [c.work for c in cell_calls(row, plan, kept, claim_only) if c.work and c.work not in found]
     return found

@@ -701,14 +701,15 @@ def test_a_result_the_run_redid_replaces_the_one_kept_in_the_repository(tmp_path
 
 def test_a_cell_run_with_an_attack_default_since_changed_is_rerun_and_marked_stale(tmp_path, monkeypatch):
     from attacks import ATTACKS
+    from bench.papers_stale import planned_now
 
     runs = []
 
     def fake_run_cell(row, plan, partial=None, on_claim=None, claim_only=False, deadline=None):
         runs.append(plan.name)
+        ran = planned_now(plan.call) if plan.name == "planner" else ["ig"]  # what the planner plans today
         return {"key": plan.key, "call": json.loads(json.dumps(plan.call)), "seconds": 1.0, "status": "complete",
-                "attacks": ["ig"], "evidence": _cell(2).to_dict(),
-                "fingerprints": bp.cell_fingerprints(plan.call, ["ig"])}
+                "attacks": ran, "evidence": _cell(2).to_dict(), "fingerprints": bp.cell_fingerprints(plan.call, ran)}
 
     monkeypatch.setattr(bp, "run_cell", fake_run_cell)
     row, profile = bp.BY_ID["censor-none"], bp.Profile("cpu")
@@ -718,7 +719,7 @@ def test_a_cell_run_with_an_attack_default_since_changed_is_rerun_and_marked_sta
     # the planner runs ig at its preset, the paper's cell with its schedule set: only the planner is stale
     monkeypatch.setitem(ATTACKS.get("ig").defaults, "schedule", "exp")
     page = bp.render([row], profile, "embedded", {}, tmp_path / "results", tmp_path / "out")
-    assert "**stale (the defaults of ig changed since these cells ran" in page
+    assert "**stale (the defaults of ig, portfolio changed since these cells ran" in page  # the portfolio runs ig
     assert page.splitlines()[0].endswith("1 stale")
     bp.run_row(row, profile, "embedded", {}, tmp_path / "out", tmp_path / "results")
     assert runs[len(first):] == ["planner"]
@@ -831,6 +832,7 @@ def test_a_claim_whose_steps_are_complete_is_judged_while_the_other_steps_run(tm
 
     monkeypatch.setattr(bp, "run_cell", interrupted)
     monkeypatch.setattr(bp, "model_health", _healthy_model)
+    monkeypatch.setattr("bench.papers_stale.planned_now", lambda call: ["ig"])  # the plan these cells record
     with pytest.raises(KeyboardInterrupt):
         bp.run_row(row, profile, "embedded", {}, tmp_path / "out", tmp_path / "results")
     stored = json.loads(bp.results_path(tmp_path / "results", "cpu", "embedded", row).read_text())
@@ -1138,3 +1140,58 @@ def test_calibration_pools_the_rules_false_positives_and_the_controls_recoveries
     monkeypatch.setattr(bp, "stored_cells", lambda row, *a: ({}, {"b": pv.CellEvidence(["ig"], [0])}, []))
     assert "kept by none of the 1 stored cells" in bp.calibration_note(bp.ROWS[:1], bp.Profile("cpu"), "embedded",
                                                                           {}, tmp_path, tmp_path)
+
+
+def test_a_planner_cell_is_stale_once_the_planner_plans_other_attacks(tmp_path, monkeypatch):
+    """A stored planner cell ran the attacks the planner planned then; when the planner now
+    plans others for the same call, the cell is stale: rerun, and the page says why."""
+    from bench import papers_stale as ps
+
+    row = bp.BY_ID["censor-none"]
+    plan = next(p for p in bp.plan_cells(row, bp.Profile("quick"), "embedded", {}, tmp_path / "out")
+                if p.name == "planner")
+    call = json.loads(json.dumps(plan.call))
+    cache = ps.PlanCache(tmp_path)
+    now = cache.plan(call)
+    assert "ig" in now and "auto" not in now  # the planner's picks, named
+    cell = {"key": plan.key, "call": call, "attacks": now[:-1], "fingerprints": {},
+            "evidence": {"steps": [0], "missing": [], "control": {"0": {"recovered": 1, "images": 2}}}}
+    assert ps.stale_plan(cell, cache) == [f"+{now[-1]}"]
+    assert bp.cells_to_run({"cells": {"planner": cell}}, [plan], cache=cache) == [plan]
+    assert "the planner's plan changed (+" in bp.stale_text(ps.stale_plan(cell, cache))
+    cell["attacks"] = now + ["old-attack"]
+    assert ps.stale_plan(cell, cache) == ["-old-attack"]
+    cell["attacks"] = list(now)
+    assert ps.stale_plan(cell, cache) == [] and bp.cells_to_run({"cells": {"planner": cell}}, [plan], cache=cache) == []
+    # the kept plan answers without probing again, until the planner's code changes
+    monkeypatch.setattr(ps, "planned_now", lambda call: ["ig"])
+    assert ps.PlanCache(tmp_path).plan(call) == now
+    monkeypatch.setattr(ps, "planner_source", lambda: "changed")
+    assert ps.PlanCache(tmp_path).plan(call) == ["ig"]
+
+
+def test_a_cell_stored_without_its_control_gains_the_same_control_alone(tmp_path, monkeypatch):
+    """A cell stored whole but without a positive control gets the control the full run
+    computes, image by image, by the control's audit alone: nothing defended is attacked again."""
+    from audit.engine.audit import Audit
+
+    row, profile = bp.BY_ID["bayes-gauss-0"], bp.Profile("quick", images=2)
+    paper = bp.plan_cells(row, profile, "embedded", {}, tmp_path / "out")[0]
+    monkeypatch.setattr(bp, "SLICE_EVALUATIONS", paper.call["budget"])  # one image a slice
+    whole = bp.run_cell(row, paper)
+    assert whole["evidence"]["control"]  # the reference: the control beside a full run
+    bare = json.loads(json.dumps(whole))
+    bare["evidence"]["control"], bare["evidence"]["control_missing"] = None, ""
+    assert bp.needs_control_only(bare, paper) and not bp.needs_control_only(whole, paper)
+    shutil.rmtree(tmp_path / "out")  # a fresh clone: nothing stored but the cell
+    attacked = []
+    real = Audit._attack_step
+    monkeypatch.setattr(Audit, "_attack_step", lambda self, store, spec, obs, step, images, bar:
+                        (attacked.append((self.is_undefended(), list(images))),
+                         real(self, store, spec, obs, step, images, bar)))
+    partial = bp.partial_dir(tmp_path / "results" / "row.json", paper.name)
+    added = bp.run_control(row, paper, bare, partial)
+    assert attacked == [(True, [0]), (True, [1])]  # the undefended client only, slice by slice
+    assert added["evidence"]["control"] == whole["evidence"]["control"]
+    assert added["evidence"]["per_image_psnr"] == whole["evidence"]["per_image_psnr"]
+    assert len(list((partial / bp.CONTROL_PARTIAL).glob("*/*.json"))) == 2  # kept as it went

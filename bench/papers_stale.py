@@ -1,0 +1,103 @@
+"""When a stored cell of the papers bench no longer runs what the tool runs now.
+
+Two ways: an attack's defaults changed since the cell ran (its settings' fingerprint,
+:func:`attacks.presets.settings_fingerprint`), or the cell is a planner cell (its call's
+attacks hold ``auto``) and the planner now plans other attacks for the same call (a new rule,
+a new trait). The planner's plan for a call is kept in the results folder's ``plans.json``,
+keyed by the call and the planner's source, so the page renders without probing every
+defense again, and a changed planner is probed anew.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import tempfile
+from pathlib import Path
+from typing import Any, Dict, List, Sequence
+
+ROOT = Path(__file__).resolve().parents[1]
+#: the planner's source: a change here may change a plan, so every kept plan is checked again
+PLANNER_SOURCE = ROOT / "adaptive" / "planner"
+PLANS_FILE = "plans.json"
+
+
+def cell_fingerprints(call: Dict[str, Any], attacks: Sequence[str]) -> Dict[str, str]:
+    """What each attack of a cell ran: its settings in the call over its defaults, stored with
+    the cell."""
+    import adaptive  # noqa: F401  (registers the adaptive attacks in ATTACKS)
+    from attacks import ATTACKS
+    from attacks.presets import settings_fingerprint
+
+    args = call.get("attack_args") or {}
+    return {a: settings_fingerprint(a, args.get(a)) for a in attacks if a in ATTACKS}
+
+
+def stale_attacks(cell: Dict[str, Any]) -> List[str]:
+    """The attacks of a stored cell whose defaults changed since it ran (a planner's ``ig`` at
+    its preset, say): the bench reruns the cell and the page says so meanwhile."""
+    recorded = cell.get("fingerprints") or {}
+    current = cell_fingerprints(cell.get("call") or {}, list(recorded))
+    return sorted(a for a, fp in recorded.items() if current.get(a) != fp)
+
+
+def planner_source() -> str:
+    """A hash of the planner's code (every ``.py`` under :data:`PLANNER_SOURCE`)."""
+    digest = hashlib.sha256()
+    for path in sorted(PLANNER_SOURCE.rglob("*.py")):
+        digest.update(path.relative_to(PLANNER_SOURCE).as_posix().encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:12]
+
+
+def planned_now(call: Dict[str, Any]) -> List[str]:
+    """The attacks an audit of ``call`` runs today: the base attacks and the planner's picks
+    (probes the call's defense on its model; runs no attack)."""
+    from audit.engine.audit import Audit, audit_settings
+
+    settings = dict(call)
+    defense, defense_args = settings.pop("defense"), settings.pop("defense_args", None)
+    with tempfile.TemporaryDirectory() as out:
+        settings.update(out=out, device="cpu")  # the plan depends on the defense and model, not the device
+        specs, _ = Audit(defense, defense_args=defense_args, **audit_settings(**settings)).planned()
+    return [s.id for s in specs]
+
+
+class PlanCache:
+    """The planner's plan per call, kept in ``folder/plans.json`` beside the stored cells."""
+
+    def __init__(self, folder: Path):
+        self.path = Path(folder) / PLANS_FILE
+        try:
+            self.plans: Dict[str, Any] = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            self.plans = {}
+
+    @staticmethod
+    def key(call: Dict[str, Any]) -> str:
+        where = {k: v for k, v in call.items() if k != "out"}  # the store's path is not a setting
+        return hashlib.sha256(json.dumps(where, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+    def plan(self, call: Dict[str, Any]) -> List[str]:
+        key, source = self.key(call), planner_source()
+        kept = self.plans.get(key) or {}
+        if kept.get("source") == source:
+            return list(kept["attacks"])
+        attacks = planned_now(call)
+        self.plans[key] = {"source": source, "attacks": attacks}
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.plans, indent=1, sort_keys=True) + "\n")
+        tmp.replace(self.path)
+        return attacks
+
+
+def stale_plan(cell: Dict[str, Any], cache: PlanCache) -> List[str]:
+    """How the planner's plan for a stored planner cell's call differs from what the cell ran:
+    ``+name`` planned now and not run, ``-name`` run and no longer planned ([] where equal,
+    where the cell names no planner call, or where it did not record what it ran)."""
+    call = cell.get("call") or {}
+    ran = cell.get("attacks") or []
+    if "auto" not in (call.get("attacks") or []) or not ran or "auto" in ran:
+        return []
+    now = cache.plan(call)
+    return [f"+{a}" for a in now if a not in ran] + [f"-{a}" for a in ran if a not in now]
