@@ -1571,6 +1571,12 @@ def _ours(c: Optional[CellEvidence]) -> str:
     return f"{_f(c.psnr)} dB; {c.identified} of {c.images} identified"
 
 
+def decides(row: Row, cell: str) -> bool:
+    """Whether the row's verdict is decided on ``cell``: an order claim compares the paper's
+    attacks alone (the planner's cell is shown beside it); every other claim uses each cell."""
+    return row.claim != "order" or cell.startswith("paper:")
+
+
 def row_lines(row: Row, profile: Profile, data: str, data_args: Dict[str, Any], root: Path,
               out: Path) -> RowView:
     stored, cells, plans = stored_cells(row, profile, data, data_args, root, out)
@@ -1612,7 +1618,12 @@ def row_lines(row: Row, profile: Profile, data: str, data_args: Dict[str, Any], 
         verdict = f"judged at steps {', '.join(map(str, row.claim_steps))}: {verdict}"
     if stored.get("projection"):
         verdict += "; alpha: " + projection_text(stored["projection"])
-    stale = sorted({a for n in cells for a in stale_cell((stored.get("cells") or {}).get(n) or {}, cache)})
+    changed = {n: stale_cell((stored.get("cells") or {}).get(n) or {}, cache) for n in cells}
+    stale = sorted({a for n, why in changed.items() if decides(row, n) for a in why})
+    aside = {n: f" Stale: {stale_text(why)}; running the row again redoes it." for n, why in changed.items()
+             if why and not decides(row, n)}  # shown beside the verdict, which it does not decide
+    planner_cell += aside.get("planner", "")
+    adaptive_cell += aside.get("adaptive", "")
     pending = [n for n, c in cells.items() if c is None]
     claims_complete = all(judged[n] is not None for n in pending)  # every pending cell has its claim's steps
     if stale:

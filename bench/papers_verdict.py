@@ -327,7 +327,8 @@ def interval_text(lo: float, hi: float) -> str:
 
 
 #: why a best-of-m cell's chance is a bound: what each cell of the page says beside it
-BOUND_WHY = "hypergeometric bound: the attacks were not run on null uploads"
+BOUND_WHY = ("a hypergeometric bound, which errs high: running each attack on null uploads would cost the "
+             "cell again")
 
 
 def identification_text(c: CellEvidence) -> str:

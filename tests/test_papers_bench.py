@@ -1195,3 +1195,26 @@ def test_a_cell_stored_without_its_control_gains_the_same_control_alone(tmp_path
     assert added["evidence"]["control"] == whole["evidence"]["control"]
     assert added["evidence"]["per_image_psnr"] == whole["evidence"]["per_image_psnr"]
     assert len(list((partial / bp.CONTROL_PARTIAL).glob("*/*.json"))) == 2  # kept as it went
+
+
+def test_a_stale_planner_cell_leaves_an_order_claim_decided_and_says_so_beside_it(tmp_path, monkeypatch):
+    """An order claim compares the paper's attacks: a planner cell whose plan changed is marked
+    stale in its own paragraph, and the row's verdict stands."""
+    monkeypatch.setattr("bench.papers_stale.planned_now", lambda call: ["ig", "spear-ig"])
+    row, profile = bp.BY_ID["bayes-gauss-0"], bp.Profile("cpu")
+    plans = bp.plan_cells(row, profile, "embedded", {}, tmp_path / "out")
+    cells = {}
+    for k, plan in enumerate(plans):
+        ran = ["ig"] if plan.name == "planner" else list(plan.call["attacks"])
+        evidence = _psnr_cell([14.0 + 3 * (plan.name == "paper:bayes-optimal") + i / 10 for i in range(16)])
+        evidence.control = {key: True for key in evidence.per_image_psnr}
+        cells[plan.name] = {"key": plan.key, "call": json.loads(json.dumps(plan.call)), "attacks": ran,
+                            "fingerprints": bp.cell_fingerprints(plan.call, ran), "evidence": evidence.to_dict()}
+    bp.save_results(bp.results_path(tmp_path / "results", "cpu", "embedded", row), {"cells": cells})
+    view = bp.row_lines(row, profile, "embedded", {}, tmp_path / "results", tmp_path / "out")
+    assert view.conclusion.outcome != bp.STALE and not view.verdict.startswith(bp.STALE)
+    planner = dict(view.details)["The planner's attacks at their presets"]
+    assert "Stale: the planner's plan changed (+spear-ig) since these cells ran" in planner
+    # a claim decided on every cell is stale with it
+    protects = bp.BY_ID["censor-censor"]
+    assert bp.decides(protects, "planner") and not bp.decides(row, "planner") and bp.decides(row, "paper:bayes-l2")
