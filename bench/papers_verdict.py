@@ -166,12 +166,10 @@ class CellEvidence:
     def power_text(self, short: bool = False) -> str:
         """The control's recovery, as the page shows it beside a verdict (``short``: ``3/8``, for
         the one-screen table)."""
-        effect = self.control_effect()
-        if effect is None:
+        if self.control is None:
             return "none stored" if short else "no control stored"
-        if short:
-            return f"{effect.control_recovered}/{effect.images}"
-        return f"{effect.control_recovered} of {effect.images} without the defense"
+        recovered, images = sum(self.control.values()), len(self.control)  # the control's own images
+        return f"{recovered}/{images}" if short else f"{recovered} of {images} without the defense"
 
 
 @dataclass(frozen=True)

@@ -69,6 +69,9 @@ def test_the_power_column_names_each_cells_control():
     power = bp._power({"paper:ig": _cell(0, control=5), "planner": _cell(2), "adaptive": None})
     assert power == "ig 5/16; planner none stored"
     assert bp._power({"paper:ig": None}) == "-"
+    older = _cell(0, control=5)
+    older.per_image_recovered = {}  # a cell stored before it kept per-image recoveries: its control still counts
+    assert bp._power({"planner": older}) == "planner 5/16"
 
 
 def test_protection_holds_only_where_the_control_recovers_what_the_defense_significantly_stops():
