@@ -44,7 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from audit.engine.utility import PROTOCOL  # noqa: E402
 from bench.docs_table import ROOT, add_docs_option, command_line, without_options, write_table  # noqa: E402
-from bench.papers_stale import PlanCache, cell_fingerprints, stale_attacks, stale_plan  # noqa: E402
+from bench.papers_stale import PlanCache, audit_of, cell_fingerprints, stale_attacks, stale_plan  # noqa: E402
 from bench.papers_verdict import (INCONCLUSIVE, LEVEL, NOT_RUN, CellEvidence, Conclusion,  # noqa: E402
                                   cell_evidence, conclude_chain, conclude_leaks, conclude_order, conclude_protects,
                                   conclude_steps, conclude_utility, control_from_report, identification_text,
@@ -965,7 +965,6 @@ def run_control(row: Row, plan: CellPlan, cell: Dict[str, Any], partial: Optiona
     (:class:`audit.engine.control.PositiveControl`: the base forms of the attacks the cell ran,
     same budget, images and seeds, defense ``none``) run alone in the cell's slices, each slice's
     results kept under ``partial`` as it finishes; the defended results are not redone."""
-    from audit.engine.audit import Audit, audit_settings
     from audit.engine.control import PositiveControl
     from audit.report.control import control_summary
 
@@ -974,9 +973,7 @@ def run_control(row: Row, plan: CellPlan, cell: Dict[str, Any], partial: Optiona
     if partial is not None and restore_partial(partial, out_dir):
         print(f"    resumed from {partial}", flush=True)
     for steps, images in cell_slices(plan.call, claim_of(row, plan), slice_evaluations(plan)):
-        settings = {**plan.call, "steps": list(steps), "images": images}
-        defense, defense_args = settings.pop("defense"), settings.pop("defense_args", None)
-        audit = Audit(defense, defense_args=defense_args, **audit_settings(**settings))
+        audit = audit_of(plan.call, steps=list(steps), images=images)
         specs = [s for s in audit.planned()[0] if s.id in cell["attacks"]]
         control, budget = PositiveControl(audit), audit.attack_settings.budget
         store = control.run(specs, budget, list(steps))

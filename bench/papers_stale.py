@@ -49,16 +49,20 @@ def planner_source() -> str:
     return digest.hexdigest()[:12]
 
 
+def audit_of(call: Dict[str, Any], **overrides: Any) -> Any:
+    """The engine's :class:`~audit.engine.audit.Audit` of a stored cell's ``audit.run`` call."""
+    from audit.engine.audit import Audit, audit_settings
+
+    settings = {**call, **overrides}
+    defense, defense_args = settings.pop("defense"), settings.pop("defense_args", None)
+    return Audit(defense, defense_args=defense_args, **audit_settings(**settings))
+
+
 def planned_now(call: Dict[str, Any]) -> List[str]:
     """The attacks an audit of ``call`` runs today: the base attacks and the planner's picks
     (probes the call's defense on its model; runs no attack)."""
-    from audit.engine.audit import Audit, audit_settings
-
-    settings = dict(call)
-    defense, defense_args = settings.pop("defense"), settings.pop("defense_args", None)
-    with tempfile.TemporaryDirectory() as out:
-        settings.update(out=out, device="cpu")  # the plan depends on the defense and model, not the device
-        specs, _ = Audit(defense, defense_args=defense_args, **audit_settings(**settings)).planned()
+    with tempfile.TemporaryDirectory() as out:  # the plan depends on the defense and model, not the device
+        specs, _ = audit_of(call, out=out, device="cpu").planned()
     return [s.id for s in specs]
 
 
