@@ -215,6 +215,10 @@ class Spear:
         checked: List[Tuple[Tensor, int]] = []  # selections (and recurring counts) already certified
         from_input = False
         cap = default_samples(b) if self.samples is None else self.samples
+        if b == 1:  # dW = dz x^T has rank one: its one direction is the line itself, nothing to sample
+            line = torch.ones(1, 1, dtype=rows.dtype, device=rows.device)
+            best = self._candidate(observation, target, layers, tail, tail_params, left, right, db, line, seed)
+            best_match, attempts, cap = float(layer.activity_match(line[None])[0].min()), 1, 0
         while drawn < cap:
             count = min(self.chunk, cap - drawn)
             q, zeros = sample_directions(rows, count, generator, zero_tol, min_zeros)
@@ -239,7 +243,7 @@ class Spear:
                 break
         input_drawn = 0
         input_cap = default_input_samples(b) if self._input_samples is None else self._input_samples
-        if input_cap and not target.is_image and (best is None or best[0] > self.tolerance):
+        if input_cap and b > 1 and not target.is_image and (best is None or best[0] > self.tolerance):
             side = InputSide(right, generator, zero_tol)  # the batch from the zeros of the features
             while input_drawn < input_cap and (best is None or best[0] > self.tolerance):
                 count = min(4 * self.chunk, input_cap - input_drawn)

@@ -47,7 +47,7 @@ def sample_directions(rows: Tensor, count: int, generator: torch.Generator, zero
     values = (rows @ q.T).abs()
     zeros = (values <= zero_tol * values.amax(0)).sum(0)
     keep = (info == 0) & torch.isfinite(q).all(1) & (zeros >= min_zeros)
-    if bool(keep.any()):
+    if b > 1 and bool(keep.any()):  # at batch 1 the subset is empty and its kernel the whole line
         s = torch.linalg.svdvals(subsets[keep])
         keep[keep.clone()] = s[:, -1] > 1e-7 * s[:, 0]
     q = q[keep]

@@ -61,8 +61,8 @@ class SpearFeaturesIg:
         features = found.trace.get("features")
         if features is None or not found.trace.get("certified"):
             rec = attack.reconstruct(observation, budget, seed, progress=progress)
-            rec.trace["spear"] = (found.trace.get("failure") or found.reason if features is not None
-                                  else found.reason or "no features")
+            rec.trace["spear"] = (found.trace.get("failure") or found.trace.get("uncertified") or found.reason
+                                  if features is not None else found.reason or "no features")
             return rec
         layers = leaf_layers(observation.model)
         index = relu_linear_layers(observation.model)[0][0].index

@@ -227,3 +227,22 @@ def test_completion_recovers_the_columns_no_input_row_was_found_for():
         assert q is not None
         cos = (q.T @ truth).abs()
         assert bool((cos.max(1).values > 1 - 1e-6).all()) and sorted(cos.argmax(1).tolist()) == list(range(b))
+
+
+def test_a_single_image_is_its_gradients_one_direction_exact_clean_and_never_a_crash_noisy():
+    """At batch 1 the layer's gradient has rank one: its one direction needs no sampling, and a
+    noisy upload leaves spear-ig an ig with the reason, not an error."""
+    x, y = _batch(1, 3)
+    rec = Spear().reconstruct(observe(_mlp(), x, y), None, 0)
+    psnr, acc = _matched(rec, x, y)
+    assert rec.trace["certified"] and rec.trace["samples"] == 0 and psnr[0] > 100 and acc == 1.0
+    from audit.core.data import load_dataset
+
+    data = load_dataset("embedded", None, 32)
+    model = build_model("cnn", data.input_shape, data.num_classes, seed=0)
+    obs = observe(model, data.test_images[4:5], data.test_labels[4:5])
+    g = torch.Generator().manual_seed(5)
+    obs.gradients = [t + 0.1 * t.std() * torch.randn(t.shape, generator=g) for t in obs.gradients]
+    noisy = ATTACKS.build("spear-ig").reconstruct(obs, 2, 0)
+    assert noisy.inputs is not None and torch.isfinite(noisy.inputs).all()
+    assert "reproduced the upload" in noisy.trace["spear"] and "exact-features" not in noisy.trace["prior_weights"]
