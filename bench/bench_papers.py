@@ -790,18 +790,24 @@ def _same_file(a: Path, b: Path) -> bool:
     return b.exists() and a.stat().st_size == b.stat().st_size and a.read_bytes() == b.read_bytes()
 
 
-def keep_partial(out: Path, key: str, partial: Path, control: Optional[Dict[str, Any]] = None) -> None:
-    """Copy the engine run's finished results into the repository: new ones, and those the run
-    redid (a result run with other settings is kept under the same name until it is redone);
-    ``control`` (the report's ``control`` entry): its own store's results too."""
-    found = [(src, partial / key / src.name) for src in sorted((out / "runs" / key / "results").glob("*"))]
-    if control and control.get("run_key") and control.get("dir") == CONTROL_PARTIAL:
-        found += [(src, partial / CONTROL_PARTIAL / control["run_key"] / src.name)
-                  for src in sorted((out / CONTROL_PARTIAL / "runs" / control["run_key"] / "results").glob("*"))]
-    for src, dst in found:
+def keep_results(results: Path, kept: Path) -> None:
+    """Copy a store's finished results (``results``) into the repository's ``kept`` folder: new
+    ones, and those the run redid (a result run with other settings is kept under the same name
+    until it is redone)."""
+    for src in sorted(results.glob("*")):
+        dst = kept / src.name
         if src.suffix in (".json", ".png") and not _same_file(src, dst):
             dst.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(src, dst)
+
+
+def keep_partial(out: Path, key: str, partial: Path, control: Optional[Dict[str, Any]] = None) -> None:
+    """Keep the engine run's finished results in the repository (:func:`keep_results`);
+    ``control`` (the report's ``control`` entry): its own store's results too."""
+    keep_results(out / "runs" / key / "results", partial / key)
+    if control and control.get("run_key") and control.get("dir") == CONTROL_PARTIAL:
+        keep_results(out / CONTROL_PARTIAL / "runs" / control["run_key"] / "results",
+                     partial / CONTROL_PARTIAL / control["run_key"])
 
 
 def with_control(evidence: CellEvidence, report: Dict[str, Any]) -> CellEvidence:
@@ -912,18 +918,20 @@ def run_slice(call: Dict[str, Any], steps: Sequence[int], images: int) -> Any:
 
 def run_cell(row: Row, plan: CellPlan, partial: Optional[Path] = None,
              on_claim: Optional[Callable[[Dict[str, Any]], None]] = None,
-             claim_only: bool = False, deadline: Optional[Deadline] = None) -> Optional[Dict[str, Any]]:
+             claim_only: bool = False, deadline: Optional[Deadline] = None,
+             cache: Optional[PlanCache] = None) -> Optional[Dict[str, Any]]:
     """Run (or resume) the cell's audit, call by call (:func:`cell_calls`), keeping each call's
     results under ``partial`` before the next starts and skipping the slices whose results it
     kept; its evidence from the engine's store. Where the row's claim is about some of the
     cell's steps, ``on_claim`` receives the record of the claim's evidence (:func:`claim_record`)
     as soon as those steps are complete; ``claim_only`` stops there (returns None). Under a
-    ``deadline`` a slice that does not fit raises :class:`CallOver` before it starts."""
+    ``deadline`` a slice that does not fit raises :class:`CallOver` before it starts. A planner
+    cell's attacks planned now (kept in ``cache``) run on every kept image-step lacking them."""
     started = time.perf_counter()
     out_dir = Path(plan.call["out"])
     if partial is not None and restore_partial(partial, out_dir):
         print(f"    resumed from {partial}", flush=True)
-    kept = kept_image_steps(partial, plan) if partial is not None else set()
+    kept = kept_for(partial, plan, cache) if partial is not None else set()
     for call in cell_calls(row, plan, kept, claim_only):
         if not call.needed:
             continue
@@ -978,11 +986,7 @@ def run_control(row: Row, plan: CellPlan, cell: Dict[str, Any], partial: Optiona
         control, budget = PositiveControl(audit), audit.attack_settings.budget
         store = control.run(specs, budget, list(steps))
         if partial is not None:
-            for src in sorted((store.dir / "results").glob("*")):
-                dst = partial / CONTROL_PARTIAL / store.key / src.name
-                if src.suffix in (".json", ".png") and not _same_file(src, dst):
-                    dst.parent.mkdir(parents=True, exist_ok=True)
-                    shutil.copyfile(src, dst)
+            keep_results(store.dir / "results", partial / CONTROL_PARTIAL / store.key)
     info = control.describe(store, specs, budget, None)  # the last slice is the whole call
     judged = control.judge(store, control.specs(specs), list(steps))
     reports = [{"step": s, "control": control_summary(judged[s].judged, info, audit.output_settings.thresholds)}
@@ -1252,7 +1256,7 @@ def run_row(row: Row, profile: Profile, data: str, data_args: Dict[str, Any], ou
         return keep_claim
 
     cache = PlanCache(path.parent)
-    for plan, claim_only in row_passes(row, cells_to_run(stored, plans, retry, cache), stored):
+    for plan, claim_only in row_passes(row, cells_to_run(stored, plans, retry, cache), stored, cache):
         old = stored["cells"].get(plan.name) or {}
         # a lent call plans its slices as whole cells: there the cell reruns whole
         control_only = deadline is None and not claim_only and needs_control_only(old, plan, cache)
@@ -1264,7 +1268,7 @@ def run_row(row: Row, profile: Profile, data: str, data_args: Dict[str, Any], ou
             save_results(path, stored)
             shutil.rmtree(partial, ignore_errors=True)
             continue
-        cell = run_cell(row, plan, partial, keep(plan), claim_only=claim_only, deadline=deadline)
+        cell = run_cell(row, plan, partial, keep(plan), claim_only=claim_only, deadline=deadline, cache=cache)
         if not claim_only:
             stored["cells"][plan.name] = cell
             save_results(path, stored)
@@ -1304,14 +1308,16 @@ def stale_text(changes: Sequence[str]) -> str:
     return " and ".join(parts) + " since these cells ran"
 
 
-def row_passes(row: Row, todo: Sequence[CellPlan], stored: Dict[str, Any]) -> List[Tuple[CellPlan, bool]]:
+def row_passes(row: Row, todo: Sequence[CellPlan], stored: Dict[str, Any],
+               cache: Optional[PlanCache] = None) -> List[Tuple[CellPlan, bool]]:
     """The order a row runs its cells in, as (cell, claim only): the claim's steps of every cell
-    whose claim is not stored yet first (they decide the row), then each cell whole."""
+    whose claim is not stored yet, or stored stale (:func:`stale_cell`), first (they decide the
+    row), then each cell whole."""
     cells = stored.get("cells") or {}
 
     def claim_stored(plan: CellPlan) -> bool:
         old = cells.get(plan.name) or {}
-        return old.get("key") == plan.key and "claim_evidence" in old
+        return old.get("key") == plan.key and "claim_evidence" in old and not stale_cell(old, cache)
 
     return [(p, True) for p in todo if claim_of(row, p) and not claim_stored(p)] + [(p, False) for p in todo]
 
@@ -1458,12 +1464,13 @@ def adaptive_head(row: Row, run: Dict[str, Any]) -> str:
     return row.adaptive.label + (f" at budget {own:,}" if own != run["budget"] else "")
 
 
-def kept_image_steps(kept: Path, plan: CellPlan) -> Set[Tuple[int, int]]:
+def kept_image_steps(kept: Path, plan: CellPlan, planned: Sequence[str] = ()) -> Set[Tuple[int, int]]:
     """The (step, image) pairs of the cell that an unfinished run kept in ``kept`` (its partial
     folder) with every attack's result the cell's call reuses, as the engine decides by the
     store's own result names: run with the cell's settings of its attack and the attack's
     current defaults, and not an error (retried); from the kept run with the most. A planner
-    cell's attacks are those the kept run has results of."""
+    cell's attacks are those the kept run has results of and those it plans now (``planned``,
+    :func:`planned_attacks`): an attack the planner added is still to run on every image."""
     import adaptive  # noqa: F401  (registers the adaptive attacks in ATTACKS)
     from attacks import ATTACKS
     from attacks.presets import defaults_fingerprint
@@ -1474,8 +1481,9 @@ def kept_image_steps(kept: Path, plan: CellPlan) -> Set[Tuple[int, int]]:
     wanted = plan.call.get("attack_args") or {}
     fingerprint = functools.lru_cache(maxsize=None)(defaults_fingerprint)
 
-    def attacks(run: Path) -> List[str]:  # the planner's picks: every attack the kept run has results of
-        return named or sorted({f.stem.split("__")[1] for f in run.glob("s*__*__i*.json")})
+    def attacks(run: Path) -> List[str]:  # the planner's picks: what the kept run has results of, and plans now
+        ran = {f.stem.split("__")[1] for f in run.glob("s*__*__i*.json")}
+        return named or (sorted(ran | set(planned)) if ran else [])
 
     def reused(path: Path, attack: str) -> bool:  # a result run with other settings is redone, not kept progress
         if not path.is_file():
@@ -1491,6 +1499,19 @@ def kept_image_steps(kept: Path, plan: CellPlan) -> Set[Tuple[int, int]]:
                 if ran and all(reused(run / f"{result_id(s, a, i)}.json", a) for a in ran)}
 
     return max((done(r) for r in sorted(kept.glob("*")) if r.is_dir()), key=len, default=set())
+
+
+def planned_attacks(plan: CellPlan, cache: Optional[PlanCache]) -> List[str]:
+    """The attacks a planner cell's call plans now (kept in ``cache``); [] for a cell that names
+    its attacks, or without a cache."""
+    return cache.plan(plan.call) if cache is not None and "auto" in plan.call["attacks"] else []
+
+
+def kept_for(partial: Path, plan: CellPlan, cache: Optional[PlanCache]) -> Set[Tuple[int, int]]:
+    """:func:`kept_image_steps` with a planner cell's plan of now, probed only where a run is kept."""
+    if not any(partial.glob("*/*.json")):
+        return set()
+    return kept_image_steps(partial, plan, planned_attacks(plan, cache))
 
 
 def kept_progress(results: Path, plan: CellPlan, claim_judged: bool = False) -> str:
@@ -1827,8 +1848,9 @@ def gpu_slices(row: Row, profile: Profile, data: str, data_args: Dict[str, Any],
     stored, _, plans = stored_cells(row, profile, data, data_args, root, out)
     path = results_path(root, profile.name, data, row)
     found: List[GpuSlice] = []
-    for plan, claim_only in row_passes(row, cells_to_run(stored, plans, retry, PlanCache(path.parent)), stored):
-        kept = kept_image_steps(partial_dir(path, plan.name), plan)
+    cache = PlanCache(path.parent)
+    for plan, claim_only in row_passes(row, cells_to_run(stored, plans, retry, cache), stored, cache):
+        kept = kept_for(partial_dir(path, plan.name), plan, cache)
         found += [c.work for c in cell_calls(row, plan, kept, claim_only) if c.work and c.work not in found]
     return found
 

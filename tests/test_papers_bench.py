@@ -455,7 +455,7 @@ def test_cells_persist_resume_and_a_changed_row_reruns_only_its_own(tmp_path, mo
 
     runs = []
 
-    def fake_run_cell(row, plan, partial=None, on_claim=None, claim_only=False, deadline=None):
+    def fake_run_cell(row, plan, partial=None, on_claim=None, claim_only=False, deadline=None, cache=None):
         runs.append((row.id, plan.name))
         return {"key": plan.key, "call": json.loads(json.dumps(plan.call)), "seconds": 1.0, "status": "complete",
                 "attacks": plan.call["attacks"], "evidence": _cell(2).to_dict()}
@@ -627,7 +627,7 @@ def test_cells_run_with_a_stale_search_are_not_shown_as_current(tmp_path):
 
 
 def test_a_row_with_cells_missing_counts_as_unfinished_whatever_its_cells_say(tmp_path, monkeypatch):
-    def fake_run_cell(row, plan, partial=None, on_claim=None, claim_only=False, deadline=None):
+    def fake_run_cell(row, plan, partial=None, on_claim=None, claim_only=False, deadline=None, cache=None):
         return {"key": plan.key, "call": json.loads(json.dumps(plan.call)), "seconds": 1.0, "status": "complete",
                 "attacks": plan.call["attacks"], "evidence": _cell(2).to_dict()}
 
@@ -708,7 +708,7 @@ def test_a_cell_run_with_an_attack_default_since_changed_is_rerun_and_marked_sta
 
     runs = []
 
-    def fake_run_cell(row, plan, partial=None, on_claim=None, claim_only=False, deadline=None):
+    def fake_run_cell(row, plan, partial=None, on_claim=None, claim_only=False, deadline=None, cache=None):
         runs.append(plan.name)
         ran = planned_now(plan.call) if plan.name == "planner" else ["ig"]  # what the planner plans today
         return {"key": plan.key, "call": json.loads(json.dumps(plan.call)), "seconds": 1.0, "status": "complete",
@@ -829,7 +829,7 @@ def test_a_claim_whose_steps_are_complete_is_judged_while_the_other_steps_run(tm
     row, profile = bp.BY_ID["bayes-ats"], bp.Profile("cpu")
     identified = {"n": 3}
 
-    def interrupted(row_, plan, partial=None, on_claim=None, claim_only=False, deadline=None):
+    def interrupted(row_, plan, partial=None, on_claim=None, claim_only=False, deadline=None, cache=None):
         on_claim(bp.claim_record(plan, ["ig"], _claim_evidence(identified["n"])))
         raise KeyboardInterrupt  # the sitting ends while steps 20 and 50 run
 
@@ -859,7 +859,7 @@ def test_a_claim_whose_steps_are_complete_is_judged_while_the_other_steps_run(tm
     # a claim record is not a finished cell: the next run runs the cell again
     ran = []
 
-    def finished(row_, plan, partial=None, on_claim=None, claim_only=False, deadline=None):
+    def finished(row_, plan, partial=None, on_claim=None, claim_only=False, deadline=None, cache=None):
         ran.append((plan.name, claim_only))
         if claim_only:
             return None
@@ -982,6 +982,7 @@ class _FakeEngine:
         monkeypatch.setattr(bp, "run_slice", self.run_slice)
         monkeypatch.setattr(bp, "_stored_evidence", lambda plan, key, steps: ({}, list(plan.call["attacks"]), _cell(2)))
         monkeypatch.setattr(bp, "model_health", _healthy_model)
+        monkeypatch.setattr("bench.papers_stale.planned_now", lambda call: ["ig"])  # the fake planner's pick
 
     def clock(self):
         return self.now
@@ -1221,3 +1222,35 @@ def test_a_stale_planner_cell_leaves_an_order_claim_decided_and_says_so_beside_i
     # a claim decided on every cell is stale with it
     protects = bp.BY_ID["censor-censor"]
     assert bp.decides(protects, "planner") and not bp.decides(row, "planner") and bp.decides(row, "paper:bayes-l2")
+
+
+def test_a_planner_cell_resumed_after_the_plan_grew_runs_the_new_attack_on_every_kept_image(tmp_path, monkeypatch):
+    """Kept image-steps lack an attack the planner plans now: they are not kept progress (the
+    engine reuses the other attacks' results and runs the new one), and a stale claim record
+    runs its claim's steps first again."""
+    from attacks.presets import defaults_fingerprint
+    from bench import papers_stale as ps
+
+    row, profile = bp.BY_ID["bayes-ats"], bp.Profile("cpu")
+    results = bp.results_path(tmp_path / "results", "cpu", "embedded", row)
+    planner = next(p for p in bp.plan_cells(row, profile, "embedded", {}, tmp_path / "out") if p.name == "planner")
+    picks = bp.partial_dir(results, planner.name) / "key"
+    picks.mkdir(parents=True)
+    for attack in ("ig", "bayes-optimal"):
+        (picks / f"s1__{attack}__i0.json").write_text(json.dumps({"defaults": defaults_fingerprint(attack)}))
+    monkeypatch.setattr(ps, "planned_now", lambda call: ["ig", "bayes-optimal", "spear"])
+    cache = ps.PlanCache(results.parent)
+    planned = bp.planned_attacks(planner, cache)
+    assert planned == ["ig", "bayes-optimal", "spear"]
+    assert bp.kept_image_steps(picks.parent, planner) == {(1, 0)}  # by the kept run's own attacks
+    assert bp.kept_image_steps(picks.parent, planner, planned) == set()  # spear still to run there
+    (picks / "s1__spear__i0.json").write_text(json.dumps({"defaults": defaults_fingerprint("spear")}))
+    assert bp.kept_image_steps(picks.parent, planner, planned) == bp.kept_for(picks.parent, planner, cache) == {(1, 0)}
+    paper = next(p for p in bp.plan_cells(row, profile, "embedded", {}, tmp_path / "out") if p.name == "paper:ig")
+    assert bp.planned_attacks(paper, cache) == []  # a cell that names its attacks plans nothing
+    record = bp.claim_record(planner, ["ig", "bayes-optimal"], _claim_evidence(0))
+    stored = {"cells": {"planner": record}}
+    assert bp.row_passes(row, [planner], stored) == [(planner, False)]  # its claim stored, as it ran
+    assert bp.row_passes(row, [planner], stored, cache) == [(planner, True), (planner, False)]  # stale: first
+    record["attacks"] = planned
+    assert bp.row_passes(row, [planner], stored, cache) == [(planner, False)]
