@@ -44,7 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from audit.engine.utility import PROTOCOL  # noqa: E402
 from bench.docs_table import ROOT, add_docs_option, command_line, without_options, write_table  # noqa: E402
-from bench.papers_stale import PlanCache, audit_of, cell_fingerprints, stale_attacks, stale_plan  # noqa: E402
+from bench.papers_stale import PlanCache, audit_of, cell_fingerprints, run_key, stale_attacks, stale_plan  # noqa: E402
 from bench.papers_verdict import (INCONCLUSIVE, LEVEL, NOT_RUN, CellEvidence, Conclusion,  # noqa: E402
                                   cell_evidence, conclude_chain, conclude_leaks, conclude_order, conclude_protects,
                                   conclude_steps, conclude_utility, control_from_report, identification_text,
@@ -945,12 +945,13 @@ def run_cell(row: Row, plan: CellPlan, partial: Optional[Path] = None,
         if call.claim:
             if on_claim is not None:
                 _, attacks, evidence = _stored_evidence(plan, report.data["run_key"], call.steps)
-                on_claim(claim_record(plan, attacks, with_control(evidence, report.data)))
+                on_claim({**claim_record(plan, attacks, with_control(evidence, report.data)),
+                          "run_key": report.data["run_key"]})
             if claim_only:
                 return None
     manifest, attacks, evidence = _stored_evidence(plan, report.data["run_key"], plan.steps)
     out = {"key": plan.key, "call": _jsonable(plan.call), "seconds": round(time.perf_counter() - started, 1),
-           "status": report.data["status"], "attacks": attacks}
+           "status": report.data["status"], "attacks": attacks, "run_key": report.data["run_key"]}
     if plan.name == "utility":
         out["utility"] = manifest.get("utility")
     else:
@@ -1464,11 +1465,13 @@ def adaptive_head(row: Row, run: Dict[str, Any]) -> str:
     return row.adaptive.label + (f" at budget {own:,}" if own != run["budget"] else "")
 
 
-def kept_image_steps(kept: Path, plan: CellPlan, planned: Sequence[str] = ()) -> Set[Tuple[int, int]]:
+def kept_image_steps(kept: Path, plan: CellPlan, planned: Sequence[str] = (),
+                     key: Optional[str] = None) -> Set[Tuple[int, int]]:
     """The (step, image) pairs of the cell that an unfinished run kept in ``kept`` (its partial
     folder) with every attack's result the cell's call reuses, as the engine decides by the
     store's own result names: run with the cell's settings of its attack and the attack's
-    current defaults, and not an error (retried); from the kept run with the most. A planner
+    current defaults, and not an error (retried); from the kept run with the most, or from the
+    run ``key`` alone where given (the engine's key for the call today, :func:`run_key`). A planner
     cell's attacks are those the kept run has results of and those it plans now (``planned``,
     :func:`planned_attacks`): an attack the planner added is still to run on every image."""
     import adaptive  # noqa: F401  (registers the adaptive attacks in ATTACKS)
@@ -1498,7 +1501,8 @@ def kept_image_steps(kept: Path, plan: CellPlan, planned: Sequence[str] = ()) ->
         return {(s, i) for s in steps for i in range(images)
                 if ran and all(reused(run / f"{result_id(s, a, i)}.json", a) for a in ran)}
 
-    return max((done(r) for r in sorted(kept.glob("*")) if r.is_dir()), key=len, default=set())
+    runs = [r for r in sorted(kept.glob("*")) if r.is_dir() and r.name != CONTROL_PARTIAL and key in (None, r.name)]
+    return max((done(r) for r in runs), key=len, default=set())
 
 
 def planned_attacks(plan: CellPlan, cache: Optional[PlanCache]) -> List[str]:
@@ -1508,10 +1512,11 @@ def planned_attacks(plan: CellPlan, cache: Optional[PlanCache]) -> List[str]:
 
 
 def kept_for(partial: Path, plan: CellPlan, cache: Optional[PlanCache]) -> Set[Tuple[int, int]]:
-    """:func:`kept_image_steps` with a planner cell's plan of now, probed only where a run is kept."""
+    """:func:`kept_image_steps` under the engine's run key of today, with a planner cell's plan of
+    now: both worked out only where a run is kept."""
     if not any(partial.glob("*/*.json")):
         return set()
-    return kept_image_steps(partial, plan, planned_attacks(plan, cache))
+    return kept_image_steps(partial, plan, planned_attacks(plan, cache), run_key(plan.call))
 
 
 def kept_progress(results: Path, plan: CellPlan, claim_judged: bool = False) -> str:
@@ -1520,7 +1525,7 @@ def kept_progress(results: Path, plan: CellPlan, claim_judged: bool = False) -> 
     steps of the row's claim complete (:func:`claim_record`; ``claim_judged``: they are, so the
     text says so)."""
     kept = partial_dir(results, plan.name)
-    best = len(kept_image_steps(kept, plan))
+    best = len(kept_for(kept, plan, None))
     if not best:
         return ""
     kept_text = (f"{best} of {len(plan.call['steps']) * int(plan.call['images'])} image-steps kept in "

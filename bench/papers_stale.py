@@ -14,7 +14,7 @@ import hashlib
 import json
 import tempfile
 from pathlib import Path
-from typing import Any, Dict, List, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
 #: the planner's source: a change here may change a plan, so every kept plan is checked again
@@ -56,6 +56,21 @@ def audit_of(call: Dict[str, Any], **overrides: Any) -> Any:
     settings = {**call, **overrides}
     defense, defense_args = settings.pop("defense"), settings.pop("defense_args", None)
     return Audit(defense, defense_args=defense_args, **audit_settings(**settings))
+
+
+def run_key(call: Dict[str, Any]) -> Optional[str]:
+    """The engine's run key for ``call`` today: the folder its results go to, which changes with
+    any input that changes a number (the defense's or model's code, a setting). Results kept
+    under another key are redone, never reused. None where the call cannot be built here (a
+    CUDA call on a machine without one)."""
+    from audit.core.errors import GiaError
+    from audit.report.store import settings_key
+
+    try:
+        with tempfile.TemporaryDirectory() as out:
+            return settings_key(audit_of(call, out=out).key_settings())
+    except GiaError:
+        return None
 
 
 def planned_now(call: Dict[str, Any]) -> List[str]:

@@ -760,7 +760,7 @@ def test_an_adaptive_cell_run_at_its_own_budget_says_so():
     assert bp.adaptive_head(replay, bp.run_setting(replay, cpu)) == replay.adaptive.label
 
 
-def test_a_cell_under_way_shows_what_the_repository_keeps_and_judges_nothing_from_it(tmp_path):
+def test_a_cell_under_way_shows_what_the_repository_keeps_and_judges_nothing_from_it(tmp_path, monkeypatch):
     row, profile = bp.BY_ID["bayes-ats"], bp.Profile("cpu")
     results = tmp_path / "results"
     plan = next(p for p in bp.plan_cells(row, profile, "embedded", {}, tmp_path / "out") if p.name == "paper:ig")
@@ -778,6 +778,9 @@ def test_a_cell_under_way_shows_what_the_repository_keeps_and_judges_nothing_fro
     (kept / "s3__ig__i0.json").write_text(current)  # a step the cell does not run
     (kept / "s1__ig__i99.json").write_text(current)  # an image beyond the cell's
     total = len(plan.call["steps"]) * plan.call["images"]
+    monkeypatch.setattr(bp, "run_key", lambda call: "oldkey")  # the engine's inputs changed since: none reused
+    assert bp.kept_progress(bp.results_path(results, "cpu", "embedded", row), plan) == ""
+    monkeypatch.setattr(bp, "run_key", lambda call: "otherkey" if "auto" in call["attacks"] else "somekey")
     assert bp.kept_progress(bp.results_path(results, "cpu", "embedded", row), plan).startswith(
         f"under way: 3 of {total} image-steps kept in ")
     planner = next(p for p in bp.plan_cells(row, profile, "embedded", {}, tmp_path / "out") if p.name == "planner")
@@ -983,6 +986,7 @@ class _FakeEngine:
         monkeypatch.setattr(bp, "_stored_evidence", lambda plan, key, steps: ({}, list(plan.call["attacks"]), _cell(2)))
         monkeypatch.setattr(bp, "model_health", _healthy_model)
         monkeypatch.setattr("bench.papers_stale.planned_now", lambda call: ["ig"])  # the fake planner's pick
+        monkeypatch.setattr(bp, "run_key", lambda call: "k")  # the fake's one run
 
     def clock(self):
         return self.now
@@ -1245,6 +1249,7 @@ def test_a_planner_cell_resumed_after_the_plan_grew_runs_the_new_attack_on_every
     assert bp.kept_image_steps(picks.parent, planner) == {(1, 0)}  # by the kept run's own attacks
     assert bp.kept_image_steps(picks.parent, planner, planned) == set()  # spear still to run there
     (picks / "s1__spear__i0.json").write_text(json.dumps({"defaults": defaults_fingerprint("spear")}))
+    monkeypatch.setattr(bp, "run_key", lambda call: "key")
     assert bp.kept_image_steps(picks.parent, planner, planned) == bp.kept_for(picks.parent, planner, cache) == {(1, 0)}
     paper = next(p for p in bp.plan_cells(row, profile, "embedded", {}, tmp_path / "out") if p.name == "paper:ig")
     assert bp.planned_attacks(paper, cache) == []  # a cell that names its attacks plans nothing
