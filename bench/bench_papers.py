@@ -725,10 +725,12 @@ PLANNER_ATTACKS = 6
 
 def image_evaluations(call: Dict[str, Any]) -> int:
     """What one image of the cell's audit call costs in gradient evaluations: every attack of the
-    call its budget (``auto``: :data:`PLANNER_ATTACKS` of them)."""
+    call its budget (``auto``: :data:`PLANNER_ATTACKS` of them), twice for a defended call, whose
+    positive control runs the same attacks' base forms on the same images at the same budget."""
     named = call.get("attacks") or ()
     attacks = max(1, len([a for a in named if a != "auto"]) + PLANNER_ATTACKS * ("auto" in named))
-    return attacks * max(1, int(call["budget"] or 1))
+    runs = 1 if call.get("defense") in (None, "none") else 2  # an undefended audit is its own control
+    return runs * attacks * max(1, int(call["budget"] or 1))
 
 
 def cell_slices(call: Dict[str, Any], claim: Sequence[int] = (),

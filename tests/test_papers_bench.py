@@ -340,7 +340,9 @@ def test_the_gpu_profile_runs_ats_and_refiner_on_the_papers_images(tmp_path):
         assert bp.label(row, bp.run_setting(row, cpu)) == f"scaled: {bp.run_setting(row, cpu)['images']} of " \
                                                            f"{row.setting.images:,} images", row.id
     ats = bp.gpu_slices(others["bayes-ats"], gpu, "embedded", {}, tmp_path, tmp_path)
-    assert len(ats) == 6 * 5 + 6 * 3  # 100 images at each of six steps: 22 a slice of IG, 36 of the planner's
+    # 100 images at each of six steps, each beside its positive control (the same attacks again,
+    # undefended): 11 a slice of IG, 18 of the planner's
+    assert len(ats) == 6 * 10 + 6 * 6
     assert bp.calls_needed(ats) == len(ats)  # no two of its slices fit one call
 
 
@@ -969,7 +971,8 @@ def test_the_gpu_plan_lists_slices_that_each_fit_one_call(tmp_path):
     assert sum(s.images for s in slices if s.cell == "paper:ig") == images
     text = bp.gpu_plan(slices)
     assert "censor-none paper:ig step 0 images 0-" in text
-    # 5 IG slices of 5.5 planned minutes (2 images each), then the planner's 2.8: one call each
+    # 5 IG slices of 5.5 planned minutes (2 images each), then the planner's 2.8: one call each (an
+    # undefended row is its own positive control: nothing runs twice)
     assert [s.minutes for s in slices] == pytest.approx([5.5] * 5 + [2.75])
     assert text.splitlines()[-1].startswith("slices: 6 left, ~30 planned minutes in 6 9-minute calls")
     assert bp.calls_needed([dataclasses.replace(s, minutes=2.0) for s in slices]) == 2  # three slices a call
@@ -1077,7 +1080,7 @@ def test_the_slices_a_gpu_call_runs_are_the_plans(tmp_path, monkeypatch):
     for cell in ("paper", "planner"):
         covered = [pair for store, pairs in _covers(plan) if store == cell for pair in pairs]
         assert sorted(covered) == [(s, i) for s in row.setting.steps for i in range(100)]
-    assert max(s.minutes for s in plan) <= bp.GPU_SLICE_MINUTES + 1e-9 and plan[0].images == 22
+    assert max(s.minutes for s in plan) <= bp.GPU_SLICE_MINUTES + 1e-9 and plan[0].images == 11
 
 
 def test_the_gpu_profile_stops_cleanly_when_no_slice_fits_its_call_minutes(tmp_path, monkeypatch, capsys):
