@@ -2018,7 +2018,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     def publish() -> None:
         if args.docs and not profile.shrunk:
             table, details = render_parts(page_rows, profile, data, data_args, root, out)
-            setting = (f"torch {torch.__version__}, {args.threads} thread(s), {device}; "
+            threads = "" if args.render else f"{args.threads} thread(s), "  # a render runs nothing
+            setting = (f"torch {torch.__version__}, {threads}{device}; "
                        f"{timing(page_rows, profile, data, data_args, root, out)}")
             command = command_line("bench_papers.py", page_command(argv))
             write_table(args.docs_page, args.docs, command, table, setting)
