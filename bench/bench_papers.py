@@ -1624,7 +1624,8 @@ def row_lines(row: Row, profile: Profile, data: str, data_args: Dict[str, Any], 
         return RowView(row, conclusion, label(row, run), ours, power, conclusion.text(),
                        base + [("Verdict", f"**{conclusion.text()}**")])
     results = results_path(root, profile.name, data, row)
-    progress = {p.name: kept_progress(results, p, p.name in claimed) for p in plans if cells.get(p.name) is None}
+    fresh = {n for n in claimed if not stale_cell((stored.get("cells") or {}).get(n) or {}, cache)}
+    progress = {p.name: kept_progress(results, p, p.name in fresh) for p in plans if cells.get(p.name) is None}
     # a cell under way shows its claim's evidence (``judged``) beside its progress
     paper_cell = "<br>".join(cell_text(judged.get(f"paper:{a.name}"), a.label, progress.get(f"paper:{a.name}", ""))
                              for a in row.attacks)
