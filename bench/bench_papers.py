@@ -947,8 +947,7 @@ def run_cell(row: Row, plan: CellPlan, partial: Optional[Path] = None,
         if call.claim:
             if on_claim is not None:
                 _, attacks, evidence = _stored_evidence(plan, report.data["run_key"], call.steps)
-                on_claim({**claim_record(plan, attacks, with_control(evidence, report.data)),
-                          "run_key": report.data["run_key"]})
+                on_claim(claim_record(plan, attacks, with_control(evidence, report.data), report.data["run_key"]))
             if claim_only:
                 return None
     manifest, attacks, evidence = _stored_evidence(plan, report.data["run_key"], plan.steps)
@@ -999,11 +998,14 @@ def run_control(row: Row, plan: CellPlan, cell: Dict[str, Any], partial: Optiona
     return {**cell, "evidence": evidence.to_dict(), "control_seconds": round(time.perf_counter() - started, 1)}
 
 
-def claim_record(plan: CellPlan, attacks: Sequence[str], evidence: CellEvidence) -> Dict[str, Any]:
+def claim_record(plan: CellPlan, attacks: Sequence[str], evidence: CellEvidence,
+                 run_key: Optional[str] = None) -> Dict[str, Any]:
     """What a cell under way stores once the steps of the row's claim are complete: the claim's
-    evidence (judged from it; the cell's other steps are still running), keyed as the cell is."""
+    evidence (judged from it; the cell's other steps are still running), keyed as the cell is,
+    with the engine's ``run_key`` it ran under."""
     return {"key": plan.key, "call": _jsonable(plan.call), "attacks": list(attacks),
-            "claim_evidence": evidence.to_dict(), "fingerprints": cell_fingerprints(plan.call, attacks)}
+            "claim_evidence": evidence.to_dict(), "fingerprints": cell_fingerprints(plan.call, attacks),
+            **({"run_key": run_key} if run_key else {})}
 
 
 #: the held-out grid search of the Bayes rows' attacks (the paper's App. A.3 searches the prior
@@ -1624,7 +1626,8 @@ def row_lines(row: Row, profile: Profile, data: str, data_args: Dict[str, Any], 
         return RowView(row, conclusion, label(row, run), ours, power, conclusion.text(),
                        base + [("Verdict", f"**{conclusion.text()}**")])
     results = results_path(root, profile.name, data, row)
-    fresh = {n for n in claimed if not stale_cell((stored.get("cells") or {}).get(n) or {}, cache)}
+    changed = {n: stale_cell((stored.get("cells") or {}).get(n) or {}, cache) for n in cells}
+    fresh = {n for n in claimed if not changed[n]}  # a stale claim's rerun is under way, not complete
     progress = {p.name: kept_progress(results, p, p.name in fresh) for p in plans if cells.get(p.name) is None}
     # a cell under way shows its claim's evidence (``judged``) beside its progress
     paper_cell = "<br>".join(cell_text(judged.get(f"paper:{a.name}"), a.label, progress.get(f"paper:{a.name}", ""))
@@ -1644,7 +1647,6 @@ def row_lines(row: Row, profile: Profile, data: str, data_args: Dict[str, Any], 
         verdict = f"judged at steps {', '.join(map(str, row.claim_steps))}: {verdict}"
     if stored.get("projection"):
         verdict += "; alpha: " + projection_text(stored["projection"])
-    changed = {n: stale_cell((stored.get("cells") or {}).get(n) or {}, cache) for n in cells}
     stale = sorted({a for n, why in changed.items() if decides(row, n) for a in why})
     aside = {n: f" Stale: {stale_text(why)}; running the row again redoes it." for n, why in changed.items()
              if why and not decides(row, n)}  # shown beside the verdict, which it does not decide
