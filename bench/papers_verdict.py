@@ -395,16 +395,18 @@ def conclude_leaks(cell: Optional[CellEvidence], at_paper_budget: bool,
     """The attack of ``cell`` identifies the private images. Where it does not, a leak shown by
     another of the row's cells (``others``: (name, cell), e.g. the planner's) confirms the
     claim that the defense leaks, and the conclusion names that cell. It does not hold only at
-    the paper's budget and where the cell's control recovers images (else inconclusive)."""
-    if cell is None:
-        return Conclusion(NOT_RUN)
-    if cell.above_chance():
+    the paper's budget and where the cell's control recovers images (else inconclusive). A leak
+    shown by another cell decides before ``cell`` has run: no outcome of it can undo a leak."""
+    if cell is not None and cell.above_chance():
         return Conclusion(HOLDS, f"{recovered_text(cell)}; {identification_text(cell)}", decided=True)
     for name, other in others:
         if other is not None and other.above_chance():
             who = f"{name} {other.strongest}" if other.strongest else name
+            paper = identification_text(cell) if cell is not None else "not run yet"
             return Conclusion(HOLDS, f"by {who}, {recovered_text(other)}; {identification_text(other)}; "
-                                     f"the paper's attack: {identification_text(cell)}", decided=True)
+                                     f"the paper's attack: {paper}", decided=True)
+    if cell is None:
+        return Conclusion(NOT_RUN)
     if cell.missing:
         return Conclusion(INCONCLUSIVE, f"evidence missing: {'; '.join(cell.missing[:2])}")
     if not at_paper_budget:

@@ -139,6 +139,10 @@ def test_a_leak_shown_by_another_cell_confirms_the_leak_claim_and_is_named():
     assert "the paper's attack: 1 of 16 identified" in held.detail
     # another cell at chance changes nothing; a missing one neither
     assert pv.conclude_leaks(_cell(0, control=6), True, [("the planner's", _cell(2)), ("x", None)]).outcome == pv.FAILS
+    # a leak decides before the paper's attack has run; no leak yet leaves the claim not run
+    early = pv.conclude_leaks(None, True, [("the planner's", _cell(13))])
+    assert early.outcome == pv.HOLDS and early.decided and "the paper's attack: not run yet" in early.detail
+    assert pv.conclude_leaks(None, True, [("the planner's", _cell(2))]).outcome == pv.NOT_RUN
 
 
 def test_a_claim_about_early_steps_is_judged_on_those_steps_alone():
