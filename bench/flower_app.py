@@ -171,6 +171,7 @@ def main(argv=None) -> None:
 
 
 def _table(reports) -> str:
+    from audit.report.control import POWER_ADVICE
     from audit.report.format import fmt, risk_text, verdict_text
 
     rows = ["| described training | round | fidelity (real reply vs replay) | worst-case PSNR (dB) | "
@@ -184,9 +185,11 @@ def _table(reports) -> str:
             wc, eps = step["worst_case"], spent.get(step["step"])
             rows.append(f"| {described} | {step['step']} | {fidelity.get(step['step'], 'n/a')} | "
                         f"{fmt('psnr', wc['psnr'])} | {fmt('psnr', wc.get('psnr_max'))} | {risk_text(step['risk'])} | "
-                        f"{'n/a' if eps is None else f'{eps:.3g}'} | {verdict_text(step['verdict'])} |")
+                        f"{'n/a' if eps is None else f'{eps:.3g}'} | "
+                        f"{verdict_text(step['verdict']).replace('; ' + POWER_ADVICE, '')} |")
     overall = "; ".join(f"{t}: {r.data['verdict']['label']} ({r.data['status']})" for t, r in reports.items())
-    return "\n".join(rows) + f"\n\nOverall: {overall}."
+    advice = any(POWER_ADVICE in verdict_text(s["verdict"]) for r in reports.values() for s in r.steps)
+    return "\n".join(rows) + f"\n\nOverall: {overall}." + (f" Where the attacks lack power: {POWER_ADVICE}." if advice else "")
 
 
 if __name__ == "__main__":

@@ -393,6 +393,12 @@ def test_no_recovered_image_needs_a_control_that_recovers_the_same_images():
     assert weak.verdict == INCONCLUSIVE and weak.step(0)["verdict"]["label"] == INCONCLUSIVE
     assert "recover none of these 3 images without the defense at budget 200" in weak.step(0)["verdict"]["reason"]
     assert "--budget" in weak.summary() and "no recovered image" not in weak.summary().splitlines()[-1]
+    # an attack that does not apply to the model is named apart, never as one that recovered none
+    info, none = _control(images=3, psnr=12.0)
+    info["attacks"] = ["ig", "analytic"]
+    skipped = none + [_rec(0, "analytic", i, "not_applicable") for i in range(3)]
+    reason = _report(unrecovered, images=3, attacks=("ig",), control=(info, skipped)).step(0)["verdict"]["reason"]
+    assert reason.startswith("attack power: ig (analytic: not applicable to this model) recover none of these 3")
     # no control stored, or a control that failed: incomplete
     assert _report(unrecovered, images=3, attacks=("ig",), control=None).verdict == INCOMPLETE
     info, records = _control(images=3)

@@ -63,7 +63,9 @@ def build_report(manifest: Dict[str, Any], records: Sequence[Any],
         control_by_step = _by_step([AttackResult.from_dict(r) for r in control_records])
         for step in manifest["steps"]:
             mine = {a: control_by_step[step].get(a, []) for a in info.get("attacks", [])}
-            controls[step] = judge_step(mine, images, thresholds, nulls)
+            controls[step] = {**judge_step(mine, images, thresholds, nulls),
+                              "not_applicable": [a for a, recs in mine.items()
+                                                 if recs and all(status_of(r) == "not_applicable" for r in recs)]}
     judge_with_control(steps, controls, info, thresholds)
     effect = (manifest.get("threat_model") or {}).get("buffers")
     for step in steps:  # what the uploaded buffers did for this step's verdict (shares="state")

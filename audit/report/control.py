@@ -38,10 +38,12 @@ def _recovered(per_image: Sequence[Dict[str, Any]]) -> Dict[Image, bool]:
 def control_summary(judged: Optional[Dict[str, Any]], info: Dict[str, Any], rule: LeakRule) -> Dict[str, Any]:
     """The control of one step for the report: ``available``, its label, ``k of n`` recovered
     with the interval, the images it recovered, its budget and attacks (``info``: the manifest's
-    ``control`` entry); ``judged``: ``judge_step``'s output on the control's records (None:
-    no control was run)."""
+    ``control`` entry); ``judged``: ``judge_step``'s output on the control's records with the
+    attacks that did not apply (``not_applicable``; None: no control was run)."""
     base = {"budget": info.get("budget"), "attacks": list(info.get("attacks") or []),
             "description": info.get("description", "")}
+    if judged is not None and judged.get("not_applicable"):
+        base["not_applicable"] = list(judged["not_applicable"])
     if judged is None:
         return {**base, "available": False, "reason": info.get("unavailable") or "no positive control was stored "
                 "for this audit; rerun the audit command to compute it"}
@@ -91,10 +93,12 @@ def controlled_verdict(verdict: Dict[str, Any], per_image: Sequence[Dict[str, An
                                             f"{control.get('reason', 'not run')}")
         return out
     if not control["recovered"]:
-        attacks = ", ".join(control.get("attacks") or []) or "the attacks"
+        skipped = control.get("not_applicable") or []
+        attacks = ", ".join(a for a in control.get("attacks") or [] if a not in skipped) or "the attacks"
+        aside = f" ({', '.join(skipped)}: not applicable to this model)" if skipped else ""
         out.update(label=INCONCLUSIVE, attack_power=False, reason=(
-            f"attack power: {attacks} recover none of these {control['images']} images without the defense at "
-            f"budget {control.get('budget')}; {POWER_ADVICE}"))
+            f"attack power: {attacks}{aside} recover none of these {control['images']} images without the "
+            f"defense at budget {control.get('budget')}; {POWER_ADVICE}"))
         return out
     if effect is None:
         out.update(label=INCOMPLETE, reason="no recovered image, but no image was judged by both the defended run "
