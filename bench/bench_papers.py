@@ -44,7 +44,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from audit.engine.utility import PROTOCOL  # noqa: E402
 from bench.docs_table import ROOT, add_docs_option, command_line, without_options, write_table  # noqa: E402
-from bench.papers_stale import PlanCache, audit_of, cell_fingerprints, run_key, stale_attacks, stale_plan  # noqa: E402
+from bench.papers_stale import (KEY_CHANGED, PlanCache, audit_of, cell_fingerprints, run_key,  # noqa: E402
+                                 stale_attacks, stale_key, stale_plan)
 from bench.papers_verdict import (INCONCLUSIVE, LEVEL, NOT_RUN, CellEvidence, Conclusion,  # noqa: E402
                                   cell_evidence, conclude_chain, conclude_leaks, conclude_order, conclude_protects,
                                   conclude_steps, conclude_utility, control_from_report, identification_text,
@@ -1300,16 +1301,18 @@ def cells_to_run(stored: Dict[str, Any], plans: Sequence[CellPlan], retry: bool 
 
 def stale_cell(cell: Dict[str, Any], cache: Optional[PlanCache]) -> List[str]:
     """Why a stored cell no longer runs what the tool runs ([] where it does): each attack
-    whose defaults changed, and (``cache`` given) each change of the planner's plan."""
-    return stale_attacks(cell) + (stale_plan(cell, cache) if cache is not None else [])
+    whose defaults changed, a changed engine run key (:func:`stale_key`) and (``cache`` given)
+    each change of the planner's plan."""
+    return stale_attacks(cell) + stale_key(cell) + (stale_plan(cell, cache) if cache is not None else [])
 
 
 def stale_text(changes: Sequence[str]) -> str:
     """:func:`stale_cell`'s changes in words."""
     moved = [c for c in changes if c[:1] in "+-"]
-    defaults = [c for c in changes if c not in moved]
+    defaults = [c for c in changes if c not in moved and c != KEY_CHANGED]
     parts = ([f"the defaults of {', '.join(defaults)} changed"] if defaults else []) + (
-        [f"the planner's plan changed ({', '.join(moved)})"] if moved else [])
+        [f"the planner's plan changed ({', '.join(moved)})"] if moved else []) + (
+        ["the engine's inputs changed (a defense's or model's code, a setting)"] if KEY_CHANGED in changes else [])
     return " and ".join(parts) + " since these cells ran"
 
 

@@ -1,9 +1,10 @@
 """When a stored cell of the papers bench no longer runs what the tool runs now.
 
-Two ways: an attack's defaults changed since the cell ran (its settings' fingerprint,
-:func:`attacks.presets.settings_fingerprint`), or the cell is a planner cell (its call's
-attacks hold ``auto``) and the planner now plans other attacks for the same call (a new rule,
-a new trait). The planner's plan for a call is kept in the results folder's ``plans.json``,
+Three ways: an attack's defaults changed since the cell ran (its settings' fingerprint,
+:func:`attacks.presets.settings_fingerprint`); the cell is a planner cell (its call's attacks
+hold ``auto``) and the planner now plans other attacks for the same call (a new rule, a new
+trait); or the engine's run key for the cell's call changed (the defense's or model's code, a
+setting: :func:`stale_key`, where the cell recorded the key it ran under). The planner's plan for a call is kept in the results folder's ``plans.json``,
 keyed by the call and the planner's source, so the page renders without probing every
 defense again, and a changed planner is probed anew.
 """
@@ -71,6 +72,27 @@ def run_key(call: Dict[str, Any]) -> Optional[str]:
             return settings_key(audit_of(call, out=out).key_settings())
     except GiaError:
         return None
+
+
+#: :func:`stale_key`'s change: the engine's run key for the cell's call is not the one it ran under
+KEY_CHANGED = "=engine key"
+_KEYS: Dict[str, Optional[str]] = {}
+
+
+def stale_key(cell: Dict[str, Any]) -> List[str]:
+    """``[KEY_CHANGED]`` where a stored cell recorded the engine's run key it ran under and the
+    key for its call today differs ([] where equal, unrecorded or not computable here: a CUDA
+    call on a machine without one). Each call's key is worked out once per process (it builds
+    the audit: a fraction of a second after the first)."""
+    recorded = cell.get("run_key")
+    if not recorded:
+        return []
+    call = cell.get("call") or {}
+    where = json.dumps({k: v for k, v in call.items() if k != "out"}, sort_keys=True, default=str)
+    if where not in _KEYS:
+        _KEYS[where] = run_key(call)
+    now = _KEYS[where]
+    return [KEY_CHANGED] if now is not None and now != recorded else []
 
 
 def planned_now(call: Dict[str, Any]) -> List[str]:

@@ -994,6 +994,8 @@ class _FakeEngine:
         monkeypatch.setattr(bp, "model_health", _healthy_model)
         monkeypatch.setattr("bench.papers_stale.planned_now", lambda call: ["ig"])  # the fake planner's pick
         monkeypatch.setattr(bp, "run_key", lambda call: "k")  # the fake's one run
+        monkeypatch.setattr("bench.papers_stale.run_key", lambda call: "k")
+        monkeypatch.setattr("bench.papers_stale._KEYS", {})
 
     def clock(self):
         return self.now
@@ -1183,6 +1185,30 @@ def test_a_planner_cell_is_stale_once_the_planner_plans_other_attacks(tmp_path, 
     assert ps.PlanCache(tmp_path).plan(call) == now
     monkeypatch.setattr(ps, "planner_source", lambda: "changed")
     assert ps.PlanCache(tmp_path).plan(call) == ["ig"]
+
+
+def test_a_cell_that_ran_under_another_engine_key_is_stale_and_rerun(tmp_path):
+    """A stored cell records the engine's run key it ran under; once the key for its call
+    differs (the defense's code, a setting), the cell is stale and rerun; an unrecorded key is
+    not judged stale."""
+    from bench import papers_stale as ps
+
+    row = bp.BY_ID["censor-none"]
+    plan = next(p for p in bp.plan_cells(row, bp.Profile("quick"), "embedded", {}, tmp_path / "out")
+                if p.name == "paper:ig")
+    call = json.loads(json.dumps(plan.call))
+    today = ps.run_key(call)
+    assert today and today == ps.run_key({**call, "out": str(tmp_path / "elsewhere")})  # the folder is no setting
+    cell = {"key": plan.key, "call": call, "attacks": ["ig"], "fingerprints": ps.cell_fingerprints(call, ["ig"]),
+            "run_key": today, "evidence": {"steps": [0], "missing": [], "control": {"0": {"recovered": 1}}}}
+    assert bp.stale_cell(cell, None) == [] and bp.cells_to_run({"cells": {plan.name: cell}}, [plan]) == []
+    older = {**cell, "run_key": "0123456789ab"}
+    assert bp.stale_cell(older, None) == [ps.KEY_CHANGED]
+    assert bp.cells_to_run({"cells": {plan.name: older}}, [plan]) == [plan]
+    assert "the engine's inputs changed" in bp.stale_text(bp.stale_cell(older, None))
+    # the key follows what changes a number: another defense setting gives another key
+    assert ps.run_key({**call, "seed": call.get("seed", 0) + 1}) != today
+    assert bp.stale_cell({k: v for k, v in older.items() if k != "run_key"}, None) == []
 
 
 def test_a_cell_stored_without_its_control_gains_the_same_control_alone(tmp_path, monkeypatch):
