@@ -1784,7 +1784,7 @@ def _tally(outcome: str, count: int) -> str:
 
 
 def timing(rows: Sequence[Row], profile: Profile, data: str, data_args: Dict[str, Any], root: Path, out: Path) -> str:
-    seconds, done, total, stale = 0.0, 0, 0, 0
+    seconds, done, total, stale, keyed = 0.0, 0, 0, 0, 0
     for row in rows:
         stored, cells, _ = stored_cells(row, profile, data, data_args, root, out)
         total += len(cells)
@@ -1794,9 +1794,11 @@ def timing(rows: Sequence[Row], profile: Profile, data: str, data_args: Dict[str
                 cell = (stored.get("cells") or {}).get(name) or {}
                 seconds += float(cell.get("seconds") or 0.0)
                 stale += bool(stale_cell(cell, PlanCache(results_path(root, profile.name, data, row).parent)))
+                keyed += bool(cell.get("run_key"))
         seconds += float((stored.get("search") or {}).get("seconds") or 0.0)
     return (f"{done} of {total} cells stored" + (f" ({stale} stale)" if stale else "")
-            + f", {seconds / 60:.1f} min of runs in all")
+            + f", {keyed} of them checked against the engine's run key today (the others ran before cells "
+              f"recorded it), {seconds / 60:.1f} min of runs in all")
 
 
 #: ms per image per gradient evaluation of IG on an H100 (``docs/gpu-turn.md``: the audit's grouped
