@@ -293,10 +293,10 @@ def test_each_row_is_labelled_by_how_far_it_is_from_the_paper():
         assert bp.label(row, run) == bp.AT_PAPER and run["budget"] == 200 and run["images"] == 100
     assert bp.label(bp.BY_ID["bayes-soteria"], bp.run_setting(bp.BY_ID["bayes-soteria"], cpu)) == bp.AT_PAPER
     censor = bp.BY_ID["censor-none"]
-    ats_row = bp.BY_ID["bayes-ats"]  # every step of the paper's Fig. 6 at 2,000 iterations, 8 of its 100 images
+    ats_row = bp.BY_ID["bayes-ats"]  # the claim's steps of Fig. 6 at 2,000 iterations, 8 of its 100 images
     ats = bp.run_setting(ats_row, cpu)
-    assert bp.label(ats_row, ats) == "scaled: 8 of 100 images"
-    assert ats["steps"] == [1, 2, 5, 10, 20, 50]
+    assert bp.label(ats_row, ats) == "scaled: steps 1, 2, 5, 10 of 1, 2, 5, 10, 20, 50; 8 of 100 images"
+    assert ats["steps"] == [1, 2, 5, 10] and bp.run_setting(ats_row, gpu)["steps"] == [1, 2, 5, 10, 20, 50]
     # the authors' code attacks the model in eval mode and trains it between steps with
     # inversefed's SGD: every cell of the row runs its client and its training so
     ats_cells = bp.plan_cells(ats_row, cpu, "embedded", {}, Path("/x"))
@@ -341,8 +341,8 @@ def test_the_gpu_profile_runs_ats_and_refiner_on_the_papers_images(tmp_path):
     for row in others.values():
         run = bp.run_setting(row, gpu)
         assert run["images"] == row.setting.images in (100, 1000) and bp.label(row, run) == bp.AT_PAPER, row.id
-        assert bp.label(row, bp.run_setting(row, cpu)) == f"scaled: {bp.run_setting(row, cpu)['images']} of " \
-                                                           f"{row.setting.images:,} images", row.id
+        assert bp.label(row, bp.run_setting(row, cpu)).endswith(f"{bp.run_setting(row, cpu)['images']} of "
+                                                               f"{row.setting.images:,} images"), row.id
     ats = bp.gpu_slices(others["bayes-ats"], gpu, "embedded", {}, tmp_path, tmp_path)
     # 100 images at each of six steps, each beside its positive control (the same attacks again,
     # undefended): 11 a slice of IG, 18 of the planner's
@@ -809,9 +809,11 @@ def test_the_steps_of_a_claim_run_first_and_are_gathered_on_their_own():
     assert {s for steps, _ in slices[:gather] for s in steps} == {1, 2, 5, 10}  # every claim step before it
     assert ([10], 8) in slices[:gather] and ([20], 2) == slices[gather + 1] and slices[-1] == (call["steps"], 8)
     assert bp.cell_slices(call, [1, 2, 5, 10, 20, 50]) == bp.cell_slices(call)  # the claim is every step
-    row = bp.BY_ID["bayes-ats"]
-    plans = {p.name: p for p in bp.plan_cells(row, bp.Profile("cpu"), "embedded", {}, Path("/x"))}
+    row = bp.BY_ID["bayes-ats"]  # the gpu profile runs steps 20 and 50 beside the claim's
+    plans = {p.name: p for p in bp.plan_cells(row, bp.Profile("gpu"), "embedded", {}, Path("/x"))}
     assert bp.claim_of(row, plans["paper:ig"]) == bp.claim_of(row, plans["planner"]) == [1, 2, 5, 10]
+    cpu = {p.name: p for p in bp.plan_cells(row, bp.Profile("cpu"), "embedded", {}, Path("/x"))}
+    assert bp.claim_of(row, cpu["paper:ig"]) == []  # the cpu profile runs the claim's steps alone
     assert bp.claim_of(bp.BY_ID["censor-none"], plans["paper:ig"]) == []
 
 
@@ -835,7 +837,7 @@ def _healthy_model(call):
 def test_a_claim_whose_steps_are_complete_is_judged_while_the_other_steps_run(tmp_path, monkeypatch):
     """A cell stores its claim's evidence as soon as those steps finish; a leak shown there is
     the verdict (nothing still to come undoes a leak), a cell at chance waits for the others."""
-    row, profile = bp.BY_ID["bayes-ats"], bp.Profile("cpu")
+    row, profile = bp.BY_ID["bayes-ats"], bp.Profile("gpu")
     identified = {"n": 3}
 
     def interrupted(row_, plan, partial=None, on_claim=None, claim_only=False, deadline=None, cache=None):
@@ -847,7 +849,7 @@ def test_a_claim_whose_steps_are_complete_is_judged_while_the_other_steps_run(tm
     monkeypatch.setattr("bench.papers_stale.planned_now", lambda call: ["ig"])  # the plan these cells record
     with pytest.raises(KeyboardInterrupt):
         bp.run_row(row, profile, "embedded", {}, tmp_path / "out", tmp_path / "results")
-    stored = json.loads(bp.results_path(tmp_path / "results", "cpu", "embedded", row).read_text())
+    stored = json.loads(bp.results_path(tmp_path / "results", "gpu", "embedded", row).read_text())
     assert set(stored["cells"]) == {"paper:ig"} and "claim_evidence" in stored["cells"]["paper:ig"]
     page = bp.render([row], profile, "embedded", {}, tmp_path / "results", tmp_path / "out")
     assert "**judged at steps 1, 2, 5, 10: the claim holds (" in page
@@ -887,7 +889,7 @@ def test_a_cell_hands_over_its_claims_evidence_when_those_steps_are_complete(mon
     import audit
 
     row = bp.BY_ID["bayes-ats"]
-    plan = next(p for p in bp.plan_cells(row, bp.Profile("cpu"), "embedded", {}, Path("/x")) if p.name == "paper:ig")
+    plan = next(p for p in bp.plan_cells(row, bp.Profile("gpu"), "embedded", {}, Path("/x")) if p.name == "paper:ig")
     calls, handed = [], []
 
     class Report:
@@ -896,12 +898,13 @@ def test_a_cell_hands_over_its_claims_evidence_when_those_steps_are_complete(mon
     monkeypatch.setattr(audit, "run", lambda **call: (calls.append((call["steps"], call["images"])), Report())[1])
     monkeypatch.setattr(bp, "_stored_evidence", lambda plan_, key, steps: ({}, ["ig"], _claim_evidence(2, tuple(steps))))
     assert bp.run_cell(row, plan, None, handed.append, claim_only=True) is None
-    assert calls[-1] == ([1, 2, 5, 10], 8) and all(s[0] in (1, 2, 5, 10) for s, _ in calls)
+    images = plan.call["images"]  # the paper's 100
+    assert calls[-1] == ([1, 2, 5, 10], images) and all(s[0] in (1, 2, 5, 10) for s, _ in calls)
     assert len(handed) == 1 and handed[0]["key"] == plan.key
     assert pv.CellEvidence.from_dict(handed[0]["claim_evidence"]).steps == [1, 2, 5, 10]
     calls.clear()
     whole = bp.run_cell(row, plan, None, handed.append)
-    assert calls[-1] == ([1, 2, 5, 10, 20, 50], 8) and ([50], 8) in calls and len(handed) == 2
+    assert calls[-1] == ([1, 2, 5, 10, 20, 50], images) and ([50], images) in calls and len(handed) == 2
     assert whole["key"] == plan.key and "claim_evidence" not in whole and whole["evidence"]["steps"] == [1, 2, 5, 10, 20, 50]
 
 
@@ -1268,8 +1271,8 @@ def test_a_planner_cell_resumed_after_the_plan_grew_runs_the_new_attack_on_every
     from attacks.presets import defaults_fingerprint
     from bench import papers_stale as ps
 
-    row, profile = bp.BY_ID["bayes-ats"], bp.Profile("cpu")
-    results = bp.results_path(tmp_path / "results", "cpu", "embedded", row)
+    row, profile = bp.BY_ID["bayes-ats"], bp.Profile("gpu")
+    results = bp.results_path(tmp_path / "results", "gpu", "embedded", row)
     planner = next(p for p in bp.plan_cells(row, profile, "embedded", {}, tmp_path / "out") if p.name == "planner")
     picks = bp.partial_dir(results, planner.name) / "key"
     picks.mkdir(parents=True)
