@@ -4,9 +4,10 @@ Three ways: an attack's defaults changed since the cell ran (its settings' finge
 :func:`attacks.presets.settings_fingerprint`); the cell is a planner cell (its call's attacks
 hold ``auto``) and the planner now plans other attacks for the same call (a new rule, a new
 trait); or the engine's run key for the cell's call changed (the defense's or model's code, a
-setting: :func:`stale_key`, where the cell recorded the key it ran under). The planner's plan for a call is kept in the results folder's ``plans.json``,
-keyed by the call and the planner's source, so the page renders without probing every
-defense again, and a changed planner is probed anew.
+setting: :func:`stale_key`, where the cell recorded the key it ran under). The planner's plan
+for a call is kept in the results folder's ``plans.json``, keyed by the call and the planner's
+source, so the page renders without probing every defense again, and a changed planner is
+probed anew.
 """
 
 from __future__ import annotations
@@ -88,7 +89,7 @@ def stale_key(cell: Dict[str, Any]) -> List[str]:
     if not recorded:
         return []
     call = cell.get("call") or {}
-    where = json.dumps({k: v for k, v in call.items() if k != "out"}, sort_keys=True, default=str)
+    where = PlanCache.key(call)
     if where not in _KEYS:
         _KEYS[where] = run_key(call)
     now = _KEYS[where]
