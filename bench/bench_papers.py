@@ -38,7 +38,7 @@ import textwrap
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Collection, Dict, List, Optional, Sequence, Set, Tuple
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -834,25 +834,30 @@ def _stored_evidence(plan: CellPlan, run_key: str, steps: Sequence[int]) -> Tupl
 class CellCall:
     """One audit call of a cell (:func:`cell_slices`): its steps and image count; ``work``: the
     slice of images it attacks that no kept result covers (None: it attacks nothing new);
-    ``claim``: it completes the steps of the row's claim; ``whole``: the cell's last call."""
+    ``claim``: it completes the steps of the row's claim; ``whole``: the cell's last call;
+    ``step``: of a row judged step by step, the claim's step whose images it completes and whose
+    evidence is not stored yet (its report is read and kept, :func:`step_record`)."""
 
     steps: List[int]
     images: int
     work: Optional["GpuSlice"]
     claim: bool
     whole: bool
+    step: Optional[int] = None
 
     @property
     def needed(self) -> bool:
         """Whether the call must run: it attacks something, or its report is read."""
-        return self.work is not None or self.claim or self.whole
+        return self.work is not None or self.claim or self.whole or self.step is not None
 
 
 def cell_calls(row: Row, plan: CellPlan, kept: Set[Tuple[int, int]] = frozenset(),
-               claim_only: bool = False) -> List[CellCall]:
+               claim_only: bool = False, stepped: Collection[int] = ()) -> List[CellCall]:
     """The cell's audit calls in order, each with the slice of new work it does given the
     image-steps ``kept`` (each call of one step attacks the images after its step's previous
-    call, up to its count); ``claim_only``: up to the call that completes the claim's steps."""
+    call, up to its count); ``claim_only``: up to the call that completes the claim's steps.
+    A row judged step by step reads each claim step's evidence as its images complete, where
+    it is not stored already (``stepped``)."""
     claim, total = claim_of(row, plan), int(plan.call["images"])
     slices = cell_slices(plan.call, claim, slice_evaluations(plan))
     per_image, covered, calls = image_minutes(plan.call), {}, []
@@ -865,7 +870,9 @@ def cell_calls(row: Row, plan: CellPlan, kept: Set[Tuple[int, int]] = frozenset(
                 work = GpuSlice(row.id, plan.name, steps[0], first, images - first, new * per_image)
             covered[steps[0]] = max(first, images)
         completes = bool(claim) and steps == claim and images == total
-        calls.append(CellCall(steps, images, work, completes, i == len(slices) - 1))
+        step = steps[0] if (row.per_step and len(steps) == 1 and images == total and steps[0] in row.claim_steps
+                            and steps[0] not in stepped) else None
+        calls.append(CellCall(steps, images, work, completes, i == len(slices) - 1, step))
         if completes and claim_only:
             break
     return calls
@@ -923,12 +930,15 @@ def run_slice(call: Dict[str, Any], steps: Sequence[int], images: int) -> Any:
 def run_cell(row: Row, plan: CellPlan, partial: Optional[Path] = None,
              on_claim: Optional[Callable[[Dict[str, Any]], None]] = None,
              claim_only: bool = False, deadline: Optional[Deadline] = None,
-             cache: Optional[PlanCache] = None) -> Optional[Dict[str, Any]]:
+             cache: Optional[PlanCache] = None, on_step: Optional[Callable[[Dict[str, Any]], None]] = None,
+             stepped: Collection[int] = ()) -> Optional[Dict[str, Any]]:
     """Run (or resume) the cell's audit, call by call (:func:`cell_calls`), keeping each call's
     results under ``partial`` before the next starts and skipping the slices whose results it
     kept; its evidence from the engine's store. Where the row's claim is about some of the
     cell's steps, ``on_claim`` receives the record of the claim's evidence (:func:`claim_record`)
-    as soon as those steps are complete; ``claim_only`` stops there (returns None). Under a
+    as soon as those steps are complete; ``claim_only`` stops there (returns None). A row judged
+    step by step gives ``on_step`` the record of each claim step's evidence as the step's images
+    complete (:func:`step_record`; ``stepped``: the steps already stored). Under a
     ``deadline`` a slice that does not fit raises :class:`CallOver` before it starts. A planner
     cell's attacks planned now (kept in ``cache``) run on every kept image-step lacking them."""
     started = time.perf_counter()
@@ -936,7 +946,7 @@ def run_cell(row: Row, plan: CellPlan, partial: Optional[Path] = None,
     if partial is not None and restore_partial(partial, out_dir):
         print(f"    resumed from {partial}", flush=True)
     kept = kept_for(partial, plan, cache) if partial is not None else set()
-    for call in cell_calls(row, plan, kept, claim_only):
+    for call in cell_calls(row, plan, kept, claim_only, stepped):
         if not call.needed:
             continue
         if deadline is not None:
@@ -946,6 +956,9 @@ def run_cell(row: Row, plan: CellPlan, partial: Optional[Path] = None,
             keep_partial(out_dir, report.data["run_key"], partial, report.data.get("control"))
         if deadline is not None:
             deadline.finished(call.work)
+        if call.step is not None and on_step is not None:
+            _, attacks, evidence = _stored_evidence(plan, report.data["run_key"], [call.step])
+            on_step(step_record(plan, attacks, call.step, with_control(evidence, report.data), report.data["run_key"]))
         if call.claim:
             if on_claim is not None:
                 _, attacks, evidence = _stored_evidence(plan, report.data["run_key"], call.steps)
@@ -1008,6 +1021,50 @@ def claim_record(plan: CellPlan, attacks: Sequence[str], evidence: CellEvidence,
     return {"key": plan.key, "call": _jsonable(plan.call), "attacks": list(attacks),
             "claim_evidence": evidence.to_dict(), "fingerprints": cell_fingerprints(plan.call, attacks),
             **({"run_key": run_key} if run_key else {})}
+
+
+def step_record(plan: CellPlan, attacks: Sequence[str], step: int, evidence: CellEvidence,
+                run_key: Optional[str] = None) -> Dict[str, Any]:
+    """What a cell under way of a row judged step by step stores as one claim step's images
+    complete: that step's evidence (``step_evidence``, joined with the steps stored before it
+    under the same keys by :func:`add_step`), keyed as the cell is."""
+    return {"key": plan.key, "call": _jsonable(plan.call), "attacks": list(attacks),
+            "step_evidence": {str(step): evidence.to_dict()}, "fingerprints": cell_fingerprints(plan.call, attacks),
+            **({"run_key": run_key} if run_key else {})}
+
+
+def add_step(old: Dict[str, Any], record: Dict[str, Any]) -> Dict[str, Any]:
+    """The cell's stored record once :func:`step_record`'s ``record`` is added: joined with the
+    steps ``old`` stores under the same cell key, engine run key and attacks; a record of the
+    claim's steps or the whole cell is kept as it is."""
+    if (old.get("key"), old.get("run_key")) == (record["key"], record.get("run_key")) and (
+            "evidence" in old or "claim_evidence" in old):
+        return old
+    same = all(old.get(k) == record.get(k) for k in ("key", "run_key", "attacks"))
+    if same and old.get("step_evidence"):
+        return {**record, "step_evidence": {**old["step_evidence"], **record["step_evidence"]}}
+    return record
+
+
+def stored_steps(cell: Dict[str, Any], plan: CellPlan) -> List[int]:
+    """The claim steps whose evidence the cell's record stores under the cell's current key."""
+    if cell.get("key") != plan.key:
+        return []
+    if cell.get("claim_evidence"):
+        return list(cell["claim_evidence"]["steps"])
+    return sorted(int(s) for s in cell.get("step_evidence") or {})
+
+
+def step_cells(stored: Dict[str, Any], plans: Sequence[CellPlan]) -> Dict[str, CellEvidence]:
+    """Per cell under way of a row judged step by step, the evidence of the claim steps whose
+    images are complete (:func:`step_record`, under the cell's current key), joined."""
+    out = {}
+    for plan in plans:
+        cell = (stored.get("cells") or {}).get(plan.name) or {}
+        if cell.get("key") == plan.key and cell.get("step_evidence"):
+            out[plan.name] = CellEvidence.joined([CellEvidence.from_dict(e) for _, e in sorted(
+                cell["step_evidence"].items(), key=lambda item: int(item[0]))])
+    return out
 
 
 #: the held-out grid search of the Bayes rows' attacks (the paper's App. A.3 searches the prior
@@ -1262,6 +1319,12 @@ def run_row(row: Row, profile: Profile, data: str, data_args: Dict[str, Any], ou
             save_results(path, stored)
         return keep_claim
 
+    def keep_step(plan: CellPlan) -> Callable[[Dict[str, Any]], None]:
+        def kept(record: Dict[str, Any]) -> None:
+            stored["cells"][plan.name] = add_step(stored["cells"].get(plan.name) or {}, record)
+            save_results(path, stored)
+        return kept
+
     cache = PlanCache(path.parent)
     for plan, claim_only in row_passes(row, cells_to_run(stored, plans, retry, cache), stored, cache):
         old = stored["cells"].get(plan.name) or {}
@@ -1275,7 +1338,9 @@ def run_row(row: Row, profile: Profile, data: str, data_args: Dict[str, Any], ou
             save_results(path, stored)
             shutil.rmtree(partial, ignore_errors=True)
             continue
-        cell = run_cell(row, plan, partial, keep(plan), claim_only=claim_only, deadline=deadline, cache=cache)
+        stepped = [] if stale_cell(old, cache) else stored_steps(old, plan)
+        cell = run_cell(row, plan, partial, keep(plan), claim_only=claim_only, deadline=deadline, cache=cache,
+                        on_step=keep_step(plan), stepped=stepped)
         if not claim_only:
             stored["cells"][plan.name] = cell
             save_results(path, stored)
@@ -1285,8 +1350,8 @@ def run_row(row: Row, profile: Profile, data: str, data_args: Dict[str, Any], ou
 
 def cells_to_run(stored: Dict[str, Any], plans: Sequence[CellPlan], retry: bool = False,
                  cache: Optional[PlanCache] = None) -> List[CellPlan]:
-    """The planned cells not stored under their current key, or stored with only their claim's
-    steps, with an attack default since changed, with a planner's plan since changed (where
+    """The planned cells not stored whole under their current key (stored with only their
+    claim's steps, or some steps of a row judged step by step), with an attack default since changed, with a planner's plan since changed (where
     ``cache`` is given), or (``retry``) with missing evidence or no positive control beside
     their attacks' evidence."""
     todo = []
@@ -1294,7 +1359,8 @@ def cells_to_run(stored: Dict[str, Any], plans: Sequence[CellPlan], retry: bool 
         old = (stored.get("cells") or {}).get(plan.name) or {}
         evidence = old.get("evidence") or {}
         redo = retry and (evidence.get("missing") or (evidence.get("steps") and not evidence.get("control")))
-        if old.get("key") == plan.key and "claim_evidence" not in old and not redo and not stale_cell(old, cache):
+        whole = ("evidence" in old or "utility" in old) and "claim_evidence" not in old
+        if old.get("key") == plan.key and whole and not redo and not stale_cell(old, cache):
             continue
         todo.append(plan)
     return todo
@@ -1410,18 +1476,25 @@ def conclude(row: Row, cells: Dict[str, Optional[CellEvidence]], run: Dict[str, 
         judging.cells = {n: c.at_steps(row.claim_steps) if c is not None else None for n, c in cells.items()}
         return CONCLUDERS[row.claim](row, judging)
     health = (stored.get("health") or {}).get("steps") or {}
-    judged, skipped = {}, {}
+    judged, skipped, pending = {}, {}, {}
     for step in row.claim_steps:
         why = collapsed(health[str(step)]) if str(step) in health else "the model's health is not measured: rerun the row"
         at_step = {n: c.at_steps([step]) if c is not None and step in c.steps else None for n, c in cells.items()}
-        if not any(c is not None for c in at_step.values()):
-            why = why or "no cell has run this step yet"
         if why:
             skipped[step] = why
             continue
+        if not any(c is not None for c in at_step.values()):
+            pending[step] = "no cell has run this step yet"
+            continue
         judging.cells = at_step
-        judged[step] = CONCLUDERS[row.claim](row, judging)
-    return conclude_steps(judged, skipped)
+        found = CONCLUDERS[row.claim](row, judging)
+        missing = [n for n, c in at_step.items() if c is None]
+        if found.outcome == NOT_RUN or (missing and not found.decided):  # a cell still to come can change it
+            pending[step] = f"{' and '.join(missing)} still to run" + (f"; so far {found.text()}"
+                                                                      if found.outcome != NOT_RUN else "")
+            continue
+        judged[step] = found
+    return conclude_steps(judged, skipped, pending)
 
 
 def likely_cause(row: Row, run: Dict[str, Any], data: str, ours: Optional[float]) -> str:
@@ -1527,11 +1600,11 @@ def kept_for(partial: Path, plan: CellPlan, cache: Optional[PlanCache]) -> Set[T
     return kept_image_steps(partial, plan, planned_attacks(plan, cache), run_key(plan.call))
 
 
-def kept_progress(results: Path, plan: CellPlan, claim_judged: bool = False) -> str:
+def kept_progress(results: Path, plan: CellPlan, claim_judged: bool = False, per_step: bool = False) -> str:
     """For a cell not yet stored: how many of its image-steps an unfinished run has kept in the
     repository (:func:`kept_image_steps`; '' where none). Nothing is judged from them until the
     steps of the row's claim complete (:func:`claim_record`; ``claim_judged``: they are, so the
-    text says so)."""
+    text says so), or of a row judged step by step (``per_step``), each claim step's images."""
     kept = partial_dir(results, plan.name)
     best = len(kept_for(kept, plan, None))
     if not best:
@@ -1540,7 +1613,8 @@ def kept_progress(results: Path, plan: CellPlan, claim_judged: bool = False) -> 
                  f"{kept.relative_to(ROOT) if kept.is_relative_to(ROOT) else kept}")
     if claim_judged:
         return f"the claim's steps complete, the others under way: {kept_text}"
-    return f"under way: {kept_text} (judged when the claim's steps complete)"
+    when = "each claim step judged once all its images are kept" if per_step else "judged when the claim's steps complete"
+    return f"under way: {kept_text} ({when})"
 
 
 @dataclass
@@ -1612,10 +1686,12 @@ def row_lines(row: Row, profile: Profile, data: str, data_args: Dict[str, Any], 
               out: Path) -> RowView:
     stored, cells, plans = stored_cells(row, profile, data, data_args, root, out)
     claimed = claim_cells(stored, plans)
+    stepped = step_cells(stored, plans)
     cache = PlanCache(results_path(root, profile.name, data, row).parent)
     run = run_setting(row, profile)
     utility = ((stored.get("cells") or {}).get("utility") or {}).get("utility")
-    judged = {n: c if c is not None else claimed.get(n) for n, c in cells.items()}  # what the claim is judged on
+    # what the claim is judged on: whole cells, else their claim's steps, else the claim steps complete so far
+    judged = {n: c if c is not None else claimed.get(n) or stepped.get(n) for n, c in cells.items()}
     chain = [(r, stored_cells(BY_ID[r], profile, data, data_args, root, out)[1].get(f"paper:{row.attacks[0].name}"))
              for r in row.chain]
     conclusion = conclude(row, judged, run, utility, stored, chain)
@@ -1632,7 +1708,8 @@ def row_lines(row: Row, profile: Profile, data: str, data_args: Dict[str, Any], 
     results = results_path(root, profile.name, data, row)
     changed = {n: stale_cell((stored.get("cells") or {}).get(n) or {}, cache) for n in cells}
     fresh = {n for n in claimed if not changed[n]}  # a stale claim's rerun is under way, not complete
-    progress = {p.name: kept_progress(results, p, p.name in fresh) for p in plans if cells.get(p.name) is None}
+    progress = {p.name: kept_progress(results, p, p.name in fresh, row.per_step) for p in plans
+                if cells.get(p.name) is None}
     # a cell under way shows its claim's evidence (``judged``) beside its progress
     paper_cell = "<br>".join(cell_text(judged.get(f"paper:{a.name}"), a.label, progress.get(f"paper:{a.name}", ""))
                              for a in row.attacks)
@@ -1657,7 +1734,7 @@ def row_lines(row: Row, profile: Profile, data: str, data_args: Dict[str, Any], 
     planner_cell += aside.get("planner", "")
     adaptive_cell += aside.get("adaptive", "")
     pending = [n for n, c in cells.items() if c is None]
-    claims_complete = all(judged[n] is not None for n in pending)  # every pending cell has its claim's steps
+    claims_complete = all(claimed.get(n) is not None for n in pending)  # every pending cell has its claim's steps
     if stale:
         verdict = f"{STALE} ({stale_text(stale)}; running the row again redoes them): {verdict}"
         conclusion = Conclusion(STALE)  # counted apart: its attacks are no longer what the tool runs
@@ -1667,10 +1744,10 @@ def row_lines(row: Row, profile: Profile, data: str, data_args: Dict[str, Any], 
         if claims_complete:
             verdict += f" (decided at the claim's steps; the other steps of {' and '.join(pending)} under way)"
         else:
-            states = [f"{n} under way" if progress.get(n) else f"{n} not yet run" for n in pending]
+            states = [f"{n} under way" if progress.get(n) or n in stepped else f"{n} not yet run" for n in pending]
             verdict += f" (decided; {', '.join(states)})"
     elif pending and (any(c is not None for c in judged.values()) or any(progress.values())):
-        states = [f"{n} under way" if progress.get(n) else f"{n} not yet run" for n in pending]
+        states = [f"{n} under way" if progress.get(n) or n in stepped else f"{n} not yet run" for n in pending]
         verdict = f"{UNFINISHED} ({', '.join(states)})" + (f": {verdict}" if conclusion.outcome != NOT_RUN else "")
         conclusion = Conclusion(UNFINISHED)  # the summary counts it as unfinished, whatever its cells say so far
     details = base + [("The paper's attack", paper_cell.replace("<br>", "; ")),

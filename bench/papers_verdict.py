@@ -38,6 +38,8 @@ from audit.report.risk import judge_step, nulls_from_manifest
 from audit.report.rule import LeakRule
 
 HOLDS, FAILS, INCONCLUSIVE, NOT_RUN = "holds", "does not hold", "inconclusive", "not yet run"
+#: a claim about several steps, some of whose evidence is still to come: its judged steps so far
+SO_FAR = "so far"
 LEVEL = 0.95
 #: the one-sided level of the paired test that the defense recovers fewer images than its control
 CONTROL_ALPHA = 0.05
@@ -119,6 +121,44 @@ class CellEvidence:
         out.recovered = sum(out.per_step_recovered.values())
         out.missing = [m for m in self.missing if _missing_step(m) in keep | {None}]
         out.psnr = _mean(list(out.per_image_psnr.values()))
+        return out
+
+    @classmethod
+    def joined(cls, parts: Sequence["CellEvidence"]) -> "CellEvidence":
+        """One cell's evidence from its evidence at disjoint steps (each step kept as it completed):
+        counts and per-image results side by side; chance and pooled SSIM / LPIPS averaged over the
+        judged images (the null items are per image, the same at every step)."""
+        if not parts:
+            raise ValueError("no evidence to join")
+        steps = [s for p in parts for s in p.steps]
+        if len(set(steps)) != len(steps):
+            raise ValueError(f"evidence to join shares steps: {sorted(steps)}")
+        out = cls(list(parts[0].attacks), sorted(steps), candidates=next((p.candidates for p in parts if p.candidates), None),
+                  members=max(p.members for p in parts), false_positives=parts[0].false_positives)
+        for p in parts:
+            out.per_step_psnr.update(p.per_step_psnr)
+            out.per_step_recovered.update(p.per_step_recovered)
+            out.per_image_identified.update(p.per_image_identified)
+            out.per_image_psnr.update(p.per_image_psnr)
+            out.per_image_recovered.update(p.per_image_recovered)
+            out.missing.extend(p.missing)
+        controls = [p.control for p in parts]
+        out.control = None if any(c is None for c in controls) else {k: v for c in controls for k, v in c.items()}
+        out.control_missing = "; ".join(p.control_missing for p in parts if p.control_missing)
+        out.images = sum(p.images for p in parts)
+        out.identified = sum(p.identified for p in parts)
+        out.recovered = sum(p.recovered for p in parts)
+        out.psnr = _mean(list(out.per_image_psnr.values()))
+
+        def weighted(values: List[Tuple[Optional[float], int]]) -> Optional[float]:
+            known = [(v, n) for v, n in values if v is not None and n]
+            return sum(v * n for v, n in known) / sum(n for _, n in known) if known else None
+
+        out.ssim = weighted([(p.ssim, p.images) for p in parts])
+        out.lpips = weighted([(p.lpips, p.images) for p in parts])
+        out.null_chance = weighted([(p.null_chance, p.images) for p in parts])
+        strongest = {p.strongest for p in parts}
+        out.strongest = strongest.pop() if len(strongest) == 1 else None
         return out
 
     def to_dict(self) -> Dict[str, Any]:
@@ -565,13 +605,20 @@ def conclude_chain(cells: Sequence[Tuple[str, Optional[CellEvidence]]], paper_db
     return Conclusion(_combined(outcomes), "; ".join(parts))
 
 
-def conclude_steps(judged: Dict[int, Conclusion], not_judged: Dict[int, str]) -> Conclusion:
+def conclude_steps(judged: Dict[int, Conclusion], not_judged: Dict[int, str],
+                   pending: Optional[Dict[int, str]] = None) -> Conclusion:
     """A claim about each of several steps: every judged step's conclusion, and the steps not
     judged with why (a collapsed model is no evidence either way). It holds (does not hold)
-    only where every judged step does; no judged step: inconclusive."""
-    parts = [f"step {s}: {judged[s].text() if s in judged else 'not judged (' + not_judged[s] + ')'}"
-             for s in sorted(set(judged) | set(not_judged))]
+    only where every judged step does; no judged step: inconclusive. Steps whose evidence is
+    still to come (``pending``, with what is missing) leave the claim :data:`SO_FAR`: the judged
+    steps are shown, nothing is decided."""
+    pending = pending or {}
+    parts = [f"step {s}: " + (judged[s].text() if s in judged else f"not complete ({pending[s]})" if s in pending
+                              else f"not judged ({not_judged[s]})")
+             for s in sorted(set(judged) | set(not_judged) | set(pending))]
     outcomes = {c.outcome for c in judged.values()}
+    if pending:
+        return Conclusion(SO_FAR, "; ".join(parts))
     if not judged:
         return Conclusion(INCONCLUSIVE, "no step judged; " + "; ".join(parts))
     outcome = next(iter(outcomes)) if len(outcomes) == 1 and outcomes <= {HOLDS, FAILS, NOT_RUN} else INCONCLUSIVE

@@ -166,8 +166,12 @@ def test_a_claim_about_early_steps_is_judged_on_those_steps_alone():
                                       ["ig"], [2, 50])
     run = bp.run_setting(row, bp.Profile("cpu"))
     healthy = {"trained": True, "images": 6, "logit_std": 0.05, "finite": 6, "zero": 0}
-    health = {"health": {"steps": {str(s): healthy for s in (1, 2, 5, 10)}}}
+    health = {"health": {"steps": {"2": healthy}}}  # steps 1, 5 and 10 not measured: not judged
     assert bp.conclude(row, {"paper:ig": early_and_late, "planner": None}, run, stored=health).outcome == pv.HOLDS
+    # a claim step no cell has run leaves the claim open, whatever the other steps show
+    health = {"health": {"steps": {str(s): healthy for s in (1, 2, 5, 10)}}}
+    said = bp.conclude(row, {"paper:ig": early_and_late, "planner": None}, run, stored=health)
+    assert said.outcome == pv.SO_FAR and "step 1: not complete (no cell has run this step yet)" in said.detail
     late = cell.at_steps([50])
     assert (late.images, late.identified, len(late.missing)) == (5, 0, 1)
     assert pv.conclude_leaks(late, True).outcome == pv.INCONCLUSIVE
@@ -461,7 +465,7 @@ def test_cells_persist_resume_and_a_changed_row_reruns_only_its_own(tmp_path, mo
 
     runs = []
 
-    def fake_run_cell(row, plan, partial=None, on_claim=None, claim_only=False, deadline=None, cache=None):
+    def fake_run_cell(row, plan, partial=None, on_claim=None, claim_only=False, deadline=None, cache=None, on_step=None, stepped=()):
         runs.append((row.id, plan.name))
         return {"key": plan.key, "call": json.loads(json.dumps(plan.call)), "seconds": 1.0, "status": "complete",
                 "attacks": plan.call["attacks"], "evidence": _cell(2).to_dict()}
@@ -633,7 +637,7 @@ def test_cells_run_with_a_stale_search_are_not_shown_as_current(tmp_path):
 
 
 def test_a_row_with_cells_missing_counts_as_unfinished_whatever_its_cells_say(tmp_path, monkeypatch):
-    def fake_run_cell(row, plan, partial=None, on_claim=None, claim_only=False, deadline=None, cache=None):
+    def fake_run_cell(row, plan, partial=None, on_claim=None, claim_only=False, deadline=None, cache=None, on_step=None, stepped=()):
         return {"key": plan.key, "call": json.loads(json.dumps(plan.call)), "seconds": 1.0, "status": "complete",
                 "attacks": plan.call["attacks"], "evidence": _cell(2).to_dict()}
 
@@ -714,7 +718,7 @@ def test_a_cell_run_with_an_attack_default_since_changed_is_rerun_and_marked_sta
 
     runs = []
 
-    def fake_run_cell(row, plan, partial=None, on_claim=None, claim_only=False, deadline=None, cache=None):
+    def fake_run_cell(row, plan, partial=None, on_claim=None, claim_only=False, deadline=None, cache=None, on_step=None, stepped=()):
         runs.append(plan.name)
         ran = planned_now(plan.call) if plan.name == "planner" else ["ig"]  # what the planner plans today
         return {"key": plan.key, "call": json.loads(json.dumps(plan.call)), "seconds": 1.0, "status": "complete",
@@ -840,7 +844,7 @@ def test_a_claim_whose_steps_are_complete_is_judged_while_the_other_steps_run(tm
     row, profile = bp.BY_ID["bayes-ats"], bp.Profile("gpu")
     identified = {"n": 3}
 
-    def interrupted(row_, plan, partial=None, on_claim=None, claim_only=False, deadline=None, cache=None):
+    def interrupted(row_, plan, partial=None, on_claim=None, claim_only=False, deadline=None, cache=None, on_step=None, stepped=()):
         on_claim(bp.claim_record(plan, ["ig"], _claim_evidence(identified["n"])))
         raise KeyboardInterrupt  # the sitting ends while steps 20 and 50 run
 
@@ -870,7 +874,7 @@ def test_a_claim_whose_steps_are_complete_is_judged_while_the_other_steps_run(tm
     # a claim record is not a finished cell: the next run runs the cell again
     ran = []
 
-    def finished(row_, plan, partial=None, on_claim=None, claim_only=False, deadline=None, cache=None):
+    def finished(row_, plan, partial=None, on_claim=None, claim_only=False, deadline=None, cache=None, on_step=None, stepped=()):
         ran.append((plan.name, claim_only))
         if claim_only:
             return None
@@ -926,6 +930,98 @@ def test_a_step_whose_model_collapsed_is_not_judged_and_never_evidence():
     # the model's health not measured: not judged either
     assert bp.conclude(row, {"paper:ig": cell, "planner": None}, run).outcome == pv.INCONCLUSIVE
     assert bp.collapsed(dict(healthy, finite=7)).startswith("non-finite") and not bp.collapsed(healthy)
+
+
+def test_evidence_kept_step_by_step_joins_into_the_cells_evidence():
+    whole = _claim_evidence(3, steps=(1, 2))
+    whole.per_image_identified[(2, 7, 0)] = True  # step 2 identifies one more
+    whole.identified, whole.null_chance, whole.ssim = 7, 0.02, 0.5
+    joined = pv.CellEvidence.joined([whole.at_steps([2]), whole.at_steps([1])])
+    assert joined.steps == [1, 2] and (joined.images, joined.identified) == (16, 7)
+    assert joined.per_image_identified == whole.per_image_identified and joined.control == whole.control
+    assert joined.per_step_recovered == {1: 3, 2: 3} and joined.psnr == pytest.approx(20.0)
+    assert joined.null_chance == pytest.approx(0.02)
+    with pytest.raises(ValueError, match="shares steps"):
+        pv.CellEvidence.joined([whole.at_steps([1]), whole.at_steps([1])])
+    without = whole.at_steps([1])
+    without.control = None
+    assert pv.CellEvidence.joined([without, whole.at_steps([2])]).control is None  # a step without a control
+
+
+def test_a_row_judged_step_by_step_hands_over_each_step_as_its_images_complete(monkeypatch):
+    import audit
+
+    row = bp.BY_ID["bayes-ats"]
+    plan = next(p for p in bp.plan_cells(row, bp.Profile("cpu"), "embedded", {}, Path("/x")) if p.name == "paper:ig")
+    assert bp.claim_of(row, plan) == []  # the cpu cell runs the claim's steps alone: no claim record
+    calls, handed = [], []
+
+    class Report:
+        data = {"run_key": "k", "status": "complete"}
+
+    monkeypatch.setattr(audit, "run", lambda **call: (calls.append((call["steps"], call["images"])), Report())[1])
+    monkeypatch.setattr(bp, "_stored_evidence", lambda plan_, key, steps: ({}, ["ig"], _claim_evidence(2, tuple(steps))))
+
+    def hand(record):
+        handed.append((record["step_evidence"].copy(), len(calls)))
+
+    bp.run_cell(row, plan, None, on_step=hand)
+    assert [list(e) for e, _ in handed] == [["1"], ["2"], ["5"], ["10"]]
+    for evidence, ran in handed:  # each handed over right after its step's last images
+        step = int(next(iter(evidence)))
+        assert calls[ran - 1] == ([step], 8) and pv.CellEvidence.from_dict(evidence[str(step)]).steps == [step]
+    calls.clear(), handed.clear()
+    bp.run_cell(row, plan, None, on_step=hand, stepped=[1, 2])  # steps 1 and 2 already stored
+    assert [list(e) for e, _ in handed] == [["5"], ["10"]]
+    # a call that attacks nothing new is still made where its step's evidence is not stored
+    kept = {(s, i) for s in (1, 2, 5, 10) for i in range(8)}
+    needed = [(c.steps, c.images) for c in bp.cell_calls(row, plan, kept, stepped=[1]) if c.needed]
+    assert needed == [([2], 8), ([5], 8), ([10], 8), ([1, 2, 5, 10], 8)]
+
+
+def test_a_row_judged_step_by_step_shows_its_complete_steps_and_decides_nothing_before_all(tmp_path, monkeypatch):
+    row, profile = bp.BY_ID["bayes-ats"], bp.Profile("cpu")
+    identified = {"n": 3}
+
+    def interrupted(row_, plan, partial=None, on_claim=None, claim_only=False, deadline=None, cache=None,
+                    on_step=None, stepped=()):
+        for step in (1, 2):  # the paper's cell completes steps 1 and 2 before the sitting ends
+            on_step(bp.step_record(plan, ["ig"], step, _claim_evidence(identified["n"], (step,)), "k"))
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(bp, "run_cell", interrupted)
+    monkeypatch.setattr(bp, "model_health", _healthy_model)
+    monkeypatch.setattr(bp, "run_key", lambda call: "k")
+    monkeypatch.setattr("bench.papers_stale.run_key", lambda call: "k")
+    monkeypatch.setattr("bench.papers_stale._KEYS", {})
+    monkeypatch.setattr("bench.papers_stale.planned_now", lambda call: ["ig"])
+
+    def page_of(results):
+        with pytest.raises(KeyboardInterrupt):
+            bp.run_row(row, profile, "embedded", {}, tmp_path / "out", results)
+        path = bp.results_path(results, "cpu", "embedded", row)
+        stored = json.loads(path.read_text())
+        assert set(stored["cells"]["paper:ig"]["step_evidence"]) == {"1", "2"}
+        assert [p.name for p in bp.cells_to_run(stored, plans)] == ["paper:ig", "planner"]  # neither is whole
+        planner = next(p for p in plans if p.name == "planner")  # the planner completes step 1
+        stored["cells"]["planner"] = bp.add_step({}, bp.step_record(planner, ["ig"], 1, _claim_evidence(0, (1,)), "k"))
+        bp.save_results(path, stored)
+        page = bp.render([row], profile, "embedded", {}, results, tmp_path / "out")
+        return page.splitlines()[0], " ".join(page.split())
+
+    plans = bp.plan_cells(row, profile, "embedded", {}, tmp_path / "out")
+    head, text = page_of(tmp_path / "results")
+    assert head.endswith("1 unfinished") and "stale" not in head
+    assert "step 1: the claim holds (" in text and "step 2: the claim holds (" in text  # a leak decides its step
+    assert "step 5: not complete (no cell has run this step yet)" in text
+    assert "**unfinished (paper:ig under way, planner under way): judged at steps 1, 2, 5, 10: so far (" in text
+    # where the paper's attack is at chance, a step waits for the planner's cell before it is judged
+    identified["n"] = 0
+    head, text = page_of(tmp_path / "at-chance")
+    assert head.endswith("1 unfinished")
+    assert "step 1: the claim does not hold (" in text  # both cells complete at step 1, at chance
+    assert "step 2: not complete (planner still to run; so far the claim does not hold" in text
+
 
 
 def test_paper_claims_are_judged_as_the_paper_words_them():
