@@ -1600,11 +1600,13 @@ def kept_for(partial: Path, plan: CellPlan, cache: Optional[PlanCache]) -> Set[T
     return kept_image_steps(partial, plan, planned_attacks(plan, cache), run_key(plan.call))
 
 
-def kept_progress(results: Path, plan: CellPlan, claim_judged: bool = False, per_step: bool = False) -> str:
+def kept_progress(results: Path, plan: CellPlan, claim_judged: bool = False, per_step: bool = False,
+                  complete: Sequence[int] = ()) -> str:
     """For a cell not yet stored: how many of its image-steps an unfinished run has kept in the
     repository (:func:`kept_image_steps`; '' where none). Nothing is judged from them until the
     steps of the row's claim complete (:func:`claim_record`; ``claim_judged``: they are, so the
-    text says so), or of a row judged step by step (``per_step``), each claim step's images."""
+    text says so), or of a row judged step by step (``per_step``), each claim step's images
+    (``complete``: the steps whose evidence is stored, :func:`step_record`, which the figures are of)."""
     kept = partial_dir(results, plan.name)
     best = len(kept_for(kept, plan, None))
     if not best:
@@ -1614,7 +1616,13 @@ def kept_progress(results: Path, plan: CellPlan, claim_judged: bool = False, per
     if claim_judged:
         return f"the claim's steps complete, the others under way: {kept_text}"
     when = "each claim step judged once all its images are kept" if per_step else "judged when the claim's steps complete"
+    if complete:
+        when = f"the figures are of {_steps_text(complete)} alone, complete so far; {when}"
     return f"under way: {kept_text} ({when})"
+
+
+def _steps_text(steps: Sequence[int]) -> str:
+    return ("step " if len(steps) == 1 else "steps ") + ", ".join(map(str, steps))
 
 
 @dataclass
@@ -1708,7 +1716,8 @@ def row_lines(row: Row, profile: Profile, data: str, data_args: Dict[str, Any], 
     results = results_path(root, profile.name, data, row)
     changed = {n: stale_cell((stored.get("cells") or {}).get(n) or {}, cache) for n in cells}
     fresh = {n for n in claimed if not changed[n]}  # a stale claim's rerun is under way, not complete
-    progress = {p.name: kept_progress(results, p, p.name in fresh, row.per_step) for p in plans
+    progress = {p.name: kept_progress(results, p, p.name in fresh, row.per_step,
+                                      stepped[p.name].steps if p.name in stepped else ()) for p in plans
                 if cells.get(p.name) is None}
     # a cell under way shows its claim's evidence (``judged``) beside its progress
     paper_cell = "<br>".join(cell_text(judged.get(f"paper:{a.name}"), a.label, progress.get(f"paper:{a.name}", ""))
@@ -1755,7 +1764,10 @@ def row_lines(row: Row, profile: Profile, data: str, data_args: Dict[str, Any], 
                       ("The paper's adaptive attack", "" if adaptive_cell == "-" else adaptive_cell),
                       ("The model at each step, as the audit trains it", health_text(stored)),
                       ("Verdict", f"**{verdict}**")]
-    return RowView(row, conclusion, label(row, run), _ours(first), _power(judged), verdict, details)
+    ours = _ours(first)
+    if first is not None and cells.get(f"paper:{row.attacks[0].name}") is None and row.per_step:
+        ours += f" ({_steps_text(first.steps)} so far)"  # a cell under way: the steps complete
+    return RowView(row, conclusion, label(row, run), ours, _power(judged), verdict, details)
 
 
 #: a row with some of its cells stored: its verdict so far is shown, never counted as one

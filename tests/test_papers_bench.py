@@ -1014,6 +1014,7 @@ def test_a_row_judged_step_by_step_shows_its_complete_steps_and_decides_nothing_
     assert head.endswith("1 unfinished") and "stale" not in head
     assert "step 1: the claim holds (" in text and "step 2: the claim holds (" in text  # a leak decides its step
     assert "step 5: not complete (no cell has run this step yet)" in text
+    assert "6 of 16 identified (steps 1, 2 so far) |" in text  # the table's figures say which steps they are of
     assert "**unfinished (paper:ig under way, planner under way): judged at steps 1, 2, 5, 10: so far (" in text
     # where the paper's attack is at chance, a step waits for the planner's cell before it is judged
     identified["n"] = 0
