@@ -1351,9 +1351,9 @@ def run_row(row: Row, profile: Profile, data: str, data_args: Dict[str, Any], ou
 def cells_to_run(stored: Dict[str, Any], plans: Sequence[CellPlan], retry: bool = False,
                  cache: Optional[PlanCache] = None) -> List[CellPlan]:
     """The planned cells not stored whole under their current key (stored with only their
-    claim's steps, or some steps of a row judged step by step), with an attack default since changed, with a planner's plan since changed (where
-    ``cache`` is given), or (``retry``) with missing evidence or no positive control beside
-    their attacks' evidence."""
+    claim's steps, or some steps of a row judged step by step), with an attack default since
+    changed, with a planner's plan since changed (where ``cache`` is given), or (``retry``) with
+    missing evidence or no positive control beside their attacks' evidence."""
     todo = []
     for plan in plans:
         old = (stored.get("cells") or {}).get(plan.name) or {}
@@ -1765,7 +1765,8 @@ def row_lines(row: Row, profile: Profile, data: str, data_args: Dict[str, Any], 
                       ("The model at each step, as the audit trains it", health_text(stored)),
                       ("Verdict", f"**{verdict}**")]
     ours = _ours(first)
-    if first is not None and cells.get(f"paper:{row.attacks[0].name}") is None and row.per_step:
+    name = f"paper:{row.attacks[0].name}"
+    if first is not None and cells.get(name) is None and claimed.get(name) is None and name in stepped:
         ours += f" ({_steps_text(first.steps)} so far)"  # a cell under way: the steps complete
     return RowView(row, conclusion, label(row, run), ours, _power(judged), verdict, details)
 
