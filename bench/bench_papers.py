@@ -1765,8 +1765,7 @@ def row_lines(row: Row, profile: Profile, data: str, data_args: Dict[str, Any], 
                       ("The model at each step, as the audit trains it", health_text(stored)),
                       ("Verdict", f"**{verdict}**")]
     ours = _ours(first)
-    name = f"paper:{row.attacks[0].name}"
-    if first is not None and cells.get(name) is None and claimed.get(name) is None and name in stepped:
+    if first is not None and first is stepped.get(f"paper:{row.attacks[0].name}"):
         ours += f" ({_steps_text(first.steps)} so far)"  # a cell under way: the steps complete
     return RowView(row, conclusion, label(row, run), ours, _power(judged), verdict, details)
 
