@@ -852,12 +852,14 @@ class CellCall:
 
 
 def cell_calls(row: Row, plan: CellPlan, kept: Set[Tuple[int, int]] = frozenset(),
-               claim_only: bool = False, stepped: Collection[int] = ()) -> List[CellCall]:
+               claim_only: bool = False, stepped: Collection[int] = (),
+               until_step: Optional[int] = None) -> List[CellCall]:
     """The cell's audit calls in order, each with the slice of new work it does given the
     image-steps ``kept`` (each call of one step attacks the images after its step's previous
-    call, up to its count); ``claim_only``: up to the call that completes the claim's steps.
-    A row judged step by step reads each claim step's evidence as its images complete, where
-    it is not stored already (``stepped``)."""
+    call, up to its count); ``claim_only``: up to the call that completes the claim's steps;
+    ``until_step``: up to the call that completes that step's images. A row judged step by
+    step reads each claim step's evidence as its images complete, where it is not stored
+    already (``stepped``)."""
     claim, total = claim_of(row, plan), int(plan.call["images"])
     slices = cell_slices(plan.call, claim, slice_evaluations(plan))
     per_image, covered, calls = image_minutes(plan.call), {}, []
@@ -873,7 +875,7 @@ def cell_calls(row: Row, plan: CellPlan, kept: Set[Tuple[int, int]] = frozenset(
         step = steps[0] if (row.per_step and len(steps) == 1 and images == total and steps[0] in row.claim_steps
                             and steps[0] not in stepped) else None
         calls.append(CellCall(steps, images, work, completes, i == len(slices) - 1, step))
-        if completes and claim_only:
+        if (completes and claim_only) or (until_step is not None and steps == [until_step] and images == total):
             break
     return calls
 
@@ -931,14 +933,15 @@ def run_cell(row: Row, plan: CellPlan, partial: Optional[Path] = None,
              on_claim: Optional[Callable[[Dict[str, Any]], None]] = None,
              claim_only: bool = False, deadline: Optional[Deadline] = None,
              cache: Optional[PlanCache] = None, on_step: Optional[Callable[[Dict[str, Any]], None]] = None,
-             stepped: Collection[int] = ()) -> Optional[Dict[str, Any]]:
+             stepped: Collection[int] = (), until_step: Optional[int] = None) -> Optional[Dict[str, Any]]:
     """Run (or resume) the cell's audit, call by call (:func:`cell_calls`), keeping each call's
     results under ``partial`` before the next starts and skipping the slices whose results it
     kept; its evidence from the engine's store. Where the row's claim is about some of the
     cell's steps, ``on_claim`` receives the record of the claim's evidence (:func:`claim_record`)
     as soon as those steps are complete; ``claim_only`` stops there (returns None). A row judged
     step by step gives ``on_step`` the record of each claim step's evidence as the step's images
-    complete (:func:`step_record`; ``stepped``: the steps already stored). Under a
+    complete (:func:`step_record`; ``stepped``: the steps already stored); ``until_step`` stops
+    once that step's images are complete (returns None). Under a
     ``deadline`` a slice that does not fit raises :class:`CallOver` before it starts. A planner
     cell's attacks planned now (kept in ``cache``) run on every kept image-step lacking them."""
     started = time.perf_counter()
@@ -946,7 +949,8 @@ def run_cell(row: Row, plan: CellPlan, partial: Optional[Path] = None,
     if partial is not None and restore_partial(partial, out_dir):
         print(f"    resumed from {partial}", flush=True)
     kept = kept_for(partial, plan, cache) if partial is not None else set()
-    for call in cell_calls(row, plan, kept, claim_only, stepped):
+    calls = cell_calls(row, plan, kept, claim_only, stepped, until_step)
+    for call in calls:
         if not call.needed:
             continue
         if deadline is not None:
@@ -965,6 +969,8 @@ def run_cell(row: Row, plan: CellPlan, partial: Optional[Path] = None,
                 on_claim(claim_record(plan, attacks, with_control(evidence, report.data), report.data["run_key"]))
             if claim_only:
                 return None
+    if until_step is not None and not calls[-1].whole:
+        return None
     manifest, attacks, evidence = _stored_evidence(plan, report.data["run_key"], plan.steps)
     out = {"key": plan.key, "call": _jsonable(plan.call), "seconds": round(time.perf_counter() - started, 1),
            "status": report.data["status"], "attacks": attacks, "run_key": report.data["run_key"]}
@@ -1326,11 +1332,13 @@ def run_row(row: Row, profile: Profile, data: str, data_args: Dict[str, Any], ou
         return kept
 
     cache = PlanCache(path.parent)
-    for plan, claim_only in row_passes(row, cells_to_run(stored, plans, retry, cache), stored, cache):
+    for plan, claim_only, until_step in row_passes(row, cells_to_run(stored, plans, retry, cache), stored, cache):
         old = stored["cells"].get(plan.name) or {}
         # a lent call plans its slices as whole cells: there the cell reruns whole
-        control_only = deadline is None and not claim_only and needs_control_only(old, plan, cache)
-        what = ", the claim's steps" if claim_only else (", its positive control" if control_only else "")
+        part = claim_only or until_step is not None
+        control_only = deadline is None and not part and needs_control_only(old, plan, cache)
+        what = (", the claim's steps" if claim_only else f", up to step {until_step}" if until_step is not None
+                else ", its positive control" if control_only else "")
         print(f"  [{time.strftime('%H:%M:%S')}] {row.id} {plan.name}{what} (budget {plan.call['budget']})", flush=True)
         partial = partial_dir(path, plan.name)
         if control_only:
@@ -1340,8 +1348,8 @@ def run_row(row: Row, profile: Profile, data: str, data_args: Dict[str, Any], ou
             continue
         stepped = [] if stale_cell(old, cache) else stored_steps(old, plan)
         cell = run_cell(row, plan, partial, keep(plan), claim_only=claim_only, deadline=deadline, cache=cache,
-                        on_step=keep_step(plan), stepped=stepped)
-        if not claim_only:
+                        on_step=keep_step(plan), stepped=stepped, until_step=until_step)
+        if cell is not None:
             stored["cells"][plan.name] = cell
             save_results(path, stored)
             shutil.rmtree(partial, ignore_errors=True)
@@ -1384,17 +1392,22 @@ def stale_text(changes: Sequence[str]) -> str:
 
 
 def row_passes(row: Row, todo: Sequence[CellPlan], stored: Dict[str, Any],
-               cache: Optional[PlanCache] = None) -> List[Tuple[CellPlan, bool]]:
-    """The order a row runs its cells in, as (cell, claim only): the claim's steps of every cell
-    whose claim is not stored yet, or stored stale (:func:`stale_cell`), first (they decide the
-    row), then each cell whole."""
+               cache: Optional[PlanCache] = None) -> List[Tuple[CellPlan, bool, Optional[int]]]:
+    """The order a row runs its cells in, as (cell, claim only, up to step): the claim's steps
+    of every cell whose claim is not stored yet, or stored stale (:func:`stale_cell`), first
+    (they decide the row), then each cell whole. A row judged step by step runs its cells
+    step by step, each claim step in every cell before the next step, so each step is judged
+    as soon as the cells' work for it is done."""
     cells = stored.get("cells") or {}
 
     def claim_stored(plan: CellPlan) -> bool:
         old = cells.get(plan.name) or {}
         return old.get("key") == plan.key and "claim_evidence" in old and not stale_cell(old, cache)
 
-    return [(p, True) for p in todo if claim_of(row, p) and not claim_stored(p)] + [(p, False) for p in todo]
+    stepwise = [(p, False, s) for s in (row.claim_steps if row.per_step else ()) for p in todo
+                if s in p.call["steps"] and not p.call.get("utility")]
+    return ([(p, True, None) for p in todo if claim_of(row, p) and not claim_stored(p)] + stepwise
+            + [(p, False, None) for p in todo])
 
 
 # --------------------------------------------------------------------------- judging a row
@@ -1954,9 +1967,10 @@ def gpu_slices(row: Row, profile: Profile, data: str, data_args: Dict[str, Any],
     path = results_path(root, profile.name, data, row)
     found: List[GpuSlice] = []
     cache = PlanCache(path.parent)
-    for plan, claim_only in row_passes(row, cells_to_run(stored, plans, retry, cache), stored, cache):
+    for plan, claim_only, until_step in row_passes(row, cells_to_run(stored, plans, retry, cache), stored, cache):
         kept = kept_for(partial_dir(path, plan.name), plan, cache)
-        found += [c.work for c in cell_calls(row, plan, kept, claim_only) if c.work and c.work not in found]
+        found += [c.work for c in cell_calls(row, plan, kept, claim_only, until_step=until_step)
+                  if c.work and c.work not in found]
     return found
 
 

@@ -465,7 +465,7 @@ def test_cells_persist_resume_and_a_changed_row_reruns_only_its_own(tmp_path, mo
 
     runs = []
 
-    def fake_run_cell(row, plan, partial=None, on_claim=None, claim_only=False, deadline=None, cache=None, on_step=None, stepped=()):
+    def fake_run_cell(row, plan, partial=None, on_claim=None, claim_only=False, deadline=None, cache=None, on_step=None, stepped=(), until_step=None):
         runs.append((row.id, plan.name))
         return {"key": plan.key, "call": json.loads(json.dumps(plan.call)), "seconds": 1.0, "status": "complete",
                 "attacks": plan.call["attacks"], "evidence": _cell(2).to_dict()}
@@ -637,7 +637,7 @@ def test_cells_run_with_a_stale_search_are_not_shown_as_current(tmp_path):
 
 
 def test_a_row_with_cells_missing_counts_as_unfinished_whatever_its_cells_say(tmp_path, monkeypatch):
-    def fake_run_cell(row, plan, partial=None, on_claim=None, claim_only=False, deadline=None, cache=None, on_step=None, stepped=()):
+    def fake_run_cell(row, plan, partial=None, on_claim=None, claim_only=False, deadline=None, cache=None, on_step=None, stepped=(), until_step=None):
         return {"key": plan.key, "call": json.loads(json.dumps(plan.call)), "seconds": 1.0, "status": "complete",
                 "attacks": plan.call["attacks"], "evidence": _cell(2).to_dict()}
 
@@ -718,7 +718,7 @@ def test_a_cell_run_with_an_attack_default_since_changed_is_rerun_and_marked_sta
 
     runs = []
 
-    def fake_run_cell(row, plan, partial=None, on_claim=None, claim_only=False, deadline=None, cache=None, on_step=None, stepped=()):
+    def fake_run_cell(row, plan, partial=None, on_claim=None, claim_only=False, deadline=None, cache=None, on_step=None, stepped=(), until_step=None):
         runs.append(plan.name)
         ran = planned_now(plan.call) if plan.name == "planner" else ["ig"]  # what the planner plans today
         return {"key": plan.key, "call": json.loads(json.dumps(plan.call)), "seconds": 1.0, "status": "complete",
@@ -844,7 +844,7 @@ def test_a_claim_whose_steps_are_complete_is_judged_while_the_other_steps_run(tm
     row, profile = bp.BY_ID["bayes-ats"], bp.Profile("gpu")
     identified = {"n": 3}
 
-    def interrupted(row_, plan, partial=None, on_claim=None, claim_only=False, deadline=None, cache=None, on_step=None, stepped=()):
+    def interrupted(row_, plan, partial=None, on_claim=None, claim_only=False, deadline=None, cache=None, on_step=None, stepped=(), until_step=None):
         on_claim(bp.claim_record(plan, ["ig"], _claim_evidence(identified["n"])))
         raise KeyboardInterrupt  # the sitting ends while steps 20 and 50 run
 
@@ -874,9 +874,9 @@ def test_a_claim_whose_steps_are_complete_is_judged_while_the_other_steps_run(tm
     # a claim record is not a finished cell: the next run runs the cell again
     ran = []
 
-    def finished(row_, plan, partial=None, on_claim=None, claim_only=False, deadline=None, cache=None, on_step=None, stepped=()):
-        ran.append((plan.name, claim_only))
-        if claim_only:
+    def finished(row_, plan, partial=None, on_claim=None, claim_only=False, deadline=None, cache=None, on_step=None, stepped=(), until_step=None):
+        ran.append((plan.name, claim_only, until_step))
+        if claim_only or until_step is not None:
             return None
         return {"key": plan.key, "call": json.loads(json.dumps(plan.call)), "seconds": 1.0, "status": "complete",
                 "attacks": ["ig"], "evidence": _claim_evidence(0, steps=(1, 2, 5, 10, 20, 50)).to_dict()}
@@ -884,7 +884,8 @@ def test_a_claim_whose_steps_are_complete_is_judged_while_the_other_steps_run(tm
     monkeypatch.setattr(bp, "run_cell", finished)
     monkeypatch.setattr(bp, "model_health", _healthy_model)
     bp.run_row(row, profile, "embedded", {}, tmp_path / "out", tmp_path / "results")
-    assert ran == [("planner", True), ("paper:ig", False), ("planner", False)]  # every claim first
+    stepwise = [(cell, False, step) for step in row.claim_steps for cell in ("paper:ig", "planner")]
+    assert ran == [("planner", True, None)] + stepwise + [("paper:ig", False, None), ("planner", False, None)]
     page = bp.render([row], profile, "embedded", {}, tmp_path / "results", tmp_path / "out")
     assert page.splitlines()[0].endswith("1 does not hold") and "decided" not in page
 
@@ -979,12 +980,38 @@ def test_a_row_judged_step_by_step_hands_over_each_step_as_its_images_complete(m
     assert needed == [([2], 8), ([5], 8), ([10], 8), ([1, 2, 5, 10], 8)]
 
 
+def test_a_row_judged_step_by_step_runs_every_cell_at_a_step_before_the_next(monkeypatch):
+    import audit
+
+    row = bp.BY_ID["bayes-ats"]
+    plans = [p for p in bp.plan_cells(row, bp.Profile("cpu"), "embedded", {}, Path("/x")) if p.name != "utility"]
+    passes = bp.row_passes(row, plans, {})
+    step_passes = [(p.name, step) for p, claim_only, step in passes if step is not None]
+    assert step_passes == [(p.name, s) for s in (1, 2, 5, 10) for p in plans]  # step-major: each step judged early
+    assert [(p.name, step) for p, _, step in passes[-len(plans):]] == [(p.name, None) for p in plans]  # then whole
+    calls, handed = [], []
+
+    class Report:
+        data = {"run_key": "k", "status": "complete"}
+
+    monkeypatch.setattr(audit, "run", lambda **call: (calls.append((call["steps"], call["images"])), Report())[1])
+    monkeypatch.setattr(bp, "_stored_evidence", lambda plan_, key, steps: ({}, ["ig"], _claim_evidence(2, tuple(steps))))
+    paper = next(p for p in plans if p.name == "paper:ig")
+    assert bp.run_cell(row, paper, None, on_step=handed.append, until_step=2) is None  # stops, no whole record
+    assert calls[-1] == ([2], 8) and all(steps in ([1], [2]) for steps, _ in calls)
+    assert [list(r["step_evidence"]) for r in handed] == [["1"], ["2"]]
+    calls.clear()
+    kept = {(s, i) for s in (1, 2) for i in range(8)}  # steps 1 and 2 kept and stored: the next pass starts at 5
+    assert [c.steps for c in bp.cell_calls(row, paper, kept, stepped=[1, 2], until_step=5) if c.needed] \
+        == [[5]] * len([c for c in bp.cell_calls(row, paper) if c.steps == [5]])
+
+
 def test_a_row_judged_step_by_step_shows_its_complete_steps_and_decides_nothing_before_all(tmp_path, monkeypatch):
     row, profile = bp.BY_ID["bayes-ats"], bp.Profile("cpu")
     identified = {"n": 3}
 
     def interrupted(row_, plan, partial=None, on_claim=None, claim_only=False, deadline=None, cache=None,
-                    on_step=None, stepped=()):
+                    on_step=None, stepped=(), until_step=None):
         for step in (1, 2):  # the paper's cell completes steps 1 and 2 before the sitting ends
             on_step(bp.step_record(plan, ["ig"], step, _claim_evidence(identified["n"], (step,)), "k"))
         raise KeyboardInterrupt
@@ -1388,7 +1415,8 @@ def test_a_planner_cell_resumed_after_the_plan_grew_runs_the_new_attack_on_every
     assert bp.planned_attacks(paper, cache) == []  # a cell that names its attacks plans nothing
     record = bp.claim_record(planner, ["ig", "bayes-optimal"], _claim_evidence(0))
     stored = {"cells": {"planner": record}}
-    assert bp.row_passes(row, [planner], stored) == [(planner, False)]  # its claim stored, as it ran
-    assert bp.row_passes(row, [planner], stored, cache) == [(planner, True), (planner, False)]  # stale: first
+    stepwise = [(planner, False, step) for step in row.claim_steps]  # the row is judged step by step
+    assert bp.row_passes(row, [planner], stored) == stepwise + [(planner, False, None)]  # its claim stored, as it ran
+    assert bp.row_passes(row, [planner], stored, cache) == [(planner, True, None)] + stepwise + [(planner, False, None)]
     record["attacks"] = planned
-    assert bp.row_passes(row, [planner], stored, cache) == [(planner, False)]
+    assert bp.row_passes(row, [planner], stored, cache) == stepwise + [(planner, False, None)]
