@@ -1333,6 +1333,8 @@ def run_row(row: Row, profile: Profile, data: str, data_args: Dict[str, Any], ou
 
     cache = PlanCache(path.parent)
     for plan, claim_only, until_step in row_passes(row, cells_to_run(stored, plans, retry, cache), stored, cache):
+        if until_step is not None and until_step in settled_steps(row, stored, plans, run, cache):
+            continue  # the step is decided: the cell's work there runs in its whole pass, after the others
         old = stored["cells"].get(plan.name) or {}
         # a lent call plans its slices as whole cells: there the cell reruns whole
         part = claim_only or until_step is not None
@@ -1488,7 +1490,15 @@ def conclude(row: Row, cells: Dict[str, Optional[CellEvidence]], run: Dict[str, 
     if not row.per_step:
         judging.cells = {n: c.at_steps(row.claim_steps) if c is not None else None for n, c in cells.items()}
         return CONCLUDERS[row.claim](row, judging)
-    health = (stored.get("health") or {}).get("steps") or {}
+    return conclude_steps(*step_states(row, judging))
+
+
+def step_states(row: Row, judging: Judging) -> Tuple[Dict[int, Conclusion], Dict[int, str], Dict[int, str]]:
+    """Of a row judged step by step, its claim steps as (judged: their conclusion, not judged:
+    why, pending: what is missing) from ``judging``'s cells; a step whose model collapsed
+    (:func:`collapsed`) is not judged, one a cell still to come can change is pending."""
+    cells = judging.cells
+    health = (judging.stored.get("health") or {}).get("steps") or {}
     judged, skipped, pending = {}, {}, {}
     for step in row.claim_steps:
         why = collapsed(health[str(step)]) if str(step) in health else "the model's health is not measured: rerun the row"
@@ -1507,7 +1517,24 @@ def conclude(row: Row, cells: Dict[str, Optional[CellEvidence]], run: Dict[str, 
                                                                       if found.outcome != NOT_RUN else "")
             continue
         judged[step] = found
-    return conclude_steps(judged, skipped, pending)
+    return judged, skipped, pending
+
+
+def settled_steps(row: Row, stored: Dict[str, Any], plans: Sequence[CellPlan], run: Dict[str, Any],
+                  cache: Optional[PlanCache] = None) -> Set[int]:
+    """The claim steps of a row judged step by step that no further cell can change, from the
+    stored cells that run what the tool runs: judged (a leak one cell shows decides its step at
+    once) or not judged (the model collapsed); a step pass of :func:`run_row` skips them."""
+    cells, stepped, claimed = {}, step_cells(stored, plans), claim_cells(stored, plans)
+    for plan in plans:
+        cell = (stored.get("cells") or {}).get(plan.name) or {}
+        whole = (CellEvidence.from_dict(cell["evidence"]) if cell.get("key") == plan.key and cell.get("evidence")
+                 else None)
+        current = not stale_cell(cell, cache)
+        cells[plan.name] = (whole or claimed.get(plan.name) or stepped.get(plan.name)) if current else None
+    cells = {n: c for n, c in cells.items() if n != "utility"}
+    judged, skipped, _ = step_states(row, Judging(cells, run, stored, []))
+    return set(judged) | set(skipped)
 
 
 def likely_cause(row: Row, run: Dict[str, Any], data: str, ours: Optional[float]) -> str:

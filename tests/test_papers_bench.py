@@ -884,8 +884,8 @@ def test_a_claim_whose_steps_are_complete_is_judged_while_the_other_steps_run(tm
     monkeypatch.setattr(bp, "run_cell", finished)
     monkeypatch.setattr(bp, "model_health", _healthy_model)
     bp.run_row(row, profile, "embedded", {}, tmp_path / "out", tmp_path / "results")
-    stepwise = [(cell, False, step) for step in row.claim_steps for cell in ("paper:ig", "planner")]
-    assert ran == [("planner", True, None)] + stepwise + [("paper:ig", False, None), ("planner", False, None)]
+    # every claim step is decided by the paper's cell's leak: no step pass runs
+    assert ran == [("planner", True, None), ("paper:ig", False, None), ("planner", False, None)]  # every claim first
     page = bp.render([row], profile, "embedded", {}, tmp_path / "results", tmp_path / "out")
     assert page.splitlines()[0].endswith("1 does not hold") and "decided" not in page
 
@@ -1004,6 +1004,32 @@ def test_a_row_judged_step_by_step_runs_every_cell_at_a_step_before_the_next(mon
     kept = {(s, i) for s in (1, 2) for i in range(8)}  # steps 1 and 2 kept and stored: the next pass starts at 5
     assert [c.steps for c in bp.cell_calls(row, paper, kept, stepped=[1, 2], until_step=5) if c.needed] \
         == [[5]] * len([c for c in bp.cell_calls(row, paper) if c.steps == [5]])
+
+
+def test_a_step_a_leak_has_decided_is_not_run_again_by_the_other_cells(tmp_path, monkeypatch):
+    row, profile = bp.BY_ID["bayes-ats"], bp.Profile("cpu")
+    leaks = {1: 3, 2: 0, 5: 3, 10: 0}  # the paper's cell identifies 3 of 8 at steps 1 and 5, none at 2 and 10
+    ran = []
+
+    def step_by_step(row_, plan, partial=None, on_claim=None, claim_only=False, deadline=None, cache=None,
+                     on_step=None, stepped=(), until_step=None):
+        ran.append((plan.name, until_step))
+        if until_step is None:
+            raise KeyboardInterrupt  # the sitting ends at the whole passes
+        found = leaks[until_step] if plan.name == "paper:ig" else 0
+        on_step(bp.step_record(plan, ["ig"], until_step, _claim_evidence(found, (until_step,)), "k"))
+
+    monkeypatch.setattr(bp, "run_cell", step_by_step)
+    monkeypatch.setattr(bp, "model_health", _healthy_model)
+    monkeypatch.setattr(bp, "run_key", lambda call: "k")
+    monkeypatch.setattr("bench.papers_stale.run_key", lambda call: "k")
+    monkeypatch.setattr("bench.papers_stale._KEYS", {})
+    monkeypatch.setattr("bench.papers_stale.planned_now", lambda call: ["ig"])
+    with pytest.raises(KeyboardInterrupt):
+        bp.run_row(row, profile, "embedded", {}, tmp_path / "out", tmp_path / "results")
+    # the planner runs only where the paper's attack left its step open
+    assert ran == [("paper:ig", 1), ("paper:ig", 2), ("planner", 2), ("paper:ig", 5), ("paper:ig", 10),
+                   ("planner", 10), ("paper:ig", None)]
 
 
 def test_a_row_judged_step_by_step_shows_its_complete_steps_and_decides_nothing_before_all(tmp_path, monkeypatch):
