@@ -857,7 +857,8 @@ def cell_calls(row: Row, plan: CellPlan, kept: Set[Tuple[int, int]] = frozenset(
     """The cell's audit calls in order, each with the slice of new work it does given the
     image-steps ``kept`` (each call of one step attacks the images after its step's previous
     call, up to its count); ``claim_only``: up to the call that completes the claim's steps;
-    ``until_step``: up to the call that completes that step's images. A row judged step by
+    ``until_step``: that step's calls alone (the others' images wait for their own step's
+    pass or the cell's whole pass). A row judged step by
     step reads each claim step's evidence as its images complete, where it is not stored
     already (``stepped``)."""
     claim, total = claim_of(row, plan), int(plan.call["images"])
@@ -875,9 +876,9 @@ def cell_calls(row: Row, plan: CellPlan, kept: Set[Tuple[int, int]] = frozenset(
         step = steps[0] if (row.per_step and len(steps) == 1 and images == total and steps[0] in row.claim_steps
                             and steps[0] not in stepped) else None
         calls.append(CellCall(steps, images, work, completes, i == len(slices) - 1, step))
-        if (completes and claim_only) or (until_step is not None and steps == [until_step] and images == total):
+        if completes and claim_only:
             break
-    return calls
+    return calls if until_step is None else [c for c in calls if c.steps == [until_step]]
 
 
 class CallOver(Exception):
@@ -940,8 +941,8 @@ def run_cell(row: Row, plan: CellPlan, partial: Optional[Path] = None,
     cell's steps, ``on_claim`` receives the record of the claim's evidence (:func:`claim_record`)
     as soon as those steps are complete; ``claim_only`` stops there (returns None). A row judged
     step by step gives ``on_step`` the record of each claim step's evidence as the step's images
-    complete (:func:`step_record`; ``stepped``: the steps already stored); ``until_step`` stops
-    once that step's images are complete (returns None). Under a
+    complete (:func:`step_record`; ``stepped``: the steps already stored); ``until_step`` runs
+    that step's calls alone (returns None). Under a
     ``deadline`` a slice that does not fit raises :class:`CallOver` before it starts. A planner
     cell's attacks planned now (kept in ``cache``) run on every kept image-step lacking them."""
     started = time.perf_counter()
@@ -969,7 +970,7 @@ def run_cell(row: Row, plan: CellPlan, partial: Optional[Path] = None,
                 on_claim(claim_record(plan, attacks, with_control(evidence, report.data), report.data["run_key"]))
             if claim_only:
                 return None
-    if until_step is not None and not calls[-1].whole:
+    if until_step is not None and not (calls and calls[-1].whole):
         return None
     manifest, attacks, evidence = _stored_evidence(plan, report.data["run_key"], plan.steps)
     out = {"key": plan.key, "call": _jsonable(plan.call), "seconds": round(time.perf_counter() - started, 1),
@@ -1524,7 +1525,8 @@ def settled_steps(row: Row, stored: Dict[str, Any], plans: Sequence[CellPlan], r
                   cache: Optional[PlanCache] = None) -> Set[int]:
     """The claim steps of a row judged step by step that no further cell can change, from the
     stored cells that run what the tool runs: judged (a leak one cell shows decides its step at
-    once) or not judged (the model collapsed); a step pass of :func:`run_row` skips them."""
+    once) or not judged (the model measured collapsed); a step pass of :func:`run_row` skips
+    them."""
     cells, stepped, claimed = {}, step_cells(stored, plans), claim_cells(stored, plans)
     for plan in plans:
         cell = (stored.get("cells") or {}).get(plan.name) or {}
@@ -1534,7 +1536,8 @@ def settled_steps(row: Row, stored: Dict[str, Any], plans: Sequence[CellPlan], r
         cells[plan.name] = (whole or claimed.get(plan.name) or stepped.get(plan.name)) if current else None
     cells = {n: c for n, c in cells.items() if n != "utility"}
     judged, skipped, _ = step_states(row, Judging(cells, run, stored, []))
-    return set(judged) | set(skipped)
+    measured = (stored.get("health") or {}).get("steps") or {}  # unmeasured is not collapsed
+    return set(judged) | {step for step in skipped if str(step) in measured}
 
 
 def likely_cause(row: Row, run: Dict[str, Any], data: str, ours: Optional[float]) -> str:
@@ -1994,7 +1997,10 @@ def gpu_slices(row: Row, profile: Profile, data: str, data_args: Dict[str, Any],
     path = results_path(root, profile.name, data, row)
     found: List[GpuSlice] = []
     cache = PlanCache(path.parent)
+    run = run_setting(row, profile)
     for plan, claim_only, until_step in row_passes(row, cells_to_run(stored, plans, retry, cache), stored, cache):
+        if until_step is not None and until_step in settled_steps(row, stored, plans, run, cache):
+            continue
         kept = kept_for(partial_dir(path, plan.name), plan, cache)
         found += [c.work for c in cell_calls(row, plan, kept, claim_only, until_step=until_step)
                   if c.work and c.work not in found]

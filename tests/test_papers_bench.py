@@ -997,9 +997,9 @@ def test_a_row_judged_step_by_step_runs_every_cell_at_a_step_before_the_next(mon
     monkeypatch.setattr(audit, "run", lambda **call: (calls.append((call["steps"], call["images"])), Report())[1])
     monkeypatch.setattr(bp, "_stored_evidence", lambda plan_, key, steps: ({}, ["ig"], _claim_evidence(2, tuple(steps))))
     paper = next(p for p in plans if p.name == "paper:ig")
-    assert bp.run_cell(row, paper, None, on_step=handed.append, until_step=2) is None  # stops, no whole record
-    assert calls[-1] == ([2], 8) and all(steps in ([1], [2]) for steps, _ in calls)
-    assert [list(r["step_evidence"]) for r in handed] == [["1"], ["2"]]
+    assert bp.run_cell(row, paper, None, on_step=handed.append, until_step=2) is None  # no whole record
+    assert calls[-1] == ([2], 8) and all(steps == [2] for steps, _ in calls)  # step 1's images wait for their pass
+    assert [list(r["step_evidence"]) for r in handed] == [["2"]]
     calls.clear()
     kept = {(s, i) for s in (1, 2) for i in range(8)}  # steps 1 and 2 kept and stored: the next pass starts at 5
     assert [c.steps for c in bp.cell_calls(row, paper, kept, stepped=[1, 2], until_step=5) if c.needed] \
@@ -1025,8 +1025,16 @@ def test_a_step_a_leak_has_decided_is_not_run_again_by_the_other_cells(tmp_path,
     monkeypatch.setattr("bench.papers_stale.run_key", lambda call: "k")
     monkeypatch.setattr("bench.papers_stale._KEYS", {})
     monkeypatch.setattr("bench.papers_stale.planned_now", lambda call: ["ig"])
+
+    def planned_order():
+        slices = bp.gpu_slices(row, profile, "embedded", {}, tmp_path / "results", tmp_path / "out")
+        return list(dict.fromkeys((s.cell, s.step) for s in slices))
+
+    assert planned_order() == [(c, s) for s in (1, 2, 5, 10) for c in ("paper:ig", "planner")]  # step-major
     with pytest.raises(KeyboardInterrupt):
         bp.run_row(row, profile, "embedded", {}, tmp_path / "out", tmp_path / "results")
+    # every step decided now: the plan runs the cells' images whole, cell by cell
+    assert planned_order() == [(c, s) for c in ("paper:ig", "planner") for s in (1, 2, 5, 10)]
     # the planner runs only where the paper's attack left its step open
     assert ran == [("paper:ig", 1), ("paper:ig", 2), ("planner", 2), ("paper:ig", 5), ("paper:ig", 10),
                    ("planner", 10), ("paper:ig", None)]
