@@ -38,7 +38,7 @@ import textwrap
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Collection, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Collection, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -691,12 +691,26 @@ def stored_cells(row: Row, profile: Profile, data: str, data_args: Dict[str, Any
         search = {}  # searched with other settings: its choices, and the cells run with them, are stale
         stored = {**stored, "search": {}}
     plans = plan_cells(row, profile, data, data_args, out, search.get("chosen"))
+    return stored, whole_cells(stored, plans), plans
+
+
+def whole_cells(stored: Dict[str, Any], plans: Sequence[CellPlan]) -> Dict[str, Optional[CellEvidence]]:
+    """Per planned cell, its evidence when stored whole under the cell's current key (None:
+    not run yet, under way, or run with other settings)."""
     cells: Dict[str, Optional[CellEvidence]] = {}
     for plan in plans:
         cell = (stored.get("cells") or {}).get(plan.name)
         ok = cell is not None and cell.get("key") == plan.key
         cells[plan.name] = CellEvidence.from_dict(cell["evidence"]) if ok and cell.get("evidence") else None
-    return stored, cells, plans
+    return cells
+
+
+def judged_on(whole: Dict[str, Optional[CellEvidence]], claimed: Dict[str, CellEvidence],
+              stepped: Dict[str, CellEvidence]) -> Dict[str, Optional[CellEvidence]]:
+    """What each cell's claim is judged on: its ``whole`` evidence (:func:`whole_cells`), else
+    its claim's steps (``claimed``, :func:`claim_cells`), else the claim steps complete so far
+    (``stepped``, :func:`step_cells`)."""
+    return {n: c if c is not None else claimed.get(n) or stepped.get(n) for n, c in whole.items()}
 
 
 def claim_cells(stored: Dict[str, Any], plans: Sequence[CellPlan]) -> Dict[str, CellEvidence]:
@@ -858,9 +872,8 @@ def cell_calls(row: Row, plan: CellPlan, kept: Set[Tuple[int, int]] = frozenset(
     image-steps ``kept`` (each call of one step attacks the images after its step's previous
     call, up to its count); ``claim_only``: up to the call that completes the claim's steps;
     ``until_step``: that step's calls alone (the others' images wait for their own step's
-    pass or the cell's whole pass). A row judged step by
-    step reads each claim step's evidence as its images complete, where it is not stored
-    already (``stepped``)."""
+    pass or the cell's whole pass). A row judged step by step reads each claim step's
+    evidence as its images complete, where it is not stored already (``stepped``)."""
     claim, total = claim_of(row, plan), int(plan.call["images"])
     slices = cell_slices(plan.call, claim, slice_evaluations(plan))
     per_image, covered, calls = image_minutes(plan.call), {}, []
@@ -942,8 +955,7 @@ def run_cell(row: Row, plan: CellPlan, partial: Optional[Path] = None,
     as soon as those steps are complete; ``claim_only`` stops there (returns None). A row judged
     step by step gives ``on_step`` the record of each claim step's evidence as the step's images
     complete (:func:`step_record`; ``stepped``: the steps already stored); ``until_step`` runs
-    that step's calls alone (returns None). Under a
-    ``deadline`` a slice that does not fit raises :class:`CallOver` before it starts. A planner
+    that step's calls alone (returns None). Under a ``deadline`` a slice that does not fit raises :class:`CallOver` before it starts. A planner
     cell's attacks planned now (kept in ``cache``) run on every kept image-step lacking them."""
     started = time.perf_counter()
     out_dir = Path(plan.call["out"])
@@ -1333,9 +1345,7 @@ def run_row(row: Row, profile: Profile, data: str, data_args: Dict[str, Any], ou
         return kept
 
     cache = PlanCache(path.parent)
-    for plan, claim_only, until_step in row_passes(row, cells_to_run(stored, plans, retry, cache), stored, cache):
-        if until_step is not None and until_step in settled_steps(row, stored, plans, run, cache):
-            continue  # the step is decided: the cell's work there runs in its whole pass, after the others
+    for plan, claim_only, until_step in open_passes(row, stored, plans, run, retry, cache):
         old = stored["cells"].get(plan.name) or {}
         # a lent call plans its slices as whole cells: there the cell reruns whole
         part = claim_only or until_step is not None
@@ -1411,6 +1421,16 @@ def row_passes(row: Row, todo: Sequence[CellPlan], stored: Dict[str, Any],
                 if s in p.call["steps"] and not p.call.get("utility")]
     return ([(p, True, None) for p in todo if claim_of(row, p) and not claim_stored(p)] + stepwise
             + [(p, False, None) for p in todo])
+
+
+def open_passes(row: Row, stored: Dict[str, Any], plans: Sequence[CellPlan], run: Dict[str, Any],
+                retry: bool = False, cache: Optional[PlanCache] = None) -> Iterator[Tuple[CellPlan, bool, Optional[int]]]:
+    """The row's passes (:func:`row_passes`) over its cells still to run, each step pass left
+    out where its step is settled when the pass comes (:func:`settled_steps`, read from
+    ``stored`` as the run fills it in): the cell's work there runs in its whole pass."""
+    for plan, claim_only, until_step in row_passes(row, cells_to_run(stored, plans, retry, cache), stored, cache):
+        if until_step is None or until_step not in settled_steps(row, stored, plans, run, cache):
+            yield plan, claim_only, until_step
 
 
 # --------------------------------------------------------------------------- judging a row
@@ -1527,15 +1547,10 @@ def settled_steps(row: Row, stored: Dict[str, Any], plans: Sequence[CellPlan], r
     stored cells that run what the tool runs: judged (a leak one cell shows decides its step at
     once) or not judged (the model measured collapsed); a step pass of :func:`run_row` skips
     them."""
-    cells, stepped, claimed = {}, step_cells(stored, plans), claim_cells(stored, plans)
-    for plan in plans:
-        cell = (stored.get("cells") or {}).get(plan.name) or {}
-        whole = (CellEvidence.from_dict(cell["evidence"]) if cell.get("key") == plan.key and cell.get("evidence")
-                 else None)
-        current = not stale_cell(cell, cache)
-        cells[plan.name] = (whole or claimed.get(plan.name) or stepped.get(plan.name)) if current else None
-    cells = {n: c for n, c in cells.items() if n != "utility"}
-    judged, skipped, _ = step_states(row, Judging(cells, run, stored, []))
+    every = judged_on(whole_cells(stored, plans), claim_cells(stored, plans), step_cells(stored, plans))
+    current = {n: None if stale_cell((stored.get("cells") or {}).get(n) or {}, cache) else c
+               for n, c in every.items() if n != "utility"}
+    judged, skipped, _ = step_states(row, Judging(current, run, stored, []))
     measured = (stored.get("health") or {}).get("steps") or {}  # unmeasured is not collapsed
     return set(judged) | {step for step in skipped if str(step) in measured}
 
@@ -1741,8 +1756,7 @@ def row_lines(row: Row, profile: Profile, data: str, data_args: Dict[str, Any], 
     cache = PlanCache(results_path(root, profile.name, data, row).parent)
     run = run_setting(row, profile)
     utility = ((stored.get("cells") or {}).get("utility") or {}).get("utility")
-    # what the claim is judged on: whole cells, else their claim's steps, else the claim steps complete so far
-    judged = {n: c if c is not None else claimed.get(n) or stepped.get(n) for n, c in cells.items()}
+    judged = judged_on(cells, claimed, stepped)
     chain = [(r, stored_cells(BY_ID[r], profile, data, data_args, root, out)[1].get(f"paper:{row.attacks[0].name}"))
              for r in row.chain]
     conclusion = conclude(row, judged, run, utility, stored, chain)
@@ -1997,10 +2011,7 @@ def gpu_slices(row: Row, profile: Profile, data: str, data_args: Dict[str, Any],
     path = results_path(root, profile.name, data, row)
     found: List[GpuSlice] = []
     cache = PlanCache(path.parent)
-    run = run_setting(row, profile)
-    for plan, claim_only, until_step in row_passes(row, cells_to_run(stored, plans, retry, cache), stored, cache):
-        if until_step is not None and until_step in settled_steps(row, stored, plans, run, cache):
-            continue
+    for plan, claim_only, until_step in open_passes(row, stored, plans, run_setting(row, profile), retry, cache):
         kept = kept_for(partial_dir(path, plan.name), plan, cache)
         found += [c.work for c in cell_calls(row, plan, kept, claim_only, until_step=until_step)
                   if c.work and c.work not in found]

@@ -838,6 +838,16 @@ def _healthy_model(call):
     return {str(s): {"trained": True, "images": 8, "logit_std": 0.05, "finite": 8, "zero": 0} for s in call["steps"]}
 
 
+def _fake_cells(monkeypatch, run_cell):
+    """Cells run by ``run_cell`` on a healthy model, one engine run key "k", the planner planning ig."""
+    monkeypatch.setattr(bp, "run_cell", run_cell)
+    monkeypatch.setattr(bp, "model_health", _healthy_model)
+    monkeypatch.setattr(bp, "run_key", lambda call: "k")
+    monkeypatch.setattr("bench.papers_stale.run_key", lambda call: "k")
+    monkeypatch.setattr("bench.papers_stale._KEYS", {})
+    monkeypatch.setattr("bench.papers_stale.planned_now", lambda call: ["ig"])
+
+
 def test_a_claim_whose_steps_are_complete_is_judged_while_the_other_steps_run(tmp_path, monkeypatch):
     """A cell stores its claim's evidence as soon as those steps finish; a leak shown there is
     the verdict (nothing still to come undoes a leak), a cell at chance waits for the others."""
@@ -1019,12 +1029,7 @@ def test_a_step_a_leak_has_decided_is_not_run_again_by_the_other_cells(tmp_path,
         found = leaks[until_step] if plan.name == "paper:ig" else 0
         on_step(bp.step_record(plan, ["ig"], until_step, _claim_evidence(found, (until_step,)), "k"))
 
-    monkeypatch.setattr(bp, "run_cell", step_by_step)
-    monkeypatch.setattr(bp, "model_health", _healthy_model)
-    monkeypatch.setattr(bp, "run_key", lambda call: "k")
-    monkeypatch.setattr("bench.papers_stale.run_key", lambda call: "k")
-    monkeypatch.setattr("bench.papers_stale._KEYS", {})
-    monkeypatch.setattr("bench.papers_stale.planned_now", lambda call: ["ig"])
+    _fake_cells(monkeypatch, step_by_step)
 
     def planned_order():
         slices = bp.gpu_slices(row, profile, "embedded", {}, tmp_path / "results", tmp_path / "out")
@@ -1050,12 +1055,7 @@ def test_a_row_judged_step_by_step_shows_its_complete_steps_and_decides_nothing_
             on_step(bp.step_record(plan, ["ig"], step, _claim_evidence(identified["n"], (step,)), "k"))
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(bp, "run_cell", interrupted)
-    monkeypatch.setattr(bp, "model_health", _healthy_model)
-    monkeypatch.setattr(bp, "run_key", lambda call: "k")
-    monkeypatch.setattr("bench.papers_stale.run_key", lambda call: "k")
-    monkeypatch.setattr("bench.papers_stale._KEYS", {})
-    monkeypatch.setattr("bench.papers_stale.planned_now", lambda call: ["ig"])
+    _fake_cells(monkeypatch, interrupted)
 
     def page_of(results):
         with pytest.raises(KeyboardInterrupt):
