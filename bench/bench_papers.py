@@ -819,6 +819,19 @@ def keep_results(results: Path, kept: Path) -> None:
             shutil.copyfile(src, dst)
 
 
+def kept_seconds(partial: Path) -> float:
+    """The attack time of the results an unfinished run kept under ``partial`` (each image's
+    ``time_s``, the control's included): counted into the cell's ``seconds`` when a later run
+    finishes it, so a resumed cell records the time of all its runs, not the last one's."""
+    total = 0.0
+    for path in sorted(partial.rglob("*.json")) if partial.is_dir() else []:
+        try:
+            total += float(json.loads(path.read_text()).get("time_s") or 0.0)
+        except (ValueError, OSError, AttributeError):
+            continue  # an unreadable kept result is redone by the engine; its time is not known
+    return total
+
+
 def keep_partial(out: Path, key: str, partial: Path, control: Optional[Dict[str, Any]] = None) -> None:
     """Keep the engine run's finished results in the repository (:func:`keep_results`);
     ``control`` (the report's ``control`` entry): its own store's results too."""
@@ -958,6 +971,7 @@ def run_cell(row: Row, plan: CellPlan, partial: Optional[Path] = None,
     that step's calls alone (returns None). Under a ``deadline`` a slice that does not fit raises :class:`CallOver` before it starts. A planner
     cell's attacks planned now (kept in ``cache``) run on every kept image-step lacking them."""
     started = time.perf_counter()
+    earlier = kept_seconds(partial) if partial is not None else 0.0  # the runs before this one
     out_dir = Path(plan.call["out"])
     if partial is not None and restore_partial(partial, out_dir):
         print(f"    resumed from {partial}", flush=True)
@@ -985,7 +999,7 @@ def run_cell(row: Row, plan: CellPlan, partial: Optional[Path] = None,
     if until_step is not None and not (calls and calls[-1].whole):
         return None
     manifest, attacks, evidence = _stored_evidence(plan, report.data["run_key"], plan.steps)
-    out = {"key": plan.key, "call": _jsonable(plan.call), "seconds": round(time.perf_counter() - started, 1),
+    out = {"key": plan.key, "call": _jsonable(plan.call), "seconds": round(earlier + time.perf_counter() - started, 1),
            "status": report.data["status"], "attacks": attacks, "run_key": report.data["run_key"]}
     if plan.name == "utility":
         out["utility"] = manifest.get("utility")

@@ -618,11 +618,18 @@ def conclude_steps(judged: Dict[int, Conclusion], not_judged: Dict[int, str],
              for s in sorted(set(judged) | set(not_judged) | set(pending))]
     outcomes = {c.outcome for c in judged.values()}
     if pending:
-        return Conclusion(SO_FAR, "; ".join(parts))
+        return Conclusion(SO_FAR, _bound_once("; ".join(parts)))
     if not judged:
         return Conclusion(INCONCLUSIVE, "no step judged; " + "; ".join(parts))
     outcome = next(iter(outcomes)) if len(outcomes) == 1 and outcomes <= {HOLDS, FAILS, NOT_RUN} else INCONCLUSIVE
-    return Conclusion(outcome, "; ".join(parts), decided=all(c.decided for c in judged.values()))
+    return Conclusion(outcome, _bound_once("; ".join(parts)), decided=all(c.decided for c in judged.values()))
+
+
+def _bound_once(text: str) -> str:
+    """``text`` with why a best-of-m chance is a bound (:data:`BOUND_WHY`) said at its first
+    step only: the later steps keep their "best of m"."""
+    end = text.find(BOUND_WHY) + len(BOUND_WHY)
+    return text if end < len(BOUND_WHY) else text[:end] + text[end:].replace(f", {BOUND_WHY}", "")
 
 
 #: accuracy (a fraction) by which a utility claim may miss and still hold

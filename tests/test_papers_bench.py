@@ -694,8 +694,12 @@ def test_an_interrupted_cell_resumes_from_the_repositorys_partial_results(tmp_pa
     assert len(list((partial / bp.CONTROL_PARTIAL).glob("*/*.json"))) == 2  # the positive control is kept too
     shutil.rmtree(tmp_path / "out")  # a fresh clone: the engine's store is gone, the repository's kept
     attacked.clear()
+    record = sorted(partial.glob("*/*.json"))[0]
+    kept_record = json.loads(record.read_text())
+    record.write_text(json.dumps({**kept_record, "time_s": 1000.0}))  # an image the earlier run spent long on
     again = bp.run_cell(row, paper, partial)
     assert attacked == [] and again["evidence"]["per_image_psnr"] == first["evidence"]["per_image_psnr"]
+    assert again["seconds"] >= 1000.0  # the finished cell counts the earlier runs' time, not only its own
 
 
 def test_a_result_the_run_redid_replaces_the_one_kept_in_the_repository(tmp_path):
@@ -941,6 +945,14 @@ def test_a_step_whose_model_collapsed_is_not_judged_and_never_evidence():
     # the model's health not measured: not judged either
     assert bp.conclude(row, {"paper:ig": cell, "planner": None}, run).outcome == pv.INCONCLUSIVE
     assert bp.collapsed(dict(healthy, finite=7)).startswith("non-finite") and not bp.collapsed(healthy)
+
+
+def test_a_claim_over_steps_says_why_its_chance_is_a_bound_once():
+    bound = "chance 5.5% (best of 2, a hypergeometric bound, which errs high: running each attack on null uploads would cost the cell again)"
+    judged = {s: pv.Conclusion(pv.HOLDS, f"8 of 8 identified, {bound}, above chance", decided=True) for s in (1, 2, 5)}
+    said = pv.conclude_steps(judged, {}).text()
+    assert said.count("a hypergeometric bound") == 1 and said.count("(best of 2)") == 2
+    assert said.index("step 1: ") < said.index("hypergeometric") < said.index("step 2: ")
 
 
 def test_evidence_kept_step_by_step_joins_into_the_cells_evidence():
