@@ -968,8 +968,10 @@ def run_cell(row: Row, plan: CellPlan, partial: Optional[Path] = None,
     as soon as those steps are complete; ``claim_only`` stops there (returns None). A row judged
     step by step gives ``on_step`` the record of each claim step's evidence as the step's images
     complete (:func:`step_record`; ``stepped``: the steps already stored); ``until_step`` runs
-    that step's calls alone (returns None). Under a ``deadline`` a slice that does not fit raises :class:`CallOver` before it starts. A planner
-    cell's attacks planned now (kept in ``cache``) run on every kept image-step lacking them."""
+    that step's calls alone (returns None). Under a ``deadline`` a slice that does not fit
+    raises :class:`CallOver` before it starts. A planner cell's attacks planned now (kept in
+    ``cache``) run on every kept image-step lacking them. The stored ``seconds`` count the
+    earlier runs' kept results too (:func:`kept_seconds`)."""
     started = time.perf_counter()
     earlier = kept_seconds(partial) if partial is not None else 0.0  # the runs before this one
     out_dir = Path(plan.call["out"])

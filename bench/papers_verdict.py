@@ -616,20 +616,24 @@ def conclude_steps(judged: Dict[int, Conclusion], not_judged: Dict[int, str],
     parts = [f"step {s}: " + (judged[s].text() if s in judged else f"not complete ({pending[s]})" if s in pending
                               else f"not judged ({not_judged[s]})")
              for s in sorted(set(judged) | set(not_judged) | set(pending))]
+    text = _bound_once("; ".join(parts))
     outcomes = {c.outcome for c in judged.values()}
     if pending:
-        return Conclusion(SO_FAR, _bound_once("; ".join(parts)))
+        return Conclusion(SO_FAR, text)
     if not judged:
-        return Conclusion(INCONCLUSIVE, "no step judged; " + "; ".join(parts))
+        return Conclusion(INCONCLUSIVE, "no step judged; " + text)
     outcome = next(iter(outcomes)) if len(outcomes) == 1 and outcomes <= {HOLDS, FAILS, NOT_RUN} else INCONCLUSIVE
-    return Conclusion(outcome, _bound_once("; ".join(parts)), decided=all(c.decided for c in judged.values()))
+    return Conclusion(outcome, text, decided=all(c.decided for c in judged.values()))
 
 
 def _bound_once(text: str) -> str:
     """``text`` with why a best-of-m chance is a bound (:data:`BOUND_WHY`) said at its first
     step only: the later steps keep their "best of m"."""
-    end = text.find(BOUND_WHY) + len(BOUND_WHY)
-    return text if end < len(BOUND_WHY) else text[:end] + text[end:].replace(f", {BOUND_WHY}", "")
+    first = text.find(BOUND_WHY)
+    if first < 0:
+        return text
+    end = first + len(BOUND_WHY)
+    return text[:end] + text[end:].replace(f", {BOUND_WHY}", "")
 
 
 #: accuracy (a fraction) by which a utility claim may miss and still hold

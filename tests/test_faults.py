@@ -345,7 +345,8 @@ def test_the_default_defense_timeout_is_finite_and_far_above_the_slowest_built_i
 def test_no_file_write_of_the_flower_mod_can_fail_the_clients_round(tmp_path, monkeypatch):
     """A full disk from the k-th file write of the mod on, for every k: the client's reply
     comes back unchanged (the round goes on); what could not be recorded is a log line."""
-    pytest.importorskip("flwr")
+    pytest.importorskip("flwr", reason="runs the Flower client mod on a full disk: needs the [flower] extra "
+                                       "(pip install -e \".[flower]\")")
     from pathlib import Path
 
     import audit.core.files as files
