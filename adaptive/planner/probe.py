@@ -463,6 +463,7 @@ def _probe(defense, model, input_shape, num_classes, *, seed, batch_size, loss_f
         notes=notes,
         rounds_probe=by_round,
         relu_linear_input=_relu_linear_input(model),
+        conv_span_layers=_conv_span_layers(model, tuple(input_shape)),
     )
 
 
@@ -472,6 +473,13 @@ def _relu_linear_input(model: nn.Module) -> str:
 
     found, _ = relu_linear_layers(model)
     return "" if not found else "image" if found[0].is_image else "features"
+
+
+def _conv_span_layers(model: nn.Module, input_shape: Tuple[int, int, int]) -> List[str]:
+    """The convolutions whose gradient spans their input's patches at batch 1 (``DefenseTraits.conv_span_layers``)."""
+    from attacks.conv_span_algebra import span_layers
+
+    return [layer.name for layer in span_layers(model, input_shape, 1)[0]]
 
 
 def _mostly(changed: Sequence[LayerProbe], test: Callable[[LayerProbe], bool], share: float = 0.99) -> bool:

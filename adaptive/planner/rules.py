@@ -18,7 +18,7 @@ RULES = Registry("planner rule")
 EOT_SAMPLES = 8
 #: the order attacks are listed in a plan: the most defense-specific first
 ORDER = ("precode-latent", "svd-subspace", "mask-replay", "layer-drop", "censor-invariants", "analytic",
-         "spear", "spear-ig", "through-defense", "bayes-l2", "bayes-l1", "bayes-optimal", "learned-inverter")
+         "spear", "spear-ig", "conv-span", "through-defense", "bayes-l2", "bayes-l1", "bayes-optimal", "learned-inverter")
 
 
 @dataclass
@@ -74,6 +74,22 @@ def spear(t: DefenseTraits) -> List[PlannedAttack]:
         "is the image), its gradient has rank <= the batch size and ReLU zeros: the whole batch's inputs are "
         "recovered exactly and certified by reproducing the upload; models without such a layer get a "
         "'not applicable' line naming the reason"))]
+
+
+@RULES.register("conv-span", "deep convolutions' gradients span their input's patches: the batch from their row spaces")
+def conv_span(t: DefenseTraits) -> List[PlannedAttack]:
+    if not t.conv_span_layers:
+        return []
+    changed = set(t.changed_layers)
+    whole = [n for n in t.conv_span_layers if f"{n}.weight" not in changed]
+    kept = (f"the defense leaves {len(whole)} of them whole, which it reads" if changed and whole
+            else "the defense changes every one of them; the attack reads those whose upload keeps the rank gap"
+            if changed else "")
+    return [PlannedAttack("conv-span", {}, (
+        f"{len(t.conv_span_layers)} convolution(s) have fewer output positions than channels and patch entries "
+        f"({', '.join(t.conv_span_layers[:3])}{', ...' if len(t.conv_span_layers) > 3 else ''}): their weight "
+        "gradient's row space is the span of their input's patches, so the images whose deep maps lie in it are "
+        "the private ones, certified by reproducing the upload" + (f"; {kept}" if kept else "")), adaptive=False)]
 
 
 @RULES.register("through-defense", "pass the dummy gradient through the defense (replay / EOT)")

@@ -77,6 +77,9 @@ class DefenseTraits:
     #: the input of the model's first biased Linear followed by ReLU: "image" (an MLP), "features"
     #: (convolutions come first) or "" (none): where SPEAR's recovery lands
     relu_linear_input: str = ""
+    #: the convolutions whose weight gradient spans their input's patches for one image
+    #: (positions < output channels and patch entries): where the conv-span attack reads
+    conv_span_layers: List[str] = field(default_factory=list)
 
     @property
     def sometimes_clean(self) -> bool:

@@ -1,0 +1,304 @@
+"""Conv-span: the batch from the row spaces of the deep convolutions' weight gradients.
+
+Where a convolution has fewer output positions than output channels and patch entries, its
+weight gradient's row space is exactly the span of its input's patches
+(:mod:`attacks.conv_span_algebra`): on ResNet-18 at batch 1, every convolution of stages 3 and
+4. Asking every patch of a candidate's deep maps to lie in those row spaces is tens of
+thousands of equations on a 3,072-pixel image, and needs no second-order gradient: the attack
+minimises that residual (:func:`~attacks.conv_span_algebra.span_residual`, summed over the
+convolutions whose uploaded gradient shows the rank gap) over the images with L-BFGS, each
+evaluation one forward and one backward pass of the client's model. The residual cannot see a
+per-channel gain and offset of the image, so a last step fits those (six numbers per image) and
+the labels to the whole upload, and the certificate, as SPEAR's, is the relative error with
+which the recovered batch reproduces the upload.
+
+Measured (docs/strength.md, "Conv-span"): with eval-mode BatchNorm the images come back exact;
+with train-mode BatchNorm at batch 1 the landscape has a small basin and L-BFGS from a flat
+start stalls.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import itertools
+import math
+import time
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+from scipy.optimize import linear_sum_assignment
+from torch import Tensor, nn
+
+from audit.core.errors import ConfigError
+from audit.core.types import Observation, Reconstruction, trainable_names
+
+from attacks.conv_span_algebra import GAP, RowSpace, row_spaces, span_layers, span_residual
+from attacks.labels import infer_labels
+from attacks.presets import ATTACKS
+from attacks.simulator import ClientReplica, GradientSimulator, SimContext
+
+#: relative error of the reproduced upload under which the recovered batch is certified exact (float32
+#: through ResNet-18: an image exact to 88 dB reproduces it to 1.6e-3; a stalled one to ~0.3)
+CERTIFICATE_TOLERANCE = 1e-2
+#: L-BFGS evaluations when no budget is given (eval-mode ResNet-18: exact in about 400)
+DEFAULT_EVALUATIONS = 400
+#: residual evaluations per gradient evaluation of the budget: one costs a forward and a first-order
+#: backward pass, about half of a gradient-matching iteration's (which differentiates a gradient)
+EVALUATIONS_PER_BUDGET = 2
+#: the share of the evaluations run in float64 at the end (none where the upload is float64 already)
+FLOAT64_SHARE = 0.25
+#: Gauss-Newton iterations of the colour fit to the whole upload
+FIT_EVALUATIONS = 10
+#: the scales (times the data set's per-channel std) the colour fit starts from
+FIT_SCALES = (0.5, 1.0, 2.0)
+
+
+def applicability(observation: Observation) -> Tuple[List, str]:
+    """The convolutions the attack reads, or why it does not apply ('' when it does)."""
+    if not observation.one_step:
+        return [], (f"the upload is an update after {observation.local_steps} local step(s) of "
+                    f"{observation.optimizer.describe()}: the convolutions' inputs change at every step, so the "
+                    "update's row space is the union of the steps' and the attack reads one plain gradient")
+    layers, why = span_layers(observation.model, observation.input_shape, observation.batch_size)
+    return layers, why
+
+
+class _Maps:
+    """Forward hooks on the replica's span convolutions that keep each one's input map."""
+
+    def __init__(self, replica: ClientReplica, spaces: List[RowSpace]):
+        modules = dict(replica.model.named_modules())
+        self.convs = {s.layer.name: modules[s.layer.name] for s in spaces}
+        self.maps: Dict[str, Tensor] = {}
+
+    def __enter__(self) -> "_Maps":
+        self.maps = {}
+        self.handles = [m.register_forward_hook(self._keep(n)) for n, m in self.convs.items()]
+        return self
+
+    def _keep(self, name):
+        def keep(_module, inputs, _output):
+            self.maps[name] = inputs[0]
+        return keep
+
+    def __exit__(self, *exc) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+class ConvSpan:
+    """The conv-span attack (module docstring). ``evaluations``: L-BFGS evaluations when no budget
+    is given; ``fit``: evaluations of the colour and label fit; ``init_std``: spread of the start
+    around mid-grey; ``tolerance``: the certificate's relative error; ``layers``: module names to
+    read (None: every convolution whose uploaded gradient shows the rank gap)."""
+
+    name = "conv-span"
+    uses_budget = True
+
+    def __init__(self, evaluations: int = DEFAULT_EVALUATIONS, fit: int = FIT_EVALUATIONS, init_std: float = 0.1,
+                 tolerance: float = CERTIFICATE_TOLERANCE, layers: Optional[List[str]] = None):
+        if evaluations < 1 or fit < 0 or not init_std >= 0 or not tolerance > 0:
+            raise ConfigError(f"conv-span: need evaluations >= 1, fit >= 0, init_std >= 0 and tolerance > 0, got "
+                              f"{evaluations}, {fit}, {init_std}, {tolerance}")
+        self.evaluations, self.fit, self.init_std = int(evaluations), int(fit), float(init_std)
+        self.tolerance, self.layers = float(tolerance), None if layers is None else list(layers)
+
+    def reconstruct(self, observation: Observation, budget: Optional[int] = None, seed: int = 0,
+                    progress: Optional[Callable] = None) -> Reconstruction:
+        layers, why = applicability(observation)
+        if not layers:
+            return Reconstruction.not_applicable(why)
+        if self.layers is not None:
+            layers = [layer for layer in layers if layer.name in self.layers]
+            if not layers:
+                return Reconstruction.not_applicable(f"none of the layers {self.layers} meets the rank condition")
+        start = time.perf_counter()
+        names = trainable_names(observation.model)
+        by_module = {n.rsplit(".", 1)[0]: g for n, g in zip(names, observation.gradients) if n.endswith("weight")}
+        b, centred = observation.batch_size, observation.client_mode == "train"
+        spaces, broken = row_spaces(by_module, layers, b, centred)
+        trace = {"attack": self.name, "layers": [s.layer.name for s in spaces], "gaps": [s.gap for s in spaces],
+                 "layers_without_gap": [n for n, _ in broken], "centred": centred}
+        if not spaces:
+            return Reconstruction.not_applicable(
+                f"no convolution's uploaded gradient has the rank the span needs ({len(broken)} checked, smallest "
+                f"spectral gap {min(g for _, g in broken):.2g} > {GAP:g}): the upload is perturbed in every "
+                "layer the attack reads", **trace)
+        generator = torch.Generator(device="cpu").manual_seed(int(seed))
+        x = 0.5 + self.init_std * torch.randn((b, *observation.input_shape), generator=generator)
+        evaluations = self.evaluations if budget is None else max(1, EVALUATIONS_PER_BUDGET * int(budget))
+        # most of the descent in the upload's precision, the last share in float64, where the
+        # residual can fall far enough for the colour fit and the certificate to be exact
+        fine = int(round(FLOAT64_SHARE * evaluations)) if observation.gradients[0].dtype != torch.float64 else 0
+        history: List[float] = []
+        for stage, count in ((observation, evaluations - fine), (_float64(observation), fine)):
+            if count < 1:
+                continue
+            sim = GradientSimulator()
+            replica = sim.prepare(stage)
+            params = {n: p.detach() for n, p in replica.params.items()}
+            hooks = _Maps(replica, spaces)
+            x = x.detach().to(stage.gradients[0]).requires_grad_(True)
+
+            def residual(images: Tensor) -> Tensor:
+                with hooks:
+                    replica.forward(params, images)
+                return sum(span_residual(s, hooks.convs[s.layer.name], hooks.maps[s.layer.name])
+                           for s in spaces) / len(spaces)
+
+            history += _lbfgs([x], lambda: residual(x), count, progress)
+        labels, label_source = self._labels(stage, replica, params, x.detach(), seed)
+        images, labels, error, fitted = self._fit(stage, sim, replica, x.detach(), labels)
+        certified = error <= self.tolerance
+        trace.update(residual=history[-1] if history else math.nan, residual_start=history[0] if history else math.nan,
+                     evaluations=len(history), fit_evaluations=fitted, labels_from=label_source,
+                     certificate_error=error, certified=certified, certificate_tolerance=self.tolerance,
+                     seconds=time.perf_counter() - start)
+        return Reconstruction(images.clamp(0, 1).to(observation.gradients[0].dtype), labels, trace)
+
+    def _labels(self, observation: Observation, replica: ClientReplica, params: Dict[str, Tensor], x: Tensor,
+                seed: int) -> Tuple[Tensor, str]:
+        """The labels, and for a batch each one given to the recovered image whose features are
+        nearest its own reading off the output layer's gradient (images are found in no order)."""
+        inferred = infer_labels(observation, seed=seed)
+        labels = inferred.labels.to(x.device).long()
+        if len(labels) < 2:
+            return labels, inferred.method
+        head = [m for m in replica.model.modules() if isinstance(m, nn.Linear)]
+        names = trainable_names(observation.model)
+        head_names = [n for n in names if n.endswith(("weight", "bias"))][-2:]
+        if not head or len(head_names) < 2:
+            return labels, inferred.method
+        from priors.features import per_image_features
+
+        kept: List[Tensor] = []
+        handle = head[-1].register_forward_pre_hook(lambda _m, inp: kept.append(inp[0].detach()))
+        try:
+            with torch.no_grad():
+                replica.forward(params, x)
+        finally:
+            handle.remove()
+        wg, bg = (observation.gradients[names.index(n)].detach() for n in head_names)
+        reading, usable = per_image_features(wg, bg, labels)
+        mine = torch.nn.functional.normalize(kept[0].double(), dim=1)
+        theirs = torch.nn.functional.normalize(reading.double(), dim=1)
+        cost = -(theirs @ mine.T) * usable.double()[:, None]
+        rows, cols = linear_sum_assignment(cost.cpu().numpy())
+        assigned = torch.empty_like(labels)
+        assigned[torch.as_tensor(cols, device=labels.device)] = labels[torch.as_tensor(rows, device=labels.device)]
+        return assigned, f"{inferred.method}, each given to the image nearest its feature reading"
+
+    def _fit(self, observation: Observation, sim: GradientSimulator, replica: ClientReplica, x: Tensor,
+             labels: Tensor) -> Tuple[Tensor, Tensor, float, int]:
+        """A per-image, per-channel gain and offset fitted to the whole upload (the residual is
+        blind to them), and the certificate: the relative error of the upload reproduced."""
+        observed = [g.detach() for g in observation.gradients]
+        ref = math.sqrt(sum(float(g.double().pow(2).sum()) for g in observed)) or 1.0
+        base = (x - x.mean((2, 3), keepdim=True)) / x.std((2, 3), keepdim=True).clamp_min(1e-6)
+        channels = x.shape[1]
+        data_mean = torch.tensor(observation.data_mean or [0.5] * channels, dtype=x.dtype, device=x.device)
+        data_std = torch.tensor(observation.data_std or [0.25] * channels, dtype=x.dtype, device=x.device)
+        context = SimContext(observation, capture_features=False)
+
+        def mismatch(theta: Tensor) -> Tensor:
+            gain, offset = theta.view(2, len(x), channels, 1, 1)
+            return _upload_mismatch(sim, replica, base * gain + offset, labels, context, observed, ref)
+
+        # the residual is blind to each image's and channel's sign and scale: start from the data set's
+        # statistics with each image's sign pattern chosen in turn, at a few scales, then Gauss-Newton
+        # from the best start (L-BFGS stalls in this small problem's valleys; measured on ResNet-18)
+        patterns = torch.tensor(list(itertools.product((1.0, -1.0), repeat=channels)), dtype=x.dtype, device=x.device)
+        offset0 = data_mean.view(1, -1).expand(len(x), -1)
+        starts: List[Tuple[float, Tensor]] = []
+        fitted = 0
+        for scale in FIT_SCALES:
+            gain0 = (scale * data_std).view(1, -1).repeat(len(x), 1)
+            for i in range(len(x)):
+                tried = []
+                for pattern in patterns:
+                    gain0[i] = pattern * scale * data_std
+                    theta = torch.cat([gain0.flatten(), offset0.flatten()])
+                    tried.append((float(mismatch(theta).norm()), theta))
+                fitted += len(patterns)
+                value, theta = min(tried, key=lambda t: t[0])
+                gain0 = theta[:gain0.numel()].view_as(gain0).clone()
+            starts.append((value, theta))
+        theta = min(starts, key=lambda t: t[0])[1]
+        theta, used = _gauss_newton(mismatch, theta, self.fit)
+        fitted += used
+        gain, offset = theta.view(2, len(x), channels, 1, 1)
+        images = (base * gain + offset).detach()
+        error = float(_upload_mismatch(sim, replica, images.clamp(0, 1), labels, context, observed, ref).norm())
+        return images, labels, error, fitted
+
+
+def _upload_mismatch(sim: GradientSimulator, replica: ClientReplica, images: Tensor, labels: Tensor,
+                     context: SimContext, observed: List[Tensor], ref: float) -> Tensor:
+    """The replayed upload of ``images`` less the observed one, flattened, over the observed norm."""
+    with torch.enable_grad():
+        grads, _ = sim(replica, images, labels, functional=False, context=context)
+    return torch.cat([(g.detach() - o).flatten() for g, o in zip(grads, observed)]) / ref
+
+
+def _gauss_newton(residual: Callable[[Tensor], Tensor], theta: Tensor, iterations: int,
+                  step: float = 1e-6) -> Tuple[Tensor, int]:
+    """Levenberg-Marquardt on a few parameters with a forward-difference Jacobian; the result and
+    the residual evaluations it took."""
+    r = residual(theta)
+    used, damping = 1, 1e-3
+    for _ in range(iterations):
+        h = step * theta.abs().clamp_min(1e-2)
+        jac = torch.stack([(residual(theta + h[k] * torch.eye(len(theta), dtype=theta.dtype, device=theta.device)[k])
+                            - r) / h[k] for k in range(len(theta))], 1)
+        used += len(theta)
+        normal, rhs = jac.T @ jac, -(jac.T @ r)
+        while True:
+            delta = torch.linalg.solve(normal + damping * normal.diagonal().mean() * torch.eye(len(theta), dtype=theta.dtype,
+                                                                                               device=theta.device), rhs)
+            trial = residual(theta + delta)
+            used += 1
+            if trial.norm() < r.norm():
+                theta, r, damping = theta + delta, trial, max(damping / 10, 1e-12)
+                break
+            damping *= 10
+            if damping > 1e6:
+                return theta, used
+        if float(delta.norm()) <= 1e-12 * float(theta.norm()):
+            break
+    return theta, used
+
+
+def _float64(observation: Observation) -> Observation:
+    """The observation with its model and upload in float64 (the model copied, never changed)."""
+    return dataclasses.replace(observation, model=copy.deepcopy(observation.model).double(),
+                               gradients=[g.detach().double() for g in observation.gradients])
+
+
+def _lbfgs(variables: List[Tensor], loss: Callable[[], Tensor], evaluations: int,
+           progress: Optional[Callable]) -> List[float]:
+    """Minimise ``loss`` over ``variables`` with L-BFGS (strong Wolfe line search) in at most
+    ``evaluations`` loss evaluations; the loss at each evaluation."""
+    history: List[float] = []
+    optimizer = torch.optim.LBFGS(variables, lr=1, max_iter=evaluations, max_eval=evaluations, history_size=50,
+                                  line_search_fn="strong_wolfe", tolerance_grad=1e-14, tolerance_change=1e-18)
+
+    def closure():
+        optimizer.zero_grad()
+        value = loss()
+        value.backward()
+        history.append(float(value.detach()))
+        if progress is not None:
+            progress(len(history), evaluations, history[-1])
+        return value
+
+    optimizer.step(closure)
+    return history
+
+
+
+@ATTACKS.register("conv-span", "Conv-span: the batch whose deep feature maps' patches lie in the row spaces of the "
+                  "convolutions' weight gradients (exact where positions < channels), colour fitted to the upload "
+                  "and certified by reproducing it")
+def conv_span(evaluations: int = DEFAULT_EVALUATIONS, fit: int = FIT_EVALUATIONS, init_std: float = 0.1,
+              tolerance: float = CERTIFICATE_TOLERANCE, layers: Optional[List[str]] = None) -> ConvSpan:
+    return ConvSpan(evaluations, fit, init_std, tolerance, layers)

@@ -1,0 +1,150 @@
+"""What a convolution's weight gradient holds, as linear algebra (:mod:`attacks.conv_span`).
+
+For a ``Conv2d`` with input map ``X`` and ``N`` output positions per image, ``dL/dW`` reshaped to
+``Cout x (Cin/groups * k * k)`` is ``sum_p delta_p (outer) patch_p(X)``: its row space is the span
+of the input's patches wherever ``B * N < min(Cout, Cin/groups * k * k)`` (``B`` images). A
+BatchNorm in train mode after the convolution makes ``sum_p delta_p = 0``, so the rank drops by
+one and the row space holds the patches centred over all positions of the batch. Measured on
+ResNet-18: the patches lie in the row space to 1e-15 for every convolution of stages 3 and 4
+(docs/strength.md, "Conv-span").
+
+This module finds the convolutions where the span holds (:func:`span_layers`), reads their row
+spaces off an upload and keeps those whose spectrum shows the gap (:func:`row_spaces`), and
+scores how far a candidate map's patches are from them (:func:`span_residual`).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Dict, List, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from audit.core.models import preserved_buffers
+
+#: a row space is read off an upload where the first dropped singular value is below this share
+#: of the last kept one (exact uploads: ~1e-6 in float32, ~1e-15 in float64; noise or pruning: ~1)
+GAP = 1e-3
+
+
+@dataclass(frozen=True)
+class SpanLayer:
+    """A convolution whose weight gradient can span its input's patches: its module name, the
+    positions per image, its output channels and the length of one patch."""
+
+    name: str
+    positions: int
+    out_channels: int
+    patch: int
+
+    def holds_for(self, batch: int) -> bool:
+        """``batch * positions`` patches fit strictly inside the gradient's rank bound."""
+        return batch * self.positions < min(self.out_channels, self.patch)
+
+    @property
+    def largest_batch(self) -> int:
+        return max(0, (min(self.out_channels, self.patch) - 1) // self.positions)
+
+
+def conv_layers(model: nn.Module, input_shape: Sequence[int]) -> List[SpanLayer]:
+    """Every trainable ``Conv2d`` of ``model`` with its positions for one image of ``input_shape``
+    (a probe forward on zeros; the model's buffers are left as they were)."""
+    convs = {name: m for name, m in model.named_modules()
+             if isinstance(m, nn.Conv2d) and m.weight.requires_grad}
+    found: Dict[str, SpanLayer] = {}
+
+    def hook(name):
+        def record(module, _inputs, output):
+            found[name] = SpanLayer(name, int(output.shape[-1] * output.shape[-2]), module.out_channels,
+                                    module.weight[0].numel())
+        return record
+
+    handles = [m.register_forward_hook(hook(n)) for n, m in convs.items()]
+    param = next(model.parameters())
+    try:
+        with torch.no_grad(), preserved_buffers(model):
+            model(torch.zeros(2, *input_shape, dtype=param.dtype, device=param.device))
+    finally:
+        for h in handles:
+            h.remove()
+    return [found[n] for n in convs if n in found]
+
+
+def span_layers(model: nn.Module, input_shape: Sequence[int], batch: int) -> Tuple[List[SpanLayer], str]:
+    """The convolutions whose weight gradient spans the patches of a batch of ``batch``, and why
+    there is none ('' when some are found)."""
+    convs = conv_layers(model, input_shape)
+    if not convs:
+        return [], "the model has no trainable nn.Conv2d: the conv-span attack reads convolutions' weight gradients"
+    held = [c for c in convs if c.holds_for(batch)]
+    if held:
+        return held, ""
+    best = min(convs, key=lambda c: c.positions / min(c.out_channels, c.patch))
+    if best.largest_batch == 0:
+        return [], (f"no convolution meets the rank condition: each has at least as many output positions as "
+                    f"output channels or patch entries (the closest, {best.name!r}: {best.positions} positions, "
+                    f"{best.out_channels} channels, patches of {best.patch}); a wider or deeper model has them")
+    return [], (f"a batch of {batch} gives {batch * best.positions} patches to {best.name!r}, the convolution "
+                f"with the most room, which spans at most {min(best.out_channels, best.patch) - 1}: the span "
+                f"holds up to a batch of {best.largest_batch}")
+
+
+@dataclass
+class RowSpace:
+    """The row space of one convolution's uploaded weight gradient: an orthonormal basis ``(r, D)``,
+    whether its patches are centred (train-mode BatchNorm) and the spectral gap it was read at."""
+
+    layer: SpanLayer
+    basis: Tensor
+    centred: bool
+    gap: float
+
+
+def row_spaces(gradients: Dict[str, Tensor], layers: Sequence[SpanLayer], batch: int,
+               centred: bool) -> Tuple[List[RowSpace], List[Tuple[str, float]]]:
+    """The row spaces of the layers whose uploaded gradient has the expected rank (``batch *
+    positions``, less one when ``centred``) with a gap below :data:`GAP`, and the others with the
+    gap they showed (a defense that perturbs a layer breaks its gap)."""
+    kept, broken = [], []
+    for layer in layers:
+        grad = gradients.get(layer.name)
+        if grad is None:
+            broken.append((layer.name, math.inf))
+            continue
+        rank = batch * layer.positions - (1 if centred else 0)
+        s, vh = torch.linalg.svd(grad.detach().double().reshape(grad.shape[0], -1), full_matrices=False)[1:]
+        gap = float(s[rank] / s[rank - 1]) if s[rank - 1] > 0 else math.inf
+        if gap <= GAP:
+            kept.append(RowSpace(layer, vh[:rank], centred, gap))
+        else:
+            broken.append((layer.name, gap))
+    return kept, broken
+
+
+def patches(conv: nn.Conv2d, maps: Tensor) -> Tensor:
+    """Every patch the convolution reads from ``maps`` ``(B, C, H, W)``: ``(B * N, C/groups*k*k)``
+    in the order of its weight's flattened rows (groups > 1: the first group's channels)."""
+    unfolded = F.unfold(maps, conv.kernel_size, conv.dilation, conv.padding, conv.stride)
+    if conv.groups > 1:
+        unfolded = unfolded[:, :conv.weight[0].numel()]
+    return unfolded.transpose(1, 2).reshape(-1, unfolded.shape[1])
+
+
+def span_residual(space: RowSpace, conv: nn.Conv2d, maps: Tensor) -> Tensor:
+    """How far ``maps``' patches are from the uploaded row space, scale-free: the squared share
+    of the patches outside it, plus (for a batch) the share of the row space the patches miss,
+    so that every image of the batch must be there, not one image copied. Zero for the true maps."""
+    basis = space.basis.to(maps.dtype)
+    p = patches(conv, maps)
+    if space.centred:
+        p = p - p.mean(0, keepdim=True)
+    outside = (p - (p @ basis.T) @ basis).pow(2).sum() / p.pow(2).sum().clamp_min(1e-30)
+    if len(p) <= basis.shape[0] + 1:  # one image: its patches are the whole row space already
+        return outside
+    gram = p @ p.T
+    ridge = 1e-6 * gram.diagonal().mean() * torch.eye(len(p), dtype=p.dtype, device=p.device)
+    coords = p @ basis.T  # (BN, r)
+    covered = (coords * torch.linalg.solve(gram + ridge, coords)).sum() / basis.shape[0]
+    return outside + (1 - covered)

@@ -1,0 +1,153 @@
+"""The conv-span attack: the span property of convolution gradients, exact recovery of a deep map
+and of the image, a batch, the certificate and the reasons it does not apply."""
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from audit.client.observe import observe
+from audit.core.evidence import aligned_psnr
+from audit.core.metrics import match_batches
+from audit.core.models import Normalize, build_model
+from audit.core.types import trainable_names
+from attacks.conv_span import ConvSpan
+from attacks.conv_span_algebra import patches, row_spaces, span_layers, span_residual
+
+
+def small_net(seed=0):
+    """A strided conv net on 16x16 images whose last two convolutions meet the rank condition
+    (16 and 4 positions against 64 and 128 channels)."""
+    torch.manual_seed(seed)
+    block = lambda cin, cout: [nn.Conv2d(cin, cout, 3, 2, 1, bias=False), nn.BatchNorm2d(cout), nn.ReLU()]  # noqa: E731
+    return nn.Sequential(Normalize([0.5] * 3, [0.25] * 3, 3), *block(3, 16), *block(16, 64), *block(64, 128),
+                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(128, 10))
+
+
+def smooth_images(n, seed):
+    """Images with the low-frequency structure of photos: random 4x4 colour fields, upsampled."""
+    g = torch.Generator().manual_seed(seed)
+    coarse = torch.rand(n, 3, 4, 4, generator=g)
+    return nn.functional.interpolate(coarse, size=(16, 16), mode="bilinear", align_corners=False)
+
+
+def _input_of(model, name, x):
+    kept = {}
+    module = dict(model.named_modules())[name]
+    handle = module.register_forward_hook(lambda m, i, o: kept.update(x=i[0].detach()))
+    try:
+        model(x)
+    finally:
+        handle.remove()
+    return kept["x"]
+
+
+@pytest.mark.parametrize("mode", ["eval", "train"])
+def test_resnet_stage4_gradient_spans_its_input_patches_in_float64(mode):
+    model = build_model("resnet18", (3, 32, 32), 10, width=16, seed=0).double().train(mode == "train")
+    x = torch.rand(1, 3, 32, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    y = torch.tensor([3])
+    layers, why = span_layers(model, (3, 32, 32), 1)
+    assert why == "" and "10.conv1" in [l.name for l in layers] and "6.conv1" not in [l.name for l in layers]
+    grads = dict(zip(trainable_names(model), torch.autograd.grad(
+        nn.functional.cross_entropy(model(x), y), [p for p in model.parameters() if p.requires_grad])))
+    layer = next(l for l in layers if l.name == "10.conv1")
+    spaces, broken = row_spaces({"10.conv1": grads["10.conv1.weight"]}, [layer], 1, centred=mode == "train")
+    assert not broken and spaces[0].basis.shape[0] == 16 - (mode == "train")
+    conv = dict(model.named_modules())["10.conv1"]
+    true_map = _input_of(model, "10.conv1", x)
+    assert float(span_residual(spaces[0], conv, true_map)) < 1e-20  # squared share outside: ~(1e-15)^2
+    other = _input_of(model, "10.conv1", torch.rand(1, 3, 32, 32, dtype=torch.float64))
+    assert float(span_residual(spaces[0], conv, other)) > 1e-2  # another image: ~0.09
+    # the rank is the number of positions (less one in train mode), not the output channels
+    s = torch.linalg.svdvals(grads["10.conv1.weight"].reshape(128, -1))
+    assert float(s[15 - (mode == "train")] / s[0]) > 1e-8 and float(s[16 - (mode == "train")] / s[0]) < 1e-12
+
+
+def resnet(seed=0):
+    """The registered ResNet-18 at width 32 on 16x16 images: stages 3 and 4 (4x4 and 2x2 maps,
+    128 and 256 channels) meet the rank condition."""
+    return build_model("resnet18", (3, 16, 16), 10, width=32, seed=seed)
+
+
+def test_vgg_style_gradient_spans_its_input_patches():
+    model = small_net().double().eval()
+    x = smooth_images(1, 0).double()
+    layers, _ = span_layers(model, (3, 16, 16), 1)
+    assert [l.name for l in layers] == ["4", "7"]
+    grads = dict(zip(trainable_names(model), torch.autograd.grad(
+        nn.functional.cross_entropy(model(x), torch.tensor([2])), list(model.parameters()))))
+    spaces, _ = row_spaces({n: grads[f"{n}.weight"] for n in ("4", "7")}, layers, 1, centred=False)
+    modules = dict(model.named_modules())
+    assert all(float(span_residual(s, modules[s.layer.name], _input_of(model, s.layer.name, x))) < 1e-20
+               for s in spaces)
+
+
+def test_recovers_the_image_and_its_deep_map_exactly_and_certifies_it():
+    model = resnet()
+    x, y = smooth_images(1, 0), torch.tensor([4])
+    rec = ConvSpan().reconstruct(observe(model, x, y, None, client_mode="eval"), budget=150, seed=0)
+    assert rec.applicable, rec.reason
+    assert rec.trace["layers"][0] == "8.conv1" and rec.trace["certified"], rec.trace
+    assert float(aligned_psnr(rec.inputs, x)) > 40
+    assert rec.labels.tolist() == [4]
+    model.eval()
+    truth, mine = _input_of(model, "8.conv1", x), _input_of(model, "8.conv1", rec.inputs)  # stage 2's 8x8x64 output
+    assert float((mine - truth).norm() / truth.norm()) < 1e-3
+
+
+def test_a_batch_of_two_shares_the_span_and_gives_back_an_exact_image_and_both_labels():
+    model = resnet(1)
+    x, y = smooth_images(2, 5), torch.tensor([4, 9])
+    rec = ConvSpan().reconstruct(observe(model, x, y, None, client_mode="eval"), budget=200, seed=0)
+    assert rec.applicable and rec.trace["residual"] < 1e-6, rec.trace  # both images' patches fill the row space
+    order = match_batches(rec.inputs, x)
+    assert max(float(aligned_psnr(rec.inputs[order][i:i + 1], x[i:i + 1])) for i in range(2)) > 40
+    assert sorted(rec.labels.tolist()) == [4, 9]
+
+
+def test_certificate_refused_where_the_defense_changes_the_head():
+    def noisy_head(model, inputs, labels, *, loss_fn, generator):
+        grads = torch.autograd.grad(loss_fn(model(inputs), labels), [p for p in model.parameters() if p.requires_grad])
+        g = torch.Generator().manual_seed(0)
+        return [*grads[:-2], *(t + 0.5 * t.std() * torch.randn(t.shape, generator=g) for t in grads[-2:])]
+
+    x, y = smooth_images(1, 0), torch.tensor([4])
+    rec = ConvSpan(fit=2).reconstruct(observe(resnet(), x, y, noisy_head, client_mode="eval"), budget=150, seed=0)
+    assert rec.applicable and rec.trace["layers"][0] == "8.conv1"  # the convolutions are whole: it runs
+    assert float(aligned_psnr(rec.inputs, x)) > 30  # and finds the image
+    assert not rec.trace["certified"] and rec.trace["certificate_error"] > 1e-2  # but the upload is not reproduced
+
+
+def test_noise_on_every_layer_breaks_every_gap():
+    def noisy(model, inputs, labels, *, loss_fn, generator):
+        grads = torch.autograd.grad(loss_fn(model(inputs), labels), [p for p in model.parameters() if p.requires_grad])
+        g = torch.Generator().manual_seed(0)
+        return [t + 0.01 * t.std() * torch.randn(t.shape, generator=g) for t in grads]
+
+    rec = ConvSpan().reconstruct(observe(resnet(), smooth_images(1, 0), torch.tensor([4]), noisy), budget=10)
+    assert not rec.applicable and "rank" in rec.reason and "perturbed" in rec.reason
+
+
+def test_not_applicable_without_a_conv_that_meets_the_rank_condition():
+    model = build_model("cnn", (3, 32, 32), 10)
+    rec = ConvSpan().reconstruct(observe(model, torch.rand(1, 3, 32, 32), torch.tensor([0])), budget=10)
+    assert not rec.applicable and "rank condition" in rec.reason and "'4'" in rec.reason
+
+
+def test_not_applicable_for_a_batch_too_large_for_the_span():
+    rec = ConvSpan().reconstruct(observe(resnet(), smooth_images(64, 0), torch.arange(64) % 10), budget=10)
+    assert not rec.applicable and "holds up to a batch of 63" in rec.reason
+
+
+def test_the_planner_plans_it_where_the_rank_condition_holds_and_the_control_runs_it():
+    from adaptive.planner.plan import plan
+    from audit.engine.control import base_form
+
+    identity = lambda model, inputs, labels, *, loss_fn, generator: list(torch.autograd.grad(  # noqa: E731
+        loss_fn(model(inputs), labels), [p for p in model.parameters() if p.requires_grad]))
+    planned = plan(identity, resnet(), (3, 16, 16), 10)
+    conv = planned.get("conv-span")
+    assert conv is not None and not conv.adaptive and "8.conv1" in conv.reason
+    assert base_form("conv-span", {}) == "conv-span"  # a base attack: the positive control runs it too
+    assert plan(identity, build_model("cnn", (3, 16, 16), 10), (3, 16, 16), 10).get("conv-span") is None
