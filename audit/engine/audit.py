@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import inspect
 import json
 import math
 import time
@@ -28,12 +27,14 @@ from attacks.classic import classic_attacks
 from attacks.presets import defaults_fingerprint
 from audit.client.fl import train
 from audit.client.observe import client_round, observe  # client_round: the round the Flower replay runs
-from audit.core.defense_call import DEFAULT_DEFENSE_TIMEOUT, defense_timeout
+from audit.core.defense_call import defense_timeout
 from attacks.side_information import side_information
 from audit.core.buffers import buffer_effect, has_running_stats, upload_statistics
 from audit.core.errors import ConfigError, DefenseError, GiaError, NotApplicable
+from audit.core.files import atomic_write_bytes
 from audit.core.preflight import runs
 from audit.core.records import AccuracySpread, AttackResult, Scores, Status, UtilityResult
+from audit.engine.config import AuditConfig, default_of, make_config
 from audit.engine.compose import AuditParts, build_parts, build_shared, check_model, reconstruct, resolve_defense
 from audit.engine.control import CONTROL_DIR, SEARCH_START, PositiveControl, check_budget_search
 from audit.engine.identity import data_identity, defense_identity, audited_model_identity, derive_seed, versions
@@ -42,16 +43,18 @@ from audit.engine.privacy import privacy_report
 from audit.engine.scoring import (PSNR_CAP, score_against_trained, score_reconstructions, trace_summary,
                                   trained_batch)
 from audit.engine.utility import PROTOCOL, measure_utility
-from audit.engine.settings import (DEFAULT_IMAGES, DEFAULT_MAX_BUDGET, DEFAULT_STEPS, AttackSettings,
-                                   DataSettings, FLSettings, ModelSettings, OutputSettings, model_settings)
+from audit.engine.settings import (AttackSettings, DataSettings, FLSettings, ModelSettings, OutputSettings,
+                                   model_settings)
 from audit.report.audit_report import AuditReport
 from audit.report.formats import remove_report
 from audit.report.risk import default_delta
 from audit.report.rule import LeakRule
 from audit.report.store import ResultStore, to_jsonable
 
-DEFAULT_DEFENSE = "prune"
-UNDEFENDED = "none"  # the positive control's defense  # 90% magnitude pruning: cheap, and the planner has adaptive attacks for it
+DEFAULT_DEFENSE = default_of("defense")
+UNDEFENDED = "none"  # the positive control's defense
+#: the resolved config, written beside the report: ``--config OUT/config.toml`` replays the run
+CONFIG_FILE = "config.toml"
 # the portfolio of plain strategies (docs/strength.md), and IG alone: at small budgets IG's full
 # share can beat the portfolio's pick, and the verdict takes the strongest attack
 BASE_ATTACKS = ("portfolio", "ig")
@@ -96,12 +99,15 @@ class Audit:
     #: client's training is not simulated, so the simulation's limits on it do not apply
     simulates_client = True
 
-    def __init__(self, defense: Any = DEFAULT_DEFENSE, model: Union[str, nn.Module, ModelSettings] = "cnn", *,
+    def __init__(self, defense: Any = DEFAULT_DEFENSE, model: Union[str, nn.Module, ModelSettings] = default_of("model"), *,
                  defense_args: Optional[Dict[str, Any]] = None, model_args: Optional[Dict[str, Any]] = None,
                  data_settings: DataSettings = DataSettings(), fl_settings: FLSettings = FLSettings(),
                  attack_settings: AttackSettings = AttackSettings(),
                  output_settings: OutputSettings = OutputSettings(),
-                 seed: int = 0, device: Union[str, torch.device] = "cpu", parts: Optional[AuditParts] = None):
+                 seed: int = default_of("seed"), device: Union[str, torch.device] = default_of("device"),
+                 parts: Optional[AuditParts] = None, config: Optional[AuditConfig] = None):
+        #: the config the audit was built from (None: built from settings objects), carried into the report
+        self.config = config
         self.data_settings, self.fl_settings = data_settings, fl_settings
         self.attack_settings, self.output_settings = attack_settings, output_settings
         data, output = data_settings, output_settings
@@ -142,6 +148,12 @@ class Audit:
         self._planned: Optional[Tuple[List[AttackSpec], Dict[str, Any]]] = None
         #: the progress bar's name (the positive control's audit says "control")
         self.progress_label = "audit"
+
+    @classmethod
+    def from_config(cls, config: AuditConfig, parts: Optional[AuditParts] = None, **extra: Any) -> "Audit":
+        """The audit of ``config`` (``parts``: built already, e.g. a sweep's cell)."""
+        return cls(config.defense, defense_args=dict(config.defense_args or {}), parts=parts, config=config,
+                   **config.sections(), **extra)
 
     @property
     def null(self) -> Null:
@@ -480,11 +492,22 @@ class Audit:
             metric_notes=[f"PSNR per image on [0, 1]; an exact reconstruction (infinite PSNR) counts as {PSNR_CAP:g} dB",
                           "batch reconstructions are matched to the private images by an optimal assignment on MSE",
                           "label accuracy: the fraction of private labels recovered (as a multiset)"])
+        self.write_config(store)
         for i, (x, _) in enumerate(self.private):
             store.save_original(i, x)
         if manifest.get("utility_for") != self.utility_for():
             store.update_manifest(utility=self.utility().as_dict(), utility_for=self.utility_for())
         return specs
+
+    def write_config(self, store: ResultStore) -> None:
+        """The config as one manifest record and, when a file can hold it, as ``OUT/config.toml``
+        (``gia-audit audit --config OUT/config.toml`` replays the run and resumes it)."""
+        if self.config is None:
+            return
+        record = self.config.record()
+        store.update_manifest(config=record)
+        if record["replayable"]:
+            atomic_write_bytes(Path(self.output_settings.out) / CONFIG_FILE, self.config.toml().encode())
 
     def privacy(self) -> Dict[str, Any]:
         """Per audited step, the (epsilon, delta) spent before it, for a defense that accounts
@@ -752,106 +775,24 @@ def _progress(total: int, initial: int, enabled: bool, label: str = "audit"):
 
 
 # --------------------------------------------------------------------------- public entry point
-def run(defense: Any = DEFAULT_DEFENSE, **settings: Any) -> AuditReport:
+def run(config: Any = None, /, **fields: Any) -> AuditReport:
     """Audit a defense: how much of the audited client's private data leaks, per training step.
 
-    ``defense``: a built-in name (``defense_args`` are its parameters), a ``Defense`` object,
-    any ``defense(model, inputs, labels, *, loss_fn, generator) -> list[Tensor]`` callable,
-    or ``"package.module:attr"``. ``model``: a registered name, ``"package.module:attr"`` or
-    a factory (called with ``num_classes=``, ``input_shape=`` when it names it, and
-    ``model_args``), or an ``nn.Module``; ``model_normalize``: the inputs it expects
-    (``"data"``, ``"none"``, ``(mean, std)``; see :mod:`audit.core.model_source`);
-    ``checkpoint``: a state_dict file its weights start from; ``client_mode``: ``"train"`` or
-    ``"eval"``, the mode of the audited client's update (see ``docs/own-model.md``).
-    ``steps``: audited training steps (trained between them with the defended updates over
-    ``clients`` clients); the client's training and upload (``local_*``, ``shares``) and the
-    server's optimiser (``server_optimizer``): :class:`~audit.engine.settings.FLSettings`. ``attacks``: ``"auto"`` (base attacks plus the
-    planner's adaptive attacks) or a list of names (``attack_args``: per-attack settings,
-    ``{"ig": {"restarts": 2}}``, over the planner's). ``images``: private batches of
-    ``batch_size`` images. ``budget``: gradient evaluations per attack and private batch
-    (:data:`audit.core.types.BUDGET_DEFINITION`) or ``"auto"`` (the default), searched up to
-    ``max_budget`` on the positive control (:mod:`audit.engine.control`) every audit runs. ``utility``: also train
-    ``utility_steps`` rounds of the utility recipe (``docs/evidence.md``) with and without the
-    defense, on ``utility_seeds`` seeds each, and compare test accuracy (mean and spread).
-    ``defense_timeout``: seconds per defense call before it is abandoned and recorded as an
-    error (default :data:`~audit.core.defense_call.DEFAULT_DEFENSE_TIMEOUT`; None or 0: no limit). ``thresholds``: the leak rule (``docs/evidence.md``). Results
-    are stored under ``out`` as they finish (a rerun resumes and, with ``retry_errors``,
-    retries stored errors); the report is written there and returned. As objects: :class:`Audit`
-    with :mod:`audit.engine.settings`' settings classes.
+    ``config``: an :class:`~audit.engine.config.AuditConfig` (``fields`` change some of its
+    values), or the defense itself (short for ``defense=``); ``fields``: the config's fields by
+    name (``images=4, budget=200, ...``; each one's meaning and default: the config's fields, or
+    ``gia-audit audit --help``). An unknown name is a one-line error naming the nearest valid
+    one. The report is written under ``out`` (results are stored as they finish, and a rerun
+    resumes) and returned.
     """
-    return Audit(defense, defense_args=settings.pop("defense_args", None), **audit_settings(**settings)).run()
-
-
-def settings_objects(
-    *,
-    model: Any = "cnn",
-    data: Any = "embedded",
-    steps: Union[str, Sequence[int]] = DEFAULT_STEPS,
-    attacks: Union[str, Sequence[str]] = "auto",
-    images: int = DEFAULT_IMAGES,
-    budget: Union[int, str, None] = None,
-    seed: int = 0,
-    out: Union[str, Path] = "audit-out",
-    attack_args: Optional[Dict[str, Dict[str, Any]]] = None,
-    model_args: Optional[Dict[str, Any]] = None,
-    model_normalize: Any = None,
-    checkpoint: Optional[Union[str, Path]] = None,
-    client_mode: str = "train",
-    data_args: Optional[Dict[str, Any]] = None,
-    image_size: int = 32,
-    batch_size: int = 1,
-    share_labels: bool = False,
-    lr: float = 0.1,
-    train_batch_size: int = 8,
-    clients: int = 1,
-    local_steps: int = 1,
-    local_lr: Optional[float] = None,
-    local_optimizer: Any = "sgd",
-    local_batch_size: Optional[int] = None,
-    local_epochs: Optional[int] = None,
-    shares: Optional[str] = None,
-    server_optimizer: Any = "sgd",
-    utility: bool = True,
-    utility_steps: int = PROTOCOL.rounds,
-    utility_seeds: int = 3,
-    thresholds: Union[LeakRule, Dict[str, Any], str, None] = None,
-    delta: Optional[float] = None,
-    device: Union[str, torch.device] = "cpu",
-    progress: bool = True,
-    defense_timeout: Optional[float] = DEFAULT_DEFENSE_TIMEOUT,
-    retry_errors: bool = True,
-    max_budget: int = DEFAULT_MAX_BUDGET,
-) -> Dict[str, Any]:
-    """:func:`run`'s settings, the one list of their names and defaults, as the keyword objects
-    :class:`Audit` and :class:`Sweep` take (``model``, ``seed``, ``device``, ``data_settings``,
-    ``fl_settings``, ``attack_settings``, ``output_settings``); the client's training record is
-    built once, in :class:`~audit.engine.settings.FLSettings`."""
-    return dict(
-        model=ModelSettings(model, model_args or {}, model_normalize, checkpoint),
-        seed=seed, device=device,
-        data_settings=DataSettings(data, data_args or {}, image_size, images, batch_size, share_labels),
-        fl_settings=FLSettings(lr=lr, batch_size=train_batch_size, clients=clients, local_steps=local_steps,
-                               local_lr=local_lr, client_mode=client_mode, local_optimizer=local_optimizer,
-                               local_batch_size=local_batch_size, local_epochs=local_epochs, shares=shares,
-                               server_optimizer=server_optimizer),
-        attack_settings=AttackSettings(steps, attacks, attack_args or {}, budget, max_budget),
-        output_settings=OutputSettings(out, utility, utility_steps, LeakRule.of(thresholds), delta, progress,
-                                       defense_timeout, retry_errors, utility_seeds=utility_seeds))
+    if config is not None and not isinstance(config, AuditConfig):
+        if "defense" in fields:
+            raise ConfigError("the defense is given twice (as the first argument and as defense=); give it once")
+        config, fields = None, {**fields, "defense": config}
+    return Audit.from_config(make_config(config, **fields)).run()
 
 
 def audit_settings(**flat: Any) -> Dict[str, Any]:
-    """:func:`settings_objects` for a dict of :func:`run`'s settings (a sweep's, a bench's):
-    an unknown name is a one-line error listing the valid ones."""
-    valid = list(inspect.signature(settings_objects).parameters)
-    unknown = sorted(k for k in flat if k not in valid)
-    if unknown:
-        raise ConfigError(f"unknown audit setting(s) {', '.join(unknown)}; valid settings: {', '.join(valid)}")
-    return settings_objects(**flat)
-
-
-#: ``run``'s signature for help() and editors: the defense, then :func:`settings_objects`' settings
-run.__signature__ = inspect.Signature(
-    [inspect.Parameter("defense", inspect.Parameter.POSITIONAL_OR_KEYWORD, default=DEFAULT_DEFENSE),
-     inspect.Parameter("defense_args", inspect.Parameter.KEYWORD_ONLY, default=None)]
-    + list(inspect.signature(settings_objects).parameters.values()),
-    return_annotation=AuditReport)
+    """The engine's settings sections (:func:`audit.engine.settings.sections_of`) of a dict of
+    config fields (a sweep's, a bench's), the defense aside; names checked."""
+    return make_config(**flat).sections()

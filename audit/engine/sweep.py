@@ -35,13 +35,13 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from audit.core.errors import ConfigError
 from audit.core.records import AccuracySpread, UtilityResult
-from audit.engine.audit import UTILITY_FORMAT, Audit, audit_settings, undefended_identity
+from audit.engine.audit import UTILITY_FORMAT, Audit, undefended_identity
+from audit.engine.config import AuditConfig, make_config
 from audit.engine.utility import PROTOCOL
 from audit.engine.compose import AuditParts, SharedParts, build_parts, build_shared, resolve_defense
 from audit.engine.executors import EXECUTORS
 from audit.engine.identity import audited_model_identity, defense_identity
-from audit.engine.settings import (AttackSettings, DataSettings, FLSettings, ModelSettings, OutputSettings, as_dict,
-                                   model_settings)
+from audit.engine.settings import (AttackSettings, DataSettings, FLSettings, ModelSettings, OutputSettings, as_dict)
 from audit.report.store import ResultStore, atomic_write_json, read_json, settings_key
 from audit.report.sweep_report import SweepReport
 
@@ -186,6 +186,7 @@ class CellJob:
     baseline: Optional[Dict[str, Any]] = None  # the undefended cell's UtilityResult, as stored
     only: Optional[Tuple[int, str]] = None  # one (step, attack) group of the cell
     control: Optional[Tuple[Any, Any]] = None  # the undefended cell's (defense, client model): every cell's control
+    config: Optional[AuditConfig] = None  # the config of this cell's audit alone
 
 
 class CellAudit(Audit):
@@ -224,7 +225,8 @@ def _cell_audit(job: CellJob, shared: SharedParts) -> CellAudit:
     parts = AuditParts(shared, job.cell.built, job.cell.ident, job.client_model)
     audit = CellAudit(job.cell.defense, job.model, defense_args=dict(job.cell.params),
                       data_settings=job.data_settings, fl_settings=job.fl_settings, attack_settings=attacks,
-                      output_settings=output, seed=job.seed, parts=parts)
+                      output_settings=output, seed=job.seed, parts=parts,
+                      config=job.config if job.only is None else None)
     audit.baseline, audit.control = job.baseline, job.control
     return audit
 
@@ -277,16 +279,15 @@ class Sweep:
     ``executor``: ``"local"`` or ``"ray"`` (``executor_args``: its options, e.g.
     ``{"address": "auto", "cpus": 2, "gpus": 1}``)."""
 
-    def __init__(self, grid: Any, model: Any = "cnn", *, model_args: Optional[Dict[str, Any]] = None,
-                 data_settings: DataSettings = DataSettings(), fl_settings: FLSettings = FLSettings(),
-                 attack_settings: AttackSettings = AttackSettings(),
-                 output_settings: OutputSettings = OutputSettings(out="sweep-out"),
-                 seed: int = 0, device: Any = "cpu", step: Optional[int] = None, executor: str = "local",
+    def __init__(self, grid: Any, config: AuditConfig, *, step: Optional[int] = None, executor: str = "local",
                  executor_args: Optional[Dict[str, Any]] = None):
-        self.model = model_settings(model, model_args)
-        self.data_settings, self.fl_settings = data_settings, fl_settings
-        self.attack_settings, self.output_settings = attack_settings, output_settings
-        self.seed = int(seed)
+        self.config = config
+        sections = config.sections()
+        self.model = sections["model"]
+        self.data_settings, self.fl_settings = sections["data_settings"], sections["fl_settings"]
+        self.attack_settings, self.output_settings = sections["attack_settings"], sections["output_settings"]
+        attack_settings, data_settings, device = self.attack_settings, self.data_settings, config.device
+        self.seed = int(config.seed)
         if step is not None and step not in attack_settings.steps:
             raise ConfigError(f"step {step} is not an audited step {list(attack_settings.steps)}; choose one of them "
                               "or leave it out for each cell's worst step")
@@ -329,7 +330,12 @@ class Sweep:
         undefended = next(c for c in self.cells if c.undefended)
         control = (undefended.built, client if cell is undefended else self._job(undefended).client_model)
         return CellJob(cell, self.model, self.data_settings, self.fl_settings, self.attack_settings,
-                       output, self.seed, client, baseline, control=control)
+                       output, self.seed, client, baseline, control=control, config=self.cell_config(cell))
+
+    def cell_config(self, cell: Cell) -> AuditConfig:
+        """The config that audits ``cell`` alone (its ``config.toml`` replays it)."""
+        return replace(self.config, defense=cell.defense, defense_args=dict(cell.params) or None,
+                       out=str(self.out / "cells" / cell.name))
 
     def _baseline(self) -> Optional[Dict[str, Any]]:
         """The undefended training run, stored in ``baseline.json`` (measured once per settings)."""
@@ -406,18 +412,22 @@ def _progress(total: int, initial: int, enabled: bool):
 
 
 # --------------------------------------------------------------------------- public entry point
-def sweep(grid: Any, out: Union[str, Path] = "sweep-out", *, step: Optional[int] = None, executor: str = "local",
-          executor_args: Optional[Dict[str, Any]] = None, **settings: Any) -> SweepReport:
+def sweep(grid: Any, out: Union[str, Path] = "sweep-out", *, config: Optional[AuditConfig] = None,
+          step: Optional[int] = None, executor: str = "local", executor_args: Optional[Dict[str, Any]] = None,
+          **fields: Any) -> SweepReport:
     """Audit a grid of defenses and settings; the privacy-utility frontier as a report.
 
     ``grid``: ``{"prune": {"ratio": [0.5, 0.9]}, "gaussian": {"sigma": [0.01, 0.1]}, "censor": {}}``,
     or a list of defenses and ``(defense, {param: values})`` pairs; a defense may be a name,
     ``"pkg.mod:attr"``, a Defense class (gridded over its parameters) or any defended-gradient
-    callable (one cell). ``settings``: :func:`audit.run`'s keyword settings (``model``,
-    ``steps``, ``images``, ``budget``, ``seed``, ``utility_steps``, ...), the same for every
-    cell. ``step``: the frontier's audited step (default: each cell's worst step).
-    ``executor``: ``"local"`` or ``"ray"`` (``executor_args``: ``address``, ``num_cpus``,
-    ``cpus`` and ``gpus`` per task; see :mod:`audit.engine.executors`). Rerunning resumes: finished cells and results are reused.
+    callable (one cell). ``config`` (:class:`~audit.engine.config.AuditConfig`, ``fields`` over
+    it): the settings every cell shares (its defense and output folder aside). ``step``: the
+    frontier's audited step (default: each cell's worst step). ``executor``: ``"local"`` or
+    ``"ray"`` (``executor_args``: ``address``, ``num_cpus``, ``cpus`` and ``gpus`` per task; see
+    :mod:`audit.engine.executors`). Rerunning resumes: finished cells and results are reused.
     """
-    return Sweep(grid, step=step, executor=executor, executor_args=executor_args,
-                 **audit_settings(out=out, **settings)).run()
+    for name in ("defense", "defense_args"):
+        if name in fields:
+            raise ConfigError(f"a sweep takes its defenses from the grid, not {name}=; put them in the grid")
+    config = make_config(config, **fields).replace(out=str(out))
+    return Sweep(grid, config, step=step, executor=executor, executor_args=executor_args).run()
