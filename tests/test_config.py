@@ -14,47 +14,47 @@ from audit.report.store import settings_key
 FIELDS = {f.name: f for f in config_fields()}
 CLI_FIELDS = [name for name, f in FIELDS.items() if f.metadata["cli"]]
 
-# one non-default command-line value per option of a config field
-CASES = {
-    "defense": ["--defense", "gaussian"],
-    "defense_args": ["--defense-arg", "sigma=0.05", "--defense-arg", "layers=1,2"],
-    "model": ["--model", "mlp"],
-    "model_args": ["--model-arg", "hidden=16"],
-    "model_normalize": ["--model-normalize", "0.5,0.5,0.5/0.25,0.25,0.25"],
-    "checkpoint": ["--checkpoint", "weights.pt"],
-    "client_mode": ["--client-mode", "eval"],
-    "data": ["--dataset", "cifar10"],
-    "data_path": ["--data-path", "data/cifar"],
-    "image_size": ["--size", "16"],
-    "images": ["--images", "2"],
-    "batch_size": ["--batch-size", "2"],
-    "share_labels": ["--share-labels"],
-    "lr": ["--lr", "0.05"],
-    "train_batch_size": ["--train-batch-size", "4"],
-    "clients": ["--clients", "2"],
-    "local_steps": ["--local-steps", "3"],
-    "local_lr": ["--local-lr", "0.02"],
-    "local_optimizer": ["--local-optimizer", "sgd:momentum=0.9,nesterov=1"],
-    "local_batch_size": ["--local-batch-size", "1"],
-    "local_epochs": ["--local-epochs", "2"],
-    "shares": ["--shares", "update"],
-    "server_optimizer": ["--server-optimizer", "adam:beta2=0.99"],
-    "steps": ["--steps", "2,0"],
-    "attacks": ["--attacks", "ig,dlg"],
-    "attack_args": ["--attack-arg", "ig.restarts=2", "--attack-arg", "dlg.lr=0.5"],
-    "budget": ["--budget", "400"],
-    "max_budget": ["--max-budget", "6400"],
-    "thresholds": ["--thresholds", "margin_db=2"],
-    "delta": ["--delta", "3.5"],
-    "utility": ["--no-utility"],
-    "utility_steps": ["--utility-steps", "10"],
-    "utility_seeds": ["--utility-seeds", "2"],
-    "defense_timeout": ["--defense-timeout", "30"],
-    "out": ["--out", "elsewhere"],
-    "seed": ["--seed", "7"],
-    "device": ["--device", "cuda:1"],
-    "progress": ["--quiet"],
-}
+# one non-default command-line value per option of a config field: field, then the arguments
+CASES = {row.split()[0]: row.split()[1:] for row in """
+defense           --defense gaussian
+defense_args      --defense-arg sigma=0.05 --defense-arg layers=1,2
+model             --model mlp
+model_args        --model-arg hidden=16
+model_normalize   --model-normalize 0.5,0.5,0.5/0.25,0.25,0.25
+checkpoint        --checkpoint weights.pt
+client_mode       --client-mode eval
+data              --dataset cifar10
+data_path         --data-path data/cifar
+image_size        --size 16
+images            --images 2
+batch_size        --batch-size 2
+share_labels      --share-labels
+lr                --lr 0.05
+train_batch_size  --train-batch-size 4
+clients           --clients 2
+local_steps       --local-steps 3
+local_lr          --local-lr 0.02
+local_optimizer   --local-optimizer sgd:momentum=0.9,nesterov=1
+local_batch_size  --local-batch-size 1
+local_epochs      --local-epochs 2
+shares            --shares update
+server_optimizer  --server-optimizer adam:beta2=0.99
+steps             --steps 2,0
+attacks           --attacks ig,dlg
+attack_args       --attack-arg ig.restarts=2 --attack-arg dlg.lr=0.5
+budget            --budget 400
+max_budget        --max-budget 6400
+thresholds        --thresholds margin_db=2
+delta             --delta 3.5
+utility           --no-utility
+utility_steps     --utility-steps 10
+utility_seeds     --utility-seeds 2
+defense_timeout   --defense-timeout 30
+out               --out elsewhere
+seed              --seed 7
+device            --device cuda:1
+progress          --quiet
+""".strip().splitlines()}
 
 
 def printed(args, tmp_path, name="printed.toml"):
@@ -185,3 +185,16 @@ def test_a_python_object_is_recorded_but_not_written_to_a_file():
     assert not record["replayable"] and record["why_not"].startswith("defense is a Python object")
     with pytest.raises(ConfigError, match="defense is a Python object"):
         config.toml()
+
+
+def test_the_reference_table_of_settings_is_the_config_fields():
+    from pathlib import Path
+
+    from audit.engine.fields import options_table
+
+    page = (Path(__file__).resolve().parents[1] / "docs" / "reference.md").read_text()
+    block = page.split("<!-- config:options:begin -->")[1].split("<!-- config:options:end -->")[0].strip()
+    assert block == options_table(), "docs/reference.md: rewrite the table with `python -m audit.engine.fields`"
+    rows = [line for line in block.splitlines() if line.startswith("| `")]
+    assert [row.split("`")[1] for row in rows] == list(FIELDS)  # one row per field, in the config's order
+    assert "| `images` | `--images` | 8 |" in block and "| `progress` | `--quiet` | true |" in block

@@ -144,3 +144,36 @@ def field_help(name: str) -> str:
 
 
 FIELD_NAMES = tuple(f.name for f in fields(AuditFields))
+
+
+def default_text(f) -> str:
+    """A field's default as the help and the reference print it."""
+    if f.metadata["shown"] is not None:
+        return f.metadata["shown"]
+    if f.default is None:
+        return "none"
+    if isinstance(f.default, tuple):
+        return ",".join(str(v) for v in f.default)
+    if isinstance(f.default, bool):
+        return str(f.default).lower()
+    return str(f.default)
+
+
+def options_table() -> str:
+    """The reference's table of the audit's settings (``docs/reference.md``), made from the fields:
+    the file's key, the command-line option, the default and the help."""
+    rows = ["| setting (file key) | option | default | meaning |", "|---|---|---|---|"]
+    for f in fields(AuditFields):
+        m = f.metadata
+        option = (m["switch"] or m["flag"] or "--" + f.name.replace("_", "-")) if m["cli"] else "(file and Python only)"
+        if m["aliases"]:
+            option += " (" + ", ".join(m["aliases"]) + ")"
+        if m["pairs"]:
+            option += f" {m['pairs']}"
+        cell = lambda text: text.replace("|", "\\|")  # noqa: E731
+        rows.append(f"| `{f.name}` | `{cell(option)}` | {cell(default_text(f))} | {cell(m['help'])} |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":  # python -m audit.engine.fields: the reference's table
+    print(options_table())
