@@ -12,7 +12,8 @@ from click.core import ParameterSource
 
 from audit.core.errors import GiaError
 from audit.core.registry import parse_kv_args
-from audit.engine.config import FIELD_NAMES, AuditConfig, config_fields, default_of, field_help, load_config, make_config
+from audit.engine.config import (FIELD_NAMES, AuditConfig, config_fields, config_of, default_of, field_help,
+                                 load_config)
 from audit.engine.recipe import SCHEDULES
 from audit.engine.listing import REGISTRIES
 from audit.engine.settings import parse_attack_args
@@ -98,7 +99,7 @@ def resolved_config(ctx, names) -> AuditConfig:
         if ctx.get_parameter_source(f.name) in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT):
             values[f.name] = _field_value(f, value)
     ctx.params.pop("config_file", None)
-    return make_config(**values)
+    return config_of(values)
 
 
 def config_file_options(fn):

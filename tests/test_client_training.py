@@ -305,7 +305,7 @@ def test_run_hands_its_settings_to_the_audit_as_one_config(monkeypatch):
     assert engine.run("gaussian", defense_args={"sigma": 0.1}, local_optimizer="sgd:momentum=0.9", local_steps=3,
                       local_lr=0.05, local_batch_size=2, shares="state") == "report"
     config = seen["config"]
-    client = config.sections()["fl_settings"].client
+    client = config.sections().fl_settings.client
     assert (config.defense, config.defense_args) == ("gaussian", {"sigma": 0.1})
     assert (client.optimizer.momentum, client.steps, client.lr, client.batch_size, client.shares) == \
         (0.9, 3, 0.05, 2, "state")

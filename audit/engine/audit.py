@@ -89,8 +89,10 @@ class Audit:
     @classmethod
     def from_config(cls, config: AuditConfig, parts: Optional[AuditParts] = None, **extra: Any) -> "Audit":
         """The audit of ``config`` (``parts``: built already, e.g. a sweep's cell)."""
-        return cls(config.defense, defense_args=dict(config.defense_args or {}), parts=parts, config=config,
-                   **sections_of(config), **extra)
+        s = sections_of(config)
+        return cls(config.defense, s.model, data_settings=s.data_settings, fl_settings=s.fl_settings,
+                   attack_settings=s.attack_settings, output_settings=s.output_settings, seed=s.seed, device=s.device,
+                   defense_args=dict(config.defense_args or {}), parts=parts, config=config, **extra)
 
     @property
     def null(self) -> Null:
@@ -166,7 +168,7 @@ class Audit:
         for i, (x, _) in enumerate(self.private):
             store.save_original(i, x)
         if store.load_manifest().get("utility_for") != self.utility_for():
-            store.update_manifest(utility=self.utility().as_dict(), utility_for=self.utility_for())
+            store.update_manifest(utility=self.utility().to_dict(), utility_for=self.utility_for())
         return specs
 
     # ------------------------------------------------------------------ the positive control
@@ -260,4 +262,4 @@ def run(config: Any = None, /, **fields: Any) -> AuditReport:
 def audit_settings(**fields: Any) -> Dict[str, Any]:
     """The engine's settings sections of config ``fields`` (a sweep's, a bench's), as
     :class:`Audit` takes them besides the defense; names checked."""
-    return sections_of(make_config(**fields))
+    return sections_of(make_config(**fields)).as_kwargs()

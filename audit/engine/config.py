@@ -19,7 +19,7 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence
 from audit.core.errors import ConfigError
 from audit.engine.fields import (FIELD_NAMES, SECTIONS, AuditFields, config_fields, default_of,  # noqa: F401
                                  field_help, thresholds_text)
-from audit.engine.settings import sections_of
+from audit.engine.settings import Sections, sections_of
 from audit.report.rule import LeakRule
 
 
@@ -41,7 +41,7 @@ class AuditConfig(AuditFields):
         check_names(changes, "setting")
         return replace(self, **changes)
 
-    def sections(self) -> Dict[str, Any]:
+    def sections(self) -> Sections:
         """The engine's settings sections (:func:`audit.engine.settings.sections_of`)."""
         return sections_of(self)
 
@@ -101,6 +101,12 @@ def check_names(values: Mapping[str, Any], what: str = "setting", where: str = "
 
 def make_config(base: Optional[AuditConfig] = None, **values: Any) -> AuditConfig:
     """``base`` (default: the defaults) with ``values``, names checked first."""
+    return config_of(values, base)
+
+
+def config_of(values: Mapping[str, Any], base: Optional[AuditConfig] = None) -> AuditConfig:
+    """The config of a mapping of field values (a file's, a command line's) over ``base``
+    (default: the defaults), names checked first."""
     check_names(values)
     if base is None:
         return AuditConfig(**values)

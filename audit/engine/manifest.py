@@ -56,10 +56,10 @@ def write_manifest(audit: Any, store: ResultStore, specs: Sequence[Any], plan: D
     """Everything the report needs besides the results, written before any attack runs."""
     store.update_manifest(
         run_key=store.key, status="running", settings=audit.settings(), steps=audit.attack_settings.steps,
-        images=audit.data_settings.images, attacks=[s.as_dict() for s in specs], plan=plan,
+        images=audit.data_settings.images, attacks=[s.to_dict() for s in specs], plan=plan,
         defense=audit.defense_ident, differences=list(getattr(audit.defense, "differences", ()) or ()),
         privacy=audit.privacy(), threat_model=audit.threat_model(specs),
-        thresholds=audit.output_settings.thresholds.as_dict(),
+        thresholds=audit.output_settings.thresholds.to_dict(),
         null={"description": audit.null.describe(),
               "images": [[e.to_dict() for e in batch] for batch in null_evidence(audit.null, audit.private)]},
         risk_delta={"delta": audit.delta, "description": delta_description(audit.delta, audit.dataset)},

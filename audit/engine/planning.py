@@ -42,7 +42,7 @@ class AttackSpec:
         computed once per spec, as the registry does not change during an audit)."""
         return defaults_fingerprint(self.name)
 
-    def as_dict(self) -> Dict[str, Any]:
+    def to_dict(self) -> Dict[str, Any]:
         return {"id": self.id, **asdict(self)}
 
 

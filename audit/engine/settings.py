@@ -279,11 +279,27 @@ def parse_attack_args(pairs: Sequence[str]) -> Dict[str, Dict[str, Any]]:
     return out
 
 
-def sections_of(config: Any) -> Dict[str, Any]:
-    """The engine's settings of ``config`` (an :class:`~audit.engine.config.AuditConfig`) as the keyword objects :class:`~audit.engine.audit.Audit`
-    and :class:`~audit.engine.sweep.Sweep` take (``model``, ``seed``, ``device``,
-    ``data_settings``, ``fl_settings``, ``attack_settings``, ``output_settings``), built and
-    checked once per config."""
+@dataclass(frozen=True)
+class Sections:
+    """The engine's settings of one config: what :class:`~audit.engine.audit.Audit` and the
+    sweep run on."""
+
+    model: ModelSettings
+    data_settings: DataSettings
+    fl_settings: FLSettings
+    attack_settings: AttackSettings
+    output_settings: OutputSettings
+    seed: int
+    device: Any
+
+    def as_kwargs(self) -> Dict[str, Any]:
+        """As :class:`~audit.engine.audit.Audit`'s keywords (the defense aside)."""
+        return {f: getattr(self, f) for f in self.__dataclass_fields__}
+
+
+def sections_of(config: Any) -> Sections:
+    """The engine's settings of ``config`` (an :class:`~audit.engine.config.AuditConfig`),
+    built and checked once per config."""
     built = config.__dict__.get("_sections")
     if built is None:
         c = config
@@ -292,9 +308,8 @@ def sections_of(config: Any) -> Dict[str, Any]:
             if data_args.get("path", c.data_path) != c.data_path:
                 raise ConfigError(f"data_path {c.data_path!r} and data_args path {data_args['path']!r} differ; give one")
             data_args["path"] = c.data_path
-        built = dict(
+        built = Sections(
             model=ModelSettings(c.model, dict(c.model_args or {}), c.model_normalize, c.checkpoint),
-            seed=c.seed, device=c.device,
             data_settings=DataSettings(c.data, data_args, c.image_size, c.images, c.batch_size, c.share_labels),
             fl_settings=FLSettings(lr=c.lr, batch_size=c.train_batch_size, clients=c.clients,
                                    local_steps=c.local_steps, local_lr=c.local_lr, client_mode=c.client_mode,
@@ -302,12 +317,13 @@ def sections_of(config: Any) -> Dict[str, Any]:
                                    local_epochs=c.local_epochs, shares=c.shares, server_optimizer=c.server_optimizer),
             attack_settings=AttackSettings(c.steps, c.attacks, dict(c.attack_args or {}), c.budget, c.max_budget),
             output_settings=OutputSettings(c.out, c.utility, c.utility_steps, LeakRule.of(c.thresholds), c.delta,
-                                           c.progress, c.defense_timeout, c.retry_errors, utility_seeds=c.utility_seeds))
+                                           c.progress, c.defense_timeout, c.retry_errors, utility_seeds=c.utility_seeds),
+            seed=c.seed, device=c.device)
         object.__setattr__(config, "_sections", built)
-    return dict(built)
+    return built
 
 
-def as_dict(settings: Any) -> Dict[str, Any]:
+def plain_dict(settings: Any) -> Dict[str, Any]:
     """A settings object as a JSON-able dict (paths and tuples made plain)."""
     out = asdict(settings)
     return {k: (str(v) if isinstance(v, Path) else list(v) if isinstance(v, tuple) else v) for k, v in out.items()}

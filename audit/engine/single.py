@@ -69,10 +69,10 @@ def run_attack(attack: str = "ig", config: Optional[AuditConfig] = None, /, *, i
 
     config = make_config(config, **fields)
     sections = config.sections()
-    fl, model_cfg, batch = sections["fl_settings"], sections["model"], config.batch_size
+    fl, model_cfg, batch = sections.fl_settings, sections.model, config.batch_size
     seed, progress = config.seed, config.progress
     device = resolve_device(config.device)
-    data = load_data(config.data, config.image_size, sections["data_settings"].data_args)
+    data = load_data(config.data, config.image_size, sections.data_settings.data_args)
     x, y = _private_batch(data, index, batch, image, label)
     net = build_model(model_cfg, data, seed).to(device)
     check_model(net, model_cfg, data, batch, config.client_mode, None, device, batch_option="--batch-size / batch_size")

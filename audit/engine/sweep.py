@@ -40,7 +40,7 @@ from audit.engine.compose import AuditParts, SharedParts, build_parts, build_sha
 from audit.engine.executors import EXECUTORS
 from audit.engine.grid import Cell, grid_cells, grid_entries, pair_options  # noqa: F401  (re-exported)
 from audit.engine.identity import audited_model_identity
-from audit.engine.settings import AttackSettings, DataSettings, FLSettings, ModelSettings, OutputSettings, as_dict
+from audit.engine.settings import AttackSettings, DataSettings, FLSettings, ModelSettings, OutputSettings, plain_dict
 from audit.report.store import ResultStore, atomic_write_json, read_json, settings_key
 from audit.report.sweep_report import SweepReport
 
@@ -142,7 +142,7 @@ def run_group(job: CellJob, shared: SharedParts) -> str:
 
 def baseline_utility(job: CellJob, shared: SharedParts) -> Dict[str, Any]:
     """The undefended cell's utility measurement: the training runs every cell is compared to."""
-    return _cell_audit(job, shared).utility().as_dict()
+    return _cell_audit(job, shared).utility().to_dict()
 
 
 def cell_finished(out: Path, cell: Cell) -> bool:
@@ -164,9 +164,9 @@ class Sweep:
                  executor_args: Optional[Dict[str, Any]] = None):
         self.config = config
         sections = config.sections()
-        self.model = sections["model"]
-        self.data_settings, self.fl_settings = sections["data_settings"], sections["fl_settings"]
-        self.attack_settings, self.output_settings = sections["attack_settings"], sections["output_settings"]
+        self.model = sections.model
+        self.data_settings, self.fl_settings = sections.data_settings, sections.fl_settings
+        self.attack_settings, self.output_settings = sections.attack_settings, sections.output_settings
         attack_settings, data_settings, device = self.attack_settings, self.data_settings, config.device
         self.seed = int(config.seed)
         if step is not None and step not in attack_settings.steps:
@@ -190,17 +190,17 @@ class Sweep:
 
     def _data_key(self) -> Dict[str, Any]:
         data = self.data_settings.data
-        return {**as_dict(self.data_settings), "data": data if isinstance(data, str) else getattr(data, "name", repr(data))}
+        return {**plain_dict(self.data_settings), "data": data if isinstance(data, str) else getattr(data, "name", repr(data))}
 
     def _utility_key(self) -> Dict[str, Any]:
         return {"model": self.model_ident, "data": self._data_key(),
-                "fl": as_dict(self.fl_settings), "utility_steps": self.output_settings.utility_steps,
+                "fl": plain_dict(self.fl_settings), "utility_steps": self.output_settings.utility_steps,
                 "utility_seeds": self.output_settings.utility_seeds, "utility_format": UTILITY_FORMAT, "seed": self.seed,
                 "device": self.device.type}
 
     def _common_key(self) -> Dict[str, Any]:
-        return {**self._utility_key(), "attacks": as_dict(self.attack_settings), "utility": self.output_settings.utility,
-                "thresholds": self.output_settings.thresholds.as_dict(), "delta": self.output_settings.delta}
+        return {**self._utility_key(), "attacks": plain_dict(self.attack_settings), "utility": self.output_settings.utility,
+                "thresholds": self.output_settings.thresholds.to_dict(), "delta": self.output_settings.delta}
 
     def _job(self, cell: Cell, baseline: Optional[Dict[str, Any]] = None) -> CellJob:
         output = replace(self.output_settings, out=self.out / "cells" / cell.name,
@@ -234,7 +234,7 @@ class Sweep:
 
     def settings(self) -> Dict[str, Any]:
         return {"model": self.model_ident, "data": self._data_key(),
-                "fl": as_dict(self.fl_settings), "attacks": as_dict(self.attack_settings), "utility": self.output_settings.utility,
+                "fl": plain_dict(self.fl_settings), "attacks": plain_dict(self.attack_settings), "utility": self.output_settings.utility,
                 "utility_steps": self.output_settings.utility_steps, "utility_seeds": self.output_settings.utility_seeds,
                 "utility_recipe": PROTOCOL.recipe_key(), "seed": self.seed, "device": self.device.type,
                 "executor": self.executor.name}
@@ -263,7 +263,7 @@ class Sweep:
             bar.close()
             self.executor.close()
         report = SweepReport.from_cells(self.out, [c.describe() for c in self.cells], settings=self.settings(),
-                                        thresholds=self.output_settings.thresholds.as_dict(), step=self.step,
+                                        thresholds=self.output_settings.thresholds.to_dict(), step=self.step,
                                         invocation={"computed": computed, "group_jobs": groups,
                                                     "reused": [c.name for c in self.cells if c.name not in computed],
                                                     "seconds": round(time.perf_counter() - started, 1)})
