@@ -172,6 +172,7 @@ def test_an_unknown_key_names_the_nearest_valid_one(tmp_path):
     ({"model_args": [1, 2]}, "model_args must be a mapping"),
     ({"train_batch_size": -1}, "train_batch_size must be a positive integer"),
     ({"local_optimizer": "sgdd"}, "local_optimizer: unknown local optimizer 'sgdd'"),
+    ({"model_normalize": "bright"}, "model_normalize: model normalisation must be"),
 ])
 def test_a_bad_value_is_one_line_naming_its_field(values, message):
     with pytest.raises(ConfigError, match=message) as err:

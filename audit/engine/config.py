@@ -32,7 +32,11 @@ class AuditConfig(AuditFields):
 
     def __post_init__(self):
         for f in fields(self):
-            object.__setattr__(self, f.name, _canonical(f.name, getattr(self, f.name)))
+            try:
+                object.__setattr__(self, f.name, _canonical(f.name, getattr(self, f.name)))
+            except ConfigError as err:  # one line that names the field
+                text = str(err)
+                raise ConfigError(text if f.name in text else f"{f.name}: {text}") from None
         sections_of(self)  # every check of every section, now
 
     # ------------------------------------------------------------------ views
