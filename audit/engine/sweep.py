@@ -40,7 +40,7 @@ from audit.engine.compose import AuditParts, SharedParts, build_parts, build_sha
 from audit.engine.executors import EXECUTORS
 from audit.engine.grid import Cell, grid_cells, grid_entries, pair_options  # noqa: F401  (re-exported)
 from audit.engine.identity import audited_model_identity
-from audit.engine.settings import AttackSettings, DataSettings, FLSettings, ModelSettings, OutputSettings, plain_dict
+from audit.engine.settings import Sections, plain_dict
 from audit.report.store import ResultStore, atomic_write_json, read_json, settings_key
 from audit.report.sweep_report import SweepReport
 
@@ -57,12 +57,7 @@ class CellJob:
     client model (wrapped once, by the sweep)."""
 
     cell: Cell
-    model: ModelSettings
-    data_settings: DataSettings
-    fl_settings: FLSettings
-    attack_settings: AttackSettings
-    output_settings: OutputSettings
-    seed: int
+    settings: Sections  # the sweep's, writing to the cell's folder
     client_model: Any
     baseline: Optional[Dict[str, Any]] = None  # the undefended cell's UtilityResult, as stored
     only: Optional[Tuple[int, str]] = None  # one (step, attack) group of the cell
@@ -99,14 +94,15 @@ class CellAudit(Audit):
 
 def _cell_audit(job: CellJob, shared: SharedParts) -> CellAudit:
     """The cell's audit on the parts built already: nothing is resolved, loaded or built again."""
-    attacks, output = job.attack_settings, job.output_settings
+    s = job.settings
+    attacks, output = s.attack_settings, s.output_settings
     if job.only is not None:  # the same store; its utility is measured by the cell's last run
         attacks = replace(attacks, steps=(job.only[0],), names=(job.only[1],))
         output = replace(output, utility=False, progress=False)
     parts = AuditParts(shared, job.cell.built, job.cell.ident, job.client_model)
-    audit = CellAudit(job.cell.defense, job.model, defense_args=dict(job.cell.params),
-                      data_settings=job.data_settings, fl_settings=job.fl_settings, attack_settings=attacks,
-                      output_settings=output, seed=job.seed, parts=parts,
+    audit = CellAudit(job.cell.defense, s.model, defense_args=dict(job.cell.params),
+                      data_settings=s.data_settings, fl_settings=s.fl_settings, attack_settings=attacks,
+                      output_settings=output, seed=s.seed, parts=parts,
                       config=job.config if job.only is None else None)
     audit.baseline, audit.control = job.baseline, job.control
     return audit
@@ -117,7 +113,7 @@ def run_cell(job: CellJob, shared: SharedParts) -> Dict[str, Any]:
     report = _cell_audit(job, shared).run()
     done = {"key": job.cell.key, "cell": job.cell.describe(), "status": report.data["status"],
             "run_key": report.data["run_key"]}
-    atomic_write_json(Path(job.output_settings.out) / CELL_FILE, done)
+    atomic_write_json(Path(job.settings.output_settings.out) / CELL_FILE, done)
     return done
 
 
@@ -125,13 +121,13 @@ def cell_groups(job: CellJob, shared: SharedParts) -> List[CellJob]:
     """Train the cell's checkpoints once and plan its attacks; its unfinished (step, attack)
     groups as jobs (run by :func:`run_group`)."""
     audit = _cell_audit(job, shared)
-    store = ResultStore.create(job.output_settings.out, audit.key_settings())
-    steps = list(job.attack_settings.steps)
+    store = ResultStore.create(job.settings.output_settings.out, audit.key_settings())
+    steps = list(job.settings.attack_settings.steps)
     audit.checkpoints(store, steps)
     specs, _ = audit.planned()
     return [replace(job, only=(step, spec.name)) for step in steps for spec in specs
             if not all(store.has(step, spec.id, i, settings=spec.settings, defaults=spec.defaults)
-                       for i in range(job.data_settings.images))]
+                       for i in range(job.settings.data_settings.images))]
 
 
 def run_group(job: CellJob, shared: SharedParts) -> str:
@@ -210,8 +206,8 @@ class Sweep:
         client = self._clients[cell.name]
         undefended = next(c for c in self.cells if c.undefended)
         control = (undefended.built, client if cell is undefended else self._job(undefended).client_model)
-        return CellJob(cell, self.model, self.data_settings, self.fl_settings, self.attack_settings,
-                       output, self.seed, client, baseline, control=control, config=self.cell_config(cell))
+        return CellJob(cell, replace(self.config.sections(), output_settings=output), client, baseline,
+                       control=control, config=self.cell_config(cell))
 
     def cell_config(self, cell: Cell) -> AuditConfig:
         """The config that audits ``cell`` alone (its ``config.toml`` replays it)."""
