@@ -33,7 +33,7 @@ def _option_default(f) -> Any:
 
 def field_option(f):
     """The click option of a config field: its flag, type, help and ``[default: ...]``, all
-    read off the field (:mod:`audit.engine.config`)."""
+    read off the field (:mod:`audit.engine.fields`)."""
     m = f.metadata
     names = [m["flag"] or "--" + f.name.replace("_", "-"), *m["aliases"], f.name]
     common = dict(help=option_help(f), metavar=m["metavar"] or m["pairs"])

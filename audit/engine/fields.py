@@ -108,8 +108,8 @@ class AuditFields:
                               "evidence", metavar="NAME=VALUE,...", shown=thresholds_text(LeakRule()))
     delta: Optional[float] = setting(None, "l2 radius of the risk ball", "evidence", kind=float,
                                      shown="RMSE 0.1 x sqrt(pixels), i.e. 20 dB")
-    utility: bool = setting(True, "measure utility (test accuracy with and without the defense)", "evidence",
-                            kind=bool, switch="--no-utility")
+    utility: bool = setting(True, "measure utility, the test accuracy after training with and without the defense "
+                                  "(--no-utility: skip it)", "evidence", kind=bool, switch="--no-utility")
     utility_steps: int = setting(PROTOCOL.rounds, "rounds of the utility recipe (docs/evidence.md) trained with and "
                                                   "without the defense for the utility section", "evidence", kind=int)
     utility_seeds: int = setting(DEFAULT_SEEDS, "training seeds per arm of the utility section (mean and spread)",
@@ -122,7 +122,7 @@ class AuditFields:
     out: str = setting("audit-out", "output folder (the results and the report in every format)", "run")
     seed: int = setting(0, "random seed", "run", kind=int)
     device: str = setting("cpu", "torch device: cpu, cuda, cuda:1, mps", "run")
-    progress: bool = setting(True, "show the progress bar", "run", kind=bool, switch="--quiet")
+    progress: bool = setting(True, "a progress bar (--quiet: none)", "run", kind=bool, switch="--quiet")
     retry_errors: bool = setting(True, "a rerun retries the stored errors", "run", kind=bool, cli=False)
 
 
