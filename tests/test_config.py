@@ -44,7 +44,7 @@ attacks           --attacks ig,dlg
 attack_args       --attack-arg ig.restarts=2 --attack-arg dlg.lr=0.5
 budget            --budget 400
 max_budget        --max-budget 6400
-thresholds        --thresholds margin_db=2
+thresholds        --thresholds margin_db=2,exact_error=0.01
 delta             --delta 3.5
 utility           --no-utility
 utility_steps     --utility-steps 10
@@ -111,6 +111,7 @@ def test_a_printed_config_replays_every_field(field_name, tmp_path):
     path, config = printed(CASES[field_name], tmp_path)
     differs = [name for name in FIELDS if getattr(config, name) != getattr(AuditConfig(), name)]
     assert differs == [field_name]
+    assert make_config(**{field_name: getattr(config, field_name)}) == config  # the value kept whole
     again = CliRunner().invoke(cli.main, ["audit", "--config", str(path), "--print-config"])
     assert again.exit_code == 0 and again.output == path.read_text()
     assert make_config(**load_config(path)) == config
@@ -178,6 +179,13 @@ def test_a_bad_value_is_one_line_naming_its_field(values, message):
     with pytest.raises(ConfigError, match=message) as err:
         AuditConfig(**values)
     assert "\n" not in str(err.value)
+
+
+def test_every_threshold_of_the_leak_rule_is_kept():
+    from audit.report.rule import LeakRule
+
+    config = AuditConfig(thresholds={"margin_db": 2, "exact_error": 0.01})
+    assert LeakRule.of(config.thresholds) == LeakRule(margin_db=2, exact_error=0.01)
 
 
 def test_a_python_object_is_recorded_but_not_written_to_a_file():

@@ -32,7 +32,8 @@ def setting(default: Any, help: str, section: str, *, flag: Optional[str] = None
 
 
 def thresholds_text(rule: LeakRule) -> str:
-    return ",".join(f"{k}={getattr(rule, k)!r}" for k in ("margin_db", "identify_rank", "partial_rank", "level"))
+    """A leak rule as ``--thresholds`` text, every threshold named."""
+    return ",".join(f"{f.name}={getattr(rule, f.name)!r}" for f in fields(rule))
 
 
 @dataclass(frozen=True)
