@@ -5,19 +5,116 @@ from __future__ import annotations
 
 import functools
 import sys
+from typing import Any
 
 import click
+from click.core import ParameterSource
 
 from audit.core.errors import GiaError
+from audit.core.registry import parse_kv_args
+from audit.engine.config import (FIELD_NAMES, AuditConfig, config_fields, config_of, default_of, field_help,
+                                 load_config)
+from audit.engine.recipe import SCHEDULES
 from audit.engine.listing import REGISTRIES
+from audit.engine.settings import parse_attack_args
+
+#: the sweep's output folder (its cells' audits go under OUT/cells)
+SWEEP_OUT = "sweep-out"
+
+
+def _option_default(f) -> Any:
+    """A config field's default as the command line spells it (``0,1,5,20`` for a tuple)."""
+    if f.metadata["pairs"] or f.default is None:
+        return None
+    if isinstance(f.default, tuple):
+        return ",".join(str(v) for v in f.default)
+    return f.default
+
+
+def field_option(f):
+    """The click option of a config field: its flag, type, help and ``[default: ...]``, all
+    read off the field (:mod:`audit.engine.fields`)."""
+    m = f.metadata
+    names = [m["flag"] or "--" + f.name.replace("_", "-"), *m["aliases"], f.name]
+    common = dict(help=option_help(f), metavar=m["metavar"] or m["pairs"])
+    if m["switch"]:
+        return click.option(m["switch"], f.name, flag_value=not f.default, default=f.default, help=m["help"])
+    if m["kind"] is bool:
+        return click.option(*names, is_flag=True, default=f.default, help=m["help"])
+    if m["pairs"]:
+        return click.option(*names, multiple=True, default=(), **common)
+    kind = click.Choice(list(m["choices"])) if m["choices"] else {int: click.INT, float: click.FLOAT}.get(m["kind"])
+    show = m["shown"] is None and _option_default(f) is not None
+    return click.option(*names, type=kind, default=_option_default(f), show_default=show, **common)
+
+
+def option_help(f) -> str:
+    """A field's help, with ``[default: ...]`` for a default computed at run time."""
+    shown = f.metadata["shown"]
+    return f.metadata["help"] + (f"  [default: {shown}]" if shown is not None else "")
+
+
+def config_options(names):
+    """The options of the config fields ``names``, in the config's order."""
+    chosen = [f for f in config_fields() if f.name in names and f.metadata["cli"]]
+
+    def decorate(fn):
+        for f in reversed(chosen):
+            fn = field_option(f)(fn)
+        return fn
+
+    return decorate
+
+
+def _field_value(f, value: Any) -> Any:
+    if f.metadata["pairs"] == "ATTACK.NAME=VALUE":
+        return parse_attack_args(value)
+    if f.metadata["pairs"]:
+        return parse_kv_args(list(value))
+    return value
+
+
+class ConfigCommand(click.Command):
+    """A command whose config-field options become one :class:`AuditConfig`, handed to the
+    callback as ``config``: the file of ``--config`` (when the command has it) first, then the
+    options given on the command line over it."""
+
+    def invoke(self, ctx):
+        try:
+            ctx.params["config"] = resolved_config(ctx, {p.name for p in self.params} & set(FIELD_NAMES))
+        except GiaError as err:
+            click.echo(f"error: {err}", err=True)
+            sys.exit(2)
+        return super().invoke(ctx)
+
+
+def resolved_config(ctx, names) -> AuditConfig:
+    """The config of a command line: ``--config FILE``'s settings, then each option of ``names``
+    given on the command line (an option left out keeps the file's value, else the default)."""
+    values = load_config(ctx.params["config_file"]) if ctx.params.get("config_file") else {}
+    for f in config_fields():
+        if f.name not in names:
+            continue
+        value = ctx.params.pop(f.name)
+        if ctx.get_parameter_source(f.name) in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT):
+            values[f.name] = _field_value(f, value)
+    ctx.params.pop("config_file", None)
+    return config_of(values)
+
+
+def config_file_options(fn):
+    """``--config FILE`` and ``--print-config``."""
+    fn = click.option("--print-config", is_flag=True,
+                      help="print the resolved configuration as TOML (a file for --config) and exit")(fn)
+    fn = click.option("--config", "config_file", type=click.Path(exists=True, dir_okay=False), default=None,
+                      help="TOML file of settings (as --print-config writes them, and as each audit writes to "
+                           "OUT/config.toml); options given on the command line override it")(fn)
+    return fn
 
 
 def common_options(fn):
-    """``--seed`` and ``--device`` on every command."""
-    fn = click.option("--device", default="cpu", show_default=True,
-                      help="torch device: cpu, cuda, cuda:1, mps")(fn)
-    fn = click.option("--seed", default=0, show_default=True, type=int, help="random seed")(fn)
-    return fn
+    """``--seed`` and ``--device`` on every command, as the config's fields spell them."""
+    return config_options(("seed", "device"))(fn)
 
 
 #: the exit status of an audit that ran but lacks evidence (a failed attack or defense call)
@@ -113,117 +210,30 @@ def weights_lpips_cmd(path, source, force, seed, device):
     click.echo("\n".join(install_lpips_weights(path, source=source, force=force)))
 
 
-MODEL_HELP = ("model name (`gia-audit list models`), or package.module:attr of your model: a factory (called "
-              "with num_classes=, input_shape= when it takes it, and --model-arg keywords) or an nn.Module")
+#: the config fields the sweep shares between its cells (each cell's defense comes from the grid)
+SWEEP_FIELDS = tuple(n for n in FIELD_NAMES if n not in ("defense", "defense_args", "out"))
+#: the config fields of the single attack: the model, the data and the client's training
+ATTACK_FIELDS = ("model", "model_args", "model_normalize", "checkpoint", "client_mode", "data", "data_path",
+                 "image_size", "batch_size", "share_labels", "lr", "local_steps", "local_lr", "local_optimizer",
+                 "local_batch_size", "local_epochs", "shares", "seed", "device", "progress")
 
 
-def model_options(fn):
-    """``--model-normalize`` and ``--checkpoint``: the inputs the model expects, its weights."""
-    fn = click.option("--checkpoint", default=None, type=click.Path(dir_okay=False),
-                      help="state_dict file (or a dict holding one under state_dict / model) the model's weights "
-                           "start from: audited step 0 is this state  [default: a fresh seeded initialisation]")(fn)
-    fn = click.option("--model-normalize", default=None, metavar="data|none|M1,M2,M3/S1,S2,S3",
-                      help="inputs the model expects: normalised with the data set's statistics (data), pixels in "
-                           "[0, 1] (none) or normalised with these per-channel mean/std; attacks optimise pixels "
-                           "through it, scores are in pixel space  [default: data; none for an nn.Module object]")(fn)
-    return fn
-
-
-def training_options(fn):
-    """What the client uploads and how it trains locally (``--shares``, ``--local-optimizer``,
-    ``--local-batch-size``, ``--local-epochs``)."""
-    fn = click.option("--local-epochs", default=None, type=int,
-                      help="local epochs over the client's private batch (instead of --local-steps)")(fn)
-    fn = click.option("--local-batch-size", default=None, type=int,
-                      help="the client's local mini-batch size  [default: its whole private batch]")(fn)
-    fn = click.option("--local-optimizer", default=None, metavar="NAME[:KEY=VALUE,...]",
-                      help="the client's local optimizer: sgd, adam or adamw, with torch.optim's settings, e.g. "
-                           "sgd:momentum=0.9,nesterov=1,weight_decay=5e-4 or adam:beta1=0.9,beta2=0.999  "
-                           "[default: sgd]")(fn)
-    fn = click.option("--shares", type=click.Choice(["gradient", "update", "state"]), default=None,
-                      help="what the client uploads: its defended gradient (FedSGD), its update after local training "
-                           "(weights only) or that update with its buffers (BatchNorm statistics, as a PyTorch "
-                           "client's state_dict)  [default: gradient for one plain step, else update]")(fn)
-    return fn
-
-
-@main.command("audit")
-@click.option("--defense", default=None,
-              help="built-in defense name (`gia-audit list defenses`), or package.module:attr of your "
-                   "defended-gradient callable  [default: prune]")
-@click.option("--defense-arg", multiple=True, metavar="NAME=VALUE", help="defense parameter (repeatable)")
-@click.option("--model", default=None, help=MODEL_HELP + "  [default: cnn]")
-@click.option("--model-arg", multiple=True, metavar="NAME=VALUE", help="model (or factory) keyword (repeatable)")
-@model_options
-@click.option("--client-mode", type=click.Choice(["train", "eval"]), default=None,
-              help="mode the audited client computes its update in (BatchNorm: the batch's statistics in train, "
-                   "the running ones in eval; FL training always runs in train mode)  [default: train]")
-@click.option("--dataset", default=None, help="data set name (`gia-audit list datasets`)  [default: embedded]")
-@click.option("--data-path", default=None, help="local path of the data set (cifar10, mnist, folder)")
-@click.option("--image-size", default=None, type=int, help="image side in pixels  [default: 32]")
-@click.option("--steps", default=None, help="audited training steps, e.g. 0,1,5,20  [default: 0,1,5,20]")
-@click.option("--attacks", default=None, help="'auto' (base + the planner's adaptive attacks) or names, "
-                                                 "e.g. ig,mask-replay  [default: auto]")
-@click.option("--attack-arg", multiple=True, metavar="ATTACK.NAME=VALUE",
-              help="attack setting over the planner's, e.g. learned-inverter.pairs=256 (repeatable)")
-@click.option("--images", default=None, type=int, help="private batches attacked per step (8: a step with none recovered excludes a recovery rate above 31%, 95%)  [default: 8]")
-@click.option("--batch-size", default=None, type=int, help="images per private batch  [default: 1]")
-@click.option("--budget", default=None, metavar="N|auto",
-              help="gradient evaluations of the model per attack and private batch (each attack maps it to its "
-                   "iterations), or auto: doubled from 200 on the positive control (the same attacks without the "
-                   "defense) until it recovers half of the first step's images  [default: auto]")
-@click.option("--max-budget", default=None, type=int,
-              help="the ceiling of --budget auto's search  [default: 3200]")
-@click.option("--share-labels", is_flag=True, default=None, help="the protocol shares the labels")
-@click.option("--lr", default=None, type=float, help="FL server learning rate  [default: 0.1]")
-@click.option("--train-batch-size", default=None, type=int, help="client batch size in training  [default: 8]")
-@click.option("--clients", default=None, type=int, help="FL clients with their own data splits  [default: 1]")
-@click.option("--local-steps", default=None, type=int, help="FedAvg local steps  [default: 1 = FedSGD]")
-@click.option("--local-lr", default=None, type=float, help="FedAvg local learning rate  [default: --lr]")
-@click.option("--server-optimizer", default=None, metavar="NAME[:KEY=VALUE,...]",
-              help="the server's optimizer on each round's mean update between audited steps, its state kept "
-                   "across rounds (FedAvgM / FedOpt), e.g. sgd:momentum=0.9,nesterov=1,weight_decay=5e-4  "
-                   "[default: sgd, the update as is]")
-@training_options
-@click.option("--delta", default=None, type=float,
-              help="l2 radius of the risk ball  [default: RMSE 0.1 x sqrt(pixels), i.e. 20 dB]")
-@click.option("--thresholds", default=None, metavar="NAME=VALUE,...",
-              help="the leak rule's thresholds, e.g. margin_db=2,partial_rank=5 (docs/evidence.md)  "
-                   "[default: margin_db=1,identify_rank=1,partial_rank=3,level=0.95]")
-@click.option("--no-utility", "utility", flag_value=False, default=None, help="skip the utility measurement")
-@click.option("--utility-steps", default=None, type=int,
-              help="rounds of the utility recipe (docs/evidence.md) trained with and without the defense for the "
-                   "utility section  [default: the recipe's]")
-@click.option("--utility-seeds", default=None, type=int,
-              help="training seeds per arm of the utility section (mean and spread)  [default: 3]")
-@click.option("--defense-timeout", default=None, type=float, metavar="SECONDS",
-              help="abandon a defense call after SECONDS and record it as an error naming the defense; 0: no "
-                   "limit  [default: 600, ~19x the slowest built-in defense call measured (docs/performance.md)]")
-@click.option("--quiet", is_flag=True, help="no progress bar")
-@click.option("--out", default=None, type=click.Path(file_okay=False),
-              help="output folder (the results and the report in every format)  [default: audit-out]")
-@common_options
+@main.command("audit", cls=ConfigCommand)
+@config_options(FIELD_NAMES)
+@config_file_options
 @friendly_errors
-def audit_cmd(defense, defense_arg, model, model_arg, model_normalize, checkpoint, client_mode, dataset, data_path,
-              image_size, steps, attacks, attack_arg, images, batch_size, budget, max_budget, share_labels, lr,
-              train_batch_size, clients, local_steps, local_lr, server_optimizer, shares, local_optimizer,
-              local_batch_size, local_epochs, delta, thresholds, utility, utility_steps, utility_seeds, defense_timeout,
-              quiet, out, seed, device):
-    """Audit a defense: attack it at several training steps and write the risk report."""
-    from audit.core.registry import parse_kv_args
+def audit_cmd(config, print_config):
+    """Audit a defense: attack it at several training steps and write the risk report.
+
+    Commit an audit as a file: --print-config > audit.toml, then --config audit.toml (each
+    audit also writes OUT/config.toml, which replays and resumes it)."""
     from audit.engine.audit import run
-    from audit.engine.settings import settings_from_options
     from audit.report.formats import files_message
 
-    settings = settings_from_options(
-        model_arg, dataset, data_path, attack_arg, defense=defense, defense_args=parse_kv_args(defense_arg) or None,
-        model=model, model_normalize=model_normalize, checkpoint=checkpoint,
-        client_mode=client_mode, image_size=image_size, steps=steps, attacks=attacks, images=images, batch_size=batch_size,
-        budget=budget, max_budget=max_budget, share_labels=share_labels, lr=lr, train_batch_size=train_batch_size, clients=clients,
-        local_steps=local_steps, local_lr=local_lr, server_optimizer=server_optimizer, shares=shares,
-        local_optimizer=local_optimizer, local_batch_size=local_batch_size, local_epochs=local_epochs, delta=delta, thresholds=thresholds, utility=utility,
-        utility_steps=utility_steps, utility_seeds=utility_seeds, out=out, defense_timeout=defense_timeout)
-    report = run(**settings, seed=seed, device=resolve_device(device), progress=not quiet)
+    if print_config:
+        click.echo(config.toml(), nl=False)
+        return
+    report = run(config)
     click.echo(report.summary())
     click.echo(files_message("audit", report.out))
     if report.data["status"] != "complete":  # evidence is missing: a script must not read this as a finished audit
@@ -233,7 +243,7 @@ def audit_cmd(defense, defense_arg, model, model_arg, model_normalize, checkpoin
 
 
 # --------------------------------------------------------------------------- sweep
-class _KeepsOptionOrder(click.Command):
+class _KeepsOptionOrder(ConfigCommand):
     """A command that also records the command-line order of ``--defense`` and ``--grid``:
     click groups each option's values apart, and a sweep pairs each ``--grid`` with the
     ``--defense`` before it."""
@@ -252,13 +262,6 @@ class _KeepsOptionOrder(click.Command):
         return super().parse_args(ctx, args)
 
 
-# the audit command's setting options that a sweep shares (the same for every cell)
-SWEEP_SHARES = ("model", "model_arg", "model_normalize", "checkpoint", "client_mode", "dataset", "data_path",
-                "image_size", "steps", "attacks", "attack_arg", "images", "batch_size", "budget", "max_budget", "share_labels", "lr", "train_batch_size", "clients",
-                "local_steps", "local_lr", "server_optimizer", "shares", "local_optimizer", "local_batch_size", "local_epochs", "delta", "thresholds", "utility", "utility_steps", "utility_seeds",
-                "defense_timeout")
-
-
 @main.command("sweep", cls=_KeepsOptionOrder)
 @click.option("--defense", "defenses", multiple=True,
               help="defense to sweep (repeatable): a name (`gia-audit list defenses`) or package.module:attr")
@@ -273,35 +276,33 @@ SWEEP_SHARES = ("model", "model_arg", "model_normalize", "checkpoint", "client_m
 @click.option("--cpus-per-task", default=None, type=float, help="ray: CPUs each cell's task requests  [default: 1]")
 @click.option("--gpus-per-task", default=None, type=float,
               help="ray: GPUs each cell's task requests  [default: 1 with --device cuda, else 0]")
-@click.option("--quiet", is_flag=True, help="no progress bars")
-@click.option("--out", default="sweep-out", show_default=True, type=click.Path(file_okay=False),
+@click.option("--out", "sweep_out", default=SWEEP_OUT, show_default=True, type=click.Path(file_okay=False),
               help="output folder (the sweep report in every format, cells/<cell>/ audits)")
-@common_options
+@config_options(SWEEP_FIELDS)
+@config_file_options
 @friendly_errors
 @click.pass_context
 def sweep_cmd(ctx, defenses, grids, frontier_step, executor, ray_address, ray_cpus, cpus_per_task, gpus_per_task,
-              quiet, out, seed, device, **settings):
+              sweep_out, config, print_config):
     """Audit a grid of defenses and settings: the privacy-utility frontier (rerun to resume).
 
     e.g. --defense prune --grid ratio=0.5,0.9,0.99 --defense gaussian --grid sigma=0.01,0.1 --defense censor
     """
-    from audit.engine.settings import settings_from_options
     from audit.engine.sweep import pair_options, sweep
     from audit.report.formats import files_message
 
+    if print_config:
+        click.echo(config.toml(), nl=False)
+        return
     ray_args = {k: v for k, v in dict(address=ray_address, num_cpus=ray_cpus, cpus=cpus_per_task,
                                       gpus=gpus_per_task).items() if v is not None}
     if ray_args and executor != "ray":
         raise GiaError("--ray-address, --ray-cpus, --cpus-per-task and --gpus-per-task apply to --executor ray; "
                        "add --executor ray or drop them")
-    report = sweep(pair_options(ctx.meta["ordered_options"]), out, step=frontier_step, executor=executor,
-                   executor_args=ray_args, seed=seed, device=resolve_device(device), progress=not quiet,
-                   **settings_from_options(**settings))
+    report = sweep(pair_options(ctx.meta["ordered_options"]), sweep_out, config=config, step=frontier_step,
+                   executor=executor, executor_args=ray_args)
     click.echo(report.summary())
     click.echo(f"{files_message('sweep', report.out)}; each cell's audit under {report.out / 'cells'}")
-
-
-sweep_cmd.params.extend(p for p in audit_cmd.params if p.name in SWEEP_SHARES)
 
 
 @main.command("report")
@@ -340,47 +341,31 @@ def flower_report_cmd(directory, thresholds):
     click.echo(files_message("audit", report.out))
 
 
-@main.command("attack")
+@main.command("attack", cls=ConfigCommand)
 @click.option("--attack", "attack_name", default="ig", show_default=True, help="attack name (`gia-audit list attacks`)")
 @click.option("--attack-arg", multiple=True, metavar="NAME=VALUE", help="attack setting, e.g. tv=1e-3 (repeatable)")
-@click.option("--model", default="convnet", show_default=True, help=MODEL_HELP)
-@click.option("--model-arg", multiple=True, metavar="NAME=VALUE", help="model (or factory) keyword (repeatable)")
-@model_options
-@click.option("--dataset", default="embedded", show_default=True, help="data set (`gia-audit list datasets`)")
-@click.option("--data-path", default=None, help="local path of the data set (cifar10, mnist, folder)")
-@click.option("--size", default=32, show_default=True, type=int, help="image side in pixels")
-@click.option("--index", default=0, show_default=True, type=int, help="first training image of the private batch")
+@click.option("--index", default=0, show_default=True, type=int, help="first test image of the private batch")
 @click.option("--image", default=None, type=click.Path(exists=True, dir_okay=False), help="attack this image file instead")
 @click.option("--label", default=0, show_default=True, type=int, help="the class the client trains --image with")
-@click.option("--batch", default=1, show_default=True, type=int, help="private batch size")
-@click.option("--budget", default=None, type=int, help="gradient evaluations of the model (each restart counts)  [default: the attack's own iterations]")
+@click.option("--budget", "attack_budget", default=None, type=int,
+              help="gradient evaluations of the model (each restart counts)  [default: the attack's own iterations]")
 @click.option("--restarts", default=None, type=int, help="restarts, run batched  [default: the attack's own]")
-@click.option("--defense", default=None, help="defense name or package.module:attr  [default: none]")
-@click.option("--defense-arg", multiple=True, metavar="NAME=VALUE", help="defense parameter (repeatable)")
-@click.option("--share-labels", is_flag=True, help="the protocol shares the labels")
-@click.option("--client-mode", type=click.Choice(["train", "eval"]), default="train", show_default=True,
-              help="mode the client runs the model in (BatchNorm batch vs running statistics)")
-@click.option("--local-steps", default=1, show_default=True, type=int, help="FedAvg local steps")
-@click.option("--local-lr", default=0.1, show_default=True, type=float, help="FedAvg local learning rate")
-@training_options
-@click.option("--quiet", is_flag=True, help="no progress bar")
-@click.option("--out", default="out", show_default=True, type=click.Path(file_okay=False), help="output folder")
-@common_options
+@click.option("--defense", "attack_defense", default=None,
+              help="defense name or package.module:attr  [default: none, the undefended client]")
+@click.option("--defense-arg", "attack_defense_arg", multiple=True, metavar="NAME=VALUE",
+              help="defense parameter (repeatable)")
+@click.option("--out", "attack_out", default="out", show_default=True, type=click.Path(file_okay=False),
+              help="output folder")
+@config_options(ATTACK_FIELDS)
 @friendly_errors
-def attack_cmd(attack_name, attack_arg, model, model_arg, model_normalize, checkpoint, dataset, data_path, size, index, image, label, batch,
-               budget, restarts, defense, defense_arg, share_labels, client_mode, local_steps, local_lr, shares,
-               local_optimizer, local_batch_size, local_epochs, quiet, out, seed, device):
+def attack_cmd(attack_name, attack_arg, index, image, label, attack_budget, restarts, attack_defense,
+               attack_defense_arg, attack_out, config):
     """Attack one private batch; write original/reconstruction PNGs and metrics.json to --out."""
     from audit.engine.single import run_attack
-    from audit.core.registry import parse_kv_args
 
-    metrics = run_attack(
-        attack_name, model=model, dataset=dataset, data_path=data_path, size=size, index=index, image=image,
-        label=label, batch=batch, budget=budget, restarts=restarts, attack_args=parse_kv_args(attack_arg),
-        model_args=parse_kv_args(model_arg), model_normalize=model_normalize, checkpoint=checkpoint, defense=defense, defense_args=parse_kv_args(defense_arg),
-        share_labels=share_labels, client_mode=client_mode, local_steps=local_steps, local_lr=local_lr,
-        shares=shares, local_optimizer=local_optimizer, local_batch_size=local_batch_size, local_epochs=local_epochs,
-        out=out, seed=seed, device=resolve_device(device), progress=not quiet)
+    metrics = run_attack(attack_name, config, index=index, image=image, label=label, budget=attack_budget,
+                         restarts=restarts, attack_args=parse_kv_args(attack_arg), defense=attack_defense,
+                         defense_args=parse_kv_args(attack_defense_arg), out=attack_out)
     click.echo(metrics["summary"])
 
 
@@ -405,25 +390,24 @@ def plan_cmd(defense, defense_arg, model, size, as_json, seed, device):
 @click.option("--defense", "defenses", multiple=True, required=True,
               help="defense name (repeatable), 'all', or package.module:attr")
 @click.option("--defense-arg", "defense_args", multiple=True, help="defense parameter k=v (repeatable)")
-@click.option("--model", default="cnn", show_default=True, help="model name (gia-audit list models) or package.module:attr of a factory or nn.Module")
-@click.option("--dataset", default="embedded", show_default=True, help="data set name")
-@click.option("--size", default=32, show_default=True, type=int, help="image size in pixels")
+@config_options(("model", "data", "image_size"))
 @click.option("--steps", default=None, type=int, help="training rounds  [default: the utility recipe's, docs/evidence.md]")
 @click.option("--lr", default=None, type=float, help="server learning rate  [default: the utility recipe's]")
-@click.option("--schedule", default=None, type=click.Choice(["cosine", "constant"]),
+@click.option("--schedule", default=None, type=click.Choice(sorted(SCHEDULES)),
               help="learning-rate schedule over the rounds  [default: the utility recipe's]")
 @click.option("--batch-size", default=None, type=int, help="client batch size  [default: the utility recipe's]")
-@click.option("--clients", default=1, show_default=True, type=int, help="clients per round")
-@click.option("--local-steps", default=1, show_default=True, type=int, help="FedAvg local steps")
-@click.option("--seeds", default=3, show_default=True, type=int, help="training seeds per defense (mean and spread)")
+@click.option("--clients", default=None, type=int, help="clients per round  [default: the utility recipe's]")
+@click.option("--local-steps", default=None, type=int, help="FedAvg local steps  [default: the utility recipe's]")
+@click.option("--seeds", default=default_of("utility_seeds"), show_default=True, type=int,
+              help=field_help("utility_seeds"))
 @common_options
 @friendly_errors
-def utility_cmd(defenses, defense_args, model, dataset, size, steps, lr, schedule, batch_size, clients, local_steps,
-                seeds, seed, device):
+def utility_cmd(defenses, defense_args, model, data, image_size, steps, lr, schedule, batch_size, clients,
+                local_steps, seeds, seed, device):
     """Test accuracy after training with the defended updates (mean and spread over seeds), next to the undefended runs."""
     from audit.engine.utility import utility_report
 
-    click.echo(utility_report(defenses, defense_args, model=model, dataset=dataset, size=size, steps=steps,
+    click.echo(utility_report(defenses, defense_args, model=model, dataset=data, size=image_size, steps=steps,
                               lr=lr, schedule=schedule, batch_size=batch_size, clients=clients,
                               local_steps=local_steps, seed=seed, seeds=seeds, device=resolve_device(device)))
 

@@ -8,6 +8,10 @@ def __getattr__(name):
         from audit.engine.audit import run
 
         return run
+    if name == "AuditConfig":
+        from audit.engine.config import AuditConfig
+
+        return AuditConfig
     if name == "sweep":
         from audit.engine.sweep import sweep
 

@@ -50,10 +50,10 @@ class CountingNet(nn.Module):
 def counted_audit(defense: str, images: int, budget: int, seed: int, device: str,
                   attacks: str) -> Dict[str, int]:
     """Model calls per attack (and ``"other"``: everything else) of one step-0 audit."""
-    from audit.engine import audit as engine
+    from audit.engine import audit as engine, schedule
 
     per_attack: Dict[str, int] = defaultdict(int)
-    original = engine.Audit._attack_step
+    original = schedule.attack_claimed
 
     def counting_step(self, store, spec, observations, step, group_images, bar):
         before = CountingNet.calls
@@ -63,14 +63,14 @@ def counted_audit(defense: str, images: int, budget: int, seed: int, device: str
             per_attack[spec.id] += CountingNet.calls - before
 
     CountingNet.calls = 0
-    engine.Audit._attack_step = counting_step
+    schedule.attack_claimed = counting_step
     try:
         with tempfile.TemporaryDirectory() as out:
             engine.run(defense=defense, model=CountingNet, model_normalize="none", steps=[0], images=images,
                        budget=budget, seed=seed, out=out, utility=False, progress=False, device=device,
                        attacks=attacks)
     finally:
-        engine.Audit._attack_step = original
+        schedule.attack_claimed = original
     per_attack = dict(per_attack)
     per_attack["other"] = CountingNet.calls - sum(per_attack.values())
     per_attack["total"] = CountingNet.calls

@@ -105,7 +105,7 @@ def cell(attack: str, model: str, batch: int, sigma: float, args) -> dict:
     for k in range(args.repeats):
         start = time.perf_counter()
         with tempfile.TemporaryDirectory() as out:
-            metrics = run_attack(attack, model=model, batch=batch, index=args.index + k * batch, attack_args=settings,
+            metrics = run_attack(attack, model=model, batch_size=batch, index=args.index + k * batch, attack_args=settings,
                                  budget=None if attack == "spear" else args.budget,
                                  defense="gaussian" if sigma else None,
                                  defense_args={"sigma": sigma} if sigma else None, out=out, seed=args.seed,

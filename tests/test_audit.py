@@ -304,7 +304,7 @@ def test_progress_counts_image_iterations_for_the_whole_audit(tmp_path, monkeypa
     """The bar's unit is the image-iteration (gradient evaluations x private images), its
     total covers every (step, attack, image) of the audit (so tqdm's rate and ETA are for the
     whole audit), it moves while an attack iterates, and it ends exactly at the total."""
-    import audit.engine.audit as engine
+    from audit.engine import schedule
 
     bars = []
 
@@ -323,7 +323,7 @@ def test_progress_counts_image_iterations_for_the_whole_audit(tmp_path, monkeypa
         def close(self):
             pass
 
-    monkeypatch.setattr(engine, "_progress", lambda total, initial, enabled, label="audit": Recorder(total, initial))
+    monkeypatch.setattr(schedule, "_progress", lambda total, initial, enabled, label="audit": Recorder(total, initial))
     settings = {**TINY, "budget": 20, "batch_size": 2}
     audit.run(defense="none", steps=[0, 1], attacks=["ig", "analytic"], images=2, out=tmp_path, **settings)
     bar, = bars

@@ -5,7 +5,7 @@ import pytest
 
 import audit
 import audit.engine.compose as compose
-import audit.engine.sweep as sweep_module
+import audit.engine.grid as grid_module
 from adaptive.planner import probe as probe_module
 from audit.engine.audit import Audit
 from audit.engine.settings import DataSettings
@@ -28,7 +28,7 @@ class Counter:
 def test_a_sweep_builds_the_data_the_model_and_each_defense_once(tmp_path, monkeypatch):
     counters = {}
     for module, name in ((compose, "load_data"), (compose, "build_model"), (compose, "resolve_device"),
-                         (sweep_module, "resolve_defense"), (compose, "wrap_client_model")):
+                         (grid_module, "resolve_defense"), (compose, "wrap_client_model")):
         counters[name] = Counter(getattr(module, name))
         monkeypatch.setattr(module, name, counters[name])
 
@@ -56,7 +56,7 @@ def test_the_planner_probes_the_audits_client_model(tmp_path, monkeypatch):
     monkeypatch.setattr(probe_module, "_architecture", spy)
     monkeypatch.setattr(probe_module, "wrap_client_model", lambda *a, **k: pytest.fail("wrapped again"))
     run = Audit("precode", "mlp", model_args={"hidden": 16}, data_settings=DataSettings(image_size=8, images=1))
-    specs, plan = run.plan()
+    specs, plan = run.planned()
     assert plan["traits"]["architectural"] is True
     assert len(seen) == 1 and [p.shape for p in seen[0].parameters()] == [p.shape for p in run.model.parameters()]
     assert all((a == b).all() for a, b in zip(seen[0].parameters(), run.model.parameters()))

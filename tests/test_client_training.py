@@ -283,30 +283,36 @@ def test_the_step_verdict_line_says_whether_the_buffers_carried_the_attacks():
     assert "7 recovered" in verdict_text(verdict) and "the buffers' statistics used" in verdict_text(verdict)
 
 
-def test_run_hands_every_setting_by_name_to_the_one_builder(monkeypatch):
-    """``audit.run`` passes its settings whole to the one builder of the settings objects (its
-    signature is that builder's), the client's training record is built there from them, and an
-    unknown setting is a one-line error naming the valid ones."""
-    import inspect
-
+def test_run_hands_its_settings_to_the_audit_as_one_config(monkeypatch):
+    """``audit.run`` builds one AuditConfig from its keywords (or takes one whole), the client's
+    training record is built from it once, and an unknown setting is a one-line error naming the
+    nearest valid one."""
     from audit.engine import audit as engine
+    from audit.engine.config import AuditConfig
 
     seen = {}
 
     class Stub:
-        def __init__(self, defense, defense_args=None, **objects):
-            seen.update(objects, defense=defense, defense_args=defense_args)
+        @classmethod
+        def from_config(cls, config):
+            seen["config"] = config
+            return cls()
 
         def run(self):
             return "report"
 
     monkeypatch.setattr(engine, "Audit", Stub)
-    assert list(inspect.signature(engine.run).parameters)[2:] == list(inspect.signature(engine.settings_objects).parameters)
     assert engine.run("gaussian", defense_args={"sigma": 0.1}, local_optimizer="sgd:momentum=0.9", local_steps=3,
                       local_lr=0.05, local_batch_size=2, shares="state") == "report"
-    client = seen["fl_settings"].client
-    assert (seen["defense"], seen["defense_args"]) == ("gaussian", {"sigma": 0.1})
+    config = seen["config"]
+    client = config.sections().fl_settings.client
+    assert (config.defense, config.defense_args) == ("gaussian", {"sigma": 0.1})
     assert (client.optimizer.momentum, client.steps, client.lr, client.batch_size, client.shares) == \
         (0.9, 3, 0.05, 2, "state")
-    with pytest.raises(ConfigError, match="unknown audit setting.*local_step.*valid settings"):
+    whole = AuditConfig(defense="gaussian", images=3)
+    assert engine.run(whole) == "report" and seen["config"] is whole
+    assert engine.run(whole, images=4) == "report" and seen["config"].images == 4
+    with pytest.raises(ConfigError, match="unknown setting 'local_step'; did you mean 'local_steps'"):
         engine.run("none", local_step=3)
+    with pytest.raises(ConfigError, match="defense is given twice"):
+        engine.run("none", defense="prune")

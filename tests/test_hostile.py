@@ -134,6 +134,31 @@ def test_timeout_abandons_the_call_and_names_the_defense():
         audit.run(defense="none", defense_timeout=-1, **TINY)
 
 
+def test_a_defense_call_under_a_timeout_computes_on_its_callers_thread_count():
+    """The timeout's worker thread keeps its own torch thread count once it has run torch; a call
+    must run on the caller's count (float sums, and with them a defended training's accuracy,
+    depend on it: a Ray task's worker starts single-threaded, a local process's does not)."""
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(4, 2))
+    x, y = torch.rand(1, 1, 2, 2), torch.tensor([1])
+    seen = []
+
+    def counting(model, inputs, labels, *, loss_fn, generator):
+        seen.append(torch.get_num_threads())
+        return clean_gradients(model, inputs, labels, loss_fn)
+
+    before = torch.get_num_threads()
+    first, second = (1, 2) if before != 1 else (2, 1)
+    try:
+        with defense_timeout(5.0):
+            torch.set_num_threads(first)  # the worker starts (and runs torch) at `first` threads
+            call_defense(counting, model, x, y)
+            torch.set_num_threads(second)  # the caller changes its count, the worker lives on
+            call_defense(counting, model, x, y)
+    finally:
+        torch.set_num_threads(before)
+    assert seen == [first, second]
+
+
 sleeps_at_round_1 = hostile("sleeps")  # importable as tests' module:attr for the CLI
 
 

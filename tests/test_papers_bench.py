@@ -13,6 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from audit.core.records import AttackResult, ImageEvidence, NullEvidence, Scores, Status  # noqa: E402
+from audit.engine import schedule  # noqa: E402
 from bench import bench_papers as bp  # noqa: E402
 from bench import papers_verdict as pv  # noqa: E402
 
@@ -684,8 +685,8 @@ def test_an_interrupted_cell_resumes_from_the_repositorys_partial_results(tmp_pa
     monkeypatch.setattr(bp, "SLICE_EVALUATIONS", paper.call["budget"])  # one image a slice
     partial = bp.partial_dir(tmp_path / "results" / "row.json", paper.name)
     attacked = []
-    real = Audit._attack_step
-    monkeypatch.setattr(Audit, "_attack_step", lambda self, store, spec, obs, step, images, bar:
+    real = schedule.attack_claimed
+    monkeypatch.setattr(schedule, "attack_claimed", lambda self, store, spec, obs, step, images, bar:
                         (attacked.append(list(images)), real(self, store, spec, obs, step, images, bar)))
     first = bp.run_cell(row, paper, partial)
     assert attacked == [[0], [0], [1], [1]]  # slice by slice (the control, then the cell), then the whole call
@@ -1399,8 +1400,8 @@ def test_a_cell_stored_without_its_control_gains_the_same_control_alone(tmp_path
     assert bp.needs_control_only(bare, paper) and not bp.needs_control_only(whole, paper)
     shutil.rmtree(tmp_path / "out")  # a fresh clone: nothing stored but the cell
     attacked = []
-    real = Audit._attack_step
-    monkeypatch.setattr(Audit, "_attack_step", lambda self, store, spec, obs, step, images, bar:
+    real = schedule.attack_claimed
+    monkeypatch.setattr(schedule, "attack_claimed", lambda self, store, spec, obs, step, images, bar:
                         (attacked.append((self.is_undefended(), list(images))),
                          real(self, store, spec, obs, step, images, bar)))
     partial = bp.partial_dir(tmp_path / "results" / "row.json", paper.name)

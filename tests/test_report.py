@@ -55,7 +55,7 @@ def _store(root, numbers=NUMBERS, steps=(0, 5), failing=()):
                               AccuracySpread((TrainingRun(1, 0.5, 1.5, 1.0),
                                               TrainingRun(2, 0.6, 1.4, 1.0, diverged_at=7, note="diverged at round 7"))),
                               AccuracySpread((TrainingRun(1, 0.6, 1.2, 0.5), TrainingRun(2, 0.6, 1.2, 0.5)))),
-        thresholds=LeakRule().as_dict(), null=_nulls(2),
+        thresholds=LeakRule().to_dict(), null=_nulls(2),
         risk_delta={"delta": 5.0, "description": "l2 over 3x16x16 pixels"})
     gen = torch.Generator().manual_seed(0)
     for i in range(2):
@@ -224,7 +224,7 @@ def _report(records, steps=(0,), images=1, attacks=("ig", "mask-replay"), batch=
         control = _control(steps, images, 30.0 if control == "recovers" else 12.0, batch=batch)
     info, found = control if control is not None else (None, None)
     base = {"defense": {"name": "prune"}, "attacks": [{"id": a, "name": a} for a in attacks], "steps": list(steps),
-            "images": images, "thresholds": LeakRule().as_dict(), "status": "complete", "null": _nulls(images, batch),
+            "images": images, "thresholds": LeakRule().to_dict(), "status": "complete", "null": _nulls(images, batch),
             "risk_delta": {"delta": 5.0, "description": "l2"}, **({"control": info} if info else {}), **manifest}
     return AuditReport(build_report(base, records, rule, found))
 

@@ -217,7 +217,8 @@ _WORKERS = threading.local()
 def _with_timeout(fn: Callable[[], Any], name: str, seconds: Optional[float]) -> Any:
     """``fn()``, abandoned after ``seconds`` with a DefenseError naming the defense.
 
-    The call runs on a daemon worker thread (with this thread's grad mode and CUDA stream)
+    The call runs on a daemon worker thread (with this thread's grad mode, CUDA stream and torch
+    thread count: float sums depend on the count)
     that the caller stops waiting for; Python cannot kill a thread, so a timed-out call is
     *abandoned*: it keeps running in the background until it returns, its result is dropped,
     and :func:`abandoned_calls` names it meanwhile. Inside a torch.func transform or a CUDA
@@ -227,10 +228,12 @@ def _with_timeout(fn: Callable[[], Any], name: str, seconds: Optional[float]) ->
     if seconds is None or in_functorch_transform() or (cuda and torch.cuda.is_current_stream_capturing()):
         with user_code(name):
             return fn()
-    grad_enabled = torch.is_grad_enabled()
+    grad_enabled, threads = torch.is_grad_enabled(), torch.get_num_threads()
     stream = torch.cuda.current_stream() if cuda else None
 
     def work() -> Any:
+        if torch.get_num_threads() != threads:  # a thread keeps the count it first ran torch with
+            torch.set_num_threads(threads)
         with torch.set_grad_enabled(grad_enabled), user_code(name), \
                 (torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()):
             return fn()

@@ -254,7 +254,7 @@ class TrainingRun:
     note: str = ""
     error: str = ""
 
-    def as_dict(self) -> Dict[str, Any]:
+    def to_dict(self) -> Dict[str, Any]:
         return {"seed": self.seed, "accuracy": self.accuracy, "final_loss": self.final_loss,
                 "seconds": self.seconds, "diverged_at": self.diverged_at, "note": self.note, "error": self.error}
 
@@ -306,9 +306,9 @@ class AccuracySpread:
         """The first failed run's reason ('' when every run has an accuracy)."""
         return next((r.error for r in self.runs if r.error), "")
 
-    def as_dict(self) -> Dict[str, Any]:
+    def to_dict(self) -> Dict[str, Any]:
         return {"mean": self.mean, "std": self.std, "min": self.min, "max": self.max,
-                "seeds": len(self.runs), "runs": [r.as_dict() for r in self.runs]}
+                "seeds": len(self.runs), "runs": [r.to_dict() for r in self.runs]}
 
     @classmethod
     def from_dict(cls, data: Optional[Mapping[str, Any]]) -> Optional["AccuracySpread"]:
@@ -340,15 +340,15 @@ class UtilityResult:
         b = self.undefended.mean if self.undefended else None
         return a / b if a is not None and b else None
 
-    def as_dict(self) -> Dict[str, Any]:
+    def to_dict(self) -> Dict[str, Any]:
         return {"defense": self.defense, "params": self.params, "setting": self.setting,
-                "defended": self.defended.as_dict() if self.defended else None,
-                "undefended": self.undefended.as_dict() if self.undefended else None,
+                "defended": self.defended.to_dict() if self.defended else None,
+                "undefended": self.undefended.to_dict() if self.undefended else None,
                 "relative": self.relative, "unavailable": self.unavailable}
 
     @classmethod
     def from_dict(cls, data: Optional[Mapping[str, Any]]) -> "UtilityResult":
-        """The record as :meth:`as_dict` wrote it (derived numbers are recomputed); an empty or
+        """The record as :meth:`to_dict` wrote it (derived numbers are recomputed); an empty or
         older record reads as unavailable, with the reason."""
         if not data:
             return cls.missing("not measured")

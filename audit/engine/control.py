@@ -95,7 +95,7 @@ class BudgetSearch:
     budget: Optional[int] = None
     reason: str = ""
 
-    def as_dict(self) -> Dict[str, Any]:
+    def to_dict(self) -> Dict[str, Any]:
         return asdict(self)
 
 
@@ -181,7 +181,7 @@ class PositiveControl:
         return {"dir": rel, "run_key": store.key, "same_run": self.same_run, "budget": int(budget),
                 "attacks": [s.id for s in self.specs(specs)], "defense": "none",
                 "description": self.audit.control_description(),
-                **({"search": search.as_dict()} if search is not None else {})}
+                **({"search": search.to_dict()} if search is not None else {})}
 
 
 def check_budget_search(names: Sequence[str], max_budget: int, start: int = SEARCH_START) -> None:

@@ -1,8 +1,9 @@
-"""The audit's settings: five small dataclasses (model, data, FL training, attacks, output),
-each validated when built, so a bad value fails before any work starts with a one-line error.
+"""The engine's view of an :class:`~audit.engine.config.AuditConfig`: five small frozen
+sections (model, data, FL training, attacks, output), each checked when built, so a bad value
+fails before any work starts with a one-line error naming the field.
 
-``audit.run(...)`` takes them flat (``images=4, budget=200, ...``) and builds these;
-:class:`~audit.engine.audit.Audit` and the sweep take them as objects.
+:func:`sections_of` builds them from a config; their defaults are the config's fields'
+(:func:`~audit.engine.config.default_of`), written there once.
 """
 from __future__ import annotations
 
@@ -10,26 +11,23 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
-from audit.core.defense_call import DEFAULT_DEFENSE_TIMEOUT
 from attacks.presets import uses_budget
 from audit.core.errors import ConfigError
-from audit.core.client_training import CLIENT_MODES, ClientTraining, client_lr
+from audit.core.client_training import CLIENT_MODES, ClientTraining, client_lr  # noqa: F401  (CLIENT_MODES re-exported)
 from audit.core.local_training import LocalOptimizer
 from audit.core.model_source import model_label, parse_normalize, source_kind
 from audit.core.registry import parse_kv_args
 from audit.core.types import BUDGET_DEFINITION, BUDGET_UNIT
+from audit.engine.fields import default_of
 from audit.report.rule import LeakRule
 
-DEFAULT_STEPS = (0, 1, 5, 20)
+DEFAULT_STEPS = default_of("steps")
+#: the budget search's start and the budget of closed-form attacks
 DEFAULT_BUDGET = 200
-#: the budget search's word (audit.engine.control), and its default ceiling: 3,200 gradient
-#: evaluations, four doublings of the start; DLG's LeNet at 32x32 needs 800 (docs/evidence.md,
-#: "Attack power", lists what each registered model needs)
+#: the budget search's word (audit.engine.control)
 AUTO_BUDGET = "auto"
-DEFAULT_MAX_BUDGET = 3200
-# private batches per step: with none recovered, 8 images exclude a recovery rate above 31%
-# (one-sided 95%); 59 would exclude 5% (docs/evidence.md)
-DEFAULT_IMAGES = 8
+DEFAULT_MAX_BUDGET = default_of("max_budget")
+DEFAULT_IMAGES = default_of("images")
 
 
 def _comma_list(value: Any) -> Any:
@@ -71,7 +69,7 @@ class ModelSettings:
     module); ``checkpoint`` a state_dict file its weights start from: the audited steps and
     the utility's training count from there."""
 
-    model: Any = "cnn"
+    model: Any = default_of("model")
     args: Mapping[str, Any] = field(default_factory=dict)
     normalize: Any = None
     checkpoint: Optional[Union[str, Path]] = None
@@ -110,12 +108,12 @@ class DataSettings:
     e.g. ``{"path": ...}``) at ``image_size`` pixels; ``images`` private batches of
     ``batch_size`` images from its test split; whether the protocol shares the labels."""
 
-    data: Any = "embedded"
+    data: Any = default_of("data")
     data_args: Mapping[str, Any] = field(default_factory=dict)
-    image_size: int = 32
-    images: int = DEFAULT_IMAGES
-    batch_size: int = 1
-    share_labels: bool = False
+    image_size: int = default_of("image_size")
+    images: int = default_of("images")
+    batch_size: int = default_of("batch_size")
+    share_labels: bool = default_of("share_labels")
 
     def __post_init__(self):
         _set(self, data_args=dict(self.data_args or {}), image_size=_positive("image_size", self.image_size),
@@ -138,23 +136,23 @@ class FLSettings:
     on each round's mean update, its state kept across rounds (FedAvgM / FedOpt; with one
     client and FedSGD, centralised training such as a paper's SGD with momentum)."""
 
-    lr: float = 0.1
-    batch_size: int = 8
-    clients: int = 1
-    local_steps: int = 1
-    local_lr: Optional[float] = None
-    client_mode: str = "train"
+    lr: float = default_of("lr")
+    batch_size: int = default_of("train_batch_size")
+    clients: int = default_of("clients")
+    local_steps: int = default_of("local_steps")
+    local_lr: Optional[float] = default_of("local_lr")
+    client_mode: str = default_of("client_mode")
     #: the client's local optimiser (:class:`~audit.core.local_training.LocalOptimizer` or its
     #: text, e.g. ``"sgd:momentum=0.9,weight_decay=5e-4"`` / ``"adam"``)
-    local_optimizer: Any = "sgd"
+    local_optimizer: Any = default_of("local_optimizer")
     #: the audited client's local mini-batch size (None: its whole private batch each step)
-    local_batch_size: Optional[int] = None
+    local_batch_size: Optional[int] = default_of("local_batch_size")
     #: local epochs over the audited client's private batch (replaces local_steps when given)
-    local_epochs: Optional[int] = None
+    local_epochs: Optional[int] = default_of("local_epochs")
     #: what the client uploads: gradient, update or state (None: gradient for one plain step, else update)
-    shares: Optional[str] = None
+    shares: Optional[str] = default_of("shares")
     #: the server's optimiser between audited steps (same text as ``local_optimizer``)
-    server_optimizer: Any = "sgd"
+    server_optimizer: Any = default_of("server_optimizer")
 
     #: the audited client's training as one record, built here once (from the fields above)
     client: ClientTraining = field(init=False, repr=False)
@@ -187,14 +185,14 @@ class AttackSettings:
     base attacks plus the planner's, or registry names, or both); per-attack ``args`` over the
     planner's; ``budget`` in gradient evaluations of the model per attack and private batch."""
 
-    steps: Tuple[int, ...] = DEFAULT_STEPS
-    names: Union[str, Sequence[str]] = "auto"
+    steps: Tuple[int, ...] = default_of("steps")
+    names: Union[str, Sequence[str]] = default_of("attacks")
     args: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     #: gradient evaluations, or "auto": found on the positive control (audit.engine.control);
     #: None: "auto", or the start when every named attack is closed-form (a search gives it nothing)
-    budget: Union[int, str, None] = None
+    budget: Union[int, str, None] = default_of("budget")
     #: the ceiling of the "auto" budget search
-    max_budget: int = DEFAULT_MAX_BUDGET
+    max_budget: int = default_of("max_budget")
 
     def __post_init__(self):
         _set(self, steps=tuple(_parse_steps(self.steps)), names=tuple(attack_names(self.names)),
@@ -239,15 +237,15 @@ class OutputSettings:
     ``defense_timeout`` seconds per call (default :data:`~audit.core.defense_call.DEFAULT_DEFENSE_TIMEOUT`;
     None or 0: no limit; a call past it is abandoned and recorded as an error), and whether a rerun retries stored errors (``retry_errors``)."""
 
-    out: Union[str, Path] = "audit-out"
-    utility: bool = True
-    utility_steps: int = 800  # the utility recipe's rounds (audit.engine.utility.PROTOCOL)
+    out: Union[str, Path] = default_of("out")
+    utility: bool = default_of("utility")
+    utility_steps: int = default_of("utility_steps")
     thresholds: LeakRule = field(default_factory=LeakRule)
-    delta: Optional[float] = None
-    progress: bool = True
-    defense_timeout: Optional[float] = DEFAULT_DEFENSE_TIMEOUT
-    retry_errors: bool = True
-    utility_seeds: int = 3
+    delta: Optional[float] = default_of("delta")
+    progress: bool = default_of("progress")
+    defense_timeout: Optional[float] = default_of("defense_timeout")
+    retry_errors: bool = default_of("retry_errors")
+    utility_seeds: int = default_of("utility_seeds")
 
     def __post_init__(self):
         _set(self, out=Path(self.out), utility=bool(self.utility),
@@ -281,18 +279,51 @@ def parse_attack_args(pairs: Sequence[str]) -> Dict[str, Dict[str, Any]]:
     return out
 
 
-def settings_from_options(model_arg: Sequence[str] = (), dataset: Optional[str] = None,
-                          data_path: Optional[str] = None, attack_arg: Sequence[str] = (),
-                          **options: Any) -> Dict[str, Any]:
-    """The audit command's setting options (``NAME=VALUE`` lists as given on the command line)
-    as ``audit.run``'s keyword settings; an option left unset (None) takes run's default."""
-    options.update(data=dataset, model_args=parse_kv_args(list(model_arg)) or None,
-                   attack_args=parse_attack_args(attack_arg) or None,
-                   data_args={"path": data_path} if data_path else None)
-    return {k: v for k, v in options.items() if v is not None}
+@dataclass(frozen=True)
+class Sections:
+    """The engine's settings of one config: what :class:`~audit.engine.audit.Audit` and the
+    sweep run on."""
+
+    model: ModelSettings
+    data_settings: DataSettings
+    fl_settings: FLSettings
+    attack_settings: AttackSettings
+    output_settings: OutputSettings
+    seed: int
+    device: Any
+
+    def as_kwargs(self) -> Dict[str, Any]:
+        """As :class:`~audit.engine.audit.Audit`'s keywords (the defense aside)."""
+        return {f: getattr(self, f) for f in self.__dataclass_fields__}
 
 
-def as_dict(settings: Any) -> Dict[str, Any]:
+def sections_of(config: Any) -> Sections:
+    """The engine's settings of ``config`` (an :class:`~audit.engine.config.AuditConfig`),
+    built and checked once per config."""
+    built = config.__dict__.get("_sections")
+    if built is None:
+        c = config
+        data_args = dict(c.data_args or {})
+        if c.data_path is not None:
+            if data_args.get("path", c.data_path) != c.data_path:
+                raise ConfigError(f"data_path {c.data_path!r} and data_args path {data_args['path']!r} differ; give one")
+            data_args["path"] = c.data_path
+        built = Sections(
+            model=ModelSettings(c.model, dict(c.model_args or {}), c.model_normalize, c.checkpoint),
+            data_settings=DataSettings(c.data, data_args, c.image_size, c.images, c.batch_size, c.share_labels),
+            fl_settings=FLSettings(lr=c.lr, batch_size=c.train_batch_size, clients=c.clients,
+                                   local_steps=c.local_steps, local_lr=c.local_lr, client_mode=c.client_mode,
+                                   local_optimizer=c.local_optimizer, local_batch_size=c.local_batch_size,
+                                   local_epochs=c.local_epochs, shares=c.shares, server_optimizer=c.server_optimizer),
+            attack_settings=AttackSettings(c.steps, c.attacks, dict(c.attack_args or {}), c.budget, c.max_budget),
+            output_settings=OutputSettings(c.out, c.utility, c.utility_steps, LeakRule.of(c.thresholds), c.delta,
+                                           c.progress, c.defense_timeout, c.retry_errors, utility_seeds=c.utility_seeds),
+            seed=c.seed, device=c.device)
+        object.__setattr__(config, "_sections", built)
+    return built
+
+
+def plain_dict(settings: Any) -> Dict[str, Any]:
     """A settings object as a JSON-able dict (paths and tuples made plain)."""
     out = asdict(settings)
     return {k: (str(v) if isinstance(v, Path) else list(v) if isinstance(v, tuple) else v) for k, v in out.items()}

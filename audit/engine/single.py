@@ -18,18 +18,17 @@ import adaptive  # noqa: F401  (registers the adaptive attacks in ATTACKS)
 from attacks.presets import ATTACKS
 from audit.client.observe import observe
 from audit.core.errors import ConfigError
-from audit.engine.compose import build_model, check_model, client_model, reconstruct, resolve_defense, resolve_device
-from audit.engine.settings import CLIENT_MODES, FLSettings, ModelSettings
+from audit.engine.compose import (build_model, check_model, client_model, load_data, reconstruct, resolve_defense,
+                                  resolve_device)
+from audit.engine.config import AuditConfig, make_config
 
 
 def _private_batch(dataset, index: int, batch: int, image: Optional[str], label: int):
-    if batch < 1:
-        raise ConfigError(f"--batch must be >= 1, got {batch}")
     if image is not None:
         from audit.core.data import load_image
 
         if batch != 1:
-            raise ConfigError("--image attacks one image; use --batch 1 (or a data set for batches)")
+            raise ConfigError("--image attacks one image; use --batch-size 1 (or a data set for batches)")
         if not 0 <= label < dataset.num_classes:
             raise ConfigError(f"--label must be in 0..{dataset.num_classes - 1}, got {label}")
         x = load_image(image, dataset.input_shape[1], dataset.input_shape[0]).reshape(1, *dataset.input_shape)
@@ -38,7 +37,7 @@ def _private_batch(dataset, index: int, batch: int, image: Optional[str], label:
     # auxiliary data (generators, learned inverters train on it), so the two never overlap
     n = len(dataset.test_labels)
     if not 0 <= index <= n - batch:
-        raise ConfigError(f"--index {index} with --batch {batch} is outside the {n} held-out (test) images "
+        raise ConfigError(f"--index {index} with --batch-size {batch} is outside the {n} held-out (test) images "
                           f"of {dataset.name!r}; use 0..{n - batch}")
     return dataset.test_images[index:index + batch], dataset.test_labels[index:index + batch]
 
@@ -55,62 +54,35 @@ def _progress_bar(total: int, enabled: bool, label: str):
     return bar, update
 
 
-def run_attack(
-    attack: str = "ig",
-    *,
-    model: Any = "convnet",
-    dataset: str = "embedded",
-    data_path: Optional[str] = None,
-    size: int = 32,
-    index: int = 0,
-    image: Optional[str] = None,
-    label: int = 0,
-    batch: int = 1,
-    budget: Optional[int] = None,
-    restarts: Optional[int] = None,
-    attack_args: Optional[Dict[str, Any]] = None,
-    model_args: Optional[Dict[str, Any]] = None,
-    model_normalize: Any = None,
-    checkpoint: Optional[str] = None,
-    defense: Optional[str] = None,
-    defense_args: Optional[Dict[str, Any]] = None,
-    share_labels: bool = False,
-    client_mode: str = "train",
-    local_steps: int = 1,
-    local_lr: float = 0.1,
-    shares: Optional[str] = None,
-    local_optimizer: Any = None,
-    local_batch_size: Optional[int] = None,
-    local_epochs: Optional[int] = None,
-    out: str = "out",
-    seed: int = 0,
-    device: Any = "cpu",
-    progress: bool = True,
-) -> Dict[str, Any]:
-    """Attack one private batch and write images + metrics to ``out``; returns the metrics.
-    ``model``, ``model_args``, ``model_normalize``, ``checkpoint`` and the client's training
-    (``local_*``, ``shares``): as :func:`audit.run`'s."""
-    from audit.core.data import load_dataset
+def run_attack(attack: str = "ig", config: Optional[AuditConfig] = None, /, *, index: int = 0,
+               image: Optional[str] = None, label: int = 0, budget: Optional[int] = None,
+               restarts: Optional[int] = None, attack_args: Optional[Dict[str, Any]] = None,
+               defense: Any = None, defense_args: Optional[Dict[str, Any]] = None, out: str = "out",
+               **fields: Any) -> Dict[str, Any]:
+    """Attack one private batch (``index``, or the file ``image`` with ``label``) and write images
+    + metrics to ``out``; returns the metrics. The model, the data and the client's training are
+    an audit's: ``config`` (:class:`~audit.engine.config.AuditConfig`) with ``fields`` over it
+    (``model="lenet", batch_size=2, local_steps=3, ...``), the same defaults as ``audit.run``.
+    ``defense``: None attacks the undefended client; ``budget`` None: the attack's own iterations."""
     from audit.core.metrics import score, to_jsonable
     from audit.report.images import batch_to_png_bytes
 
-    device = resolve_device(device)
-    fl = FLSettings(local_steps=local_steps, local_lr=local_lr, client_mode=client_mode,
-                    local_optimizer=local_optimizer or "sgd", local_batch_size=local_batch_size,
-                    local_epochs=local_epochs, shares=shares)  # checks the training description first
-    data = load_dataset(dataset, data_path, size)
+    config = make_config(config, **fields)
+    sections = config.sections()
+    fl, model_cfg, batch = sections.fl_settings, sections.model, config.batch_size
+    seed, progress = config.seed, config.progress
+    device = resolve_device(config.device)
+    data = load_data(config.data, config.image_size, sections.data_settings.data_args)
     x, y = _private_batch(data, index, batch, image, label)
-    model_cfg = ModelSettings(model, model_args or {}, model_normalize, checkpoint)
     net = build_model(model_cfg, data, seed).to(device)
-    if client_mode not in CLIENT_MODES:
-        raise ConfigError(f"client_mode must be 'train' or 'eval', got {client_mode!r}")
-    check_model(net, model_cfg, data, batch, client_mode, None, device, batch_option="--batch / batch")
+    check_model(net, model_cfg, data, batch, config.client_mode, None, device, batch_option="--batch-size / batch_size")
     if defense is not None:
         defense = resolve_defense(defense, defense_args)
         net = client_model(defense, net, seed)
     elif defense_args:
         raise ConfigError("--defense-arg needs --defense")
-    obs = observe(net, x.to(device), y.to(device), defense, share_labels=share_labels, training=fl.client, seed=seed)
+    obs = observe(net, x.to(device), y.to(device), defense, share_labels=config.share_labels, training=fl.client,
+                  seed=seed)
     settings = dict(attack_args or {})
     if restarts is not None:
         settings["restarts"] = restarts
@@ -130,8 +102,8 @@ def run_attack(
     metrics = {"attack": attack, "applicable": rec.applicable, "reason": rec.reason, "scores": scores,
                "true_labels": y.tolist(), "recovered_labels": None if rec.labels is None else rec.labels.tolist(),
                "threat_model": obs.threat_model(), "defense": None if defense is None else repr(defense),
-               "model": model_cfg.describe(), "checkpoint": None if checkpoint is None else str(checkpoint),
-               "dataset": dataset, "index": index if image is None else None, "image": image,
+               "model": model_cfg.describe(), "checkpoint": config.checkpoint,
+               "dataset": data.name, "index": index if image is None else None, "image": image,
                "seed": seed, "trace": trace}
     if rec.applicable:
         matched = rec.inputs[torch.tensor(scores["assignment"])] if scores.get("assignment") else rec.inputs

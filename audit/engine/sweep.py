@@ -26,146 +26,27 @@ report.
 """
 from __future__ import annotations
 
-import itertools
-import re
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from audit.core.errors import ConfigError
 from audit.core.records import AccuracySpread, UtilityResult
-from audit.engine.audit import UTILITY_FORMAT, Audit, audit_settings, undefended_identity
+from audit.engine.audit import UTILITY_FORMAT, Audit, undefended_identity
+from audit.engine.config import AuditConfig, make_config
 from audit.engine.utility import PROTOCOL
-from audit.engine.compose import AuditParts, SharedParts, build_parts, build_shared, resolve_defense
+from audit.engine.compose import AuditParts, SharedParts, build_parts, build_shared
 from audit.engine.executors import EXECUTORS
-from audit.engine.identity import audited_model_identity, defense_identity
-from audit.engine.settings import (AttackSettings, DataSettings, FLSettings, ModelSettings, OutputSettings, as_dict,
-                                   model_settings)
+from audit.engine.grid import Cell, grid_cells, grid_entries, pair_options  # noqa: F401  (re-exported)
+from audit.engine.identity import audited_model_identity
+from audit.engine.settings import Sections, plain_dict
 from audit.report.store import ResultStore, atomic_write_json, read_json, settings_key
 from audit.report.sweep_report import SweepReport
 
 UNDEFENDED = "none"
 CELL_FILE = "cell.json"
 BASELINE_FILE = "baseline.json"
-
-
-# --------------------------------------------------------------------------- the grid
-@dataclass(frozen=True)
-class Cell:
-    """One defense at one setting: ``defense`` as given (a name, ``"pkg.mod:attr"``, a Defense
-    class, object or defended-gradient callable) with ``params``; ``family`` is its line on
-    the frontier (the defense's name); ``key`` identifies its settings for resuming;
-    ``built`` is the defense resolved once and ``ident`` its identity."""
-
-    defense: Any
-    params: Tuple[Tuple[str, Any], ...]
-    family: str
-    key: str = ""
-    undefended: bool = False
-    built: Any = field(default=None, compare=False, repr=False)
-    ident: Optional[Dict[str, Any]] = field(default=None, compare=False, repr=False)
-
-    @property
-    def setting(self) -> str:
-        return ", ".join(f"{k}={v}" for k, v in self.params) or "defaults"
-
-    @property
-    def name(self) -> str:
-        """The cell's folder name: ``prune-ratio=0.9``."""
-        return re.sub(r"[^A-Za-z0-9_.=+-]", "_", "-".join([self.family] + [f"{k}={v}" for k, v in self.params]))
-
-    def describe(self) -> Dict[str, Any]:
-        return {"name": self.name, "defense": self.family, "params": dict(self.params), "setting": self.setting,
-                "undefended": self.undefended, "dir": f"cells/{self.name}"}
-
-
-def _label(spec: Any) -> str:
-    return spec if isinstance(spec, str) else getattr(spec, "__name__", type(spec).__name__)
-
-
-def _values(label: str, param: str, values: Any) -> List[Any]:
-    if not isinstance(param, str) or not param:
-        raise ConfigError(f"sweep grid for {label}: a parameter name must be a non-empty string, got {param!r}; "
-                          "write name=values, e.g. ratio=0.5,0.9")
-    if isinstance(values, (str, bytes)) or not isinstance(values, (Sequence, range, set, frozenset)):
-        values = [values]
-    values = list(values)
-    if not values or any(v == "" for v in values):
-        raise ConfigError(f"sweep grid for {label}: {param} has an empty value; give values like {param}=0.5,0.9")
-    return values
-
-
-def grid_entries(grid: Any) -> List[Tuple[Any, Dict[str, List[Any]]]]:
-    """A grid as ``[(defense, {param: [values]})]``. Accepted: ``{defense: {param: values}}``, a
-    list of defenses and ``(defense, {param: values})`` pairs, or a single defense; a defense
-    is a name, ``"pkg.mod:attr"``, a Defense class (its ``__init__`` parameters form the grid),
-    or a Defense object / defended-gradient callable (one cell, no parameters)."""
-    if isinstance(grid, Mapping):
-        items = list(grid.items())
-    elif isinstance(grid, (str, bytes)) or callable(grid) or not isinstance(grid, Sequence):
-        items = [(grid, {})]
-    else:
-        items = [tuple(e) if isinstance(e, (tuple, list)) and len(e) == 2 and isinstance(e[1], Mapping)
-                 else (e, {}) for e in grid]
-    if not items:
-        raise ConfigError("the sweep grid is empty; give at least one defense, e.g. "
-                          "--defense prune --grid ratio=0.5,0.9")
-    out = []
-    for spec, params in items:
-        if not isinstance(params, Mapping):
-            raise ConfigError(f"sweep grid for {_label(spec)}: parameters must be a mapping name -> values, "
-                              f"got {type(params).__name__}")
-        out.append((spec, {p: _values(_label(spec), p, v) for p, v in params.items()}))
-    return out
-
-
-def pair_options(options: Sequence[Tuple[str, str]]) -> List[Tuple[str, Dict[str, List[Any]]]]:
-    """Command-line ``("--defense", name)`` / ``("--grid", "k=v1,v2")`` options, in the order
-    given, as grid entries: each ``--grid`` varies the ``--defense`` before it (several
-    ``--grid`` for one defense span their product)."""
-    from audit.core.registry import parse_kv_args
-
-    entries: List[Tuple[str, Dict[str, List[Any]]]] = []
-    for option, value in options:
-        if option == "--defense":
-            if not value:
-                raise ConfigError("--defense needs a name, e.g. --defense prune (see `gia-audit list defenses`)")
-            entries.append((value, {}))
-            continue
-        if not entries:
-            raise ConfigError(f"--grid {value} comes before any --defense; put each --grid after the --defense it varies")
-        name, params = entries[-1]
-        if "=" not in value or not value.partition("=")[0].strip():
-            raise ConfigError(f"--grid {value!r} for {name}: write name=values, e.g. --grid ratio=0.5,0.9")
-        for param, values in parse_kv_args([value]).items():
-            if param in params:
-                raise ConfigError(f"--grid gives {param} twice for {name}; list all its values once, e.g. {param}=0.5,0.9")
-            params[param] = _values(name, param, values if isinstance(values, tuple) else [values])
-    return entries
-
-
-def grid_cells(grid: Any, common_key: Dict[str, Any], timeout: Optional[float] = None) -> List[Cell]:
-    """Every cell of the grid (the undefended cell first), each defense resolved once (a bad
-    name, parameter or range is a one-line ConfigError before any work) and kept on its cell."""
-    cells: Dict[str, Cell] = {}
-    entries = [(UNDEFENDED, {})] + grid_entries(grid)
-    for spec, params in entries:
-        for combo in itertools.product(*params.values()):
-            kv = dict(zip(params, combo))
-            try:
-                defense = resolve_defense(spec, kv)
-            except ConfigError as err:
-                setting = " ".join(f"{k}={v}" for k, v in kv.items())
-                raise ConfigError(f"sweep grid, {_label(spec)} {setting}: {err}".replace(" : ", ": ")) from None
-            ident = defense_identity(defense, spec, timeout=timeout)
-            cell = Cell(spec, tuple(kv.items()), defense.name, settings_key({"defense": ident, **common_key}),
-                        undefended=defense.name == UNDEFENDED and not kv, built=defense, ident=ident)
-            other = cells.setdefault(cell.name, cell)
-            if other.key != cell.key:
-                raise ConfigError(f"two different sweep cells are both named {cell.name!r}; give each defense "
-                                  "its own name (a Defense subclass with a distinct `name`)")
-    return list(cells.values())
 
 
 # --------------------------------------------------------------------------- one cell
@@ -176,16 +57,12 @@ class CellJob:
     client model (wrapped once, by the sweep)."""
 
     cell: Cell
-    model: ModelSettings
-    data_settings: DataSettings
-    fl_settings: FLSettings
-    attack_settings: AttackSettings
-    output_settings: OutputSettings
-    seed: int
+    settings: Sections  # the sweep's, writing to the cell's folder
     client_model: Any
     baseline: Optional[Dict[str, Any]] = None  # the undefended cell's UtilityResult, as stored
     only: Optional[Tuple[int, str]] = None  # one (step, attack) group of the cell
     control: Optional[Tuple[Any, Any]] = None  # the undefended cell's (defense, client model): every cell's control
+    config: Optional[AuditConfig] = None  # the config of this cell's audit alone
 
 
 class CellAudit(Audit):
@@ -217,14 +94,16 @@ class CellAudit(Audit):
 
 def _cell_audit(job: CellJob, shared: SharedParts) -> CellAudit:
     """The cell's audit on the parts built already: nothing is resolved, loaded or built again."""
-    attacks, output = job.attack_settings, job.output_settings
+    s = job.settings
+    attacks, output = s.attack_settings, s.output_settings
     if job.only is not None:  # the same store; its utility is measured by the cell's last run
         attacks = replace(attacks, steps=(job.only[0],), names=(job.only[1],))
         output = replace(output, utility=False, progress=False)
     parts = AuditParts(shared, job.cell.built, job.cell.ident, job.client_model)
-    audit = CellAudit(job.cell.defense, job.model, defense_args=dict(job.cell.params),
-                      data_settings=job.data_settings, fl_settings=job.fl_settings, attack_settings=attacks,
-                      output_settings=output, seed=job.seed, parts=parts)
+    audit = CellAudit(job.cell.defense, s.model, defense_args=dict(job.cell.params),
+                      data_settings=s.data_settings, fl_settings=s.fl_settings, attack_settings=attacks,
+                      output_settings=output, seed=s.seed, parts=parts,
+                      config=job.config if job.only is None else None)
     audit.baseline, audit.control = job.baseline, job.control
     return audit
 
@@ -234,7 +113,7 @@ def run_cell(job: CellJob, shared: SharedParts) -> Dict[str, Any]:
     report = _cell_audit(job, shared).run()
     done = {"key": job.cell.key, "cell": job.cell.describe(), "status": report.data["status"],
             "run_key": report.data["run_key"]}
-    atomic_write_json(Path(job.output_settings.out) / CELL_FILE, done)
+    atomic_write_json(Path(job.settings.output_settings.out) / CELL_FILE, done)
     return done
 
 
@@ -242,13 +121,13 @@ def cell_groups(job: CellJob, shared: SharedParts) -> List[CellJob]:
     """Train the cell's checkpoints once and plan its attacks; its unfinished (step, attack)
     groups as jobs (run by :func:`run_group`)."""
     audit = _cell_audit(job, shared)
-    store = ResultStore.create(job.output_settings.out, audit.key_settings())
-    steps = list(job.attack_settings.steps)
+    store = ResultStore.create(job.settings.output_settings.out, audit.key_settings())
+    steps = list(job.settings.attack_settings.steps)
     audit.checkpoints(store, steps)
-    specs, _ = audit.plan()
+    specs, _ = audit.planned()
     return [replace(job, only=(step, spec.name)) for step in steps for spec in specs
             if not all(store.has(step, spec.id, i, settings=spec.settings, defaults=spec.defaults)
-                       for i in range(job.data_settings.images))]
+                       for i in range(job.settings.data_settings.images))]
 
 
 def run_group(job: CellJob, shared: SharedParts) -> str:
@@ -259,7 +138,7 @@ def run_group(job: CellJob, shared: SharedParts) -> str:
 
 def baseline_utility(job: CellJob, shared: SharedParts) -> Dict[str, Any]:
     """The undefended cell's utility measurement: the training runs every cell is compared to."""
-    return _cell_audit(job, shared).utility().as_dict()
+    return _cell_audit(job, shared).utility().to_dict()
 
 
 def cell_finished(out: Path, cell: Cell) -> bool:
@@ -277,16 +156,15 @@ class Sweep:
     ``executor``: ``"local"`` or ``"ray"`` (``executor_args``: its options, e.g.
     ``{"address": "auto", "cpus": 2, "gpus": 1}``)."""
 
-    def __init__(self, grid: Any, model: Any = "cnn", *, model_args: Optional[Dict[str, Any]] = None,
-                 data_settings: DataSettings = DataSettings(), fl_settings: FLSettings = FLSettings(),
-                 attack_settings: AttackSettings = AttackSettings(),
-                 output_settings: OutputSettings = OutputSettings(out="sweep-out"),
-                 seed: int = 0, device: Any = "cpu", step: Optional[int] = None, executor: str = "local",
+    def __init__(self, grid: Any, config: AuditConfig, *, step: Optional[int] = None, executor: str = "local",
                  executor_args: Optional[Dict[str, Any]] = None):
-        self.model = model_settings(model, model_args)
-        self.data_settings, self.fl_settings = data_settings, fl_settings
-        self.attack_settings, self.output_settings = attack_settings, output_settings
-        self.seed = int(seed)
+        self.config = config
+        sections = config.sections()
+        self.model = sections.model
+        self.data_settings, self.fl_settings = sections.data_settings, sections.fl_settings
+        self.attack_settings, self.output_settings = sections.attack_settings, sections.output_settings
+        attack_settings, data_settings, device = self.attack_settings, self.data_settings, config.device
+        self.seed = int(config.seed)
         if step is not None and step not in attack_settings.steps:
             raise ConfigError(f"step {step} is not an audited step {list(attack_settings.steps)}; choose one of them "
                               "or leave it out for each cell's worst step")
@@ -308,17 +186,17 @@ class Sweep:
 
     def _data_key(self) -> Dict[str, Any]:
         data = self.data_settings.data
-        return {**as_dict(self.data_settings), "data": data if isinstance(data, str) else getattr(data, "name", repr(data))}
+        return {**plain_dict(self.data_settings), "data": data if isinstance(data, str) else getattr(data, "name", repr(data))}
 
     def _utility_key(self) -> Dict[str, Any]:
         return {"model": self.model_ident, "data": self._data_key(),
-                "fl": as_dict(self.fl_settings), "utility_steps": self.output_settings.utility_steps,
+                "fl": plain_dict(self.fl_settings), "utility_steps": self.output_settings.utility_steps,
                 "utility_seeds": self.output_settings.utility_seeds, "utility_format": UTILITY_FORMAT, "seed": self.seed,
                 "device": self.device.type}
 
     def _common_key(self) -> Dict[str, Any]:
-        return {**self._utility_key(), "attacks": as_dict(self.attack_settings), "utility": self.output_settings.utility,
-                "thresholds": self.output_settings.thresholds.as_dict(), "delta": self.output_settings.delta}
+        return {**self._utility_key(), "attacks": plain_dict(self.attack_settings), "utility": self.output_settings.utility,
+                "thresholds": self.output_settings.thresholds.to_dict(), "delta": self.output_settings.delta}
 
     def _job(self, cell: Cell, baseline: Optional[Dict[str, Any]] = None) -> CellJob:
         output = replace(self.output_settings, out=self.out / "cells" / cell.name,
@@ -328,8 +206,13 @@ class Sweep:
         client = self._clients[cell.name]
         undefended = next(c for c in self.cells if c.undefended)
         control = (undefended.built, client if cell is undefended else self._job(undefended).client_model)
-        return CellJob(cell, self.model, self.data_settings, self.fl_settings, self.attack_settings,
-                       output, self.seed, client, baseline, control=control)
+        return CellJob(cell, replace(self.config.sections(), output_settings=output), client, baseline,
+                       control=control, config=self.cell_config(cell))
+
+    def cell_config(self, cell: Cell) -> AuditConfig:
+        """The config that audits ``cell`` alone (its ``config.toml`` replays it)."""
+        return replace(self.config, defense=cell.defense, defense_args=dict(cell.params) or None,
+                       out=str(self.out / "cells" / cell.name))
 
     def _baseline(self) -> Optional[Dict[str, Any]]:
         """The undefended training run, stored in ``baseline.json`` (measured once per settings)."""
@@ -347,7 +230,7 @@ class Sweep:
 
     def settings(self) -> Dict[str, Any]:
         return {"model": self.model_ident, "data": self._data_key(),
-                "fl": as_dict(self.fl_settings), "attacks": as_dict(self.attack_settings), "utility": self.output_settings.utility,
+                "fl": plain_dict(self.fl_settings), "attacks": plain_dict(self.attack_settings), "utility": self.output_settings.utility,
                 "utility_steps": self.output_settings.utility_steps, "utility_seeds": self.output_settings.utility_seeds,
                 "utility_recipe": PROTOCOL.recipe_key(), "seed": self.seed, "device": self.device.type,
                 "executor": self.executor.name}
@@ -376,7 +259,7 @@ class Sweep:
             bar.close()
             self.executor.close()
         report = SweepReport.from_cells(self.out, [c.describe() for c in self.cells], settings=self.settings(),
-                                        thresholds=self.output_settings.thresholds.as_dict(), step=self.step,
+                                        thresholds=self.output_settings.thresholds.to_dict(), step=self.step,
                                         invocation={"computed": computed, "group_jobs": groups,
                                                     "reused": [c.name for c in self.cells if c.name not in computed],
                                                     "seconds": round(time.perf_counter() - started, 1)})
@@ -406,18 +289,22 @@ def _progress(total: int, initial: int, enabled: bool):
 
 
 # --------------------------------------------------------------------------- public entry point
-def sweep(grid: Any, out: Union[str, Path] = "sweep-out", *, step: Optional[int] = None, executor: str = "local",
-          executor_args: Optional[Dict[str, Any]] = None, **settings: Any) -> SweepReport:
+def sweep(grid: Any, out: Union[str, Path] = "sweep-out", *, config: Optional[AuditConfig] = None,
+          step: Optional[int] = None, executor: str = "local", executor_args: Optional[Dict[str, Any]] = None,
+          **fields: Any) -> SweepReport:
     """Audit a grid of defenses and settings; the privacy-utility frontier as a report.
 
     ``grid``: ``{"prune": {"ratio": [0.5, 0.9]}, "gaussian": {"sigma": [0.01, 0.1]}, "censor": {}}``,
     or a list of defenses and ``(defense, {param: values})`` pairs; a defense may be a name,
     ``"pkg.mod:attr"``, a Defense class (gridded over its parameters) or any defended-gradient
-    callable (one cell). ``settings``: :func:`audit.run`'s keyword settings (``model``,
-    ``steps``, ``images``, ``budget``, ``seed``, ``utility_steps``, ...), the same for every
-    cell. ``step``: the frontier's audited step (default: each cell's worst step).
-    ``executor``: ``"local"`` or ``"ray"`` (``executor_args``: ``address``, ``num_cpus``,
-    ``cpus`` and ``gpus`` per task; see :mod:`audit.engine.executors`). Rerunning resumes: finished cells and results are reused.
+    callable (one cell). ``config`` (:class:`~audit.engine.config.AuditConfig`, ``fields`` over
+    it): the settings every cell shares (its defense and output folder aside). ``step``: the
+    frontier's audited step (default: each cell's worst step). ``executor``: ``"local"`` or
+    ``"ray"`` (``executor_args``: ``address``, ``num_cpus``, ``cpus`` and ``gpus`` per task; see
+    :mod:`audit.engine.executors`). Rerunning resumes: finished cells and results are reused.
     """
-    return Sweep(grid, step=step, executor=executor, executor_args=executor_args,
-                 **audit_settings(out=out, **settings)).run()
+    for name in ("defense", "defense_args"):
+        if name in fields:
+            raise ConfigError(f"a sweep takes its defenses from the grid, not {name}=; put them in the grid")
+    config = make_config(config, **fields).replace(out=str(out))
+    return Sweep(grid, config, step=step, executor=executor, executor_args=executor_args).run()

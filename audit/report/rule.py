@@ -74,7 +74,7 @@ class LeakRule:
             "otherwise; a step where no attack applies is 'not judged'. The overall verdict is the worst judged step."
         )
 
-    def as_dict(self) -> Dict[str, Any]:
+    def to_dict(self) -> Dict[str, Any]:
         return {**asdict(self), "rule": self.describe()}
 
     @classmethod

@@ -61,8 +61,8 @@ def to_jsonable(obj: Any) -> Any:
     """
     if isinstance(obj, dict):
         return {str(k): to_jsonable(v) for k, v in obj.items()}
-    if dataclasses.is_dataclass(obj) and hasattr(obj, "as_dict"):  # a typed record
-        return to_jsonable(obj.as_dict())
+    if dataclasses.is_dataclass(obj) and hasattr(obj, "to_dict"):  # a typed record
+        return to_jsonable(obj.to_dict())
     if isinstance(obj, (list, tuple)):
         return [to_jsonable(v) for v in obj]
     if isinstance(obj, torch.Tensor):

@@ -46,7 +46,7 @@ class Fidelity:
     differs: List[str] = field(default_factory=list)
     reason: str = ""
 
-    def as_dict(self) -> Dict[str, Any]:
+    def to_dict(self) -> Dict[str, Any]:
         return {**asdict(self), "tolerance": tolerance_text(self.noise is not None)}
 
     def summary(self) -> str:

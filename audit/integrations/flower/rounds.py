@@ -116,7 +116,7 @@ def _empty(defense: str, rule: LeakRule, pixels: Optional[int]) -> Dict[str, Any
     why = "no audited round finished"
     delta = default_delta(pixels) if pixels else float("nan")
     return {"defense": {"name": defense}, "differences": [], "threat_model": {}, "plan": {}, "attacks": [],
-            "thresholds": rule.as_dict(), "false_positive_rate": {"unavailable": why}, "null": {},
+            "thresholds": rule.to_dict(), "false_positive_rate": {"unavailable": why}, "null": {},
             "chance_level": None, "risk_delta": {"delta": delta, "description": "per-pixel RMSE 0.1 (no round measured "
                                                                                "it: " + why + ")"},
             "metric_notes": [], "data": {}, "settings": {}, "seeds": {}, "versions": {}}

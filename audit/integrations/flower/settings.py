@@ -10,13 +10,15 @@ from typing import Any, Callable, Mapping, Optional, Sequence, Tuple, Union
 from audit.core.client_training import client_lr
 from audit.core.errors import ConfigError
 from audit.core.registry import import_attr
-from audit.engine.settings import AttackSettings, DataSettings, FLSettings, ModelSettings, OutputSettings
+from audit.engine.config import default_of
+from audit.engine.settings import (DEFAULT_BUDGET, AttackSettings, DataSettings, FLSettings, ModelSettings,
+                                   OutputSettings)
 from audit.integrations.flower.defenses import is_flower_mod
 from audit.integrations.flower.randomness import preserved_random_state
 
 #: unrelated images of the client kept as the null and the attacker's auxiliary data
 DEFAULT_REFERENCE = 512
-DEFAULT_LR = 0.1
+DEFAULT_LR = default_of("lr")
 
 
 def _rounds(rounds: Union[str, int, Sequence[int]]) -> Tuple[int, ...]:
@@ -131,15 +133,23 @@ def _learning_rate(lr: Optional[float], local_lr: Optional[float]) -> float:
 
 
 def mod_settings(*, rounds, model, data: Callable, defense: Any = "none", defense_args=None, lr: Optional[float] = None,
-                 local_lr: Optional[float] = None, local_steps: int = 1, local_epochs: Optional[int] = None,
-                 local_batch_size: Optional[int] = None, local_optimizer: Any = "sgd", budget: int = 200,
-                 attacks: Any = "auto", attack_args=None, thresholds=None, device: str = "cpu", out="flower-audit",
-                 seed: int = 0, model_args=None, model_normalize: Any = "none", num_classes: Optional[int] = None,
-                 input_shape: Optional[Sequence[int]] = None, client_mode: str = "train", share_labels: bool = False,
+                 local_lr: Optional[float] = None, local_steps: int = default_of("local_steps"),
+                 local_epochs: Optional[int] = default_of("local_epochs"),
+                 local_batch_size: Optional[int] = default_of("local_batch_size"),
+                 local_optimizer: Any = default_of("local_optimizer"), budget: int = DEFAULT_BUDGET,
+                 attacks: Any = default_of("attacks"), attack_args=None, thresholds=None,
+                 device: str = default_of("device"), out="flower-audit", seed: int = default_of("seed"), model_args=None,
+                 model_normalize: Any = "none", num_classes: Optional[int] = None,
+                 input_shape: Optional[Sequence[int]] = None, client_mode: str = default_of("client_mode"),
+                 share_labels: bool = default_of("share_labels"),
                  reference: int = DEFAULT_REFERENCE, blocking: bool = False, timeout: float = 3600.0,
                  threads: int = 1, defense_timeout=None, arrays_key: Optional[str] = None,
                  round_key: str = "server-round") -> ModSettings:
-    """The mod's options as :class:`ModSettings`, each checked now."""
+    """The mod's options as :class:`ModSettings` (the engine's settings sections, as an audit
+    has them), each checked now; an option the audit also has takes the audit's default, except
+    where a federation differs: no defense of the audit's own (the mod mirrors the client's),
+    the model's raw inputs (``model_normalize="none"``), a fixed budget (no control to search
+    on), the round's images only."""
     from audit.engine.compose import resolve_defense, resolve_device
 
     arity = _data_arity(data)

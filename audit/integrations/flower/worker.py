@@ -106,7 +106,7 @@ def _attempt(job: RoundJob, folder: Path, outcome: Dict[str, Any], cancel: threa
     try:
         audit = round_audit(job, folder, cancel)
         check = fidelity(audit, job)
-        outcome["fidelity"] = {**check.as_dict(), "summary": check.summary()}
+        outcome["fidelity"] = {**check.to_dict(), "summary": check.summary()}
         if not check.reproduces:
             why = check.summary() if check.reproduces is False else check.reason
             outcome["not_judged"] = f"{NOT_REPRODUCED} ({why})"

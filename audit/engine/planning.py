@@ -1,0 +1,94 @@
+"""Which attacks an audit runs: the base attacks, the model's classic attacks and the planner's
+defense-aware ones (the planner probes the defense as a black box), or the user's names, with
+the user's settings over the planner's."""
+from __future__ import annotations
+
+import copy
+from dataclasses import asdict, dataclass, field
+from functools import cached_property
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from torch import nn
+
+from adaptive import plan as plan_attacks  # importing adaptive registers its attacks in ATTACKS
+from attacks import ATTACKS
+from attacks.classic import classic_attacks
+from attacks.presets import defaults_fingerprint
+from audit.core.errors import GiaError
+from audit.core.preflight import runs
+
+# the portfolio of plain strategies (docs/strength.md), and IG alone: at small budgets IG's full
+# share can beat the portfolio's pick, and the verdict takes the strongest attack
+BASE_ATTACKS = ("portfolio", "ig")
+
+
+@dataclass
+class AttackSpec:
+    """One attack of the audit: registry name, settings, why it runs, base or adaptive."""
+
+    name: str
+    settings: Dict[str, Any] = field(default_factory=dict)
+    reason: str = ""
+    kind: str = "base"
+
+    @property
+    def id(self) -> str:
+        """The attack's name in the report; its settings are checked on resume instead."""
+        return self.name
+
+    @cached_property
+    def defaults(self) -> str:
+        """The fingerprint of what the attack runs with its settings left out (checked on resume;
+        computed once per spec, as the registry does not change during an audit)."""
+        return defaults_fingerprint(self.name)
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {"id": self.id, **asdict(self)}
+
+
+def plan(audit: Any) -> Tuple[List[AttackSpec], Dict[str, Any]]:
+    """The attacks ``audit`` runs (base + the planner's adaptive ones) and the plan for the report."""
+    probe_model, probe_note = planner_model(audit.base_model, audit.dataset)
+    try:
+        client_probe, _ = planner_model(audit.model, audit.dataset)
+        found = plan_attacks(audit.defense, probe_model, audit.dataset.input_shape, audit.dataset.num_classes,
+                             seed=audit.seed, device=audit.device, rounds=audit.attack_settings.steps,
+                             client_model=client_probe)
+        plan_dict = {**found.to_dict(), **({"model_mode": probe_note} if probe_note else {})}
+    except GiaError as err:  # e.g. the defense fails on the planner's probe batch
+        found, plan_dict = None, {"error": f"probing the defense failed: {type(err).__name__}: {err}"}
+    plan_dict["side_information"] = audit.side_information()
+    proposed = [] if found is None else [
+        AttackSpec(a.name, dict(a.settings), a.reason, "adaptive" if a.adaptive else "base") for a in found.attacks]
+    classic = [AttackSpec(n, {}, f"the model's classic attack: {why}") for n, why in classic_attacks(audit.base_model)]
+    auto = [AttackSpec(n, {}, "base attack: always run") for n in BASE_ATTACKS] + classic
+    auto = [s for k, s in enumerate(auto) if s.name not in {p.name for p in proposed}
+            and s.name not in {a.name for a in auto[:k]}] + proposed
+    by_name = {p.name: p for p in proposed}
+    specs: Dict[str, AttackSpec] = {}
+    args = audit.attack_settings.args
+    for name in audit.attack_settings.names:  # "auto" may be combined with names
+        for spec in auto if name == "auto" else [by_name.get(name) or AttackSpec(name, {}, "requested by the user")]:
+            specs.setdefault(spec.id, spec)
+    check_attacks([*specs.values(), *(AttackSpec(n, kv) for n, kv in args.items())])
+    for spec in specs.values():  # the user's settings override the planner's
+        spec.settings.update(args.get(spec.name, {}))
+    return list(specs.values()), plan_dict
+
+
+def planner_model(model: nn.Module, dataset) -> Tuple[nn.Module, Optional[str]]:
+    """A copy of ``model`` for the planner, whose probe runs single images too: in eval mode
+    (with the reason) when train-mode BatchNorm cannot run a batch of 1 (a 1x1 feature map)."""
+    probe = copy.deepcopy(model)
+    if runs(probe, dataset.input_shape, dataset.num_classes, 1, "train"):
+        return probe, None
+    return probe.eval(), ("eval: the model cannot run one image in train mode (BatchNorm over a 1x1 feature "
+                          "map), so the planner probed the defense on it in eval mode")
+
+
+def check_attacks(specs: Sequence[AttackSpec]) -> None:
+    """An unknown attack name, or a bad setting of the user's, as a one-line ConfigError now."""
+    for spec in specs:
+        ATTACKS.get(spec.name)  # an unknown name raises ConfigError listing the valid ones
+        if spec.reason == "":  # the user's settings: a bad one is an error now, not in every result
+            ATTACKS.build(spec.name, **spec.settings)

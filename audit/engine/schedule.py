@@ -1,0 +1,128 @@
+"""The schedule of an audit: which (step, attack, image) results are still pending, grouped
+as (step, attack) groups; the observations of a step; storing each group's results as one unit
+and moving the progress bar (image-iterations) as the groups run."""
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import replace
+from typing import Any, Dict, List, Sequence, Tuple
+
+from audit.core.errors import GiaError
+from audit.core.records import Status
+from audit.engine.runner import record_for
+from audit.report.store import ResultStore
+
+
+def pending(audit: Any, store: ResultStore, specs: Sequence[Any]) -> List[Tuple[int, int, Any]]:
+    """Every ``(step, image, spec)`` of the audit whose result ``store`` lacks (or holds for
+    other settings)."""
+    return [(s, i, a) for s in audit.attack_settings.steps for i in range(audit.data_settings.images) for a in specs
+            if not store.has(s, a.id, i, settings=a.settings, defaults=a.defaults)]
+
+
+def attack_all(audit: Any, store: ResultStore, specs: Sequence[Any]) -> None:
+    """Compute and store every pending result of ``specs``: the checkpoints first (stored or
+    trained), then each step's observations and its (step, attack) groups."""
+    todo_all = pending(audit, store, specs)
+    total = len(audit.attack_settings.steps) * audit.data_settings.images * len(specs)
+    if not todo_all:
+        return
+    steps = sorted({s for s, _, _ in todo_all})
+    states, failure = audit.checkpoints(store, steps)
+    known = store.load_manifest().get("failures", [])
+    if failure is not None and failure not in known:
+        store.update_manifest(failures=known + [failure])
+    cost = result_cost(audit)
+    bar = _progress(total * cost, (total - len(todo_all)) * cost, audit.output_settings.progress,
+                    audit.progress_label)
+    try:
+        for step in steps:
+            todo = [(i, a) for s, i, a in todo_all if s == step]
+            observations = observations_of(audit, states.get(step), failure, step, sorted({i for i, _ in todo}))
+            for spec in specs:  # one (step, attack) group: every pending image at once
+                images = [i for i, a in todo if a is spec]
+                if images:
+                    with store.claim(step, spec.id):  # another process on this group: wait, then reuse its results
+                        attack_claimed(audit, store, spec, observations, step, images, bar)
+    finally:
+        bar.close()
+
+
+def result_cost(audit: Any) -> int:
+    """The progress bar's unit count for one result: image-iterations, i.e. gradient
+    evaluations (the budget) times the private images in a batch."""
+    return max(1, audit.attack_settings.budget) * audit.data_settings.batch_size
+
+
+def observations_of(audit: Any, state, failure, step: int, images: Sequence[int]) -> Dict[int, Any]:
+    """The observation of each private batch at ``step`` (or, as text, why there is none)."""
+    out: Dict[int, Any] = {}
+    for image in images:
+        x, y = audit.private[image]
+        if state is None:
+            out[image] = failure["error"] if failure else "no checkpoint for this step"
+            continue
+        model = copy.deepcopy(audit.model)
+        model.load_state_dict(state)
+        try:
+            out[image] = audit.observe(model, x, y, step, image)
+        except GiaError as err:
+            out[image] = f"{type(err).__name__}: {err}"
+    return out
+
+
+def attack_claimed(audit: Any, store: ResultStore, spec: Any, observations: Dict[int, Any], step: int,
+                   images: Sequence[int], bar) -> None:
+    """Attack ``images`` of ``step`` with ``spec`` as one group (this process holds its claim);
+    store each result."""
+    cost = result_cost(audit)
+    done = [i for i in images if store.has(step, spec.id, i, settings=spec.settings, defaults=spec.defaults)]
+    bar.update(cost * len(done))
+    images = [i for i in images if i not in done]
+    failed = [i for i in images if isinstance(observations[i], str)]
+    for image in failed:  # the defense failed on this batch: nothing to attack
+        store.save_result(replace(record_for(audit, spec, step, image), status=Status.ERROR, failed="defense",
+                                  reason=observations[image]))
+        bar.update(cost)
+    group = [(i, observations[i], *audit.private[i]) for i in images if i not in failed]
+    if not group:
+        return
+    label = f"step {step} {spec.id} images {','.join(str(i) for i, *_ in group)}"
+    bar.set_postfix_str(label)
+    credit = GroupCredit(bar, label, cost * len(group))
+    results = audit.attack_group(spec, group, step, credit.progress)
+    store.save_group(results)  # one unit: a rerun after a cut between its writes redoes the group
+    credit.settle(len(results) * cost)
+
+
+class GroupCredit:
+    """Moves the audit's bar (image-iterations) while one (step, attack) group runs: its
+    share grows with the attack's ``progress(done, total, loss)``; ``settle`` tops it up to
+    the finished results' full cost (attacks that stop early, or cost less than the budget)."""
+
+    def __init__(self, bar, label: str, cost: int, every_s: float = 0.5):
+        self.bar, self.label, self.cost, self.every_s = bar, label, cost, every_s
+        self.credited, self.last = 0, 0.0
+
+    def settle(self, units: int) -> None:
+        """Move the bar to ``units`` of the group's cost (never back, never past it)."""
+        units = min(self.cost, units)
+        if units > self.credited:
+            self.bar.update(units - self.credited)
+            self.credited = units
+
+    def progress(self, done: int, total: int, loss: float) -> None:
+        self.settle(int(self.cost * done / max(total, 1)))
+        now = time.perf_counter()
+        if now - self.last >= self.every_s or done == total:
+            self.last = now
+            self.bar.set_postfix_str(f"{self.label}: {done}/{total}, loss {float(loss):.3g}")
+
+
+def _progress(total: int, initial: int, enabled: bool, label: str = "audit"):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, initial=initial, desc=label, unit=" image-it", unit_scale=True,
+                disable=not enabled, dynamic_ncols=True)
+

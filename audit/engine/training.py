@@ -1,0 +1,137 @@
+"""The audited client's world before any attack: its private batches (a seeded draw from the
+test split), the model states at the audited steps (FL training with the defended updates,
+stored as checkpoints) and the utility measurement."""
+from __future__ import annotations
+
+import copy
+import functools
+import json
+from typing import Any, Dict, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from audit.client.fl import train
+from audit.core.errors import ConfigError, GiaError
+from audit.core.records import AccuracySpread, UtilityResult
+from audit.core.buffers import has_running_stats
+from audit.engine.compose import check_model, resolve_defense
+from audit.engine.control import SEARCH_START, check_budget_search
+from audit.engine.identity import defense_identity, derive_seed
+from audit.engine.utility import PROTOCOL, measure_utility
+from audit.report.store import ResultStore, to_jsonable
+
+UNDEFENDED = "none"  # the positive control's defense
+#: the stored utility record's layout and recipe (a record of another is measured again)
+UTILITY_FORMAT = f"seeds; {PROTOCOL.recipe_key()}"
+
+
+def private_batches(dataset, images: int, batch_size: int, seed: int):
+    """The audited client's private batches: a seeded draw from the test split. Batch ``i``
+    does not depend on ``images``, so adding images keeps the earlier ones."""
+    need = images * batch_size
+    available = len(dataset.test_labels)
+    if need > available:
+        raise ConfigError(f"images x batch_size = {need} private images, but the {dataset.name} test "
+                          f"split has {available}; lower images or batch_size")
+    order = torch.randperm(available, generator=torch.Generator().manual_seed(derive_seed(seed, "private")))
+    return [(dataset.test_images[idx].clone(), dataset.test_labels[idx].clone())
+            for idx in order[:need].view(images, batch_size)]
+
+
+def check_local_steps(defense, fl: Any) -> None:
+    """A defense that transforms a round's whole one-step update (Flower's update mods, mirrored
+    with ``whole_update = True``) cannot be applied to each of several local steps."""
+    if (fl.local_steps > 1 or fl.local_epochs is not None) and getattr(defense, "whole_update", False):
+        raise ConfigError(f"defense {defense.name!r} transforms the round's whole update of one local SGD step; "
+                          f"audit it with local_steps=1 (--local-steps 1), got {fl.local_steps}")
+
+
+def check_audit(audit: Any) -> None:
+    """What ``audit`` cannot run, as a one-line ConfigError before any work: a whole-update
+    defense over several local steps, a model that cannot run the client's batch or FL
+    training, buffers to share without BatchNorm, a budget search that cannot help."""
+    fl, data, attacks = audit.fl_settings, audit.data_settings, audit.attack_settings
+    if audit.simulates_client:
+        check_local_steps(audit.defense, fl)
+    trained = max(attacks.steps) > 0 or audit.output_settings.utility
+    check_model(audit.base_model, audit.model_settings, audit.dataset, data.batch_size, fl.client_mode,
+                fl.batch_size if trained else None, audit.device)
+    if fl.shares == "state" and not has_running_stats(audit.model):
+        raise ConfigError("shares='state' needs buffers to share and the model has no BatchNorm running "
+                          "statistics: use --shares update (shares='update')")
+    if attacks.searches_budget:
+        check_budget_search(attacks.names, attacks.max_budget, SEARCH_START)
+
+
+def checkpoints(audit: Any, store: ResultStore, needed: Sequence[int]) -> Tuple[Dict[int, Any], Optional[Dict[str, Any]]]:
+    """Model states at the ``needed`` steps: from the store, else by FL training with the
+    defended updates. A defense that fails during training is returned as the failure; the
+    steps before it are still audited."""
+    states = {s: store.load_checkpoint(s) for s in needed}
+    missing = [s for s, st in states.items() if st is None]
+    failure = None
+    if missing:
+        captured, failure = train_to(audit, max(missing), set(missing))
+        for step, state in captured.items():
+            store.save_checkpoint(step, state)
+            states[step] = state
+    return {s: st for s, st in states.items() if st is not None}, failure
+
+
+def train_to(audit: Any, last_step: int, wanted: set) -> Tuple[Dict[int, Dict[str, torch.Tensor]], Optional[Dict[str, Any]]]:
+    """FL training with the defended updates up to ``last_step``; the states at ``wanted``
+    steps, and the failure (defense name, step, error) if the defense broke training."""
+    model = copy.deepcopy(audit.model)
+    captured = {0: state_of(model)} if 0 in wanted else {}
+    done = {"step": 0}
+
+    def capture(step: int, current: nn.Module) -> None:
+        done["step"] = step
+        if step in wanted:
+            captured[step] = state_of(current)
+
+    if last_step == 0:
+        return captured, None
+    try:
+        fl = audit.fl_settings
+        train(model, audit.dataset, audit.defense, last_step, lr=fl.lr, batch_size=fl.batch_size, clients=fl.clients,
+              training=fl.client, seed=audit.seed, device=audit.device, callback=capture,
+              server_optimizer=fl.server_optimizer)
+    except GiaError as err:  # the defense failed on the model of step done["step"]
+        failed = done["step"]
+        return captured, {"phase": "training", "step": failed, "defense": audit.defense.name,
+                          "error": f"FL training stopped at step {failed} (no later checkpoint): "
+                                   f"{type(err).__name__}: {err}"}
+    return captured, None
+
+
+def state_of(model: nn.Module) -> Dict[str, torch.Tensor]:
+    return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+
+
+def utility(audit: Any, baseline: Optional[AccuracySpread] = None) -> UtilityResult:
+    """Test accuracy after ``utility_steps`` rounds of the utility recipe
+    (:data:`audit.engine.utility.PROTOCOL`, the same for every audit: the FL settings describe
+    the audited client, not how utility is measured) with the defense and without it (or the
+    given ``baseline`` runs), over ``utility_seeds`` seeds, with the audit's model and data;
+    missing, with the reason, when switched off or when the defense fails."""
+    out = audit.output_settings
+    if not out.utility:
+        return UtilityResult.missing("utility measurement was switched off (utility=False)")
+    try:
+        return measure_utility(audit.defense, model=audit.model_settings, dataset=audit.dataset,
+                               steps=out.utility_steps, seed=audit.seed, seeds=out.utility_seeds,
+                               device=audit.device, baseline=baseline)
+    except GiaError as err:
+        return UtilityResult.missing(f"{type(err).__name__}: {err}")
+
+
+@functools.lru_cache(maxsize=None)
+def _undefended_identity() -> str:
+    return json.dumps(to_jsonable(defense_identity(resolve_defense(UNDEFENDED, {}), UNDEFENDED)), sort_keys=True)
+
+
+def undefended_identity() -> Dict[str, Any]:
+    """The identity of the undefended client's defense (computed once per process)."""
+    return json.loads(_undefended_identity())
