@@ -87,7 +87,7 @@ SECTIONS: Dict[str, Section] = {
     "papers": Section("The papers' GPU rows, slice by slice", 150),
 }
 #: the section that is never finished: each turn with time left runs more of the papers' gpu
-#: profile (bench_papers.py's slices), kept in the turn's folder under PAPERS_DIR
+#: profile (:mod:`bench.papers`' slices), kept in the turn's folder under PAPERS_DIR
 REPEATED = "papers"
 PAPERS_DIR = "papers-gpu"
 #: seconds a turn keeps for the papers bench's own start and its last write
@@ -311,7 +311,7 @@ def in_this_process(name: str, device: torch.device, timeout: float = SECTION_TI
 
 
 def papers_slices(folder: Path, seconds: float) -> Result:
-    """The papers' gpu profile for ``seconds`` (``bench_papers.py --call-minutes``), its results
+    """The papers' gpu profile for ``seconds`` (``python -m bench.papers --call-minutes``), its results
     in ``folder / PAPERS_DIR``, seeded from the committed ones the first time: every slice it
     finishes is kept there, and a later turn goes on from it. Copy that folder's
     ``gpu-embedded`` back into ``bench/papers_results/`` and commit it."""
@@ -320,7 +320,7 @@ def papers_slices(folder: Path, seconds: float) -> Result:
     if not (results / "gpu-embedded").exists() and committed.is_dir():
         shutil.copytree(committed, results / "gpu-embedded")
     minutes = max(0.0, seconds - PAPERS_MARGIN_S) / 60
-    command = [sys.executable, str(ROOT / "bench" / "bench_papers.py"), "--profile", "gpu",
+    command = [sys.executable, "-m", "bench.papers", "--profile", "gpu",
                "--call-minutes", f"{minutes:.1f}", "--results", str(results)]
     stdout, stderr, code = _run(command, seconds)
     lines = [line for line in stdout.splitlines() if "slices run in" in line or " left, ~" in line]
