@@ -1288,7 +1288,7 @@ def test_the_gpu_profile_stops_cleanly_when_no_slice_fits_its_call_minutes(tmp_p
 
 def test_the_one_call_command_fits_a_remote_command_and_is_in_the_help(capsys):
     command = next(line.strip() for line in pgpu.GPU_CALL.splitlines() if "--call-minutes 8" in line)
-    assert len(command) < 2000 and command.startswith("mkdir -p $OUT/papers-gpu && cp -r bench/papers_results/")
+    assert len(command) < 2000 and command.startswith("mkdir -p $OUT/papers-gpu && cp -r bench/results/papers/")
     assert "--results $OUT/papers-gpu" in command
     with pytest.raises(SystemExit):
         pcli.main(["--help"])

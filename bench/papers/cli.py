@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
-from bench.docs_table import ROOT, add_docs_option, command_line, without_options, write_table
+from bench.docs_table import ROOT, add_docs_option, command_line, with_table, without_options
 from bench.papers import __doc__ as PACKAGE_DOC
+from bench.papers.cells import Profile
 from bench.papers.gpu import call_summary, gpu_call_help, gpu_plan, slices_left
 from bench.papers.render import DETAILS_PAGE, render, render_parts, timing
 from bench.papers.rows import BY_ID, ROWS
@@ -15,9 +16,11 @@ from bench.papers.run import run_rows
 from bench.papers.slices import GPU_CALL_MINUTES, Deadline
 from bench.papers.spec import PAPERS, PROFILES, QUICK, Row
 from bench.papers.store import RESULTS
-from bench.papers.cells import Profile
 
-# --------------------------------------------------------------------------- main
+#: the page the verdict table is written into (each row's details go to ``DETAILS_PAGE``)
+PAGE = "docs/papers.md"
+
+
 def selected(rows: Optional[Sequence[str]], papers: Optional[Sequence[str]], profile: str) -> List[Row]:
     return [r for r in ROWS if profile in r.profiles and (not rows or r.id in rows)
             and (not papers or r.paper in papers)]
@@ -42,6 +45,22 @@ def require_lpips() -> None:
                          "similarity")
 
 
+def page_texts(argv: Optional[Sequence[str]], name: str, profile: Profile, data: str, data_args: Dict[str, Any],
+               root: Path, out: Path, threads: Optional[int] = None, page: str = PAGE) -> Dict[Path, str]:
+    """The texts of ``page`` and :data:`DETAILS_PAGE` with their section ``name`` written from the
+    stored cells of every row of the profile, as the command ``argv`` writes them (``threads``:
+    those of a run; a render runs nothing and names none). Writes nothing."""
+    import torch
+
+    rows = selected(None, None, profile.name)  # the page shows every row of the profile
+    table, details = render_parts(rows, profile, data, data_args, root, out)
+    ran = "" if threads is None else f"{threads} thread(s), "
+    setting = f"torch {torch.__version__}, {ran}{profile.device}; {timing(rows, profile, data, data_args, root, out)}"
+    command = command_line("bench.papers", page_command(argv))
+    return dict(with_table(where, name, command, text, setting) for where, text in ((page, table),
+                                                                                   (DETAILS_PAGE, details)))
+
+
 def main(argv: Optional[Sequence[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=PACKAGE_DOC.split("\n")[0], epilog=gpu_call_help(),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -64,7 +83,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--render", action="store_true", help="write the page from stored results; run nothing")
     parser.add_argument("--plan", action="store_true", help="print the slices left, their planned GPU minutes and "
                         "the calls they need")
-    add_docs_option(parser, "docs/papers.md")
+    add_docs_option(parser, PAGE)
     args = parser.parse_args(argv)
     deadline = Deadline(args.call_minutes) if args.profile == "gpu" else None
 
@@ -82,20 +101,16 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     out = Path(args.out)
     root = Path(args.results) if args.results else (out / "results" if profile.shrunk else RESULTS)
     rows = selected(args.rows, args.paper, name)
-    page_rows = selected(None, None, name)  # the page shows every row of the profile
     if args.plan:
         print(gpu_plan(slices_left(rows, profile, data, data_args, root, out, args.retry)))
         return
 
     def publish() -> None:
         if args.docs and not profile.shrunk:
-            table, details = render_parts(page_rows, profile, data, data_args, root, out)
-            threads = "" if args.render else f"{args.threads} thread(s), "  # a render runs nothing
-            setting = (f"torch {torch.__version__}, {threads}{device}; "
-                       f"{timing(page_rows, profile, data, data_args, root, out)}")
-            command = command_line("bench_papers.py", page_command(argv))
-            write_table(args.docs_page, args.docs, command, table, setting)
-            write_table(DETAILS_PAGE, args.docs, command, details, setting)
+            threads = None if args.render else args.threads
+            for path, text in page_texts(argv, args.docs, profile, data, data_args, root, out, threads,
+                                         args.docs_page).items():
+                path.write_text(text)
 
     if not args.render and not profile.shrunk:
         require_lpips()
@@ -106,6 +121,3 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     if deadline is not None and not args.render:
         print(call_summary(deadline, over, slices_left(rows, profile, data, data_args, root, out, args.retry)))
 
-
-if __name__ == "__main__":
-    main()

@@ -77,7 +77,7 @@ class CellEvidence:
         keep = set(steps) & set(self.steps)
         if not keep <= set(self.per_step_recovered):
             raise ValueError(f"the cell stores no per-step recovered counts for steps {sorted(keep)}: "
-                             "rerun the cell (python bench/bench_papers.py --rows <row>)")
+                             "rerun the cell (python -m bench.papers --rows <row>)")
         out = CellEvidence(list(self.attacks), sorted(keep), candidates=self.candidates, strongest=self.strongest,
                            members=self.members, null_chance=self.null_chance)
         out.per_image_identified = {k: v for k, v in self.per_image_identified.items() if k[0] in keep}

@@ -59,15 +59,15 @@ minutes fit what is left of ``--call-minutes``; each finished slice's results ar
 the slices left, their minutes and the calls they need. Seed ``$OUT`` with the committed
 results and run (the machine needs the LPIPS weights, ``make weights``)::
 
-    mkdir -p $OUT/papers-gpu && cp -r bench/papers_results/gpu-embedded $OUT/papers-gpu/ 2>/dev/null; python bench/bench_papers.py --profile gpu --call-minutes 8 --results $OUT/papers-gpu
+    mkdir -p $OUT/papers-gpu && cp -r bench/results/papers/gpu-embedded $OUT/papers-gpu/ 2>/dev/null; python -m bench.papers --profile gpu --call-minutes 8 --results $OUT/papers-gpu
 
 then replace the committed folder by what came back (``R``: where ``$OUT``'s files landed)
 and commit it::
 
-    rm -rf bench/papers_results/gpu-embedded && cp -r R/papers-gpu/gpu-embedded bench/papers_results/
-    git add bench/papers_results/gpu-embedded && git commit -m "papers bench: gpu slices"
+    rm -rf bench/results/papers/gpu-embedded && cp -r R/papers-gpu/gpu-embedded bench/results/papers/
+    git add bench/results/papers/gpu-embedded && git commit -m "papers bench: gpu slices"
 
-``python bench/bench_papers.py --profile gpu --render --docs papers-gpu`` then writes the page.
+``python -m bench.papers --profile gpu --render --docs papers-gpu`` then writes the page.
 """
 
 

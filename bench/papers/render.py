@@ -112,7 +112,7 @@ class RowView:
 #: a verdict table cell's longest text
 MAX_CELL = 300
 #: where each row's details live (the page holds the verdict table), from the page
-DETAILS_PAGE = "bench/results/papers.md"
+DETAILS_PAGE = "bench/results/papers/papers.md"
 DETAILS_LINK = "../" + DETAILS_PAGE
 #: the claim of each kind, in a few words
 CLAIM_WORDS = {"protects": "the defense protects", "leaks": "the attack recovers images",

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from bench.papers.spec import Row
 
 #: the persisted cells of every profile and data set
-RESULTS = ROOT / "bench" / "papers_results"
+RESULTS = ROOT / "bench" / "results" / "papers"
 
 
 def results_path(root: Path, profile: str, data: str, row: Row) -> Path:
