@@ -86,7 +86,7 @@ def r18_scales(cpu_budget: int, *, planner: Optional[Tuple[str, ...]] = None, wh
                          adaptive_budget=gpu_adaptive_budget)}
 
 
-def censor_setting(source: str, **kw) -> PaperSetting:
+def censor_setting(*, source: str, **kw) -> PaperSetting:
     """CENSOR's experiments as its code runs them: ``run_rec.py`` (KaiyuanZh/censor) calls
     ``model.eval()`` before it computes the attacked gradient."""
     base = dict(model=R18, model_args={}, data="CIFAR-10 32x32", iterations=15000, restarts=4, images=10,
@@ -95,7 +95,8 @@ def censor_setting(source: str, **kw) -> PaperSetting:
     return PaperSetting(source=source, **{**base, **kw})
 
 
-def svd_setting(source: str, **kw) -> PaperSetting:
+def svd_setting(*, source: str, **kw) -> PaperSetting:
+    """SVDefense's experiments: ResNet-18 on MNIST, IG for the first round of one client."""
     base = dict(model="ResNet-18", model_args={}, data="MNIST", iterations=None, images=128,
                 hparams="IG (cosine, Adam); batch, local epochs and steps 1, first round")
     return PaperSetting(source=source, **{**base, **kw})
@@ -115,7 +116,7 @@ ROWS: List[Row] = [
         defense="none",
         defense_args={},
         attacks=(CENSOR_IG,),
-        setting=censor_setting("Table I", anchor="CIFAR-10, IG: none .0023/.0905/26.324/.8139"),
+        setting=censor_setting(source="Table I", anchor="CIFAR-10, IG: none .0023/.0905/26.324/.8139"),
         scales=r18_scales(4 * R18_BUDGET),
         profiles=BOTH,
         paper_psnr=26.32,
@@ -132,7 +133,7 @@ ROWS: List[Row] = [
         attacks=(AttackRef(name="mask-replay",
                            args=IG_CENSOR,
                            label="IG with Soteria's mask on the dummy (the paper's code)"),),
-        setting=censor_setting("Table I",
+        setting=censor_setting(source="Table I",
                                hparams="Soteria prunes 10% of fc-input features; IG as the authors' code runs "
                                        "it, with Soteria's mask on the dummy gradient",
                                anchor="Soteria .0558/.5846/12.537/.1222"),
@@ -151,7 +152,8 @@ ROWS: List[Row] = [
         defense="censor",
         defense_args={"trials": 20},
         attacks=(CENSOR_IG,),
-        setting=censor_setting("Table I", hparams="CENSOR T=20; IG as above", anchor="CENSOR .0939/.6884/10.272/.0112"),
+        setting=censor_setting(source="Table I", hparams="CENSOR T=20; IG as above",
+                               anchor="CENSOR .0939/.6884/10.272/.0112"),
         adaptive=AttackRef(name="through-defense",
                            args={**IG_CENSOR, **EOT},
                            label="EOT over CENSOR's draws (Table III, with GIFD: "
@@ -172,7 +174,8 @@ ROWS: List[Row] = [
         defense="censor",
         defense_args={"trials": 20},
         attacks=(CENSOR_IG,),
-        setting=censor_setting("Table V", data="ImageNet 64x64", iterations=None, restarts=1, steps=tuple(range(10)),
+        setting=censor_setting(source="Table V", data="ImageNet 64x64", iterations=None, restarts=1,
+                               steps=tuple(range(10)),
                                hparams="GIFD (1,000 steps per generator layer, lr 0.1, cosine + TV 1e-4)",
                                anchor="4 | 0.1717 | 0.7528 | 9.07 | 0.041"),
         scales=r18_scales(R18_BUDGET, cpu_steps=(0, 9), gpu_steps=(0, 9), gpu_budget=15000),
@@ -189,7 +192,8 @@ ROWS: List[Row] = [
         defense="censor",
         defense_args={"trials": 20, "active_rounds": 5},
         attacks=(CENSOR_IG,),
-        setting=censor_setting("SVDefense Table I (its number; the model and client are CENSOR's Table I setting here)",
+        setting=censor_setting(source="SVDefense Table I (its number; the model and client are CENSOR's Table I "
+                                      "setting here)",
                                model="SVDefense's ResNet-18 on MNIST (its Table I), not CENSOR's CIFAR ResNet-18",
                                data="MNIST",
                                images=128,
@@ -216,7 +220,7 @@ ROWS: List[Row] = [
         defense="prune",
         defense_args={"ratio": 0.9},
         attacks=(SVD_IG,),
-        setting=svd_setting("Table I", hparams="prune 90% by magnitude; IG (cosine, Adam), then mask replay",
+        setting=svd_setting(source="Table I", hparams="prune 90% by magnitude; IG (cosine, Adam), then mask replay",
                             anchor="| Prune [5] | 12.9257 | 0.4993 | 36.1273 | 0.0221 |"),
         adaptive=AttackRef(name="mask-replay", args=IG_SVD, label="mask replay (IG)"),
         leak_cell="adaptive",
@@ -234,7 +238,7 @@ ROWS: List[Row] = [
         defense="soteria",
         defense_args={"ratio": 0.8, "layer": "last"},
         attacks=(SVD_IG,),
-        setting=svd_setting("Table I",
+        setting=svd_setting(source="Table I",
                             hparams="Soteria prunes 80% of fc gradients; IG (cosine, Adam), then mask replay",
                             anchor="| Soteria [26] | 10.8145 | 0.6481 | 38.7447 | 0.0161 |"),
         adaptive=AttackRef(name="mask-replay", args=IG_SVD, label="mask replay (IG)"),
@@ -255,7 +259,8 @@ ROWS: List[Row] = [
         defense="precode",
         defense_args={"latent": 256, "beta": 1e-3},
         attacks=(SVD_IG,),
-        setting=svd_setting("Table I", hparams="PRECODE K=256, beta 1e-3; IG, then the dummy latent optimised too",
+        setting=svd_setting(source="Table I",
+                            hparams="PRECODE K=256, beta 1e-3; IG, then the dummy latent optimised too",
                             anchor="| PRECODE [23] | 3.5659 | 0.7668 | 57.4165 | 0.0001 |"),
         adaptive=AttackRef(name="precode-latent", args={}, label="dummy latent optimised with the input"),
         leak_cell="adaptive",
@@ -273,7 +278,8 @@ ROWS: List[Row] = [
         defense="censor",
         defense_args={"trials": 20, "active_rounds": 5},
         attacks=(SVD_IG,),
-        setting=svd_setting("Table I", steps=(0, 5), hparams="CENSOR in the first 5 epochs; IG in round 0, then after",
+        setting=svd_setting(source="Table I", steps=(0, 5),
+                            hparams="CENSOR in the first 5 epochs; IG in round 0, then after",
                             anchor="| CENSOR [21] | 8.1940 | 0.6958 | 16.4071 | 0.2881 |"),
         adaptive=AttackRef(name="ig", args=IG_SVD, label="IG at round 5, CENSOR off"),
         adaptive_steps=(5,),
@@ -295,7 +301,7 @@ ROWS: List[Row] = [
         defense="svdefense",
         defense_args={"eta": 0.3},
         attacks=(SVD_IG,),
-        setting=svd_setting("Table III / Table IV",
+        setting=svd_setting(source="Table III / Table IV",
                             data="CIFAR-10 32x32",
                             hparams="SVDefense eta 0.3; IG (cosine, Adam); "
 "LTI trained on a surrogate data set",
@@ -316,7 +322,7 @@ ROWS: List[Row] = [
         defense="svdefense",
         defense_args={"eta": 0.3},
         attacks=(),
-        setting=svd_setting("Fig. 7",
+        setting=svd_setting(source="Fig. 7",
                             data="Google Speech Commands",
                             images=None,
                             hparams="FedAvg over class-imbalanced "
