@@ -8,9 +8,10 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from bench.papers.evidence import CellEvidence
-from bench.papers.spec import AT_PAPER, QUICK, IMAGES, Row
+from bench.papers.spec import AT_PAPER, IMAGES, QUICK, Row
 from bench.papers.stale import KEY_CHANGED, PlanCache, cell_fingerprints, stale_attacks, stale_key, stale_plan
-from bench.papers.store import _jsonable, load_results, results_path
+from bench.papers.store import jsonable, load_results, results_path
+
 
 @dataclass
 class Profile:
@@ -43,7 +44,7 @@ def run_setting(row: Row, profile: Profile) -> Dict[str, Any]:
             "train_batch": paper.train_batch or 8}
 
 
-def _args_text(args: Dict[str, Any]) -> str:
+def args_text(args: Dict[str, Any]) -> str:
     return ", ".join(f"{k}={v}" for k, v in args.items()) or "defaults"
 
 
@@ -51,7 +52,7 @@ def differences(row: Row, run: Dict[str, Any]) -> List[str]:
     """How the run differs from the paper's setting, the data set aside (empty: at the paper's)."""
     paper, out = row.setting, []
     if run["model_args"] != paper.model_args:
-        out.append(f"{row.model} with {_args_text(run['model_args'])} (the paper's: {_args_text(paper.model_args)})")
+        out.append(f"{row.model} with {args_text(run['model_args'])} (the paper's: {args_text(paper.model_args)})")
     if row.claim != "utility":
         if paper.budget is None:
             out.append(f"the paper states no iteration count; {run['budget']:,} gradient evaluations here")
@@ -76,7 +77,7 @@ def label(row: Row, run: Dict[str, Any]) -> str:
 
 def own_text(row: Row, run: Dict[str, Any], data: str) -> str:
     used = "CIFAR-10 32x32" if data == "cifar10" else "the embedded 32x32 photos"
-    parts = [f"{row.model} ({_args_text(run['model_args'])})", used, "batch 1"]
+    parts = [f"{row.model} ({args_text(run['model_args'])})", used, "batch 1"]
     if row.claim != "utility":
         parts += [f"{run['budget']:,} gradient evaluations", f"{run['images']} images",
                   f"step{'s' if len(run['steps']) > 1 else ''} {', '.join(map(str, run['steps']))}"]
@@ -233,7 +234,7 @@ def claim_record(plan: CellPlan, attacks: Sequence[str], evidence: CellEvidence,
     """What a cell under way stores once the steps of the row's claim are complete: the claim's
     evidence (judged from it; the cell's other steps are still running), keyed as the cell is,
     with the engine's ``run_key`` it ran under."""
-    return {"key": plan.key, "call": _jsonable(plan.call), "attacks": list(attacks),
+    return {"key": plan.key, "call": jsonable(plan.call), "attacks": list(attacks),
             "claim_evidence": evidence.to_dict(), "fingerprints": cell_fingerprints(plan.call, attacks),
             **({"run_key": run_key} if run_key else {})}
 
@@ -243,7 +244,7 @@ def step_record(plan: CellPlan, attacks: Sequence[str], step: int, evidence: Cel
     """What a cell under way of a row judged step by step stores as one claim step's images
     complete: that step's evidence (``step_evidence``, joined with the steps stored before it
     under the same keys by :func:`add_step`), keyed as the cell is."""
-    return {"key": plan.key, "call": _jsonable(plan.call), "attacks": list(attacks),
+    return {"key": plan.key, "call": jsonable(plan.call), "attacks": list(attacks),
             "step_evidence": {str(step): evidence.to_dict()}, "fingerprints": cell_fingerprints(plan.call, attacks),
             **({"run_key": run_key} if run_key else {})}
 

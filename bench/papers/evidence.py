@@ -19,7 +19,7 @@ from audit.report.rule import LeakRule
 LEVEL = 0.95
 NO_CONTROL = "no positive control stored: rerun the row"
 
-# --------------------------------------------------------------------------- one cell
+
 @dataclass
 class CellEvidence:
     """The evidence of one cell (a set of attacks at a set of steps), over its private images."""

@@ -13,6 +13,7 @@ from bench.papers.spec import Row
 from bench.papers.stale import PlanCache
 from bench.papers.store import kept_for, partial_dir, results_path
 
+
 def gpu_slices(row: Row, profile: Profile, data: str, data_args: Dict[str, Any], root: Path,
                out: Path, retry: bool = False) -> List[GpuSlice]:
     """The slices the row has left, in the order :func:`run_row` runs them: the slices of its

@@ -11,6 +11,7 @@ from typing import Any, Dict
 from bench.papers.cells import Profile, plan_cells
 from bench.papers.spec import Row
 
+
 def refiner_projection(row: Row, profile: Profile, run: Dict[str, Any], images: int = 8) -> Dict[str, Any]:
     """How far Refiner's robust gradient lies from the clean one on the row's model, against
     the projection radius: per alpha, the mean ``||g* - g||`` and ``||g||``, how many uploads

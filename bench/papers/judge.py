@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
-from bench.papers.cells import (CellPlan, _args_text, claim_cells, differences, judged_on, stale_cell, step_cells,
+from bench.papers.cells import (CellPlan, args_text, claim_cells, differences, judged_on, stale_cell, step_cells,
                                 whole_cells)
 from bench.papers.evidence import CellEvidence
 from bench.papers.health import collapsed
@@ -16,7 +16,7 @@ from bench.papers.stale import PlanCache
 from bench.papers.verdict import (NOT_RUN, Conclusion, conclude_chain, conclude_leaks, conclude_order,
                                   conclude_protects, conclude_steps, conclude_utility)
 
-# --------------------------------------------------------------------------- judging a row
+
 def at_paper_budget(row: Row, run: Dict[str, Any]) -> bool:
     """The paper's attacks ran at the paper's budget on the paper's model."""
     budget = row.setting.budget
@@ -28,7 +28,7 @@ def budget_note(row: Row, run: Dict[str, Any]) -> str:
     if row.setting.budget is None:
         return f"the paper states no iteration count ({run['budget']:,} gradient evaluations here)"
     if run["model_args"] != row.setting.model_args:
-        return f"a smaller model than the paper's ({_args_text(run['model_args'])})"
+        return f"a smaller model than the paper's ({args_text(run['model_args'])})"
     return f"the attacks ran below the paper's budget ({run['budget']:,} of {row.setting.budget:,})"
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from bench.docs_table import ROOT
-from bench.papers.cells import (CellPlan, Profile, _args_text, claim_cells, judged_on, label, own_text, run_setting,
+from bench.papers.cells import (CellPlan, Profile, args_text, claim_cells, judged_on, label, own_text, run_setting,
                                 stale_cell, stale_text, step_cells, stored_cells)
 from bench.papers.evidence import LEVEL, CellEvidence
 from bench.papers.health import health_text, projection_text
@@ -22,7 +22,7 @@ from bench.papers.stale import PlanCache
 from bench.papers.store import kept_for, partial_dir, results_path
 from bench.papers.verdict import NOT_RUN, Conclusion, identification_text, interval_text
 
-# --------------------------------------------------------------------------- the page
+
 def _f(v: Optional[float], digits: int = 2) -> str:
     if v is None or (isinstance(v, float) and math.isnan(v)):
         return "-"
@@ -176,7 +176,7 @@ def row_lines(row: Row, profile: Profile, data: str, data_args: Dict[str, Any], 
     search = stored.get("search") or {}
     if row.search and search.get("chosen"):
         paper_cell += "<br>weights chosen on " + f"{search['held_out']} held-out images: " + "; ".join(
-            f"{n} {_args_text(v)}{search_edge(search, n)}" for n, v in search["chosen"].items())
+            f"{n} {args_text(v)}{search_edge(search, n)}" for n, v in search["chosen"].items())
     planner = judged.get("planner")
     planner_cell = cell_text(planner, planner_head(row, run, planner, profile.name), progress.get("planner", ""))
     adaptive_cell = (cell_text(judged.get("adaptive"), adaptive_head(row, run), progress.get("adaptive", ""))

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Collection, Dict, Iterator, List, Optional, Sequence, Tuple
 
-from bench.papers.cells import (CellPlan, Profile, _jsonable, add_step, cells_to_run, claim_record, label,
+from bench.papers.cells import (CellPlan, Profile, jsonable, add_step, cells_to_run, claim_record, label,
                                 planner_attacks, plan_cells, run_setting, stale_cell, step_record, stored_steps)
 from bench.papers.evidence import CellEvidence, cell_evidence, control_from_report
 from bench.papers.health import refiner_projection, store_health
@@ -20,6 +20,7 @@ from bench.papers.spec import Row
 from bench.papers.stale import PlanCache, audit_of, cell_fingerprints
 from bench.papers.store import (CONTROL_PARTIAL, keep_partial, keep_results, kept_for, kept_seconds, load_results,
                                 partial_dir, restore_partial, results_path, save_results)
+
 
 def with_control(evidence: CellEvidence, report: Dict[str, Any]) -> CellEvidence:
     """``evidence`` with the positive control the report stored at its steps."""
@@ -90,7 +91,7 @@ def run_cell(row: Row, plan: CellPlan, partial: Optional[Path] = None,
     if until_step is not None and not (calls and calls[-1].whole):
         return None
     manifest, attacks, evidence = _stored_evidence(plan, report.data["run_key"], plan.steps)
-    out = {"key": plan.key, "call": _jsonable(plan.call), "seconds": round(earlier + time.perf_counter() - started, 1),
+    out = {"key": plan.key, "call": jsonable(plan.call), "seconds": round(earlier + time.perf_counter() - started, 1),
            "status": report.data["status"], "attacks": attacks, "run_key": report.data["run_key"]}
     if plan.name == "utility":
         out["utility"] = manifest.get("utility")

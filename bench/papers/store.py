@@ -40,7 +40,7 @@ def save_results(path: Path, stored: Dict[str, Any]) -> None:
     tmp.replace(path)
 
 
-def _jsonable(obj: Any) -> Any:
+def jsonable(obj: Any) -> Any:
     return json.loads(json.dumps(obj, default=str))
 
 
@@ -137,7 +137,7 @@ def kept_image_steps(kept: Path, plan: CellPlan, planned: Sequence[str] = (),
         record = json.loads(path.read_text())
         return (record.get("status") not in RETRIED and attack in ATTACKS
                 and record.get("defaults") == fingerprint(attack)
-                and (attack not in wanted or record.get("settings") == _jsonable(wanted[attack])))
+                and (attack not in wanted or record.get("settings") == jsonable(wanted[attack])))
 
     def done(run: Path) -> Set[Tuple[int, int]]:
         ran = attacks(run)

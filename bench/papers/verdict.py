@@ -42,7 +42,6 @@ CONTROL_ALPHA = 0.05
 BELOW_BUDGET = "the attacks ran below the paper's budget"
 
 
-# --------------------------------------------------------------------------- conclusions
 @dataclass
 class Conclusion:
     outcome: str  # HOLDS, FAILS, INCONCLUSIVE, NOT_RUN
