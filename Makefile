@@ -26,7 +26,7 @@ test: venv
 	$(PY) -m pytest -q -n 2 --dist loadfile
 
 bench: venv
-	$(PY) bench/bench_attack.py
+	$(PY) -m bench.bench_attack
 
 clean:
 	rm -rf $(OUT) .pytest_cache

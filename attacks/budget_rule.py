@@ -7,7 +7,7 @@ statistics, a longer run fits them, the gradient and each image's features more 
 each further image of the batch needs less of the TV prior's smoothing: on held-out embedded
 images at :data:`LONG` iterations, a TV weight that grows half as fast with the batch as the TV
 rule's (the same at batch 1, half of it at batch 4 and 8) and features weight 1 score best
-(bench/results/strength.md (The weights of what a client uploads)). In between, the weights move geometrically with the iterations;
+(bench/results/strength/strength.md (The weights of what a client uploads)). In between, the weights move geometrically with the iterations;
 at :data:`SHORT` or fewer, and wherever the buffers reveal nothing, the rules' weights stand.
 """
 from __future__ import annotations

@@ -18,7 +18,7 @@ least half of the classes absent (at batch 8 of 10 classes that reading cost 0.7
 exact reading's weight grows with the run's length where the buffers are shared
 (:mod:`attacks.budget_rule`).
 
-The measurements: bench/results/strength.md (The weights of what a client uploads).
+The measurements: bench/results/strength/strength.md (The weights of what a client uploads).
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ from attacks.budget_rule import FEATURES_WEIGHT_LONG, lengthened, long_share
 from attacks.tv_rule import ObservedWeight
 
 #: the features term's weight where the upload is read exactly, chosen on held-out embedded
-#: images (``bench/bench_strength.py --bn-weight --weight-knob features``; bench/results/strength.md (The weights of what a client uploads))
+#: images (``bench/bench_strength.py --bn-weight --weight-knob features``; bench/results/strength/strength.md (The weights of what a client uploads))
 FEATURES_WEIGHT = 0.3
 #: its weight where the upload is read with the dummy's softmax (chosen the same way, with that reading)
 FEATURES_WEIGHT_DUMMY_SOFTMAX = 0.1

@@ -14,7 +14,7 @@ from typing import Optional
 from audit.core.local_training import LocalOptimizer
 
 #: Adam's eps in units of each tensor's gradient RMS, for the replica (``bench/bench_strength.py
-#: --adam-smoothing``, chosen on held-out embedded images; bench/results/strength.md (The weights of what a client uploads))
+#: --adam-smoothing``, chosen on held-out embedded images; bench/results/strength/strength.md (The weights of what a client uploads))
 ADAM_RELATIVE_EPS = 3.0
 SMOOTHED = ("adam", "adamw")
 

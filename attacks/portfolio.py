@@ -4,7 +4,7 @@ whose gradient explains the observation best.
 An audit is only as trustworthy as its strongest attack, and no single setting of the
 field's attacks is strongest everywhere: exact L2 matching with L-BFGS recovers untrained
 sigmoid / fully connected nets, a strong TV prior wins on small ConvNets, a weak one on
-ResNet-18 (bench/results/strength.md (How the defaults were chosen)). The portfolio runs the registered
+ResNet-18 (bench/results/strength/strength.md (How the defaults were chosen)). The portfolio runs the registered
 :data:`STRATEGIES` that apply to the observation (existing presets; the smoothing ones take
 their TV weight from the observation, :mod:`attacks.tv_rule`) on equal shares of a fraction
 ``explore`` of the budget, labels inferred once for all. It scores every candidate by the cosine distance
@@ -72,7 +72,7 @@ ORDER = ("smooth", "bn-prior", "sharp", "exact")
 DEFAULT_BUDGET = 2000  # gradient evaluations when reconstruct() gets none
 #: resume="auto": a scheduled optimiser's continuation reruns its whole schedule only when it
 #: gets at least this many gradient evaluations (shorter schedules do not converge from
-#: scratch; bench/results/strength.md (How the defaults were chosen))
+#: scratch; bench/results/strength/strength.md (How the defaults were chosen))
 FRESH_FROM = 250
 
 

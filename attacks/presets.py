@@ -222,7 +222,7 @@ register_preset("ig", "Inverting Gradients: cosine + TV (5e-2 at 32x32 batch 1, 
                 "attacks.tv_rule) + each image's features read off the output layer (attacks.feature_rule), both "
                 "moved by the run's length where the buffers reveal the batch's statistics (attacks.budget_rule), "
                 "signed Adam 0.1 annealed by a cosine (1-2 dB above the paper's step decay at 200-1,600 "
-                "evaluations on held-out images: bench/results/strength.md (How the defaults were chosen)), [0,1] box",
+                "evaluations on held-out images: bench/results/strength/strength.md (How the defaults were chosen)), [0,1] box",
                 objective="cosine", tv="auto", features="auto", optimizer="adam", lr=0.1, schedule="cosine", signed=True,
                 box="clamp", init="uniform", iterations=1000)
 register_preset("gi", "GradInversion: L2 + TV + image L2 + BN statistics + group consistency, 4 restarts",

@@ -21,7 +21,7 @@ from priors import UploadedBatchNormStatistics
 #: the bn-upload term's weight on the ConvNet's :data:`BN_UPLOAD_LAYERS` BatchNorm layers (the
 #: term is in units of the revealed variance and averages its layers): the best mean PSNR of
 #: ``ig`` over weights 0.1-10 on held-out embedded images at batch sizes 1 and 4
-#: (``bench/bench_strength.py --bn-weight``; bench/results/strength.md (The weights of what a client uploads))
+#: (``bench/bench_strength.py --bn-weight``; bench/results/strength/strength.md (The weights of what a client uploads))
 BN_UPLOAD_WEIGHT = 3.0
 BN_UPLOAD_LAYERS = 5
 

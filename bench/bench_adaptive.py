@@ -1,15 +1,13 @@
 """Before/after table: each adaptive attack against the naive attack it adapts, on the same
 observations (small models, 16x16 embedded images, batch 1, fixed seeds).
 
-``python bench/bench_adaptive.py [--images N] [--scenario NAME ...] [--docs adaptive]`` prints a
+``python -m bench.bench_adaptive [--images N] [--scenario NAME ...] [--docs adaptive]`` prints a
 Markdown table of mean PSNR per attack (and writes it into ``docs/adaptive.md``);
 :func:`run_scenarios` returns the rows.
 """
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -17,10 +15,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from audit.core.models import build_model  # noqa: E402
-from bench.docs_table import add_docs_option, publish  # noqa: E402
+from audit.core.models import build_model
+from bench.docs_table import add_docs_option, publish
 
 Attack = Tuple[str, Dict[str, Any]]
 
@@ -121,7 +117,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     torch.set_num_threads(args.threads)
     table = markdown(run_scenarios(args.scenario, args.images))
     print(table)
-    publish(args, "bench_adaptive.py", argv, table, f"torch {torch.__version__}, {args.threads} thread(s), cpu")
+    publish(args, "bench.bench_adaptive", argv, table, f"torch {torch.__version__}, {args.threads} thread(s), cpu")
 
 
 if __name__ == "__main__":

@@ -11,8 +11,8 @@ In one process, on the same model and private batch, this measures
 
 Usage::
 
-    python bench/bench_attack.py --model convnet --size 32 --restarts 4 --iterations 30
-    python bench/bench_attack.py --model resnet18 --threads 2 --device cuda
+    python -m bench.bench_attack --model convnet --size 32 --restarts 4 --iterations 30
+    python -m bench.bench_attack --model resnet18 --threads 2 --device cuda
 
 Run on purpose, not in CI. Times are the best of ``--repeats`` runs (ms per iteration; the
 minimum is the least disturbed by other processes on a shared machine).
@@ -20,17 +20,13 @@ minimum is the least disturbed by other processes on a shared machine).
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-import torch  # noqa: E402
-
-from attacks import ATTACKS, observe  # noqa: E402
-from audit.core.data import load_dataset  # noqa: E402
-from audit.core.models import build_model  # noqa: E402
+from attacks import ATTACKS, observe
+from audit.core.data import load_dataset
+from audit.core.models import build_model
 
 
 def _sync(device: torch.device) -> None:

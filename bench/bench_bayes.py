@@ -16,9 +16,9 @@ Three tables, each printed as Markdown:
 
 Usage::
 
-    python bench/bench_bayes.py table2 --images 4 --iterations 100 --late-step 100
-    python bench/bench_bayes.py synthetic --samples 16 --seeds 0,1,2
-    python bench/bench_bayes.py inverter --images 8 --budget 200
+    python -m bench.bench_bayes table2 --images 4 --iterations 100 --late-step 100
+    python -m bench.bench_bayes synthetic --samples 16 --seeds 0,1,2
+    python -m bench.bench_bayes inverter --images 8 --budget 200
 
 Run on purpose, not in CI (minutes on a CPU).
 """
@@ -26,25 +26,21 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
-import sys
 import time
 from typing import Callable, Dict, List, Sequence, Tuple
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-import torch  # noqa: E402
-
-from adaptive.bayes.optimal import BayesOptimalAttack  # noqa: E402
-from adaptive.bayes.priors import GaussianPrior, LaplacePrior  # noqa: E402
-from adaptive.inverter.attack import LearnedInverter  # noqa: E402
-from attacks import ATTACKS  # noqa: E402
-from audit.core.data import load_dataset  # noqa: E402
-from audit.client.fl import train  # noqa: E402
-from audit.core.metrics import psnr  # noqa: E402
-from audit.core.models import build_model  # noqa: E402
-from audit.client.observe import observe  # noqa: E402
-from defenses import build_defense  # noqa: E402
+from adaptive.bayes.optimal import BayesOptimalAttack
+from adaptive.bayes.priors import GaussianPrior, LaplacePrior
+from adaptive.inverter.attack import LearnedInverter
+from attacks import ATTACKS
+from audit.core.data import load_dataset
+from audit.client.fl import train
+from audit.core.metrics import psnr
+from audit.core.models import build_model
+from audit.client.observe import observe
+from defenses import build_defense
 
 COARSE = tuple(10.0 ** e for e in range(-2, 5))
 REFINE = (1 / 3, 1.0, 3.0)

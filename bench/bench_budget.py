@@ -7,21 +7,18 @@ The default budget is adequate when every step's verdict is the same at both.
 
 Usage (run on purpose, not in CI; ~30 minutes on 2 CPU cores)::
 
-    python bench/bench_budget.py --budget 200 --factor 10 --out /tmp/budget-check
+    python -m bench.bench_budget --budget 200 --factor 10 --out /tmp/budget-check
 """
 from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-import torch  # noqa: E402
-
-import audit  # noqa: E402
-from bench.docs_table import add_docs_option, publish  # noqa: E402
+import audit
+from bench.docs_table import add_docs_option, publish
 
 
 def main(argv=None) -> list:
@@ -58,7 +55,7 @@ def main(argv=None) -> list:
         lines.append(f"| {defense} | {step} | {v1} | {v2} | {fmt(p1)} | {fmt(p2)} | {'yes' if v1 == v2 else 'NO'} |")
     table = "\n".join(lines)
     print("\n" + table)
-    publish(args, "bench_budget.py", argv, table, f"torch {torch.__version__}, {args.threads} thread(s), "
+    publish(args, "bench.bench_budget", argv, table, f"torch {torch.__version__}, {args.threads} thread(s), "
                                                    f"device {args.device}")
     return rows
 

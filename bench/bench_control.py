@@ -8,20 +8,17 @@ ceiling was not enough: then every audit of that model is inconclusive without m
 Each model's audit is stored under ``--out`` as it finishes and resumes from there (its run key
 decides: a changed attack or setting recomputes).
 
-    python bench/bench_control.py --docs power
+    python -m bench.bench_control --docs power
 """
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.docs_table import add_docs_option, publish  # noqa: E402
+from bench.docs_table import add_docs_option, publish
 
 MODELS = ("lenet", "cnn", "mlp", "convnet", "convbig", "convnet9", "resnet18")
 
@@ -86,7 +83,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         print(table(rows[-1:], ceiling).splitlines()[-1], flush=True)
     text = table(rows, ceiling)
     print(text)
-    publish(args, "bench_control.py", argv, text, f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    publish(args, "bench.bench_control", argv, text, f"torch {torch.__version__}, {torch.get_num_threads()} threads")
 
 
 if __name__ == "__main__":

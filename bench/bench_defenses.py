@@ -16,10 +16,10 @@ as a subprocess on ``--threads`` threads with a fresh cache (Refiner's network c
 wall, utility and per-attack times, beside the default ``prune`` audit in the same run.
 
 Usage (run on purpose, not in CI)::
-    python bench/bench_defenses.py --calls --threads 2 --docs defenses
-    python bench/bench_defenses.py --audits --threads 2 --docs defense-audits
-    python bench/bench_defenses.py --audits --audit-defenses prune --audit-args "" --baseline-tree OLD --order abba --docs default-audit
-    python bench/bench_defenses.py --calls --configs cnn:1 --defenses censor,refiner
+    python -m bench.bench_defenses --calls --threads 2 --docs defenses
+    python -m bench.bench_defenses --audits --threads 2 --docs defense-audits
+    python -m bench.bench_defenses --audits --audit-defenses prune --audit-args "" --baseline-tree OLD --order abba --docs default-audit
+    python -m bench.bench_defenses --calls --configs cnn:1 --defenses censor,refiner
 
 ``--docs NAME`` writes the part's table into ``docs/performance.md``; ``--json PATH`` keeps the
 rows measured so far; ``--from-json PATH`` publishes a finished run's rows without measuring.
@@ -42,17 +42,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import torch
+from torch import nn
 
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
-
-from audit.core.models import build_model, last_linear  # noqa: E402
-from audit.core.types import clean_gradients, trainable_parameters  # noqa: E402
-from bench.docs_table import add_docs_option, publish, without_options  # noqa: E402
-from defenses import DEFENSES, build_defense  # noqa: E402
-from defenses.streams import fill_normal  # noqa: E402
+from audit.core.models import build_model, last_linear
+from audit.core.types import clean_gradients, trainable_parameters
+from bench.docs_table import ROOT, add_docs_option, publish, without_options
+from defenses import DEFENSES, build_defense
+from defenses.streams import fill_normal
 
 CALL_MARK = "defenses"
 AUDIT_MARK = "defense-audits"
@@ -432,7 +429,7 @@ def publish_audits(args, argv, device, results: List[dict]) -> None:
     header = (f"{machine(args.threads, device)}; one run, the audits one after another in the order listed; x prune by "
               f"{'CPU' if args.clock == 'cpu' else 'wall'} time.")
     print("\n" + header + "\n\n" + table)
-    publish(args, "bench_defenses.py", _without_from_json(argv), header + "\n\n" + table)
+    publish(args, "bench.bench_defenses", _without_from_json(argv), header + "\n\n" + table)
 
 
 def publish_calls(args, argv, device, rows: List[dict], configs: List[str]) -> None:
@@ -442,7 +439,7 @@ def publish_calls(args, argv, device, rows: List[dict], configs: List[str]) -> N
     missed = not_reached(rows)
     footer = "Not reached in this run: " + (" ".join(missed) if missed else "none.")
     print("\n" + header + "\n\n" + table + "\n\n" + footer)
-    publish(args, "bench_defenses.py", _without_from_json(argv), header + "\n\n" + table + "\n\n" + footer)
+    publish(args, "bench.bench_defenses", _without_from_json(argv), header + "\n\n" + table + "\n\n" + footer)
 
 
 def _without_from_json(argv) -> List[str]:

@@ -2,8 +2,8 @@
 rule's false positives against the calibrated rule's, and the verdicts of reference audits
 under both rules. Writes ``docs/evidence.md`` with ``--docs null`` / ``--docs verdicts``.
 
-    python bench/bench_evidence.py --part null [--cifar10 PATH] --docs null
-    python bench/bench_evidence.py --part verdicts --docs verdicts
+    python -m bench.bench_evidence --part null [--cifar10 PATH] --docs null
+    python -m bench.bench_evidence --part verdicts --docs verdicts
 
 The old rule (PSNR >= 20 dB or SSIM >= 0.5: recovered; PSNR <= 15 dB and SSIM < 0.5: not
 recovered; partially otherwise) is applied to the same metrics the audits stored.
@@ -11,21 +11,18 @@ recovered; partially otherwise) is applied to the same metrics the audits stored
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from audit.core.data import load_dataset  # noqa: E402
-from audit.core.evidence import aligned_psnr, ssim_matrix  # noqa: E402
-from audit.core.records import ImageClass  # noqa: E402
-from audit.engine.null import Null  # noqa: E402
-from audit.report.rule import LeakRule  # noqa: E402
-from bench.docs_table import add_docs_option, publish  # noqa: E402
+from audit.core.data import load_dataset
+from audit.core.evidence import aligned_psnr, ssim_matrix
+from audit.core.records import ImageClass
+from audit.engine.null import Null
+from audit.report.rule import LeakRule
+from bench.docs_table import add_docs_option, publish
 
 PHOTOS = ("sklearn/datasets/images/china.jpg", "sklearn/datasets/images/flower.jpg",
           "matplotlib/mpl-data/sample_data/grace_hopper.jpg")
@@ -213,7 +210,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     torch.set_num_threads(args.threads)
     text = part_null(args) if args.part == "null" else part_verdicts(args)
     print(text)
-    publish(args, "bench_evidence.py", argv, text, f"torch {torch.__version__}, {args.threads} threads")
+    publish(args, "bench.bench_evidence", argv, text, f"torch {torch.__version__}, {args.threads} threads")
 
 
 if __name__ == "__main__":

@@ -10,24 +10,19 @@ by side with their ratio. Calls are counts, not times: the ratios hold on any ma
 
 Usage (run on purpose, not in CI)::
 
-    python bench/bench_grouping.py --images 8 --defenses prune,gaussian --docs grouping
+    python -m bench.bench_grouping --images 8 --defenses prune,gaussian --docs grouping
 """
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 import tempfile
 from collections import defaultdict
 from typing import Dict, List
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import torch
+from torch import nn
 
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
-
-from docs_table import add_docs_option, publish  # noqa: E402
+from bench.docs_table import add_docs_option, publish
 
 
 class CountingNet(nn.Module):
@@ -107,7 +102,7 @@ def main(argv=None) -> None:
             rows.append([defense, label, str(a), str(b), f"**{ratio}**" if name == "total" else ratio])
             print(f"{defense:>10} {name:>20} {a:>7} {b:>7} {ratio:>6}", flush=True)
     setting = f"N = {args.images}, budget {args.budget}, step 0, no utility, {args.device}, torch {torch.__version__}"
-    publish(args, "bench_grouping.py", argv, table(rows), setting)
+    publish(args, "bench.bench_grouping", argv, table(rows), setting)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ image) and in total). Both audits run the ``gia-audit audit`` command line print
 Usage (run on purpose, not in CI; the data ~5 s, the checkpoint ~15-30 min, the two audits
 ~30 min on 2 shared CPU cores)::
 
-    python bench/bench_own_model.py --docs own-model
+    python -m bench.bench_own_model --docs own-model
 """
 from __future__ import annotations
 
@@ -17,7 +17,6 @@ import os
 import platform
 import shlex
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -25,13 +24,11 @@ from typing import Any, Dict, List, Tuple
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import cli  # noqa: E402
-from audit.core.cache import CACHE_ENV  # noqa: E402
-from audit.report.store import read_json  # noqa: E402
-from bench import make_cifar_format, train_checkpoint  # noqa: E402
-from bench.docs_table import add_docs_option, publish  # noqa: E402
+import cli
+from audit.core.cache import CACHE_ENV
+from audit.report.store import read_json
+from bench import make_cifar_format, train_checkpoint
+from bench.docs_table import add_docs_option, publish
 
 
 def _command(args, out: Path, checkpoint: str = None) -> List[str]:
@@ -146,7 +143,7 @@ def main(argv=None) -> str:
         "What it costs (the seconds of a (step, attack, image) are its share of the (step, attack) group, "
         "which runs every private batch of the step at once):", "", *_cost_table(reports, walls)])
     print("\n" + text)
-    publish(args, "bench_own_model.py", argv, text)
+    publish(args, "bench.bench_own_model", argv, text)
     return text
 
 

@@ -8,14 +8,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from bench.docs_table import add_docs_option, publish  # noqa: E402
-from audit.engine.single import run_attack  # noqa: E402
+from bench.docs_table import add_docs_option, publish
+from audit.engine.single import run_attack
 
 EXACT_DB = 50.0
 
@@ -152,7 +149,7 @@ def main(argv=None) -> None:
             lines.append(f"| {what} | {r['verdict']} | {r['recovered']} | {r['exact']} | {r['spear']} | "
                          f"{r['seconds']:.0f} |")
             print(lines[-1], flush=True)
-        publish(args, "bench_spear.py", argv, "\n".join(lines))
+        publish(args, "bench.bench_spear", argv, "\n".join(lines))
         return
     if args.isolation:
         lines = ["| model | batch | private batch | distinct labels | live rows of dZ | zero rows per image | "
@@ -165,7 +162,7 @@ def main(argv=None) -> None:
                                  f"{r['isolable']} of {batch} | {r['input_zeros']} | {r['input_isolable']} of {batch} | "
                                  f"{r['certified']} | {r['from_input']} | {r['match']} |")
                     print(lines[-1], flush=True)
-        publish(args, "bench_spear.py", argv, "\n".join(lines))
+        publish(args, "bench.bench_spear", argv, "\n".join(lines))
         return
     lines = ["| model | batch | gaussian sigma | attack | exact (PSNR >= 50 dB) | mean PSNR (dB) | certified batches "
              "| wall per batch (s) |",
@@ -178,7 +175,7 @@ def main(argv=None) -> None:
                     lines.append(f"| {model} | {batch} | {sigma:g} | {attack} | {r['exact']} | {r['psnr']} | "
                                  f"{r['certified']} | {r['seconds']} |")
                     print(lines[-1], flush=True)
-    publish(args, "bench_spear.py", argv, "\n".join(lines))
+    publish(args, "bench.bench_spear", argv, "\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -16,13 +16,13 @@ when it cannot be imported the bench says so and runs ours alone, at fixed budge
 
 Usage (run on purpose, not in CI)::
 
-    python bench/bench_strength.py --models convnet-nobn --batches 1 --images 2      # quick look
-    python bench/bench_strength.py --threads 2 --json strength.json                 # the full matrix
-    python bench/bench_strength.py --adaptive --images 4
-    python bench/bench_strength.py --speed --models convnet-nobn,resnet18 --device cuda
-    python bench/bench_strength.py --bn-weight --batches 1,4 --images 8 --budget 400   # the bn-upload weight
-    python bench/bench_strength.py --bn-weight --weight-knob features --batches 1,4,8 --images 8 --budget 400  # the features weight
-    python bench/bench_strength.py --upload --models convnet-bn-train --batches 1,4,8 --images 8
+    python -m bench.bench_strength --models convnet-nobn --batches 1 --images 2      # quick look
+    python -m bench.bench_strength --threads 2 --json strength.json                 # the full matrix
+    python -m bench.bench_strength --adaptive --images 4
+    python -m bench.bench_strength --speed --models convnet-nobn,resnet18 --device cuda
+    python -m bench.bench_strength --bn-weight --batches 1,4 --images 8 --budget 400   # the bn-upload weight
+    python -m bench.bench_strength --bn-weight --weight-knob features --batches 1,4,8 --images 8 --budget 400  # the features weight
+    python -m bench.bench_strength --upload --models convnet-bn-train --batches 1,4,8 --images 8
 """
 from __future__ import annotations
 
@@ -30,24 +30,21 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import numpy as np
+import torch
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-
-from attacks import ATTACKS, observe  # noqa: E402
-from audit.core.errors import ConfigError, NotApplicable  # noqa: E402
-from audit.core.metrics import score  # noqa: E402
-from audit.core.models import build_model  # noqa: E402
-from audit.core.registry import parse_kv_args  # noqa: E402
-from audit.engine.settings import parse_attack_args  # noqa: E402
-from bench.docs_table import add_docs_option, command_line, publish  # noqa: E402
-from bench import strength_upload  # noqa: E402
+from attacks import ATTACKS, observe
+from audit.core.errors import ConfigError, NotApplicable
+from audit.core.metrics import score
+from audit.core.models import build_model
+from audit.core.registry import parse_kv_args
+from audit.engine.settings import parse_attack_args
+from bench.docs_table import add_docs_option, command_line, publish
+from bench import strength_upload
 
 # --------------------------------------------------------------------------- the matrix
 
@@ -525,7 +522,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     p.add_argument("--json", default=None, help="write the raw rows here")
     strength_upload.add_options(p)
     strength_upload.add_audit_options(p)
-    add_docs_option(p, "docs/strength.md", results="bench/results/strength.md")
+    add_docs_option(p, "docs/strength.md", results="bench/results/strength/strength.md")
     args = p.parse_args(argv)
     try:  # the CLI's own parsers: the same value syntax as `gia-audit --attack-arg / --model-arg`
         args.attack_args = parse_attack_args(args.attack_args)
@@ -543,7 +540,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         print(item if isinstance(item, str) else {k: (round(v, 3) if isinstance(v, float) else v)
                                                   for k, v in item.items()}, flush=True)
 
-    command = command_line("bench_strength.py", argv)
+    command = command_line("bench.bench_strength", argv)
     setting = (f"torch {torch.__version__}, {args.threads} thread(s), device {args.device}"
                + (f" ({torch.cuda.get_device_name(0)})" if args.device.startswith("cuda") else ""))
     header = f"`{command}` -- {setting}"
@@ -581,7 +578,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         result.update(rows=rows, summary=summary, breaching=note)
         table = markdown(summary)
         print("\n" + header + f"\n\n{note}\n\n" + table + "\n\n" + targets(summary))
-    publish(args, "bench_strength.py", argv, table, setting)
+    publish(args, "bench.bench_strength", argv, table, setting)
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(result, fh, indent=1, default=str)

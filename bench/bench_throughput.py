@@ -18,9 +18,9 @@ Also, in the same process: R restarts batched against the same R restarts one af
 beside float32; ``--ops``: kernels per iteration instead (``op_counts.py``);
 ``--gpu-turn`` (cuda only): what a lent GPU should measure, resumable (``gpu_turn.py``)::
 
-    python bench/bench_throughput.py --device cpu --threads 2 --members 1,8 --iterations 4
-    python bench/bench_throughput.py --ops --threads 1 --docs ops
-    python bench/bench_throughput.py --device cuda --gpu-turn
+    python -m bench.bench_throughput --device cpu --threads 2 --members 1,8 --iterations 4
+    python -m bench.bench_throughput --ops --threads 1 --docs ops
+    python -m bench.bench_throughput --device cuda --gpu-turn
 
 Times are the best of ``--repeats`` interleaved runs (see bench_attack.best_of).
 """
@@ -34,8 +34,6 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 # idle OpenMP threads sleep instead of spinning, so a CPU run's process time counts its work
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
@@ -46,10 +44,10 @@ from attacks import ATTACKS, observe  # noqa: E402
 from audit.core.data import load_dataset  # noqa: E402
 from audit.core.metrics import psnr  # noqa: E402
 from audit.core.models import build_model  # noqa: E402
-import gpu_turn  # noqa: E402
-import op_counts  # noqa: E402
-from bench_attack import _sync, best_of  # noqa: E402
-from docs_table import ROOT, add_docs_option, publish  # noqa: E402
+from bench import gpu_turn  # noqa: E402
+from bench import op_counts  # noqa: E402
+from bench.bench_attack import _sync, best_of  # noqa: E402
+from bench.docs_table import ROOT, add_docs_option, publish  # noqa: E402
 
 TV = 5e-2  # IG's total-variation weight, in the floor's loss too
 
@@ -335,11 +333,11 @@ def main(argv=None) -> dict:
         rows = op_counts.count(floor_step, device, args.ops_members)
         text = op_counts.table(rows, args.ops_members)
         print("\n" + text)
-        publish(args, "bench_throughput.py", argv, text, setting)
+        publish(args, "bench.bench_throughput", argv, text, setting)
         return {"ops": rows}
     text, results, name = throughput(args, device)
     print("\n" + text)
-    publish(args, "bench_throughput.py", argv, text, f"torch {torch.__version__}, {name}")
+    publish(args, "bench.bench_throughput", argv, text, f"torch {torch.__version__}, {name}")
     return results
 
 

@@ -1,7 +1,7 @@
 """Which utility recipe converges: candidate protocols trained without a defense on the default
 model and data, their test accuracy over seeds (mean, spread), and what they cost.
 
-    python bench/bench_utility.py [--protocols NAME,...] [--seeds 9] [--jobs 2] [--docs utility]
+    python -m bench.bench_utility [--protocols NAME,...] [--seeds 9] [--jobs 2] [--docs utility]
 
 Each protocol runs on the audit's three utility seeds (those of ``seed=0``) and on further
 seeds (those of ``seed=1, 2``): the spread of the three is what an audit shows, the spread of
@@ -15,7 +15,6 @@ import argparse
 import json
 import math
 import statistics
-import sys
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from multiprocessing import get_context
@@ -25,11 +24,9 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from audit.engine.utility import (PROTOCOL, UTILITY_THREADS, Protocol, train_over_seeds,  # noqa: E402
+from audit.engine.utility import (PROTOCOL, UTILITY_THREADS, Protocol, train_over_seeds,
                                   utility_seeds)
-from bench.docs_table import add_docs_option, publish  # noqa: E402
+from bench.docs_table import add_docs_option, publish
 
 STORE = Path(__file__).resolve().parent / "results" / "utility"
 MODEL, DATA, SIZE = "cnn", "embedded", 32
@@ -173,7 +170,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     rows = [r for r in (summarise(n, CANDIDATES[n], seeds) for n in names) if r is not None]
     text = table(rows)
     print(text)
-    publish(args, "bench_utility.py", argv, text,
+    publish(args, "bench.bench_utility", argv, text,
             f"torch {torch.__version__.split('+')[0]}, {UTILITY_THREADS} thread per run, model {MODEL}, data {DATA}")
 
 

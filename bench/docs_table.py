@@ -2,9 +2,10 @@
 
 ``--docs NAME`` on a bench puts the run's command line and its Markdown table between the
 lines ``<!-- bench:NAME:begin -->`` and ``<!-- bench:NAME:end -->`` of the bench's page, so
-rerunning the command written there refreshes that table and nothing else. A bench whose
-measurements behind a default live apart from its docs page (``bench/results/<bench>.md``, linked
-from the page) names that file too; the section is written where its markers are.
+rerunning the command written there (``python -m bench.<bench>``, from the repository root)
+refreshes that table and nothing else. A bench whose measurements behind a default live apart
+from its docs page (``bench/results/<bench>/<bench>.md``, linked from the page) names that file
+too; the section is written where its markers are.
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import argparse
 import shlex
 import sys
 from pathlib import Path
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -37,9 +38,10 @@ def section_page(pages, name: str) -> str:
     return pages[0]
 
 
-def command_line(script: str, argv: Optional[Sequence[str]]) -> str:
-    """The command that reproduces this run, as written in the docs."""
-    return shlex.join(["python", f"bench/{script}", *(sys.argv[1:] if argv is None else argv)])
+def command_line(module: str, argv: Optional[Sequence[str]]) -> str:
+    """The command that reproduces this run from the repository root, as written in the docs
+    (``module``: the bench's module, ``bench.bench_attack``)."""
+    return shlex.join(["python", "-m", module, *(sys.argv[1:] if argv is None else argv)])
 
 
 def without_options(argv: Optional[Sequence[str]], valued: Sequence[str] = (),
@@ -58,9 +60,10 @@ def without_options(argv: Optional[Sequence[str]], valued: Sequence[str] = (),
     return out
 
 
-def write_table(page, name: str, command: str, table: str, setting: str = "") -> Path:
-    """Replace the section ``name`` of ``page`` (or of the one of several pages that holds it)
-    with ``command`` (and ``setting``: torch version, threads, device) and ``table``."""
+def with_table(page, name: str, command: str, table: str, setting: str = "") -> Tuple[Path, str]:
+    """The text of ``page`` (or of the one of several pages that holds the section ``name``)
+    with that section replaced by ``command`` (and ``setting``: torch version, threads, device)
+    and ``table``; and the page's path. Writes nothing."""
     page = section_page(page, name)
     path = ROOT / page
     text = path.read_text()
@@ -70,13 +73,19 @@ def write_table(page, name: str, command: str, table: str, setting: str = "") ->
     head, rest = text.split(begin)
     tail = rest.split(end)[1]
     where = f" ({setting})" if setting else ""
-    path.write_text(f"{head}{begin}\n`{command}`{where}:\n\n{table.strip()}\n{end}{tail}")
+    return path, f"{head}{begin}\n`{command}`{where}:\n\n{table.strip()}\n{end}{tail}"
+
+
+def write_table(page, name: str, command: str, table: str, setting: str = "") -> Path:
+    """Write :func:`with_table`'s text into its page."""
+    path, text = with_table(page, name, command, table, setting)
+    path.write_text(text)
     return path
 
 
-def publish(args: argparse.Namespace, script: str, argv: Optional[Sequence[str]], table: str,
+def publish(args: argparse.Namespace, module: str, argv: Optional[Sequence[str]], table: str,
             setting: str = "") -> None:
     """Write ``table`` into the docs when ``--docs`` was given."""
     if getattr(args, "docs", None):
-        path = write_table(args.docs_page, args.docs, command_line(script, argv), table, setting)
+        path = write_table(args.docs_page, args.docs, command_line(module, argv), table, setting)
         print(f"wrote table {args.docs!r} into {path}", flush=True)

@@ -1,9 +1,9 @@
 """A small Flower app audited from inside: FedAvg over 2 clients on the embedded data, the
 gia-audit client mod on its ClientApp (docs/flower.md).
 
-    python bench/flower_app.py                         # 3 rounds, rounds 1 and 3 audited under two descriptions
-    python bench/flower_app.py --localdp 1,1,20,1e-5   # the clients run Flower's LocalDpMod
-    python bench/flower_app.py --docs flower           # ... and write the table into docs/flower.md
+    python -m bench.flower_app                         # 3 rounds, rounds 1 and 3 audited under two descriptions
+    python -m bench.flower_app --localdp 1,1,20,1e-5   # the clients run Flower's LocalDpMod
+    python -m bench.flower_app --docs flower           # ... and write the table into docs/flower.md
 
 Client 0 is audited twice on the same replies: with its training described as it runs (2
 local SGD steps with momentum 0.9) and as one plain SGD step.
@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import sys
 import time
 
 import torch
@@ -25,10 +24,8 @@ from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import FedAvg
 from flwr.simulation import run_simulation
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from audit.core.data import load_dataset  # noqa: E402
-from audit.integrations.flower import AuditMod, combine_rounds, wait_for_audits  # noqa: E402
+from audit.core.data import load_dataset
+from audit.integrations.flower import AuditMod, combine_rounds, wait_for_audits
 
 LR, MOMENTUM, STEPS, BATCH, CLIENTS = 0.05, 0.9, 2, 4, 2
 
@@ -165,7 +162,7 @@ def main(argv=None) -> None:
                f"{min(held):.2f}-{max(held):.2f} s, the audits (one torch thread each) were done {waited:.0f} s after "
                f"the federation started; {os.cpu_count()} CPU cores, load average {os.getloadavg()[0]:.1f} at the end, "
                f"torch {torch.__version__}")
-    publish(args, "flower_app.py", argv, _table(reports), setting)
+    publish(args, "bench.flower_app", argv, _table(reports), setting)
     if args.docs:  # the per-round plot next to the table
         shutil.copyfile(reports["momentum"].out / "psnr_vs_step.png", ROOT / "docs" / f"{args.docs}-psnr_vs_round.png")
 

@@ -8,10 +8,10 @@ finishes; a later turn with that folder runs only the rest. A section starts onl
 estimate fits the turn's budget (:data:`TURN_BUDGET_S`, one 9-minute call). Where files come back
 from ``$OUT`` only, keep the folder there, seeded with the committed one, and commit what returns::
 
-    mkdir -p $OUT/gpu-turn && cp bench/results/gpu-turn/*.json $OUT/gpu-turn/ 2>/dev/null; python \
-      bench/bench_throughput.py --device cuda --gpu-turn --gpu-turn-dir $OUT/gpu-turn --gpu-turn-out $OUT/gpu-turn.md
+    mkdir -p $OUT/gpu-turn && cp bench/results/gpu-turn/*.json $OUT/gpu-turn/ 2>/dev/null; python -m \
+      bench.bench_throughput --device cuda --gpu-turn --gpu-turn-dir $OUT/gpu-turn --gpu-turn-out $OUT/gpu-turn.md
 
-and copy ``gpu-turn/papers-gpu/gpu-embedded`` back over ``bench/papers_results/gpu-embedded``.
+and copy ``gpu-turn/papers-gpu/gpu-embedded`` back over ``bench/results/papers/gpu-embedded``.
 
 The default audit: ``make demo``'s (every default, 4 images) on CUDA and on the CPU with 2 threads
 (wall-time ratio, verdicts compared); the 8-image default on CUDA only, as on 2 cores the 4-image
@@ -87,7 +87,7 @@ SECTIONS: Dict[str, Section] = {
     "papers": Section("The papers' GPU rows, slice by slice", 150),
 }
 #: the section that is never finished: each turn with time left runs more of the papers' gpu
-#: profile (bench_papers.py's slices), kept in the turn's folder under PAPERS_DIR
+#: profile (:mod:`bench.papers`' slices), kept in the turn's folder under PAPERS_DIR
 REPEATED = "papers"
 PAPERS_DIR = "papers-gpu"
 #: seconds a turn keeps for the papers bench's own start and its last write
@@ -286,7 +286,7 @@ def in_own_process(name: str, device: torch.device, timeout: float = SECTION_TIM
     illegal address) or a hang costs that section alone."""
     section = SECTIONS[name]
     where = str(device) if section.device == "cuda" else "cpu"
-    command = [sys.executable, str(ROOT / "bench" / "bench_throughput.py"), "--device", where,
+    command = [sys.executable, "-m", "bench.bench_throughput", "--device", where,
                "--threads", str(section.threads), "--gpu-turn-section", name]
     stdout, stderr, code = _run(command, timeout)
     if code is None:
@@ -311,16 +311,16 @@ def in_this_process(name: str, device: torch.device, timeout: float = SECTION_TI
 
 
 def papers_slices(folder: Path, seconds: float) -> Result:
-    """The papers' gpu profile for ``seconds`` (``bench_papers.py --call-minutes``), its results
+    """The papers' gpu profile for ``seconds`` (``python -m bench.papers --call-minutes``), its results
     in ``folder / PAPERS_DIR``, seeded from the committed ones the first time: every slice it
     finishes is kept there, and a later turn goes on from it. Copy that folder's
-    ``gpu-embedded`` back into ``bench/papers_results/`` and commit it."""
+    ``gpu-embedded`` back into ``bench/results/papers/`` and commit it."""
     results = folder / PAPERS_DIR
-    committed = ROOT / "bench" / "papers_results" / "gpu-embedded"
+    committed = ROOT / "bench" / "results" / "papers" / "gpu-embedded"
     if not (results / "gpu-embedded").exists() and committed.is_dir():
         shutil.copytree(committed, results / "gpu-embedded")
     minutes = max(0.0, seconds - PAPERS_MARGIN_S) / 60
-    command = [sys.executable, str(ROOT / "bench" / "bench_papers.py"), "--profile", "gpu",
+    command = [sys.executable, "-m", "bench.papers", "--profile", "gpu",
                "--call-minutes", f"{minutes:.1f}", "--results", str(results)]
     stdout, stderr, code = _run(command, seconds)
     lines = [line for line in stdout.splitlines() if "slices run in" in line or " left, ~" in line]
@@ -360,7 +360,7 @@ def _device_name(device: torch.device) -> str:
 
 def page(device: torch.device, results: Dict[str, Dict[str, Any]], waiting: Dict[str, str]) -> str:
     """The turn's Markdown: each section's kept or failed result, or why it waits."""
-    parts = [f"# A GPU turn\n\n`python bench/bench_throughput.py --device cuda --gpu-turn` (torch "
+    parts = [f"# A GPU turn\n\n`python -m bench.bench_throughput --device cuda --gpu-turn` (torch "
              f"{torch.__version__}, {_device_name(device)}); sections kept under the turn's folder, a later turn "
              "runs the rest."]
     first, second = (results.get(n) for n in COMPARED)

@@ -6,22 +6,18 @@ and ``batches.meta`` pickles that ``load_dataset("cifar10", path)`` reads like t
 
 Usage::
 
-    python bench/make_cifar_format.py --out bench-data/cifar-photos   # ~5 s, 2000 train / 400 test
+    python -m bench.make_cifar_format --out bench-data/cifar-photos   # ~5 s, 2000 train / 400 test
 """
 from __future__ import annotations
 
 import argparse
-import os
 import pickle
-import sys
 from pathlib import Path
 from typing import List, Tuple
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from audit.core.data import skimage_picture  # noqa: E402
+from audit.core.data import skimage_picture
 
 SIDE = 32
 TEST_FRACTION = 0.25  # the bottom quarter of each photo holds the test crops

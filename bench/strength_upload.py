@@ -10,7 +10,7 @@
   steps of SGD with momentum 0.9 and of Adam: the attack that unrolls the client's real
   optimiser against one that assumes plain SGD, at the same budget.
 
-Every finished cell is stored under ``bench/results/strength-upload/`` keyed by everything
+Every finished cell is stored under ``bench/results/strength/strength-upload/`` keyed by everything
 that changes its numbers, so a rerun resumes and a changed setting reruns only its cells.
 """
 from __future__ import annotations
@@ -35,7 +35,7 @@ from attacks.side_information import upload_weight
 from attacks.tv_rule import observed_tv
 from audit.core.buffers import norm_layers
 
-RESULTS = Path(__file__).resolve().parent / "results" / "strength-upload"
+RESULTS = Path(__file__).resolve().parent / "results" / "strength" / "strength-upload"
 WEIGHTS = (0.01, 0.03, 0.1, 0.3, 1.0)
 FEDAVG_CELLS = {  # name -> (optimizer, local lr)
     "sgd-momentum": ("sgd:momentum=0.9", 0.01),  # Flower's PyTorch quickstart: SGD(lr=0.01, momentum=0.9)
@@ -471,7 +471,7 @@ SHARED_FORMS = {
 def shared_form_audits(args, log) -> str:
     """One audit per shared form of the same defended client (and the decoy's with its state):
     verdicts and recovered counts. Each audit stores its results under
-    ``bench/results/upload-audits/`` and resumes there."""
+    ``bench/results/strength/upload-audits/`` and resumes there."""
     from audit.engine import audit
 
     base = dict(model="convnet", image_size=32, steps=[0], images=args.audit_images, budget=args.audit_budget,

@@ -7,27 +7,23 @@ The file holds ``{"state_dict": ..., "rounds": ..., "test_accuracy": ...}`` for
 
 Usage (~3 minutes on 2 CPU cores for the defaults)::
 
-    python bench/make_cifar_format.py --out bench-data/cifar-photos
-    python bench/train_checkpoint.py --data-path bench-data/cifar-photos --rounds 300 \\
+    python -m bench.make_cifar_format --out bench-data/cifar-photos
+    python -m bench.train_checkpoint --data-path bench-data/cifar-photos --rounds 300 \\
         --out bench-data/resnet18-r300.pt
 """
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 import time
 from pathlib import Path
 from typing import Any, Dict
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from audit.client.fl import evaluate, train  # noqa: E402
-from audit.core.data import load_dataset  # noqa: E402
-from audit.core.model_source import build_audited_model  # noqa: E402
-from audit.core.models import with_normalization  # noqa: E402
+from audit.client.fl import evaluate, train
+from audit.core.data import load_dataset
+from audit.core.model_source import build_audited_model
+from audit.core.models import with_normalization
 
 
 def train_checkpoint(model: str, data, rounds: int, out: Path, *, lr: float, batch_size: int, clients: int,

@@ -1,13 +1,10 @@
 import os
-import sys
 from collections import OrderedDict
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import adaptive  # noqa: E402,F401  (registers the adaptive attacks in attacks.ATTACKS for every test module)
+import adaptive  # noqa: F401  (registers the adaptive attacks in attacks.ATTACKS for every test module)
 
 # Under pytest-xdist each worker gets one thread: two workers with torch's default thread
 # count oversubscribe a 2-core machine badly (GAN training ran ~30x slower).

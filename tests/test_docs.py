@@ -50,7 +50,7 @@ def test_code_and_docs_describe_the_software():
 
 
 def test_every_docs_table_names_the_command_that_rewrites_it():
-    pages = sorted((ROOT / "docs").glob("*.md")) + sorted((ROOT / "bench" / "results").glob("*.md"))
+    pages = sorted((ROOT / "docs").glob("*.md")) + sorted((ROOT / "bench" / "results").glob("*/*.md"))
     blocks = 0
     for page in pages:
         text = page.read_text()
@@ -61,6 +61,6 @@ def test_every_docs_table_names_the_command_that_rewrites_it():
             body = text.split(f"<!-- bench:{name}:begin -->")[1].split(f"<!-- bench:{name}:end -->")[0].strip()
             if body:  # an empty section waits for its bench's first run
                 blocks += 1
-                assert body.startswith("`python bench/") and f"--docs {name}`" in body.splitlines()[0], \
+                assert body.startswith("`python -m bench.") and f"--docs {name}`" in body.splitlines()[0], \
                     f"{page.name}: table {name!r} does not start with the bench command that writes it"
     assert blocks >= 10

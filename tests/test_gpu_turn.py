@@ -3,16 +3,14 @@ section that fails reports its exit code and reason instead of stopping the turn
 sections are kept in a folder and a later turn resumes from them; the default audit's two
 devices are compared (here two CPU runs of a tiny audit stand in for them)."""
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
+from bench import gpu_turn
 
-import gpu_turn  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a CUDA machine the section would run for real")
@@ -25,7 +23,7 @@ def test_a_failing_section_reports_its_exit_code_and_reason():
 @pytest.mark.parametrize("name", [n for n, s in gpu_turn.SECTIONS.items()
                                   if n not in ("tests", gpu_turn.REPEATED) and s.device == "cuda"])
 def test_the_cli_knows_every_section_the_turn_spawns(name, capsys):
-    import bench_throughput
+    from bench import bench_throughput
 
     with pytest.raises(SystemExit) as refused:  # refused for want of CUDA, not as an unknown section
         bench_throughput.main(["--device", "cpu", "--gpu-turn-section", name])
@@ -103,7 +101,7 @@ def test_a_section_that_does_not_fit_waits_and_a_failed_one_is_not_kept(tmp_path
 
 
 def test_the_kernel_count_leaves_views_out_on_both_sides():
-    import op_counts
+    from bench import op_counts
 
     x = torch.rand(4, 3)
     with op_counts.OpCounter() as counter:
@@ -145,7 +143,7 @@ def test_every_turn_with_time_left_runs_more_papers_slices_from_its_own_folder(t
         if name != gpu_turn.REPEATED:
             (folder / f"{name}.json").write_text(json.dumps({"title": name, "body": "kept", "data": {}, "ok": False,
                                                             "seconds": 1.0}))
-    committed = tmp_path / "repo" / "bench" / "papers_results" / "gpu-embedded"
+    committed = tmp_path / "repo" / "bench" / "results" / "papers" / "gpu-embedded"
     committed.mkdir(parents=True)
     (committed / "row.json").write_text("{}")
     monkeypatch.setattr(gpu_turn, "ROOT", tmp_path / "repo")

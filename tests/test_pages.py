@@ -1,7 +1,7 @@
 """The README and the docs pages stay references: a bounded length, readable lines, a summary
 with numbers at the top, links that resolve, and every command quoted in a table exists (a
-``gia-audit`` subcommand and its options in the CLI, a ``python bench/X.py`` script and its
-options in that script)."""
+``gia-audit`` subcommand and its options in the CLI, a ``python -m bench.X`` bench and its
+options in that bench)."""
 import re
 from pathlib import Path
 
@@ -38,11 +38,11 @@ def long_lines(text: str, limit: int = MAX_LINE_CHARS):
 
 
 def table_commands(text: str):
-    """Backticked commands in table rows: ``gia-audit ...`` and ``python bench/X.py ...``."""
+    """Backticked commands in table rows: ``gia-audit ...`` and ``python -m bench.X ...``."""
     for _, line in prose_lines(text):
         if line.lstrip().startswith("|"):
             for span in re.findall(r"`([^`]+)`", line):
-                if span.startswith(("gia-audit ", "python bench/", ".venv/bin/gia-audit ")):
+                if span.startswith(("gia-audit ", "python -m bench.", ".venv/bin/gia-audit ")):
                     yield span
 
 
@@ -64,18 +64,21 @@ def missing_in_cli(command: str):
 
 
 def missing_in_bench(command: str):
-    """What of a ``python bench/X.py`` command the script (or the docs writer) does not have."""
+    """What of a ``python -m bench.X`` command the bench (a module, or a package's modules) or
+    the docs writer does not have."""
     words = command.split()
-    script = ROOT / words[1]
-    if not script.is_file():
-        return [f"no script {words[1]}"]
-    source = script.read_text() + (ROOT / "bench" / "docs_table.py").read_text()
+    name = words[2]
+    where = ROOT / Path(*name.split("."))
+    files = sorted(where.glob("*.py")) if where.is_dir() else [where.with_suffix(".py")]
+    if not files or not files[0].is_file():
+        return [f"no bench {name}"]
+    source = "".join(f.read_text() for f in files) + (ROOT / "bench" / "docs_table.py").read_text()
     modules = re.findall(r"^from bench\.(\w+) import", source, flags=re.M)
     modules += [m for line in re.findall(r"^from bench import ([\w, ]+)", source, flags=re.M) for m in line.split(", ")]
     for module in dict.fromkeys(modules):  # the options a bench module of the script adds
         path = ROOT / "bench" / f"{module.strip()}.py"
         source += path.read_text() if path.is_file() else ""
-    return [f"{words[1]} has no option {o}" for o in options(words[2:])
+    return [f"{name} has no option {o}" for o in options(words[3:])
             if f'"{o}"' not in source and f"'{o}'" not in source]
 
 
@@ -113,7 +116,7 @@ def test_commands_in_tables_exist(page):
 
 
 def test_every_link_resolves():
-    found = [f"{page}: {target}" for page in pages() + [str(p.relative_to(ROOT)) for p in (ROOT / "bench" / "results").glob("*.md")]
+    found = [f"{page}: {target}" for page in pages() + [str(p.relative_to(ROOT)) for p in (ROOT / "bench" / "results").glob("*/*.md")]
              for target in links((ROOT / page).read_text())
              if not ((ROOT / page).parent / target).exists()]
     assert not found, f"links to nothing: {found}"
@@ -121,13 +124,15 @@ def test_every_link_resolves():
 
 def test_the_checks_find_what_they_look_for():
     page = ("# T\n\n| a | `gia-audit audit --defense x --no-such` |\n| b | `gia-audit nope` |\n"
-            "| c | `python bench/no_bench.py` | `python bench/bench_budget.py --factor 10 --nope 1` |\n"
+            "| c | `python -m bench.no_bench` | `python -m bench.bench_budget --factor 10 --nope 1` |\n"
             "```\n" + "x" * 900 + "\n```\n" + "y" * 501 + "\n[a](missing.md) [b](https://x.org) [c](#anchor)\n")
     commands = list(table_commands(page))
     assert missing_in_cli(commands[0]) == ["gia-audit audit has no option --no-such"]
     assert missing_in_cli(commands[1]) == ["gia-audit has no subcommand 'nope'"]
     assert missing_in_cli("gia-audit weights lpips --force") == []
-    assert missing_in_bench(commands[2]) == ["no script bench/no_bench.py"]
-    assert missing_in_bench(commands[3]) == ["bench/bench_budget.py has no option --nope"]
+    assert missing_in_bench(commands[2]) == ["no bench bench.no_bench"]
+    assert missing_in_bench(commands[3]) == ["bench.bench_budget has no option --nope"]
+    assert missing_in_bench("python -m bench.papers --profile gpu --plan") == []
+    assert missing_in_bench("python -m bench.papers --nope") == ["bench.papers has no option --nope"]
     assert long_lines(page) == [(9, 501)]
     assert list(links(page)) == ["missing.md"]

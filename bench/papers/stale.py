@@ -18,7 +18,8 @@ import tempfile
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
-ROOT = Path(__file__).resolve().parents[1]
+from bench.docs_table import ROOT
+
 #: the planner's source: a change here may change a plan, so every kept plan is checked again
 PLANNER_SOURCE = ROOT / "adaptive" / "planner"
 PLANS_FILE = "plans.json"

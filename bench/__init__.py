@@ -1,0 +1,1 @@
+"""Benchmarks, run on purpose from the repository root: ``python -m bench.<script>``."""
