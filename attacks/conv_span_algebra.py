@@ -6,7 +6,7 @@ of the input's patches wherever ``B * N < min(Cout, Cin/groups * k * k)`` (``B``
 BatchNorm in train mode after the convolution makes ``sum_p delta_p = 0``, so the rank drops by
 one and the row space holds the patches centred over all positions of the batch. Measured on
 ResNet-18: the patches lie in the row space to 1e-15 for every convolution of stages 3 and 4
-(docs/strength.md, "Conv-span").
+(docs/conv-span.md).
 
 This module finds the convolutions where the span holds (:func:`span_layers`), reads their row
 spaces off an upload and keeps those whose spectrum shows the gap (:func:`row_spaces`), and

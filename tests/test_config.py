@@ -44,6 +44,7 @@ attacks           --attacks ig,dlg
 attack_args       --attack-arg ig.restarts=2 --attack-arg dlg.lr=0.5
 budget            --budget 400
 max_budget        --max-budget 6400
+max_minutes       --max-minutes 12.5
 thresholds        --thresholds margin_db=2,exact_error=0.01
 delta             --delta 3.5
 utility           --no-utility

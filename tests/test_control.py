@@ -102,3 +102,12 @@ def test_a_sweep_cell_takes_its_control_from_the_undefended_cell(tmp_path):
                        **TINY)
     assert single.data["control"]["run_key"] == decoy["control"]["run_key"]
     assert single.step(0)["control"]["per_image"] == decoy["steps"][0]["control"]["per_image"]
+
+
+def test_the_budget_search_stops_at_max_minutes_and_says_so(tmp_path):
+    never = dict(TINY, thresholds="margin_db=500")
+    timed = audit.run(defense="gaussian", defense_args={"sigma": 1.0}, steps=[0], images=1, budget="auto",
+                      max_budget=25600, max_minutes=1e-6, attacks=["ig"], out=tmp_path, **never)
+    search = timed.data["control"]["search"]
+    assert [t["budget"] for t in search["tried"]] == [200] and search["stopped_by"] == "max_minutes"
+    assert "max_minutes 1e-06" in search["reason"]

@@ -115,7 +115,7 @@ def test_certificate_refused_where_the_defense_changes_the_head():
     x, y = smooth_images(1, 0), torch.tensor([4])
     rec = ConvSpan(fit=2).reconstruct(observe(resnet(), x, y, noisy_head, client_mode="eval"), budget=150, seed=0)
     assert rec.applicable and rec.trace["layers"][0] == "8.conv1"  # the convolutions are whole: it runs
-    assert float(aligned_psnr(rec.inputs, x)) > 30  # and finds the image
+    assert float(aligned_psnr(rec.inputs, x)) > 20  # and finds the image (its colour fitted to a noisy upload)
     assert not rec.trace["certified"] and rec.trace["certificate_error"] > 1e-2  # but the upload is not reproduced
 
 

@@ -219,7 +219,8 @@ class Audit:
             with defense_timeout(self.output_settings.defense_timeout):
                 control, search = PositiveControl(self), None
                 if self.attack_settings.searches_budget:  # the key holds the budget: found first
-                    search = control.search(self.planned()[0], SEARCH_START, self.attack_settings.max_budget)
+                    search = control.search(self.planned()[0], SEARCH_START, self.attack_settings.max_budget,
+                                            self.attack_settings.max_minutes)
                     self.attack_settings = replace(self.attack_settings, budget=search.budget)
                 store = ResultStore.create(out, self.key_settings(), retry_errors=self.output_settings.retry_errors)
                 specs, budget = self._prepare(store), self.attack_settings.budget

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -91,9 +92,12 @@ class BudgetSearch:
 
     start: int
     max_budget: int
+    max_minutes: float = math.inf
     tried: List[Dict[str, Any]] = field(default_factory=list)
     budget: Optional[int] = None
     reason: str = ""
+    #: what ended the search: "recovered" (half the images), "max_budget" or "max_minutes"
+    stopped_by: str = ""
 
     def to_dict(self) -> Dict[str, Any]:
         return asdict(self)
@@ -148,25 +152,35 @@ class PositiveControl:
                                                      audit.output_settings.thresholds, nulls))
         return out
 
-    def search(self, specs: Sequence[Any], start: int, max_budget: int) -> BudgetSearch:
+    def search(self, specs: Sequence[Any], start: int, max_budget: int,
+               max_minutes: float = math.inf) -> BudgetSearch:
         """Double the budget from ``start`` until the control recovers at least half of the first
-        audited step's images, or ``max_budget`` is reached."""
+        audited step's images, ``max_budget`` is reached, or the next doubling (which costs about
+        twice the last try) would end past ``max_minutes`` of search."""
         first = min(self.audit.attack_settings.steps)
-        found = BudgetSearch(start, max_budget)
-        budget = start
+        found = BudgetSearch(start, max_budget, max_minutes)
+        budget, began = start, time.perf_counter()
         while True:
+            tried_at = time.perf_counter()
             step = self.judge(self.run(specs, budget, (first,)), self.specs(specs), (first,))[first]
+            now = time.perf_counter()
             need = math.ceil(step.images / 2) if step.images else 1
-            found.tried.append({"budget": budget, "step": first, "recovered": step.recovered, "images": step.images})
+            found.tried.append({"budget": budget, "step": first, "recovered": step.recovered, "images": step.images,
+                                "seconds": round(now - tried_at, 1)})
+            found.budget = budget
             if step.images and step.recovered >= need:
-                found.budget = budget
+                found.stopped_by = "recovered"
                 found.reason = (f"the control recovered {step.recovered} of {step.images} images of step {first} "
                                 f"at {budget} gradient evaluations (at least half)")
                 return found
-            if budget * 2 > max_budget:
-                found.budget = budget
+            ceiling = ("max_budget" if budget * 2 > max_budget else
+                       "max_minutes" if (now - began + 2 * (now - tried_at)) / 60 > max_minutes else "")
+            if ceiling:
+                found.stopped_by = ceiling
+                limit = (f"max_budget {max_budget}" if ceiling == "max_budget" else
+                         f"max_minutes {max_minutes:g}: the next budget would end past it")
                 found.reason = (f"the control recovered {step.recovered} of {step.images} images of step {first} "
-                                f"at the largest budget tried, {budget} (max_budget {max_budget}); steps where it "
+                                f"at the largest budget tried, {budget} ({limit}); steps where it "
                                 "recovers none are inconclusive")
                 return found
             budget *= 2

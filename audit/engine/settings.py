@@ -191,13 +191,14 @@ class AttackSettings:
     #: gradient evaluations, or "auto": found on the positive control (audit.engine.control);
     #: None: "auto", or the start when every named attack is closed-form (a search gives it nothing)
     budget: Union[int, str, None] = default_of("budget")
-    #: the ceiling of the "auto" budget search
+    #: the ceiling of the "auto" budget search, in gradient evaluations and in wall minutes
     max_budget: int = default_of("max_budget")
+    max_minutes: float = default_of("max_minutes")
 
     def __post_init__(self):
         _set(self, steps=tuple(_parse_steps(self.steps)), names=tuple(attack_names(self.names)),
              args={name: dict(kv) for name, kv in (self.args or {}).items()},
-             max_budget=_positive("max_budget", self.max_budget))
+             max_budget=_positive("max_budget", self.max_budget), max_minutes=_positive("max_minutes", self.max_minutes, float))
         _set(self, budget=_budget(self.budget) if self.budget is not None else _default_budget(self.names))
 
     @property
@@ -315,7 +316,8 @@ def sections_of(config: Any) -> Sections:
                                    local_steps=c.local_steps, local_lr=c.local_lr, client_mode=c.client_mode,
                                    local_optimizer=c.local_optimizer, local_batch_size=c.local_batch_size,
                                    local_epochs=c.local_epochs, shares=c.shares, server_optimizer=c.server_optimizer),
-            attack_settings=AttackSettings(c.steps, c.attacks, dict(c.attack_args or {}), c.budget, c.max_budget),
+            attack_settings=AttackSettings(c.steps, c.attacks, dict(c.attack_args or {}), c.budget, c.max_budget,
+                                           c.max_minutes),
             output_settings=OutputSettings(c.out, c.utility, c.utility_steps, LeakRule.of(c.thresholds), c.delta,
                                            c.progress, c.defense_timeout, c.retry_errors, utility_seeds=c.utility_seeds),
             seed=c.seed, device=c.device)
