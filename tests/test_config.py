@@ -89,7 +89,7 @@ def test_every_option_of_a_config_field_takes_its_default_and_help_from_the_fiel
     # the audit has an option for every field the command line can set
     assert {p.name for p in command("audit").params} >= set(CLI_FIELDS)
     text = CliRunner().invoke(cli.main, ["audit", "--help"]).output
-    for shown in ("[default: cnn]", "[default: 8]", "[default: 3200]", "[default: 0,1,5,20]", "[default: 800]"):
+    for shown in ("[default: cnn]", "[default: 8]", "[default: 25600]", "[default: 0,1,5,20]", "[default: 800]"):
         assert shown in " ".join(text.split()), shown
 
 

@@ -105,9 +105,9 @@ class AuditFields:
         shown="auto; 200 when every named attack is closed-form")
     max_budget: int = setting(25600, "the ceiling of --budget auto's search (25,600 admits the field's 24k "
                                      "iterations where the time allows: on a GPU)", "attacks", kind=int)
-    max_minutes: float = setting(30.0, "the wall-time ceiling of --budget auto's search: no doubling starts that "
-                                       "would end past it (on 2 CPU cores 30 minutes reach 800-1600 on the cnn, "
-                                       "200-400 on ResNet-18); the report says which ceiling ended the search",
+    max_minutes: float = setting(30.0, "the wall-time ceiling of --budget auto's search: a doubling that would end "
+                                       "past it (about twice the last try) is not started; the report says which "
+                                       "ceiling ended the search",
                                  "attacks", kind=float)
     # ---- the evidence
     thresholds: Any = setting(None, "the leak rule's thresholds, e.g. margin_db=2,partial_rank=5 (docs/evidence.md)",
