@@ -80,13 +80,15 @@ def render(rows, width: int, budget: int) -> str:
               "the certificate follow.", "",
               "- Eval-mode BatchNorm at initialisation makes the network positively homogeneous (no biases, identity "
               "normalisation): the residual's landscape is benign and a start that does not stall converges to the "
-              "image to float precision. Starts that stall sit at a residual of 0.04-0.05 and are restarted.",
+              "image to float precision. A start that stalls is restarted, but on some images every start stalls at "
+              "the same residual (rows with a certificate error above 0.1).",
               "- Train-mode BatchNorm normalises every channel of every layer by the image's own statistics; the "
               "residual (and even plain feature inversion against the exact 16x16x128 stage-2 map) then has a basin "
               "a flat start does not reach: rows 'train' above. This is the gap left for the train-mode targets.",
               "- Batches: at batch 4 only stage 4 keeps the span (4 x 64 positions fill stage 3's 256 channels), and "
-              "the joint row space is also filled by maps that mix the images: one image comes back exact, the "
-              "others do not separate."]
+              "the joint row space is also filled by maps that mix the images: in the batches tried at most one "
+              "image came back exact and the others did not separate (tests/test_conv_span.py holds the batch of "
+              "two that it does)."]
     return "\n".join(lines) + "\n"
 
 
