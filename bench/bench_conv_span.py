@@ -8,6 +8,7 @@ docs/conv-span.md.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import time
 from pathlib import Path
@@ -32,8 +33,14 @@ def picks(dataset, count: int):
     return [i * step for i in range(count)]
 
 
+def code_key() -> str:
+    """The attack's source, hashed: a result made by other code is not reused."""
+    text = b"".join((ROOT / "attacks" / name).read_bytes() for name in ("conv_span.py", "conv_span_algebra.py"))
+    return hashlib.sha256(text).hexdigest()[:10]
+
+
 def run_one(mode: str, index: int, budget: int, seed: int, device: str, width: int) -> dict:
-    path = RESULTS / f"{mode}-w{width}-b{budget}-s{seed}-i{index}.json"
+    path = RESULTS / f"{mode}-w{width}-b{budget}-s{seed}-i{index}-{code_key()}.json"
     if path.exists():
         return json.loads(path.read_text())
     data = load_dataset("embedded")
