@@ -137,6 +137,12 @@ class ConvSpan:
         fine = int(round(FLOAT64_SHARE * evaluations)) if observation.gradients[0].dtype != torch.float64 else 0
         history: List[float] = []
         restarts = 0
+        calls = [0]  # evaluations so far over every start and stage, for the progress bar
+
+        def report(_n: int, _of: int, loss: float) -> None:
+            calls[0] += 1
+            if progress is not None:
+                progress(calls[0], evaluations, loss)
         for stage, count in ((observation, evaluations - fine), (_float64(observation), fine)):
             if count < 1:
                 continue
@@ -155,7 +161,7 @@ class ConvSpan:
             # a start that stalls far from zero stays there: after each part of the float32 descent that
             # ends above STALL, the rest restarts from a new draw; the lowest residual found is kept
             chunks = STALL_CHUNKS if stage is observation else 1
-            descent, best = _Descent([x], lambda: residual(x), progress), (math.inf, x.detach().clone())
+            descent, best = _Descent([x], lambda: residual(x), report), (math.inf, x.detach().clone())
             for k in range(chunks):
                 part = count // chunks + (count % chunks if k == chunks - 1 else 0)
                 history += descent.run(part)
@@ -164,7 +170,7 @@ class ConvSpan:
                 if k < chunks - 1 and history and history[-1] > STALL:
                     restarts += 1
                     x = (0.5 + self.init_std * torch.randn(x.shape, generator=generator)).to(x).requires_grad_(True)
-                    descent = _Descent([x], lambda: residual(x), progress)
+                    descent = _Descent([x], lambda: residual(x), report)
             x = best[1].requires_grad_(True)
         labels, label_source = self._labels(stage, replica, params, x.detach(), seed)
         images, labels, error, fitted = self._fit(stage, sim, replica, x.detach(), labels)
