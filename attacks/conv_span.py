@@ -27,15 +27,17 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 from scipy.optimize import linear_sum_assignment
-from torch import Tensor, nn
+from torch import Tensor
 
-from audit.core.errors import ConfigError
+from audit.core.errors import ConfigError, NotApplicable
 from audit.core.types import Observation, Reconstruction, trainable_names
 
 from attacks.conv_span_algebra import GAP, RowSpace, row_spaces, span_layers, span_residual
 from attacks.labels import infer_labels
 from attacks.presets import ATTACKS
 from attacks.simulator import ClientReplica, GradientSimulator, SimContext
+from priors import classifier_head
+from priors.features import per_image_features
 
 #: relative error of the reproduced upload under which the recovered batch is certified exact (float32
 #: through ResNet-18: an image exact to 88 dB reproduces it to 1.6e-3; a stalled one to ~0.3)
@@ -93,7 +95,7 @@ class _Maps:
 
 class ConvSpan:
     """The conv-span attack (module docstring). ``evaluations``: L-BFGS evaluations when no budget
-    is given; ``fit``: evaluations of the colour and label fit; ``init_std``: spread of the start
+    is given; ``fit``: Gauss-Newton iterations of the colour fit; ``init_std``: spread of the start
     around mid-grey; ``tolerance``: the certificate's relative error; ``layers``: module names to
     read (None: every convolution whose uploaded gradient shows the rank gap)."""
 
@@ -151,12 +153,13 @@ class ConvSpan:
             params = {n: p.detach() for n, p in replica.params.items()}
             hooks = _Maps(replica, spaces)
             x = x.detach().to(stage.gradients[0]).requires_grad_(True)
+            here = [dataclasses.replace(s, basis=s.basis.to(x)) for s in spaces]  # once, not per evaluation
 
             def residual(images: Tensor) -> Tensor:
                 with hooks:
                     replica.forward(params, images)
                 return sum(span_residual(s, hooks.convs[s.layer.name], hooks.maps[s.layer.name])
-                           for s in spaces) / len(spaces)
+                           for s in here) / len(here)
 
             # a start that stalls far from zero stays there: after each part of the float32 descent that
             # ends above STALL, the rest restarts from a new draw; the lowest residual found is kept
@@ -189,22 +192,21 @@ class ConvSpan:
         labels = inferred.labels.to(x.device).long()
         if len(labels) < 2:
             return labels, inferred.method
-        head = [m for m in replica.model.modules() if isinstance(m, nn.Linear)]
-        names = trainable_names(observation.model)
-        head_names = [n for n in names if n.endswith(("weight", "bias"))][-2:]
-        if not head or len(head_names) < 2:
+        try:
+            weight, bias = classifier_head(observation.model)
+        except NotApplicable:
             return labels, inferred.method
-        from priors.features import per_image_features
-
+        names = trainable_names(observation.model)
+        head = dict(replica.model.named_modules())[names[weight].rsplit(".", 1)[0]]
         kept: List[Tensor] = []
-        handle = head[-1].register_forward_pre_hook(lambda _m, inp: kept.append(inp[0].detach()))
+        handle = head.register_forward_pre_hook(lambda _m, inp: kept.append(inp[0].detach()))
         try:
             with torch.no_grad():
                 replica.forward(params, x)
         finally:
             handle.remove()
-        wg, bg = (observation.gradients[names.index(n)].detach() for n in head_names)
-        reading, usable = per_image_features(wg, bg, labels)
+        reading, usable = per_image_features(observation.gradients[weight].detach(),
+                                             observation.gradients[bias].detach(), labels)
         mine = torch.nn.functional.normalize(kept[0].double(), dim=1)
         theirs = torch.nn.functional.normalize(reading.double(), dim=1)
         cost = -(theirs @ mine.T) * usable.double()[:, None]
