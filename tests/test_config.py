@@ -208,3 +208,20 @@ def test_the_reference_table_of_settings_is_the_config_fields():
     rows = [line for line in block.splitlines() if line.startswith("| `")]
     assert [row.split("`")[1] for row in rows] == list(FIELDS)  # one row per field, in the config's order
     assert "| `images` | `--images` | 8 |" in block and "| `progress` | `--quiet` | true |" in block
+
+
+def test_a_config_file_reads_with_tomli_where_the_standard_library_has_no_tomllib(tmp_path, monkeypatch):
+    import sys
+    import tomllib
+
+    path = tmp_path / "audit.toml"
+    path.write_text(AuditConfig(images=3, steps=(0, 2)).toml())
+    monkeypatch.setitem(sys.modules, "tomllib", None)  # Python 3.10: importing it raises ImportError
+    monkeypatch.setitem(sys.modules, "tomli", tomllib)  # the backport, the same parser
+    assert make_config(**load_config(path)) == AuditConfig(images=3, steps=(0, 2))
+    path.write_text("images = [")
+    with pytest.raises(ConfigError, match="is not valid TOML"):
+        load_config(path)
+    monkeypatch.setitem(sys.modules, "tomli", None)
+    with pytest.raises(ImportError):
+        load_config(path)

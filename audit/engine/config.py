@@ -118,13 +118,13 @@ def config_of(values: Mapping[str, Any], base: Optional[AuditConfig] = None) -> 
 
 
 def load_config(path: Any) -> Dict[str, Any]:
-    """The settings of a TOML file (read with :mod:`tomllib`), ``name = value`` per field as
-    :meth:`AuditConfig.toml` writes them; an unknown name is a one-line error naming it and the
-    nearest valid one."""
+    """The settings of a TOML file (read with :mod:`tomllib`, or ``tomli`` before Python 3.11),
+    ``name = value`` per field as :meth:`AuditConfig.toml` writes them; an unknown name is a
+    one-line error naming it and the nearest valid one."""
     try:
         import tomllib
-    except ImportError:  # Python 3.10
-        raise ConfigError("reading a config file needs Python 3.11 or newer (the standard library's tomllib)") from None
+    except ImportError:  # Python 3.10: the same parser, as the tomli package
+        import tomli as tomllib
     path = Path(path)
     try:
         data = tomllib.loads(path.read_text())
