@@ -111,3 +111,28 @@ def test_the_budget_search_stops_at_max_minutes_and_says_so(tmp_path):
     search = timed.data["control"]["search"]
     assert [t["budget"] for t in search["tried"]] == [200] and search["stopped_by"] == "max_minutes"
     assert "max_minutes 1e-06" in search["reason"]
+
+
+def test_the_control_is_built_from_the_config_without_the_defense_and_keeps_no_audit(tmp_path):
+    import gc
+    import weakref
+
+    from audit.engine.audit import Audit
+    from audit.engine.config import make_config
+    from audit.engine.control import PositiveControl, control_inputs
+    from audit.report.store import settings_key
+
+    config = make_config(defense="gaussian", defense_args={"sigma": 0.1}, steps=[0, 2], images=2, attacks=["ig"],
+                         budget=8, out=str(tmp_path), **TINY)
+    audited = Audit.from_config(config)
+    control = PositiveControl(control_inputs(audited))
+    assert control.inputs.config.sections() == config.undefended().sections()
+    assert control.out() == tmp_path / "control" and not control.same_run
+    gone = weakref.ref(audited)
+    del audited
+    gc.collect()
+    assert gone() is None  # nothing of the audit is kept: the control is its config and shared parts
+    at = control.audit_at(16, (0,))
+    alone = Audit.from_config(config.undefended().replace(steps=(0,), budget=16, out=str(tmp_path / "control")))
+    assert at.config.sections() == alone.config.sections() and at.progress_label == "control"
+    assert settings_key(at.key_settings()) == settings_key(alone.key_settings())

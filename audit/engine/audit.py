@@ -27,7 +27,7 @@ from audit.core.records import AccuracySpread, UtilityResult
 from audit.engine import manifest, planning, runner, schedule, training
 from audit.engine.compose import AuditParts, build_parts, build_shared, resolve_defense
 from audit.engine.config import AuditConfig, default_of, make_config
-from audit.engine.control import CONTROL_DIR, SEARCH_START, PositiveControl
+from audit.engine.control import CONTROL_DIR, SEARCH_START, PositiveControl, control_inputs
 from audit.engine.identity import audited_model_identity, defense_identity, derive_seed
 from audit.engine.manifest import buffer_note  # noqa: F401  (re-exported)
 from audit.engine.null import Null
@@ -51,7 +51,7 @@ class Audit:
     """One audit: plan, train, attack, score, store, report (see the module docstring).
     ``parts``: the device, data set, resolved defense and models built already (a sweep's
     cell); None builds them. ``config``: what the report carries back (None: built from
-    settings sections, as the positive control and a Flower round are)."""
+    settings sections, as a Flower round is)."""
 
     #: False in a subclass that supplies its own observation (a real client's reply): the
     #: client's training is not simulated, so the simulation's limits on it do not apply
@@ -184,21 +184,9 @@ class Audit:
         return ("the same attacks' base forms, budget, seeds and private images against the client without the "
                 "defense: its uploads and its training between audited steps without it, everything else as audited")
 
-    def control_audit(self, budget: int, steps: Sequence[int], out: Path) -> "Audit":
-        """The audit of the undefended client at ``budget`` on ``steps``, writing to ``out``: this
-        audit's config without the defense (or its settings, for an audit built from them)."""
-        attacks = replace(self.attack_settings, steps=tuple(steps), budget=int(budget))
-        output = replace(self.output_settings, out=Path(out), utility=False)
-        control = Audit(UNDEFENDED, self.model_settings, data_settings=self.data_settings, fl_settings=self.fl_settings,
-                        attack_settings=attacks, output_settings=output, seed=self.seed, parts=self.control_parts(),
-                        config=None if self.config is None else self.config.undefended().replace(
-                            steps=tuple(steps), budget=int(budget), out=str(out)))
-        return self.adopt_control(control)
-
-    def adopt_control(self, control: "Audit") -> "Audit":
-        """The control shares this audit's null (computed once) and names its progress bar."""
-        control._null, control.progress_label = self.null, "control"
-        return control
+    def control_kind(self) -> Tuple[type, Dict[str, Any]]:
+        """The audit class that runs the positive control, with its keywords besides the config."""
+        return Audit, {}
 
     def control_parts(self) -> AuditParts:
         """The undefended client's parts: this audit's own when it is undefended, else built on
@@ -217,7 +205,7 @@ class Audit:
         started, store, out = time.perf_counter(), None, self.output_settings.out
         try:
             with defense_timeout(self.output_settings.defense_timeout):
-                control, search = PositiveControl(self), None
+                control, search = PositiveControl(control_inputs(self)), None
                 if self.attack_settings.searches_budget:  # the key holds the budget: found first
                     search = control.search(self.planned()[0], SEARCH_START, self.attack_settings.max_budget,
                                             self.attack_settings.max_minutes)

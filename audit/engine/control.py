@@ -8,9 +8,11 @@ is "inconclusive (attack power)"; where it recovers k of them, "no recovered ima
 
 The control is an audit of the undefended client (defense ``none``) with the audited settings
 otherwise unchanged: model, data, seeds, steps, FL training and what the client shares
-(:meth:`audit.engine.audit.Audit.control_audit` builds it; a sweep's undefended cell and a
-Flower round's replica supply their own). Its results live in its own result store
-(``OUT/control`` by default), keyed like every result, so they resume and are reused.
+(:class:`ControlInputs`: the audited config with defense ``none``, and the parts it shares with
+the audit: the data, the model, the null, the private batches; a sweep's undefended cell and a
+Flower round's replica supply their own). The control holds no reference to the audit it
+calibrates. Its results live in its own result store (``OUT/control`` by default), keyed like
+every result, so they resume and are reused.
 
 ``budget="auto"`` finds the attacks' power first: the control of the first audited step runs at
 :data:`SEARCH_START` gradient evaluations and doubles until it recovers at least half of that
@@ -23,13 +25,15 @@ import os
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from attacks import ATTACKS
 from attacks.presets import uses_budget
 from audit.core.errors import ConfigError
-from audit.engine.null import null_evidence
-from audit.engine.settings import DEFAULT_BUDGET
+from audit.engine.compose import AuditParts
+from audit.engine.config import AuditConfig, config_of_sections
+from audit.engine.null import Null, null_evidence
+from audit.engine.settings import DEFAULT_BUDGET, Sections
 from audit.report.risk import judge_step
 from audit.report.store import ResultStore
 
@@ -103,12 +107,56 @@ class BudgetSearch:
         return asdict(self)
 
 
+@dataclass(frozen=True)
+class ControlInputs:
+    """What the positive control is made of: ``config``, the audited config with defense
+    ``none`` (the control at a budget and steps is this config with them); what it shares with
+    the audit, built once: ``parts`` (the undefended client on the audit's data and model),
+    ``null`` and ``private`` (the private batches); where its results go (``out``; ``root``: the
+    audit's folder, which the manifest's entry is relative to; ``same_run``: the audit is its own
+    control); ``description`` of what it ran; ``kind``, the audit class that runs it, with its
+    keywords ``extra`` besides the config (a federation round, the images the round trained on)."""
+
+    config: AuditConfig
+    parts: AuditParts
+    null: Null
+    private: Tuple[Any, ...]
+    out: Path
+    root: Path
+    same_run: bool
+    description: str
+    kind: Any
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    def audit_at(self, budget: int, steps: Sequence[int]) -> Any:
+        """The control's audit at ``budget`` on ``steps``: its config with them, on the shared parts."""
+        config = self.config.replace(steps=tuple(steps), budget=int(budget), out=str(self.out))
+        control = self.kind.from_config(config, parts=self.parts, **self.extra)
+        control._null, control.progress_label = self.null, "control"
+        return control
+
+
+def control_inputs(audit: Any) -> ControlInputs:
+    """The control's inputs read off ``audit`` once (its settings as a config without the
+    defense, its undefended parts, null and private batches; a subclass's ``control_kind``)."""
+    sections = Sections(audit.model_settings, audit.data_settings, audit.fl_settings, audit.attack_settings,
+                        audit.output_settings, audit.seed, audit.device)
+    config = config_of_sections(sections).undefended()
+    same_run = audit.simulates_client and audit.is_undefended()
+    root = Path(audit.output_settings.out)
+    kind, extra = audit.control_kind()
+    return ControlInputs(config, audit.control_parts(), audit.null, tuple(audit.private),
+                         root if same_run else Path(audit.control_out()), root, same_run,
+                         audit.control_description(), kind, dict(extra))
+
+
 class PositiveControl:
     """The control of one audit (see the module docstring): ``search`` the budget, ``run`` the
-    control at it on every audited step, and ``describe`` where its results are for the report."""
+    control at it on every audited step, and ``describe`` where its results are for the report.
+    ``inputs``: :class:`ControlInputs`, or an audit to read them off (nothing of it is kept)."""
 
-    def __init__(self, audit: Any):
-        self.audit = audit
+    def __init__(self, inputs: Any):
+        self.inputs = inputs if isinstance(inputs, ControlInputs) else control_inputs(inputs)
         self._audits: Dict[Tuple[int, Tuple[int, ...]], Any] = {}
 
     # ------------------------------------------------------------------ where and what
@@ -116,19 +164,19 @@ class PositiveControl:
     def same_run(self) -> bool:
         """True when the audited defense is the identity and the audit simulates its client:
         then the audit is its own control (one store, one key)."""
-        return self.audit.simulates_client and self.audit.is_undefended()
+        return self.inputs.same_run
 
     def out(self) -> Path:
-        return Path(self.audit.output_settings.out) if self.same_run else Path(self.audit.control_out())
+        return self.inputs.out
 
     def specs(self, specs: Sequence[Any]) -> List[Any]:
-        return control_specs(specs, self.audit.attack_settings.args)
+        return control_specs(specs, self.inputs.config.sections().attack_settings.args)
 
     def audit_at(self, budget: int, steps: Sequence[int]) -> Any:
         """The control's audit at ``budget`` on ``steps`` (built once per pair)."""
         key = (int(budget), tuple(steps))
         if key not in self._audits:
-            self._audits[key] = self.audit.control_audit(budget, tuple(steps), self.out())
+            self._audits[key] = self.inputs.audit_at(budget, steps)
         return self._audits[key]
 
     # ------------------------------------------------------------------ running
@@ -141,15 +189,16 @@ class PositiveControl:
         return store
 
     def judge(self, store: ResultStore, specs: Sequence[Any], steps: Sequence[int]) -> Dict[int, ControlStep]:
-        audit = self.audit
-        nulls = {(i, j): e for i, batch in enumerate(null_evidence(audit.null, audit.private)) for j, e in enumerate(batch)}
+        inputs, images = self.inputs, self.inputs.config.images
+        nulls = {(i, j): e for i, batch in enumerate(null_evidence(inputs.null, inputs.private))
+                 for j, e in enumerate(batch)}
         ids = [s.id for s in specs]
-        records = [r for r in store.records() if r.attack_id in ids and r.image < audit.data_settings.images]
+        records = [r for r in store.records() if r.attack_id in ids and r.image < images]
         out = {}
         for step in steps:
             by_attack = {a: [r for r in records if r.step == step and r.attack_id == a] for a in ids}
-            out[step] = ControlStep(step, judge_step(by_attack, audit.data_settings.images,
-                                                     audit.output_settings.thresholds, nulls))
+            out[step] = ControlStep(step, judge_step(by_attack, images, inputs.config.sections().output_settings.thresholds,
+                                                     nulls))
         return out
 
     def search(self, specs: Sequence[Any], start: int, max_budget: int,
@@ -157,7 +206,7 @@ class PositiveControl:
         """Double the budget from ``start`` until the control recovers at least half of the first
         audited step's images, ``max_budget`` is reached, or the next doubling (which costs about
         twice the last try) would end past ``max_minutes`` of search."""
-        first = min(self.audit.attack_settings.steps)
+        first = min(self.inputs.config.steps)
         found = BudgetSearch(start, max_budget, max_minutes)
         budget, began = start, time.perf_counter()
         while True:
@@ -189,12 +238,12 @@ class PositiveControl:
                  search: Optional[BudgetSearch]) -> Dict[str, Any]:
         """The manifest's ``control`` entry: where its results are (relative to the audit's
         output folder), which attacks, at which budget, and how the budget was found."""
-        root = Path(self.audit.output_settings.out).resolve()
+        root = self.inputs.root.resolve()
         where = Path(store.root).resolve()
         rel = Path(os.path.relpath(where, root)).as_posix()
         return {"dir": rel, "run_key": store.key, "same_run": self.same_run, "budget": int(budget),
                 "attacks": [s.id for s in self.specs(specs)], "defense": "none",
-                "description": self.audit.control_description(),
+                "description": self.inputs.description,
                 **({"search": search.to_dict()} if search is not None else {})}
 
 

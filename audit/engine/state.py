@@ -10,10 +10,9 @@ The report is the audit's report with the round in place of the training step
 from __future__ import annotations
 
 from dataclasses import replace
-from pathlib import Path
 from typing import Any, Dict, Optional, Sequence, Tuple
 
-from audit.engine.audit import UNDEFENDED, Audit, _state
+from audit.engine.audit import Audit, _state
 from audit.engine.privacy import privacy_report
 from audit.engine.settings import AttackSettings, DataSettings, FLSettings, ModelSettings, OutputSettings
 from audit.report.audit_report import AuditReport
@@ -29,11 +28,12 @@ class StateAudit(Audit):
     def __init__(self, defense: Any, model: ModelSettings, round: int, *, origin: str,
                  defense_args: Optional[Dict[str, Any]] = None, data_settings: DataSettings = DataSettings(),
                  fl_settings: FLSettings = FLSettings(), attack_settings: AttackSettings = AttackSettings(),
-                 output_settings: OutputSettings = OutputSettings(), seed: int = 0, device: Any = "cpu"):
-        self.round, self.origin = int(round), origin
+                 output_settings: OutputSettings = OutputSettings(), seed: int = 0, device: Any = "cpu",
+                 **parts: Any):
+        self.round, self.origin = int(round), origin  # parts: Audit's parts= and config=
         super().__init__(defense, model, defense_args=defense_args, data_settings=data_settings,
                          fl_settings=fl_settings, attack_settings=replace(attack_settings, steps=(self.round,)),
-                         output_settings=replace(output_settings, utility=False), seed=seed, device=device)
+                         output_settings=replace(output_settings, utility=False), seed=seed, device=device, **parts)
 
     def checkpoints(self, store: ResultStore, needed: Sequence[int]) -> Tuple[Dict[int, Any], Optional[Dict[str, Any]]]:
         """The given state is the one checkpoint: nothing is trained."""
@@ -60,15 +60,9 @@ class StateAudit(Audit):
                                   f"delta {out['delta']:g}")
         return out
 
-    def control_audit(self, budget: int, steps, out, kind: Optional[type] = None, **extra: Any) -> "StateAudit":
-        """The undefended client at the same given state: nothing is trained here either
-        (``kind``: a subclass to build instead, with its ``extra`` keywords)."""
-        control = (kind or StateAudit)(UNDEFENDED, self.model_settings, self.round, origin=self.origin,
-                                       data_settings=self.data_settings, fl_settings=self.fl_settings,
-                                       attack_settings=replace(self.attack_settings, budget=int(budget)),
-                                       output_settings=replace(self.output_settings, out=Path(out)), seed=self.seed,
-                                       device=self.device, **extra)
-        return self.adopt_control(control)
+    def control_kind(self) -> Tuple[type, Dict[str, Any]]:
+        """The undefended client at the same given state: nothing is trained here either."""
+        return StateAudit, {"round": self.round, "origin": self.origin}
 
     def control_description(self) -> str:
         return ("the same attacks' base forms, budget, seeds and private images against the client's upload from the "

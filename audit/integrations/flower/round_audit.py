@@ -80,9 +80,9 @@ class ReplyAudit(_Cancellable, StateAudit):
             self._observation = reply_observation(self, model, images, labels)
         return self._observation
 
-    def control_audit(self, budget: int, steps, out, kind=None, **extra) -> "ReplicaControl":
-        return super().control_audit(budget, steps, out, kind=ReplicaControl, trained=self.private[0],
-                                     cancel=self.cancel)
+    def control_kind(self):
+        kind, extra = super().control_kind()
+        return ReplicaControl, {**extra, "trained": self.private[0], "cancel": self.cancel}
 
     def control_description(self) -> str:
         return ("the replica's own upload of the round's images with the declared training and no privacy mod, from "
