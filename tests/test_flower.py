@@ -739,3 +739,24 @@ def test_fidelity_under_noise_that_drowns_the_update_is_not_checkable_never_repr
     assert caught.reproduces is False
     right = NamedArrays({"w": big_declared + noise * torch.randn(n, generator=g)}, {}, {})
     assert compare(before, right, NamedArrays({"w": big_declared}, {}, {}), noise_std=noise).reproduces is True
+
+
+def test_the_mods_settings_are_an_audit_config_that_differs_only_where_a_federation_does():
+    from dataclasses import fields
+
+    from torch import nn
+
+    from audit.engine.config import AuditConfig
+    from audit.integrations.flower.settings import MOD_DEFAULTS, mod_settings
+
+    def net(num_classes=10):
+        return nn.Sequential(nn.Flatten(), nn.Linear(3 * 8 * 8, num_classes))
+
+    settings = mod_settings(rounds=[2], model=net, data=lambda context: None, num_classes=10, local_lr=0.05,
+                            local_steps=3, attacks="ig")
+    assert settings.config == AuditConfig(**MOD_DEFAULTS, model=net, lr=0.05, local_steps=3, attacks="ig")
+    default = AuditConfig()
+    changed = {f.name for f in fields(AuditConfig) if getattr(settings.config, f.name) != getattr(default, f.name)}
+    assert changed == set(MOD_DEFAULTS) | {"model", "lr", "local_steps", "attacks"}  # no default written twice
+    assert settings.fl == settings.config.sections().fl_settings and settings.fl.client.steps == 3
+    assert (settings.attacks.budget, settings.output.defense_timeout, settings.lr) == (200, None, 0.05)

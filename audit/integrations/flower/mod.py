@@ -70,11 +70,6 @@ class AuditMod:
     """
 
     def __init__(self, *, rounds: Any, model: Any, data: Callable, **options: Any):
-        known = set(inspect.signature(mod_settings).parameters)
-        unknown = sorted(set(options) - known)
-        if unknown:
-            raise ConfigError(f"unknown AuditMod option(s) {', '.join(unknown)}; valid options: "
-                              f"{', '.join(sorted(known))}")
         self.data = data
         self.settings = mod_settings(rounds=rounds, model=model, data=data, **options)
         self.net = deployment_model(self.settings)

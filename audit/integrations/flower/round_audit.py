@@ -16,7 +16,8 @@ from typing import Any, Dict, Optional
 
 from audit.core.buffers import has_running_stats
 from audit.core.types import Observation
-from audit.engine.settings import AttackSettings, DataSettings, FLSettings, ModelSettings, OutputSettings
+from audit.engine.config import AuditConfig
+from audit.engine.settings import ModelSettings
 from audit.engine.state import StateAudit
 from audit.integrations.flower.reply import audited_prefix, deployment_module, named_arrays, update_in_gradient_units
 
@@ -56,18 +57,18 @@ class _Cancellable:
 class ReplyAudit(_Cancellable, StateAudit):
     """A :class:`StateAudit` of ``round`` whose observation is the client's ``reply`` (arrays by
     name) from the ``global_arrays`` it received; ``trained``: the round's images and labels in
-    training order; ``fl``: the client's declared training; ``extra_threat``: lines for the
-    threat model (the fidelity check)."""
+    training order (the client's declared training is the config's); ``extra_threat``: lines
+    for the threat model (the fidelity check)."""
 
     simulates_client = False  # the reply carries the client's training and its defense as they ran
 
     def __init__(self, defense: Any, model: ModelSettings, round: int, *, origin: str, global_arrays, reply,
-                 trained, fl: FLSettings, reply_key: str, cancel: Optional[threading.Event] = None,
+                 trained, reply_key: str, cancel: Optional[threading.Event] = None,
                  extra_threat: Optional[Dict[str, Any]] = None, **settings: Any):
         self.global_arrays, self.reply, self.reply_key = global_arrays, reply, reply_key
         self.cancel = cancel or threading.Event()
         self.extra_threat = dict(extra_threat or {})
-        super().__init__(defense, model, round, origin=origin, fl_settings=fl, **settings)
+        super().__init__(defense, model, round, origin=origin, **settings)
         self.private = [(trained[0].clone(), trained[1].clone())]
         self._observation: Optional[Observation] = None
 
@@ -155,14 +156,9 @@ def _normalisation(model):
     return None, None
 
 
-def audit_settings_of(job, folder, fl: FLSettings):
-    """The engine settings of ``job``'s round audit, written to ``folder``."""
-    s = job.settings
-    model = ModelSettings(s.model.model, s.model.args, s.model.normalize, checkpoint=folder / "global_model.pt")
-    data = DataSettings(job.dataset, images=1, batch_size=len(job.trained[1]), share_labels=s.data.share_labels)
-    return model, dict(
-        data_settings=data, attack_settings=AttackSettings((job.round,), s.attacks.names, s.attacks.args,
-                                                           s.attacks.budget),
-        output_settings=OutputSettings(folder, False, thresholds=s.output.thresholds, progress=False,
-                                       defense_timeout=s.output.defense_timeout),
-        seed=s.seed, device=s.device, defense_args=job.defense_args)
+def audit_config_of(job, folder) -> AuditConfig:
+    """The config of ``job``'s round audit: the mod's, with the round's defense, its data set and
+    the global state the client received (saved in ``folder``, where the audit writes)."""
+    return job.settings.config.replace(
+        defense=job.defense, defense_args=dict(job.defense_args or {}) or None, data=job.dataset,
+        batch_size=len(job.trained[1]), checkpoint=str(folder / "global_model.pt"), steps=(job.round,), out=str(folder))

@@ -10,9 +10,8 @@ from typing import Any, Callable, Mapping, Optional, Sequence, Tuple, Union
 from audit.core.client_training import client_lr
 from audit.core.errors import ConfigError
 from audit.core.registry import import_attr
-from audit.engine.config import default_of
-from audit.engine.settings import (DEFAULT_BUDGET, AttackSettings, DataSettings, FLSettings, ModelSettings,
-                                   OutputSettings)
+from audit.engine.config import AuditConfig, default_of, make_config
+from audit.engine.settings import DEFAULT_BUDGET, AttackSettings
 from audit.integrations.flower.defenses import is_flower_mod
 from audit.integrations.flower.randomness import preserved_random_state
 
@@ -55,23 +54,30 @@ def _check_classes(model: Any, num_classes: Optional[int]) -> Optional[int]:
     return None
 
 
+#: the config fields the mod takes as options (the others describe the simulated federation
+#: that a real one replaces: its data, its training between rounds, its utility run)
+MOD_FIELDS = ("defense", "defense_args", "model_args", "model_normalize", "lr", "local_lr", "local_steps",
+              "local_epochs", "local_batch_size", "local_optimizer", "client_mode", "share_labels", "attacks",
+              "attack_args", "budget", "thresholds", "defense_timeout", "out", "seed", "device")
+#: where a round's audit differs from ``gia-audit audit``'s defaults: no defense of its own (the mod
+#: mirrors the client's), the model's raw inputs, a fixed budget (no control to search on), the
+#: round's images only, no utility run, no progress bar, no limit per defense call (the round's
+#: ``timeout`` bounds its whole audit)
+MOD_DEFAULTS = dict(defense="none", model_normalize="none", budget=DEFAULT_BUDGET, out="flower-audit", images=1,
+                    utility=False, progress=False, steps=(1,), defense_timeout=None)
+
+
 @dataclass(frozen=True)
 class ModSettings:
-    """Everything the audit of one round needs besides the round's state and data (see
-    :class:`~audit.integrations.flower.mod.AuditMod` for the meaning of each option)."""
+    """Everything the audit of one round needs besides the round's state and data: ``config``,
+    the audit's config (:class:`~audit.engine.config.AuditConfig`, the mod's options over
+    :data:`MOD_DEFAULTS`), and the mod's own options (see
+    :class:`~audit.integrations.flower.mod.AuditMod` for each)."""
 
     rounds: Tuple[int, ...]
-    model: ModelSettings
-    defense: Any
-    defense_args: Mapping[str, Any]
-    data: DataSettings
-    fl: FLSettings
-    attacks: AttackSettings
-    output: OutputSettings
+    config: AuditConfig
     num_classes: Optional[int]
     reference: int
-    seed: int
-    device: str
     blocking: bool
     timeout: float
     threads: int
@@ -79,6 +85,17 @@ class ModSettings:
     round_key: str
     data_arity: int = 1
     input_shape: Optional[Tuple[int, int, int]] = None
+
+    # the engine's sections of the config, as the worker and the job read them
+    model = property(lambda self: self.config.sections().model)
+    data = property(lambda self: self.config.sections().data_settings)
+    fl = property(lambda self: self.config.sections().fl_settings)
+    attacks = property(lambda self: self.config.sections().attack_settings)
+    output = property(lambda self: self.config.sections().output_settings)
+    defense = property(lambda self: self.config.defense)
+    defense_args = property(lambda self: dict(self.config.defense_args or {}))
+    seed = property(lambda self: self.config.seed)
+    device = property(lambda self: self.config.device)
 
     @property
     def lr(self) -> float:
@@ -132,54 +149,43 @@ def _learning_rate(lr: Optional[float], local_lr: Optional[float]) -> float:
     return client_lr(DEFAULT_LR if lr is None else lr, local_lr)
 
 
-def mod_settings(*, rounds, model, data: Callable, defense: Any = "none", defense_args=None, lr: Optional[float] = None,
-                 local_lr: Optional[float] = None, local_steps: int = default_of("local_steps"),
-                 local_epochs: Optional[int] = default_of("local_epochs"),
-                 local_batch_size: Optional[int] = default_of("local_batch_size"),
-                 local_optimizer: Any = default_of("local_optimizer"), budget: int = DEFAULT_BUDGET,
-                 attacks: Any = default_of("attacks"), attack_args=None, thresholds=None,
-                 device: str = default_of("device"), out="flower-audit", seed: int = default_of("seed"), model_args=None,
-                 model_normalize: Any = "none", num_classes: Optional[int] = None,
-                 input_shape: Optional[Sequence[int]] = None, client_mode: str = default_of("client_mode"),
-                 share_labels: bool = default_of("share_labels"),
-                 reference: int = DEFAULT_REFERENCE, blocking: bool = False, timeout: float = 3600.0,
-                 threads: int = 1, defense_timeout=None, arrays_key: Optional[str] = None,
-                 round_key: str = "server-round") -> ModSettings:
-    """The mod's options as :class:`ModSettings` (the engine's settings sections, as an audit
-    has them), each checked now; an option the audit also has takes the audit's default, except
-    where a federation differs: no defense of the audit's own (the mod mirrors the client's),
-    the model's raw inputs (``model_normalize="none"``), a fixed budget (no control to search
-    on), the round's images only."""
+#: the mod's own options besides the config's fields (:data:`MOD_FIELDS`)
+MOD_OPTIONS = ("rounds", "model", "data", "num_classes", "input_shape", "reference", "blocking", "timeout",
+               "threads", "arrays_key", "round_key")
+
+
+def mod_settings(*, rounds, model, data: Callable, lr: Optional[float] = None, num_classes: Optional[int] = None,
+                 input_shape: Optional[Sequence[int]] = None, reference: int = DEFAULT_REFERENCE,
+                 blocking: bool = False, timeout: float = 3600.0, threads: int = 1, arrays_key: Optional[str] = None,
+                 round_key: str = "server-round", **fields: Any) -> ModSettings:
+    """The mod's options as :class:`ModSettings`, each checked now: ``fields``, the config
+    fields of :data:`MOD_FIELDS` over :data:`MOD_DEFAULTS` (``lr`` and ``local_lr`` both name
+    the client's learning rate), and the mod's own."""
     from audit.engine.compose import resolve_defense, resolve_device
 
+    unknown = sorted(set(fields) - set(MOD_FIELDS))
+    if unknown:
+        raise ConfigError(f"unknown AuditMod option(s) {', '.join(unknown)}; valid options: "
+                          f"{', '.join(sorted(MOD_FIELDS + MOD_OPTIONS))}")
     arity = _data_arity(data)
+    local_lr = fields.pop("local_lr", None)
+    values = {**MOD_DEFAULTS, **fields, "model": _factory(model), "lr": _learning_rate(lr, local_lr)}
     try:
-        fl = FLSettings(lr=_learning_rate(lr, local_lr), local_steps=local_steps, local_lr=None, client_mode=client_mode,
-                        local_optimizer=local_optimizer, local_batch_size=local_batch_size, local_epochs=local_epochs)
+        config = make_config(**values)
     except ConfigError as err:
         raise in_mod_terms(err) from None
+    defense, defense_args = config.defense, dict(config.defense_args or {})
     if not is_flower_mod(defense):  # a Flower mod is read per round; anything else must resolve now
-        resolve_defense(defense, dict(defense_args or {}))
+        resolve_defense(defense, defense_args)
     elif defense_args:
         raise ConfigError("defense_args do not apply to a Flower mod: its settings are read from the mod itself")
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
         raise ConfigError(f"timeout must be a positive number of seconds, got {timeout!r}")
-    resolve_device(device)
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise ConfigError(f"seed must be an integer, got {seed!r}")
-    attack_settings = AttackSettings(steps=(1,), names=attacks, args=attack_args or {}, budget=budget)
-    _check_attack_names(attack_settings)
-    try:
-        model_settings = ModelSettings(_factory(model), model_args or {}, model_normalize)
-    except ConfigError as err:
-        raise in_mod_terms(err) from None
+    resolve_device(config.device)
+    _check_attack_names(config.sections().attack_settings)
     return ModSettings(
-        rounds=_rounds(rounds), model=model_settings, defense=defense, defense_args=dict(defense_args or {}),
-        data=DataSettings(images=1, batch_size=1, share_labels=share_labels), fl=fl, attacks=attack_settings,
-        output=OutputSettings(out=out, utility=False, thresholds=thresholds, progress=False,
-                              defense_timeout=defense_timeout),
-        num_classes=_check_classes(model, num_classes), reference=_positive_int("reference", reference),
-        seed=seed, device=str(device), blocking=bool(blocking), timeout=float(timeout),
+        rounds=_rounds(rounds), config=config, num_classes=_check_classes(model, num_classes),
+        reference=_positive_int("reference", reference), blocking=bool(blocking), timeout=float(timeout),
         threads=_positive_int("threads", threads), arrays_key=arrays_key, round_key=str(round_key),
         data_arity=arity, input_shape=_shape(input_shape))
 

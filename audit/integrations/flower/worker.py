@@ -14,7 +14,6 @@ import os
 import sys
 import threading
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Any, Dict
 
@@ -27,7 +26,7 @@ from audit.integrations.flower.fidelity import (NOT_REPRODUCED, Fidelity, compar
 from audit.integrations.flower.job import (FINISHED, JOB, NOT_JUDGED, STATE, RoundJob, load_job, one_line,
                                            read_status, write_status)
 from audit.integrations.flower.reply import NamedArrays, deployment_module, digest, named_arrays
-from audit.integrations.flower.round_audit import Cancelled, ReplyAudit, audit_settings_of
+from audit.integrations.flower.round_audit import Cancelled, ReplyAudit, audit_config_of
 from audit.integrations.flower.rounds import finish_round
 
 GRACE_S = 30.0  # how long a cancelled inline audit is given to stop before the round is finalised
@@ -61,12 +60,9 @@ def round_audit(job: RoundJob, folder: Path, cancel: threading.Event) -> ReplyAu
     s = job.settings
     model = ModelSettings(s.model.model, s.model.args, s.model.normalize, checkpoint=folder / STATE)
     job.dataset = client_dataset(job, model)
-    model, settings = audit_settings_of(job, folder, s.fl)
-    net = s.model.model
-    fl = replace(s.fl, shares="state" if _has_buffers(job, net) else None)
-    return ReplyAudit(job.defense, model, job.round, origin=job.origin, global_arrays=job.global_arrays,
-                      reply=job.reply, trained=job.trained, fl=fl, reply_key=digest(job.reply), cancel=cancel,
-                      **settings)
+    config = audit_config_of(job, folder).replace(shares="state" if _has_buffers(job, s.model.model) else None)
+    return ReplyAudit.from_config(config, round=job.round, origin=job.origin, global_arrays=job.global_arrays,
+                                  reply=job.reply, trained=job.trained, reply_key=digest(job.reply), cancel=cancel)
 
 
 def _has_buffers(job: RoundJob, spec) -> bool:
