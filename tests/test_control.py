@@ -136,3 +136,29 @@ def test_the_control_is_built_from_the_config_without_the_defense_and_keeps_no_a
     alone = Audit.from_config(config.undefended().replace(steps=(0,), budget=16, out=str(tmp_path / "control")))
     assert at.config.sections() == alone.config.sections() and at.progress_label == "control"
     assert settings_key(at.key_settings()) == settings_key(alone.key_settings())
+
+
+def test_the_control_and_its_budget_search_are_codes_the_report_words(tmp_path):
+    from audit.report.audit_report import AuditReport
+    from audit.report.control import CONTROL_KINDS, control_entry, search_text
+
+    never = dict(TINY, thresholds="margin_db=500")
+    capped = audit.run(defense="gaussian", defense_args={"sigma": 1.0}, steps=[0], images=1, budget="auto",
+                       max_budget=400, attacks=["ig"], out=tmp_path, **never)
+    stored = json.loads(next(tmp_path.glob("runs/*/manifest.json")).read_text())["control"]
+    assert stored["kind"] == "simulated" and "description" not in stored  # the engine stores codes and numbers
+    assert stored["search"]["stopped_by"] == "max_budget" and "reason" not in stored["search"]
+    words = capped.data["control"]
+    assert words["description"] == CONTROL_KINDS["simulated"]
+    assert words["search"]["reason"] == search_text(stored["search"]) == (
+        "the control recovered 0 of 1 images of step 0 at the largest budget tried, 400 (max_budget 400); steps "
+        "where it recovers none are inconclusive")
+    assert f"Positive control at budget 400: {CONTROL_KINDS['simulated']}" in capped.to_markdown()
+    # a manifest stored with the engine's own words (before the codes) reads as it was
+    older = {"budget": 200, "description": "the old words", "search": {"reason": "found at 200", "tried": []}}
+    assert control_entry(older)["description"] == "the old words"
+    assert control_entry(older)["search"]["reason"] == "found at 200"
+    # the report is one record: through JSON and back, it renders the same
+    again = AuditReport.from_dict(json.loads((tmp_path / "report.json").read_text()))
+    assert again.to_dict() == json.loads(json.dumps(capped.to_dict()))
+    assert again.to_markdown() == capped.to_markdown() and again.summary() == capped.summary()

@@ -180,9 +180,8 @@ class Audit:
         """The folder of the control's result store (a sweep points it at its undefended cell)."""
         return Path(self.output_settings.out) / CONTROL_DIR
 
-    def control_description(self) -> str:
-        return ("the same attacks' base forms, budget, seeds and private images against the client without the "
-                "defense: its uploads and its training between audited steps without it, everything else as audited")
+    def control_code(self) -> str:  # what the control runs, as the report words it (audit.report.control)
+        return "simulated"
 
     def control_kind(self) -> Tuple[type, Dict[str, Any]]:
         """The audit class that runs the positive control, with its keywords besides the config."""

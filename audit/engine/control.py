@@ -92,14 +92,14 @@ class ControlStep:
 @dataclass
 class BudgetSearch:
     """How ``budget="auto"`` found the budget: each tried budget with the control's recovered
-    images at the first audited step, the budget chosen and why."""
+    images at the first audited step, the budget chosen and what ended the search (a code; the
+    report says it in words, :func:`audit.report.control.search_text`)."""
 
     start: int
     max_budget: int
     max_minutes: float = math.inf
     tried: List[Dict[str, Any]] = field(default_factory=list)
     budget: Optional[int] = None
-    reason: str = ""
     #: what ended the search: "recovered" (half the images), "max_budget" or "max_minutes"
     stopped_by: str = ""
 
@@ -114,7 +114,7 @@ class ControlInputs:
     the audit, built once: ``parts`` (the undefended client on the audit's data and model),
     ``null`` and ``private`` (the private batches); where its results go (``out``; ``root``: the
     audit's folder, which the manifest's entry is relative to; ``same_run``: the audit is its own
-    control); ``description`` of what it ran; ``kind``, the audit class that runs it, with its
+    control); ``code``: what it ran, as a code (:data:`audit.report.control.CONTROL_KINDS` words it); ``kind``, the audit class that runs it, with its
     keywords ``extra`` besides the config (a federation round, the images the round trained on)."""
 
     config: AuditConfig
@@ -124,7 +124,7 @@ class ControlInputs:
     out: Path
     root: Path
     same_run: bool
-    description: str
+    code: str
     kind: Any
     extra: Mapping[str, Any] = field(default_factory=dict)
 
@@ -147,7 +147,7 @@ def control_inputs(audit: Any) -> ControlInputs:
     kind, extra = audit.control_kind()
     return ControlInputs(config, audit.control_parts(), audit.null, tuple(audit.private),
                          root if same_run else Path(audit.control_out()), root, same_run,
-                         audit.control_description(), kind, dict(extra))
+                         audit.control_code(), kind, dict(extra))
 
 
 class PositiveControl:
@@ -219,18 +219,10 @@ class PositiveControl:
             found.budget = budget
             if step.images and step.recovered >= need:
                 found.stopped_by = "recovered"
-                found.reason = (f"the control recovered {step.recovered} of {step.images} images of step {first} "
-                                f"at {budget} gradient evaluations (at least half)")
                 return found
-            ceiling = ("max_budget" if budget * 2 > max_budget else
-                       "max_minutes" if (now - began + 2 * (now - tried_at)) / 60 > max_minutes else "")
-            if ceiling:
-                found.stopped_by = ceiling
-                limit = (f"max_budget {max_budget}" if ceiling == "max_budget" else
-                         f"max_minutes {max_minutes:g}: the next budget would end past it")
-                found.reason = (f"the control recovered {step.recovered} of {step.images} images of step {first} "
-                                f"at the largest budget tried, {budget} ({limit}); steps where it "
-                                "recovers none are inconclusive")
+            found.stopped_by = ("max_budget" if budget * 2 > max_budget else
+                                "max_minutes" if (now - began + 2 * (now - tried_at)) / 60 > max_minutes else "")
+            if found.stopped_by:
                 return found
             budget *= 2
 
@@ -243,7 +235,7 @@ class PositiveControl:
         rel = Path(os.path.relpath(where, root)).as_posix()
         return {"dir": rel, "run_key": store.key, "same_run": self.same_run, "budget": int(budget),
                 "attacks": [s.id for s in self.specs(specs)], "defense": "none",
-                "description": self.inputs.description,
+                "kind": self.inputs.code,
                 **({"search": search.to_dict()} if search is not None else {})}
 
 

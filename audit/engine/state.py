@@ -64,9 +64,8 @@ class StateAudit(Audit):
         """The undefended client at the same given state: nothing is trained here either."""
         return StateAudit, {"round": self.round, "origin": self.origin}
 
-    def control_description(self) -> str:
-        return ("the same attacks' base forms, budget, seeds and private images against the client's upload from the "
-                "same state without the defense")
+    def control_code(self) -> str:
+        return "state"
 
     def _prepare(self, store: ResultStore):
         specs = super()._prepare(store)

@@ -16,7 +16,7 @@ from audit.core.errors import ConfigError, StoreError
 from audit.core.records import AttackResult
 from audit.report.risk import (empirical_risk, false_positive_rates, judge_step, nulls_from_manifest, overall_verdict,
                                status_of, summarize_attack)
-from audit.report.control import judge_with_control
+from audit.report.control import control_entry, judge_with_control
 from audit.report.rule import LeakRule
 from audit.report.format import control_text, overall_text, progress_text, verdict_text
 from audit.report.store import ResultStore, to_jsonable
@@ -96,7 +96,7 @@ def build_report(manifest: Dict[str, Any], records: Sequence[Any],
         "privacy": manifest.get("privacy") or {"applicable": False, "reason": "not recorded by this audit"},
         "threat_model": manifest.get("threat_model", {}),
         "plan": manifest.get("plan", {}),
-        "control": manifest.get("control") or {"unavailable": "no positive control was stored for this audit"},
+        "control": control_entry(manifest.get("control")),
         "attacks": manifest["attacks"],
         "thresholds": thresholds.to_dict(),
         "false_positive_rate": false_positive_rates(thresholds, nulls),
@@ -184,6 +184,16 @@ class AuditReport:
             manifest = {**manifest, "status": "incomplete (unreadable stored results)",
                         "failures": list(manifest.get("failures", [])) + lost}
         return cls(build_report(manifest, records, rule, control_records(store, manifest)), store.dir, store.root)
+
+    def to_dict(self) -> Dict[str, Any]:
+        """The report as one JSON-able record (what ``report.json`` holds)."""
+        return self.data
+
+    @classmethod
+    def from_dict(cls, data: Dict[str, Any], run_dir: Optional[Path] = None,
+                  out: Optional[Path] = None) -> "AuditReport":
+        """The report of a record :meth:`to_dict` wrote (``report.json``): it renders as written."""
+        return cls(dict(data), run_dir, out)
 
     # ------------------------------------------------------------------ access
     @property

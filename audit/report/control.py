@@ -28,6 +28,45 @@ POWER_ADVICE = ("raise --budget (or --budget auto, which searches it on the cont
 
 Image = Tuple[int, int]
 
+#: what a control ran, by the code the engine stores (the manifest's ``control.kind``)
+CONTROL_KINDS = {
+    "simulated": "the same attacks' base forms, budget, seeds and private images against the client without the "
+                 "defense: its uploads and its training between audited steps without it, everything else as audited",
+    "state": "the same attacks' base forms, budget, seeds and private images against the client's upload from the "
+             "same state without the defense",
+    "replica": "the replica's own upload of the round's images with the declared training and no privacy mod, from "
+               "the same global model: the same attacks' base forms, budget and seeds",
+}
+
+
+def search_text(search: Dict[str, Any]) -> str:
+    """Why ``budget="auto"`` chose its budget, from the search's code (``stopped_by``) and numbers;
+    a search stored with its own words (an older report) keeps them."""
+    tried, code = (search.get("tried") or [{}])[-1], search.get("stopped_by")
+    if not code or not tried:
+        return search.get("reason", "")
+    got = (f"the control recovered {tried.get('recovered')} of {tried.get('images')} images of step "
+           f"{tried.get('step')}")
+    if code == "recovered":
+        return f"{got} at {search.get('budget')} gradient evaluations (at least half)"
+    limit = (f"max_budget {search.get('max_budget')}" if code == "max_budget" else
+             f"max_minutes {search.get('max_minutes'):g}: the next budget would end past it")
+    return (f"{got} at the largest budget tried, {search.get('budget')} ({limit}); steps where it recovers none "
+            "are inconclusive")
+
+
+def control_entry(info: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+    """The report's ``control`` section: the manifest's entry with its codes in words (what the
+    control ran, why the budget search stopped)."""
+    if not info:
+        return {"unavailable": "no positive control was stored for this audit"}
+    out = dict(info)
+    if out.get("kind") in CONTROL_KINDS:
+        out["description"] = CONTROL_KINDS[out["kind"]]
+    if out.get("search"):
+        out["search"] = {**out["search"], "reason": search_text(out["search"])}
+    return out
+
 
 def _recovered(per_image: Sequence[Dict[str, Any]]) -> Dict[Image, bool]:
     """``(batch, index) -> recovered`` for every judged image."""
@@ -41,7 +80,7 @@ def control_summary(judged: Optional[Dict[str, Any]], info: Dict[str, Any], rule
     ``control`` entry); ``judged``: ``judge_step``'s output on the control's records with the
     attacks that did not apply (``not_applicable``; None: no control was run)."""
     base = {"budget": info.get("budget"), "attacks": list(info.get("attacks") or []),
-            "description": info.get("description", "")}
+            "description": control_entry(info).get("description", "")}
     if judged is not None and judged.get("not_applicable"):
         base["not_applicable"] = list(judged["not_applicable"])
     if judged is None:

@@ -202,6 +202,11 @@ def evidence_notes(data: Dict[str, Any]) -> List[str]:
     elif fpr:
         notes.append(f"False-positive rate of the rule on this audit's data ({fpr['how']}): recovered "
                      f"{interval_text(fpr['recovered'])}; partially or worse {interval_text(fpr['partially_or_worse'])}")
+    control = data.get("control") or {}
+    if control.get("description"):
+        search = (control.get("search") or {}).get("reason")
+        notes.append(f"Positive control at budget {control.get('budget')}: {control['description']}"
+                     + (f"; budget searched: {search}" if search else ""))
     return notes
 
 

@@ -100,6 +100,14 @@ class SweepReport:
     def __init__(self, data: Dict[str, Any], out: Optional[Path] = None):
         self.data, self.out = data, Path(out) if out is not None else None
 
+    def to_dict(self) -> Dict[str, Any]:
+        """The sweep's report as one JSON-able record (what ``sweep.json`` holds)."""
+        return self.data
+
+    @classmethod
+    def from_dict(cls, data: Dict[str, Any], out: Optional[Path] = None) -> "SweepReport":
+        return cls(dict(data), out)
+
     @classmethod
     def from_cells(cls, out: Path, cells: Sequence[Dict[str, Any]], **kwargs: Any) -> "SweepReport":
         """Read each cell's ``report.json`` under ``out`` (missing: the cell is pending)."""

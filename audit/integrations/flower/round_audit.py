@@ -85,9 +85,8 @@ class ReplyAudit(_Cancellable, StateAudit):
         kind, extra = super().control_kind()
         return ReplicaControl, {**extra, "trained": self.private[0], "cancel": self.cancel}
 
-    def control_description(self) -> str:
-        return ("the replica's own upload of the round's images with the declared training and no privacy mod, from "
-                "the same global model: the same attacks' base forms, budget and seeds")
+    def control_code(self) -> str:
+        return "replica"
 
     def threat_model(self, specs) -> Dict[str, Any]:
         out = super().threat_model(specs)

@@ -6,7 +6,7 @@ from audit.report.store import atomic_write_json
 
 
 def _write(report, path, cache) -> None:
-    atomic_write_json(path, report.data)
+    atomic_write_json(path, report.to_dict())
 
 
 REPORT_FORMATS.add("json", ReportFormat({"audit": "report.json", "sweep": "sweep.json"},
