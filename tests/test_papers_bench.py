@@ -756,6 +756,34 @@ def test_a_cell_run_with_an_attack_default_since_changed_is_rerun_and_marked_sta
     assert "stale" not in page
 
 
+def test_a_leak_the_current_cells_decide_alone_does_not_rest_on_a_stale_planner_cell(tmp_path, monkeypatch):
+    from attacks import ATTACKS
+    from bench.papers.stale import planned_now
+
+    def cell_run(paper_identifies):
+        def fake_run_cell(row, plan, partial=None, on_claim=None, claim_only=False, deadline=None, cache=None,
+                          on_step=None, stepped=(), until_step=None):
+            ran = planned_now(plan.call) if plan.name == "planner" else ["ig"]
+            found = _cell(paper_identifies if plan.name == "paper:ig" else 0, control=12)
+            return {"key": plan.key, "call": json.loads(json.dumps(plan.call)), "seconds": 1.0, "status": "complete",
+                    "attacks": ran, "evidence": found.to_dict(), "fingerprints": pstale.cell_fingerprints(plan.call, ran)}
+        return fake_run_cell
+
+    row, profile = prows.BY_ID["censor-none"], pcells.Profile("cpu")
+    for identified, folder in ((12, "leak"), (0, "none")):
+        monkeypatch.setattr(prun, "run_cell", cell_run(identified))
+        prun.run_row(row, profile, "embedded", {}, tmp_path / "out", tmp_path / folder)
+    # the planner runs ig at its preset, the paper's cell with its schedule set: only the planner goes stale
+    monkeypatch.setitem(ATTACKS.get("ig").defaults, "schedule", "exp")
+    page = prender.render([row], profile, "embedded", {}, tmp_path / "leak", tmp_path / "out")
+    assert "**the claim holds (12 of 16 recovered" in page and "**stale" not in page
+    assert "Stale: the defaults of ig, portfolio changed since these cells ran" in page  # beside the planner's cell
+    assert page.splitlines()[0].endswith("1 holds")
+    # where the paper's cell shows no leak, the verdict rests on the stale cell: the row reads stale
+    page = prender.render([row], profile, "embedded", {}, tmp_path / "none", tmp_path / "out")
+    assert page.splitlines()[0].endswith("1 stale") and "**stale (the defaults of ig, portfolio changed" in page
+
+
 def test_an_attacks_fingerprint_follows_the_defaults_it_relies_on(monkeypatch):
     import adaptive  # noqa: F401  (registers mask-replay)
     from attacks import ATTACKS
