@@ -756,6 +756,34 @@ def test_a_cell_run_with_an_attack_default_since_changed_is_rerun_and_marked_sta
     assert "stale" not in page
 
 
+def test_a_leak_the_current_cells_decide_alone_does_not_rest_on_a_stale_planner_cell(tmp_path, monkeypatch):
+    from attacks import ATTACKS
+    from bench.papers.stale import planned_now
+
+    def cell_run(paper_identifies):
+        def fake_run_cell(row, plan, partial=None, on_claim=None, claim_only=False, deadline=None, cache=None,
+                          on_step=None, stepped=(), until_step=None):
+            ran = planned_now(plan.call) if plan.name == "planner" else ["ig"]
+            found = _cell(paper_identifies if plan.name == "paper:ig" else 0, control=12)
+            return {"key": plan.key, "call": json.loads(json.dumps(plan.call)), "seconds": 1.0, "status": "complete",
+                    "attacks": ran, "evidence": found.to_dict(), "fingerprints": pstale.cell_fingerprints(plan.call, ran)}
+        return fake_run_cell
+
+    row, profile = prows.BY_ID["censor-none"], pcells.Profile("cpu")
+    for identified, folder in ((12, "leak"), (0, "none")):
+        monkeypatch.setattr(prun, "run_cell", cell_run(identified))
+        prun.run_row(row, profile, "embedded", {}, tmp_path / "out", tmp_path / folder)
+    # the planner runs ig at its preset, the paper's cell with its schedule set: only the planner goes stale
+    monkeypatch.setitem(ATTACKS.get("ig").defaults, "schedule", "exp")
+    page = prender.render([row], profile, "embedded", {}, tmp_path / "leak", tmp_path / "out")
+    assert "**the claim holds (12 of 16 recovered" in page and "**stale" not in page
+    assert "Stale: the defaults of ig, portfolio changed since these cells ran" in page  # beside the planner's cell
+    assert page.splitlines()[0].endswith("1 holds")
+    # where the paper's cell shows no leak, the verdict rests on the stale cell: the row reads stale
+    page = prender.render([row], profile, "embedded", {}, tmp_path / "none", tmp_path / "out")
+    assert page.splitlines()[0].endswith("1 stale") and "**stale (the defaults of ig, portfolio changed" in page
+
+
 def test_an_attacks_fingerprint_follows_the_defaults_it_relies_on(monkeypatch):
     import adaptive  # noqa: F401  (registers mask-replay)
     from attacks import ATTACKS
@@ -1125,19 +1153,54 @@ def test_paper_claims_are_judged_as_the_paper_words_them():
         pverdict.pair_test(bayes, l1, "similar", 0.0)
 
 
+def _powered(values, control=12):
+    """A cell of per-image PSNR whose positive control recovers its first ``control`` images."""
+    c = _psnr_cell(values)
+    c.control = {(0, i, 0): i < control for i in range(len(values))}
+    return c
+
+
 def test_refiners_ordering_in_alpha_is_judged_pair_by_pair_on_the_same_images():
     row = prows.BY_ID["refiner-order"]
     assert row.chain == ("refiner-alpha-0.0", "refiner-alpha-0.5", "refiner-alpha-0.9") and "rise in alpha" in row.quote
-    falling = [("a0", _psnr_cell([20.0 + 0.1 * i for i in range(12)])),
-               ("a5", _psnr_cell([15.0 + 0.1 * i + (0.05 if i % 2 else -0.05) for i in range(12)])),
-               ("a9", _psnr_cell([12.0 + 0.1 * i for i in range(12)]))]
+    falling = [("a0", _powered([20.0 + 0.1 * i for i in range(12)])),
+               ("a5", _powered([15.0 + 0.1 * i + (0.05 if i % 2 else -0.05) for i in range(12)])),
+               ("a9", _powered([12.0 + 0.1 * i for i in range(12)]))]
     assert pverdict.conclude_chain(falling, [21.24, 13.20, 10.52]).outcome == pverdict.HOLDS
-    same = [(n, _psnr_cell([15.0 + 0.1 * i + (0.01 if i % 3 else -0.02) * k for i in range(12)]))
+    # the same PSNR at every alpha, measured by an attack with power: a tie, so PSNR does not fall
+    same = [(n, _powered([15.0 + 0.1 * i + (0.01 if i % 3 else -0.02) * k for i in range(12)]))
             for k, n in enumerate(("a0", "a5", "a9"))]
     flat = pverdict.conclude_chain(same, [21.24, 13.20, 10.52])
-    assert flat.outcome != pverdict.HOLDS and "excludes the paper's gap" in flat.detail
+    assert flat.outcome == pverdict.FAILS and "excludes the paper's gap; a tie within 1 dB" in flat.detail
+    # ... but where the attack recovers nothing without the defense, nothing is decided
+    for control, why in ((0, "attack power"), (None, "no positive control")):
+        weak = [(n, _powered([v + 0.0 for v in (c.per_image_psnr.values())], control or 0)) for n, c in same]
+        if control is None:
+            for _, c in weak:
+                c.control = None
+        found = pverdict.conclude_chain(weak, [21.24, 13.20, 10.52])
+        assert found.outcome == pverdict.INCONCLUSIVE and why in found.detail
+    # a wide interval around no difference decides nothing either
+    noisy = [(n, _powered([15.0 + (3.0 if (i + k) % 2 else -3.0) for i in range(12)])) for k, n in
+             enumerate(("a0", "a5", "a9"))]
+    assert pverdict.conclude_chain(noisy, [21.24, 13.20, 10.52]).outcome == pverdict.INCONCLUSIVE
     assert pverdict.conclude_chain([("a0", None), *falling[1:]], [21.24, 13.20, 10.52]).outcome == pverdict.INCONCLUSIVE
     assert pcells.plan_cells(row, pcells.Profile("cpu"), "embedded", {}, Path("/x")) == []
+
+
+def test_an_attack_at_its_own_budget_runs_there_and_counts_below_the_papers():
+    from bench.papers.judge import at_paper_budget
+
+    row, cpu = prows.BY_ID["refiner-alpha-0.5"], pcells.Profile("cpu")
+    plans = {p.name: p for p in pcells.plan_cells(row, cpu, "embedded", {}, Path("/x"))}
+    assert plans["paper:ig"].call["budget"] == 4000 and plans["paper:idlg"].call["budget"] == 1000
+    quick = {p.name: p for p in pcells.plan_cells(row, pcells.Profile("quick"), "embedded", {}, Path("/x"))}
+    assert quick["paper:idlg"].call["budget"] == quick["paper:ig"].call["budget"]
+    run = pcells.run_setting(row, cpu)
+    assert not at_paper_budget(row, run) and "idlg at 1,000 gradient evaluations; 16 of 1,000 images" in pcells.label(row, run)
+    gpu = {p.name: p for p in pcells.plan_cells(row, pcells.Profile("gpu"), "embedded", {}, Path("/x"))}
+    assert gpu["paper:idlg"].call["budget"] == gpu["paper:ig"].call["budget"] == 4000
+    assert at_paper_budget(prows.BY_ID["bayes-gauss-0"], pcells.run_setting(prows.BY_ID["bayes-gauss-0"], cpu))
 
 
 def test_the_verdict_table_opens_the_page_on_one_screen():

@@ -41,7 +41,8 @@ def run_setting(row: Row, profile: Profile) -> Dict[str, Any]:
             "planner": list(s.planner or ("auto",)), "planner_args": {k: dict(v) for k, v in s.planner_args.items()},
             "planner_budget": planner_budget,
             "adaptive_budget": QUICK["budget"] if quick else s.adaptive_budget or budget,
-            "train_batch": paper.train_batch or 8}
+            "train_batch": paper.train_batch or 8,
+            **({"attack_budgets": dict(s.attack_budgets)} if s.attack_budgets and not quick else {})}
 
 
 def args_text(args: Dict[str, Any]) -> str:
@@ -60,6 +61,7 @@ def differences(row: Row, run: Dict[str, Any]) -> List[str]:
             its = max(1, run["budget"] // paper.restarts)
             out.append(f"{its:,} of {paper.iterations:,} iterations"
                        + (f" x {paper.restarts} restarts" if paper.restarts > 1 else ""))
+        out.extend(f"{name} at {n:,} gradient evaluations" for name, n in below_budget(row, run).items())
         if list(run["steps"]) != list(paper.steps):
             out.append(f"steps {', '.join(map(str, run['steps']))} of {', '.join(map(str, paper.steps))}")
         if paper.images and run["images"] < paper.images:
@@ -68,6 +70,13 @@ def differences(row: Row, run: Dict[str, Any]) -> List[str]:
         out.append(f"training lr {row.lr:g} (the paper's: {paper.train_lr:g})")
     out.extend(row.differences)
     return out
+
+
+def below_budget(row: Row, run: Dict[str, Any]) -> Dict[str, int]:
+    """The row's paper attacks that ``run`` gives their own budget below the paper's (or where
+    the paper states none), with that budget."""
+    paper, own = row.setting.budget, run.get("attack_budgets") or {}
+    return {a.name: own[a.name] for a in row.attacks if a.name in own and (paper is None or own[a.name] < paper)}
 
 
 def label(row: Row, run: Dict[str, Any]) -> str:
@@ -103,7 +112,7 @@ def base_call(row: Row, profile: Profile, data: str, data_args: Dict[str, Any], 
                 steps=list(run["steps"]) if not utility else [0], images=run["images"] if not utility else 1,
                 budget=run["budget"], batch_size=1, lr=row.lr, train_batch_size=run["train_batch"], utility=utility,
                 utility_steps=4 if profile.shrunk else row.utility_steps,
-                utility_seeds=2 if profile.shrunk else 3, device=profile.device,
+                utility_seeds=2 if profile.shrunk else row.utility_seeds, device=profile.device,
                 out=str(store_dir(row, out) / "paper"), progress=not profile.shrunk,
                 # named only where they are not the default, so the other rows' cell keys stay as stored
                 **({"client_mode": row.setting.client_mode} if row.setting.client_mode != "train" else {}),
@@ -160,8 +169,10 @@ def _row_cells(row: Row, profile: Profile, data: str, data_args: Dict[str, Any],
     for a in row.attacks:
         args = {**a.args, **((searched or {}).get(a.name) or {})}
         paper_steps = [s for s in (row.paper_steps or steps) if s in steps]
+        own = {"budget": run["attack_budgets"][a.name]} if a.name in run.get("attack_budgets", {}) else {}
         cells.append(CellPlan(f"paper:{a.name}", {**base, "steps": paper_steps, "attacks": [a.name],
-                                                  "attack_args": {a.name: args} if args else None}, paper_steps))
+                                                  "attack_args": {a.name: args} if args else None, **own},
+                              paper_steps))
     if row.adaptive:
         adaptive_steps = [s for s in (row.adaptive_steps or steps) if s in steps]
         args = dict(row.adaptive.args)

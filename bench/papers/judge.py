@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
-from bench.papers.cells import (CellPlan, args_text, claim_cells, differences, judged_on, stale_cell, step_cells,
-                                whole_cells)
+from bench.papers.cells import (CellPlan, args_text, below_budget, claim_cells, differences, judged_on, stale_cell,
+                                step_cells, whole_cells)
 from bench.papers.evidence import CellEvidence
 from bench.papers.health import collapsed
 from bench.papers.rows import BY_ID
@@ -18,9 +18,11 @@ from bench.papers.verdict import (NOT_RUN, Conclusion, conclude_chain, conclude_
 
 
 def at_paper_budget(row: Row, run: Dict[str, Any]) -> bool:
-    """The paper's attacks ran at the paper's budget on the paper's model."""
+    """The paper's attacks ran at the paper's budget on the paper's model (each of them: one
+    at its own budget below the paper's is not)."""
     budget = row.setting.budget
-    return budget is not None and run["budget"] >= budget and run["model_args"] == row.setting.model_args
+    return (budget is not None and run["budget"] >= budget and run["model_args"] == row.setting.model_args
+            and not below_budget(row, run))
 
 
 def budget_note(row: Row, run: Dict[str, Any]) -> str:
@@ -29,6 +31,9 @@ def budget_note(row: Row, run: Dict[str, Any]) -> str:
         return f"the paper states no iteration count ({run['budget']:,} gradient evaluations here)"
     if run["model_args"] != row.setting.model_args:
         return f"a smaller model than the paper's ({args_text(run['model_args'])})"
+    if run["budget"] >= row.setting.budget and below_budget(row, run):
+        return "; ".join(f"{name} ran below the paper's budget ({n:,} of {row.setting.budget:,})"
+                         for name, n in below_budget(row, run).items())
     return f"the attacks ran below the paper's budget ({run['budget']:,} of {row.setting.budget:,})"
 
 
@@ -55,7 +60,8 @@ def _conclude_protects(row: Row, j: Judging) -> Conclusion:
 
 def _conclude_leaks(row: Row, j: Judging) -> Conclusion:
     key = "adaptive" if row.leak_cell == "adaptive" else f"paper:{row.attacks[0].name}"
-    others = [(name, j.cells.get(k)) for name, k in (("the planner's", "planner"),
+    named = [("the paper's", f"paper:{a.name}") for a in row.attacks[1:]]
+    others = [(name, j.cells.get(k)) for name, k in (*named, ("the planner's", "planner"),
                                                       ("the paper's adaptive attack", "adaptive")) if k != key]
     return conclude_leaks(j.cells.get(key), at_paper_budget(row, j.run), others, budget_note(row, j.run))
 

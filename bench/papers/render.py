@@ -181,6 +181,12 @@ def row_lines(row: Row, profile: Profile, data: str, data_args: Dict[str, Any], 
     planner_cell = cell_text(planner, planner_head(row, run, planner, profile.name), progress.get("planner", ""))
     adaptive_cell = (cell_text(judged.get("adaptive"), adaptive_head(row, run), progress.get("adaptive", ""))
                      if row.adaptive else "-")
+    resting = {n for n, why in changed.items() if why and decides(row, n)}  # stale cells the verdict may rest on
+    if resting and resting <= ASIDE and conclusion.decided:
+        standing = conclude(row, {n: None if n in resting else c for n, c in judged.items()}, run, utility, stored,
+                            chain)
+        if standing.decided and standing.outcome == conclusion.outcome:  # the current cells decide it alone
+            conclusion, resting = standing, set()
     first = judged.get(f"paper:{row.attacks[0].name}")
     cause = likely_cause(row, run, data, first.psnr if first else None)
     verdict = conclusion.text() + (f"; {cause}" if cause else "")
@@ -188,9 +194,9 @@ def row_lines(row: Row, profile: Profile, data: str, data_args: Dict[str, Any], 
         verdict = f"judged at steps {', '.join(map(str, row.claim_steps))}: {verdict}"
     if stored.get("projection"):
         verdict += "; alpha: " + projection_text(stored["projection"])
-    stale = sorted({a for n, why in changed.items() if decides(row, n) for a in why})
+    stale = sorted({a for n in resting for a in changed[n]})
     aside = {n: f" Stale: {stale_text(why)}; running the row again redoes it." for n, why in changed.items()
-             if why and not decides(row, n)}  # shown beside the verdict, which it does not decide
+             if why and n not in resting}  # shown beside the verdict, which it does not decide
     planner_cell += aside.get("planner", "")
     adaptive_cell += aside.get("adaptive", "")
     pending = [n for n, c in cells.items() if c is None]
@@ -221,6 +227,9 @@ def row_lines(row: Row, profile: Profile, data: str, data_args: Dict[str, Any], 
     return RowView(row, conclusion, label(row, run), ours, _power(judged), verdict, details)
 
 
+#: the cells whose staleness can be shown beside their own paragraph, where the verdict does not
+#: rest on them (an order claim's, or a leak that the row's other cells decide alone)
+ASIDE = {"planner", "adaptive"}
 #: a row with some of its cells stored: its verdict so far is shown, never counted as one
 UNFINISHED = "unfinished"
 #: a row whose stored cells ran attacks whose defaults have changed since: shown, counted apart

@@ -103,6 +103,10 @@ class Scale:
     planner_args: Dict[str, Dict[str, Any]] = field(default_factory=dict)
     planner_budget: Optional[int] = None
     adaptive_budget: Optional[int] = None
+    #: a paper attack's own budget (by name) where it differs from the row's: one that converges
+    #: in fewer evaluations than the row's first attack needs; below the paper's budget, the row
+    #: is judged as below it
+    attack_budgets: Dict[str, int] = field(default_factory=dict)
     why: str = ""
 
 
@@ -132,6 +136,7 @@ class Row:
     order_psnr: Dict[str, float] = field(default_factory=dict)  # claim "order": paper dB per attack
     utility: Optional[Tuple[str, float]] = None  # (claim, ratio) for claim "utility"
     utility_steps: int = PROTOCOL.rounds  # rounds of the utility recipe (docs/evidence.md)
+    utility_seeds: int = 3  # training seeds per arm of a utility claim (the quick check runs 2)
     differences: Tuple[str, ...] = ()  # what else differs from the paper (counted in the label)
     notes: Tuple[str, ...] = ()  # what the paper leaves open, and our code's known departures
     search: bool = False  # the paper's attacks' weights chosen by a grid search on held-out images

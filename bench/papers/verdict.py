@@ -15,7 +15,9 @@ intervals; its *chance* is the null's best of ``m`` (:func:`best_of_chance`). Co
 * a claim that an attack **leaks** holds when its cell identifies above chance; when it does
   not, it fails only at the paper's budget and where the control recovers images;
 * an **order** (Bayes' Table 2, Refiner's alpha) is tested pair by pair on the same images
-  (:func:`pair_test`); a claim over several steps is judged step by step (:func:`conclude_steps`);
+  (:func:`pair_test`; a pair claimed better that measures a tie does not hold); Refiner's alpha
+  ordering only where every cell's positive control recovers images (:func:`conclude_chain`);
+  a claim over several steps is judged step by step (:func:`conclude_steps`);
 * a **utility** claim (defended accuracy at least the undefended, or at least a ratio of it)
   is judged on the 95% Welch interval of ``defended - ratio x undefended`` over the training
   seeds, against a tolerance of ``UTILITY_TOLERANCE``: it holds when the whole interval lies
@@ -247,9 +249,10 @@ def pair_test(first: CellEvidence, other: CellEvidence, kind: str, gap: float, t
     wins, losses = paired(first, other)
     p_m = mcnemar_exact(wins, losses)
     contradicts_id = p_m < alpha and (losses > wins or kind == "tie")
-    if kind == "better":
+    if kind == "better":  # a tie measured (the interval within the tie margin) is not better
         outcome = (FAILS if (p_w < alpha and mean < 0) or contradicts_id else
-                   HOLDS if p_w < alpha and mean > 0 else INCONCLUSIVE)
+                   HOLDS if p_w < alpha and mean > 0 else
+                   FAILS if gap >= tie_db and abs(mean) + half <= tie_db else INCONCLUSIVE)
     elif kind == "tie":
         outcome = (FAILS if (p_w < alpha and abs(mean) > tie_db) or contradicts_id else
                    HOLDS if abs(mean) + half <= tie_db else INCONCLUSIVE)
@@ -262,7 +265,8 @@ def pair_test(first: CellEvidence, other: CellEvidence, kind: str, gap: float, t
             + f"; identification {wins}/{losses} discordant, McNemar p={p_m:.2g} (at best "
               f"{mcnemar_floor(wins + losses):.2g}): {outcome}")
     if kind == "better" and n > 1 and mean + half < gap:
-        text += " (the interval excludes the paper's gap)"
+        text += " (the interval excludes the paper's gap" + (
+            f"; a tie within {tie_db:g} dB)" if outcome == FAILS and abs(mean) + half <= tie_db else ")")
     return outcome, text
 
 
@@ -294,11 +298,20 @@ def conclude_order(first: Optional[CellEvidence], others: Dict[str, Optional[Cel
 def conclude_chain(cells: Sequence[Tuple[str, Optional[CellEvidence]]], paper_db: Sequence[float],
                    tie_db: float = 1.0, alpha: float = 0.05) -> Conclusion:
     """An ordering the paper reports along a setting (Refiner's PSNR falling as alpha rises):
-    each cell better than the next, pair by pair on the same images (:func:`pair_test`)."""
+    each cell better than the next, pair by pair on the same images (:func:`pair_test`). Only
+    where every cell's positive control recovers images: PSNR compared where the attack recovers
+    nothing measures the attack's own floor, not the setting."""
     if any(c is None for _, c in cells):
         missing = [n for n, c in cells if c is None]
         return Conclusion(INCONCLUSIVE if len(missing) < len(cells) else NOT_RUN,
                           f"not yet run: {', '.join(missing)}")
+    for name, c in cells:
+        effect = c.control_effect()
+        if effect is None or c.control_missing or not effect.control_recovered:
+            why = (NO_CONTROL if effect is None else f"positive control incomplete: {c.control_missing}"
+                   if c.control_missing else f"attack power: the control recovers none of {effect.images} images "
+                                             "without the defense")
+            return Conclusion(INCONCLUSIVE, f"{name}: {why}")
     parts, outcomes = [], []
     for (name, a), (other, b), gap_a, gap_b in zip(cells, cells[1:], paper_db, paper_db[1:]):
         outcome, text = pair_test(a, b, "better", gap_a - gap_b, tie_db, alpha)
