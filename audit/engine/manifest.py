@@ -78,9 +78,9 @@ def side_information(audit: Any) -> Dict[str, str]:
         obs = audit.observe(audit.model, x, y, 0, 0)
     except GiaError as err:
         return {"unavailable": f"the defense failed on the first observation: {err}"}
-    notes = attack_side_information(obs, "auto").notes
+    side = attack_side_information(obs, "auto")
     return {k: (v + "; added by every optimisation attack (ig, gi, portfolio, the adaptive attacks built on them)"
-                if v.startswith("used") else v) for k, v in notes.items()}
+                if k in side.used else v) for k, v in side.notes.items()}
 
 
 def threat_model(audit: Any, specs: Sequence[Any]) -> Dict[str, Any]:

@@ -29,12 +29,11 @@ def _by_step(records: Sequence[AttackResult]) -> Dict[int, Dict[str, List[Attack
     return by_step
 
 
-def buffers_used(by_attack: Dict[str, Sequence[Any]], effect: str) -> str:
+def buffers_used(by_attack: Dict[str, Sequence[AttackResult]], effect: str) -> str:
     """``the buffers' statistics used`` when an attack of the step matched the statistics the
-    uploaded buffers reveal, else why not (the defense's declared effect on them)."""
-    notes = [r.trace.get("side_information", {}).get("bn-upload", "") for recs in by_attack.values() for r in recs
-             if isinstance(r.trace.get("side_information"), dict)]
-    if any(n.startswith("used") for n in notes):
+    uploaded buffers reveal (its trace's code ``bn-upload``), else why not (the defense's
+    declared effect on them)."""
+    if any(r.trace.uses("bn-upload") for recs in by_attack.values() for r in recs):
         return "the buffers' statistics used"
     return f"the buffers' statistics not used (buffers {effect.split(':')[0]})"
 

@@ -78,7 +78,7 @@ def image_metrics(record: AttackResult) -> List[Dict[str, Any]]:
             entry[name] = _best([m.per_image(name, count)[j] for m in refs], higher)
         entry["l2"] = _best([m.l2[j] if m.l2 is not None and len(m.l2) == count else None for m in refs], False)
         entry["evidence"] = [e[j] for e in evidence]
-        entry["certificate_error"] = (record.trace or {}).get("certificate_error")  # the batch reproduces the upload
+        entry["certificate_error"] = record.trace.certificate_error  # the batch reproduces the upload
         out.append(entry)
     return out
 
