@@ -67,3 +67,41 @@ def test_a_stored_audit_rerenders_to_the_same_markdown(tmp_path):
     shutil.copytree(STORED, tmp_path / "audit")
     render(tmp_path / "audit")
     assert _undated((tmp_path / "audit" / "report.md").read_text()) == _undated((STORED / "report.md").read_text())
+
+
+def test_a_manifest_written_and_read_back_is_the_record(tmp_path):
+    from audit.core.manifest import Manifest
+    from audit.report.store import ResultStore
+
+    store = ResultStore.create(tmp_path, {"defense": "prune", "seed": 0})
+    part = Manifest(run_key=store.key, status="running", steps=[0, 5], images=2, defense={"name": "prune"},
+                    attacks=[{"id": "ig"}], risk_delta={"delta": 5.0}, failures=[])
+    store.update_manifest(part)
+    assert store.load_manifest() == part and store.load_manifest().planned
+    # later writes merge their keys; keys the record does not know are kept as they were
+    store.update_manifest(status="complete", flower_round={"server": 3})
+    back = store.load_manifest()
+    assert back == Manifest.from_dict({**part.to_dict(), "status": "complete", "flower_round": {"server": 3}})
+    assert back.status == "complete" and back.extra == {"flower_round": {"server": 3}}
+    assert json.loads(store.manifest_path.read_text()) == back.to_dict()  # the file is the record's JSON object
+    assert back.updated(status="interrupted").status == "interrupted" and back.status == "complete"
+
+
+def test_the_stored_manifest_reads_into_the_record_unchanged():
+    from audit.core.manifest import Manifest
+
+    raw = json.loads(next((STORED / "runs").glob("*/manifest.json")).read_text())
+    manifest = Manifest.from_dict(raw)
+    assert manifest.to_dict() == raw and manifest.extra == {}
+    assert manifest.steps == [0, 5] and manifest.threat_model["shares"] == "state"
+
+
+def test_a_stored_reports_steps_read_into_step_records_with_the_same_json():
+    from audit.core.records import StepReport
+
+    data = json.loads((STORED / "report.json").read_text())
+    report = AuditReport.from_dict(data)
+    assert [s.to_dict() for s in report.step_reports] == data["steps"]
+    assert [s.label for s in report.step_reports] == ["leaks", "incomplete"]
+    assert "the buffers' statistics used" in report.step_reports[0].verdict["buffers"]
+    assert StepReport.from_dict(json.loads(json.dumps(report.step_reports[1].to_dict()))) == report.step_reports[1]

@@ -359,3 +359,27 @@ class UtilityResult:
         return cls(data.get("defense", ""), dict(data.get("params") or {}), dict(data.get("setting") or {}),
                    AccuracySpread.from_dict(data.get("defended")), AccuracySpread.from_dict(data.get("undefended")),
                    data.get("unavailable") or "")
+
+
+# --------------------------------------------------------------------------- the report's steps
+@dataclass(frozen=True)
+class StepReport(_Record):
+    """One audited step of a report: per attack its summary (``attacks``), the worst case over
+    attacks per image (``worst_case``), the step's ``verdict``, the empirical ``risk`` and the
+    positive ``control``'s summary. Its JSON object is the step's entry in ``report.json``."""
+
+    step: int
+    attacks: Dict[str, Dict[str, Any]] = field(default_factory=dict)
+    worst_case: Dict[str, Any] = field(default_factory=dict)
+    verdict: Dict[str, Any] = field(default_factory=dict)
+    risk: Dict[str, Any] = field(default_factory=dict)
+    control: Optional[Dict[str, Any]] = None
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {"step": self.step, "attacks": self.attacks, "worst_case": self.worst_case, "verdict": self.verdict,
+                "risk": self.risk, "control": self.control}
+
+    @property
+    def label(self) -> str:
+        """The step's verdict label."""
+        return self.verdict.get("label", "")

@@ -16,6 +16,7 @@ import math
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from audit.core.evidence import excluded_rate, images_to_exclude
+from audit.core.manifest import Manifest
 from audit.core.records import SEVERITY, AttackResult, ImageClass, NullEvidence, Status, Verdict
 from audit.report.rule import LeakRule
 
@@ -277,10 +278,10 @@ def judge_step(by_attack: Dict[str, List[AttackResult]], images: int, rule: Leak
     return {"worst_case": wc, "verdict": step_verdict(wc["per_image"], rule, missing, attacks=len(by_attack))}
 
 
-def nulls_from_manifest(manifest: Dict[str, Any]) -> Nulls:
+def nulls_from_manifest(manifest: Any) -> Nulls:
     """The stored null of every private image, keyed by (batch, index in the batch)."""
     out: Nulls = {}
-    for image, batch in enumerate((manifest.get("null") or {}).get("images") or []):
+    for image, batch in enumerate((Manifest.from_dict(manifest).null or {}).get("images") or []):
         for j, data in enumerate(batch):
             out[(image, j)] = NullEvidence.from_dict(data)
     return out
