@@ -482,8 +482,8 @@ class OptimizationRun:
         if why:
             self._drop_features(f"not used: {why}; the reading would differ between the dummy and the upload")
             return None
-        self.side.notes["features"] = ("used: each image's last-layer features, read off the output layer's gradient "
-                                       "with the dummy's softmax")
+        self.side.use("features", "used: each image's last-layer features, read off the output layer's gradient "
+                                  "with the dummy's softmax")
         return head
 
     def _read_upload_features(self, group: Sequence[Observation]) -> None:
@@ -505,9 +505,9 @@ class OptimizationRun:
         for targets, features in zip(self.targets, readings):
             targets.append(features)
         self.upload_read = True
-        self.side.notes["features"] = ("used: each image's last-layer features, read off the output layer's gradient; "
-                                       "the upload's once, with the softmax recovered from it (fixed point), the "
-                                       "dummy's with its own")
+        self.side.use("features", "used: each image's last-layer features, read off the output layer's gradient; "
+                                  "the upload's once, with the softmax recovered from it (fixed point), the "
+                                  "dummy's with its own")
 
     def _read_with_dummy_softmax(self, why: str) -> None:
         """The upload read with the dummy's softmax each evaluation; the rule's weight lowered to
@@ -534,7 +534,7 @@ class OptimizationRun:
     def _drop_features(self, why: str) -> None:
         dropped = requiring(self.priors, "grads")
         self.priors = [p for p in self.priors if p[0] not in dropped]
-        self.side.notes["features"] = why
+        self.side.drop("features", why)
         self.head = None
 
     def gradient_features(self, grads: Sequence[Tensor], target: Sequence[Tensor], labels: Tensor) -> Dict[str, Any]:
@@ -835,6 +835,7 @@ class OptimizationRun:
                 "loss_history": rows_of[n * restarts:(n + 1) * restarts],
                 "labels": self.plans[n].info,
                 "side_information": dict(self.side.notes),
+                "side_information_used": tuple(self.side.used),
                 "prior_weights": {k: float(w) for k, _, w in self.priors},
                 "client_optimizer": replica_note(self.obs.optimizer),
                 "time_s": seconds / self.n,

@@ -10,7 +10,7 @@ trace says why (``side_information``).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 from audit.core.buffers import RevealedStatistics, upload_statistics
@@ -37,11 +37,26 @@ def upload_weight(layers: int) -> float:
 @dataclass
 class SideInformation:
     """What an attack run uses beyond the gradient: extra ``(key, prior, weight)`` terms, the
-    revealed statistics (None when not used) and one line per item for the trace."""
+    revealed statistics (None when not used), one line per item for people reading the trace,
+    and ``used``: the codes of the items the run matches (:data:`audit.core.trace.SIDE_INFORMATION`),
+    which is what the engine and the report decide from."""
 
     priors: List[Tuple[str, Any, float]]
     revealed: Optional[RevealedStatistics]
     notes: Dict[str, str]
+    used: List[str] = field(default_factory=list)
+
+    def use(self, code: str, note: str) -> None:
+        """Mark ``code`` as matched by the run, with its note."""
+        self.notes[code] = note
+        if code not in self.used:
+            self.used.append(code)
+
+    def drop(self, code: str, note: str) -> None:
+        """Mark ``code`` as not matched by the run, with why."""
+        self.notes[code] = note
+        if code in self.used:
+            self.used.remove(code)
 
     def tensors(self) -> List[Any]:
         return [] if self.revealed is None else self.revealed.tensors()
@@ -69,7 +84,8 @@ def side_information(observation: Observation, weight: Union[str, float]) -> Sid
         return SideInformation([], None, {"bn-upload": "not used: switched off (bn_upload=0)"})
     value = upload_weight(len(revealed.layers)) if weight == "auto" else float(weight)
     note = f"used (weight {value:g}): {revealed.describe()}, from the uploaded buffers"
-    return SideInformation([("bn-upload", UploadedBatchNormStatistics(), value)], revealed, {"bn-upload": note})
+    return SideInformation([("bn-upload", UploadedBatchNormStatistics(), value)], revealed, {"bn-upload": note},
+                           ["bn-upload"])
 
 
 def revealed_for_member(template: RevealedStatistics, tensors: List[Any]) -> RevealedStatistics:

@@ -2,6 +2,7 @@
 one predicate of revealed statistics, the learning rate decided once, the FL trainer and the
 Flower replay on the audit's round, and the unroll against torch.optim step by step."""
 import copy
+import json
 
 import pytest
 import torch
@@ -269,16 +270,25 @@ def test_the_attackers_smoothed_adam_states_its_eps_and_shrinks_the_first_step()
 
 
 def test_the_step_verdict_line_says_whether_the_buffers_carried_the_attacks():
-    from types import SimpleNamespace
-
+    from audit.core.records import AttackResult
     from audit.report.audit_report import buffers_used
     from audit.report.format import verdict_text
 
-    used = SimpleNamespace(trace={"side_information": {"bn-upload": "used (weight 3): the private batch's ..."}})
-    unused = SimpleNamespace(trace={"side_information": {"bn-upload": "not used: switched off (bn_upload=0)"}})
+    def result(trace):
+        return AttackResult.from_dict({"step": 0, "attack_id": "ig", "image": 0, "trace": trace})
+
+    # the code decides, whatever the attack's note says
+    used = result({"side_information_used": ["bn-upload"], "side_information": {"bn-upload": "matched"}})
+    unused = result({"side_information_used": [], "side_information": {"bn-upload": "used, says an odd note"}})
     assert buffers_used({"ig": [unused], "portfolio": [used]}, "untouched: ...") == "the buffers' statistics used"
     line = buffers_used({"ig": [unused]}, "noised: the defense adds Gaussian noise")
     assert line == "the buffers' statistics not used (buffers noised)"
+    # a result stored before the codes reads them from its notes as they were written then
+    older = result({"side_information": {"bn-upload": "used (weight 3): the private batch's ..."}})
+    assert buffers_used({"ig": [older]}, "untouched: ...") == "the buffers' statistics used"
+    # the codes survive the store's JSON, notes or not
+    again = AttackResult.from_dict(json.loads(json.dumps(unused.to_dict())))
+    assert not again.trace.uses("bn-upload") and again.trace == unused.trace
     verdict = {"label": "leaks", "recovered": 7, "images": 8, "buffers": "the buffers' statistics used"}
     assert "7 recovered" in verdict_text(verdict) and "the buffers' statistics used" in verdict_text(verdict)
 

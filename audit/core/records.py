@@ -12,6 +12,8 @@ from dataclasses import asdict, dataclass, field, fields
 from enum import Enum
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
+from audit.core.trace import Trace
+
 
 class Status(str, Enum):
     """What became of one (step, attack, image) result."""
@@ -206,12 +208,13 @@ class AttackResult(_Record):
     metrics_trained: Optional[Scores] = None
     unavailable_trained: Dict[str, str] = field(default_factory=dict)
     trained_reference: Optional[str] = None
-    trace: Dict[str, Any] = field(default_factory=dict)
+    trace: Trace = field(default_factory=Trace)
     time_s: Optional[float] = None
     png: Optional[str] = None
 
     def __post_init__(self):
         self.status = _status(self.status)
+        self.trace = Trace.from_dict(self.trace)
         for name in ("metrics", "metrics_trained"):
             value = getattr(self, name)
             if isinstance(value, dict):
@@ -221,9 +224,7 @@ class AttackResult(_Record):
     def effective_status(self) -> Any:
         """The status, with an "ok" whose trace says the optimisation stalled read as
         :attr:`Status.FAILED_TO_OPTIMISE`."""
-        trace = self.trace or {}
-        stalled = bool(trace.get("failed_to_optimise")) or trace.get("status") == Status.FAILED_TO_OPTIMISE.value
-        return Status.FAILED_TO_OPTIMISE if self.status is Status.OK and stalled else self.status
+        return Status.FAILED_TO_OPTIMISE if self.status is Status.OK and self.trace.stalled else self.status
 
     def references(self) -> List[Scores]:
         """The scores this result has: against the original, and against what the client trained on."""
@@ -232,6 +233,7 @@ class AttackResult(_Record):
     def to_dict(self) -> Dict[str, Any]:
         out = asdict(self)
         out["status"] = getattr(self.status, "value", self.status)
+        out["trace"] = self.trace.to_dict()
         return out
 
 
@@ -357,3 +359,27 @@ class UtilityResult:
         return cls(data.get("defense", ""), dict(data.get("params") or {}), dict(data.get("setting") or {}),
                    AccuracySpread.from_dict(data.get("defended")), AccuracySpread.from_dict(data.get("undefended")),
                    data.get("unavailable") or "")
+
+
+# --------------------------------------------------------------------------- the report's steps
+@dataclass(frozen=True)
+class StepReport(_Record):
+    """One audited step of a report: per attack its summary (``attacks``), the worst case over
+    attacks per image (``worst_case``), the step's ``verdict``, the empirical ``risk`` and the
+    positive ``control``'s summary. Its JSON object is the step's entry in ``report.json``."""
+
+    step: int
+    attacks: Dict[str, Dict[str, Any]] = field(default_factory=dict)
+    worst_case: Dict[str, Any] = field(default_factory=dict)
+    verdict: Dict[str, Any] = field(default_factory=dict)
+    risk: Dict[str, Any] = field(default_factory=dict)
+    control: Optional[Dict[str, Any]] = None
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {"step": self.step, "attacks": self.attacks, "worst_case": self.worst_case, "verdict": self.verdict,
+                "risk": self.risk, "control": self.control}
+
+    @property
+    def label(self) -> str:
+        """The step's verdict label."""
+        return self.verdict.get("label", "")

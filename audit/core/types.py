@@ -37,6 +37,7 @@ from torch import Tensor, nn
 from audit.core.errors import ConfigError
 from audit.core.client_training import SHARES, ClientTraining
 from audit.core.local_training import LocalOptimizer
+from audit.core.trace import Trace
 
 LossFn = Callable[[Tensor, Tensor], Tensor]
 
@@ -485,15 +486,19 @@ class Observation:
 # --------------------------------------------------------------------------- attacks
 @dataclass
 class Reconstruction:
-    """An attack's output: images in [0, 1] ``(B, C, H, W)``, labels ``(B,)``, and a trace
-    (loss history, chosen restart, timings, ...). ``applicable=False`` with a ``reason``
-    when the attack does not apply to the observation."""
+    """An attack's output: images in [0, 1] ``(B, C, H, W)``, labels ``(B,)``, and its
+    :class:`~audit.core.trace.Trace` (loss history, chosen restart, timings, ...; a plain dict
+    given here becomes one). ``applicable=False`` with a ``reason`` when the attack does not
+    apply to the observation."""
 
     inputs: Optional[Tensor]
     labels: Optional[Tensor]
-    trace: Dict[str, Any] = field(default_factory=dict)
+    trace: Trace = field(default_factory=Trace)
     applicable: bool = True
     reason: str = ""
+
+    def __post_init__(self):
+        self.trace = Trace.from_dict(self.trace)
 
     @classmethod
     def not_applicable(cls, reason: str, **trace: Any) -> "Reconstruction":

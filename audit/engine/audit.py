@@ -167,7 +167,7 @@ class Audit:
                 atomic_write_bytes(Path(self.output_settings.out) / CONFIG_FILE, self.config.toml().encode())
         for i, (x, _) in enumerate(self.private):
             store.save_original(i, x)
-        if store.load_manifest().get("utility_for") != self.utility_for():
+        if store.load_manifest().utility_for != self.utility_for():
             store.update_manifest(utility=self.utility().to_dict(), utility_for=self.utility_for())
         return specs
 
@@ -217,7 +217,7 @@ class Audit:
         except KeyboardInterrupt:  # every finished result is already on disk
             if store is not None:
                 store.update_manifest(status="interrupted")
-                if "attacks" in store.load_manifest():
+                if store.load_manifest().planned:
                     AuditReport.from_store(store).write(out)
             raise
         except Exception as err:  # a full disk, a broken store: the manifest must not say "running"

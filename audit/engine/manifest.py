@@ -12,6 +12,7 @@ from torch import nn
 from attacks.side_information import side_information as attack_side_information
 from audit.core.buffers import buffer_effect, upload_statistics
 from audit.core.errors import GiaError
+from audit.core.manifest import Manifest
 from audit.engine.identity import data_identity, versions
 from audit.engine.null import null_evidence
 from audit.engine.scoring import PSNR_CAP
@@ -54,8 +55,8 @@ def settings(audit: Any) -> Dict[str, Any]:
 
 def write_manifest(audit: Any, store: ResultStore, specs: Sequence[Any], plan: Dict[str, Any]) -> None:
     """Everything the report needs besides the results, written before any attack runs."""
-    store.update_manifest(
-        run_key=store.key, status="running", settings=audit.settings(), steps=audit.attack_settings.steps,
+    store.update_manifest(Manifest(
+        run_key=store.key, status="running", settings=audit.settings(), steps=list(audit.attack_settings.steps),
         images=audit.data_settings.images, attacks=[s.to_dict() for s in specs], plan=plan,
         defense=audit.defense_ident, differences=list(getattr(audit.defense, "differences", ()) or ()),
         privacy=audit.privacy(), threat_model=audit.threat_model(specs),
@@ -66,7 +67,7 @@ def write_manifest(audit: Any, store: ResultStore, specs: Sequence[Any], plan: D
         data=data_description(audit.dataset, audit.private),
         seeds={"seed": audit.seed, "model_init": audit.seed, "private_batches": audit.seed,
                "per_task": "derive_seed(seed, kind, step, attack, image) (sha256)"},
-        versions=versions(), failures=store.load_manifest().get("failures", []), metric_notes=METRIC_NOTES)
+        versions=versions(), failures=list(store.load_manifest().failures or []), metric_notes=METRIC_NOTES))
 
 
 def side_information(audit: Any) -> Dict[str, str]:
@@ -78,9 +79,9 @@ def side_information(audit: Any) -> Dict[str, str]:
         obs = audit.observe(audit.model, x, y, 0, 0)
     except GiaError as err:
         return {"unavailable": f"the defense failed on the first observation: {err}"}
-    notes = attack_side_information(obs, "auto").notes
+    side = attack_side_information(obs, "auto")
     return {k: (v + "; added by every optimisation attack (ig, gi, portfolio, the adaptive attacks built on them)"
-                if v.startswith("used") else v) for k, v in notes.items()}
+                if k in side.used else v) for k, v in side.notes.items()}
 
 
 def threat_model(audit: Any, specs: Sequence[Any]) -> Dict[str, Any]:

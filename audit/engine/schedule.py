@@ -30,7 +30,7 @@ def attack_all(audit: Any, store: ResultStore, specs: Sequence[Any]) -> None:
         return
     steps = sorted({s for s, _, _ in todo_all})
     states, failure = audit.checkpoints(store, steps)
-    known = store.load_manifest().get("failures", [])
+    known = store.load_manifest().failures or []
     if failure is not None and failure not in known:
         store.update_manifest(failures=known + [failure])
     cost = result_cost(audit)

@@ -10,6 +10,7 @@ import torch
 
 from audit.core.metrics import score_many
 from audit.core.records import Scores
+from audit.core.trace import Trace
 from audit.core.types import Defense
 
 PSNR_CAP = 200.0  # an exact reconstruction (MSE 0, PSNR inf) is reported as this many dB
@@ -98,15 +99,16 @@ def score_against_trained(rec, trained: Optional[torch.Tensor], labels: torch.Te
             "trained_reference": "the defense's transform_inputs of the private batch, with the observation's seed"}
 
 
-def trace_summary(trace: Dict[str, Any]) -> Dict[str, Any]:
-    """The small, JSON-able part of an attack's trace (losses are summarised, not stored)."""
+def trace_summary(trace: Any) -> Trace:
+    """The small, JSON-able part of an attack's trace: its typed fields whole, its ``extra``
+    summarised (number lists as first, last and length; small dicts of scalars kept)."""
+    trace = Trace.from_dict(trace)
     out: Dict[str, Any] = {}
-    for key, value in (trace or {}).items():
+    for key, value in trace.extra.items():
         if isinstance(value, (int, float, str, bool)) or value is None:
             out[key] = value
         elif isinstance(value, (list, tuple)) and value and all(isinstance(v, (int, float)) for v in value):
             out[f"{key}_first"], out[f"{key}_last"], out[f"{key}_len"] = value[0], value[-1], len(value)
         elif isinstance(value, dict) and len(value) <= 12:
             out[key] = {k: v for k, v in value.items() if isinstance(v, (int, float, str, bool)) or v is None}
-    return out
-
+    return replace(trace, side_information=dict(trace.side_information), extra=out)

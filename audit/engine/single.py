@@ -112,7 +112,7 @@ def run_attack(attack: str = "ig", config: Optional[AuditConfig] = None, /, *, i
         (folder / "comparison.png").write_bytes(batch_to_png_bytes(both.unsqueeze(0), min_height=256))
     metrics["summary"] = _summary(attack, rec, scores, folder)
     (folder / "metrics.json").write_text(json.dumps(to_jsonable(metrics), indent=2))
-    (folder / "trace.json").write_text(json.dumps(to_jsonable(rec.trace)))
+    (folder / "trace.json").write_text(json.dumps(to_jsonable(rec.trace.to_dict())))
     return metrics
 
 
@@ -136,5 +136,5 @@ def _summary(attack: str, rec, scores: Dict[str, Any], folder: Path) -> str:
             parts.append(f"{name} {value.value:.3g}{unit}")
         elif value is not None:
             parts.append(f"{name} unavailable ({value.unavailable})")
-    failed = f" -- {rec.trace['failure']}" if rec.trace.get("failed_to_optimise") else ""
+    failed = f" -- {rec.trace.failure}" if rec.trace.stalled else ""
     return f"{attack}: " + ", ".join(parts) + failed + f"; wrote {folder}/comparison.png and metrics.json"

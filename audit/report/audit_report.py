@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from audit.core.errors import ConfigError, StoreError
-from audit.core.records import AttackResult
+from audit.core.manifest import Manifest
+from audit.core.records import AttackResult, StepReport
 from audit.report.risk import (empirical_risk, false_positive_rates, judge_step, nulls_from_manifest, overall_verdict,
                                status_of, summarize_attack)
 from audit.report.control import control_entry, judge_with_control
@@ -29,88 +30,90 @@ def _by_step(records: Sequence[AttackResult]) -> Dict[int, Dict[str, List[Attack
     return by_step
 
 
-def buffers_used(by_attack: Dict[str, Sequence[Any]], effect: str) -> str:
+def buffers_used(by_attack: Dict[str, Sequence[AttackResult]], effect: str) -> str:
     """``the buffers' statistics used`` when an attack of the step matched the statistics the
-    uploaded buffers reveal, else why not (the defense's declared effect on them)."""
-    notes = [r.trace.get("side_information", {}).get("bn-upload", "") for recs in by_attack.values() for r in recs
-             if isinstance(r.trace.get("side_information"), dict)]
-    if any(n.startswith("used") for n in notes):
+    uploaded buffers reveal (its trace's code ``bn-upload``), else why not (the defense's
+    declared effect on them)."""
+    if any(r.trace.uses("bn-upload") for recs in by_attack.values() for r in recs):
         return "the buffers' statistics used"
     return f"the buffers' statistics not used (buffers {effect.split(':')[0]})"
 
 
-def build_report(manifest: Dict[str, Any], records: Sequence[Any],
+def build_report(manifest: Any, records: Sequence[Any],
                  rule: Optional[LeakRule] = None, control_records: Optional[Sequence[Any]] = None) -> Dict[str, Any]:
     """Every number of the report, as one JSON-able dictionary; ``rule`` (default: the
     audit's) judges the stored evidence, so other thresholds need no recomputation.
     ``control_records``: the positive control's results (``manifest["control"]`` says which
-    attacks and budget; :mod:`audit.report.control`); without them no step reads "no recovered image"."""
-    thresholds = rule or LeakRule.from_dict(manifest.get("thresholds"))
+    attacks and budget; :mod:`audit.report.control`); without them no step reads "no recovered image".
+    ``manifest``: a :class:`~audit.core.manifest.Manifest` (or its JSON object)."""
+    manifest = Manifest.from_dict(manifest)
+    thresholds = rule or LeakRule.from_dict(manifest.thresholds)
     records = [AttackResult.from_dict(r) for r in records]
     nulls = nulls_from_manifest(manifest)
-    delta = manifest["risk_delta"]["delta"]
-    attack_ids = [a["id"] for a in manifest["attacks"]]
-    images = int(manifest["images"])
+    delta = manifest.risk_delta["delta"]
+    attack_ids = [a["id"] for a in manifest.attacks]
+    images = int(manifest.images)
     by_step = _by_step(records)
     steps = []
-    for step in manifest["steps"]:
+    for step in manifest.steps:
         by_attack = {a: by_step[step].get(a, []) for a in attack_ids}
         steps.append({"step": step, "attacks": {a: summarize_attack(recs) for a, recs in by_attack.items()},
                       **judge_step(by_attack, images, thresholds, nulls), "risk": empirical_risk(by_attack, delta)})
-    info = manifest.get("control")
+    info = manifest.control
     controls: Dict[int, Optional[Dict[str, Any]]] = {}
     if info and control_records is not None:
         control_by_step = _by_step([AttackResult.from_dict(r) for r in control_records])
-        for step in manifest["steps"]:
+        for step in manifest.steps:
             mine = {a: control_by_step[step].get(a, []) for a in info.get("attacks", [])}
             controls[step] = {**judge_step(mine, images, thresholds, nulls),
                               "not_applicable": [a for a, recs in mine.items()
                                                  if recs and all(status_of(r) == "not_applicable" for r in recs)]}
     judge_with_control(steps, controls, info, thresholds)
-    effect = (manifest.get("threat_model") or {}).get("buffers")
+    effect = (manifest.threat_model or {}).get("buffers")
     for step in steps:  # what the uploaded buffers did for this step's verdict (shares="state")
         if effect:
             step["verdict"]["buffers"] = buffers_used(by_step[step["step"]], effect)
-    planned = [r for r in records if r.step in manifest["steps"] and r.attack_id in attack_ids]
+    planned = [r for r in records if r.step in manifest.steps and r.attack_id in attack_ids]
     skipped = sum(status_of(r) == "not_applicable" for r in planned)
-    progress = {"done": len(planned) - skipped, "total": len(manifest["steps"]) * len(attack_ids) * images - skipped}
+    progress = {"done": len(planned) - skipped, "total": len(manifest.steps) * len(attack_ids) * images - skipped}
     if skipped:  # results that do not apply count neither as done nor as to do
         progress["not_applicable"] = skipped
-    failures = list(manifest.get("failures", [])) + [
+    failures = list(manifest.failures or []) + [
         {"step": r.step, "attack": r.attack_id, "image": r.image, "defense": r.defense,
          "status": status_of(r), "error": r.reason}
         for r in records if status_of(r) not in ("ok", "not_applicable")
     ]
+    steps = [StepReport.from_dict(s).to_dict() for s in steps]  # each step's entry is the record's JSON
     verdict = overall_verdict(steps)
     return to_jsonable({
-        "title": f"gia-audit report: {manifest['defense']['name']}",
-        "step_name": manifest.get("step_name", "step"),
+        "title": f"gia-audit report: {manifest.defense['name']}",
+        "step_name": manifest.step_name or "step",
         "generated": _dt.datetime.now().isoformat(timespec="seconds"),
-        "run_key": manifest.get("run_key"),
-        "status": run_status(manifest.get("status", "unknown"), steps),
+        "run_key": manifest.run_key,
+        "status": run_status(manifest.status or "unknown", steps),
         "progress": progress,
         "not_applicable": not_applicable(steps),
         "verdict": verdict,
-        "defense": manifest["defense"],
-        "differences": list(manifest.get("differences") or []),
-        "privacy": manifest.get("privacy") or {"applicable": False, "reason": "not recorded by this audit"},
-        "threat_model": manifest.get("threat_model", {}),
-        "plan": manifest.get("plan", {}),
-        "control": control_entry(manifest.get("control")),
-        "attacks": manifest["attacks"],
+        "defense": manifest.defense,
+        "differences": list(manifest.differences or []),
+        "privacy": manifest.privacy or {"applicable": False, "reason": "not recorded by this audit"},
+        "threat_model": manifest.threat_model or {},
+        "plan": manifest.plan or {},
+        "control": control_entry(manifest.control),
+        "attacks": manifest.attacks,
         "thresholds": thresholds.to_dict(),
         "false_positive_rate": false_positive_rates(thresholds, nulls),
-        "null": (manifest.get("null") or {}).get("description", {}),
+        "null": (manifest.null or {}).get("description", {}),
         "chance_level": _mean_chance(nulls),
-        "risk_delta": manifest["risk_delta"],
-        "metric_notes": manifest.get("metric_notes", []),
-        "utility": manifest.get("utility", {}),
-        "data": manifest.get("data", {}),
-        "settings": manifest.get("settings", {}),
-        "config": manifest.get("config") or {"unavailable": "this audit was not built from a config"},
-        "seeds": manifest.get("seeds", {}),
-        "versions": manifest.get("versions", {}),
-        "timing": manifest.get("timing", {}),
+        "risk_delta": manifest.risk_delta,
+        "metric_notes": manifest.metric_notes or [],
+        "utility": manifest.utility or {},
+        "data": manifest.data or {},
+        "settings": manifest.settings or {},
+        "config": manifest.config or {"unavailable": "this audit was not built from a config"},
+        "seeds": manifest.seeds or {},
+        "versions": manifest.versions or {},
+        "timing": manifest.timing or {},
         "steps": steps,
         "failures": failures,
         "results": [r.to_dict() for r in records],
@@ -142,10 +145,10 @@ def run_status(stored: str, steps: List[Dict[str, Any]]) -> str:
     return stored
 
 
-def control_records(store: ResultStore, manifest: Dict[str, Any]) -> Optional[List[AttackResult]]:
+def control_records(store: ResultStore, manifest: Manifest) -> Optional[List[AttackResult]]:
     """The positive control's stored results for ``manifest`` (its ``control`` entry names the
     folder, relative to the audit's, and the run); None when there is none to read."""
-    info = manifest.get("control")
+    info = manifest.control
     if not info:
         return None
     if info.get("same_run") and info.get("run_key") == store.key:
@@ -171,18 +174,18 @@ class AuditReport:
     @classmethod
     def from_store(cls, store: ResultStore, rule: Optional[LeakRule] = None) -> "AuditReport":
         manifest = store.load_manifest(strict=True)
-        if "attacks" not in manifest:
+        if not manifest.planned:
             raise ConfigError(f"the audit in {store.root} (run {store.key}) stopped before its attacks were "
                               "planned; rerun the same audit command to continue it")
-        absent = [k for k in ("steps", "images", "risk_delta", "defense") if k not in manifest]
+        absent = [k for k in ("steps", "images", "risk_delta", "defense") if getattr(manifest, k) is None]
         if absent:
             raise StoreError(f"{store.manifest_path} lacks {', '.join(absent)}; rerun the same audit command to "
                              "rebuild it")
         records = store.records()
         if store.unreadable:  # a lost result is missing evidence, and the report names it
             lost = [{"phase": "store", "status": "unreadable", "error": why} for why in store.unreadable.values()]
-            manifest = {**manifest, "status": "incomplete (unreadable stored results)",
-                        "failures": list(manifest.get("failures", [])) + lost}
+            manifest = manifest.updated(status="incomplete (unreadable stored results)",
+                                        failures=list(manifest.failures or []) + lost)
         return cls(build_report(manifest, records, rule, control_records(store, manifest)), store.dir, store.root)
 
     def to_dict(self) -> Dict[str, Any]:
@@ -207,6 +210,11 @@ class AuditReport:
     @property
     def failures(self) -> List[Dict[str, Any]]:
         return self.data["failures"]
+
+    @property
+    def step_reports(self) -> List[StepReport]:
+        """The audited steps as :class:`~audit.core.records.StepReport` records."""
+        return [StepReport.from_dict(s) for s in self.steps]
 
     def step(self, step: int) -> Dict[str, Any]:
         for entry in self.steps:

@@ -16,6 +16,7 @@ import math
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from audit.core.evidence import excluded_rate, images_to_exclude
+from audit.core.manifest import Manifest
 from audit.core.records import SEVERITY, AttackResult, ImageClass, NullEvidence, Status, Verdict
 from audit.report.rule import LeakRule
 
@@ -78,7 +79,7 @@ def image_metrics(record: AttackResult) -> List[Dict[str, Any]]:
             entry[name] = _best([m.per_image(name, count)[j] for m in refs], higher)
         entry["l2"] = _best([m.l2[j] if m.l2 is not None and len(m.l2) == count else None for m in refs], False)
         entry["evidence"] = [e[j] for e in evidence]
-        entry["certificate_error"] = (record.trace or {}).get("certificate_error")  # the batch reproduces the upload
+        entry["certificate_error"] = record.trace.certificate_error  # the batch reproduces the upload
         out.append(entry)
     return out
 
@@ -277,10 +278,10 @@ def judge_step(by_attack: Dict[str, List[AttackResult]], images: int, rule: Leak
     return {"worst_case": wc, "verdict": step_verdict(wc["per_image"], rule, missing, attacks=len(by_attack))}
 
 
-def nulls_from_manifest(manifest: Dict[str, Any]) -> Nulls:
+def nulls_from_manifest(manifest: Any) -> Nulls:
     """The stored null of every private image, keyed by (batch, index in the batch)."""
     out: Nulls = {}
-    for image, batch in enumerate((manifest.get("null") or {}).get("images") or []):
+    for image, batch in enumerate((Manifest.from_dict(manifest).null or {}).get("images") or []):
         for j, data in enumerate(batch):
             out[(image, j)] = NullEvidence.from_dict(data)
     return out

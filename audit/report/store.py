@@ -34,6 +34,7 @@ from typing import Any, ContextManager, Dict, Iterator, List, Optional, Sequence
 import torch
 
 from audit.core.errors import ConfigError, StoreError
+from audit.core.manifest import Manifest
 from audit.core.records import AttackResult
 from audit.core.files import atomic_torch_save, atomic_write_bytes, exclusive_lock, storage_error
 
@@ -169,10 +170,14 @@ class ResultStore:
     def manifest_path(self) -> Path:
         return self.dir / MANIFEST
 
-    def load_manifest(self, strict: bool = False) -> Dict[str, Any]:
-        """The manifest ({} when there is none). One that cannot be read raises
-        :class:`StoreError` with ``strict``; else it reads as a manifest holding only the note
-        that it was unreadable (a rerun rebuilds it and keeps the note among its failures)."""
+    def load_manifest(self, strict: bool = False) -> Manifest:
+        """The :class:`~audit.core.manifest.Manifest` (empty when there is none). One that cannot
+        be read raises :class:`StoreError` with ``strict``; else it reads as a manifest holding
+        only the note that it was unreadable (a rerun rebuilds it and keeps the note among its
+        failures)."""
+        return Manifest.from_dict(self._manifest_json(strict))
+
+    def _manifest_json(self, strict: bool = False) -> Dict[str, Any]:
         if not self.manifest_path.is_file():
             return {}
         try:
@@ -184,15 +189,17 @@ class ResultStore:
             return {"failures": [{"phase": "store", "status": "recomputed",
                                   "error": f"{err}: rebuilt (the utility measured again)"}]}
 
-    def update_manifest(self, **fields: Any) -> Dict[str, Any]:
-        """Merge ``fields`` into the manifest; the read-modify-write holds a lock on the run
-        (processes writing one run, such as a sweep's group jobs, never lose each other's fields)."""
+    def update_manifest(self, part: Optional[Manifest] = None, **fields: Any) -> Manifest:
+        """Merge the fields ``part`` sets, and ``fields``, into the manifest; the read-modify-write
+        holds a lock on the run (processes writing one run, such as a sweep's group jobs, never
+        lose each other's fields). Keys the record does not know are kept as they were."""
+        changes = {**(part.to_dict() if part is not None else {}), **fields}
         with self._locked():
-            manifest = self.load_manifest()
-            manifest.update(to_jsonable(fields))
+            manifest = self._manifest_json()
+            manifest.update(to_jsonable(changes))
             atomic_write_json(self.manifest_path, manifest)
         self.unreadable.pop(str(self.manifest_path), None)  # rebuilt, its loss noted in its failures
-        return manifest
+        return Manifest.from_dict(manifest)
 
     def claim(self, step: int, attack_id: str) -> ContextManager[None]:
         """Hold the (step, attack) group against other processes: a second audit of the same run
@@ -274,7 +281,7 @@ class ResultStore:
         replaced = self.unreadable.pop(str(path), None)
         atomic_write_json(path, record)
         if replaced is not None:  # say in the report that a stored result was lost and recomputed
-            failures = self.load_manifest().get("failures", [])
+            failures = self.load_manifest().failures or []
             self.update_manifest(failures=failures + [{
                 "phase": "store", "step": step, "attack": attack_id, "image": image, "status": "recomputed",
                 "error": replaced.split("; ")[0] + ": recomputed"}])

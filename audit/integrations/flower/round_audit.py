@@ -99,7 +99,7 @@ class ReplyAudit(_Cancellable, StateAudit):
 
     def _prepare(self, store):
         specs = super()._prepare(store)
-        data = dict(store.load_manifest().get("data", {}))
+        data = dict(store.load_manifest().data or {})
         data.pop("splits", None)
         data["trained"] = "the audited batch is the images the round trained on; the others are the reference"
         store.update_manifest(data=data)

@@ -1,0 +1,99 @@
+"""The manifest of an audit run, as a typed record.
+
+The engine writes it (``runs/<key>/manifest.json``) in parts before and while it attacks: its
+settings, the plan, the threat model, the null's evidence, the risk ball, the data, the seeds,
+then the utility, the positive control and the run's status. The report is rendered from it and
+the stored results. Every field is optional, as a run stopped early has only some of them; the
+JSON is the flat object of the fields that are set (keys this record does not know are kept in
+``extra`` and written back as they were), and the record reads as a mapping of that object.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Dict, Iterator, List, Mapping, Optional
+
+
+@dataclass(frozen=True, eq=False)  # equal as mappings: the same JSON object
+class Manifest(Mapping):
+    """One audit run's manifest (every field None until the engine writes it).
+
+    ``run_key``: the run's key; ``status``: "running", "complete", "interrupted", "stopped (...)",
+    ...; ``step_name``: what a step is called (a Flower round audit's "round"); ``settings``:
+    every setting of the run; ``steps``, ``images``: what is audited; ``attacks``: the planned
+    attacks' specs; ``plan``: the planner's findings; ``defense``: its identity; ``differences``:
+    where it departs from its paper; ``privacy``: its (epsilon, delta) per step; ``threat_model``:
+    what the attacker was given; ``thresholds``: the leak rule; ``null``: the null's evidence per
+    private image; ``risk_delta``: the risk ball; ``data``, ``seeds``, ``versions``; ``failures``:
+    what went wrong outside the results; ``metric_notes``; ``config``: the configuration record;
+    ``utility`` with ``utility_for`` (what it was measured for); ``control``: where the positive
+    control's results are; ``timing``.
+    """
+
+    run_key: Optional[str] = None
+    status: Optional[str] = None
+    step_name: Optional[str] = None
+    settings: Optional[Dict[str, Any]] = None
+    steps: Optional[List[int]] = None
+    images: Optional[int] = None
+    attacks: Optional[List[Dict[str, Any]]] = None
+    plan: Optional[Dict[str, Any]] = None
+    defense: Optional[Dict[str, Any]] = None
+    differences: Optional[List[str]] = None
+    privacy: Optional[Dict[str, Any]] = None
+    threat_model: Optional[Dict[str, Any]] = None
+    thresholds: Optional[Dict[str, Any]] = None
+    null: Optional[Dict[str, Any]] = None
+    risk_delta: Optional[Dict[str, Any]] = None
+    data: Optional[Dict[str, Any]] = None
+    seeds: Optional[Dict[str, Any]] = None
+    versions: Optional[Dict[str, Any]] = None
+    failures: Optional[List[Dict[str, Any]]] = None
+    metric_notes: Optional[List[str]] = None
+    config: Optional[Dict[str, Any]] = None
+    utility: Optional[Dict[str, Any]] = None
+    utility_for: Optional[List[Any]] = None
+    control: Optional[Dict[str, Any]] = None
+    timing: Optional[Dict[str, Any]] = None
+    extra: Dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> Dict[str, Any]:
+        """The JSON object: the fields that are set, then the keys kept in ``extra``."""
+        out = {name: getattr(self, name) for name in _FIELDS if getattr(self, name) is not None}
+        out.update(self.extra)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Any) -> "Manifest":
+        """The record of a manifest's JSON object (None or {}: an empty manifest)."""
+        if isinstance(data, cls):
+            return data
+        data = dict(data or {})
+        known = {k: data.pop(k) for k in _FIELDS if k in data and data[k] is not None}
+        return cls(**known, extra=data)
+
+    def updated(self, **changes: Any) -> "Manifest":
+        """This manifest with ``changes`` merged in (as a write of those keys merges them)."""
+        return Manifest.from_dict({**self.to_dict(), **changes})
+
+    @property
+    def planned(self) -> bool:
+        """True once the attacks were planned (the run got past its preparation)."""
+        return self.attacks is not None
+
+    # ------------------------------------------------------------------ the mapping
+    def __getitem__(self, key: str) -> Any:
+        if key in _FIELDS:
+            value = getattr(self, key)
+            if value is None:
+                raise KeyError(key)
+            return value
+        return self.extra[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.to_dict())
+
+    def __len__(self) -> int:
+        return len(self.to_dict())
+
+
+_FIELDS = tuple(f.name for f in fields(Manifest) if f.name != "extra")
