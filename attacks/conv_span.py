@@ -4,17 +4,24 @@ Where a convolution has fewer output positions than output channels and patch en
 weight gradient's row space is exactly the span of its input's patches
 (:mod:`attacks.conv_span_algebra`): on ResNet-18 at batch 1, every convolution of stages 3 and
 4. Asking every patch of a candidate's deep maps to lie in those row spaces is tens of
-thousands of equations on a 3,072-pixel image, and needs no second-order gradient: the attack
-minimises that residual (:func:`~attacks.conv_span_algebra.span_residual`, summed over the
-convolutions whose uploaded gradient shows the rank gap) over the images with L-BFGS, each
-evaluation one forward and one backward pass of the client's model. The residual cannot see a
-per-channel gain and offset of the image, so a last step fits those (six numbers per image) and
-the labels to the whole upload, and the certificate, as SPEAR's, is the relative error with
-which the recovered batch reproduces the upload.
+thousands of equations on a 3,072-pixel image, and needs no second-order gradient. The attack
+runs in three stages, each an L-BFGS descent:
 
-Measured (docs/conv-span.md): with eval-mode BatchNorm at initialisation most images come back exact;
-with train-mode BatchNorm at batch 1 the landscape has a small basin and L-BFGS from a flat
-start stalls.
+1. the deep map: in a sequential model, the map entering the first child that holds a span
+   convolution, found from a random map so that every span convolution above it sees patches
+   in its row space (:mod:`attacks.conv_span_maps`);
+2. the image whose lower layers map to it (feature inversion, scale-free);
+3. from there, the same residual over the image, in float32 then float64, restarted from a new
+   draw where it stalls.
+
+The residual cannot see a per-channel gain and offset of the image, so a last step fits those
+(six numbers per image) and the labels to the whole upload, and the certificate, as SPEAR's, is
+the relative error with which the recovered batch reproduces the upload.
+
+Measured (docs/conv-span.md): with eval-mode BatchNorm at initialisation the deep map and the
+image come back exact. With train-mode BatchNorm the deep map still does (up to the per-channel
+offsets the normalisation removes), but the inversion of the lower layers under train-mode
+normalisation stalls from every start tried.
 """
 from __future__ import annotations
 
@@ -33,6 +40,7 @@ from audit.core.errors import ConfigError, NotApplicable
 from audit.core.types import Observation, Reconstruction, trainable_names
 
 from attacks.conv_span_algebra import GAP, RowSpace, row_spaces, span_layers, span_residual
+from attacks.conv_span_maps import feature_mismatch, map_residual, non_negative, resolutions, split, upsampled
 from attacks.labels import infer_labels
 from attacks.presets import ATTACKS
 from attacks.simulator import ClientReplica, GradientSimulator, SimContext
@@ -54,6 +62,10 @@ STALL_CHUNKS = 3
 STALL = 1e-2
 #: the share of the evaluations run in float64 at the end (none where the upload is float64 already)
 FLOAT64_SHARE = 0.25
+#: evaluations of the deep-map stage (:mod:`attacks.conv_span_maps`) per image-domain evaluation: the map's
+#: descent (one costs ~0.7 of an image-domain one on ResNet-18) and the image's inversion under it (~0.3)
+MAP_EVALUATIONS = 2.0
+INVERT_EVALUATIONS = 0.75
 #: Gauss-Newton iterations of the colour fit to the whole upload
 FIT_EVALUATIONS = 10
 #: the scales (times the data set's per-channel std) the colour fit starts from
@@ -103,12 +115,14 @@ class ConvSpan:
     uses_budget = True
 
     def __init__(self, evaluations: int = DEFAULT_EVALUATIONS, fit: int = FIT_EVALUATIONS, init_std: float = 0.1,
-                 tolerance: float = CERTIFICATE_TOLERANCE, layers: Optional[List[str]] = None):
+                 tolerance: float = CERTIFICATE_TOLERANCE, layers: Optional[List[str]] = None,
+                 deep_map: bool = True):
         if evaluations < 1 or fit < 0 or not init_std >= 0 or not tolerance > 0:
             raise ConfigError(f"conv-span: need evaluations >= 1, fit >= 0, init_std >= 0 and tolerance > 0, got "
                               f"{evaluations}, {fit}, {init_std}, {tolerance}")
         self.evaluations, self.fit, self.init_std = int(evaluations), int(fit), float(init_std)
         self.tolerance, self.layers = float(tolerance), None if layers is None else list(layers)
+        self.deep_map = bool(deep_map)
 
     def reconstruct(self, observation: Observation, budget: Optional[int] = None, seed: int = 0,
                     progress: Optional[Callable] = None) -> Reconstruction:
@@ -140,11 +154,16 @@ class ConvSpan:
         history: List[float] = []
         restarts = 0
         calls = [0]  # evaluations so far over every start and stage, for the progress bar
+        mapped, inverted = (int(round(f * evaluations)) if self.deep_map else 0
+                            for f in (MAP_EVALUATIONS, INVERT_EVALUATIONS))
+        total = evaluations + mapped + inverted
 
         def report(_n: int, _of: int, loss: float) -> None:
             calls[0] += 1
             if progress is not None:
-                progress(calls[0], evaluations, loss)
+                progress(calls[0], total, loss)
+        if mapped:
+            x = self._deep_map_start(observation, spaces, x, mapped, inverted, generator, report, trace)
         for stage, count in ((observation, evaluations - fine), (_float64(observation), fine)):
             if count < 1:
                 continue
@@ -183,6 +202,43 @@ class ConvSpan:
                      certificate_error=error, certified=certified, certificate_tolerance=self.tolerance,
                      seconds=time.perf_counter() - start)
         return Reconstruction(images.clamp(0, 1).to(observation.gradients[0].dtype), labels, trace)
+
+    def _deep_map_start(self, observation: Observation, spaces: List[RowSpace], x: Tensor, mapped: int,
+                        inverted: int, generator: torch.Generator, report: Callable, trace: Dict) -> Tensor:
+        """The image-domain descent's start: the span convolutions' common input map found first (from a
+        random map), then the image whose bottom maps to it (:mod:`attacks.conv_span_maps`); ``x`` is
+        returned unchanged where the model does not split."""
+        replica = GradientSimulator().prepare(observation)
+        cut = split(replica.model, [s.layer.name for s in spaces])
+        if cut is None:
+            trace["deep_map"] = "not-sequential"
+            return x
+        x = x.to(observation.gradients[0])
+        hooks = _Maps(replica, spaces)
+        here = [dataclasses.replace(s, basis=s.basis.to(x)) for s in spaces]
+        with torch.no_grad():
+            shape, positive = cut.map_of(x).shape, non_negative(cut, x)
+        deep = torch.rand(shape, generator=generator).to(x).requires_grad_(True)
+        with hooks:
+            residual = map_residual(cut.top, here, hooks.convs, hooks.maps)
+            history = _Descent([deep], lambda: residual(deep.abs() if positive else deep), report).run(mapped)
+        target = (deep.abs() if positive else deep).detach()
+        first = hooks.convs[spaces[0].layer.name]
+        stride = int(first.stride[0]) if spaces[0].centred else 0
+        mismatch = feature_mismatch(cut, target, stride)
+        # coarse to fine: under train-mode BatchNorm the inversion from a full-resolution start stalls
+        # (ResNet-18, stage 2's output: 15 dB); from a quarter, then a half resolution it is exact (73 dB)
+        sizes = resolutions(x.shape[-2:])
+        inversion: List[float] = []
+        for k, size in enumerate(sizes):
+            coarse = torch.nn.functional.interpolate(x.detach(), size=size, mode="bilinear", align_corners=False,
+                                                     antialias=True).requires_grad_(True)
+            part = inverted // len(sizes) + (inverted % len(sizes) if k == len(sizes) - 1 else 0)
+            inversion += _Descent([coarse], lambda: mismatch(upsampled(coarse, x.shape[-2:])), report).run(part)
+            x = upsampled(coarse, x.shape[-2:]).detach()
+        trace.update(deep_map_residual=history[-1], deep_map_evaluations=len(history),
+                     inversion_mismatch=inversion[-1], inversion_evaluations=len(inversion))
+        return x
 
     def _labels(self, observation: Observation, replica: ClientReplica, params: Dict[str, Tensor], x: Tensor,
                 seed: int) -> Tuple[Tensor, str]:
@@ -332,5 +388,6 @@ class _Descent:
                   "convolutions' weight gradients (exact where positions < channels), colour fitted to the upload "
                   "and certified by reproducing it")
 def conv_span(evaluations: int = DEFAULT_EVALUATIONS, fit: int = FIT_EVALUATIONS, init_std: float = 0.1,
-              tolerance: float = CERTIFICATE_TOLERANCE, layers: Optional[List[str]] = None) -> ConvSpan:
-    return ConvSpan(evaluations, fit, init_std, tolerance, layers)
+              tolerance: float = CERTIFICATE_TOLERANCE, layers: Optional[List[str]] = None,
+              deep_map: bool = True) -> ConvSpan:
+    return ConvSpan(evaluations, fit, init_std, tolerance, layers, deep_map)

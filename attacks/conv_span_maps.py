@@ -1,0 +1,110 @@
+"""Conv-span's deep-map stage: the span convolutions' input map first, then the image under it.
+
+In a sequential model the span convolutions (:mod:`attacks.conv_span_algebra`) all lie in the
+children from some index on, so one map, the one entering that child, fixes every one of their
+inputs. Taken as the unknown, that map meets the row-space constraints of every span convolution
+above it, and the only non-linearity left between it and them is the top's own: on ResNet-18 at
+batch 1 (the 16x16x128 output of stage 2) L-BFGS from a random map reaches the true one to a
+cosine of 1 - 2e-8 in eval mode, where the same residual taken over the image stalls on some
+images. The image is then the one whose bottom maps to it (feature inversion, scale-free), and
+the image-domain descent of :mod:`attacks.conv_span` finishes from there.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from attacks.conv_span_algebra import RowSpace, span_residual
+
+
+@dataclass
+class Split:
+    """A sequential model cut before its first child holding a span convolution: ``bottom`` maps
+    the image to the deep map, ``top`` runs from it through the last span convolution."""
+
+    bottom: nn.Sequential
+    top: nn.Sequential
+
+    def map_of(self, images: Tensor) -> Tensor:
+        return self.bottom(images)
+
+
+def split(model: nn.Module, layer_names: Sequence[str]) -> Optional[Split]:
+    """The cut of ``model`` below every layer in ``layer_names`` (module names), or None where the
+    model is not an ``nn.Sequential`` or the first such layer sits in its first child."""
+    if not isinstance(model, nn.Sequential) or not layer_names:
+        return None
+    children = list(model.named_children())
+
+    def holds(child: str) -> bool:
+        return any(name == child or name.startswith(child + ".") for name in layer_names)
+
+    held = [i for i, (name, _) in enumerate(children) if holds(name)]
+    if not held or held[0] == 0:
+        return None
+    first, last = held[0], held[-1]
+    return Split(nn.Sequential(*[c for _, c in children[:first]]),
+                 nn.Sequential(*[c for _, c in children[first:last + 1]]))
+
+
+def map_residual(top: nn.Sequential, spaces: List[RowSpace], modules: Dict[str, nn.Module],
+                 maps: Dict[str, Tensor]) -> Callable[[Tensor], Tensor]:
+    """The mean span residual of ``spaces`` for a candidate deep map (``maps`` is filled by the
+    caller's forward hooks on ``modules``)."""
+
+    def residual(deep: Tensor) -> Tensor:
+        maps.clear()
+        top(deep)
+        return sum(span_residual(s, modules[s.layer.name], maps[s.layer.name]) for s in spaces) / len(spaces)
+    return residual
+
+
+def feature_mismatch(split_: Split, target: Tensor, centred_stride: int = 0) -> Callable[[Tensor], Tensor]:
+    """How far the images' deep maps are from ``target``, each image's map compared by direction (the
+    span fixes a map only up to its scale). ``centred_stride``: with train-mode BatchNorm after
+    convolutions of that stride, a per-channel constant added to the positions of one residue class
+    (the centre taps of a stride-2 3x3 and its 1x1 shortcut) shifts every patch alike, which the
+    centring and the normalisation above remove: the span cannot see it, so each class's
+    per-channel mean is left out of the comparison."""
+    want = _directions(target.detach(), centred_stride)
+
+    def mismatch(images: Tensor) -> Tensor:
+        return (_directions(split_.map_of(images), centred_stride) - want).pow(2).sum()
+    return mismatch
+
+
+def _directions(maps: Tensor, centred_stride: int = 0) -> Tensor:
+    if centred_stride:
+        classes = torch.zeros_like(maps)
+        for a in range(centred_stride):
+            for b in range(centred_stride):
+                part = maps[..., a::centred_stride, b::centred_stride]
+                classes[..., a::centred_stride, b::centred_stride] = part.mean((-2, -1), keepdim=True).expand_as(part)
+        maps = maps - classes
+    flat = maps.reshape(len(maps), -1)
+    return flat / flat.norm(dim=1, keepdim=True).clamp_min(1e-30)
+
+
+def resolutions(size: Sequence[int], levels: int = 3) -> List[tuple]:
+    """The image sizes of a coarse-to-fine inversion: each level doubles, ending at ``size``; a
+    level below 4 pixels is left out."""
+    height, width = int(size[0]), int(size[1])
+    found = [(height >> k, width >> k) for k in reversed(range(levels))]
+    return [s for s in found if min(s) >= 4] or [(height, width)]
+
+
+def upsampled(images: Tensor, size: Sequence[int]) -> Tensor:
+    """``images`` at ``size`` (bilinear; the same tensor where it is already that size)."""
+    if tuple(images.shape[-2:]) == tuple(size):
+        return images
+    return torch.nn.functional.interpolate(images, size=tuple(size), mode="bilinear", align_corners=False)
+
+
+def non_negative(split_: Split, images: Tensor) -> bool:
+    """Whether the bottom's map is non-negative for ``images`` (it leaves a ReLU): the unknown map is
+    then searched among non-negative ones."""
+    with torch.no_grad():
+        return bool((split_.map_of(images) >= 0).all())
