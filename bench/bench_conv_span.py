@@ -132,22 +132,26 @@ def render(rows, width: int, budget: int) -> str:
                       f"{sum(r['certified'] for r in mine)} batch(es) certified; "
                       f"{sum(r.get('cpu_seconds', r['seconds']) for r in mine) / len(mine):.0f} CPU s per batch."]
     lines += ["", "## What it does and where it stops", "",
-              "The attack (`attacks/conv_span.py`) asks every patch of the candidate's input maps to the convolutions "
-              "with fewer output positions than channels (stages 3 and 4 of ResNet-18 at batch 1) to lie in the row "
-              "space of that convolution's uploaded weight gradient, and minimises that residual over the image with "
-              "L-BFGS; a float64 finish, a Gauss-Newton fit of each channel's gain and offset to the whole upload, and "
-              "the certificate follow.", "",
-              "- Eval-mode BatchNorm at initialisation makes the network positively homogeneous (no biases, identity "
-              "normalisation): the residual's landscape is benign and a start that does not stall converges to the "
-              "image to float precision. A start that stalls is restarted, but on some images every start stalls at "
-              "the same residual (rows with a certificate error above 0.1).",
-              "- Train-mode BatchNorm normalises every channel of every layer by the image's own statistics; the "
-              "residual (and even plain feature inversion against the exact 16x16x128 stage-2 map) then has a basin "
-              "a flat start does not reach: rows 'train' above. This is the gap left for the train-mode targets.",
-              "- Batches: at batch 4 only stage 4 keeps the span (4 x 64 positions fill stage 3's 256 channels), and "
-              "the joint row space is also filled by maps that mix the images: in the batches tried at most one "
-              "image came back exact and the others did not separate (tests/test_conv_span.py holds the batch of "
-              "two that it does)."]
+              "The attack (`attacks/conv_span.py`) reads the row spaces of the convolutions with fewer output "
+              "positions than channels (stages 3 and 4 of ResNet-18 at batch 1; stage 4 alone at batch 4) off the "
+              "upload and runs three L-BFGS descents:",
+              "1. the map entering stage 3 (16x16x128), found from a random map so that every span convolution above "
+              "it sees patches in its row space (`attacks/conv_span_maps.py`);",
+              "2. the image whose lower layers map to it, coarse to fine (8x8, 16x16, then 32x32);",
+              "3. the same residual over the image, in float32 then float64;",
+              "then a fit of each channel's gain and offset to the whole upload and the certificate.", "",
+              "- Eval-mode BatchNorm at initialisation: the deep map comes back to a cosine of 1 - 2e-8 from a random "
+              "start, and from it the image, to float precision. The images on which a descent over the image alone "
+              "stalled (every start at a residual of 0.04-0.05) come back the same way.",
+              "- Train-mode BatchNorm normalises every channel by the image's own statistics. The deep map still comes "
+              "back, up to a per-channel offset on the positions a stride-2 convolution reads with its centre tap "
+              "(its 3x3 and 1x1 shortcut shift every patch alike there, and the centring removes it): the inversion "
+              "leaves those 128 numbers out. Inverting the lower layers to that map stalls from a full-resolution "
+              "start (15 dB) and is exact coarse to fine. The upload pins each channel's gain only through the stem's "
+              "weight gradient, so the colour fit can end on another gain: the image is right (aligned PSNR) while the "
+              "certificate refuses it (rows 'train' with a certificate error near 1).",
+              "- Batches: the batch rows match each recovered image to the true one it is closest to (the attack "
+              "returns a batch in no order)."]
     return "\n".join(lines) + "\n"
 
 

@@ -14,15 +14,13 @@ intervals; its *chance* is the null's best of ``m`` (:func:`best_of_chance`). Co
   or whose control recovers nothing, is inconclusive, never "holds";
 * a claim that an attack **leaks** holds when its cell identifies above chance; when it does
   not, it fails only at the paper's budget and where the control recovers images;
-* an **order** (Bayes' Table 2, Refiner's alpha) is tested pair by pair on the same images
-  (:func:`pair_test`; a pair claimed better that measures a tie does not hold); Refiner's alpha
-  ordering only where every cell's positive control recovers images (:func:`conclude_chain`);
-  a claim over several steps is judged step by step (:func:`conclude_steps`);
+* an **order** is tested pair by pair on the same images (:func:`pair_test`; a measured tie
+  does not hold), only where every cell's control recovers (:func:`conclude_chain`); a claim
+  over several steps is judged step by step (:func:`conclude_steps`);
 * a **utility** claim (defended accuracy at least the undefended, or at least a ratio of it)
   is judged on the 95% Welch interval of ``defended - ratio x undefended`` over the training
   seeds, against a tolerance of ``UTILITY_TOLERANCE``: it holds when the whole interval lies
-  above ``-tolerance``, does not hold when it lies below, and is inconclusive otherwise (the
-  interval's half-width is the noise named).
+  above ``-tolerance``, does not hold when it lies below, and is inconclusive otherwise.
 
 Missing evidence (an attack that failed, or has not run) makes a cell inconclusive.
 """
