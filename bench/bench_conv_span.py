@@ -168,7 +168,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     data = load_dataset("embedded")
     rows = []
-    for entry in args.modes.split(","):
+    for entry in filter(None, args.modes.split(",")):
         mode, _, count = entry.partition(":")
         for index in picks(data, int(count or 8)):
             rows.append(run_one(mode, [index], args.budget, args.seed, args.device, args.width))
