@@ -104,9 +104,9 @@ def run_one(mode: str, indices, budget: int, seed: int, device: str, width: int)
     return row
 
 
-def render(rows, width: int, budget: int) -> str:
+def render(rows, width: int, budget: int, command: str) -> str:
     lines = ["# Conv-span on ResNet-18", "",
-             f"Command: `python -m bench.bench_conv_span --modes eval:8,train:4 --batches eval:4x2` (registered "
+             f"Command: `{command}` (registered "
              f"`resnet18`, width {width}, embedded 32x32 test images, step 0, budget {budget} gradient evaluations, "
              "one CPU thread). Aligned PSNR: after the best per-channel gain and offset; the flat guess is each "
              "image's own mean colour (what the optimisation attacks reached on this model). Certificate: the "
@@ -147,7 +147,7 @@ def render(rows, width: int, budget: int) -> str:
               "back, up to a per-channel offset on the positions a stride-2 convolution reads with its centre tap "
               "(its 3x3 and 1x1 shortcut shift every patch alike there, and the centring removes it): the inversion "
               "leaves those 128 numbers out. Inverting the lower layers to that map stalls from a full-resolution "
-              "start (15 dB) and is exact coarse to fine. The upload pins each channel's gain only through the stem's "
+              "start (15 dB); coarse to fine it is exact on some images and stalls on others (rows 'train'). The upload pins each channel's gain only through the stem's "
               "weight gradient, so the colour fit can end on another gain: the image is right (aligned PSNR) while the "
               "certificate refuses it (rows 'train' with a certificate error near 1).",
               "- Batches: the batch rows match each recovered image to the true one it is closest to (the attack "
@@ -179,7 +179,9 @@ def main() -> None:
         for batch in distinct_batches(data, int(size), int(count or 1)):
             rows.append(run_one(mode, batch, args.budget, args.seed, args.device, args.width))
             print(json.dumps(rows[-1]), flush=True)
-    DOC.write_text(render(rows, args.width, args.budget))
+    command = "python -m bench.bench_conv_span " + " ".join(
+        f"--{k} {v}" for k, v in (("modes", args.modes), ("batches", args.batches), ("budget", args.budget)) if v)
+    DOC.write_text(render(rows, args.width, args.budget, command))
 
 
 if __name__ == "__main__":
