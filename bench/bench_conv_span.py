@@ -15,6 +15,7 @@ import argparse
 import ast
 import hashlib
 import json
+import textwrap
 import time
 from pathlib import Path
 
@@ -152,7 +153,15 @@ def render(rows, width: int, budget: int, command: str) -> str:
               "certificate refuses it (rows 'train' with a certificate error near 1).",
               "- Batches: the batch rows match each recovered image to the true one it is closest to (the attack "
               "returns a batch in no order)."]
-    return "\n".join(lines) + "\n"
+    return "\n".join(_wrapped(line) for line in lines) + "\n"
+
+
+def _wrapped(line: str) -> str:
+    """Prose lines wrapped at 100 characters (a bullet's continuation indented); table rows kept."""
+    if line.startswith("|") or len(line) <= 100:
+        return line
+    indent = "  " if line.startswith("- ") else "   " if line[:2].rstrip(".").isdigit() else ""
+    return textwrap.fill(line, 100, subsequent_indent=indent, break_on_hyphens=False, break_long_words=False)
 
 
 def main() -> None:
