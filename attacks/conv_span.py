@@ -14,20 +14,22 @@ runs in three stages, each an L-BFGS descent:
 3. from there, the same residual over the image, in float32 then float64, restarted from a new
    draw where it stalls.
 
-The residual cannot see a per-channel gain and offset of the image, so a last step fits those
-(six numbers per image) and the labels to the whole upload, and the certificate, as SPEAR's, is
-the relative error with which the recovered batch reproduces the upload.
+The residual cannot see a gain of the normalised image, so a last step fits each image's gain
+(and each channel's relative gain and offset) and the labels to the whole upload, and the
+certificate, as SPEAR's, is the relative error with which the recovered batch reproduces the
+upload. Under train-mode BatchNorm the upload barely sees that gain either (zero padding keeps a
+scaled image's border and the normalisation divides the gain out): the fit keeps the recovered
+pattern and its sign, and the certificate can refuse an image that is right up to its gain.
 
 Measured (docs/conv-span.md): with eval-mode BatchNorm at initialisation the deep map and the
-image come back exact. With train-mode BatchNorm the deep map still does (up to the per-channel
-offsets the normalisation removes), but the inversion of the lower layers under train-mode
-normalisation stalls from every start tried.
+image come back exact and certified. With train-mode BatchNorm the deep map still does (up to the
+per-channel offsets the normalisation removes); the inversion of the lower layers, coarse to fine,
+is exact on some images and stalls on others.
 """
 from __future__ import annotations
 
 import copy
 import dataclasses
-import itertools
 import math
 import time
 from typing import Callable, Dict, List, Optional, Tuple
@@ -68,8 +70,10 @@ MAP_EVALUATIONS = 2.0
 INVERT_EVALUATIONS = 0.75
 #: Gauss-Newton iterations of the colour fit to the whole upload
 FIT_EVALUATIONS = 10
-#: the scales (times the data set's per-channel std) the colour fit starts from
-FIT_SCALES = (0.5, 1.0, 2.0)
+#: the log-gains of the normalised images' spread the colour fit tries before its descent (a normalised
+#: data set spreads about 1; the flattest embedded images about 0.1). Steps of 6%: under train-mode
+#: BatchNorm the upload's minimum in the gain is about 10% wide (ResNet-18)
+FIT_GAINS = tuple(k / 16 for k in range(-40, 17))
 
 
 def applicability(observation: Observation) -> Tuple[List, str]:
@@ -273,56 +277,58 @@ class ConvSpan:
 
     def _fit(self, observation: Observation, sim: GradientSimulator, replica: ClientReplica, x: Tensor,
              labels: Tensor) -> Tuple[Tensor, Tensor, float, int]:
-        """A per-image, per-channel gain and offset fitted to the whole upload (the residual is
-        blind to them), and the certificate: the relative error of the upload reproduced."""
+        """Each image's gain about the data mean, and a per-channel gain and offset, fitted to the
+        whole upload; and the certificate: the relative error of the upload reproduced (clamped to
+        the data's range, as scored)."""
         observed = [g.detach() for g in observation.gradients]
         ref = math.sqrt(sum(float(g.double().pow(2).sum()) for g in observed)) or 1.0
-        base = (x - x.mean((2, 3), keepdim=True)) / x.std((2, 3), keepdim=True).clamp_min(1e-6)
         channels = x.shape[1]
-        data_mean = torch.tensor(observation.data_mean or [0.5] * channels, dtype=x.dtype, device=x.device)
-        data_std = torch.tensor(observation.data_std or [0.25] * channels, dtype=x.dtype, device=x.device)
+        shape = (1, channels, 1, 1)
+        mean = torch.tensor(observation.data_mean or [0.0] * channels, dtype=x.dtype, device=x.device).view(shape)
+        std = torch.tensor(observation.data_std or [1.0] * channels, dtype=x.dtype, device=x.device).view(shape)
+        z = (x - mean) / std  # what the model's first layer sees, up to its normalisation
         context = SimContext(observation, capture_features=False)
+        n = len(x)
 
-        def mismatch(theta: Tensor, clamp: bool) -> Tensor:
-            gain, offset = theta.view(2, len(x), channels, 1, 1)
-            images = base * gain + offset
-            return _upload_mismatch(sim, replica, images.clamp(0, 1) if clamp else images, labels, context, observed,
+        def images(theta: Tensor) -> Tensor:
+            gain, rho, offset = theta[:n].view(n, 1, 1, 1), theta[n:n + n * channels], theta[n + n * channels:]
+            return mean + std * gain.exp() * (rho.view(n, channels, 1, 1).exp() * z + offset.view(n, channels, 1, 1))
+
+        def mismatch(theta: Tensor, clamp: bool = False) -> Tensor:
+            fitted = images(theta)
+            return _upload_mismatch(sim, replica, fitted.clamp(0, 1) if clamp else fitted, labels, context, observed,
                                     ref)
 
-        # the residual is blind to each image's and channel's sign and scale: start from the data set's
-        # statistics with each image's sign pattern chosen in turn, at a few scales, then Gauss-Newton
-        # from the best start (L-BFGS stalls in this small problem's valleys; measured on ResNet-18). First
-        # in the data's range, as the certificate scores it (under train-mode BatchNorm the layers above the
-        # stem barely see a gain and an unclamped fit drifts out of range: ResNet-18, an image exact to 96 dB
-        # fitted to [-1.0, 1.9], 27 dB once clamped); where that is not certified, also unclamped (clamped
-        # pixels can stall the first where the images touch the range's ends), the better kept
-        patterns = torch.tensor(list(itertools.product((1.0, -1.0), repeat=channels)), dtype=x.dtype, device=x.device)
-        offset0 = data_mean.view(1, -1).expand(len(x), -1)
-        fits: List[Tuple[float, Tensor]] = []
-        fitted = 0
-        for clamp in (True, False):
-            starts: List[Tuple[float, Tensor]] = []
-            for scale in FIT_SCALES:
-                gain0 = (scale * data_std).view(1, -1).repeat(len(x), 1)
-                for i in range(len(x)):
-                    tried = []
-                    for pattern in patterns:
-                        gain0[i] = pattern * scale * data_std
-                        theta = torch.cat([gain0.flatten(), offset0.flatten()])
-                        tried.append((float(mismatch(theta, clamp).norm()), theta))
-                    fitted += len(patterns)
-                    value, theta = min(tried, key=lambda t: t[0])
-                    gain0 = theta[:gain0.numel()].view_as(gain0).clone()
-                starts.append((value, theta))
-            theta, used = _gauss_newton(lambda t: mismatch(t, clamp), min(starts, key=lambda t: t[0])[1], self.fit)
+        # Under train-mode BatchNorm the upload is nearly blind to a gain of the normalised image (zero
+        # padding keeps a scaled image's border, the normalisation divides the gain out; the residual
+        # before this fit is blind to it alike), and it moves by 1% for an offset of 1e-4: a fit over
+        # each channel's gain and offset from the data set's statistics slides along that valley and ends
+        # far from it (ResNet-18: images exact to 82 dB fitted to 35 dB, some flipped). So the images'
+        # gains are tried on a log grid, in the data's range as scored (a gain that clamps the images
+        # reproduces the upload worse), keeping the recovered pattern and its sign (the ReLUs see it);
+        # then Levenberg-Marquardt fits the gains, then each channel's relative gain and offset too, from
+        # the best, each kept only where it reproduces the upload better in the data's range
+        zero = torch.zeros(n * (1 + 2 * channels), dtype=x.dtype, device=x.device)
+        spread = z.flatten(2).std(-1).mean(-1).clamp_min(1e-6).log()
+
+        def at(shift: float) -> Tensor:
+            start = zero.clone()
+            start[:n] = shift - spread  # the normalised images' spread at exp(shift)
+            return start
+        grid = [(float(mismatch(at(shift), clamp=True).norm()), at(shift)) for shift in FIT_GAINS]
+        error, theta = min(grid, key=lambda t: t[0])
+        fitted = len(grid)
+        # the gains alone first (smooth where the offsets' valley is sharp), then every parameter
+        for free in (n, len(theta)):
+            def partial(head: Tensor, rest=theta[free:].clone()) -> Tensor:
+                return mismatch(torch.cat([head, rest]))
+            head, used = _gauss_newton(partial, theta[:free].clone(), self.fit)
+            descended = torch.cat([head, theta[free:]])
+            better = float(mismatch(descended, clamp=True).norm())
             fitted += used + 1
-            fits.append((float(mismatch(theta, True).norm()), theta))
-            if fits[-1][0] <= self.tolerance:
-                break
-        error, theta = min(fits, key=lambda t: t[0])
-        gain, offset = theta.view(2, len(x), channels, 1, 1)
-        images = (base * gain + offset).detach()
-        return images, labels, error, fitted
+            if better < error:
+                error, theta = better, descended
+        return images(theta).detach(), labels, error, fitted
 
 
 def _upload_mismatch(sim: GradientSimulator, replica: ClientReplica, images: Tensor, labels: Tensor,

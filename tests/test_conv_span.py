@@ -1,5 +1,6 @@
 """The conv-span attack: the span property of convolution gradients, exact recovery of a deep map
 and of the image, a batch, the certificate and the reasons it does not apply."""
+import dataclasses
 import math
 
 import pytest
@@ -12,6 +13,7 @@ from audit.core.metrics import match_batches
 from audit.core.models import Normalize, build_model
 from audit.core.types import trainable_names
 from attacks.conv_span import ConvSpan
+from attacks.simulator import GradientSimulator
 from attacks.conv_span_algebra import patches, row_spaces, span_layers, span_residual
 
 
@@ -104,6 +106,22 @@ def test_a_batch_of_two_shares_the_span_and_gives_back_an_exact_image_and_both_l
     order = match_batches(rec.inputs, x)
     assert max(float(aligned_psnr(rec.inputs[order][i:i + 1], x[i:i + 1])) for i in range(2)) > 40
     assert sorted(rec.labels.tolist()) == [4, 9]
+
+
+def test_train_mode_colour_fit_keeps_the_recovered_image_and_finds_its_gain():
+    # under train-mode BatchNorm the residual returns the normalised image up to a gain (here 8x, far
+    # out of the data's range); the fit must keep its pattern and sign and bring it back in range
+    model = build_model("resnet18", (3, 16, 16), 10, width=32, mean=[0.5] * 3, std=[0.25] * 3, seed=0)
+    x, y = smooth_images(1, 3), torch.tensor([2])
+    obs = observe(model.double(), x.double(), y, None, client_mode="train")
+    obs = dataclasses.replace(obs, data_mean=(0.5,) * 3, data_std=(0.25,) * 3)
+    sim = GradientSimulator()
+    scaled = 0.5 + 8 * (x.double() - 0.5)
+    images, _, error, _ = ConvSpan()._fit(obs, sim, sim.prepare(obs), scaled, y)
+    fitted = images.clamp(0, 1).float()
+    assert float(aligned_psnr(fitted, x)) > 40  # the pattern kept, no channel flipped
+    plain = float(10 * torch.log10(1 / (fitted - x).pow(2).mean()))
+    assert plain > 40 and error < 1e-2, (plain, error)  # and the gain found: the upload reproduced
 
 
 def test_certificate_refused_where_the_defense_changes_the_head():
