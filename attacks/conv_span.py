@@ -351,6 +351,8 @@ def _gauss_newton(residual: Callable[[Tensor], Tensor], theta: Tensor, iteration
                             - r) / h[k] for k in range(len(theta))], 1)
         used += len(theta)
         normal, rhs = jac.T @ jac, -(jac.T @ r)
+        if not float(normal.diagonal().max()) > 0:  # the residual does not move with the parameters
+            break
         while True:
             delta = torch.linalg.solve(normal + damping * normal.diagonal().mean() * torch.eye(len(theta), dtype=theta.dtype,
                                                                                                device=theta.device), rhs)

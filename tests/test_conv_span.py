@@ -169,3 +169,12 @@ def test_the_planner_plans_it_where_the_rank_condition_holds_and_the_control_run
     assert conv is not None and not conv.adaptive and "8.conv1" in conv.reason
     assert base_form("conv-span", {}) == "conv-span"  # a base attack: the positive control runs it too
     assert plan(identity, build_model("cnn", (3, 16, 16), 10), (3, 16, 16), 10).get("conv-span") is None
+
+
+def test_levenberg_marquardt_stops_where_the_residual_does_not_move():
+    from attacks.conv_span import _gauss_newton
+    theta = torch.tensor([0.3, -1.0], dtype=torch.float64)
+    out, used = _gauss_newton(lambda t: torch.ones(5, dtype=torch.float64), theta, 10)
+    assert torch.equal(out, theta) and used == 3  # one residual, one Jacobian of two columns, then it stops
+    fitted, _ = _gauss_newton(lambda t: t - torch.tensor([2.0, 5.0], dtype=torch.float64), theta, 10)
+    assert torch.allclose(fitted, torch.tensor([2.0, 5.0], dtype=torch.float64))
