@@ -178,3 +178,23 @@ def test_levenberg_marquardt_stops_where_the_residual_does_not_move():
     assert torch.equal(out, theta) and used == 3  # one residual, one Jacobian of two columns, then it stops
     fitted, _ = _gauss_newton(lambda t: t - torch.tensor([2.0, 5.0], dtype=torch.float64), theta, 10)
     assert torch.allclose(fitted, torch.tensor([2.0, 5.0], dtype=torch.float64))
+
+
+def test_several_observations_run_side_by_side_give_each_one_its_own_result():
+    model = resnet()
+    attack = ConvSpan(evaluations=40, fit=2)
+    observations = [observe(model, smooth_images(1, k), torch.tensor([k]), None, client_mode="eval") for k in (0, 1)]
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = [attack.reconstruct(o, None, seed) for o, seed in zip(observations, (3, 4))]
+        torch.set_num_threads(2)
+        seen = []
+        together = attack.reconstruct_many(observations, None, [3, 4], progress=lambda n, of, loss: seen.append((n, of)))
+        assert torch.get_num_threads() == 2  # restored
+    finally:
+        torch.set_num_threads(threads)
+    for a, b in zip(alone, together):
+        assert torch.equal(a.inputs, b.inputs) and a.labels.tolist() == b.labels.tolist()
+    assert not torch.equal(together[0].inputs, together[1].inputs)  # each its own observation and seed
+    assert seen[-1][0] == seen[-1][1] and len({of for _, of in seen}) == 1  # progress counts both members to the end
