@@ -355,6 +355,10 @@ class ConvSpan:
         grid = [(float(mismatch(at(shift), clamp=True).norm()), at(shift)) for shift in FIT_GAINS]
         error, theta = min(grid, key=lambda t: t[0])
         fitted = len(grid)
+        if not error < 1:  # no gain reproduces the upload better than sharing nothing: the images as
+            # recovered, at the data set's spread (a descent would flatten them to the zero upload)
+            theta = at(0.0)
+            return images(theta).detach(), labels, float(mismatch(theta, clamp=True).norm()), fitted + 1
         # the gains alone first (smooth where the offsets' valley is sharp), then every parameter
         for free in (n, len(theta)):
             def partial(head: Tensor, rest=theta[free:].clone()) -> Tensor:

@@ -198,3 +198,18 @@ def test_several_observations_run_side_by_side_give_each_one_its_own_result():
         assert torch.equal(a.inputs, b.inputs) and a.labels.tolist() == b.labels.tolist()
     assert not torch.equal(together[0].inputs, together[1].inputs)  # each its own observation and seed
     assert seen[-1][0] == seen[-1][1] and len({of for _, of in seen}) == 1  # progress counts both members to the end
+
+
+def test_colour_fit_never_flattens_a_stalled_image_into_the_zero_upload():
+    # a wrong image under train-mode BatchNorm: no gain reproduces the upload better than sharing
+    # nothing, and shrinking the image toward flat moves the replay toward zero; the fit keeps it
+    model = build_model("resnet18", (3, 16, 16), 10, width=32, mean=[0.5] * 3, std=[0.25] * 3, seed=0)
+    x, y = smooth_images(1, 3), torch.tensor([2])
+    obs = observe(model.double(), x.double(), y, None, client_mode="train")
+    obs = dataclasses.replace(obs, data_mean=(0.5,) * 3, data_std=(0.25,) * 3)
+    sim = GradientSimulator()
+    wrong = smooth_images(1, 11).double()
+    images, _, error, _ = ConvSpan()._fit(obs, sim, sim.prepare(obs), wrong, y)
+    assert error >= 1  # not certified, and said so
+    spread = float(((images - 0.5) / 0.25).std())
+    assert 0.5 < spread < 2 and float(aligned_psnr(images.clamp(0, 1).float(), wrong.float())) > 40
