@@ -21,10 +21,8 @@ upload. Under train-mode BatchNorm the upload barely sees that gain either (zero
 scaled image's border and the normalisation divides the gain out): the fit keeps the recovered
 pattern and its sign, and the certificate can refuse an image that is right up to its gain.
 
-Measured (docs/conv-span.md): with eval-mode BatchNorm at initialisation the deep map and the
-image come back exact and certified. With train-mode BatchNorm the deep map still does (up to the
-per-channel offsets the normalisation removes); the inversion of the lower layers, coarse to fine,
-is exact on some images and stalls on others.
+Measured in docs/conv-span.md: eval-mode BatchNorm, exact and certified; train-mode, the deep map
+exact, its inversion exact on some images and stalled on others.
 """
 from __future__ import annotations
 
