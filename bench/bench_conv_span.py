@@ -155,8 +155,8 @@ def render(rows, width: int, budget: int, command: str) -> str:
               "pattern and its sign and tries the gain on a grid in the data's range. The exact images reproduce the "
               "upload to a few percent, above the certificate's 1% tolerance: the certificate refuses them (it fails "
               "closed) while their aligned PSNR shows them exact.",
-              "- Batches: the batch rows match each recovered image to the true one it is closest to (the attack "
-              "returns a batch in no order)."]
+              "- Batches (`--batches eval:4x2`, rows with several images): each recovered image is matched to the true "
+              "one it is closest to (the attack returns a batch in no order)."]
     return "\n".join(_wrapped(line) for line in lines) + "\n"
 
 
