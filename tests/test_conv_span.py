@@ -108,16 +108,23 @@ def test_a_batch_of_two_shares_the_span_and_gives_back_an_exact_image_and_both_l
     assert sorted(rec.labels.tolist()) == [4, 9]
 
 
+def _train_mode_fit(truth, recovered):
+    """The colour fit of ``recovered`` against the train-mode, float64 upload of ``truth`` (label 2)
+    on the test ResNet with the data normalisation declared: the fitted images and the certificate."""
+    model = build_model("resnet18", (3, 16, 16), 10, width=32, mean=[0.5] * 3, std=[0.25] * 3, seed=0)
+    y = torch.tensor([2])
+    obs = observe(model.double(), truth.double(), y, None, client_mode="train")
+    obs = dataclasses.replace(obs, data_mean=(0.5,) * 3, data_std=(0.25,) * 3)
+    sim = GradientSimulator()
+    images, _, error, _ = ConvSpan()._fit(obs, sim, sim.prepare(obs), recovered, y)
+    return images, error
+
+
 def test_train_mode_colour_fit_keeps_the_recovered_image_and_finds_its_gain():
     # under train-mode BatchNorm the residual returns the normalised image up to a gain (here 8x, far
     # out of the data's range); the fit must keep its pattern and sign and bring it back in range
-    model = build_model("resnet18", (3, 16, 16), 10, width=32, mean=[0.5] * 3, std=[0.25] * 3, seed=0)
-    x, y = smooth_images(1, 3), torch.tensor([2])
-    obs = observe(model.double(), x.double(), y, None, client_mode="train")
-    obs = dataclasses.replace(obs, data_mean=(0.5,) * 3, data_std=(0.25,) * 3)
-    sim = GradientSimulator()
-    scaled = 0.5 + 8 * (x.double() - 0.5)
-    images, _, error, _ = ConvSpan()._fit(obs, sim, sim.prepare(obs), scaled, y)
+    x = smooth_images(1, 3)
+    images, error = _train_mode_fit(x, 0.5 + 8 * (x.double() - 0.5))
     fitted = images.clamp(0, 1).float()
     assert float(aligned_psnr(fitted, x)) > 40  # the pattern kept, no channel flipped
     plain = float(10 * torch.log10(1 / (fitted - x).pow(2).mean()))
@@ -203,13 +210,8 @@ def test_several_observations_run_side_by_side_give_each_one_its_own_result():
 def test_colour_fit_never_flattens_a_stalled_image_into_the_zero_upload():
     # a wrong image under train-mode BatchNorm: no gain reproduces the upload better than sharing
     # nothing, and shrinking the image toward flat moves the replay toward zero; the fit keeps it
-    model = build_model("resnet18", (3, 16, 16), 10, width=32, mean=[0.5] * 3, std=[0.25] * 3, seed=0)
-    x, y = smooth_images(1, 3), torch.tensor([2])
-    obs = observe(model.double(), x.double(), y, None, client_mode="train")
-    obs = dataclasses.replace(obs, data_mean=(0.5,) * 3, data_std=(0.25,) * 3)
-    sim = GradientSimulator()
     wrong = smooth_images(1, 11).double()
-    images, _, error, _ = ConvSpan()._fit(obs, sim, sim.prepare(obs), wrong, y)
+    images, error = _train_mode_fit(smooth_images(1, 3), wrong)
     assert error >= 1  # not certified, and said so
     spread = float(((images - 0.5) / 0.25).std())
     assert 0.5 < spread < 2 and float(aligned_psnr(images.clamp(0, 1).float(), wrong.float())) > 40
