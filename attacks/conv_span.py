@@ -5,14 +5,15 @@ weight gradient's row space is exactly the span of its input's patches
 (:mod:`attacks.conv_span_algebra`): on ResNet-18 at batch 1, every convolution of stages 3 and
 4. Asking every patch of a candidate's deep maps to lie in those row spaces is tens of
 thousands of equations on a 3,072-pixel image, and needs no second-order gradient. The attack
-runs in three stages, each an L-BFGS descent:
+runs in three stages:
 
 1. the deep map: in a sequential model, the map entering the first child that holds a span
    convolution, found from a random map so that every span convolution above it sees patches
-   in its row space (:mod:`attacks.conv_span_maps`);
-2. the image whose lower layers map to it (feature inversion, scale-free);
-3. from there, the same residual over the image, in float32 then float64, restarted from a new
-   draw where it stalls.
+   in its row space (L-BFGS, :mod:`attacks.conv_span_maps`);
+2. the image whose lower layers map to it (feature inversion, scale-free: Adam coarse to fine,
+   projected onto the pixels' range);
+3. from there, the same residual over the image (L-BFGS), in float32 then float64, restarted
+   from a new draw where it stalls.
 
 The residual cannot see a gain of the normalised image, so a last step fits each image's gain
 (and each channel's relative gain and offset) and the labels to the whole upload, and the
@@ -21,8 +22,8 @@ upload. Under train-mode BatchNorm the upload barely sees that gain either (zero
 scaled image's border and the normalisation divides the gain out): the fit keeps the recovered
 pattern and its sign, and the certificate can refuse an image that is right up to its gain.
 
-Measured in docs/conv-span.md: eval-mode BatchNorm, exact and certified; train-mode, the deep map
-exact, its inversion exact on some images and stalled on others.
+Measured in docs/conv-span.md: eval-mode BatchNorm, exact and certified; train-mode, exact up to
+the gain the upload barely sees.
 """
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ from audit.core.errors import ConfigError, NotApplicable
 from audit.core.types import Observation, Reconstruction, trainable_names
 
 from attacks.conv_span_algebra import GAP, RowSpace, row_spaces, span_layers, span_residual
-from attacks.conv_span_maps import feature_mismatch, map_residual, non_negative, resolutions, split, upsampled
+from attacks.conv_span_maps import feature_mismatch, invert, map_residual, non_negative, split
 from attacks.labels import infer_labels
 from attacks.presets import ATTACKS
 from attacks.simulator import ClientReplica, GradientSimulator, SimContext
@@ -65,9 +66,10 @@ STALL = 1e-2
 #: the share of the evaluations run in float64 at the end (none where the upload is float64 already)
 FLOAT64_SHARE = 0.25
 #: evaluations of the deep-map stage (:mod:`attacks.conv_span_maps`) per image-domain evaluation: the map's
-#: descent (one costs ~0.7 of an image-domain one on ResNet-18) and the image's inversion under it (~0.3)
+#: descent (one costs ~0.7 of an image-domain one on ResNet-18) and the image's inversion under it (an Adam
+#: step, ~0.3; train-mode ResNet-18 reaches a mismatch of 3e-4 in 900 steps, 2.25 at budget 200)
 MAP_EVALUATIONS = 2.0
-INVERT_EVALUATIONS = 0.75
+INVERT_EVALUATIONS = 2.25
 #: Gauss-Newton iterations of the colour fit to the whole upload
 FIT_EVALUATIONS = 10
 #: the log-gains of the normalised images' spread the colour fit tries before its descent (a normalised
@@ -164,8 +166,8 @@ class ConvSpan:
 
         def report(_n: int, _of: int, loss: float) -> None:
             calls[0] += 1
-            if progress is not None:
-                progress(calls[0], total, loss)
+            if progress is not None:  # a line search may run past its stage's share by an evaluation
+                progress(min(calls[0], total), total, loss)
         if mapped:
             x = self._deep_map_start(observation, spaces, x, mapped, inverted, generator, report, trace)
         for stage, count in ((observation, evaluations - fine), (_float64(observation), fine)):
@@ -198,6 +200,8 @@ class ConvSpan:
                     x = (0.5 + self.init_std * torch.randn(x.shape, generator=generator)).to(x).requires_grad_(True)
                     descent = _Descent([x], lambda: residual(x), report)
             x = best[1].requires_grad_(True)
+        if progress is not None and history:  # a descent that converged early ends the bar all the same
+            progress(total, total, history[-1])
         labels, label_source = self._labels(stage, replica, params, x.detach(), seed)
         images, labels, error, fitted = self._fit(stage, sim, replica, x.detach(), labels)
         certified = error <= self.tolerance
@@ -265,16 +269,9 @@ class ConvSpan:
         first = hooks.convs[spaces[0].layer.name]
         stride = int(first.stride[0]) if spaces[0].centred else 0
         mismatch = feature_mismatch(cut, target, stride)
-        # coarse to fine: under train-mode BatchNorm the inversion from a full-resolution start stalls
-        # (ResNet-18, stage 2's output: 15 dB); from a quarter, then a half resolution it is exact (73 dB)
-        sizes = resolutions(x.shape[-2:])
-        inversion: List[float] = []
-        for k, size in enumerate(sizes):
-            coarse = torch.nn.functional.interpolate(x.detach(), size=size, mode="bilinear", align_corners=False,
-                                                     antialias=True).requires_grad_(True)
-            part = inverted // len(sizes) + (inverted % len(sizes) if k == len(sizes) - 1 else 0)
-            inversion += _Descent([coarse], lambda: mismatch(upsampled(coarse, x.shape[-2:])), report).run(part)
-            x = upsampled(coarse, x.shape[-2:]).detach()
+        # coarse to fine in the pixels' box (:func:`attacks.conv_span_maps.invert`): under train-mode
+        # BatchNorm an inversion from a full-resolution start stalls (ResNet-18, stage 2's output: 15 dB)
+        x, inversion = invert(mismatch, x, inverted, report=report)
         trace.update(deep_map_residual=history[-1], deep_map_evaluations=len(history),
                      inversion_mismatch=inversion[-1], inversion_evaluations=len(inversion))
         return x
