@@ -121,6 +121,9 @@ def test_rerun_resumes_and_changed_settings_start_fresh(tmp_path, monkeypatch):
     assert sorted(calls) == [(0, "analytic", 1), (0, "ig", 1)]
     assert more.data["progress"] == {"done": 4, "total": 4}
     assert more.data["results"][0] == first.data["results"][0]
+    fewer = audit.run(images=1, **kwargs)  # back to one image: the report holds only what it asked for
+    assert fewer.data["results"] == first.data["results"] and fewer.data["progress"] == {"done": 2, "total": 2}
+    assert fewer.data["status"] == first.data["status"]
     audit.run(images=1, **{**kwargs, "budget": 6})  # a changed setting: a fresh run, nothing reused
     assert len(calls) == 4 and len(list((tmp_path / "runs").iterdir())) == 2
 

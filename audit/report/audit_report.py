@@ -181,12 +181,17 @@ class AuditReport:
         if absent:
             raise StoreError(f"{store.manifest_path} lacks {', '.join(absent)}; rerun the same audit command to "
                              "rebuild it")
-        records = store.records()
+        # the run key leaves the image count out (a larger rerun extends a smaller one): a rerun with
+        # fewer images reports those it asked for, not every one an earlier run stored
+        records = [r for r in store.records() if r.image < manifest.images]
         if store.unreadable:  # a lost result is missing evidence, and the report names it
             lost = [{"phase": "store", "status": "unreadable", "error": why} for why in store.unreadable.values()]
             manifest = manifest.updated(status="incomplete (unreadable stored results)",
                                         failures=list(manifest.failures or []) + lost)
-        return cls(build_report(manifest, records, rule, control_records(store, manifest)), store.dir, store.root)
+        control = control_records(store, manifest)
+        if control is not None:
+            control = [r for r in control if r.image < manifest.images]
+        return cls(build_report(manifest, records, rule, control), store.dir, store.root)
 
     def to_dict(self) -> Dict[str, Any]:
         """The report as one JSON-able record (what ``report.json`` holds)."""
