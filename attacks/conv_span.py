@@ -66,7 +66,8 @@ STALL = 1e-2
 #: the share of the evaluations run in float64 at the end (none where the upload is float64 already)
 FLOAT64_SHARE = 0.25
 #: evaluations of the deep-map stage (:mod:`attacks.conv_span_maps`) per image-domain evaluation: the map's
-#: descent (one costs ~0.7 of an image-domain one on ResNet-18; at 600 its residual is 2e-8 to 5e-7, and an image whose map stopped at 5e-7 stalls in the inversion) and the image's inversion under it (an Adam
+#: descent (one costs ~0.7 of an image-domain one on ResNet-18; at 600 its residual is 2e-8 to 5e-7, and an
+#: image whose map stopped at 5e-7 stalled in the inversion) and the image's inversion under it (an Adam
 #: step, ~0.3; train-mode ResNet-18 reaches a mismatch of 3e-4 in 900 steps, 2.25 at budget 200)
 MAP_EVALUATIONS = 2.0
 INVERT_EVALUATIONS = 2.25

@@ -135,12 +135,12 @@ def render(rows, width: int, budget: int, command: str) -> str:
     lines += ["", "## What it does and where it stops", "",
               "The attack (`attacks/conv_span.py`) reads the row spaces of the convolutions with fewer output "
               "positions than channels (stages 3 and 4 of ResNet-18 at batch 1; stage 4 alone at batch 4) off the "
-              "upload and runs three L-BFGS descents:",
+              "upload and runs three descents:",
               "1. the map entering stage 3 (16x16x128), found from a random map so that every span convolution above "
-              "it sees patches in its row space (`attacks/conv_span_maps.py`);",
+              "it sees patches in its row space (L-BFGS, `attacks/conv_span_maps.py`);",
               "2. the image whose lower layers map to it, coarse to fine (8x8, 16x16, then 32x32) by Adam projected "
               "onto the pixels' range after each step (run once more from a new draw where it ends short);",
-              "3. the same residual over the image, in float32 then float64;",
+              "3. the same residual over the image (L-BFGS), in float32 then float64;",
               "then a fit of each image's gain (on a grid, then Levenberg-Marquardt) and each channel's relative gain "
               "and offset to the whole upload, and the certificate.", "",
               "- Eval-mode BatchNorm at initialisation: the deep map comes back to a cosine of 1 - 2e-8 from a random "

@@ -282,8 +282,8 @@ def run_cell(model_name: str, batch: int, group: int, images: torch.Tensor, args
         seconds_target = wall.get(WALL_TIME_OF[name])
         try:
             settings = args.attack_args.get(name, {})
-            budget = budget_for(name, obs, seconds_target, args.seed, settings) if seconds_target is not None \
-                else args.budget
+            timed_budget = seconds_target is not None and not args.fixed_budget
+            budget = budget_for(name, obs, seconds_target, args.seed, settings) if timed_budget else args.budget
             rec, seconds = timed(ATTACKS.build(name, **settings), obs, budget, args.seed)
         except NotApplicable as err:  # e.g. gi's BN prior on a model without BatchNorm
             log(f"{model_name} batch {batch}: {name} does not apply ({err})")
@@ -507,6 +507,9 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     p.add_argument("--attack-arg", dest="attack_args", action="append", default=[], metavar="ATTACK.KEY=VALUE",
                    help="a setting of one of our attacks, e.g. dlg.restarts=1 (repeatable)")
     p.add_argument("--budget", type=int, default=1000, help="gradient evaluations when breaching is not run")
+    p.add_argument("--fixed-budget", action="store_true",
+                   help="give our attacks --budget even beside breaching, both wall times in the table (an attack "
+                        "whose fixed costs swamp short timed runs, as conv-span's colour fit, is mis-sized by them)")
     p.add_argument("--lpips", action="store_true", help="score LPIPS (needs `gia-audit weights lpips`)")
     p.add_argument("--speed", action="store_true", help="only time an IG iteration against fwd+bwd")
     p.add_argument("--speed-iterations", type=int, default=20)
