@@ -22,8 +22,7 @@ upload. Under train-mode BatchNorm the upload barely sees that gain either (zero
 scaled image's border and the normalisation divides the gain out): the fit keeps the recovered
 pattern and its sign, and the certificate can refuse an image that is right up to its gain.
 
-Measured in docs/conv-span.md: eval-mode BatchNorm, exact and certified; train-mode, exact up to
-the gain the upload barely sees.
+Measured in docs/conv-span.md.
 """
 from __future__ import annotations
 
