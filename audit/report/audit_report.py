@@ -146,17 +146,18 @@ def run_status(stored: str, steps: List[Dict[str, Any]]) -> str:
 
 
 def control_records(store: ResultStore, manifest: Manifest) -> Optional[List[AttackResult]]:
-    """The positive control's stored results for ``manifest`` (its ``control`` entry names the
-    folder, relative to the audit's, and the run); None when there is none to read."""
+    """The positive control's stored results for ``manifest``'s images (its ``control`` entry names
+    the folder, relative to the audit's, and the run); None when there is none to read."""
     info = manifest.control
     if not info:
         return None
     if info.get("same_run") and info.get("run_key") == store.key:
-        return store.records()
-    control = ResultStore(store.root / info["dir"], info["run_key"])
-    if not (control.dir / "results").is_dir():
-        return None
-    return control.records()
+        control = store
+    else:
+        control = ResultStore(store.root / info["dir"], info["run_key"])
+        if not (control.dir / "results").is_dir():
+            return None
+    return [r for r in control.records() if r.image < manifest.images]
 
 
 class AuditReport:
@@ -188,10 +189,7 @@ class AuditReport:
             lost = [{"phase": "store", "status": "unreadable", "error": why} for why in store.unreadable.values()]
             manifest = manifest.updated(status="incomplete (unreadable stored results)",
                                         failures=list(manifest.failures or []) + lost)
-        control = control_records(store, manifest)
-        if control is not None:
-            control = [r for r in control if r.image < manifest.images]
-        return cls(build_report(manifest, records, rule, control), store.dir, store.root)
+        return cls(build_report(manifest, records, rule, control_records(store, manifest)), store.dir, store.root)
 
     def to_dict(self) -> Dict[str, Any]:
         """The report as one JSON-able record (what ``report.json`` holds)."""
