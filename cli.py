@@ -10,6 +10,7 @@ from typing import Any
 import click
 from click.core import ParameterSource
 
+from audit.core.allocator import keep_freed_memory
 from audit.core.errors import GiaError
 from audit.core.registry import parse_kv_args
 from audit.engine.config import (FIELD_NAMES, AuditConfig, config_fields, config_of, default_of, field_help,
@@ -152,6 +153,7 @@ def resolve_device(device: str):
 @click.version_option(package_name="gia-audit")
 def main():
     """gia-audit: how much private data leaks through a defended gradient?"""
+    keep_freed_memory()  # every command's attack steps reuse freed memory (audit.core.allocator)
 
 
 @main.command("list")

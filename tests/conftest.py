@@ -4,12 +4,14 @@ from collections import OrderedDict
 import pytest
 import torch
 
+from audit.core.allocator import keep_freed_memory
 import adaptive  # noqa: F401  (registers the adaptive attacks in attacks.ATTACKS for every test module)
 
 # Under pytest-xdist each worker gets one thread: two workers with torch's default thread
 # count oversubscribe a 2-core machine badly (GAN training ran ~30x slower).
 if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
+keep_freed_memory()  # as the CLI does: attack steps reuse freed memory, not fault it in again
 
 
 @pytest.fixture(autouse=True)

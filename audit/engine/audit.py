@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 
+from audit.core.allocator import keep_freed_memory
 from audit.client.observe import client_round, observe  # noqa: F401  (client_round: the Flower replay's round)
 from audit.core.defense_call import defense_timeout
 from audit.core.errors import ConfigError
@@ -201,6 +202,7 @@ class Audit:
         control when it is "auto", run the control and the audit at that budget. The status is
         'complete' only when no (step, attack, image) result is an error; every finished result
         is on disk when it is interrupted."""
+        keep_freed_memory()  # the attacks' steps reuse their freed activations (audit.core.allocator)
         started, store, out = time.perf_counter(), None, self.output_settings.out
         try:
             with defense_timeout(self.output_settings.defense_timeout):
