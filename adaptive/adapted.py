@@ -17,6 +17,7 @@ import torch
 from attacks.optimization import OptimizationAttack, Progress
 from attacks.presets import ATTACKS, KNOBS, compose
 from audit.core.errors import ConfigError
+from audit.core.reasons import Reason
 from audit.core.types import Observation, Reconstruction
 
 
@@ -26,7 +27,7 @@ class Adaptation:
 
     knobs: Dict[str, Any] = field(default_factory=dict)
     notes: Dict[str, Any] = field(default_factory=dict)
-    skip: Optional[str] = None  # a reason when the attack does not apply
+    skip: Optional[Reason] = None  # why the attack does not apply (a code; the report words it)
 
 
 class AdaptedAttack:
@@ -71,7 +72,7 @@ class AdaptedAttack:
                     progress: Optional[Progress]) -> Reconstruction:
         """The preset with ``adaptation``'s knobs on one observation."""
         if adaptation.skip:
-            return Reconstruction.not_applicable(f"{self.name}: {adaptation.skip}", **adaptation.notes)
+            return Reconstruction.not_applicable(adaptation.skip, **adaptation.notes)
         rec = self.compose(observation, adaptation).reconstruct(observation, budget, seed, progress)
         rec.trace["adaptive"] = {"attack": self.name, "base": self.base, **adaptation.notes}
         return rec

@@ -14,6 +14,7 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 from attacks.objectives import OBSERVED
 from attacks.optimization import Progress
 from audit.core.errors import ConfigError
+from audit.core.reasons import Reason
 from audit.core.types import Observation, Reconstruction, trainable_names
 
 from adaptive.adapted import Adaptation, AdaptedAttack, register
@@ -29,7 +30,7 @@ class MaskReplay(AdaptedAttack):
     def adapt(self, observation: Observation) -> Adaptation:
         masks = [(g != 0) if bool((g == 0).any()) else None for g in observation.gradients]
         if all(m is None for m in masks):
-            return Adaptation(skip="the observed gradient has no exact zeros: there is no mask to replay")
+            return Adaptation(skip=Reason("mask-no-zeros"))
         names = trainable_names(observation.model)
         kept = {n: round(float(m.float().mean()), 4) for n, m in zip(names, masks) if m is not None}
         # the objective reads each observation's mask from its own target (masks=observed), so
@@ -79,9 +80,9 @@ class LayerDrop(AdaptedAttack):
         if drop is None:
             return Adaptation(notes={"mode": "search"})
         if not drop:
-            return Adaptation(skip="the defense changes no layer's gradient on this model: nothing to drop")
+            return Adaptation(skip=Reason("drop-no-layer-changed"))
         if len(drop) == len(names):
-            return Adaptation(skip="the defense changes every layer: dropping them leaves nothing to match")
+            return Adaptation(skip=Reason("drop-every-layer-changed"))
         return Adaptation({"weights": self._weights(len(names), drop)},
                           {"dropped": [names[i] for i in drop],
                            "detected": "given" if isinstance(self.layers, (list, tuple)) else

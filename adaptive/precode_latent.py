@@ -27,6 +27,7 @@ from attacks.analytic import AnalyticInversion, invert_linear_input
 from attacks.optimization import Progress
 from attacks.simulator import ClientReplica, DefenseSimulator
 from audit.core.defense_call import invoke_defense
+from audit.core.reasons import Reason
 from audit.core.types import LatentBottleneck, Observation, Reconstruction
 
 from adaptive.adapted import Adaptation, AdaptedAttack, register
@@ -103,15 +104,13 @@ class PrecodeLatent(AdaptedAttack):
     name = "precode-latent"
     owns = ("simulator",)
 
-    def _skip(self, observation: Observation) -> Optional[str]:
+    def _skip(self, observation: Observation) -> Optional[Reason]:
         if not declared_bottlenecks(observation.defense, observation.model):
-            return ("the defense declares no latent bottleneck in the model (Defense.latent_bottlenecks, "
-                    "see audit.core.types.LatentBottleneck)")
+            return Reason("precode-no-bottleneck")
         if observation.batch_size != 1:
-            return (f"the decoder gradient of a batch of {observation.batch_size} mixes their draws; "
-                    "the closed-form latent needs batch 1")
+            return Reason("precode-batch", batch=observation.batch_size)
         if not observation.one_step or observation.defense is None:
-            return "needs a single-step observation with the PRECODE defense known (white-box)"
+            return Reason("precode-white-box-one-step")
         return None
 
     def adapt(self, observation: Observation) -> Adaptation:
@@ -127,7 +126,7 @@ class PrecodeLatent(AdaptedAttack):
                     progress: Optional[Progress] = None) -> Reconstruction:
         adaptation = self.adapt(observation)
         if adaptation.skip:
-            return Reconstruction.not_applicable(f"{self.name}: {adaptation.skip}", **adaptation.notes)
+            return Reconstruction.not_applicable(adaptation.skip, **adaptation.notes)
         latents = adaptation.knobs["simulator"].latents
         closed = AnalyticInversion().reconstruct(observation, seed=seed)
         if closed.applicable:
@@ -138,7 +137,7 @@ class PrecodeLatent(AdaptedAttack):
         else:
             rec = self.compose(observation, adaptation).reconstruct(observation, budget, seed, progress)
             rec.trace["adaptive"] = {"attack": self.name, "base": self.base,
-                                     "image": f"optimised with the latent pinned ({closed.reason[:80]}...)",
+                                     "image": "optimised with the latent pinned", "closed_form": closed.reason.to_dict(),
                                      **adaptation.notes}
         rec.trace["adaptive"]["gradient_residual"] = consistency(observation, rec.inputs, rec.labels, latents)
         return rec

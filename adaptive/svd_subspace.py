@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from attacks.simulator import GradientSimulator, SimContext
+from audit.core.reasons import Reason
 from audit.core.types import Observation, clean_gradients, trainable_names
 
 from adaptive.adapted import Adaptation, AdaptedAttack, register
@@ -133,8 +134,7 @@ class SVDSubspace(AdaptedAttack):
     def adapt(self, observation: Observation) -> Adaptation:
         ranks = truncated_layers(observation)
         if all(r is None for r in ranks):
-            return Adaptation(skip="no layer of the observed gradient has a lower rank than a clean gradient "
-                                   "of this batch size: nothing was truncated")
+            return Adaptation(skip=Reason("svd-nothing-truncated"))
         names = trainable_names(observation.model)
         declared = getattr(observation.defense, "channel_weights", None)
         weighting = declared() if callable(declared) else None

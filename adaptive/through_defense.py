@@ -13,7 +13,7 @@ plain callable is called ``samples`` times), one local step.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -22,6 +22,7 @@ from attacks.objectives import OBJECTIVES, StackedMean
 from attacks.simulator import ClientReplica, DefenseSimulator, GradientSimulator, SimContext
 from audit.core.errors import ConfigError
 from audit.core.randomness import VMAP_DRAWS
+from audit.core.reasons import Reason
 from audit.core.types import Defense, Observation, is_gradient_only
 
 from adaptive.adapted import Adaptation, AdaptedAttack, register
@@ -118,13 +119,12 @@ class EOTSimulator(GradientSimulator):
         return f"EOTSimulator(samples={self.samples}{', draws in program' if self.vmappable else ''})"
 
 
-def _applicability(observation: Observation) -> str:
+def _applicability(observation: Observation) -> Optional[Reason]:
     if observation.defense is None:
-        return "needs white-box access to the defense (observation.defense is None)"
+        return Reason("needs-white-box-defense")
     if not observation.one_step and not is_gradient_only(observation.defense):
-        return (f"defense {observation.defense.name!r} computes its own gradient, which can be replayed "
-                f"for one local step only; the observation has {observation.local_steps}")
-    return ""
+        return Reason("defense-gradient-one-step", defense=observation.defense.name, steps=observation.local_steps)
+    return None
 
 
 class ThroughDefense(AdaptedAttack):

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from audit.core.models import Normalize
+from audit.core.reasons import Reason
 from audit.core.types import Observation, Reconstruction, trainable_names
 
 from attacks.labels import infer_labels
@@ -39,15 +40,13 @@ def _first_biased_linear(layers) -> Optional[Tuple[int, str, nn.Linear]]:
     return None
 
 
-def _no_linear_reason(layers) -> str:
+def _no_linear_reason(layers) -> Reason:
     """Why no first fully connected layer was found: none at all, or one inside a module whose
     forward is not a plain sequence of layers (the layers before it are unknown)."""
     for name, layer in layers:
         if any(isinstance(m, nn.Linear) and m.bias is not None for m in layer.modules()):
-            return (f"the fully connected layers are inside {type(layer).__name__} ({name!r}), whose forward is "
-                    "not a plain sequence of layers: what comes before them is unknown (analytic inversion "
-                    "needs nn.Sequential layers up to the first fully connected one)")
-    return "the model has no fully connected layer with a bias"
+            return Reason("analytic-fc-inside-module", module=type(layer).__name__, name=name)
+    return Reason("analytic-no-fc-bias")
 
 
 def input_blocker(layers, index: int) -> Optional[Tuple[str, nn.Module]]:
@@ -94,19 +93,16 @@ class AnalyticInversion:
         first = input_blocker(layers, index)
         if first is not None:
             return Reconstruction.not_applicable(
-                f"analytic inversion recovers the input of the first fully connected layer with a bias "
-                f"({name!r}, {linear.in_features} features), but layer {first[0]!r} "
-                f"({type(first[1]).__name__}) comes before it: those are features, not the image "
-                "(use invert_linear_input for them, or an optimisation attack for the image)",
+                Reason("analytic-features-not-image", layer=name, features=linear.in_features, before=first[0],
+                       before_type=type(first[1]).__name__),
                 feature_layer=name, feature_count=linear.in_features)
         if observation.batch_size != 1:
-            return Reconstruction.not_applicable(
-                f"analytic inversion is exact for one image; the batch has {observation.batch_size}")
+            return Reconstruction.not_applicable(Reason("analytic-one-image", batch=observation.batch_size))
         if name + ".bias" not in trainable_names(observation.model):
-            return Reconstruction.not_applicable(f"the bias of {name!r} is frozen, its gradient is not shared")
+            return Reconstruction.not_applicable(Reason("bias-frozen", layer=name))
         z, row, strength = invert_linear_input(observation, name)
         if strength == 0.0:
-            return Reconstruction.not_applicable(f"the bias gradient of {name!r} is zero: nothing to divide by")
+            return Reconstruction.not_applicable(Reason("analytic-zero-bias-gradient", layer=name))
         x = layer_input_to_images(z.unsqueeze(0), layers, index, observation.input_shape)
         labels = infer_labels(observation, seed=seed)
         note = "" if observation.defense is None else \

@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from audit.core.reasons import Reason
 from audit.core.models import preserved_buffers
 
 #: a row space is read off an upload where the first dropped singular value is below this share
@@ -72,23 +73,21 @@ def conv_layers(model: nn.Module, input_shape: Sequence[int]) -> List[SpanLayer]
     return [found[n] for n in convs if n in found]
 
 
-def span_layers(model: nn.Module, input_shape: Sequence[int], batch: int) -> Tuple[List[SpanLayer], str]:
+def span_layers(model: nn.Module, input_shape: Sequence[int], batch: int) -> Tuple[List[SpanLayer], Optional[Reason]]:
     """The convolutions whose weight gradient spans the patches of a batch of ``batch``, and why
-    there is none ('' when some are found)."""
+    there is none (None when some are found)."""
     convs = conv_layers(model, input_shape)
     if not convs:
-        return [], "the model has no trainable nn.Conv2d: the conv-span attack reads convolutions' weight gradients"
+        return [], Reason("conv-span-no-conv")
     held = [c for c in convs if c.holds_for(batch)]
     if held:
-        return held, ""
+        return held, None
     best = min(convs, key=lambda c: c.positions / min(c.out_channels, c.patch))
     if best.largest_batch == 0:
-        return [], (f"no convolution meets the rank condition: each has at least as many output positions as "
-                    f"output channels or patch entries (the closest, {best.name!r}: {best.positions} positions, "
-                    f"{best.out_channels} channels, patches of {best.patch}); a wider or deeper model has them")
-    return [], (f"a batch of {batch} gives {batch * best.positions} patches to {best.name!r}, the convolution "
-                f"with the most room, which spans at most {min(best.out_channels, best.patch) - 1}: the span "
-                f"holds up to a batch of {best.largest_batch}")
+        return [], Reason("conv-span-no-rank", layer=best.name, positions=best.positions,
+                          channels=best.out_channels, patch=best.patch)
+    return [], Reason("conv-span-batch", batch=batch, patches=batch * best.positions, layer=best.name,
+                      spans=min(best.out_channels, best.patch) - 1, largest=best.largest_batch)
 
 
 @dataclass
@@ -141,7 +140,7 @@ def span_residual(space: RowSpace, conv: nn.Conv2d, maps: Tensor) -> Tensor:
     if space.centred:
         p = p - p.mean(0, keepdim=True)
     outside = (p - (p @ basis.T) @ basis).pow(2).sum() / p.pow(2).sum().clamp_min(1e-30)
-    if len(p) <= basis.shape[0] + 1:  # one image: its patches are the whole row space already
+    if len(maps) == 1:  # one image: its patches are the whole row space already
         return outside
     gram = p @ p.T
     ridge = 1e-6 * gram.diagonal().mean() * torch.eye(len(p), dtype=p.dtype, device=p.device)

@@ -21,6 +21,7 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 from torch import Tensor
 
+from audit.core.reasons import Reason
 from audit.core.errors import ConfigError, NotApplicable
 from audit.core.models import last_linear
 from audit.core.registry import Registry
@@ -50,8 +51,7 @@ def last_layer_gradients(observation: Observation) -> Tuple[Tensor, Optional[Ten
     name, _ = last_linear(observation.model)
     names = trainable_names(observation.model)
     if f"{name}.weight" not in names:
-        raise NotApplicable(f"label inference needs the gradient of the last linear layer {name!r}, "
-                            "which is frozen in this model")
+        raise NotApplicable(Reason("labels-head-frozen", layer=name))
     steps = max(1, observation.local_steps)
     dw = observation.gradients[names.index(f"{name}.weight")].detach() / steps
     db = None
@@ -63,8 +63,7 @@ def last_layer_gradients(observation: Observation) -> Tuple[Tensor, Optional[Ten
 @LABEL_METHODS.register("idlg", "batch 1: the negative entry of the last-layer bias / weight-row gradient")
 def idlg(observation: Observation, seed: int = 0) -> LabelInference:
     if observation.batch_size != 1:
-        raise NotApplicable(f"idlg infers the label of a single image; the batch has {observation.batch_size} "
-                            "(use the 'counts' method)")
+        raise NotApplicable(Reason("idlg-one-image", batch=observation.batch_size))
     dw, db = last_layer_gradients(observation)
     score, source = (db, "bias") if db is not None else (dw.sum(dim=1), "weight-row sums")
     label = int(torch.argmin(score))
@@ -108,8 +107,7 @@ def counts(observation: Observation, seed: int = 0) -> LabelInference:
         ratio = rows / p_mean.clamp_min(1e-12)
         positive = ratio[rows > 0]
         if positive.numel() == 0:
-            raise NotApplicable("counts label inference: no positive last-layer weight-row sums to "
-                                "calibrate the feature scale (features are not non-negative?)")
+            raise NotApplicable(Reason("counts-no-positive-rows"))
         signal, how = rows / positive.median(), "weight-row sums / calibrated feature scale"
     estimate = b * (p_mean - signal)
     present = signal < 0
@@ -160,7 +158,7 @@ def plan_labels(strategy: str, observation: Observation, seed: int = 0) -> Label
     if strategy not in LABEL_STRATEGIES:
         raise ConfigError(f"unknown label strategy {strategy!r}; valid: {', '.join(LABEL_STRATEGIES)}")
     if strategy == "shared" and not observation.labels_shared:
-        raise NotApplicable("label strategy 'shared' needs an observation with shared labels; use 'infer'")
+        raise NotApplicable(Reason("labels-not-shared"))
     if strategy == "optimize" and not observation.labels_shared:
         return LabelPlan(None, (observation.batch_size, observation.num_classes),
                          {"method": "optimize", "note": "soft labels optimised jointly with the images (DLG)"})

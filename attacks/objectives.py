@@ -22,6 +22,7 @@ from typing import List, Optional, Sequence, Union
 import torch
 from torch import Tensor
 
+from audit.core.reasons import Reason
 from audit.core.errors import ConfigError, NotApplicable
 from audit.core.registry import Registry
 from audit.core.types import Observation
@@ -220,9 +221,8 @@ class DefenseLikelihood(Objective):
     def bind(self, observation):
         log_prob = getattr(observation.defense, "log_prob", None)
         if log_prob is None:
-            who = "no defense" if observation.defense is None else f"defense {observation.defense.name!r}"
-            raise NotApplicable(f"objective 'defense' needs the defense's log_prob(shared, clean); {who} "
-                                "has none. Use gaussian(sigma=...), laplacian(b=...) or l2")
+            raise NotApplicable(Reason("objective-needs-log-prob",
+                                       defense=getattr(observation.defense, "name", None)))
         return _BoundLikelihood(log_prob)
 
 

@@ -27,6 +27,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
+from audit.core.reasons import Reason
 from audit.core.errors import ConfigError, GiaError, NotApplicable
 from audit.core.types import Observation, Reconstruction, iterations_for, parameter_names, trainable_parameters
 from priors import PRIORS, Prior, PriorContext, classifier_head, requiring, weighted_total
@@ -380,7 +381,8 @@ class OptimizationRun:
             # the running statistics stand in for the batch's; the upload gives the batch's own
             replaced = requiring(attack.priors, "bn_stats")
             self.priors = [p for p in self.priors if p[0] not in replaced]
-            self.side.notes["bn-upload"] += f" (replaces the running-statistics prior {', '.join(replaced)})"
+            used = self.side.notes["bn-upload"]
+            self.side.notes["bn-upload"] = Reason(used.code, **used.params, replaces=list(replaced))
         self.head = self._classifier_head(attack)
         observed = [list(self.simulator.observed_data(o)) for o in group]
         self.n_observed = len(observed[0])
@@ -391,8 +393,7 @@ class OptimizationRun:
         self.replica = self.simulator.prepare(self.obs)
         bn_priors = requiring(self.priors, "bn_stats")
         if bn_priors and self.replica.bn_running is None:
-            raise NotApplicable(f"prior {bn_priors[0]!r} needs BatchNorm layers with running statistics; the "
-                                "observation's model has none (set its weight to 0)")
+            raise NotApplicable(Reason("prior-needs-running-statistics", prior=bn_priors[0]))
         given = labels if isinstance(labels, (list, tuple)) else None if labels is None else [labels]
         self.plans = [plan_labels(attack.label_strategy, o, s) for o, s in zip(group, seeds)] if given is None else \
             [LabelPlan(y.to(self.device).long(), None, {"method": "given", "note": "labels given to evaluate()"})
@@ -834,7 +835,7 @@ class OptimizationRun:
                 "final_terms": {k: float(v[member]) for k, v in terms.items()},
                 "loss_history": rows_of[n * restarts:(n + 1) * restarts],
                 "labels": self.plans[n].info,
-                "side_information": dict(self.side.notes),
+                "side_information": self.side.traced(),
                 "side_information_used": tuple(self.side.used),
                 "prior_weights": {k: float(w) for k, _, w in self.priors},
                 "client_optimizer": replica_note(self.obs.optimizer),

@@ -23,6 +23,7 @@ import torch
 
 from audit.core.errors import ConfigError, NotApplicable
 from audit.core.registry import Registry
+from audit.core.reasons import Reason
 from audit.core.types import Observation, Reconstruction
 
 from attacks.budget_rule import reveals_batch_statistics
@@ -35,24 +36,23 @@ STRATEGIES = Registry("portfolio strategy")
 
 @dataclass(frozen=True)
 class Strategy:
-    """A preset with settings, and when it applies (``applies(obs, knobs) -> reason or None``)."""
+    """A preset with settings, and when it applies (``applies(obs, knobs) -> Reason or None``)."""
 
     preset: str
     settings: Dict[str, Any]
-    applies: Callable[[Observation, Dict[str, Any]], Optional[str]] = lambda obs, knobs: None  # reason it does not
+    applies: Callable[[Observation, Dict[str, Any]], Optional[Reason]] = lambda obs, knobs: None  # why it does not
 
 
-def _has_bn_stats(obs: Observation, knobs: Dict[str, Any]) -> Optional[str]:
+def _has_bn_stats(obs: Observation, knobs: Dict[str, Any]) -> Optional[Reason]:
     """The running-statistics prior applies to BatchNorm models, unless the upload reveals the
     batch's own statistics: every strategy then matches those (the bn-upload term), and the
     running statistics are only a population guess at them, so the strategy would repeat
     ``smooth`` (same candidates, measured) on a share of the budget."""
     if not any(m.running_mean is not None for m in batchnorm_layers(obs)):
-        return "the model has no BatchNorm running statistics"
+        return Reason("no-running-statistics")
     if knobs.get("bn_upload", "auto") not in (0, 0.0):
         if reveals_batch_statistics(obs):
-            return ("the uploaded buffers reveal the batch's own BatchNorm statistics, which every strategy "
-                    "matches (bn-upload): the running statistics would only guess at them")
+            return Reason("portfolio-bn-upload-instead")
     return None
 
 
@@ -155,8 +155,7 @@ class PortfolioAttack:
         skipped = {n: why for n, why in chosen if why}
         run = [n for n, why in chosen if not why]
         if not run:
-            return [Reconstruction.not_applicable(f"no portfolio strategy applies: {skipped}", attack=self.name)
-                    for _ in observations]
+            return [self._none_applies(skipped) for _ in observations]
         # successive halving: half the budget explores (equal shares), the chosen strategy
         # continues from its candidate with the other half (scoring costs one evaluation each)
         share = max(1, int(budget * self.explore) // len(run))
@@ -175,14 +174,13 @@ class PortfolioAttack:
                 recs = self._attack(name).reconstruct_many(
                     observations, share, seeds, progress=scaled(i * share, share, budget), max_members=max_members)
             except NotApplicable as err:
-                skipped[name] = str(err)
+                skipped[name] = err.reason
                 continue
             for k, (rec, value) in enumerate(zip(recs, self.matches(observations, recs, seeds))):
                 results[k][name] = rec
                 candidates[k].append(self._candidate(name, "explore", rec, value))
         if not candidates[0]:
-            return [Reconstruction.not_applicable(f"no portfolio strategy applies: {skipped}", attack=self.name)
-                    for _ in observations]
+            return [self._none_applies(skipped) for _ in observations]
         picks = [self._pick(c) for c in candidates]
         continuations: Dict[Tuple[str, int], List[int]] = {}
         for k in members:
@@ -220,12 +218,18 @@ class PortfolioAttack:
                 pick = c
         return pick
 
+    def _none_applies(self, skipped: Dict[str, Reason]) -> Reconstruction:
+        """Not applicable: why each strategy does not apply."""
+        return Reconstruction.not_applicable(
+            Reason("portfolio-none-applies", strategies={n: r.to_dict() for n, r in skipped.items()}),
+            attack=self.name)
+
     def _result(self, candidates, pick, results, skipped, share: int, group: int) -> Reconstruction:
         best = results[pick["strategy"]]
         trace = dict(best.trace)
         trace.update({
             "attack": self.name, "chosen_strategy": pick["strategy"], "chosen_phase": pick["phase"],
-            "candidates": candidates, "skipped_strategies": dict(skipped), "budget_share": share,
+            "candidates": candidates, "skipped_strategies": {n: r.to_dict() for n, r in skipped.items()}, "budget_share": share,
             "selection": (f"lowest cosine gradient-matching loss, most regularised first, a later candidate "
                           f"wins only below {self.ratio:g} x the pick's; the pick gets the rest of the budget "
                           f"(from its candidate, or its whole schedule afresh); ground truth unused"),

@@ -15,6 +15,7 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 
 from audit.core.buffers import RevealedStatistics, upload_statistics
 from audit.core.errors import ConfigError
+from audit.core.reasons import Reason
 from audit.core.types import Observation
 from priors import UploadedBatchNormStatistics
 
@@ -37,14 +38,19 @@ def upload_weight(layers: int) -> float:
 @dataclass
 class SideInformation:
     """What an attack run uses beyond the gradient: extra ``(key, prior, weight)`` terms, the
-    revealed statistics (None when not used), one line per item for people reading the trace,
-    and ``used``: the codes of the items the run matches (:data:`audit.core.trace.SIDE_INFORMATION`),
-    which is what the engine and the report decide from."""
+    revealed statistics (None when not used), a note per item (a :class:`Reason` the report
+    words, or the attack's own line for people reading the trace), and ``used``: the codes of the
+    items the run matches (:data:`audit.core.trace.SIDE_INFORMATION`), which is what the engine
+    and the report decide from."""
 
     priors: List[Tuple[str, Any, float]]
     revealed: Optional[RevealedStatistics]
-    notes: Dict[str, str]
+    notes: Dict[str, Union[Reason, str]]
     used: List[str] = field(default_factory=list)
+
+    def traced(self) -> Dict[str, Any]:
+        """The notes as the trace stores them (a reason as its JSON object)."""
+        return {k: v.to_dict() if isinstance(v, Reason) else v for k, v in self.notes.items()}
 
     def use(self, code: str, note: str) -> None:
         """Mark ``code`` as matched by the run, with its note."""
@@ -79,11 +85,11 @@ def side_information(observation: Observation, weight: Union[str, float]) -> Sid
     """The side-information terms for an attack on ``observation`` (``weight``: ``bn_upload``)."""
     revealed, why = upload_statistics(observation)
     if revealed is None:
-        return SideInformation([], None, {"bn-upload": f"not used: {why}"})
+        return SideInformation([], None, {"bn-upload": Reason("bn-upload-unused", why=why.to_dict())})
     if weight == 0:
-        return SideInformation([], None, {"bn-upload": "not used: switched off (bn_upload=0)"})
+        return SideInformation([], None, {"bn-upload": Reason("bn-upload-off")})
     value = upload_weight(len(revealed.layers)) if weight == "auto" else float(weight)
-    note = f"used (weight {value:g}): {revealed.describe()}, from the uploaded buffers"
+    note = Reason("bn-upload-used", weight=value, **revealed.reason().params)
     return SideInformation([("bn-upload", UploadedBatchNormStatistics(), value)], revealed, {"bn-upload": note},
                            ["bn-upload"])
 

@@ -29,6 +29,7 @@ from torch import Tensor, nn
 from torch.func import functional_call, replace_all_batch_norm_modules_
 
 from audit.core.defense_call import invoke_defense, invoke_defense_many
+from audit.core.reasons import Reason
 from audit.core.errors import ConfigError, NotApplicable
 from audit.core.registry import Registry
 from audit.core.types import Observation
@@ -284,11 +285,10 @@ class DefenseSimulator(GradientSimulator):
     @staticmethod
     def _check(obs: Observation) -> None:
         if obs.defense is None:
-            raise NotApplicable("the 'defense' simulator needs observation.defense (white-box "
-                                "access to the mechanism); use the default 'clean' simulator")
+            raise NotApplicable(Reason("simulator-needs-defense"))
         if not obs.one_step:
-            raise NotApplicable("the 'defense' simulator runs one defended gradient; the "
-                                f"observation has {obs.local_steps} local steps of {obs.optimizer.describe()}")
+            raise NotApplicable(Reason("simulator-one-step", steps=obs.local_steps,
+                                       optimizer=obs.optimizer.describe()))
 
     def client_gradients(self, replica, x, y, *, functional, context):
         obs = replica.observation

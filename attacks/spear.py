@@ -31,6 +31,7 @@ import torch
 from torch import Tensor, nn
 
 from audit.core.errors import ConfigError
+from audit.core.reasons import Reason
 from audit.core.types import Observation, Reconstruction, trainable_names
 
 from attacks.analytic import input_blocker, layer_input_to_images, leaf_layers
@@ -58,19 +59,18 @@ class ReluLinear:
     is_image: bool
 
 
-def relu_linear_layers(model: nn.Module) -> Tuple[List[ReluLinear], str]:
+def relu_linear_layers(model: nn.Module) -> Tuple[List[ReluLinear], Optional[Reason]]:
     """Every biased ``Linear`` followed directly by ``ReLU`` in a plain layer sequence, first
-    first, and why there is none ('' when some are found)."""
+    first, and why there is none (None when some are found)."""
     layers = leaf_layers(model)
     found = [ReluLinear(i, name, layer, input_blocker(layers, i) is None)
              for i, (name, layer) in enumerate(layers[:-1])
              if isinstance(layer, nn.Linear) and layer.bias is not None and isinstance(layers[i + 1][1], nn.ReLU)]
     if found:
-        return found, ""
+        return found, None
     if any(isinstance(m, nn.Linear) for _, layer in layers for m in layer.modules() if m is not layer):
-        return [], ("its fully connected layers are inside a module whose forward is not a plain sequence of "
-                    "layers: SPEAR needs an nn.Sequential with a biased Linear followed by ReLU")
-    return [], "the model has no biased Linear layer followed by ReLU (SPEAR needs one, e.g. the 'mlp' or 'cnn')"
+        return [], Reason("spear-fc-inside-module")
+    return [], Reason("spear-no-relu-linear")
 
 
 # --------------------------------------------------------------------------- labels and certificate
@@ -164,7 +164,7 @@ class Spear:
             raise ConfigError(f"spear: input_samples must be >= 0 (0: off), got {input_samples}")
         self._input_samples = input_samples
 
-    def not_applicable_reason(self, observation: Observation) -> Tuple[Optional[ReluLinear], str]:
+    def not_applicable_reason(self, observation: Observation) -> Tuple[Optional[ReluLinear], Optional[Reason]]:
         """The layer SPEAR inverts, or why it does not apply to ``observation``."""
         found, why = relu_linear_layers(observation.model)
         if not found:
@@ -172,16 +172,14 @@ class Spear:
         target = found[0]
         names = trainable_names(observation.model)
         if f"{target.name}.weight" not in names or f"{target.name}.bias" not in names:
-            return None, f"the weight or bias of {target.name!r} is frozen: its gradient is not in the upload"
+            return None, Reason("spear-layer-frozen", layer=target.name)
         if not observation.one_step and not target.is_image:
-            return None, (f"the upload is an update after {observation.local_steps} local step(s) of "
-                          f"{observation.optimizer.describe()}: the features entering {target.name!r} change with "
-                          "the convolutions at every step, so its update is not of rank <= the batch size "
-                          "(SPEAR applies to FedAvg only where the layer's input is the image)")
+            return None, Reason("spear-local-steps", steps=observation.local_steps,
+                                optimizer=observation.optimizer.describe(), layer=target.name)
         if observation.batch_size > target.layer.out_features:
-            return None, (f"the batch of {observation.batch_size} exceeds the {target.layer.out_features} outputs "
-                          f"of {target.name!r}: its gradient's rank cannot separate the images")
-        return target, ""
+            return None, Reason("spear-batch-exceeds-outputs", batch=observation.batch_size,
+                                outputs=target.layer.out_features, layer=target.name)
+        return target, None
 
     def reconstruct(self, observation: Observation, budget: Optional[int] = None, seed: int = 0,
                     progress: Optional[Callable] = None) -> Reconstruction:
@@ -198,8 +196,8 @@ class Spear:
         norms = left.norm(dim=1)
         rows = left[norms > max(1e-9, zero_tol) * norms.max()]  # rows of dZ that are all zero carry nothing
         if len(rows) < b:
-            return Reconstruction.not_applicable(f"only {len(rows)} rows of {target.name!r}'s gradient are "
-                                                 f"non-zero, fewer than the batch of {b}")
+            return Reconstruction.not_applicable(Reason("spear-too-few-rows", rows=len(rows), layer=target.name,
+                                                        batch=b))
         layers = leaf_layers(observation.model)
         tail = _tail(layers, target.index)
         tail_params = [n for n in names if any(n.startswith(f"{name}.") for name, _ in layers[target.index:])]
@@ -264,9 +262,8 @@ class Spear:
                  "seconds": time.perf_counter() - start, "certificate_tolerance": self.tolerance,
                  "noise_floor": floor, "zero_tol": zero_tol}
         if best is None and not target.is_image:
-            return Reconstruction(None, None, trace, applicable=False, reason=(
-                f"spear found fewer than {b} independent directions for the inputs of {target.name!r}, features "
-                "behind convolutions, not the images"))
+            return Reconstruction(None, None, trace, applicable=False,
+                                  reason=Reason("spear-too-few-directions", batch=b, layer=target.name))
         if best is None:
             trace.update(failed_to_optimise=True, failure=(
                 f"spear kept {len(found)} directions in {drawn} samples, fewer than {b} independent ones: raise samples= "
@@ -288,9 +285,9 @@ class Spear:
             trace["raw_range"] = [float(images.min()), float(images.max())]
             return Reconstruction(images.float().clamp(0, 1), labels, trace)
         trace["features"] = z.float()
-        return Reconstruction(None, labels, trace, applicable=False, reason=(
-            f"spear recovers the inputs of {target.name!r} ({target.layer.in_features} features per image), not the "
-            "images: convolutions come before it; trace['features'] holds them for the optimisation attacks"))
+        return Reconstruction(None, labels, trace, applicable=False,
+                              reason=Reason("spear-features-not-image", layer=target.name,
+                                            features=target.layer.in_features))
 
     def _candidate(self, observation, target, layers, tail, tail_params, left, right, db, directions, seed):
         """The batch one selection of directions gives, its labels and its certificate error."""

@@ -61,8 +61,9 @@ class SpearFeaturesIg:
         features = found.trace.get("features")
         if features is None or not found.trace.get("certified"):
             rec = attack.reconstruct(observation, budget, seed, progress=progress)
-            rec.trace["spear"] = (found.trace.get("failure") or found.trace.get("uncertified") or found.reason
-                                  if features is not None else found.reason or "no features")
+            why = None if found.reason is None else found.reason.to_dict()  # a code: the report words it
+            rec.trace["spear"] = (found.trace.get("failure") or found.trace.get("uncertified") or why
+                                  if features is not None else why or "no features")
             return rec
         layers = leaf_layers(observation.model)
         index = relu_linear_layers(observation.model)[0][0].index

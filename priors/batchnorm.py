@@ -1,6 +1,7 @@
 """DeepInversion's BatchNorm-statistics prior (used by GradInversion)."""
 from __future__ import annotations
 
+from audit.core.reasons import Reason
 from audit.core.errors import NotApplicable
 
 from priors.base import PRIORS, Prior, PriorContext
@@ -17,8 +18,7 @@ class BatchNormStatistics(Prior):
     def __call__(self, x, context: PriorContext):
         stats, running = context.features.get("bn"), context.bn_running
         if not stats or running is None or len(stats) != len(running):
-            raise NotApplicable("the bn prior needs BatchNorm layers with running statistics in the "
-                                "observation's model; set its weight to 0 for this model")
+            raise NotApplicable(Reason("prior-needs-running-statistics", prior="bn"))
         return sum((m - rm).norm() + (v - rv).norm() for (m, v), (rm, rv) in zip(stats, running))
 
 
@@ -45,8 +45,7 @@ class UploadedBatchNormStatistics(Prior):
     def __call__(self, x, context: PriorContext):
         steps, revealed = context.features.get("bn_steps"), getattr(context, "revealed", None)
         if not steps or revealed is None or any(len(s) != len(revealed.means) for s in steps):
-            raise NotApplicable("the bn-upload term needs the client's uploaded BatchNorm buffers (shares: state) "
-                                "and BatchNorm layers in train mode")
+            raise NotApplicable(Reason("bn-upload-needs-buffers"))
         total = 0.0
         for layer, (target_mean, target_var) in enumerate(zip(revealed.means, revealed.variances)):
             weights = revealed.weights[layer]

@@ -20,6 +20,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor, nn
 
+from audit.core.reasons import Reason
 from audit.core.errors import NotApplicable
 
 from priors.base import PRIORS, Prior, PriorContext
@@ -32,11 +33,11 @@ def classifier_head(model: nn.Module) -> Tuple[int, int]:
     owners = [m for m in model.modules() if any(True for _ in m.parameters(recurse=False))]
     head = owners[-1] if owners else None
     if not isinstance(head, nn.Linear) or head.bias is None:
-        raise NotApplicable("the features term needs a model whose last layer is a linear layer with a bias")
+        raise NotApplicable(Reason("features-needs-linear-head"))
     trainable = [p for p in model.parameters() if p.requires_grad]
     ids = [id(p) for p in trainable]
     if id(head.weight) not in ids or id(head.bias) not in ids:
-        raise NotApplicable("the features term needs the output layer's gradient (its parameters are frozen)")
+        raise NotApplicable(Reason("features-head-frozen"))
     return ids.index(id(head.weight)), ids.index(id(head.bias))
 
 
@@ -118,7 +119,7 @@ class LastLayerFeatures(Prior):
     def __call__(self, x: Tensor, context: PriorContext) -> Tensor:
         f = context.features
         if f.get("head") is None or f.get("grads") is None:
-            raise NotApplicable("the features term needs the dummy's gradient and the output layer (set by the run)")
+            raise NotApplicable(Reason("features-needs-run"))
         w, b = f["head"]
         labels = f["labels"]
         probs = f.get("softmax")

@@ -6,6 +6,7 @@ from torch import nn
 from attacks import ATTACKS, observe
 from audit.core.metrics import psnr
 from audit.core.models import build_model, with_normalization
+from audit.report.reasons import word
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -45,7 +46,8 @@ def test_conv_net_is_not_applicable_for_the_image():
     model = build_model("lenet", (3, 16, 16), 10)
     rec = ATTACKS.build("analytic").reconstruct(observe(model, _image(), torch.tensor([0])), None, 0)
     assert not rec.applicable and rec.inputs is None
-    assert "Conv2d" in rec.reason and "features, not the image" in rec.reason
+    assert rec.reason.code == "analytic-features-not-image" and rec.reason.params["before_type"] == "Conv2d"
+    assert "Conv2d" in word(rec.reason) and "features, not the image" in word(rec.reason)
     assert rec.trace["feature_count"] == model[-1].in_features
 
 
@@ -53,10 +55,10 @@ def test_batch_and_bias_free_models_are_not_applicable():
     model = build_model("mlp", (1, 8, 8), 4, hidden=(16,))
     x = torch.rand(2, 1, 8, 8, generator=torch.Generator().manual_seed(3))
     rec = ATTACKS.build("analytic").reconstruct(observe(model, x, torch.tensor([0, 1])), None, 0)
-    assert not rec.applicable and "one image" in rec.reason
+    assert not rec.applicable and rec.reason.params == {"batch": 2} and "one image" in word(rec.reason)
     no_bias = nn.Sequential(nn.Flatten(), nn.Linear(64, 4, bias=False))
     rec = ATTACKS.build("analytic").reconstruct(observe(no_bias, x[:1], torch.tensor([0])), None, 0)
-    assert not rec.applicable and "no fully connected layer with a bias" in rec.reason
+    assert not rec.applicable and "no fully connected layer with a bias" in word(rec.reason)
 
 
 class Residual(nn.Module):
@@ -73,4 +75,5 @@ class Residual(nn.Module):
 def test_a_model_that_is_not_a_sequence_is_named_in_the_reason():
     model = with_normalization(Residual(), (0.5,), (0.2,))
     rec = ATTACKS.build("analytic").reconstruct(observe(model, _image(4, (1, 8, 8)), torch.tensor([1])), None, 0)
-    assert not rec.applicable and "inside Residual ('1')" in rec.reason and "not a plain sequence" in rec.reason
+    assert not rec.applicable and "inside Residual ('1')" in word(rec.reason)
+    assert "not a plain sequence" in word(rec.reason)

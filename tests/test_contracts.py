@@ -61,7 +61,7 @@ def test_observation_declares_its_threat_model():
 
 def test_reconstruction_not_applicable_carries_reason():
     r = Reconstruction.not_applicable("model has no fully connected layer with a bias")
-    assert not r.applicable and "bias" in r.reason and r.inputs is None
+    assert not r.applicable and "bias" in str(r.reason) and r.inputs is None
 
 
 def test_kv_args_parse_types():

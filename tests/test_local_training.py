@@ -12,6 +12,7 @@ from audit.core.errors import ConfigError
 from audit.core.local_training import LocalOptimizer, torch_optimizer
 from audit.core.types import Observation, trainable_parameters
 from attacks.simulator import ClientReplica, GradientSimulator, SimContext
+from audit.report.reasons import word
 
 
 def small_bn_net(seed=0, momentum=0.1):
@@ -96,7 +97,7 @@ def test_eval_mode_and_gradient_share_nothing_extra():
     net, (x, y) = small_bn_net(), batch()
     obs = observe(net, x, y, client_mode="eval", shares="state", seed=0)
     revealed, why = revealed_statistics(obs.model, obs.buffers, 1, "eval")
-    assert revealed is None and "eval mode" in why
+    assert revealed is None and why.code == "buffers-eval-mode" and "eval mode" in word(why)
     plain = observe(net, x, y, seed=0)
     assert plain.shares == "gradient" and plain.buffers is None
 
@@ -160,10 +161,11 @@ def test_side_information_is_reported_where_it_does_not_apply():
     for shares, expected in (("update", "does not share its buffers"), ("state", "used (weight")):
         obs = observe(net, x, y, local_steps=1, shares=shares, seed=0)
         rec = ATTACKS.build("ig").reconstruct(obs, budget=2, seed=0, progress=lambda *a: None)
-        assert expected in rec.trace["side_information"]["bn-upload"]
+        assert expected in word(rec.trace["side_information"]["bn-upload"])  # stored as a code, worded by the report
     obs = observe(net, x, y, shares="state", seed=0)
     rec = ATTACKS.build("ig", bn_upload=0).reconstruct(obs, budget=2, seed=0, progress=lambda *a: None)
-    assert "switched off" in rec.trace["side_information"]["bn-upload"]
+    assert rec.trace["side_information"]["bn-upload"]["code"] == "bn-upload-off"
+    assert "switched off" in word(rec.trace["side_information"]["bn-upload"])
     assert "bn-upload" not in rec.trace["final_terms"]
 
 
@@ -224,7 +226,8 @@ def test_gi_matches_the_uploaded_statistics_instead_of_the_running_ones():
     obs = observe(net, x, y, shares="state", seed=0)
     rec = ATTACKS.build("gi", restarts=1, group=0.0).reconstruct(obs, budget=2, seed=0, progress=lambda *a: None)
     assert "bn-upload" in rec.trace["final_terms"] and "bn" not in rec.trace["final_terms"]
-    assert "replaces the running-statistics prior bn" in rec.trace["side_information"]["bn-upload"]
+    assert rec.trace["side_information"]["bn-upload"]["params"]["replaces"] == ["bn"]
+    assert "replaces the running-statistics prior bn" in word(rec.trace["side_information"]["bn-upload"])
 
 
 def test_fl_training_runs_the_clients_optimizer():

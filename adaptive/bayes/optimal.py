@@ -26,6 +26,7 @@ from attacks.objectives import OBJECTIVES, L2Distance, Objective, ScaledDistance
 from attacks.optimizers import OPTIMIZERS
 from attacks.presets import ATTACKS
 from attacks.simulator import DefenseSimulator, GradientSimulator
+from audit.core.reasons import Reason
 from audit.core.errors import ConfigError, NotApplicable
 from audit.core.types import Observation, Reconstruction
 from priors import PRIORS
@@ -111,8 +112,7 @@ class BayesOptimalAttack:
                 choice = "monte-carlo"
         if choice == "monte-carlo":
             if defense is None:
-                raise NotApplicable("bayes-optimal: the Monte Carlo likelihood samples the defense's "
-                                    "randomness; the observation has no defense (use likelihood='l2')")
+                raise NotApplicable(Reason("bayes-monte-carlo-needs-defense"))
             return ("monte-carlo",
                     f"monte-carlo kernel estimate over {self.mc_draws} draws of defense {defense.name!r}",
                     MonteCarloLikelihood(self.bandwidth_floor), DefenseSimulator(), self.mc_draws)

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from audit.core.errors import ConfigError
+from audit.core.reasons import Reason
 from audit.core.registry import Registry
 
 NORM_TYPES = (nn.modules.batchnorm._BatchNorm,)
@@ -58,10 +59,9 @@ class RevealedStatistics:
         """``[mean_0, var_0, mean_1, var_1, ...]`` (an observation's per-member targets)."""
         return [t for pair in zip(self.means, self.variances) for t in pair]
 
-    def describe(self) -> str:
-        steps = len(self.weights[0]) if self.weights else 0
-        how = "exact" if steps == 1 else f"the momentum-weighted mixture of {steps} local steps"
-        return f"the private batch's BatchNorm input statistics of {len(self.layers)} layer(s), {how}"
+    def reason(self) -> Reason:
+        """What they are, as a code and its numbers (``buffers-reveal``: layers, local steps mixed)."""
+        return Reason("buffers-reveal", layers=len(self.layers), steps=len(self.weights[0]) if self.weights else 0)
 
 
 def _factors(module: nn.Module, steps: int) -> List[float]:
@@ -72,22 +72,22 @@ def _factors(module: nn.Module, steps: int) -> List[float]:
 
 
 def revealed_statistics(model: nn.Module, uploaded: Optional[Dict[str, Tensor]], steps: int,
-                        client_mode: str) -> Tuple[Optional[RevealedStatistics], str]:
+                        client_mode: str) -> Tuple[Optional[RevealedStatistics], Optional[Reason]]:
     """The statistics ``uploaded`` (the client's buffers after ``steps`` local steps from
-    ``model``'s) reveal, or ``(None, why not)``."""
+    ``model``'s) reveal, or ``(None, why not)`` (a :class:`~audit.core.reasons.Reason`)."""
     if uploaded is None:
-        return None, "the client does not share its buffers (shares: gradient or update)"
+        return None, Reason("buffers-not-shared")
     layers = [(n, m) for n, m in norm_layers(model) if m.track_running_stats and m.running_mean is not None]
     if not layers:
-        return None, "the model has no BatchNorm layer with running statistics"
+        return None, Reason("no-running-statistics")
     if client_mode != "train":
-        return None, "the client trains in eval mode: its BatchNorm buffers do not change"
+        return None, Reason("buffers-eval-mode")
     names, means, variances, weights = [], [], [], []
     for name, module in layers:
         prefix = f"{name}." if name else ""
         new_mean, new_var = uploaded.get(prefix + "running_mean"), uploaded.get(prefix + "running_var")
         if new_mean is None or new_var is None:
-            return None, f"the upload lacks {prefix}running_mean / running_var"
+            return None, Reason("buffers-missing", layer=name)
         factors = _factors(module, steps)
         keep = 1.0
         raw = []
@@ -97,7 +97,7 @@ def revealed_statistics(model: nn.Module, uploaded: Optional[Dict[str, Tensor]],
         raw.reverse()
         total = 1.0 - keep
         if total <= 1e-12:
-            return None, f"BatchNorm layer {name!r} has momentum 0: its buffers never change"
+            return None, Reason("buffers-zero-momentum", layer=name)
         old_mean, old_var = module.running_mean.detach(), module.running_var.detach()
         device = old_mean.device
         names.append(name)
@@ -106,8 +106,8 @@ def revealed_statistics(model: nn.Module, uploaded: Optional[Dict[str, Tensor]],
         weights.append(tuple(w / total for w in raw))
     if all(torch.equal(uploaded[(f"{n}." if n else "") + "running_mean"].to(m.running_mean.device), m.running_mean)
            for n, m in layers):
-        return None, "the uploaded buffers equal the global model's: they carry no batch statistics"
-    return RevealedStatistics(names, means, variances, weights), ""
+        return None, Reason("buffers-global")
+    return RevealedStatistics(names, means, variances, weights), None
 
 
 # --------------------------------------------------------------------------- what a defense does to them
@@ -193,11 +193,11 @@ def buffer_effect(defense: Any) -> BufferEffect:
     return BUFFER_EFFECTS.get(getattr(defense, "buffer_effect", None) or NOT_DECLARED)
 
 
-def upload_statistics(obs: Any) -> Tuple[Optional[RevealedStatistics], str]:
+def upload_statistics(obs: Any) -> Tuple[Optional[RevealedStatistics], Optional[Reason]]:
     """The one predicate of "the upload reveals the private batch's statistics": what
     ``obs``' uploaded buffers reveal (:func:`revealed_statistics`) where its defense's
     declared effect leaves them usable, else ``(None, why not)``."""
     effect = BUFFER_EFFECTS.get(getattr(obs, "buffer_effect", "untouched"))
     if obs.buffers is not None and not effect.reveals:
-        return None, f"the defense declares the uploaded buffers {effect.name} (buffer_effect): their statistics are not used"
+        return None, Reason("buffers-not-revealing", effect=effect.name)
     return revealed_statistics(obs.model, obs.buffers, obs.local_steps, obs.client_mode)

@@ -3,6 +3,7 @@
 The CLI prints a :class:`GiaError` as one line (no traceback); Python users can catch the
 specific subclasses.
 """
+from audit.core.reasons import Reason
 
 
 class GiaError(Exception):
@@ -32,4 +33,10 @@ class StoreError(GiaError, OSError):
 
 
 class NotApplicable(GiaError):
-    """An attack that cannot run on this observation (e.g. analytic inversion, no FC bias)."""
+    """An attack that cannot run on this observation (e.g. analytic inversion, no FC bias).
+    ``reason``: a :class:`~audit.core.reasons.Reason` (a code and its values, which the report
+    words); a sentence given instead is kept as one."""
+
+    def __init__(self, reason):
+        self.reason = Reason.of(reason)
+        super().__init__(self.reason)  # str(err): the code and its values; pickles whole

@@ -13,8 +13,38 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any, Dict, Iterator, List, Mapping, Optional
 
 
+class FlatRecord:
+    """``to_dict`` / ``from_dict`` for a frozen dataclass whose JSON is the flat object of its
+    fields (those set, or all of them when ``keeps_none``), then the keys it does not know, kept
+    in its ``extra`` field and written back as they were. ``_json(name)``: a field's JSON value."""
+
+    keeps_none = False
+
+    @classmethod
+    def _names(cls) -> tuple:
+        return tuple(f.name for f in fields(cls) if f.name != "extra")  # type: ignore[arg-type]
+
+    def _json(self, name: str) -> Any:
+        return getattr(self, name)
+
+    def to_dict(self) -> Dict[str, Any]:
+        """The JSON object: the fields, then the keys kept in ``extra``."""
+        out = {n: self._json(n) for n in self._names() if self.keeps_none or getattr(self, n) is not None}
+        out.update(self.extra)  # type: ignore[attr-defined]
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Any):
+        """The record of its JSON object (None or {}: the empty record; a record: itself)."""
+        if isinstance(data, cls):
+            return data
+        data = dict(data or {})
+        known = {k: data.pop(k) for k in cls._names() if k in data and data[k] is not None}
+        return cls(**known, extra=data)  # type: ignore[call-arg]
+
+
 @dataclass(frozen=True, eq=False)  # equal as mappings: the same JSON object
-class Manifest(Mapping):
+class Manifest(FlatRecord, Mapping):
     """One audit run's manifest (every field None until the engine writes it).
 
     ``run_key``: the run's key; ``status``: "running", "complete", "interrupted", "stopped (...)",
@@ -55,21 +85,6 @@ class Manifest(Mapping):
     control: Optional[Dict[str, Any]] = None
     timing: Optional[Dict[str, Any]] = None
     extra: Dict[str, Any] = field(default_factory=dict)
-
-    def to_dict(self) -> Dict[str, Any]:
-        """The JSON object: the fields that are set, then the keys kept in ``extra``."""
-        out = {name: getattr(self, name) for name in _FIELDS if getattr(self, name) is not None}
-        out.update(self.extra)
-        return out
-
-    @classmethod
-    def from_dict(cls, data: Any) -> "Manifest":
-        """The record of a manifest's JSON object (None or {}: an empty manifest)."""
-        if isinstance(data, cls):
-            return data
-        data = dict(data or {})
-        known = {k: data.pop(k) for k in _FIELDS if k in data and data[k] is not None}
-        return cls(**known, extra=data)
 
     def updated(self, **changes: Any) -> "Manifest":
         """This manifest with ``changes`` merged in (as a write of those keys merges them)."""

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field, fields
 from enum import Enum
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
+from audit.core.reasons import Reason
 from audit.core.trace import Trace
 
 
@@ -188,8 +189,10 @@ def _status(value: Any) -> Any:
 class AttackResult(_Record):
     """One finished (step, attack, image): what ran, its status, and its scores against the
     private batch (``metrics``) and, for input-transforming defenses, against the batch the
-    client trained on (``metrics_trained``). Written by the engine, stored as JSON by the
-    result store, read by the report."""
+    client trained on (``metrics_trained``). ``why``: a not-applicable result's reason, as a code
+    and its values (the report words it); ``reason``: an error's message (and the sentence a
+    not-applicable result stored before reasons had codes). Written by the engine, stored as
+    JSON by the result store, read by the report."""
 
     step: int
     attack_id: str
@@ -202,6 +205,7 @@ class AttackResult(_Record):
     defense: Optional[str] = None
     budget: Optional[int] = None
     reason: str = ""
+    why: Optional[Reason] = None
     failed: Optional[str] = None  # "attack" or "defense" for an error
     metrics: Optional[Scores] = None
     unavailable: Dict[str, str] = field(default_factory=dict)
@@ -215,6 +219,8 @@ class AttackResult(_Record):
     def __post_init__(self):
         self.status = _status(self.status)
         self.trace = Trace.from_dict(self.trace)
+        if self.why is not None:
+            self.why = Reason.of(self.why)
         for name in ("metrics", "metrics_trained"):
             value = getattr(self, name)
             if isinstance(value, dict):
@@ -234,7 +240,15 @@ class AttackResult(_Record):
         out = asdict(self)
         out["status"] = getattr(self.status, "value", self.status)
         out["trace"] = self.trace.to_dict()
+        out["why"] = None if self.why is None else self.why.to_dict()
         return out
+
+    @property
+    def not_applicable_reason(self) -> Optional[Reason]:
+        """Why a not-applicable result does not apply: its code, else the sentence it stored."""
+        if self.why is not None:
+            return self.why
+        return Reason.of(self.reason) if self.reason else None
 
 
 # --------------------------------------------------------------------------- utility
@@ -364,9 +378,12 @@ class UtilityResult:
 # --------------------------------------------------------------------------- the report's steps
 @dataclass(frozen=True)
 class StepReport(_Record):
-    """One audited step of a report: per attack its summary (``attacks``), the worst case over
-    attacks per image (``worst_case``), the step's ``verdict``, the empirical ``risk`` and the
-    positive ``control``'s summary. Its JSON object is the step's entry in ``report.json``."""
+    """One audited step of a report, built once from its judged evidence: per attack its
+    summary (``attacks``), the worst case over attacks per image (``worst_case``), the step's
+    ``verdict`` (qualified by its positive control), the empirical ``risk``, the positive
+    ``control``'s summary, and ``originals``: where the private images' pictures are, relative to
+    the report's folder (None: ``originals`` of the run). Its JSON object is the step's entry in
+    ``report.json``."""
 
     step: int
     attacks: Dict[str, Dict[str, Any]] = field(default_factory=dict)
@@ -374,12 +391,21 @@ class StepReport(_Record):
     verdict: Dict[str, Any] = field(default_factory=dict)
     risk: Dict[str, Any] = field(default_factory=dict)
     control: Optional[Dict[str, Any]] = None
+    originals: Optional[str] = None
 
     def to_dict(self) -> Dict[str, Any]:
-        return {"step": self.step, "attacks": self.attacks, "worst_case": self.worst_case, "verdict": self.verdict,
-                "risk": self.risk, "control": self.control}
+        out = {"step": self.step, "attacks": self.attacks, "worst_case": self.worst_case, "verdict": self.verdict,
+               "risk": self.risk, "control": self.control}
+        if self.originals is not None:
+            out["originals"] = self.originals
+        return out
 
     @property
     def label(self) -> str:
         """The step's verdict label."""
         return self.verdict.get("label", "")
+
+    @property
+    def per_image(self) -> List[Dict[str, Any]]:
+        """The worst case's entry per private image."""
+        return self.worst_case.get("per_image", [])

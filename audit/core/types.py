@@ -38,6 +38,7 @@ from audit.core.errors import ConfigError
 from audit.core.client_training import SHARES, ClientTraining
 from audit.core.local_training import LocalOptimizer
 from audit.core.trace import Trace
+from audit.core.reasons import Reason
 
 LossFn = Callable[[Tensor, Tensor], Tensor]
 
@@ -489,20 +490,24 @@ class Reconstruction:
     """An attack's output: images in [0, 1] ``(B, C, H, W)``, labels ``(B,)``, and its
     :class:`~audit.core.trace.Trace` (loss history, chosen restart, timings, ...; a plain dict
     given here becomes one). ``applicable=False`` with a ``reason`` when the attack does not
-    apply to the observation."""
+    apply to the observation: a :class:`~audit.core.reasons.Reason` (a code and its values; the
+    report words it)."""
 
     inputs: Optional[Tensor]
     labels: Optional[Tensor]
     trace: Trace = field(default_factory=Trace)
     applicable: bool = True
-    reason: str = ""
+    reason: Optional[Reason] = None
 
     def __post_init__(self):
         self.trace = Trace.from_dict(self.trace)
+        if self.reason is not None:
+            self.reason = Reason.of(self.reason)
 
     @classmethod
-    def not_applicable(cls, reason: str, **trace: Any) -> "Reconstruction":
-        return cls(None, None, dict(trace), applicable=False, reason=reason)
+    def not_applicable(cls, reason: Reason, **trace: Any) -> "Reconstruction":
+        """Why the attack does not apply (``reason``), with ``trace`` entries beside it."""
+        return cls(None, None, dict(trace), applicable=False, reason=Reason.of(reason))
 
 
 @runtime_checkable

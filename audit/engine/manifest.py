@@ -13,9 +13,11 @@ from attacks.side_information import side_information as attack_side_information
 from audit.core.buffers import buffer_effect, upload_statistics
 from audit.core.errors import GiaError
 from audit.core.manifest import Manifest
+from audit.core.reasons import Reason
 from audit.engine.identity import data_identity, versions
 from audit.engine.null import null_evidence
 from audit.engine.scoring import PSNR_CAP
+from audit.report.reasons import word
 from audit.report.store import ResultStore
 
 CLIENT_MODE_TEXT = {
@@ -70,18 +72,19 @@ def write_manifest(audit: Any, store: ResultStore, specs: Sequence[Any], plan: D
         versions=versions(), failures=list(store.load_manifest().failures or []), metric_notes=METRIC_NOTES))
 
 
-def side_information(audit: Any) -> Dict[str, str]:
+def side_information(audit: Any) -> Dict[str, Dict[str, Any]]:
     """What the attacks use beyond the shared weights, read off the first observation
-    (:mod:`attacks.side_information`): the optimisation attacks (ig, gi, the portfolio and the
-    adaptive attacks built on them) add each term; the others ignore it."""
+    (:mod:`attacks.side_information`), per item a :class:`~audit.core.reasons.Reason`'s JSON
+    object (the report words it): the optimisation attacks (ig, gi, the portfolio and the
+    adaptive attacks built on them) add each term they use; the others ignore it."""
     x, y = audit.private[0]
     try:
         obs = audit.observe(audit.model, x, y, 0, 0)
     except GiaError as err:
-        return {"unavailable": f"the defense failed on the first observation: {err}"}
+        return {"unavailable": Reason("first-observation-failed", error=str(err)).to_dict()}
     side = attack_side_information(obs, "auto")
-    return {k: (v + "; added by every optimisation attack (ig, gi, portfolio, the adaptive attacks built on them)"
-                if k in side.used else v) for k, v in side.notes.items()}
+    return {k: (Reason(v.code, **v.params, every_attack=True) if k in side.used else Reason.of(v)).to_dict()
+            for k, v in side.notes.items()}
 
 
 def threat_model(audit: Any, specs: Sequence[Any]) -> Dict[str, Any]:
@@ -135,7 +138,7 @@ def buffer_note(obs, defense, shares: str) -> Dict[str, str]:
         return {"buffers": f"{effect.name}: {effect.text}", "buffers_reveal": "not judged: no observation"}
     revealed, why = upload_statistics(obs)
     return {"buffers": f"{effect.name}: {effect.text}",
-            "buffers_reveal": revealed.describe() if revealed is not None else f"nothing: {why}"}
+            "buffers_reveal": word(revealed.reason()) if revealed is not None else f"nothing: {word(why)}"}
 
 
 def delta_description(delta: float, dataset) -> str:

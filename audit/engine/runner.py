@@ -29,7 +29,7 @@ def attack_one(audit: Any, spec: Any, obs, images, labels, step: int, image: int
         attack = ATTACKS.build(spec.name, **spec.settings)
         rec = reconstruct(attack, obs, audit.attack_settings.budget, record.seed, progress)
     except NotApplicable as err:
-        return replace(record, status=Status.NOT_APPLICABLE, reason=str(err)), None
+        return replace(record, status=Status.NOT_APPLICABLE, why=err.reason), None
     except Exception as err:  # an attack, or a defense inside an adaptive attack, failed
         return failed(audit, record, err, step), None
     return scored_group(audit, spec, [record], [rec], [images], [labels], time.perf_counter() - start)[0]
@@ -74,7 +74,7 @@ def scored_group(audit: Any, spec: Any, records: Sequence[AttackResult], recs, i
     live = []
     for k, (record, rec) in enumerate(zip(records, recs)):
         if not rec.applicable:
-            out[k] = replace(record, status=Status.NOT_APPLICABLE, reason=rec.reason), None
+            out[k] = replace(record, status=Status.NOT_APPLICABLE, why=rec.reason), None
         elif rec.inputs is None or not torch.isfinite(rec.inputs).all():
             out[k] = replace(record, status=Status.ERROR, reason=f"attack {spec.id!r} returned no finite images"), None
         else:

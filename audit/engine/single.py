@@ -21,6 +21,7 @@ from audit.core.errors import ConfigError
 from audit.engine.compose import (build_model, check_model, client_model, load_data, reconstruct, resolve_defense,
                                   resolve_device)
 from audit.engine.config import AuditConfig, make_config
+from audit.report.reasons import word
 
 
 def _private_batch(dataset, index: int, batch: int, image: Optional[str], label: int):
@@ -99,7 +100,9 @@ def run_attack(attack: str = "ig", config: Optional[AuditConfig] = None, /, *, i
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "original.png").write_bytes(batch_to_png_bytes(x))
     trace = {k: v for k, v in rec.trace.items() if k != "loss_history"}
-    metrics = {"attack": attack, "applicable": rec.applicable, "reason": rec.reason, "scores": scores,
+    metrics = {"attack": attack, "applicable": rec.applicable,
+               "reason": None if rec.reason is None else word(rec.reason),
+               "why": None if rec.reason is None else rec.reason.to_dict(), "scores": scores,
                "true_labels": y.tolist(), "recovered_labels": None if rec.labels is None else rec.labels.tolist(),
                "threat_model": obs.threat_model(), "defense": None if defense is None else repr(defense),
                "model": model_cfg.describe(), "checkpoint": config.checkpoint,
@@ -128,7 +131,7 @@ def _row(images: torch.Tensor, pad: int = 1) -> torch.Tensor:
 
 def _summary(attack: str, rec, scores: Dict[str, Any], folder: Path) -> str:
     if not rec.applicable:
-        return f"{attack}: not applicable: {rec.reason} (details in {folder / 'metrics.json'})"
+        return f"{attack}: not applicable: {word(rec.reason)} (details in {folder / 'metrics.json'})"
     parts = []
     for name, unit in (("psnr", " dB"), ("ssim", ""), ("lpips", ""), ("label_accuracy", "")):
         value = scores.get(name)

@@ -17,9 +17,11 @@ from audit.core.manifest import Manifest
 from audit.core.records import AttackResult, StepReport
 from audit.report.risk import (empirical_risk, false_positive_rates, judge_step, nulls_from_manifest, overall_verdict,
                                status_of, summarize_attack)
-from audit.report.control import control_entry, judge_with_control
+from audit.report.control import control_entry, control_summary, controlled_verdict
 from audit.report.rule import LeakRule
 from audit.report.format import control_text, overall_text, progress_text, verdict_text
+from audit.report.reasons import word
+from audit.report.record import Report
 from audit.report.store import ResultStore, to_jsonable
 
 
@@ -39,43 +41,59 @@ def buffers_used(by_attack: Dict[str, Sequence[AttackResult]], effect: str) -> s
     return f"the buffers' statistics not used (buffers {effect.split(':')[0]})"
 
 
-def build_report(manifest: Any, records: Sequence[Any],
-                 rule: Optional[LeakRule] = None, control_records: Optional[Sequence[Any]] = None) -> Dict[str, Any]:
-    """Every number of the report, as one JSON-able dictionary; ``rule`` (default: the
-    audit's) judges the stored evidence, so other thresholds need no recomputation.
-    ``control_records``: the positive control's results (``manifest["control"]`` says which
-    attacks and budget; :mod:`audit.report.control`); without them no step reads "no recovered image".
-    ``manifest``: a :class:`~audit.core.manifest.Manifest` (or its JSON object)."""
-    manifest = Manifest.from_dict(manifest)
-    thresholds = rule or LeakRule.from_dict(manifest.thresholds)
-    records = [AttackResult.from_dict(r) for r in records]
-    nulls = nulls_from_manifest(manifest)
-    delta = manifest.risk_delta["delta"]
-    attack_ids = [a["id"] for a in manifest.attacks]
-    images = int(manifest.images)
+def judge_steps(manifest: Manifest, records: Sequence[AttackResult], thresholds: LeakRule, nulls,
+                control_records: Optional[Sequence[AttackResult]]) -> List[StepReport]:
+    """One :class:`StepReport` per audited step, each built once from its judged evidence: the
+    attacks' summaries, the worst case and verdict, the risk, the control's summary and the
+    verdict it qualifies, and what the uploaded buffers did for it (``shares="state"``)."""
+    attack_ids, images, info = [a["id"] for a in manifest.attacks], int(manifest.images), manifest.control
     by_step = _by_step(records)
+    control_by_step = _by_step(control_records) if info and control_records is not None else None
+    effect = (manifest.threat_model or {}).get("buffers")
     steps = []
     for step in manifest.steps:
         by_attack = {a: by_step[step].get(a, []) for a in attack_ids}
-        steps.append({"step": step, "attacks": {a: summarize_attack(recs) for a, recs in by_attack.items()},
-                      **judge_step(by_attack, images, thresholds, nulls), "risk": empirical_risk(by_attack, delta)})
-    info = manifest.control
-    controls: Dict[int, Optional[Dict[str, Any]]] = {}
-    if info and control_records is not None:
-        control_by_step = _by_step([AttackResult.from_dict(r) for r in control_records])
-        for step in manifest.steps:
-            mine = {a: control_by_step[step].get(a, []) for a in info.get("attacks", [])}
-            controls[step] = {**judge_step(mine, images, thresholds, nulls),
-                              "not_applicable": [a for a, recs in mine.items()
-                                                 if recs and all(status_of(r) == "not_applicable" for r in recs)]}
-    judge_with_control(steps, controls, info, thresholds)
-    effect = (manifest.threat_model or {}).get("buffers")
-    for step in steps:  # what the uploaded buffers did for this step's verdict (shares="state")
+        judged = judge_step(by_attack, images, thresholds, nulls)
+        control = control_summary(_control_judged(control_by_step, step, info, images, thresholds, nulls),
+                                  info or {}, thresholds)
+        verdict = controlled_verdict(judged["verdict"], judged["worst_case"]["per_image"], control)
         if effect:
-            step["verdict"]["buffers"] = buffers_used(by_step[step["step"]], effect)
+            verdict = {**verdict, "buffers": buffers_used(by_step[step], effect)}
+        steps.append(StepReport(step=step, attacks={a: summarize_attack(recs) for a, recs in by_attack.items()},
+                                worst_case=judged["worst_case"], verdict=verdict,
+                                risk=empirical_risk(by_attack, manifest.risk_delta["delta"]), control=control))
+    return steps
+
+
+def _control_judged(control_by_step, step: int, info, images: int, thresholds: LeakRule, nulls):
+    """The control's ``judge_step`` at ``step`` with the attacks that did not apply; None without a control."""
+    if control_by_step is None:
+        return None
+    mine = {a: control_by_step[step].get(a, []) for a in info.get("attacks", [])}
+    return {**judge_step(mine, images, thresholds, nulls),
+            "not_applicable": [a for a, recs in mine.items()
+                               if recs and all(status_of(r) == "not_applicable" for r in recs)]}
+
+
+def build_report(manifest: Any, records: Sequence[Any],
+                 rule: Optional[LeakRule] = None, control_records: Optional[Sequence[Any]] = None) -> Report:
+    """The report of a run as one :class:`~audit.report.record.Report`: ``rule`` (default: the
+    audit's) judges the stored evidence, so other thresholds need no recomputation.
+    ``control_records``: the positive control's results (``manifest["control"]`` says which
+    attacks and budget; :mod:`audit.report.control`); without them no step reads "no recovered image".
+    ``manifest``: a :class:`~audit.core.manifest.Manifest` (or its JSON object). The codes the
+    run stored (reasons, the plan's side information) are worded here."""
+    manifest = Manifest.from_dict(manifest)
+    thresholds = rule or LeakRule.from_dict(manifest.thresholds)
+    records = [AttackResult.from_dict(r) for r in records]
+    controls = None if control_records is None else [AttackResult.from_dict(r) for r in control_records]
+    nulls = nulls_from_manifest(manifest)
+    attack_ids = [a["id"] for a in manifest.attacks]
+    steps = judge_steps(manifest, records, thresholds, nulls, controls)
     planned = [r for r in records if r.step in manifest.steps and r.attack_id in attack_ids]
     skipped = sum(status_of(r) == "not_applicable" for r in planned)
-    progress = {"done": len(planned) - skipped, "total": len(manifest.steps) * len(attack_ids) * images - skipped}
+    progress = {"done": len(planned) - skipped,
+                "total": len(manifest.steps) * len(attack_ids) * int(manifest.images) - skipped}
     if skipped:  # results that do not apply count neither as done nor as to do
         progress["not_applicable"] = skipped
     failures = list(manifest.failures or []) + [
@@ -83,41 +101,32 @@ def build_report(manifest: Any, records: Sequence[Any],
          "status": status_of(r), "error": r.reason}
         for r in records if status_of(r) not in ("ok", "not_applicable")
     ]
-    steps = [StepReport.from_dict(s).to_dict() for s in steps]  # each step's entry is the record's JSON
-    verdict = overall_verdict(steps)
-    return to_jsonable({
-        "title": f"gia-audit report: {manifest.defense['name']}",
-        "step_name": manifest.step_name or "step",
-        "generated": _dt.datetime.now().isoformat(timespec="seconds"),
-        "run_key": manifest.run_key,
-        "status": run_status(manifest.status or "unknown", steps),
-        "progress": progress,
-        "not_applicable": not_applicable(steps),
-        "verdict": verdict,
-        "defense": manifest.defense,
-        "differences": list(manifest.differences or []),
-        "privacy": manifest.privacy or {"applicable": False, "reason": "not recorded by this audit"},
-        "threat_model": manifest.threat_model or {},
-        "plan": manifest.plan or {},
-        "control": control_entry(manifest.control),
-        "attacks": manifest.attacks,
-        "thresholds": thresholds.to_dict(),
-        "false_positive_rate": false_positive_rates(thresholds, nulls),
-        "null": (manifest.null or {}).get("description", {}),
-        "chance_level": _mean_chance(nulls),
-        "risk_delta": manifest.risk_delta,
-        "metric_notes": manifest.metric_notes or [],
-        "utility": manifest.utility or {},
-        "data": manifest.data or {},
-        "settings": manifest.settings or {},
-        "config": manifest.config or {"unavailable": "this audit was not built from a config"},
-        "seeds": manifest.seeds or {},
-        "versions": manifest.versions or {},
-        "timing": manifest.timing or {},
-        "steps": steps,
-        "failures": failures,
-        "results": [r.to_dict() for r in records],
-    })
+    step_dicts = [s.to_dict() for s in steps]
+    return Report(
+        title=f"gia-audit report: {manifest.defense['name']}", step_name=manifest.step_name or "step",
+        generated=_dt.datetime.now().isoformat(timespec="seconds"), run_key=manifest.run_key,
+        status=run_status(manifest.status or "unknown", step_dicts), progress=progress,
+        not_applicable=not_applicable(step_dicts), verdict=overall_verdict(step_dicts), defense=manifest.defense,
+        differences=list(manifest.differences or []),
+        privacy=manifest.privacy or {"applicable": False, "reason": "not recorded by this audit"},
+        threat_model=manifest.threat_model or {}, plan=worded_plan(manifest.plan or {}),
+        control=control_entry(manifest.control), attacks=manifest.attacks, thresholds=thresholds.to_dict(),
+        false_positive_rate=false_positive_rates(thresholds, nulls),
+        null=(manifest.null or {}).get("description", {}), chance_level=_mean_chance(nulls),
+        risk_delta=manifest.risk_delta, metric_notes=manifest.metric_notes or [], utility=manifest.utility or {},
+        data=manifest.data or {}, settings=manifest.settings or {},
+        config=manifest.config or {"unavailable": "this audit was not built from a config"},
+        seeds=manifest.seeds or {}, versions=manifest.versions or {}, timing=manifest.timing or {},
+        steps=steps, failures=failures, results=records)
+
+
+def worded_plan(plan: Dict[str, Any]) -> Dict[str, Any]:
+    """The plan with its side information in words (stored as codes; a plan stored with
+    sentences keeps them)."""
+    side = plan.get("side_information")
+    if not side:
+        return plan
+    return {**plan, "side_information": {k: word(v) for k, v in side.items()}}
 
 
 def not_applicable(steps: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
@@ -161,16 +170,18 @@ def control_records(store: ResultStore, manifest: Manifest) -> Optional[List[Att
 
 
 class AuditReport:
-    """The result of an audit: ``data`` holds every number (the content of ``report.json``).
+    """The result of an audit: ``record`` holds every number (a :class:`~audit.report.record.Report`);
+    ``data`` is its JSON object (the content of ``report.json``).
 
     ``report.verdict``, ``report.steps`` and ``report.psnr(step, attack)`` give quick access;
     ``report.write(out)`` writes it in every registered format (:mod:`audit.report.formats`).
     """
 
-    def __init__(self, data: Dict[str, Any], run_dir: Optional[Path] = None, out: Optional[Path] = None):
-        self.data = data
+    def __init__(self, record: Any, run_dir: Optional[Path] = None, out: Optional[Path] = None):
+        self.record = Report.from_dict(record)
         self.run_dir = Path(run_dir) if run_dir is not None else None
         self.out = Path(out) if out is not None else None
+        self._data: Optional[Dict[str, Any]] = None
 
     @classmethod
     def from_store(cls, store: ResultStore, rule: Optional[LeakRule] = None) -> "AuditReport":
@@ -191,6 +202,13 @@ class AuditReport:
                                         failures=list(manifest.failures or []) + lost)
         return cls(build_report(manifest, records, rule, control_records(store, manifest)), store.dir, store.root)
 
+    @property
+    def data(self) -> Dict[str, Any]:
+        """The report's JSON object (what ``report.json`` holds), made once."""
+        if self._data is None:
+            self._data = to_jsonable(self.record.to_dict())
+        return self._data
+
     def to_dict(self) -> Dict[str, Any]:
         """The report as one JSON-able record (what ``report.json`` holds)."""
         return self.data
@@ -199,12 +217,12 @@ class AuditReport:
     def from_dict(cls, data: Dict[str, Any], run_dir: Optional[Path] = None,
                   out: Optional[Path] = None) -> "AuditReport":
         """The report of a record :meth:`to_dict` wrote (``report.json``): it renders as written."""
-        return cls(dict(data), run_dir, out)
+        return cls(Report.from_dict(data), run_dir, out)
 
     # ------------------------------------------------------------------ access
     @property
     def verdict(self) -> str:
-        return self.data["verdict"]["label"]
+        return self.record.label
 
     @property
     def steps(self) -> List[Dict[str, Any]]:
@@ -212,39 +230,36 @@ class AuditReport:
 
     @property
     def failures(self) -> List[Dict[str, Any]]:
-        return self.data["failures"]
+        return self.record.failures
 
     @property
     def step_reports(self) -> List[StepReport]:
         """The audited steps as :class:`~audit.core.records.StepReport` records."""
-        return [StepReport.from_dict(s) for s in self.steps]
+        return self.record.steps
 
     def step(self, step: int) -> Dict[str, Any]:
-        for entry in self.steps:
-            if entry["step"] == step:
-                return entry
-        raise KeyError(f"step {step} was not audited; audited steps: {[s['step'] for s in self.steps]}")
+        return self.record.step(step).to_dict()
 
     def psnr(self, step: int, attack: Optional[str] = None) -> Optional[float]:
         """Mean PSNR of ``attack`` at ``step`` (default: the worst case over attacks)."""
-        entry = self.step(step)
-        return entry["worst_case"]["psnr"] if attack is None else entry["attacks"][attack]["psnr"]
+        entry = self.record.step(step)
+        return entry.worst_case["psnr"] if attack is None else entry.attacks[attack]["psnr"]
 
     # ------------------------------------------------------------------ output
     def to_markdown(self) -> str:
         from audit.report.markdown import render_markdown
 
-        return render_markdown(self.data)
+        return render_markdown(self.record)
 
     def to_html(self) -> str:
         from audit.report.html import render_html
 
-        return render_html(self.data, self.run_dir)
+        return render_html(self.record, self.run_dir)
 
     def plot_png(self) -> bytes:
         from audit.report.plots import psnr_vs_step_png
 
-        return psnr_vs_step_png(self.data)
+        return psnr_vs_step_png(self.record)
 
     def write(self, out: Optional[os.PathLike | str] = None) -> Dict[str, Path]:
         """Write the report in every registered format; the paths by file name."""
@@ -259,23 +274,24 @@ class AuditReport:
 
     def summary(self) -> str:
         """A few lines for the terminal."""
-        column = self.data.get("step_name") or "step"
-        lines = [f"{self.data['title']}  [{self.data['status']}, {progress_text(self.data)}]"]
-        for entry in self.steps:
-            wc, risk = entry["worst_case"], entry["risk"]
+        report = self.record
+        column = report.step_name or "step"
+        lines = [f"{report.title}  [{report.status}, {progress_text(report)}]"]
+        for entry in report.steps:
+            wc, risk = entry.worst_case, entry.risk
             psnr = "n/a" if wc["psnr"] is None else f"{wc['psnr']:.2f} dB"
             success = "n/a" if risk["success"] is None else f"{risk['success']:.0%}"
             best = "" if wc.get("psnr_max") is None else f", best-recovered image {wc['psnr_max']:.2f} dB"
-            lines.append(f"  {column} {entry['step']:>5}: mean PSNR over images {psnr} (each at its strongest attack)"
-                         f"{best}, within delta {success}; without the defense: {control_text(entry.get('control'))}; "
-                         f"verdict: {verdict_text(entry['verdict'])}")
-        lines.append(f"verdict: {overall_text(self.data['verdict'], column)}")
-        if self.failures:
-            lines.append(f"{len(self.failures)} failure(s); see the report's 'Failures' section")
+            lines.append(f"  {column} {entry.step:>5}: mean PSNR over images {psnr} (each at its strongest attack)"
+                         f"{best}, within delta {success}; without the defense: {control_text(entry.control)}; "
+                         f"verdict: {verdict_text(entry.verdict)}")
+        lines.append(f"verdict: {overall_text(report.verdict, column)}")
+        if report.failures:
+            lines.append(f"{len(report.failures)} failure(s); see the report's 'Failures' section")
         return "\n".join(lines)
 
     def __repr__(self) -> str:
-        return f"AuditReport(verdict={self.verdict!r}, steps={[s['step'] for s in self.steps]}, out={self.out})"
+        return f"AuditReport(verdict={self.verdict!r}, steps={[s.step for s in self.record.steps]}, out={self.out})"
 
     def _repr_html_(self) -> str:  # notebooks
         return self.to_html()

@@ -143,14 +143,3 @@ def controlled_verdict(verdict: Dict[str, Any], per_image: Sequence[Dict[str, An
         out.update(label=INCOMPLETE, reason="no recovered image, but no image was judged by both the defended run "
                                             "and its control")
     return out
-
-
-def judge_with_control(steps: List[Dict[str, Any]], controls: Dict[int, Optional[Dict[str, Any]]],
-                       info: Optional[Dict[str, Any]], rule: LeakRule) -> None:
-    """Add each step's ``control`` and qualify its verdict (in place); ``controls``: the
-    control's ``judge_step`` output per step (None where it has none); ``info``: the manifest's
-    ``control`` entry (None: the audit stored no control)."""
-    for step in steps:
-        summary = control_summary(controls.get(step["step"]) if info else None, info or {}, rule)
-        step["control"] = summary
-        step["verdict"] = controlled_verdict(step["verdict"], step["worst_case"]["per_image"], summary)

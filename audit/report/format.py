@@ -1,10 +1,11 @@
 """Number formatting shared by the Markdown and HTML renderers (never prints NaN)."""
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
 from audit.core.evidence import mean_difference
-from audit.core.records import AccuracySpread, UtilityResult
+from audit.core.records import AccuracySpread, StepReport, UtilityResult
+from audit.report.record import Report
 
 UNAVAILABLE = "n/a"
 
@@ -26,10 +27,10 @@ STEP_NAMES: Dict[str, Dict[str, str]] = {
 }
 
 
-def step_name(data: Dict[str, Any]) -> Dict[str, str]:
-    """The words for the report's audited points (``data["step_name"]``, a key of :data:`STEP_NAMES`;
-    its ``column`` is the key itself)."""
-    return STEP_NAMES[data.get("step_name") or "step"]
+def step_name(report: Any) -> Dict[str, str]:
+    """The words for the report's audited points (its ``step_name``, a key of :data:`STEP_NAMES`;
+    its ``column`` is the key itself); ``report``: a :class:`Report` or its JSON object."""
+    return STEP_NAMES[Report.of(report).step_name or "step"]
 
 
 def fmt(metric: str, value: Optional[float]) -> str:
@@ -48,11 +49,11 @@ def summary_header(column: str = "step"):
                "verdict"])
 
 
-def summary_row(step: Dict[str, Any]):
-    wc = step["worst_case"]
-    return ([step["step"]] + [fmt(m, wc[m]) for m in COLUMNS]
-            + [fmt("psnr", wc.get("psnr_max")), risk_text(step["risk"]), control_text(step.get("control")),
-               verdict_text(step["verdict"])])
+def summary_row(step: StepReport):
+    wc = step.worst_case
+    return ([step.step] + [fmt(m, wc[m]) for m in COLUMNS]
+            + [fmt("psnr", wc.get("psnr_max")), risk_text(step.risk), control_text(step.control),
+               verdict_text(step.verdict)])
 
 
 def attack_header(column: str = "step"):
@@ -60,9 +61,9 @@ def attack_header(column: str = "step"):
                                                          "PSNR vs trained-on batch", "ok/done"]
 
 
-def attack_row(step: Dict[str, Any], attack: str):
-    a = step["attacks"][attack]
-    return ([step["step"]] + [fmt(m, a[m]) for m in COLUMNS]
+def attack_row(step: StepReport, attack: str):
+    a = step.attacks[attack]
+    return ([step.step] + [fmt(m, a[m]) for m in COLUMNS]
             + [fmt("psnr", a.get("psnr_max")), fmt("psnr", a.get("psnr_original")),
                fmt("psnr", a.get("psnr_trained")), done_text(a)])
 
@@ -75,11 +76,11 @@ def done_text(summary: Dict[str, Any]) -> str:
     return f"{summary['images_ok']}/{summary['images_done']}" + (f" ({skipped} not applicable)" if skipped else "")
 
 
-def unavailable_notes(data: Dict[str, Any]) -> Dict[str, str]:
+def unavailable_notes(report: Report) -> Dict[str, str]:
     """``metric -> reason`` for metrics some attack could not compute (e.g. LPIPS weights)."""
     notes: Dict[str, str] = {}
-    for step in data["steps"]:
-        for summary in step["attacks"].values():
+    for step in report.steps:
+        for summary in step.attacks.values():
             notes.update(summary.get("unavailable", {}))
     return notes
 
@@ -97,12 +98,13 @@ def attack_cell(summary: Dict[str, Any]) -> str:
     return summary["status"]
 
 
-def progress_text(data: Dict[str, Any]) -> str:
+def progress_text(report: Any) -> str:
     """``4/4 (step, attack, image) results``, then the attacks that do not apply (counted
     neither as done nor as to do) with their steps and reason."""
-    column, progress = step_name(data)["column"], data["progress"]
+    report = Report.of(report)
+    column, progress = step_name(report)["column"], report.progress
     text = f"{progress['done']}/{progress['total']} ({column}, attack, image) results"
-    skipped = data.get("not_applicable") or []
+    skipped = report.not_applicable
     if skipped:
         text += "; not applicable: " + "; ".join(
             f"{n['attack']} at {column} {', '.join(map(str, n['steps']))} ({n['reason']})" for n in skipped)
@@ -170,17 +172,17 @@ def evidence_header(column: str = "step"):
             "rank among K", "PSNR (dB)", "SSIM", "without the defense (control)"]
 
 
-def evidence_rows(step: Dict[str, Any]):
+def evidence_rows(step: StepReport):
     rows = []
-    control = step.get("control") or {}
+    control = step.control or {}
     by_image = {(c["image"], c["index"]): c["recovered"] for c in control.get("per_image", [])}
-    for e in step["worst_case"]["per_image"]:
+    for e in step.per_image:
         seen = by_image.get((e["image"], e.get("index", 0)))
         above = (None if e.get("aligned_psnr") is None or e.get("chance_level") is None
                  else e["aligned_psnr"] - e["chance_level"])
         where = f"{e['image']}" if not e.get("index") else f"{e['image']}.{e['index']}"
         rank = UNAVAILABLE if e.get("rank") is None else f"{e['rank']} of {e['candidates']}"
-        rows.append([step["step"], where, e.get("image_class") or "no evidence", e.get("best_attack") or UNAVAILABLE,
+        rows.append([step.step, where, e.get("image_class") or "no evidence", e.get("best_attack") or UNAVAILABLE,
                      fmt("psnr", e.get("aligned_psnr")), fmt("psnr", e.get("chance_level")),
                      UNAVAILABLE if above is None else f"{above:+.2f}", rank, fmt("psnr", e.get("psnr")),
                      fmt("ssim", e.get("ssim")),
@@ -188,9 +190,9 @@ def evidence_rows(step: Dict[str, Any]):
     return rows
 
 
-def evidence_notes(data: Dict[str, Any]) -> List[str]:
+def evidence_notes(report: Report) -> List[str]:
     """The null and the rule's measured false-positive rates, in words."""
-    null, fpr = data.get("null") or {}, data.get("false_positive_rate") or {}
+    null, fpr = report.null or {}, report.false_positive_rate or {}
     notes = []
     if null:
         notes.append(f"Null (what an attacker gets without the update): {null.get('pool')} unrelated images "
@@ -202,7 +204,7 @@ def evidence_notes(data: Dict[str, Any]) -> List[str]:
     elif fpr:
         notes.append(f"False-positive rate of the rule on this audit's data ({fpr['how']}): recovered "
                      f"{interval_text(fpr['recovered'])}; partially or worse {interval_text(fpr['partially_or_worse'])}")
-    control = data.get("control") or {}
+    control = report.control or {}
     if control.get("description"):
         search = (control.get("search") or {}).get("reason")
         notes.append(f"Positive control at budget {control.get('budget')}: {control['description']}"
@@ -229,14 +231,14 @@ def overall_text(verdict: Dict[str, Any], column: str = "step") -> str:
     return text
 
 
-def privacy_rows(privacy: Dict[str, Any], steps=()):
+def privacy_rows(privacy: Dict[str, Any], steps: Sequence[StepReport] = ()):
     """``[step, DP-SGD steps, epsilon, delta, identification bound, measured identification]``
     rows of the (epsilon, delta) the run's steps spend next to the bound on identifying a
     private image and the rate measured at that step, or ``None`` with why not."""
     if not privacy or not privacy.get("applicable"):
         return None, f"not applicable: {(privacy or {}).get('reason', 'the defense declares no privacy accounting')}"
     bound = privacy.get("identification_bound") or {}
-    measured = {s["step"]: s["verdict"].get("identification_rate") for s in steps}
+    measured = {s.step: s.verdict.get("identification_rate") for s in steps}
     rows = [[p["step"], p["rounds"], "inf" if p["epsilon"] is None else f"{p['epsilon']:.3g}", f"{p['delta']:g}",
              UNAVAILABLE if bound.get("bound") is None else f"{bound['bound']:.1%}",
              interval_text(measured.get(p["step"]))]
@@ -264,6 +266,21 @@ def clean_rounds_text(plan: Dict[str, Any]) -> Optional[str]:
     return (f"the defense shared the clean gradient (or an exact multiple) in {clean} of {rounds['calls']} "
             f"probe calls ({len(rounds.get('rounds', []))} rounds x {rounds.get('checkpoints', 0)} "
             f"checkpoints); at rounds: {where}")
+
+
+#: the report's sections listed under "Settings, seeds and versions", in order
+SETTINGS_SECTIONS = ("defense", "data", "settings", "seeds", "versions", "timing")
+
+
+def failure_header(report: Report) -> List[str]:
+    """The failures table's columns."""
+    return [step_name(report)["column"], "attack", "image", "defense", "status", "error"]
+
+
+def failure_rows(report: Report) -> List[List[Any]]:
+    """One row per failure of the report (an attack's result, or a phase of the run)."""
+    return [[f.get("step", ""), f.get("attack", ""), f.get("image", ""), f.get("defense", ""),
+             f.get("status", f.get("phase", "")), f.get("error", "")] for f in report.failures]
 
 
 def risk_text(risk: Dict[str, Any]) -> str:

@@ -4,6 +4,8 @@ from __future__ import annotations
 import io
 from typing import Any, Dict, List, Optional, Tuple
 
+from audit.report.record import Report
+
 #: what the PSNR-versus-step figure plots: the leak rule's quantity, for the curves and chance alike
 PLOTTED = "aligned PSNR"
 Points = List[Tuple[int, float]]
@@ -15,31 +17,32 @@ def plain_text(text: Any) -> str:
     return str(text).replace("$", r"\$")
 
 
-def psnr_vs_step_series(data: Dict[str, Any]) -> Dict[str, Any]:
+def psnr_vs_step_series(report: Any) -> Dict[str, Any]:
     """The data of the PSNR-versus-step figure, all in aligned PSNR (the leak rule's quantity):
     ``curves`` (attack id -> ``(step, mean aligned PSNR over its images)``), ``worst`` (the
     worst case over attacks), ``chance`` (per step, the mean chance level of the judged images;
-    the report's mean chance level where a step judged none), ``adaptive`` (dashed curves)."""
-    steps = data["steps"]
+    the report's mean chance level where a step judged none), ``adaptive`` (dashed curves);
+    ``report``: a :class:`~audit.report.record.Report` or its JSON object."""
+    report = Report.of(report)
     curves: Dict[str, Points] = {}
-    for attack in data["attacks"]:
-        pts = [(s["step"], s["attacks"].get(attack["id"], {}).get("aligned_psnr")) for s in steps]
-        curves[attack["id"]] = [(x, y) for x, y in pts if y is not None]
-    worst = [(s["step"], s["worst_case"].get("aligned_psnr")) for s in steps]
-    chance = [(s["step"], _step_chance(s, data.get("chance_level"))) for s in steps]
+    for aid in report.attack_ids:
+        pts = [(s.step, (s.attacks.get(aid) or {}).get("aligned_psnr")) for s in report.steps]
+        curves[aid] = [(x, y) for x, y in pts if y is not None]
+    worst = [(s.step, s.worst_case.get("aligned_psnr")) for s in report.steps]
+    chance = [(s.step, _step_chance(s, report.chance_level)) for s in report.steps]
     return {"quantity": PLOTTED, "curves": {a: pts for a, pts in curves.items() if pts},
             "worst": [(x, y) for x, y in worst if y is not None],
             "chance": [(x, y) for x, y in chance if y is not None],
-            "adaptive": {a["id"] for a in data["attacks"] if a.get("kind") == "adaptive"}}
+            "adaptive": {a["id"] for a in report.attacks if a.get("kind") == "adaptive"}}
 
 
-def _step_chance(step: Dict[str, Any], fallback: Optional[float]) -> Optional[float]:
-    levels = [e["chance_level"] for e in step["worst_case"].get("per_image", [])
+def _step_chance(step, fallback: Optional[float]) -> Optional[float]:
+    levels = [e["chance_level"] for e in step.per_image
               if e.get("image_class") is not None and e.get("chance_level") is not None]
     return sum(levels) / len(levels) if levels else fallback
 
 
-def psnr_vs_step_png(data: Dict[str, Any]) -> bytes:
+def psnr_vs_step_png(report: Any) -> bytes:
     """Mean aligned PSNR per attack against the training step, the worst case over attacks and
     the chance level (:func:`psnr_vs_step_series`); the x axis is symmetric-log so step 0 and
     step 100 both show."""
@@ -50,8 +53,9 @@ def psnr_vs_step_png(data: Dict[str, Any]) -> bytes:
 
     from audit.report.format import step_name
 
-    series = psnr_vs_step_series(data)
-    steps = [s["step"] for s in data["steps"]]
+    report = Report.of(report)
+    series = psnr_vs_step_series(report)
+    steps = [s.step for s in report.steps]
     fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=110)
     try:
         for aid, pts in series["curves"].items():
@@ -69,9 +73,9 @@ def psnr_vs_step_png(data: Dict[str, Any]) -> bytes:
         if steps:
             ax.set_xticks(steps)
             ax.set_xticklabels([str(s) for s in steps])
-        ax.set_xlabel(step_name(data)["axis"])
+        ax.set_xlabel(step_name(report)["axis"])
         ax.set_ylabel(f"{series['quantity']} (dB), mean over private images")
-        ax.set_title(f"{plain_text(data['defense']['name'])}: reconstruction quality over training", fontsize=10)
+        ax.set_title(f"{plain_text(report.defense['name'])}: reconstruction quality over training", fontsize=10)
         return png_bytes(fig, ax)
     finally:
         plt.close(fig)

@@ -18,6 +18,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 from audit.core.evidence import excluded_rate, images_to_exclude
 from audit.core.manifest import Manifest
 from audit.core.records import SEVERITY, AttackResult, ImageClass, NullEvidence, Status, Verdict
+from audit.report.reasons import word
 from audit.report.rule import LeakRule
 
 # metric name -> True when a higher value means more leakage
@@ -100,7 +101,8 @@ def summarize_attack(records: List[AttackResult]) -> Dict[str, Any]:
     out: Dict[str, Any] = {"images_done": len(records) - len(skipped), "images_ok": len(ok),
                            "images_not_applicable": len(skipped), "status": _attack_status(records)}
     if skipped and len(skipped) == len(records):
-        out["reason"] = "; ".join(dict.fromkeys(r.reason or "no reason given" for r in skipped))
+        out["reason"] = "; ".join(dict.fromkeys(word(r.not_applicable_reason) if r.not_applicable_reason
+                                                else "no reason given" for r in skipped))
     for name in METRICS:
         out[name] = _mean(e[name] for e in images)
     out["aligned_psnr"] = _mean(_best([ev.aligned_psnr for ev in e["evidence"]], True) for e in images)

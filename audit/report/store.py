@@ -37,6 +37,7 @@ from audit.core.errors import ConfigError, StoreError
 from audit.core.manifest import Manifest
 from audit.core.records import AttackResult
 from audit.core.files import atomic_torch_save, atomic_write_bytes, exclusive_lock, storage_error
+from audit.core.reasons import Reason
 
 MANIFEST = "manifest.json"
 LATEST = "latest_run"
@@ -62,7 +63,7 @@ def to_jsonable(obj: Any) -> Any:
     """
     if isinstance(obj, dict):
         return {str(k): to_jsonable(v) for k, v in obj.items()}
-    if dataclasses.is_dataclass(obj) and hasattr(obj, "to_dict"):  # a typed record
+    if (dataclasses.is_dataclass(obj) or isinstance(obj, Reason)) and hasattr(obj, "to_dict"):  # a typed record
         return to_jsonable(obj.to_dict())
     if isinstance(obj, (list, tuple)):
         return [to_jsonable(v) for v in obj]
