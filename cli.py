@@ -131,7 +131,7 @@ def friendly_errors(fn):
         try:
             return fn(*args, **kwargs)
         except GiaError as err:
-            click.echo(f"error: {err}", err=True)
+            click.echo(f"error: {error_text(err)}", err=True)
             sys.exit(2)
         except OSError as err:
             from audit.core.files import storage_error
@@ -140,6 +140,14 @@ def friendly_errors(fn):
             sys.exit(2)
 
     return wrapper
+
+
+def error_text(err: GiaError) -> str:
+    """The one line of an error: a not-applicable reason in the report's words."""
+    from audit.core.errors import NotApplicable
+    from audit.report.reasons import word
+
+    return f"not applicable: {word(err.reason)}" if isinstance(err, NotApplicable) else str(err)
 
 
 def resolve_device(device: str):

@@ -436,3 +436,53 @@ def test_the_overall_verdict_is_the_worst_step_including_those_not_judged():
     assert overall_verdict([step(1, NOT_JUDGED), step(2, RECOVERED)])["label"] == RECOVERED
     assert overall_verdict([step(1, PRIVATE), step(2, PRIVATE)])["label"] == PRIVATE
     assert overall_verdict([step(1, PRIVATE), step(2, "a label from elsewhere")])["label"] == NOT_JUDGED
+
+
+def test_a_reason_stored_as_a_code_is_worded_by_the_report_and_an_older_sentence_as_it_was():
+    from audit.core.reasons import Reason
+
+    coded = Reason("analytic-one-image", batch=4)
+    unused = Reason("bn-upload-unused", why=Reason("buffers-eval-mode").to_dict())
+    records = [_ok(0, "ig", 0, 12.0, 0.1), _rec(0, "analytic", 0, "not_applicable", why=coded.to_dict())]
+    report = _report(records, attacks=("ig", "analytic"), plan={"side_information": {"bn-upload": unused.to_dict()}},
+                     settings={"images": 1})
+    text = "analytic inversion is exact for one image; the batch has 4"
+    assert report.record.results[1].why == coded and report.record.results[1].reason == ""  # the code is stored
+    assert report.step(0)["attacks"]["analytic"]["reason"] == text  # the report words it
+    md, html = report.to_markdown(), report.to_html()
+    assert f"| 0 | 12.00 | not applicable ({text}) |" in md and f'title="{text}"' in html
+    assert "- bn-upload: not used: the client trains in eval mode: its BatchNorm buffers do not change" in md
+    # report.json read back renders the same, its results still holding the code
+    again = AuditReport.from_dict(json.loads(json.dumps(report.to_dict())))
+    assert again.record.results[1].why == coded and again.to_markdown() == md
+    # a sentence stored before codes, and a code without a template, still render
+    older = _report([_ok(0, "ig", 0, 12.0, 0.1), _rec(0, "analytic", 0, "not_applicable", reason="needs an MLP")],
+                    attacks=("ig", "analytic"))
+    assert older.step(0)["attacks"]["analytic"]["reason"] == "needs an MLP"
+    unknown = _report([_ok(0, "ig", 0, 12.0, 0.1),
+                       _rec(0, "analytic", 0, "not_applicable", why={"code": "my-attack-no-conv", "params": {"k": 2}})],
+                      attacks=("ig", "analytic"))
+    assert unknown.step(0)["attacks"]["analytic"]["reason"] == "my-attack-no-conv (k=2)"
+
+
+def test_every_reason_code_the_toolkit_stores_has_the_reports_template():
+    """Each ``Reason("code", ...)`` written in the attacks, priors, adaptive attacks and the
+    ground floor has a template in the report's registry, and each template words its values."""
+    import pathlib
+    import pickle
+
+    from audit.core.errors import NotApplicable
+    from audit.core.reasons import Reason
+    from audit.report.reasons import REASONS, word
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    codes = {m for folder in ("attacks", "adaptive", "priors", "audit") for path in (root / folder).rglob("*.py")
+             for m in re.findall(r'Reason\(\s*"([a-z0-9-]+)"', path.read_text())}
+    assert len(codes) > 40 and not codes - set(REASONS.names()), sorted(codes - set(REASONS.names()))
+    assert word(Reason("spear-too-few-rows", rows=1, layer="fc1", batch=2)) == (
+        "only 1 rows of 'fc1''s gradient are non-zero, fewer than the batch of 2")
+    err = pickle.loads(pickle.dumps(NotApplicable(Reason("idlg-one-image", batch=3))))  # a Ray task's error
+    assert err.reason == Reason("idlg-one-image", batch=3) and "batch has 3" in word(err.reason)
+    from cli import error_text  # the command line prints it in the report's words
+
+    assert error_text(err) == "not applicable: " + word(err.reason)
