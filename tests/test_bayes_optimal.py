@@ -159,7 +159,7 @@ def test_settings_are_checked_and_the_attack_is_registered(cnn, data):
     with pytest.raises(ConfigError, match="no parameter"):
         ATTACKS.build("bayes-optimal", tv=1.0)
     x, y = _held_out(data, 0)
-    with pytest.raises(NotApplicable, match="no defense"):
+    with pytest.raises(NotApplicable, match="bayes-monte-carlo-needs-defense"):
         ATTACKS.build("bayes-optimal", likelihood="monte-carlo").reconstruct(observe(cnn, x, y), 1, 0)
 
 

@@ -66,9 +66,9 @@ def test_allocation_and_errors(data):
     assert counts.tolist() == [1, 2, 1, 0]
     model = build_model("lenet", data.input_shape, data.num_classes)
     obs = observe(model, data.train_images[:2], data.train_labels[:2])
-    with pytest.raises(NotApplicable, match="single image"):
+    with pytest.raises(NotApplicable, match="idlg-one-image"):
         LABEL_METHODS.get("idlg")(obs)
     with pytest.raises(ConfigError, match="Valid label methods"):
         infer_labels(obs, method="majority")
-    with pytest.raises(NotApplicable, match="shared labels"):
+    with pytest.raises(NotApplicable, match="labels-not-shared"):
         plan_labels("shared", obs)

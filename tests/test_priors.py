@@ -47,7 +47,7 @@ def test_bn_prior_matches_running_statistics():
     assert float(prior(x, ctx(features={"bn": stats}, bn_running=stats))) == 0.0
     shifted = [(m + 1, v) for m, v in stats]
     assert float(prior(x, ctx(features={"bn": stats}, bn_running=shifted))) == pytest.approx(3 ** 0.5)
-    with pytest.raises(NotApplicable, match="running statistics"):
+    with pytest.raises(NotApplicable, match="prior-needs-running-statistics"):
         prior(x, ctx(features={"bn": stats}, bn_running=None))
 
 
