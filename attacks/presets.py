@@ -185,27 +185,40 @@ def settings_fingerprint(name: str, settings: Optional[Dict[str, Any]] = None) -
     return hashlib.sha256(json.dumps(blob, sort_keys=True, default=repr).encode()).hexdigest()[:12]
 
 
-def register_preset(name: str, description: str, **defaults: Any) -> Callable[..., OptimizationAttack]:
+class Preset:
+    """A registered preset: called with knob overrides, it composes its attack
+    (:func:`compose`). Its keyword-only parameters, with their defaults, are the :data:`KNOBS`
+    (``__signature__``, which the registry checks a call against); ``defaults``: the preset's
+    settings; ``composes()``: the rules its defaults follow (None: none)."""
+
+    def __init__(self, name: str, description: str, settings: Dict[str, Any], rules: Dict[str, Any]):
+        self.name, self.defaults, self.rules = name, dict(settings), rules
+        self.__name__, self.__doc__ = name.replace("-", "_"), description
+
+    def __call__(self, **overrides: Any) -> OptimizationAttack:
+        return compose(self.name, explicit=overrides, **{**self.defaults, **overrides})
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        return inspect.Signature([inspect.Parameter(k, inspect.Parameter.KEYWORD_ONLY, default=v)
+                                  for k, v in self.defaults.items()])
+
+    @property
+    def composes(self) -> Optional[Callable[[], Dict[str, Any]]]:
+        return (lambda: self.rules) if self.rules else None
+
+
+def register_preset(name: str, description: str, **defaults: Any) -> Preset:
     """Register a preset: :data:`KNOBS` defaults overridden by ``defaults``."""
     unknown = set(defaults) - set(KNOBS)
     if unknown:
         raise ConfigError(f"preset {name!r}: unknown settings {sorted(unknown)}")
     settings = {k: defaults.get(k, default) for k, (default, _) in KNOBS.items()}
-
-    def factory(**overrides: Any) -> OptimizationAttack:
-        return compose(name, explicit=overrides, **{**settings, **overrides})
-
-    factory.__signature__ = inspect.Signature(
-        [inspect.Parameter(k, inspect.Parameter.KEYWORD_ONLY, default=v) for k, v in settings.items()])
-    factory.__name__ = name.replace("-", "_")
-    factory.__doc__ = description
-    factory.defaults = dict(settings)
     rules = {**({"tv_rule": RULE} if settings["tv"] == "auto" else {}),
              **({"features_rule": [FEATURES_WEIGHT, FEATURES_WEIGHT_DUMMY_SOFTMAX, FEATURES_MAX_CLASS_SHARE,
                                    BUDGET_RULE]}
                 if settings["features"] == "auto" else {})}
-    if rules:
-        factory.composes = lambda: rules
+    factory = Preset(name, description, settings, rules)
     ATTACKS.add(name, factory, description)
     return factory
 
