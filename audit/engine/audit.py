@@ -114,7 +114,7 @@ class Audit:
             self._planned = planning.plan(self)
         return self._planned
 
-    def side_information(self) -> Dict[str, str]:
+    def side_information(self) -> Dict[str, Dict[str, Any]]:  # per item, a Reason's JSON object
         return manifest.side_information(self)
 
     def threat_model(self, specs: Sequence[AttackSpec]) -> Dict[str, Any]:

@@ -67,10 +67,9 @@ def _read_round(folder: Path, rule: Optional[LeakRule]) -> RoundPart:
 def _missing_step(part: RoundPart, attack_ids: List[str], rule: LeakRule, delta: float) -> Dict[str, Any]:
     reason = f"{part.state}: {part.reason}" if part.reason and not part.reason.startswith(part.state) else \
         (part.reason or part.state)
-    verdict = step_verdict([], rule, [{"attack": "the round's audit", "images": [], "why": reason, "reasons": [reason]}])
-    if part.state == NOT_JUDGED:  # no attack ran: the reply is not what the description trains
-        verdict["label"] = NOT_JUDGED
-    verdict["reason"] = reason
+    judged = step_verdict([], rule, [{"attack": "the round's audit", "images": [], "why": reason, "reasons": [reason]}])
+    # not judged where no attack ran (the reply is not what the description trains), else incomplete
+    verdict = {**judged, "reason": reason, **({"label": NOT_JUDGED} if part.state == NOT_JUDGED else {})}
     return {"step": part.round, "attacks": {a: {**summarize_attack([]), "status": "not run"} for a in attack_ids},
             "worst_case": worst_case({}, rule, {}), "verdict": verdict, "risk": empirical_risk({}, delta)}
 
