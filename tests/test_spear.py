@@ -9,6 +9,7 @@ from attacks.spear import Spear, labels_from_batch, low_rank_factors, relu_linea
 from audit.core.errors import ConfigError
 from audit.core.metrics import score
 from audit.core.models import build_model
+from audit.report.reasons import word
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -92,7 +93,8 @@ def test_cnn_features_are_recovered_exactly():
     model = build_model("cnn", data.input_shape, data.num_classes, seed=0)
     x, y = data.test_images[4:8], data.test_labels[4:8]
     rec = ATTACKS.build("spear").reconstruct(observe(model, x, y), None, 0)
-    assert not rec.applicable and "features" in rec.reason  # not the images
+    assert not rec.applicable and rec.reason.code == "spear-features-not-image"  # not the images
+    assert "features" in word(rec.reason)
     assert rec.trace["certified"] and rec.trace["layer_input"] == "features"
     layers = list(model)
     index = next(i for i, m in enumerate(layers) if isinstance(m, nn.Linear))
@@ -109,11 +111,12 @@ def test_where_spear_does_not_apply_it_says_why():
     x, y = _batch(2)
     lenet = build_model("lenet", SHAPE, 6)  # sigmoid, one linear layer at the end
     rec = ATTACKS.build("spear").reconstruct(observe(lenet, x, y), None, 0)
-    assert not rec.applicable and "Linear layer followed by ReLU" in rec.reason
+    assert not rec.applicable and "Linear layer followed by ReLU" in word(rec.reason)
     cnn = build_model("cnn", SHAPE, 6)
     obs = observe(cnn, x, y, local_steps=2, local_lr=0.1)
     rec = ATTACKS.build("spear").reconstruct(obs, None, 0)
-    assert not rec.applicable and "features" in rec.reason and "change" in rec.reason
+    assert not rec.applicable and rec.reason.code == "spear-local-steps"
+    assert "features" in word(rec.reason) and "change" in word(rec.reason)
     assert relu_linear_layers(build_model("convnet", SHAPE, 6, width=2))[0] == []
 
 
