@@ -472,7 +472,7 @@ class OptimizationRun:
         try:
             head = classifier_head(self.obs.model)
         except NotApplicable as err:
-            self._drop_features(f"not used: {err}")
+            self._drop_features(Reason("side-unused", why=err.reason.to_dict()))
             return None
         why = ""
         if all(w == 0 for k, _, w in self.priors if k in reading):
@@ -532,7 +532,7 @@ class OptimizationRun:
             return f"the attack's objective ({objective!r}) models noise or masks or reweights layers"
         return ""
 
-    def _drop_features(self, why: str) -> None:
+    def _drop_features(self, why: Union[Reason, str]) -> None:
         dropped = requiring(self.priors, "grads")
         self.priors = [p for p in self.priors if p[0] not in dropped]
         self.side.drop("features", why)

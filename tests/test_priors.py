@@ -176,7 +176,11 @@ def test_the_features_term_says_why_it_does_not_apply():
     model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(48, 10, bias=False))
     x, y = torch.rand(2, 3, 4, 4), torch.tensor([1, 2])
     rec = ATTACKS.build("ig", features=1.0, tv=0.0).reconstruct(observe(model, x, y, seed=0), 3, 0)
-    assert "not used: " in rec.trace["side_information"]["features"]
+    note = rec.trace["side_information"]["features"]  # a code and the reason it holds; the report words it
+    assert note["code"] == "side-unused" and note["params"]["why"]["code"] == "features-needs-linear-head"
+    from audit.report.reasons import word
+
+    assert word(note) == "not used: the features term needs a model whose last layer is a linear layer with a bias"
     assert "features" not in rec.trace["prior_weights"]
     rec = ATTACKS.build("ig", features=1.0, tv=0.0, labels="optimize").reconstruct(
         observe(torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(48, 10)), x, y, seed=0), 3, 0)

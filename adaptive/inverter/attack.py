@@ -195,7 +195,7 @@ def _labels(observation: Observation, images: torch.Tensor) -> Tuple[torch.Tenso
     except NotApplicable as err:
         with torch.no_grad():  # on a copy in eval mode: BatchNorm buffers stay untouched
             pred = copy.deepcopy(observation.model).eval()(images).argmax(1)
-        return pred, {"method": "model prediction on the reconstruction", "why": str(err)}
+        return pred, {"method": "model prediction on the reconstruction", "why": err.reason.to_dict()}
 
 
 def applies(traits) -> Tuple[bool, str]:

@@ -157,6 +157,7 @@ _TEMPLATES: Dict[str, Template] = {
     "bn-upload-used": _bn_upload_used,
     "bn-upload-off": "not used: switched off (bn_upload=0)",
     "bn-upload-unused": _unused,
+    "side-unused": _unused,
     "first-observation-failed": "the defense failed on the first observation: {error}",
 }
 for _code, _template in _TEMPLATES.items():
