@@ -136,6 +136,46 @@ def invert(mismatch: Callable[[Tensor], Tensor], start: Tensor, steps: int, lr: 
     return x, losses
 
 
+#: a separated map's entry counts as zero below this share of its largest (the maps meet the span to a
+#: few percent before their last descent) ...
+ZERO = 3e-2
+#: ... and a candidate's negative entries count this many times against its zeros
+NEGATIVE_WEIGHT = 10
+#: candidates closer than this cosine are the same map
+SAME = 0.98
+
+
+def separate(maps: Tensor, generator: torch.Generator, trials: Optional[int] = None) -> Tensor:
+    """The batch's own maps out of ``maps``: non-negative maps (they leave a ReLU) that meet the span
+    together span the same space as the true ones, but any non-negative mixture of those meets it
+    too. As SPEAR separates a batch, a true map is the sparsest direction in that space: the one
+    vanishing on ``batch - 1`` random entries where one map is zero (a quarter of a ReLU's output or
+    more) is that map, and a mixture vanishes only where all its maps do. Of ``trials`` such
+    directions, the ``batch`` most nearly zero and least negative, pairwise distinct, are kept
+    (scaled as ``maps``); ``maps`` is returned as it is where fewer distinct ones are found."""
+    count = len(maps)
+    if count < 2:
+        return maps
+    flat = maps.detach().flatten(1).double()
+    basis = torch.linalg.svd(flat.T, full_matrices=False)[0]  # (entries, batch)
+    scored = []
+    for _ in range(trials or 100 * count):
+        rows = torch.randperm(len(basis), generator=generator)[:count - 1]
+        v = basis @ torch.linalg.svd(basis[rows])[2][-1]
+        v = (v if v.sum() >= 0 else -v) / v.abs().max()
+        scored.append((int((v.abs() <= ZERO).sum()) - NEGATIVE_WEIGHT * int((v < -ZERO).sum()), v / v.norm()))
+    picked: List[Tensor] = []
+    for _, v in sorted(scored, key=lambda t: -t[0]):
+        if all(abs(float(v @ w)) < SAME for w in picked):
+            picked.append(v)
+        if len(picked) == count:
+            break
+    if len(picked) < count:
+        return maps
+    scale = flat.norm(dim=1).mean()
+    return (torch.stack(picked).clamp_min(0) * scale).to(maps).view_as(maps)
+
+
 def non_negative(split_: Split, images: Tensor) -> bool:
     """Whether the bottom's map is non-negative for ``images`` (it leaves a ReLU): the unknown map is
     then searched among non-negative ones."""
