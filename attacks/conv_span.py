@@ -289,11 +289,12 @@ class ConvSpan:
             again, more = invert(mismatch, (0.5 + self.init_std * torch.randn(x.shape, generator=generator)).to(x),
                                  inverted, report=report)
             trace["inversion_restarted"] = True
-            kept = more if more[-1] < inversion[-1] else inversion
-            x = again if kept is more else x
-            inversion = inversion + more + [kept[-1]]  # the last entry is the kept start's
+            x, mismatched = (again, more[-1]) if more[-1] < inversion[-1] else (x, inversion[-1])
+            inversion = inversion + more
+        else:
+            mismatched = inversion[-1] if inversion else math.nan
         trace.update(deep_map_residual=history[-1], deep_map_evaluations=len(history),
-                     inversion_mismatch=inversion[-1], inversion_evaluations=len(inversion))
+                     inversion_mismatch=mismatched, inversion_evaluations=len(inversion))
         return x
 
     def _labels(self, observation: Observation, replica: ClientReplica, params: Dict[str, Tensor], x: Tensor,

@@ -151,8 +151,8 @@ def separate(maps: Tensor, generator: torch.Generator, trials: Optional[int] = N
     too. As SPEAR separates a batch, a true map is the sparsest direction in that space: the one
     vanishing on ``batch - 1`` random entries where one map is zero (a quarter of a ReLU's output or
     more) is that map, and a mixture vanishes only where all its maps do. Of ``trials`` such
-    directions, the ``batch`` most nearly zero and least negative, pairwise distinct, are kept
-    (scaled as ``maps``); ``maps`` is returned as it is where fewer distinct ones are found."""
+    directions, each polished to the one least on all the entries it nearly zeroes, the ``batch``
+    most nearly zero and least negative, pairwise distinct, are kept (scaled as ``maps``); ``maps`` is returned as it is where fewer distinct ones are found."""
     count = len(maps)
     if count < 2:
         return maps
@@ -161,8 +161,9 @@ def separate(maps: Tensor, generator: torch.Generator, trials: Optional[int] = N
     scored = []
     for _ in range(trials or 100 * count):
         rows = torch.randperm(len(basis), generator=generator)[:count - 1]
-        v = basis @ torch.linalg.svd(basis[rows])[2][-1]
-        v = (v if v.sum() >= 0 else -v) / v.abs().max()
+        v = _signed(basis @ torch.linalg.svd(basis[rows])[2][-1])
+        # polished: the direction least on every entry it (nearly) zeroes, not on the few it was drawn on
+        v = _signed(basis @ torch.linalg.svd(basis[v.abs() <= ZERO])[2][-1])
         scored.append((int((v.abs() <= ZERO).sum()) - NEGATIVE_WEIGHT * int((v < -ZERO).sum()), v / v.norm()))
     picked: List[Tensor] = []
     for _, v in sorted(scored, key=lambda t: -t[0]):
@@ -174,6 +175,11 @@ def separate(maps: Tensor, generator: torch.Generator, trials: Optional[int] = N
         return maps
     scale = flat.norm(dim=1).mean()
     return (torch.stack(picked).clamp_min(0) * scale).to(maps).view_as(maps)
+
+
+def _signed(v: Tensor) -> Tensor:
+    """``v`` with its larger side positive, scaled to a largest entry of 1."""
+    return (v if v.sum() >= 0 else -v) / v.abs().max().clamp_min(1e-300)
 
 
 def non_negative(split_: Split, images: Tensor) -> bool:

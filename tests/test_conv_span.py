@@ -103,7 +103,8 @@ def test_a_batch_of_two_is_parted_into_both_exact_images_and_their_labels():
     model = resnet(1)
     x, y = smooth_images(2, 5), torch.tensor([4, 9])
     rec = ConvSpan().reconstruct(observe(model, x, y, None, client_mode="eval"), budget=200, seed=0)
-    assert rec.applicable and rec.trace["residual"] < 1e-6, rec.trace  # both images' patches fill the row space
+    # both images' patches fill the row space (the true pair scores 1e-5 to 3e-4 in float32, one image copied 0.5)
+    assert rec.applicable and rec.trace["residual"] < 1e-3, rec.trace
     assert rec.trace["separated"]
     order = match_batches(rec.inputs, x)
     assert min(float(aligned_psnr(rec.inputs[order][i:i + 1], x[i:i + 1])) for i in range(2)) > 40

@@ -4,7 +4,7 @@ import torch
 from torch import nn
 
 from attacks.conv_span_algebra import row_spaces, span_layers, span_residual
-from attacks.conv_span_maps import feature_mismatch, invert, map_residual, split
+from attacks.conv_span_maps import feature_mismatch, invert, map_residual, separate, split
 from audit.core.data import load_dataset
 from audit.core.evidence import aligned_psnr
 from audit.core.models import build_model
@@ -101,3 +101,19 @@ def test_the_inversion_in_the_pixels_box_recovers_an_image_an_unbounded_descent_
     found, losses = invert(feature_mismatch(cut, target, centred_stride=2), start, 900)
     assert losses[-1] < 1e-3 and float(found.min()) >= 0 and float(found.max()) <= 1
     assert float(aligned_psnr(found, x)) > 40
+
+
+def test_separate_parts_non_negative_mixtures_of_sparse_maps_into_the_maps():
+    """Four ReLU-like maps (a quarter to a half of each zero), mixed by a positive matrix: every
+    mixture is non-negative and meets any span the maps meet, and the sparsest directions of their
+    space are the maps themselves."""
+    g = torch.Generator().manual_seed(0)
+    maps = torch.relu(torch.randn(4, 16, 8, 8, generator=g) + torch.linspace(0.0, 0.6, 4).view(4, 1, 1, 1))
+    mixed = torch.einsum("ij,jchw->ichw", 0.2 + torch.rand(4, 4, generator=g), maps)
+    before = nn.functional.normalize(mixed.flatten(1), dim=1) @ nn.functional.normalize(maps.flatten(1), dim=1).T
+    parted = separate(mixed, torch.Generator().manual_seed(1))
+    after = nn.functional.normalize(parted.flatten(1), dim=1) @ nn.functional.normalize(maps.flatten(1), dim=1).T
+    assert float(before.max(1).values.max()) < 0.95  # each mixture is far from every map
+    assert sorted(after.argmax(1).tolist()) == [0, 1, 2, 3]  # each map found once
+    assert float(after.max(1).values.min()) > 0.999
+    assert (parted >= 0).all() and torch.equal(separate(mixed[:1], g), mixed[:1])
