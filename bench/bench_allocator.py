@@ -57,7 +57,7 @@ def main(argv=None) -> None:
     parser.add_argument("--repeats", type=int, default=1, help="runs of each case, alternating; the best counts")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cpu")
-    add_docs_option(parser, "docs/performance.md")
+    add_docs_option(parser, "docs/device.md")
     args = parser.parse_args(argv)
     rows = []
     for model in args.models.split(","):

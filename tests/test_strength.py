@@ -11,6 +11,7 @@ from attacks import ATTACKS, observe
 from attacks.optimizers import LBFGS, Watchdog
 from audit.core.metrics import psnr
 from audit.core.models import build_model
+from audit.report.reasons import word
 
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
@@ -269,7 +270,9 @@ def test_portfolio_skips_the_running_statistics_prior_when_the_upload_reveals_th
     x, y = torch.rand(2, 3, 16, 16), torch.tensor([1, 2])
     state = observe(model, x, y, client_mode="train", shares="state")
     rec = ATTACKS.build("portfolio").reconstruct(state, 24, seed=0)
-    assert "reveal the batch's own BatchNorm statistics" in rec.trace["skipped_strategies"]["bn-prior"]
+    skipped = rec.trace["skipped_strategies"]["bn-prior"]
+    assert skipped["code"] == "portfolio-bn-upload-instead"
+    assert "reveal the batch's own BatchNorm statistics" in word(skipped)
     assert "bn-prior" not in {c["strategy"] for c in rec.trace["candidates"]}
     # without the buffers, or with their term switched off, the prior is the only statistics there are
     for obs, knobs in ((observe(model, x, y, client_mode="train", shares="update"), {}), (state, {"bn_upload": 0})):

@@ -4,7 +4,7 @@ torch takes its CPU tensors from malloc. By default glibc maps each block above 
 threshold fresh from the kernel and returns it on free, so every step of an optimisation
 attack faults its activations in again, page by page. An 8-image ig audit of ResNet-18 on 2
 cores took 93 s with 22M page faults and 54 s of system time; with the heap kept, 66 s, 5.7M
-and 16 s (``python -m bench.bench_allocator``, docs/performance.md).
+and 16 s (``python -m bench.bench_allocator``, docs/device.md).
 ``GIA_AUDIT_KEEP_MEMORY=0`` leaves glibc's defaults.
 """
 from __future__ import annotations
