@@ -152,7 +152,8 @@ def separate(maps: Tensor, generator: torch.Generator, trials: Optional[int] = N
     vanishing on ``batch - 1`` random entries where one map is zero (a quarter of a ReLU's output or
     more) is that map, and a mixture vanishes only where all its maps do. Of ``trials`` such
     directions, each polished to the one least on all the entries it nearly zeroes, the ``batch``
-    most nearly zero and least negative, pairwise distinct, are kept (scaled as ``maps``); ``maps`` is returned as it is where fewer distinct ones are found."""
+    most nearly zero and least negative, pairwise distinct, are kept (scaled as ``maps``); ``maps``
+    is returned as it is where fewer distinct ones are found."""
     count = len(maps)
     if count < 2:
         return maps
