@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import os
 import sys
 
@@ -26,15 +27,25 @@ TRIM_THRESHOLD = 2**31 - 1
 TOP_PAD = 512 * 2**20
 
 
+@functools.lru_cache(maxsize=None)
 def keep_freed_memory() -> bool:
-    """Tell glibc to keep freed blocks for reuse; False where turned off or not glibc."""
+    """Tell glibc to keep freed blocks for reuse; False where turned off or not glibc. Once a
+    process: the CLI and ``audit.run`` both call it, and the setting is the process's."""
     if os.environ.get(OPT_OUT) == "0" or not sys.platform.startswith("linux"):
         return False
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc = _libc()
         mallopt = libc.mallopt
         mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
     except (OSError, AttributeError):
         return False
     settings = ((M_MMAP_THRESHOLD, MMAP_THRESHOLD), (M_TRIM_THRESHOLD, TRIM_THRESHOLD), (M_TOP_PAD, TOP_PAD))
     return all(mallopt(param, value) == 1 for param, value in settings)
+
+
+def _libc() -> ctypes.CDLL:
+    """glibc by its soname; only elsewhere the search (``find_library`` runs ldconfig, slow at start-up)."""
+    try:
+        return ctypes.CDLL("libc.so.6")
+    except OSError:
+        return ctypes.CDLL(ctypes.util.find_library("c"))
