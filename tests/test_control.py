@@ -135,6 +135,7 @@ def test_the_control_is_built_from_the_config_without_the_defense_and_keeps_no_a
     at = control.audit_at(16, (0,))
     alone = Audit.from_config(config.undefended().replace(steps=(0,), budget=16, out=str(tmp_path / "control")))
     assert at.config.sections() == alone.config.sections() and at.progress_label == "control"
+    assert at.null is control.inputs.null  # handed over when the control's audit is built, not patched in
     assert settings_key(at.key_settings()) == settings_key(alone.key_settings())
 
 

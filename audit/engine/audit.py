@@ -1,14 +1,10 @@
-"""The audit: train with the *defended* updates, capture checkpoints, attack the audited
-client's private batches at each checkpoint with the base and adaptive attacks, score, store
-every finished (step, attack, image) result, and render the report.
+"""The audit: train with the *defended* updates, attack the audited client's private batches (the
+test split; clients train on the disjoint train split) at each checkpoint, score and store every
+(step, attack, image) result, and render the report. ``run(config)`` is ``audit.run``.
 
-``run(config)`` is ``audit.run``; ``gia-audit audit`` calls it. :class:`Audit` orchestrates;
-the work is in :mod:`~audit.engine.planning` (which attacks), :mod:`~audit.engine.training`
-(private batches, checkpoints, utility), :mod:`~audit.engine.schedule` (the pending groups),
-:mod:`~audit.engine.runner` (attack and score a group), :mod:`~audit.engine.manifest` (what
-the report is rendered from) and :mod:`~audit.engine.control` (the positive control). Private
-data = the data set's *test* split; the FL clients train on the *train* split (disjoint), the
-only data learned attacks may use.
+:class:`Audit` orchestrates; the work is in :mod:`~audit.engine.planning`, :mod:`~audit.engine.training`,
+:mod:`~audit.engine.schedule`, :mod:`~audit.engine.runner`, :mod:`~audit.engine.manifest`,
+:mod:`~audit.engine.control` (the positive control) and :mod:`~audit.engine.stopping`.
 """
 from __future__ import annotations
 
@@ -18,74 +14,63 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-
 from audit.core.allocator import keep_freed_memory
 from audit.client.observe import client_round, observe  # noqa: F401  (client_round: the Flower replay's round)
 from audit.core.defense_call import defense_timeout
-from audit.core.errors import ConfigError
-from audit.core.files import atomic_write_bytes
 from audit.core.records import AccuracySpread, UtilityResult
 from audit.engine import manifest, planning, runner, schedule, training
-from audit.engine.compose import AuditParts, build_parts, build_shared, resolve_defense
-from audit.engine.config import AuditConfig, default_of, make_config
-from audit.engine.control import CONTROL_DIR, SEARCH_START, PositiveControl, control_inputs
-from audit.engine.identity import audited_model_identity, defense_identity, derive_seed
-from audit.engine.manifest import buffer_note  # noqa: F401  (re-exported)
+from audit.engine.compose import AuditParts, own_parts
+from audit.engine.config import AuditConfig, audit_settings, config_of_call, default_of  # noqa: F401  (re-exported)
+from audit.engine.control import CONTROL_DIR, PositiveControl, control_inputs
+from audit.engine.identity import audited_model_identity, derive_seed
+from audit.engine.manifest import CONFIG_FILE, buffer_note  # noqa: F401  (re-exported)
 from audit.engine.null import Null
 from audit.engine.planning import AttackSpec, planner_model  # noqa: F401  (re-exported)
 from audit.engine.privacy import privacy_report
-from audit.engine.settings import (AttackSettings, DataSettings, FLSettings, OutputSettings, model_settings,
-                                   sections_of)
-from audit.engine.training import (UNDEFENDED, UTILITY_FORMAT, private_batches as _private_batches,  # noqa: F401
+from audit.engine.settings import AttackSettings, DataSettings, FLSettings, OutputSettings, model_settings, sections_of
+from audit.engine.stopping import stop_safely
+from audit.engine.training import (UTILITY_FORMAT, private_batches as _private_batches,  # noqa: F401
                                    state_of as _state, train_to as _train, undefended_identity)
 from audit.report.audit_report import AuditReport
-from audit.report.formats import remove_report
 from audit.report.risk import default_delta
 from audit.report.store import ResultStore, to_jsonable
-
-DEFAULT_DEFENSE = default_of("defense")
-#: the resolved config, written beside the report: ``--config OUT/config.toml`` replays the run
-CONFIG_FILE = "config.toml"
 
 
 class Audit:
     """One audit: plan, train, attack, score, store, report (see the module docstring).
     ``parts``: the device, data set, resolved defense and models built already (a sweep's
     cell); None builds them. ``config``: what the report carries back (None: built from
-    settings sections, as a Flower round is)."""
+    settings sections, as a Flower round is). ``null``: shared with the audit it controls."""
 
     #: False in a subclass that supplies its own observation (a real client's reply): the
     #: client's training is not simulated, so the simulation's limits on it do not apply
     simulates_client = True
+    #: what the positive control runs, as a code the report words (audit.report.control)
+    control_code = "simulated"
 
-    def __init__(self, defense: Any = DEFAULT_DEFENSE, model: Any = default_of("model"), *,
+    def __init__(self, defense: Any = default_of("defense"), model: Any = default_of("model"), *,
                  data_settings=DataSettings(), fl_settings=FLSettings(), attack_settings=AttackSettings(),
                  output_settings=OutputSettings(), seed: int = default_of("seed"), device: Any = default_of("device"),
-                 defense_args: Optional[Dict[str, Any]] = None,
-                 model_args: Optional[Dict[str, Any]] = None, parts: Optional[AuditParts] = None,
-                 config: Optional[AuditConfig] = None):
+                 defense_args: Optional[Dict[str, Any]] = None, model_args: Optional[Dict[str, Any]] = None,
+                 parts: Optional[AuditParts] = None, config: Optional[AuditConfig] = None,
+                 null: Optional[Null] = None, progress_label: str = "audit"):
         self.config, self.seed, self.defense_spec = config, int(seed), defense
         self.data_settings, self.fl_settings = data_settings, fl_settings
         self.attack_settings, self.output_settings = attack_settings, output_settings
         self.model_settings = model = model_settings(model, model_args)  # a spec, or ModelSettings as is
         if parts is None:
-            resolved = resolve_defense(defense, defense_args or {})
-            ident = defense_identity(resolved, defense, timeout=output_settings.defense_timeout)
-            parts = build_parts(build_shared(model, data_settings, self.seed, device), resolved, defense, self.seed,
-                                defense_ident=ident)
+            parts = own_parts(defense, defense_args, model, data_settings, self.seed, device,
+                              output_settings.defense_timeout)
         self.parts, self.device, self.dataset, self.defense = parts, parts.device, parts.dataset, parts.defense
-        self.defense_ident = parts.defense_ident
         # the model as built (the planner compares it with the client's, wrapped once by the defense)
-        self.base_model, self.model = parts.base_model, parts.model
+        self.defense_ident, self.base_model, self.model = parts.defense_ident, parts.base_model, parts.model
         training.check_audit(self)
         self.model_ident = {**model.describe(), **audited_model_identity(model, self.base_model)}
         self.delta = output_settings.delta or default_delta(int(math.prod(self.dataset.input_shape)))
         self.private = _private_batches(self.dataset, data_settings.images, data_settings.batch_size, self.seed)
         # observations x restarts batched in one computation (chunks of at most this many)
         self.max_members = 256 if self.device.type == "cuda" else 64
-        self._null: Optional[Null] = None
-        self._planned: Optional[Tuple[List[AttackSpec], Dict[str, Any]]] = None
-        self.progress_label = "audit"  # the progress bar's name ("control" for the positive control)
+        self._null, self._planned, self.progress_label = null, None, progress_label  # the progress bar's name
 
     @classmethod
     def from_config(cls, config: AuditConfig, parts: Optional[AuditParts] = None, **extra: Any) -> "Audit":
@@ -138,10 +123,6 @@ class Audit:
     def utility(self, baseline: Optional[AccuracySpread] = None) -> UtilityResult:
         return training.utility(self, baseline)
 
-    def utility_for(self) -> List[Any]:  # what the stored utility was measured for (a change measures again)
-        out = self.output_settings
-        return [out.utility, out.utility_steps, out.utility_seeds, UTILITY_FORMAT]
-
     def checkpoints(self, store: ResultStore, needed: Sequence[int]):
         return training.checkpoints(self, store, needed)
 
@@ -161,72 +142,44 @@ class Audit:
         """Plan the attacks; write the manifest, the config, the originals and the utility."""
         specs, plan = self.planned()
         manifest.write_manifest(self, store, specs, plan)
-        if self.config is not None:
-            record = self.config.record()
-            store.update_manifest(config=record)
-            if record["replayable"]:  # `--config OUT/config.toml` replays the run and resumes it
-                atomic_write_bytes(Path(self.output_settings.out) / CONFIG_FILE, self.config.toml().encode())
+        manifest.write_config(store, self.config, self.output_settings.out)
         for i, (x, _) in enumerate(self.private):
             store.save_original(i, x)
-        if store.load_manifest().utility_for != self.utility_for():
-            store.update_manifest(utility=self.utility().to_dict(), utility_for=self.utility_for())
+        training.store_utility(self, store)
         return specs
 
     # ------------------------------------------------------------------ the positive control
-    def is_undefended(self) -> bool:
-        """Whether the audited defense behaves as the identity: then the audit is its own control."""
+    def is_undefended(self) -> bool:  # the audited defense behaves as the identity: its own control
         return to_jsonable(self.defense_ident) == undefended_identity()
 
-    def control_out(self) -> Path:
-        """The folder of the control's result store (a sweep points it at its undefended cell)."""
+    def control_out(self) -> Path:  # the control's result store (a sweep points it at its undefended cell)
         return Path(self.output_settings.out) / CONTROL_DIR
 
-    def control_code(self) -> str:  # what the control runs, as the report words it (audit.report.control)
-        return "simulated"
-
-    def control_kind(self) -> Tuple[type, Dict[str, Any]]:
-        """The audit class that runs the positive control, with its keywords besides the config."""
+    def control_kind(self) -> Tuple[type, Dict[str, Any]]:  # the audit class of the control, its keywords
         return Audit, {}
 
-    def control_parts(self) -> AuditParts:
-        """The undefended client's parts: this audit's own when it is undefended, else built on
-        the same shared parts (a sweep hands over its undefended cell's)."""
-        if self.is_undefended():
-            return self.parts
-        return build_parts(self.parts.shared, resolve_defense(UNDEFENDED, {}), UNDEFENDED, self.seed,
-                           undefended_identity())
+    def control_parts(self) -> AuditParts:  # the undefended client's (a sweep hands over its undefended cell's)
+        return self.parts if self.is_undefended() else training.undefended_parts(self.parts, self.seed)
 
     # ------------------------------------------------------------------ the whole audit
     def run(self) -> AuditReport:
         """Every phase under the per-call defense timeout: plan, find the budget on the positive
         control when it is "auto", run the control and the audit at that budget. The status is
         'complete' only when no (step, attack, image) result is an error; every finished result
-        is on disk when it is interrupted."""
+        is on disk when it is interrupted (:mod:`~audit.engine.stopping`)."""
         keep_freed_memory()  # the attacks' steps reuse their freed activations (audit.core.allocator)
-        started, store, out = time.perf_counter(), None, self.output_settings.out
-        try:
-            with defense_timeout(self.output_settings.defense_timeout):
-                control, search = PositiveControl(control_inputs(self)), None
-                if self.attack_settings.searches_budget:  # the key holds the budget: found first
-                    search = control.search(self.planned()[0], SEARCH_START, self.attack_settings.max_budget,
-                                            self.attack_settings.max_minutes)
-                    self.attack_settings = replace(self.attack_settings, budget=search.budget)
-                store = ResultStore.create(out, self.key_settings(), retry_errors=self.output_settings.retry_errors)
-                specs, budget = self._prepare(store), self.attack_settings.budget
-                control_store = control.run(specs, budget, self.attack_settings.steps)
-                store.update_manifest(control=control.describe(control_store, specs, budget, search))
-                self._attack_all(store, specs)
-        except KeyboardInterrupt:  # every finished result is already on disk
-            if store is not None:
-                store.update_manifest(status="interrupted")
-                if store.load_manifest().planned:
-                    AuditReport.from_store(store).write(out)
-            raise
-        except Exception as err:  # a full disk, a broken store: the manifest must not say "running"
-            if store is not None:
-                store.record_stop(err)
-            remove_report("audit", out)  # an older report would claim more than is stored
-            raise
+        started, out = time.perf_counter(), self.output_settings.out
+        with stop_safely(out) as guard, defense_timeout(self.output_settings.defense_timeout):
+            control, search = PositiveControl(control_inputs(self)), None
+            if self.attack_settings.searches_budget:  # the key holds the budget: found first
+                search = control.search_budget(self.planned()[0], self.attack_settings)
+                self.attack_settings = replace(self.attack_settings, budget=search.budget)
+            store = guard.store = ResultStore.create(out, self.key_settings(),
+                                                     retry_errors=self.output_settings.retry_errors)
+            specs, budget = self._prepare(store), self.attack_settings.budget
+            control_store = control.run(specs, budget, self.attack_settings.steps)
+            store.update_manifest(control=control.describe(control_store, specs, budget, search))
+            self._attack_all(store, specs)
         store.update_manifest(status="complete", timing={"last_invocation_s": round(time.perf_counter() - started, 1)})
         report = AuditReport.from_store(store)  # its status: 'incomplete (...)' when evidence is missing
         report.write(out)
@@ -242,14 +195,4 @@ def run(config: Any = None, /, **fields: Any) -> AuditReport:
     --help``). An unknown name is a one-line error naming the nearest valid one. Results are
     stored under ``out`` as they finish (a rerun resumes); the report is written there and returned.
     """
-    if config is not None and not isinstance(config, AuditConfig):
-        if "defense" in fields:
-            raise ConfigError("the defense is given twice (as the first argument and as defense=); give it once")
-        config, fields = None, {**fields, "defense": config}
-    return Audit.from_config(make_config(config, **fields)).run()
-
-
-def audit_settings(**fields: Any) -> Dict[str, Any]:
-    """The engine's settings sections of config ``fields`` (a sweep's, a bench's), as
-    :class:`Audit` takes them besides the defense; names checked."""
-    return sections_of(make_config(**fields)).as_kwargs()
+    return Audit.from_config(config_of_call(config, **fields)).run()

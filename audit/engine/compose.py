@@ -130,6 +130,15 @@ def build_parts(shared: SharedParts, defense: Any, defense_spec: Any, seed: int,
     return AuditParts(shared, defense, ident, client_model(defense, copy.deepcopy(shared.base_model), seed))
 
 
+def own_parts(defense_spec: Any, defense_args: Optional[Dict[str, Any]], model_settings, data_settings, seed: int,
+              device, timeout: float) -> AuditParts:
+    """An audit's parts built from its own settings (a sweep's cells share theirs instead):
+    the defense resolved and identified (each call within ``timeout`` seconds), then the rest."""
+    defense = resolve_defense(defense_spec, defense_args or {})
+    ident = defense_identity(defense, defense_spec, timeout=timeout)
+    return build_parts(build_shared(model_settings, data_settings, seed, device), defense, defense_spec, seed, ident)
+
+
 def reconstruct(attack: Any, observation: Any, budget: Optional[int], seed: int, progress: Optional[Callable]):
     """``attack.reconstruct``, with the ``progress(done, total, loss)`` callback for attacks that take one."""
     if progress is not None and "progress" in parameter_names(attack.reconstruct):

@@ -117,6 +117,22 @@ def config_of(values: Mapping[str, Any], base: Optional[AuditConfig] = None) -> 
     return replace(base, **values) if values else base
 
 
+def config_of_call(config: Any = None, /, **fields: Any) -> AuditConfig:
+    """The config of ``audit.run(config, **fields)``: ``config`` is an :class:`AuditConfig` whose
+    values ``fields`` change, or the defense itself (short for ``defense=``)."""
+    if config is not None and not isinstance(config, AuditConfig):
+        if "defense" in fields:
+            raise ConfigError("the defense is given twice (as the first argument and as defense=); give it once")
+        config, fields = None, {**fields, "defense": config}
+    return make_config(config, **fields)
+
+
+def audit_settings(**fields: Any) -> Dict[str, Any]:
+    """The engine's settings sections of config ``fields`` (a sweep's, a bench's) as keywords of
+    :class:`~audit.engine.audit.Audit` besides the defense; names checked."""
+    return make_config(**fields).sections().as_kwargs()
+
+
 def config_of_sections(sections: Sections, defense: Any = "none",
                        defense_args: Optional[Mapping[str, Any]] = None) -> AuditConfig:
     """The config of ``defense`` whose settings sections are ``sections`` (the inverse of

@@ -131,9 +131,7 @@ class ControlInputs:
     def audit_at(self, budget: int, steps: Sequence[int]) -> Any:
         """The control's audit at ``budget`` on ``steps``: its config with them, on the shared parts."""
         config = self.config.replace(steps=tuple(steps), budget=int(budget), out=str(self.out))
-        control = self.kind.from_config(config, parts=self.parts, **self.extra)
-        control._null, control.progress_label = self.null, "control"
-        return control
+        return self.kind.from_config(config, parts=self.parts, null=self.null, progress_label="control", **self.extra)
 
 
 def control_inputs(audit: Any) -> ControlInputs:
@@ -147,16 +145,18 @@ def control_inputs(audit: Any) -> ControlInputs:
     kind, extra = audit.control_kind()
     return ControlInputs(config, audit.control_parts(), audit.null, tuple(audit.private),
                          root if same_run else Path(audit.control_out()), root, same_run,
-                         audit.control_code(), kind, dict(extra))
+                         audit.control_code, kind, dict(extra))
 
 
 class PositiveControl:
     """The control of one audit (see the module docstring): ``search`` the budget, ``run`` the
     control at it on every audited step, and ``describe`` where its results are for the report.
-    ``inputs``: :class:`ControlInputs`, or an audit to read them off (nothing of it is kept)."""
+    ``inputs``: :class:`ControlInputs` (:func:`control_inputs` reads them off an audit once)."""
 
-    def __init__(self, inputs: Any):
-        self.inputs = inputs if isinstance(inputs, ControlInputs) else control_inputs(inputs)
+    def __init__(self, inputs: ControlInputs):
+        if not isinstance(inputs, ControlInputs):
+            raise TypeError("PositiveControl takes ControlInputs; build them with control_inputs(audit)")
+        self.inputs = inputs
         self._audits: Dict[Tuple[int, Tuple[int, ...]], Any] = {}
 
     # ------------------------------------------------------------------ where and what
@@ -200,6 +200,10 @@ class PositiveControl:
             out[step] = ControlStep(step, judge_step(by_attack, images, inputs.config.sections().output_settings.thresholds,
                                                      nulls))
         return out
+
+    def search_budget(self, specs: Sequence[Any], attacks: Any) -> BudgetSearch:
+        """``budget="auto"``'s search for ``attacks`` (the audit's attack settings) from :data:`SEARCH_START`."""
+        return self.search(specs, SEARCH_START, attacks.max_budget, attacks.max_minutes)
 
     def search(self, specs: Sequence[Any], start: int, max_budget: int,
                max_minutes: float = math.inf) -> BudgetSearch:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, replace
+from pathlib import Path
 from typing import Any, Dict, Sequence
 
 from torch import nn
@@ -12,6 +13,7 @@ from torch import nn
 from attacks.side_information import side_information as attack_side_information
 from audit.core.buffers import buffer_effect, upload_statistics
 from audit.core.errors import GiaError
+from audit.core.files import atomic_write_bytes
 from audit.core.manifest import Manifest
 from audit.core.reasons import Reason
 from audit.engine.identity import data_identity, versions
@@ -26,6 +28,8 @@ CLIENT_MODE_TEXT = {
     "eval": "eval: the client computes its update in eval mode (BatchNorm uses the running statistics in the "
             "model's buffers, which the attacker sees)",
 }
+#: the resolved config, written beside the report: ``--config OUT/config.toml`` replays the run
+CONFIG_FILE = "config.toml"
 METRIC_NOTES = [f"PSNR per image on [0, 1]; an exact reconstruction (infinite PSNR) counts as {PSNR_CAP:g} dB",
                 "batch reconstructions are matched to the private images by an optimal assignment on MSE",
                 "label accuracy: the fraction of private labels recovered (as a multiset)"]
@@ -70,6 +74,17 @@ def write_manifest(audit: Any, store: ResultStore, specs: Sequence[Any], plan: D
         seeds={"seed": audit.seed, "model_init": audit.seed, "private_batches": audit.seed,
                "per_task": "derive_seed(seed, kind, step, attack, image) (sha256)"},
         versions=versions(), failures=list(store.load_manifest().failures or []), metric_notes=METRIC_NOTES))
+
+
+def write_config(store: ResultStore, config: Any, out: Any) -> None:
+    """The run's config (None: the audit was built from sections) as the manifest's ``config``
+    record, and as ``OUT/config.toml`` when it can be replayed (``--config`` then resumes the run)."""
+    if config is None:
+        return
+    record = config.record()
+    store.update_manifest(config=record)
+    if record["replayable"]:
+        atomic_write_bytes(Path(out) / CONFIG_FILE, config.toml().encode())
 
 
 def side_information(audit: Any) -> Dict[str, Dict[str, Any]]:

@@ -25,6 +25,8 @@ class StateAudit(Audit):
     """An :class:`~audit.engine.audit.Audit` of the given model state at ``round`` (see the
     module docstring); ``origin`` says where the state came from, for the threat model."""
 
+    control_code = "state"
+
     def __init__(self, defense: Any, model: ModelSettings, round: int, *, origin: str,
                  defense_args: Optional[Dict[str, Any]] = None, data_settings: DataSettings = DataSettings(),
                  fl_settings: FLSettings = FLSettings(), attack_settings: AttackSettings = AttackSettings(),
@@ -63,9 +65,6 @@ class StateAudit(Audit):
     def control_kind(self) -> Tuple[type, Dict[str, Any]]:
         """The undefended client at the same given state: nothing is trained here either."""
         return StateAudit, {"round": self.round, "origin": self.origin}
-
-    def control_code(self) -> str:
-        return "state"
 
     def _prepare(self, store: ResultStore):
         specs = super()._prepare(store)

@@ -15,7 +15,7 @@ from audit.client.fl import train
 from audit.core.errors import ConfigError, GiaError
 from audit.core.records import AccuracySpread, UtilityResult
 from audit.core.buffers import has_running_stats
-from audit.engine.compose import check_model, resolve_defense
+from audit.engine.compose import AuditParts, build_parts, check_model, resolve_defense
 from audit.engine.control import SEARCH_START, check_budget_search
 from audit.engine.identity import defense_identity, derive_seed
 from audit.engine.utility import PROTOCOL, measure_utility
@@ -125,6 +125,20 @@ def utility(audit: Any, baseline: Optional[AccuracySpread] = None) -> UtilityRes
                                device=audit.device, baseline=baseline)
     except GiaError as err:
         return UtilityResult.missing(f"{type(err).__name__}: {err}")
+
+
+def store_utility(audit: Any, store: ResultStore) -> None:
+    """Measure the utility into the manifest unless it holds one measured for the same settings
+    and recipe (:data:`UTILITY_FORMAT`)."""
+    out = audit.output_settings
+    measured_for = [out.utility, out.utility_steps, out.utility_seeds, UTILITY_FORMAT]
+    if store.load_manifest().utility_for != measured_for:
+        store.update_manifest(utility=audit.utility().to_dict(), utility_for=measured_for)
+
+
+def undefended_parts(parts: AuditParts, seed: int) -> AuditParts:
+    """The undefended client's parts on the same shared parts (data, model) as ``parts``."""
+    return build_parts(parts.shared, resolve_defense(UNDEFENDED, {}), UNDEFENDED, seed, undefended_identity())
 
 
 @functools.lru_cache(maxsize=None)

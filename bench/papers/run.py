@@ -115,7 +115,7 @@ def run_control(row: Row, plan: CellPlan, cell: Dict[str, Any], partial: Optiona
     (:class:`audit.engine.control.PositiveControl`: the base forms of the attacks the cell ran,
     same budget, images and seeds, defense ``none``) run alone in the cell's slices, each slice's
     results kept under ``partial`` as it finishes; the defended results are not redone."""
-    from audit.engine.control import PositiveControl
+    from audit.engine.control import PositiveControl, control_inputs
     from audit.report.control import control_summary
 
     started = time.perf_counter()
@@ -125,7 +125,7 @@ def run_control(row: Row, plan: CellPlan, cell: Dict[str, Any], partial: Optiona
     for steps, images in cell_slices(plan.call, claim_of(row, plan), slice_evaluations(plan)):
         audit = audit_of(plan.call, steps=list(steps), images=images)
         specs = [s for s in audit.planned()[0] if s.id in cell["attacks"]]
-        control, budget = PositiveControl(audit), audit.attack_settings.budget
+        control, budget = PositiveControl(control_inputs(audit)), audit.attack_settings.budget
         store = control.run(specs, budget, list(steps))
         if partial is not None:
             keep_results(store.dir / "results", partial / CONTROL_PARTIAL / store.key)

@@ -61,6 +61,7 @@ class ReplyAudit(_Cancellable, StateAudit):
     for the threat model (the fidelity check)."""
 
     simulates_client = False  # the reply carries the client's training and its defense as they ran
+    control_code = "replica"
 
     def __init__(self, defense: Any, model: ModelSettings, round: int, *, origin: str, global_arrays, reply,
                  trained, reply_key: str, cancel: Optional[threading.Event] = None,
@@ -84,9 +85,6 @@ class ReplyAudit(_Cancellable, StateAudit):
     def control_kind(self):
         kind, extra = super().control_kind()
         return ReplicaControl, {**extra, "trained": self.private[0], "cancel": self.cancel}
-
-    def control_code(self) -> str:
-        return "replica"
 
     def threat_model(self, specs) -> Dict[str, Any]:
         out = super().threat_model(specs)
