@@ -105,3 +105,97 @@ def test_a_stored_reports_steps_read_into_step_records_with_the_same_json():
     assert [s.label for s in report.step_reports] == ["leaks", "incomplete"]
     assert "the buffers' statistics used" in report.step_reports[0].verdict["buffers"]
     assert StepReport.from_dict(json.loads(json.dumps(report.step_reports[1].to_dict()))) == report.step_reports[1]
+
+
+# --------------------------------------------------------------------------- every record, every field
+def _records():
+    from audit.core.manifest import Manifest
+    from audit.core.step_records import AttackSummary, ControlSummary, Risk, StepReport, StepVerdict, WorstCase
+    from audit.report.record import Report
+
+    return [AttackSummary, WorstCase, StepVerdict, Risk, ControlSummary, StepReport, Report, Manifest]
+
+
+def _value(name: str, kind: str):
+    """A value of annotation ``kind`` for field ``name``, never the field's default."""
+    kind = kind[len("Optional["):-1] if kind.startswith("Optional[") else kind
+    nested = {cls.__name__: cls for cls in _records()}
+    if kind in nested:
+        return _sample(nested[kind])
+    for outer in ("Dict[str, {}]", "List[{}]"):
+        inner = next((n for n in nested if outer.format(n) == kind), None)
+        if inner is not None:
+            return {"a": _sample(nested[inner])} if kind.startswith("Dict") else [_sample(nested[inner])]
+    if kind == "List[AttackResult]":
+        return [AttackResult(step=3, attack_id="ig", image=1, status=Status.ERROR, reason="it raised")]
+    simple = {"bool": True, "int": 7, "float": 2.5, "str": f"{name} value", "Any": f"{name} value"}
+    if kind in simple:
+        return simple[kind]
+    return {"key": name} if kind.startswith("Dict") else [name]
+
+
+def _sample(cls):
+    """A record of ``cls`` with every field set to a value other than its default."""
+    from dataclasses import fields
+
+    return cls(**{f.name: _value(f.name, f.type) for f in fields(cls) if f.name != "extra"})
+
+
+def _default(f):
+    from dataclasses import MISSING
+
+    return f.default_factory() if f.default_factory is not MISSING else f.default
+
+
+def test_every_record_round_trips_every_field_through_json():
+    """Each record of the report, its steps, the manifest and the sweep, with every field set:
+    its JSON names every field, and reading it back gives every value (a field that
+    ``to_dict`` or ``from_dict`` dropped would come back as its default or in ``extra``)."""
+    from dataclasses import fields
+
+    for cls in _records():
+        record = _sample(cls)
+        typed = [f for f in fields(cls) if f.name != "extra"]
+        assert all(getattr(record, f.name) != _default(f) for f in typed), cls.__name__  # the sample sets each one
+        data = json.loads(json.dumps(record.to_dict()))
+        assert set(data) == {f.name for f in typed}, cls.__name__
+        back = cls.from_dict(data)
+        assert back.extra == {} and back.to_dict() == data, cls.__name__
+        for f in typed:
+            assert getattr(back, f.name) == getattr(record, f.name), f"{cls.__name__}.{f.name}"
+        # a key a later version writes is kept and written back as it was
+        assert cls.from_dict({**data, "written_later": [1, 2]}).to_dict()["written_later"] == [1, 2]
+
+
+def test_a_stored_reports_step_sections_are_typed_records_with_no_key_left_over():
+    from audit.core.step_records import AttackSummary, ControlSummary, Risk, StepVerdict, WorstCase
+
+    report = AuditReport.from_dict(json.loads((STORED / "report.json").read_text()))
+    for step in report.step_reports:
+        assert isinstance(step.worst_case, WorstCase) and isinstance(step.verdict, StepVerdict)
+        assert isinstance(step.risk, Risk) and isinstance(step.control, ControlSummary)
+        assert all(isinstance(a, AttackSummary) for a in step.attacks.values())
+        sections = [step, step.worst_case, step.verdict, step.risk, step.control, *step.attacks.values()]
+        assert [s.extra for s in sections] == [{}] * len(sections)  # every stored key is a typed field
+    first = report.step_reports[0]
+    assert first.worst_case.psnr == 85.0 and first.verdict.recovered == 2 and first.risk.strongest_attack == "spear"
+    assert first.attacks["ig"].unavailable == {"lpips": "no pretrained weights"} and not first.control.available
+    assert first["verdict"]["label"] == first.label == "leaks"  # and it reads as the stored JSON object
+
+
+def test_an_older_report_without_the_later_sections_reads_and_renders():
+    """A step stored before controls, risk reasons and not-applicable counts, with a key no
+    record knows: it reads, renders, and writes back what it stored."""
+    data = json.loads((STORED / "report.json").read_text())
+    old = data["steps"][1]
+    old.pop("control")
+    for summary in old["attacks"].values():
+        summary.pop("images_not_applicable")
+    old["worst_case"]["psnr_mean_of_batches"] = 13.0
+    report = AuditReport.from_dict(data)
+    step = report.record.step(5)
+    assert step.control is None and step.attacks["ig"].images_not_applicable == 0
+    assert step.worst_case.extra == {"psnr_mean_of_batches": 13.0}
+    assert report.to_dict()["steps"][1]["worst_case"]["psnr_mean_of_batches"] == 13.0
+    assert "| 5 | 13.50 |" in report.to_markdown() and "<html>" in report.to_html()
+

@@ -9,28 +9,45 @@ JSON is the flat object of the fields that are set (keys this record does not kn
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields, replace
-from typing import Any, Dict, Iterator, List, Mapping, Optional
+from dataclasses import dataclass, field, fields
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
+
+
+def plain(value: Any) -> Any:
+    """``value`` with every record in it (anything with ``to_dict``) as its JSON object."""
+    if hasattr(value, "to_dict"):
+        return value.to_dict()
+    if isinstance(value, list):
+        return [plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: plain(v) for k, v in value.items()}
+    return value
 
 
 class FlatRecord:
     """``to_dict`` / ``from_dict`` for a frozen dataclass whose JSON is the flat object of its
-    fields (those set, or all of them when ``keeps_none``), then the keys it does not know, kept
-    in its ``extra`` field and written back as they were. ``_json(name)``: a field's JSON value."""
+    fields, then the keys it does not know, kept in its ``extra`` field and written back as they
+    were. A field is written when set, or always when ``keeps_none`` unless it is ``optional``;
+    a record in a field is written as its JSON object (``_json(name)``: a field's JSON value)."""
 
     keeps_none = False
+    #: with ``keeps_none``, the fields still written only when set
+    optional: Tuple[str, ...] = ()
 
     @classmethod
     def _names(cls) -> tuple:
         return tuple(f.name for f in fields(cls) if f.name != "extra")  # type: ignore[arg-type]
 
+    def _written(self, name: str) -> bool:
+        return getattr(self, name) is not None or (self.keeps_none and name not in self.optional)
+
     def _json(self, name: str) -> Any:
-        return getattr(self, name)
+        return plain(getattr(self, name))
 
     def to_dict(self) -> Dict[str, Any]:
         """The JSON object: the fields, then the keys kept in ``extra``."""
-        out = {n: self._json(n) for n in self._names() if self.keeps_none or getattr(self, n) is not None}
-        out.update(self.extra)  # type: ignore[attr-defined]
+        out = {n: self._json(n) for n in self._names() if self._written(n)}
+        out.update(plain(self.extra))  # type: ignore[attr-defined]
         return out
 
     @classmethod
@@ -39,12 +56,31 @@ class FlatRecord:
         if isinstance(data, cls):
             return data
         data = dict(data or {})
-        known = {k: data.pop(k) for k in cls._names() if k in data and data[k] is not None}
-        return cls(**known, extra=data)  # type: ignore[call-arg]
+        known = {k: data.pop(k) for k in cls._names() if k in data}  # a null reads as the field's default
+        return cls(**{k: v for k, v in known.items() if v is not None}, extra=data)  # type: ignore[call-arg]
+
+
+class MappingRecord(FlatRecord, Mapping):
+    """A :class:`FlatRecord` that also reads as a mapping of its JSON object's keys (a field's
+    value as the record holds it), so code that reads a stored JSON object reads the record."""
+
+    def __getitem__(self, key: str) -> Any:
+        if key in self._names():
+            if not self._written(key):
+                raise KeyError(key)
+            return getattr(self, key)
+        return self.extra[key]  # type: ignore[attr-defined]
+
+    def __iter__(self) -> Iterator[str]:
+        yield from (n for n in self._names() if self._written(n))
+        yield from self.extra  # type: ignore[attr-defined]
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
 
 
 @dataclass(frozen=True, eq=False)  # equal as mappings: the same JSON object
-class Manifest(FlatRecord, Mapping):
+class Manifest(MappingRecord):
     """One audit run's manifest (every field None until the engine writes it).
 
     ``run_key``: the run's key; ``status``: "running", "complete", "interrupted", "stopped (...)",
@@ -94,21 +130,3 @@ class Manifest(FlatRecord, Mapping):
     def planned(self) -> bool:
         """True once the attacks were planned (the run got past its preparation)."""
         return self.attacks is not None
-
-    # ------------------------------------------------------------------ the mapping
-    def __getitem__(self, key: str) -> Any:
-        if key in _FIELDS:
-            value = getattr(self, key)
-            if value is None:
-                raise KeyError(key)
-            return value
-        return self.extra[key]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.to_dict())
-
-    def __len__(self) -> int:
-        return len(self.to_dict())
-
-
-_FIELDS = tuple(f.name for f in fields(Manifest) if f.name != "extra")

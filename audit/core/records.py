@@ -13,6 +13,7 @@ from enum import Enum
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from audit.core.reasons import Reason
+from audit.core.step_records import StepReport  # noqa: F401  (re-exported: a report's step)
 from audit.core.trace import Trace
 
 
@@ -373,39 +374,3 @@ class UtilityResult:
         return cls(data.get("defense", ""), dict(data.get("params") or {}), dict(data.get("setting") or {}),
                    AccuracySpread.from_dict(data.get("defended")), AccuracySpread.from_dict(data.get("undefended")),
                    data.get("unavailable") or "")
-
-
-# --------------------------------------------------------------------------- the report's steps
-@dataclass(frozen=True)
-class StepReport(_Record):
-    """One audited step of a report, built once from its judged evidence: per attack its
-    summary (``attacks``), the worst case over attacks per image (``worst_case``), the step's
-    ``verdict`` (qualified by its positive control), the empirical ``risk``, the positive
-    ``control``'s summary, and ``originals``: where the private images' pictures are, relative to
-    the report's folder (None: ``originals`` of the run). Its JSON object is the step's entry in
-    ``report.json``."""
-
-    step: int
-    attacks: Dict[str, Dict[str, Any]] = field(default_factory=dict)
-    worst_case: Dict[str, Any] = field(default_factory=dict)
-    verdict: Dict[str, Any] = field(default_factory=dict)
-    risk: Dict[str, Any] = field(default_factory=dict)
-    control: Optional[Dict[str, Any]] = None
-    originals: Optional[str] = None
-
-    def to_dict(self) -> Dict[str, Any]:
-        out = {"step": self.step, "attacks": self.attacks, "worst_case": self.worst_case, "verdict": self.verdict,
-               "risk": self.risk, "control": self.control}
-        if self.originals is not None:
-            out["originals"] = self.originals
-        return out
-
-    @property
-    def label(self) -> str:
-        """The step's verdict label."""
-        return self.verdict.get("label", "")
-
-    @property
-    def per_image(self) -> List[Dict[str, Any]]:
-        """The worst case's entry per private image."""
-        return self.worst_case.get("per_image", [])

@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime as _dt
 import os
 from collections import defaultdict
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -56,9 +57,9 @@ def judge_steps(manifest: Manifest, records: Sequence[AttackResult], thresholds:
         judged = judge_step(by_attack, images, thresholds, nulls)
         control = control_summary(_control_judged(control_by_step, step, info, images, thresholds, nulls),
                                   info or {}, thresholds)
-        verdict = controlled_verdict(judged["verdict"], judged["worst_case"]["per_image"], control)
+        verdict = controlled_verdict(judged["verdict"], judged["worst_case"].per_image, control)
         if effect:
-            verdict = {**verdict, "buffers": buffers_used(by_step[step], effect)}
+            verdict = replace(verdict, buffers=buffers_used(by_step[step], effect))
         steps.append(StepReport(step=step, attacks={a: summarize_attack(recs) for a, recs in by_attack.items()},
                                 worst_case=judged["worst_case"], verdict=verdict,
                                 risk=empirical_risk(by_attack, manifest.risk_delta["delta"]), control=control))
@@ -101,12 +102,11 @@ def build_report(manifest: Any, records: Sequence[Any],
          "status": status_of(r), "error": r.reason}
         for r in records if status_of(r) not in ("ok", "not_applicable")
     ]
-    step_dicts = [s.to_dict() for s in steps]
     return Report(
         title=f"gia-audit report: {manifest.defense['name']}", step_name=manifest.step_name or "step",
         generated=_dt.datetime.now().isoformat(timespec="seconds"), run_key=manifest.run_key,
-        status=run_status(manifest.status or "unknown", step_dicts), progress=progress,
-        not_applicable=not_applicable(step_dicts), verdict=overall_verdict(step_dicts), defense=manifest.defense,
+        status=run_status(manifest.status or "unknown", steps), progress=progress,
+        not_applicable=not_applicable(steps), verdict=overall_verdict(steps), defense=manifest.defense,
         differences=list(manifest.differences or []),
         privacy=manifest.privacy or {"applicable": False, "reason": "not recorded by this audit"},
         threat_model=manifest.threat_model or {}, plan=worded_plan(manifest.plan or {}),
@@ -129,14 +129,15 @@ def worded_plan(plan: Dict[str, Any]) -> Dict[str, Any]:
     return {**plan, "side_information": {k: word(v) for k, v in side.items()}}
 
 
-def not_applicable(steps: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+def not_applicable(steps: Sequence[Any]) -> List[Dict[str, Any]]:
     """The attacks none of whose results applied at some step: ``{"attack", "steps", "reason"}``
-    each, their steps in order (one entry per attack and reason)."""
+    each, their steps in order (one entry per attack and reason); ``steps``: :class:`StepReport`
+    records or their JSON objects."""
     found: Dict[Tuple[str, str], List[int]] = {}
-    for s in steps:
-        for attack, summary in s["attacks"].items():
-            if summary.get("status") == "not applicable":
-                found.setdefault((attack, summary.get("reason") or "no reason given"), []).append(s["step"])
+    for s in map(StepReport.from_dict, steps):
+        for attack, summary in s.attacks.items():
+            if summary.status == "not applicable":
+                found.setdefault((attack, summary.reason or "no reason given"), []).append(s.step)
     return [{"attack": a, "steps": where, "reason": why} for (a, why), where in found.items()]
 
 
@@ -145,9 +146,9 @@ def _mean_chance(nulls) -> Optional[float]:
     return sum(levels) / len(levels) if levels else None
 
 
-def run_status(stored: str, steps: List[Dict[str, Any]]) -> str:
+def run_status(stored: str, steps: Sequence[StepReport]) -> str:
     """The run's status: a finished run with missing evidence is 'incomplete', never 'complete'."""
-    failed = sorted({m["attack"] for s in steps for m in s["verdict"].get("failed_attacks", [])
+    failed = sorted({m["attack"] for s in steps for m in s.verdict.failed_attacks
                      if any(not why.startswith("pending") for why in m["reasons"])})
     if stored == "complete" and failed:
         return f"incomplete ({', '.join(failed)} failed)"
@@ -243,7 +244,7 @@ class AuditReport:
     def psnr(self, step: int, attack: Optional[str] = None) -> Optional[float]:
         """Mean PSNR of ``attack`` at ``step`` (default: the worst case over attacks)."""
         entry = self.record.step(step)
-        return entry.worst_case["psnr"] if attack is None else entry.attacks[attack]["psnr"]
+        return entry.worst_case.psnr if attack is None else entry.attacks[attack].psnr
 
     # ------------------------------------------------------------------ output
     def to_markdown(self) -> str:
@@ -279,9 +280,9 @@ class AuditReport:
         lines = [f"{report.title}  [{report.status}, {progress_text(report)}]"]
         for entry in report.steps:
             wc, risk = entry.worst_case, entry.risk
-            psnr = "n/a" if wc["psnr"] is None else f"{wc['psnr']:.2f} dB"
-            success = "n/a" if risk["success"] is None else f"{risk['success']:.0%}"
-            best = "" if wc.get("psnr_max") is None else f", best-recovered image {wc['psnr_max']:.2f} dB"
+            psnr = "n/a" if wc.psnr is None else f"{wc.psnr:.2f} dB"
+            success = "n/a" if risk.success is None else f"{risk.success:.0%}"
+            best = "" if wc.psnr_max is None else f", best-recovered image {wc.psnr_max:.2f} dB"
             lines.append(f"  {column} {entry.step:>5}: mean PSNR over images {psnr} (each at its strongest attack)"
                          f"{best}, within delta {success}; without the defense: {control_text(entry.control)}; "
                          f"verdict: {verdict_text(entry.verdict)}")

@@ -14,10 +14,12 @@ verdict is qualified:
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from dataclasses import replace
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 from audit.core.evidence import mcnemar_exact
 from audit.core.records import ImageClass, Verdict
+from audit.core.step_records import ControlSummary, StepVerdict, WorstCase
 from audit.report.rule import LeakRule
 
 PRIVATE, INCOMPLETE, INCONCLUSIVE = Verdict.PRIVATE.value, Verdict.INCOMPLETE.value, Verdict.INCONCLUSIVE.value
@@ -74,40 +76,38 @@ def _recovered(per_image: Sequence[Dict[str, Any]]) -> Dict[Image, bool]:
             for e in per_image if e.get("image_class") is not None}
 
 
-def control_summary(judged: Optional[Dict[str, Any]], info: Dict[str, Any], rule: LeakRule) -> Dict[str, Any]:
+def control_summary(judged: Optional[Dict[str, Any]], info: Dict[str, Any], rule: LeakRule) -> ControlSummary:
     """The control of one step for the report: ``available``, its label, ``k of n`` recovered
     with the interval, the images it recovered, its budget and attacks (``info``: the manifest's
     ``control`` entry); ``judged``: ``judge_step``'s output on the control's records with the
     attacks that did not apply (``not_applicable``; None: no control was run)."""
     base = {"budget": info.get("budget"), "attacks": list(info.get("attacks") or []),
-            "description": control_entry(info).get("description", "")}
-    if judged is not None and judged.get("not_applicable"):
-        base["not_applicable"] = list(judged["not_applicable"])
+            "description": control_entry(info).get("description", ""),
+            "not_applicable": list((judged or {}).get("not_applicable") or []) or None}
     if judged is None:
-        return {**base, "available": False, "reason": info.get("unavailable") or "no positive control was stored "
-                "for this audit; rerun the audit command to compute it"}
-    verdict = judged["verdict"]
-    per_image = judged["worst_case"]["per_image"]
-    recovered = _recovered(per_image)
-    complete = verdict["label"] not in (INCOMPLETE, Verdict.NOT_JUDGED.value)
-    out = {**base, "available": complete, "label": verdict["label"], "recovered": verdict["recovered"],
-           "images": verdict["images"], "recovery_rate": rule.interval(verdict["recovered"], verdict["images"]).to_dict(),
-           "recovered_images": [list(k) for k, v in sorted(recovered.items()) if v],
-           "per_image": [{"image": i, "index": j, "recovered": v} for (i, j), v in sorted(recovered.items())],
-           "mean_psnr": judged["worst_case"].get("psnr")}
-    if not complete:
-        out["reason"] = f"the control is {verdict['label']}: {verdict.get('reason', '')}".rstrip(": ")
-    return out
+        return ControlSummary(**base, available=False, reason=info.get("unavailable") or "no positive control was "
+                              "stored for this audit; rerun the audit command to compute it")
+    verdict, worst = StepVerdict.from_dict(judged["verdict"]), WorstCase.from_dict(judged["worst_case"])
+    recovered = _recovered(worst.per_image)
+    complete = verdict.label not in (INCOMPLETE, Verdict.NOT_JUDGED.value)
+    return ControlSummary(
+        **base, available=complete, label=verdict.label, recovered=verdict.recovered, images=verdict.images,
+        recovery_rate=rule.interval(verdict.recovered, verdict.images).to_dict(),
+        recovered_images=[list(k) for k, v in sorted(recovered.items()) if v],
+        per_image=[{"image": i, "index": j, "recovered": v} for (i, j), v in sorted(recovered.items())],
+        mean_psnr=worst.psnr,
+        reason=None if complete else f"the control is {verdict.label}: {verdict.reason}".rstrip(": "))
 
 
-def defense_effect(defended: Sequence[Dict[str, Any]], control: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+def defense_effect(defended: Sequence[Dict[str, Any]], control: Any) -> Optional[Dict[str, Any]]:
     """The paired comparison on the images both runs judged: the control recovered and the
     defended run did not (``stopped``), the reverse (``let_through``), and the one-sided exact
     McNemar p-value that the defense recovers no fewer images than the control."""
-    if not control.get("available"):
+    control = ControlSummary.from_dict(control)
+    if not control.available:
         return None
     mine = _recovered(defended)
-    theirs = {(e["image"], e["index"]): e["recovered"] for e in control.get("per_image", [])}
+    theirs = {(e["image"], e["index"]): e["recovered"] for e in control.per_image or []}
     both = sorted(set(mine) & set(theirs))
     if not both:
         return None
@@ -118,28 +118,25 @@ def defense_effect(defended: Sequence[Dict[str, Any]], control: Dict[str, Any]) 
             "test": "exact McNemar (one-sided): each image recovered by one run only is a fair coin under no effect"}
 
 
-def controlled_verdict(verdict: Dict[str, Any], per_image: Sequence[Dict[str, Any]],
-                       control: Dict[str, Any]) -> Dict[str, Any]:
+def controlled_verdict(verdict: Any, per_image: Sequence[Dict[str, Any]], control: Any) -> StepVerdict:
     """The step's verdict qualified by its control (see the module docstring)."""
-    out = dict(verdict)
+    verdict, control = StepVerdict.from_dict(verdict), ControlSummary.from_dict(control)
     effect = defense_effect(per_image, control)
     if effect is not None:
-        out["defense_effect"] = effect
-    if verdict["label"] != PRIVATE:
-        return out
-    if not control.get("available"):
-        out.update(label=INCOMPLETE, reason=f"no recovered image, but the positive control is missing: "
-                                            f"{control.get('reason', 'not run')}")
-        return out
-    if not control["recovered"]:
-        skipped = control.get("not_applicable") or []
-        attacks = ", ".join(a for a in control.get("attacks") or [] if a not in skipped) or "the attacks"
+        verdict = replace(verdict, defense_effect=effect)
+    if verdict.label != PRIVATE:
+        return verdict
+    if not control.available:
+        return replace(verdict, label=INCOMPLETE, reason=f"no recovered image, but the positive control is missing: "
+                                                         f"{control.reason or 'not run'}")
+    if not control.recovered:
+        skipped = control.not_applicable or []
+        attacks = ", ".join(a for a in control.attacks if a not in skipped) or "the attacks"
         aside = f" ({', '.join(skipped)}: not applicable to this model)" if skipped else ""
-        out.update(label=INCONCLUSIVE, attack_power=False, reason=(
-            f"attack power: {attacks}{aside} recover none of these {control['images']} images without the "
-            f"defense at budget {control.get('budget')}; {POWER_ADVICE}"))
-        return out
+        return replace(verdict, label=INCONCLUSIVE, attack_power=False, reason=(
+            f"attack power: {attacks}{aside} recover none of these {control.images} images without the "
+            f"defense at budget {control.budget}; {POWER_ADVICE}"))
     if effect is None:
-        out.update(label=INCOMPLETE, reason="no recovered image, but no image was judged by both the defended run "
-                                            "and its control")
-    return out
+        return replace(verdict, label=INCOMPLETE, reason="no recovered image, but no image was judged by both the "
+                                                         "defended run and its control")
+    return verdict

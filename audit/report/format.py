@@ -4,7 +4,8 @@ from __future__ import annotations
 from typing import Any, Dict, List, Optional, Sequence
 
 from audit.core.evidence import mean_difference
-from audit.core.records import AccuracySpread, StepReport, UtilityResult
+from audit.core.records import AccuracySpread, UtilityResult
+from audit.core.step_records import AttackSummary, ControlSummary, Risk, StepReport, StepVerdict
 from audit.report.record import Report
 
 UNAVAILABLE = "n/a"
@@ -51,9 +52,8 @@ def summary_header(column: str = "step"):
 
 def summary_row(step: StepReport):
     wc = step.worst_case
-    return ([step.step] + [fmt(m, wc[m]) for m in COLUMNS]
-            + [fmt("psnr", wc.get("psnr_max")), risk_text(step.risk), control_text(step.control),
-               verdict_text(step.verdict)])
+    return ([step.step] + [fmt(m, getattr(wc, m)) for m in COLUMNS]
+            + [fmt("psnr", wc.psnr_max), risk_text(step.risk), control_text(step.control), verdict_text(step.verdict)])
 
 
 def attack_header(column: str = "step"):
@@ -63,17 +63,16 @@ def attack_header(column: str = "step"):
 
 def attack_row(step: StepReport, attack: str):
     a = step.attacks[attack]
-    return ([step.step] + [fmt(m, a[m]) for m in COLUMNS]
-            + [fmt("psnr", a.get("psnr_max")), fmt("psnr", a.get("psnr_original")),
-               fmt("psnr", a.get("psnr_trained")), done_text(a)])
+    return ([step.step] + [fmt(m, getattr(a, m)) for m in COLUMNS]
+            + [fmt("psnr", a.psnr_max), fmt("psnr", a.psnr_original), fmt("psnr", a.psnr_trained), done_text(a)])
 
 
-def done_text(summary: Dict[str, Any]) -> str:
+def done_text(summary: AttackSummary) -> str:
     """``ok/done`` of an attack at a step (not-applicable results counted apart), or why none applies."""
-    if summary["status"] == "not applicable":
+    if summary.status == "not applicable":
         return attack_cell(summary)
-    skipped = summary.get("images_not_applicable")
-    return f"{summary['images_ok']}/{summary['images_done']}" + (f" ({skipped} not applicable)" if skipped else "")
+    skipped = summary.images_not_applicable
+    return f"{summary.images_ok}/{summary.images_done}" + (f" ({skipped} not applicable)" if skipped else "")
 
 
 def unavailable_notes(report: Report) -> Dict[str, str]:
@@ -81,21 +80,21 @@ def unavailable_notes(report: Report) -> Dict[str, str]:
     notes: Dict[str, str] = {}
     for step in report.steps:
         for summary in step.attacks.values():
-            notes.update(summary.get("unavailable", {}))
+            notes.update(summary.unavailable or {})
     return notes
 
 
-def attack_cell(summary: Dict[str, Any]) -> str:
+def attack_cell(summary: AttackSummary) -> str:
     """The mean PSNR of an attack at a step (and its worst image when it differs), or why
     there is none."""
-    if summary["status"] == "not applicable":
-        return f"not applicable ({summary.get('reason') or 'no reason given'})"
-    if summary["images_ok"]:
-        text = fmt("psnr", summary["psnr"])
-        if summary.get("psnr_max") is not None and summary["psnr_max"] != summary["psnr"]:
-            text += f" (max {fmt('psnr', summary['psnr_max'])})"
-        return text if summary["status"] == "ok" else f"{text} ({summary['status']})"
-    return summary["status"]
+    if summary.status == "not applicable":
+        return f"not applicable ({summary.reason or 'no reason given'})"
+    if summary.images_ok:
+        text = fmt("psnr", summary.psnr)
+        if summary.psnr_max is not None and summary.psnr_max != summary.psnr:
+            text += f" (max {fmt('psnr', summary.psnr_max)})"
+        return text if summary.status == "ok" else f"{text} ({summary.status})"
+    return summary.status
 
 
 def progress_text(report: Any) -> str:
@@ -120,30 +119,30 @@ def interval_text(interval: Optional[Dict[str, Any]]) -> str:
             f"{interval['low']:.1%}-{interval['high']:.1%})")
 
 
-def verdict_text(verdict: Dict[str, Any]) -> str:
-    """A step verdict in words: the label, the image counts with the recovery rate's interval,
-    what a 'no recovered image' excludes, and why when not judged or incomplete."""
-    label = verdict.get("label", "not judged")
-    exact = f" ({verdict['exact']} exact)" if verdict.get("exact") else ""
-    counts = (f"{verdict.get('recovered', 0)} recovered{exact}, {verdict.get('partially', 0)} partially, "
-              f"{verdict.get('not_recovered', 0)} not recovered of {verdict.get('images', 0)} image(s)")
-    if verdict.get("recovery_rate", {}).get("n"):
-        counts += f"; recovered {interval_text(verdict['recovery_rate'])}"
-    if verdict.get("buffers"):  # whether the uploaded buffers' statistics carried the attacks
-        counts += "; " + verdict["buffers"]
+def verdict_text(verdict: Any) -> str:
+    """A step verdict (a :class:`StepVerdict` or its JSON object) in words: the label, the image
+    counts with the recovery rate's interval, what a 'no recovered image' excludes, and why when
+    not judged or incomplete."""
+    verdict = StepVerdict.from_dict(verdict)
+    label = verdict.label or "not judged"
+    exact = f" ({verdict.exact} exact)" if verdict.exact else ""
+    counts = (f"{verdict.recovered} recovered{exact}, {verdict.partially} partially, "
+              f"{verdict.not_recovered} not recovered of {verdict.images} image(s)")
+    if verdict.recovery_rate.get("n"):
+        counts += f"; recovered {interval_text(verdict.recovery_rate)}"
+    if verdict.buffers:  # whether the uploaded buffers' statistics carried the attacks
+        counts += "; " + verdict.buffers
     if label == "incomplete":
-        found = verdict.get("judged") or "nothing judged"
-        return f"incomplete ({verdict.get('reason', '')}); finished attacks: {found}, {counts}"
+        return f"incomplete ({verdict.reason}); finished attacks: {verdict.judged or 'nothing judged'}, {counts}"
     if label == "not judged":
-        return f"not judged ({verdict.get('reason', '')})"
+        return f"not judged ({verdict.reason})"
     if label == "inconclusive":
-        return f"inconclusive ({verdict.get('reason', '')}); {counts}"
-    effect = verdict.get("defense_effect")
-    if label == "no recovered image" and effect:
-        counts += "; " + effect_text(effect)
-    if verdict.get("excludes_rate_above") is not None:
-        need = verdict.get("images_to_exclude") or {}
-        counts += (f"; excludes a recovery rate above {verdict['excludes_rate_above']:.0%} (one-sided 95%)"
+        return f"inconclusive ({verdict.reason}); {counts}"
+    if label == "no recovered image" and verdict.defense_effect:
+        counts += "; " + effect_text(verdict.defense_effect)
+    if verdict.excludes_rate_above is not None:
+        need = verdict.images_to_exclude or {}
+        counts += (f"; excludes a recovery rate above {verdict.excludes_rate_above:.0%} (one-sided 95%)"
                    + (f", {need['images']} images would exclude {need['rate']:.0%}" if need else ""))
     return f"{label} ({counts})"
 
@@ -157,13 +156,15 @@ def effect_text(effect: Dict[str, Any]) -> str:
     return text + ")"
 
 
-def control_text(control: Optional[Dict[str, Any]]) -> str:
-    """The step's positive control in a few words: ``4 of 4 recovered (100%; 95% CI 40%-100%) at budget 800``."""
+def control_text(control: Any) -> str:
+    """The step's positive control (a :class:`ControlSummary`, its JSON object or None) in a few
+    words: ``4 of 4 recovered (100%; 95% CI 40%-100%) at budget 800``."""
     if not control:
         return UNAVAILABLE
-    if not control.get("available"):
-        return f"unavailable ({control.get('reason', 'not run')})"
-    return f"{interval_text(control.get('recovery_rate'))} recovered at budget {control.get('budget')}"
+    control = ControlSummary.from_dict(control)
+    if not control.available:
+        return f"unavailable ({control.reason or 'not run'})"
+    return f"{interval_text(control.recovery_rate)} recovered at budget {control.budget}"
 
 
 def evidence_header(column: str = "step"):
@@ -174,8 +175,8 @@ def evidence_header(column: str = "step"):
 
 def evidence_rows(step: StepReport):
     rows = []
-    control = step.control or {}
-    by_image = {(c["image"], c["index"]): c["recovered"] for c in control.get("per_image", [])}
+    control = step.control or ControlSummary()
+    by_image = {(c["image"], c["index"]): c["recovered"] for c in control.per_image or []}
     for e in step.per_image:
         seen = by_image.get((e["image"], e.get("index", 0)))
         above = (None if e.get("aligned_psnr") is None or e.get("chance_level") is None
@@ -238,7 +239,7 @@ def privacy_rows(privacy: Dict[str, Any], steps: Sequence[StepReport] = ()):
     if not privacy or not privacy.get("applicable"):
         return None, f"not applicable: {(privacy or {}).get('reason', 'the defense declares no privacy accounting')}"
     bound = privacy.get("identification_bound") or {}
-    measured = {s.step: s.verdict.get("identification_rate") for s in steps}
+    measured = {s.step: s.verdict.identification_rate for s in steps}
     rows = [[p["step"], p["rounds"], "inf" if p["epsilon"] is None else f"{p['epsilon']:.3g}", f"{p['delta']:g}",
              UNAVAILABLE if bound.get("bound") is None else f"{bound['bound']:.1%}",
              interval_text(measured.get(p["step"]))]
@@ -283,10 +284,12 @@ def failure_rows(report: Report) -> List[List[Any]]:
              f.get("status", f.get("phase", "")), f.get("error", "")] for f in report.failures]
 
 
-def risk_text(risk: Dict[str, Any]) -> str:
-    if risk["success"] is None:
+def risk_text(risk: Any) -> str:
+    """The strongest attack's success within delta (a :class:`Risk` or its JSON object)."""
+    risk = Risk.from_dict(risk)
+    if risk.success is None:
         return UNAVAILABLE
-    return f"{risk['success']:.0%} ({risk['strongest_attack']})"
+    return f"{risk.success:.0%} ({risk.strongest_attack})"
 
 
 def kv_rows(obj: Any, prefix: str = ""):

@@ -26,9 +26,9 @@ def psnr_vs_step_series(report: Any) -> Dict[str, Any]:
     report = Report.of(report)
     curves: Dict[str, Points] = {}
     for aid in report.attack_ids:
-        pts = [(s.step, (s.attacks.get(aid) or {}).get("aligned_psnr")) for s in report.steps]
+        pts = [(s.step, s.attacks[aid].aligned_psnr if aid in s.attacks else None) for s in report.steps]
         curves[aid] = [(x, y) for x, y in pts if y is not None]
-    worst = [(s.step, s.worst_case.get("aligned_psnr")) for s in report.steps]
+    worst = [(s.step, s.worst_case.aligned_psnr) for s in report.steps]
     chance = [(s.step, _step_chance(s, report.chance_level)) for s in report.steps]
     return {"quantity": PLOTTED, "curves": {a: pts for a, pts in curves.items() if pts},
             "worst": [(x, y) for x, y in worst if y is not None],

@@ -64,10 +64,6 @@ class Report(FlatRecord):
         object.__setattr__(self, "steps", [StepReport.from_dict(s) for s in self.steps])
         object.__setattr__(self, "results", [AttackResult.from_dict(r) for r in self.results])
 
-    def _json(self, name: str) -> Any:
-        value = getattr(self, name)
-        return [r.to_dict() for r in value] if name in ("steps", "results") else value
-
     @classmethod
     def of(cls, report: Any) -> "Report":
         """``report`` as a record (a :class:`Report`, or its JSON object)."""

@@ -18,6 +18,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 from audit.core.evidence import excluded_rate, images_to_exclude
 from audit.core.manifest import Manifest
 from audit.core.records import SEVERITY, AttackResult, ImageClass, NullEvidence, Status, Verdict
+from audit.core.step_records import AttackSummary, Risk, StepReport, StepVerdict, WorstCase
 from audit.report.reasons import word
 from audit.report.rule import LeakRule
 
@@ -90,7 +91,7 @@ def _judgeable(record: AttackResult) -> bool:
 
 
 # --------------------------------------------------------------------------- one attack
-def summarize_attack(records: List[AttackResult]) -> Dict[str, Any]:
+def summarize_attack(records: List[AttackResult]) -> AttackSummary:
     """One attack at one step: means over its judged private images (``aligned_psnr``: each
     image's best aligned PSNR, the leak rule's quantity), the worst image, and what did not
     finish. Results that do not apply count neither as done nor as missing
@@ -98,26 +99,23 @@ def summarize_attack(records: List[AttackResult]) -> Dict[str, Any]:
     ok = [r for r in records if status_of(r) == Status.OK.value]
     images = [e for r in ok for e in image_metrics(r)]
     skipped = [r for r in records if status_of(r) == Status.NOT_APPLICABLE.value]
-    out: Dict[str, Any] = {"images_done": len(records) - len(skipped), "images_ok": len(ok),
-                           "images_not_applicable": len(skipped), "status": _attack_status(records)}
+    reason = None
     if skipped and len(skipped) == len(records):
-        out["reason"] = "; ".join(dict.fromkeys(word(r.not_applicable_reason) if r.not_applicable_reason
-                                                else "no reason given" for r in skipped))
-    for name in METRICS:
-        out[name] = _mean(e[name] for e in images)
-    out["aligned_psnr"] = _mean(_best([ev.aligned_psnr for ev in e["evidence"]], True) for e in images)
-    out["psnr_max"] = _best([e["psnr"] for e in images], True)
+        reason = "; ".join(dict.fromkeys(word(r.not_applicable_reason) if r.not_applicable_reason
+                                         else "no reason given" for r in skipped))
     trained = [r.metrics_trained for r in ok if r.metrics_trained is not None]
-    if trained:  # input-transforming defense: also scored against what the client trained on
-        out["psnr_original"] = _mean(r.metrics.psnr for r in ok if r.metrics is not None)
-        out["psnr_trained"] = _mean(m.psnr for m in trained)
     unavailable = {k: v for r in ok for k, v in (r.unavailable or {}).items()}
-    if unavailable:
-        out["unavailable"] = unavailable
-    problems = [r for r in records if status_of(r) != Status.OK.value]
-    if problems:
-        out["problems"] = [{"image": r.image, "status": status_of(r), "reason": r.reason} for r in problems]
-    return out
+    problems = [{"image": r.image, "status": status_of(r), "reason": r.reason}
+                for r in records if status_of(r) != Status.OK.value]
+    return AttackSummary(
+        images_done=len(records) - len(skipped), images_ok=len(ok), images_not_applicable=len(skipped),
+        status=_attack_status(records), reason=reason, **{name: _mean(e[name] for e in images) for name in METRICS},
+        aligned_psnr=_mean(_best([ev.aligned_psnr for ev in e["evidence"]], True) for e in images),
+        psnr_max=_best([e["psnr"] for e in images], True),
+        # an input-transforming defense: also scored against what the client trained on
+        psnr_original=_mean(r.metrics.psnr for r in ok if r.metrics is not None) if trained else None,
+        psnr_trained=_mean(m.psnr for m in trained) if trained else None,
+        unavailable=unavailable or None, problems=problems or None)
 
 
 def _attack_status(records: List[AttackResult]) -> str:
@@ -166,7 +164,7 @@ def missing_evidence(by_attack: Dict[str, List[AttackResult]], images: int) -> L
 CLASS_ORDER = {ImageClass.RECOVERED: 2, ImageClass.PARTIAL: 1, ImageClass.NOT_RECOVERED: 0}
 
 
-def worst_case(by_attack: Dict[str, List[AttackResult]], rule: LeakRule, nulls: Nulls) -> Dict[str, Any]:
+def worst_case(by_attack: Dict[str, List[AttackResult]], rule: LeakRule, nulls: Nulls) -> WorstCase:
     """Per private image (each image of each batch): its class under ``rule`` at the most
     leaking attack, that attack, its evidence and chance level, and each metric at its most
     leaking attack; then the mean over images and the worst image. Records that failed to
@@ -199,17 +197,15 @@ def worst_case(by_attack: Dict[str, List[AttackResult]], rule: LeakRule, nulls: 
             entry.update(best_attack=None, image_class=None, aligned_psnr=None, rank=None, candidates=None)
         per_image.append(entry)
     done = [e for e in per_image if e["image_class"] is not None]
-    summary: Dict[str, Any] = {name: _mean(e[name] for e in done) for name in METRICS}
-    summary["aligned_psnr"] = _mean(e["aligned_psnr"] for e in done)
-    summary["psnr_max"] = _best([e["psnr"] for e in done], True)
-    summary["ssim_max"] = _best([e["ssim"] for e in done], True)
-    summary["above_chance_max"] = _best([e["aligned_psnr"] - e["chance_level"] for e in done], True)
-    summary["per_image"] = per_image
-    return summary
+    return WorstCase(**{name: _mean(e[name] for e in done) for name in METRICS},
+                     aligned_psnr=_mean(e["aligned_psnr"] for e in done), psnr_max=_best([e["psnr"] for e in done], True),
+                     ssim_max=_best([e["ssim"] for e in done], True),
+                     above_chance_max=_best([e["aligned_psnr"] - e["chance_level"] for e in done], True),
+                     per_image=per_image)
 
 
 def step_verdict(per_image: List[Dict[str, Any]], rule: LeakRule, missing: Sequence[Dict[str, Any]] = (),
-                 attacks: int = 1) -> Dict[str, Any]:
+                 attacks: int = 1) -> StepVerdict:
     """The step's verdict from its judged images and the attacks with missing evidence:
     ``k of n`` images recovered with an exact interval, and for 'no recovered image' the
     recovery rate it excludes and the images that would exclude :data:`TARGET_RATE`."""
@@ -221,8 +217,7 @@ def step_verdict(per_image: List[Dict[str, Any]], rule: LeakRule, missing: Seque
     rate = rule.interval(counts[ImageClass.RECOVERED], n)
     identified = rule.interval(sum(e["rank"] is not None and e["rank"] <= rule.identify_rank for e in judged), n)
     out = {"recovered": counts[ImageClass.RECOVERED], "exact": sum(bool(e.get("exact")) for e in judged),
-           "partially": counts[ImageClass.PARTIAL],
-           "not_recovered": counts[ImageClass.NOT_RECOVERED], "images": n,
+           "partially": counts[ImageClass.PARTIAL], "not_recovered": counts[ImageClass.NOT_RECOVERED], "images": n,
            "judged": None if found is None else found.value, "failed_attacks": list(missing),
            "recovery_rate": rate.to_dict(), "identification_rate": identified.to_dict()}
     if found is Verdict.LEAKS:
@@ -240,10 +235,10 @@ def step_verdict(per_image: List[Dict[str, Any]], rule: LeakRule, missing: Seque
     if n and counts[ImageClass.RECOVERED] == 0:
         out["excludes_rate_above"] = excluded_rate(n, rule.level)
         out["images_to_exclude"] = {"rate": TARGET_RATE, "images": images_to_exclude(TARGET_RATE, rule.level)}
-    return {"label": label.value, "reason": reason, **out}
+    return StepVerdict(label=label.value, reason=reason, **out)
 
 
-def empirical_risk(by_attack: Dict[str, List[AttackResult]], delta: float) -> Dict[str, Any]:
+def empirical_risk(by_attack: Dict[str, List[AttackResult]], delta: float) -> Risk:
     """The Bayes paper's empirical adversarial risk at radius ``delta``.
 
     For each attack, the fraction of private images it reconstructs within l2 distance
@@ -260,24 +255,24 @@ def empirical_risk(by_attack: Dict[str, List[AttackResult]], delta: float) -> Di
             per_attack[attack] = {"within": inside, "images": len(dists), "success": inside / len(dists),
                                   "psnr": _mean(e["psnr"] for e in entries)}
     if not per_attack:
-        return {"delta": delta, "strongest_attack": None, "success": None, "bayes_risk": None,
-                "per_attack": {}, "reason": "no attack finished on this step"}
+        return Risk(delta=delta, reason="no attack finished on this step")
     # ties (e.g. every attack at 0%) go to the attack with the higher mean PSNR
     strongest = max(per_attack, key=lambda a: (per_attack[a]["success"], per_attack[a]["psnr"] or -math.inf))
     success = per_attack[strongest]["success"]
-    return {"delta": delta, "strongest_attack": strongest, "success": success,
-            "bayes_risk": 1.0 - success, "per_attack": per_attack}
+    return Risk(delta=delta, strongest_attack=strongest, success=success, bayes_risk=1.0 - success,
+                per_attack=per_attack)
 
 
 def judge_step(by_attack: Dict[str, List[AttackResult]], images: int, rule: LeakRule, nulls: Nulls) -> Dict[str, Any]:
-    """Worst case and verdict of one step with ``images`` planned private batches."""
+    """Worst case and verdict of one step with ``images`` planned private batches
+    (``{"worst_case": WorstCase, "verdict": StepVerdict}``)."""
     wc = worst_case(by_attack, rule, nulls)
     missing = missing_evidence(by_attack, images)
-    for e in wc["per_image"]:  # an image without a null or evidence is missing evidence, never private
+    for e in wc.per_image:  # an image without a null or evidence is missing evidence, never private
         if e["image_class"] is None and not any(m for m in missing if e["image"] in m["images"]):
             missing.append({"attack": "leak rule", "images": [e["image"]], "why": "no null for this image",
                             "reasons": ["no null for this image"]})
-    return {"worst_case": wc, "verdict": step_verdict(wc["per_image"], rule, missing, attacks=len(by_attack))}
+    return {"worst_case": wc, "verdict": step_verdict(wc.per_image, rule, missing, attacks=len(by_attack))}
 
 
 def nulls_from_manifest(manifest: Any) -> Nulls:
@@ -300,27 +295,26 @@ def false_positive_rates(rule: LeakRule, nulls: Nulls) -> Dict[str, Any]:
 
 
 # --------------------------------------------------------------------------- the run
-def overall_verdict(steps: List[Dict[str, Any]]) -> Dict[str, Any]:
+def overall_verdict(steps: Sequence[Any]) -> Dict[str, Any]:
     """The worst step by :data:`~audit.core.records.SEVERITY` (leaks > partially > incomplete >
     inconclusive > not judged > no recovered image): a run reads "no recovered image" only when
-    every step does; steps lacking evidence are listed with their reasons."""
+    every step does; steps lacking evidence are listed with their reasons. ``steps``:
+    :class:`~audit.core.step_records.StepReport` records or their JSON objects."""
+    steps = [StepReport.from_dict(s) for s in steps]
     severity = {v.value: rank for v, rank in SEVERITY.items()}
-    not_judged = [{"step": s["step"], "reason": s["verdict"].get("reason", "")}
-                  for s in steps if s["verdict"]["label"] not in severity or s["verdict"]["label"] == NOT_JUDGED]
-    incomplete = [s["step"] for s in steps if s["verdict"]["label"] == INCOMPLETE]
-    inconclusive = [s["step"] for s in steps if s["verdict"]["label"] == INCONCLUSIVE]
+    not_judged = [{"step": s.step, "reason": s.verdict.reason}
+                  for s in steps if s.label not in severity or s.label == NOT_JUDGED]
     if not steps:
         return {"label": NOT_JUDGED, "reason": "no audited step", "worst_step": None, "worst_psnr": None,
                 "leaking_steps": [], "incomplete_steps": [], "inconclusive_steps": [], "not_judged_steps": []}
 
     def rank(s):  # an unknown label ranks with "not judged" (fail closed)
-        return (severity.get(s["verdict"]["label"], severity[NOT_JUDGED]),
-                s["worst_case"].get("above_chance_max") or -math.inf)
+        return severity.get(s.label, severity[NOT_JUDGED]), s.worst_case.above_chance_max or -math.inf
 
     worst = max(steps, key=rank)
-    label = worst["verdict"]["label"] if worst["verdict"]["label"] in severity else NOT_JUDGED
-    return {"label": label, "reason": worst["verdict"].get("reason", ""),
-            "worst_step": None if label == NOT_JUDGED else worst["step"],
-            "worst_psnr": worst["worst_case"]["psnr"], "worst_image_psnr": worst["worst_case"].get("psnr_max"),
-            "leaking_steps": [s["step"] for s in steps if s["verdict"]["label"] == RECOVERED],
-            "incomplete_steps": incomplete, "inconclusive_steps": inconclusive, "not_judged_steps": not_judged}
+    label = worst.label if worst.label in severity else NOT_JUDGED
+    return {"label": label, "reason": worst.verdict.reason, "worst_step": None if label == NOT_JUDGED else worst.step,
+            "worst_psnr": worst.worst_case.psnr, "worst_image_psnr": worst.worst_case.psnr_max,
+            "leaking_steps": [s.step for s in steps if s.label == RECOVERED],
+            "incomplete_steps": [s.step for s in steps if s.label == INCOMPLETE],
+            "inconclusive_steps": [s.step for s in steps if s.label == INCONCLUSIVE], "not_judged_steps": not_judged}
