@@ -112,8 +112,9 @@ def _records():
     from audit.core.manifest import Manifest
     from audit.core.step_records import AttackSummary, ControlSummary, Risk, StepReport, StepVerdict, WorstCase
     from audit.report.record import Report
+    from audit.report.sweep_record import Sweep, SweepCell
 
-    return [AttackSummary, WorstCase, StepVerdict, Risk, ControlSummary, StepReport, Report, Manifest]
+    return [AttackSummary, WorstCase, StepVerdict, Risk, ControlSummary, StepReport, Report, Manifest, SweepCell, Sweep]
 
 
 def _value(name: str, kind: str):
@@ -199,3 +200,23 @@ def test_an_older_report_without_the_later_sections_reads_and_renders():
     assert report.to_dict()["steps"][1]["worst_case"]["psnr_mean_of_batches"] == 13.0
     assert "| 5 | 13.50 |" in report.to_markdown() and "<html>" in report.to_html()
 
+
+def test_a_sweep_report_is_a_typed_record_the_formats_render():
+    from audit.report.sweep_record import Sweep, SweepCell
+    from audit.report.sweep_report import SweepReport, build_sweep, render_markdown
+
+    stored = json.loads((STORED / "report.json").read_text())
+    cells = [{"name": "none", "defense": "none", "params": {}, "setting": "defaults", "undefended": True,
+              "dir": "cells/none"},
+             {"name": "prune-ratio=0.5", "defense": "prune", "params": {"ratio": 0.5}, "setting": "ratio=0.5",
+              "undefended": False, "dir": "cells/prune-ratio=0.5"}]
+    sweep = build_sweep(cells, [stored, None], settings={"utility_steps": 2}, thresholds={"rule": "the rule"},
+                        step=None)
+    assert isinstance(sweep, Sweep) and all(isinstance(c, SweepCell) for c in sweep.cells)
+    done, pending = sweep.cells
+    assert (done.psnr, done.step, done.verdict, done.pareto) == (85.0, 0, "leaks", False)  # no accuracy stored
+    assert pending.status == "pending" and pending.psnr is None and sweep.progress == {"done": 0, "total": 2}
+    back = SweepReport.from_dict(json.loads(json.dumps(SweepReport(sweep).to_dict())))
+    assert back.record == sweep and back.cell("none").params == {}
+    assert render_markdown(back.record) == render_markdown(sweep.to_dict())  # the record and its JSON render alike
+    assert "| none (undefended) | defaults | 85.00 | 0 | leaks |" in back.to_markdown()

@@ -10,7 +10,7 @@ def frontier(report, cache) -> bytes:
     if "frontier" not in cache:
         from audit.report.frontier import frontier_png
 
-        cache["frontier"] = frontier_png(report.data)
+        cache["frontier"] = frontier_png(report.record)
     return cache["frontier"]
 
 
