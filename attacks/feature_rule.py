@@ -25,6 +25,7 @@ from __future__ import annotations
 from typing import Optional, Tuple
 
 from audit.core.errors import NotApplicable
+from audit.core.reasons import Reason
 from audit.core.types import Observation
 from priors import classifier_head
 
@@ -52,15 +53,15 @@ def observed_features(obs: Observation, iterations: Optional[int] = None) -> flo
     return lengthened(FEATURES_WEIGHT, FEATURES_WEIGHT_LONG, long_share(obs, iterations))
 
 
-def dummy_softmax_weight(obs: Observation) -> Tuple[float, str]:
-    """The weight where the upload is read with the dummy's softmax, and why it is 0 ('' else):
-    the batch covers more than :data:`FEATURES_MAX_CLASS_SHARE` of the classes."""
+def dummy_softmax_weight(obs: Observation) -> Tuple[float, Optional[Reason]]:
+    """The weight where the upload is read with the dummy's softmax, and why it is 0 (None
+    else): the batch covers more than :data:`FEATURES_MAX_CLASS_SHARE` of the classes."""
     _, bias = classifier_head(obs.model)
     classes = obs.gradients[bias].numel()
     if obs.batch_size > FEATURES_MAX_CLASS_SHARE * classes:
-        return 0.0, (f"a batch of {obs.batch_size} covers more than {FEATURES_MAX_CLASS_SHARE:.0%} of the {classes} "
-                     "classes, too few absent classes for a sharp reading with the dummy's softmax")
-    return FEATURES_WEIGHT_DUMMY_SOFTMAX, ""
+        return 0.0, Reason("features-classes-crowded", batch=obs.batch_size, share=FEATURES_MAX_CLASS_SHARE,
+                           classes=classes)
+    return FEATURES_WEIGHT_DUMMY_SOFTMAX, None
 
 
 class AutoFeatures(ObservedWeight):
@@ -71,13 +72,13 @@ class AutoFeatures(ObservedWeight):
 AUTO_FEATURES = AutoFeatures(observed_features, "auto (attacks.feature_rule.observed_features)")
 
 
-def observed_features_off(obs: Observation) -> str:
-    """Why the reading is off for ``obs`` ('' when it is on): the observed output layer is not
+def observed_features_off(obs: Observation) -> Optional[Reason]:
+    """Why the reading is off for ``obs`` (None when it is on): the observed output layer is not
     whole. Whole: no zero in its bias, and a zero in its weight only where the whole column is
     zero (a feature no image activates, as ReLU leaves them); a pruned or masked upload zeroes
     single entries. NotApplicable where the model has no output layer to read."""
     weight, bias = classifier_head(obs.model)
     zero = obs.gradients[weight].reshape(obs.gradients[weight].shape[0], -1) == 0
     if bool((zero.any(0) & ~zero.all(0)).any()) or bool((obs.gradients[bias] == 0).any()):
-        return "the observed output layer's gradient has zeroed entries (pruned or masked)"
-    return ""
+        return Reason("features-upload-zeroed")
+    return None

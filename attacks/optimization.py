@@ -374,9 +374,7 @@ class OptimizationRun:
                        for k, p, w in attack.priors] + self.side.priors
         share = long_share(self.obs, run)
         if share and any(isinstance(w, ObservedWeight) for _, _, w in attack.priors):
-            self.side.notes["run-length"] = (f"the weights from the observation moved {share:.0%} of the way to "
-                                             f"their {LONG}-iteration values for a run of {iterations} iterations "
-                                             "(attacks.budget_rule)")
+            self.side.notes["run-length"] = Reason("run-length", share=share, long=LONG, iterations=iterations)
         if self.side.revealed is not None and requiring(attack.priors, "bn_stats"):
             # the running statistics stand in for the batch's; the upload gives the batch's own
             replaced = requiring(attack.priors, "bn_stats")
@@ -400,7 +398,7 @@ class OptimizationRun:
              for y in given]
         self.labels = self.plans[0]
         if self.head is not None and self.labels.shape is not None:
-            self._drop_features("not used: the labels are optimised with the images (it reads one image per label)")
+            self._drop_features(Reason("side-unused", why=Reason("features-labels-optimised").to_dict()))
         self.n_side = len(sides[0].tensors())
         self.upload_read = False  # the upload's features read once (appended to each observation's targets)
         if self.head is not None:
@@ -474,17 +472,16 @@ class OptimizationRun:
         except NotApplicable as err:
             self._drop_features(Reason("side-unused", why=err.reason.to_dict()))
             return None
-        why = ""
+        why = None
         if all(w == 0 for k, _, w in self.priors if k in reading):
             why = observed_features_off(self.obs)
         elif any(isinstance(w, AutoFeatures) for k, _, w in attack.priors if k in reading):
             why = self._reads_differently(attack)
             self.features_auto = True
         if why:
-            self._drop_features(f"not used: {why}; the reading would differ between the dummy and the upload")
+            self._drop_features(Reason("side-unused", why=Reason("features-read-differs", why=why.to_dict()).to_dict()))
             return None
-        self.side.use("features", "used: each image's last-layer features, read off the output layer's gradient "
-                                  "with the dummy's softmax")
+        self.side.use("features", Reason("features-read", reading="dummy-softmax"))
         return head
 
     def _read_upload_features(self, group: Sequence[Observation]) -> None:
@@ -499,38 +496,37 @@ class OptimizationRun:
             features, _, residual = observed_reading(obs.gradients[weight].detach(), obs.gradients[bias].detach(),
                                                      labels, trainable[weight], trainable[bias])
             if not residual <= FIXED_POINT_TOLERANCE:
-                self._read_with_dummy_softmax(f"the upload's own softmax does not fit it: residual {residual:.1e} "
-                                              f"> {FIXED_POINT_TOLERANCE:g}")
+                self._read_with_dummy_softmax(Reason("softmax-misfit", residual=float(residual),
+                                                     tolerance=FIXED_POINT_TOLERANCE))
                 return
             readings.append(features)
         for targets, features in zip(self.targets, readings):
             targets.append(features)
         self.upload_read = True
-        self.side.use("features", "used: each image's last-layer features, read off the output layer's gradient; "
-                                  "the upload's once, with the softmax recovered from it (fixed point), the "
-                                  "dummy's with its own")
+        self.side.use("features", Reason("features-read", reading="fixed-point"))
 
-    def _read_with_dummy_softmax(self, why: str) -> None:
+    def _read_with_dummy_softmax(self, why: Reason) -> None:
         """The upload read with the dummy's softmax each evaluation; the rule's weight lowered to
         :func:`attacks.feature_rule.dummy_softmax_weight` (the term dropped where that is 0)."""
         if self.features_auto:
             weight, off = dummy_softmax_weight(self.obs)
             if off:
-                self._drop_features(f"not used: {why}, and {off}")
+                self._drop_features(Reason("side-unused", why=Reason("features-misread", why=why.to_dict(),
+                                                                     off=off.to_dict()).to_dict()))
                 return
             reading = requiring(self.priors, "grads")
             self.priors = [(k, p, weight if k in reading else w) for k, p, w in self.priors]
-        self.side.notes["features"] += f" ({why})"
+        self.side.notes["features"] = Reason("features-read", reading="dummy-softmax", because=why.to_dict())
 
-    def _reads_differently(self, attack: OptimizationAttack) -> str:
+    def _reads_differently(self, attack: OptimizationAttack) -> Optional[Reason]:
         """Why the observed output layer cannot be read as the dummy's is, for ``features="auto"``."""
         sim = self.simulator
         if type(sim) is not GradientSimulator or sim.transforms or sim.step_transforms:
-            return f"the attack transforms the dummy's gradient ({sim.describe()})"
+            return Reason("features-gradient-transformed", simulator=sim.describe())
         objective = attack.objective
         if not isinstance(objective, GradientDistance) or objective.masks is not None or objective.weights is not None:
-            return f"the attack's objective ({objective!r}) models noise or masks or reweights layers"
-        return ""
+            return Reason("features-objective-differs", objective=repr(objective))
+        return None
 
     def _drop_features(self, why: Union[Reason, str]) -> None:
         dropped = requiring(self.priors, "grads")

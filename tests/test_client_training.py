@@ -164,6 +164,12 @@ def test_bn_upload_zero_switches_off_the_run_length_weights():
 
     used, notes = weights()
     assert used["features"] == pytest.approx(1.0) and "run-length" in notes
+    run_length = notes["run-length"]  # a code and its numbers; the report words them
+    assert run_length.code == "run-length" and run_length.params["iterations"] == 1600
+    assert 0 < run_length.params["share"] <= 1
+    from audit.report.reasons import word
+
+    assert word(run_length).startswith(f"the weights from the observation moved {run_length.params['share']:.0%}")
     off, notes = weights(bn_upload=0)
     assert off == pytest.approx({"tv": 0.5, "features": 0.3}) and "run-length" not in notes
 

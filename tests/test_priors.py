@@ -164,10 +164,16 @@ def test_the_run_reads_the_upload_once_where_its_own_softmax_explains_it_and_say
     model = build_model("convnet", (3, 16, 16), 10, seed=0, batchnorm=False)
     x, y = torch.rand(3, 3, 16, 16), torch.tensor([1, 4, 8])
     one = ATTACKS.build("ig", features=1.0, tv=0.0).reconstruct(observe(model, x, y, seed=0), 3, 0)
-    assert "with the softmax recovered from it" in one.trace["side_information"]["features"]
+    from audit.report.reasons import word
+
+    note = one.trace["side_information"]["features"]  # codes and numbers; the report words them
+    assert note == {"code": "features-read", "params": {"reading": "fixed-point"}}
+    assert "with the softmax recovered from it" in word(note)
     steps = observe(model, x, y, seed=0, local_steps=3, local_batch_size=1, shares="update")
     several = ATTACKS.build("ig", features=1.0, tv=0.0).reconstruct(steps, 3, 0)
-    assert "does not fit it" in several.trace["side_information"]["features"]
+    misfit = several.trace["side_information"]["features"]["params"]["because"]
+    assert misfit["code"] == "softmax-misfit" and misfit["params"]["residual"] > misfit["params"]["tolerance"]
+    assert "does not fit it: residual" in word(several.trace["side_information"]["features"])
 
 
 def test_the_features_term_says_why_it_does_not_apply():
@@ -184,7 +190,7 @@ def test_the_features_term_says_why_it_does_not_apply():
     assert "features" not in rec.trace["prior_weights"]
     rec = ATTACKS.build("ig", features=1.0, tv=0.0, labels="optimize").reconstruct(
         observe(torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(48, 10)), x, y, seed=0), 3, 0)
-    assert "labels are optimised" in rec.trace["side_information"]["features"]
+    assert "not used: the labels are optimised" in word(rec.trace["side_information"]["features"])
 
 
 def test_ig_reads_the_features_only_where_the_upload_and_the_dummy_read_alike():
@@ -192,26 +198,27 @@ def test_ig_reads_the_features_only_where_the_upload_and_the_dummy_read_alike():
 
     from attacks import ATTACKS, observe
     from attacks.feature_rule import FEATURES_WEIGHT, FEATURES_WEIGHT_DUMMY_SOFTMAX
+    from audit.report.reasons import word
     from audit.core.models import build_model
 
     model = build_model("convnet", (3, 16, 16), 10, seed=0, batchnorm=False)
     x, y = torch.rand(2, 3, 16, 16), torch.tensor([3, 6])
     obs = observe(model, x, y, seed=0)
     rec = ATTACKS.build("ig").reconstruct(obs, 2, 0)
-    assert rec.trace["side_information"]["features"].startswith("used")
+    assert word(rec.trace["side_information"]["features"]).startswith("used") and "features" in rec.trace.side_information_used
     assert rec.trace["prior_weights"]["features"] == FEATURES_WEIGHT
     pruned = dataclasses.replace(obs, gradients=[g * (g.abs() > g.abs().median()) for g in obs.gradients])
     rec = ATTACKS.build("ig").reconstruct(pruned, 2, 0)
-    assert "zeroed entries" in rec.trace["side_information"]["features"] and "features" not in rec.trace["prior_weights"]
+    assert "zeroed entries" in word(rec.trace["side_information"]["features"]) and "features" not in rec.trace["prior_weights"]
     wide = torch.rand(6, 3, 16, 16), torch.arange(6)  # 6 of 10 classes present
     rec = ATTACKS.build("ig").reconstruct(observe(model, *wide, seed=0), 2, 0)  # read exactly: on, at full weight
     assert rec.trace["prior_weights"]["features"] == FEATURES_WEIGHT
     steps = dict(local_steps=3, local_batch_size=2, shares="update")  # no softmax of the model explains it
     rec = ATTACKS.build("ig").reconstruct(observe(model, *wide, seed=0, **steps), 2, 0)
-    assert "covers more than 50% of the 10 classes" in rec.trace["side_information"]["features"]
+    assert "covers more than 50% of the 10 classes" in word(rec.trace["side_information"]["features"])
     rec = ATTACKS.build("ig").reconstruct(observe(model, x, y, seed=0, **{**steps, "local_batch_size": 1}), 2, 0)
     assert rec.trace["prior_weights"]["features"] == FEATURES_WEIGHT_DUMMY_SOFTMAX < FEATURES_WEIGHT
     rec = ATTACKS.build("ig", masks="observed").reconstruct(obs, 2, 0)
-    assert "masks or reweights" in rec.trace["side_information"]["features"]
+    assert "masks or reweights" in word(rec.trace["side_information"]["features"])
     rec = ATTACKS.build("ig", masks="observed", features=0.5).reconstruct(obs, 2, 0)  # a number is the user's call
     assert rec.trace["prior_weights"]["features"] == 0.5

@@ -48,6 +48,14 @@ def _unused(params: Dict[str, Any]) -> str:
     return f"not used: {word(params.get('why'))}"
 
 
+def _features_read(params: Dict[str, Any]) -> str:
+    if params.get("reading") == "fixed-point":
+        return ("used: each image's last-layer features, read off the output layer's gradient; the upload's once, "
+                "with the softmax recovered from it (fixed point), the dummy's with its own")
+    because = f" ({word(params['because'])})" if params.get("because") else ""
+    return f"used: each image's last-layer features, read off the output layer's gradient with the dummy's softmax{because}"
+
+
 def _bn_upload_used(params: Dict[str, Any]) -> str:
     text = (f"used (weight {params.get('weight'):g}): {word(Reason('buffers-reveal', **params))}, from the "
             "uploaded buffers")
@@ -141,6 +149,18 @@ _TEMPLATES: Dict[str, Template] = {
     "features-needs-linear-head": "the features term needs a model whose last layer is a linear layer with a bias",
     "features-head-frozen": "the features term needs the output layer's gradient (its parameters are frozen)",
     "features-needs-run": "the features term needs the dummy's gradient and the output layer (set by the run)",
+    "features-labels-optimised": "the labels are optimised with the images (it reads one image per label)",
+    "features-upload-zeroed": "the observed output layer's gradient has zeroed entries (pruned or masked)",
+    "features-gradient-transformed": "the attack transforms the dummy's gradient ({simulator})",
+    "features-objective-differs": "the attack's objective ({objective}) models noise or masks or reweights layers",
+    "features-read-differs": lambda p: f"{word(p.get('why'))}; the reading would differ between the dummy and the upload",
+    "softmax-misfit": "the upload's own softmax does not fit it: residual {residual:.1e} > {tolerance:g}",
+    "features-classes-crowded": "a batch of {batch} covers more than {share:.0%} of the {classes} classes, too few "
+                                "absent classes for a sharp reading with the dummy's softmax",
+    "features-misread": lambda p: f"{word(p.get('why'))}, and {word(p.get('off'))}",
+    "features-read": _features_read,
+    "run-length": "the weights from the observation moved {share:.0%} of the way to their {long}-iteration values "
+                  "for a run of {iterations} iterations (attacks.budget_rule)",
     # the uploaded buffers
     "no-running-statistics": "the model has no BatchNorm layer with running statistics",
     "buffers-not-shared": "the client does not share its buffers (shares: gradient or update)",
