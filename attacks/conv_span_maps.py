@@ -162,9 +162,9 @@ def separate(maps: Tensor, generator: torch.Generator, trials: Optional[int] = N
     scored = []
     for _ in range(trials or 100 * count):
         rows = torch.randperm(len(basis), generator=generator)[:count - 1]
-        v = _signed(basis @ torch.linalg.svd(basis[rows])[2][-1])
+        v = _signed(basis @ _least(basis[rows]))
         # polished: the direction least on every entry it (nearly) zeroes, not on the few it was drawn on
-        v = _signed(basis @ torch.linalg.svd(basis[v.abs() <= ZERO])[2][-1])
+        v = _signed(basis @ _least(basis[v.abs() <= ZERO]))
         scored.append((int((v.abs() <= ZERO).sum()) - NEGATIVE_WEIGHT * int((v < -ZERO).sum()), v / v.norm()))
     picked: List[Tensor] = []
     for _, v in sorted(scored, key=lambda t: -t[0]):
@@ -176,6 +176,12 @@ def separate(maps: Tensor, generator: torch.Generator, trials: Optional[int] = N
         return maps
     scale = flat.norm(dim=1).mean()
     return (torch.stack(picked).clamp_min(0) * scale).to(maps).view_as(maps)
+
+
+def _least(rows: Tensor) -> Tensor:
+    """The unit coefficients least on ``rows``: their last right singular vector (the thin SVD where
+    there are more rows than coefficients: the full one of thousands of rows builds their whole basis)."""
+    return torch.linalg.svd(rows, full_matrices=len(rows) < rows.shape[1])[2][-1]
 
 
 def _signed(v: Tensor) -> Tensor:
