@@ -87,12 +87,18 @@ FIT_GAINS = tuple(k / 16 for k in range(-40, 17))
 
 
 def applicability(observation: Observation) -> Tuple[List, Optional[Reason]]:
-    """The convolutions the attack reads, or why it does not apply (None when it does)."""
-    if not observation.one_step:
-        return [], Reason("conv-span-local-steps", steps=observation.local_steps,
-                          optimizer=observation.optimizer.describe())
-    layers, why = span_layers(observation.model, observation.input_shape, observation.batch_size)
-    return layers, why
+    """The convolutions the attack reads, or why it does not apply (None when it does). An update
+    after several local steps is a sum of the steps' gradients where the optimiser is SGD
+    (momentum included) without weight decay: its row space is the union of the steps' patch
+    spans, which holds the images' patches at the shared weights where every step takes the
+    whole batch."""
+    steps, optimizer = observation.local_steps, observation.optimizer
+    if steps > 1 and (optimizer.name != "sgd" or optimizer.weight_decay):
+        return [], Reason("conv-span-nonlinear-steps", steps=steps, optimizer=optimizer.describe())
+    local = observation.local_batch_size
+    if steps > 1 and local is not None and local < observation.batch_size:
+        return [], Reason("conv-span-minibatch-steps", steps=steps, local=local, batch=observation.batch_size)
+    return span_layers(observation.model, observation.input_shape, observation.batch_size, steps)
 
 
 class _Maps:
@@ -150,7 +156,7 @@ class ConvSpan:
         names = trainable_names(observation.model)
         by_module = {n.rsplit(".", 1)[0]: g for n, g in zip(names, observation.gradients) if n.endswith("weight")}
         b, centred = observation.batch_size, observation.client_mode == "train"
-        spaces, broken = row_spaces(by_module, layers, b, centred)
+        spaces, broken = row_spaces(by_module, layers, b, centred, observation.local_steps)
         trace = {"attack": self.name, "layers": [s.layer.name for s in spaces], "gaps": [s.gap for s in spaces],
                  "layers_without_gap": [n for n, _ in broken], "centred": centred}
         if not spaces:

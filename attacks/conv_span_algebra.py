@@ -73,21 +73,24 @@ def conv_layers(model: nn.Module, input_shape: Sequence[int]) -> List[SpanLayer]
     return [found[n] for n in convs if n in found]
 
 
-def span_layers(model: nn.Module, input_shape: Sequence[int], batch: int) -> Tuple[List[SpanLayer], Optional[Reason]]:
-    """The convolutions whose weight gradient spans the patches of a batch of ``batch``, and why
-    there is none (None when some are found)."""
+def span_layers(model: nn.Module, input_shape: Sequence[int], batch: int,
+                steps: int = 1) -> Tuple[List[SpanLayer], Optional[Reason]]:
+    """The convolutions whose weight gradient (or update after ``steps`` full-batch SGD steps,
+    whose row space is the union of the steps') spans the patches of a batch of ``batch``, and
+    why there is none (None when some are found)."""
     convs = conv_layers(model, input_shape)
     if not convs:
         return [], Reason("conv-span-no-conv")
-    held = [c for c in convs if c.holds_for(batch)]
+    held = [c for c in convs if c.holds_for(batch * steps)]
     if held:
         return held, None
     best = min(convs, key=lambda c: c.positions / min(c.out_channels, c.patch))
     if best.largest_batch == 0:
         return [], Reason("conv-span-no-rank", layer=best.name, positions=best.positions,
                           channels=best.out_channels, patch=best.patch)
-    return [], Reason("conv-span-batch", batch=batch, patches=batch * best.positions, layer=best.name,
-                      spans=min(best.out_channels, best.patch) - 1, largest=best.largest_batch)
+    return [], Reason("conv-span-batch", batch=batch, steps=steps, patches=batch * steps * best.positions,
+                      layer=best.name, spans=min(best.out_channels, best.patch) - 1,
+                      largest=best.largest_batch // steps)
 
 
 @dataclass
@@ -102,23 +105,28 @@ class RowSpace:
 
 
 def row_spaces(gradients: Dict[str, Tensor], layers: Sequence[SpanLayer], batch: int,
-               centred: bool) -> Tuple[List[RowSpace], List[Tuple[str, float]]]:
+               centred: bool, steps: int = 1) -> Tuple[List[RowSpace], List[Tuple[str, float]]]:
     """The row spaces of the layers whose uploaded gradient has the expected rank (``batch *
     positions``, less one when ``centred``) with a gap below :data:`GAP`, and the others with the
-    gap they showed (a defense that perturbs a layer breaks its gap)."""
+    gap they showed (a defense that perturbs a layer breaks its gap). After ``steps`` full-batch
+    steps the rank is read off the spectrum between one step's and ``steps`` times it: the
+    largest with the gap (the steps' maps may add every direction or none: eval-mode ResNet at
+    initialisation adds them, train-mode BatchNorm renormalises them away)."""
     kept, broken = [], []
     for layer in layers:
         grad = gradients.get(layer.name)
         if grad is None:
             broken.append((layer.name, math.inf))
             continue
-        rank = batch * layer.positions - (1 if centred else 0)
+        one = batch * layer.positions - (1 if centred else 0)
         s, vh = torch.linalg.svd(grad.detach().double().reshape(grad.shape[0], -1), full_matrices=False)[1:]
-        gap = float(s[rank] / s[rank - 1]) if s[rank - 1] > 0 else math.inf
-        if gap <= GAP:
-            kept.append(RowSpace(layer, vh[:rank], centred, gap))
+        gaps = {rank: float(s[rank] / s[rank - 1]) if s[rank - 1] > 0 else math.inf
+                for rank in range(one, min(steps * one, len(s) - 1) + 1)}
+        rank = max((r for r, g in gaps.items() if g <= GAP), default=min(gaps, key=gaps.get))
+        if gaps[rank] <= GAP:
+            kept.append(RowSpace(layer, vh[:rank], centred, gaps[rank]))
         else:
-            broken.append((layer.name, gap))
+            broken.append((layer.name, gaps[rank]))
     return kept, broken
 
 
@@ -134,7 +142,9 @@ def patches(conv: nn.Conv2d, maps: Tensor) -> Tensor:
 def span_residual(space: RowSpace, conv: nn.Conv2d, maps: Tensor) -> Tensor:
     """How far ``maps``' patches are from the uploaded row space, scale-free: the squared share
     of the patches outside it, plus (for a batch) the share of the row space the patches miss,
-    so that every image of the batch must be there, not one image copied. Zero for the true maps."""
+    so that every image of the batch must be there, not one image copied. Zero for the true maps
+    (an update's row space holds every local step's patches: the share is of the dimensions one
+    step's patches can fill)."""
     basis = space.basis.to(maps.dtype)
     p = patches(conv, maps)
     if space.centred:
@@ -145,5 +155,5 @@ def span_residual(space: RowSpace, conv: nn.Conv2d, maps: Tensor) -> Tensor:
     gram = p @ p.T
     ridge = 1e-6 * gram.diagonal().mean() * torch.eye(len(p), dtype=p.dtype, device=p.device)
     coords = p @ basis.T  # (BN, r)
-    covered = (coords * torch.linalg.solve(gram + ridge, coords)).sum() / basis.shape[0]
+    covered = (coords * torch.linalg.solve(gram + ridge, coords)).sum() / min(basis.shape[0], len(p) - space.centred)
     return outside + (1 - covered)

@@ -170,6 +170,35 @@ def test_not_applicable_for_a_batch_too_large_for_the_span():
     assert "holds up to a batch of 63" in word(rec.reason)
 
 
+def test_an_update_after_local_sgd_steps_is_read_as_the_union_of_the_steps_spans():
+    # three full-batch steps: the update's row space is the union of the three steps' patch spans,
+    # which holds the image's patches at the shared weights
+    x = smooth_images(1, 0)
+    obs = observe(resnet(), x, torch.tensor([4]), None, client_mode="eval", local_steps=3, local_lr=0.1,
+                  shares="update")
+    rec = ConvSpan().reconstruct(obs, budget=80, seed=0)
+    assert rec.applicable, rec.reason
+    assert max(rec.trace["gaps"]) < 1e-3 and rec.trace["certified"], rec.trace
+    assert float(aligned_psnr(rec.inputs, x)) > 40
+
+
+@pytest.mark.parametrize("training, code", [(dict(optimizer="adam"), "conv-span-nonlinear-steps"),
+                                            (dict(optimizer="sgd:weight_decay=0.0005"), "conv-span-nonlinear-steps"),
+                                            (dict(local_batch_size=1), "conv-span-minibatch-steps")])
+def test_not_applicable_after_steps_whose_update_is_no_union_of_patch_spans(training, code):
+    obs = observe(resnet(), smooth_images(2, 0), torch.tensor([4, 5]), None, local_steps=2, local_lr=0.1,
+                  **training)
+    rec = ConvSpan().reconstruct(obs, budget=10)
+    assert not rec.applicable and rec.reason.code == code, rec.reason
+    assert "local steps" in word(rec.reason)
+
+
+def test_a_batch_too_large_for_the_span_of_every_step_is_refused():
+    obs = observe(resnet(), smooth_images(20, 0), torch.arange(20) % 10, None, local_steps=4, local_lr=0.1)
+    rec = ConvSpan().reconstruct(obs, budget=10)
+    assert not rec.applicable and rec.reason.params["largest"] == 15 and "4 local step(s)" in word(rec.reason)
+
+
 def test_the_planner_plans_it_where_the_rank_condition_holds_and_the_control_runs_it():
     from adaptive.planner.plan import plan
     from audit.engine.control import base_form

@@ -103,11 +103,15 @@ _TEMPLATES: Dict[str, Template] = {
     "conv-span-no-rank": "no convolution meets the rank condition: each has at least as many output positions as "
                          "output channels or patch entries (the closest, {layer!r}: {positions} positions, "
                          "{channels} channels, patches of {patch}); a wider or deeper model has them",
-    "conv-span-batch": "a batch of {batch} gives {patches} patches to {layer!r}, the convolution with the most room, "
-                       "which spans at most {spans}: the span holds up to a batch of {largest}",
-    "conv-span-local-steps": "the upload is an update after {steps} local step(s) of {optimizer}: the convolutions' "
-                             "inputs change at every step, so the update's row space is the union of the steps' and "
-                             "the attack reads one plain gradient",
+    "conv-span-batch": "a batch of {batch} over {steps} local step(s) gives {patches} patches to {layer!r}, the "
+                       "convolution with the most room, which spans at most {spans}: the span holds up to a batch of "
+                       "{largest} at this step count",
+    "conv-span-nonlinear-steps": "the upload is an update after {steps} local steps of {optimizer}: its per-entry "
+                                 "scaling or weight decay mixes the weights into every convolution's update, so its "
+                                 "row space is no longer the union of the steps' patch spans",
+    "conv-span-minibatch-steps": "the client took {steps} local steps on mini-batches of {local} of its {batch} images: "
+                                 "the images outside the first mini-batch enter the update only at later weights, "
+                                 "which the attacker does not have",
     "conv-span-layers-no-rank": "none of the layers {layers} meets the rank condition",
     "conv-span-no-gap": "no convolution's uploaded gradient has the rank the span needs ({checked} checked, smallest "
                         "spectral gap {gap:.2g} > {limit:g}): the upload is perturbed in every layer the attack reads",
