@@ -142,7 +142,7 @@ def test_planner_plans_spear_on_clean_and_gaussian_uploads_not_on_pruned_ones():
     assert "spear" in plan(NoDefense(), _mlp(), SHAPE, 6).names()
 
 
-def test_leak_rule_labels_exact_only_recovered_images_with_a_certificate():
+def test_leak_rule_labels_exact_only_recovered_images_with_a_certificate_or_at_its_psnr():
     from audit.core.records import ImageClass
     from audit.report.rule import LeakRule
 
@@ -154,6 +154,13 @@ def test_leak_rule_labels_exact_only_recovered_images_with_a_certificate():
     assert not LeakRule(exact_error=1e-9).exact(ImageClass.RECOVERED, 1e-7)
     with pytest.raises(ConfigError, match="exact_error"):
         LeakRule(exact_error=0)
+    # the auditor's measure: a recovered image at 40 dB aligned is exact whatever its certificate
+    assert rule.exact(ImageClass.RECOVERED, 0.05, 40.0) and rule.exact(ImageClass.RECOVERED, None, 85.1)
+    assert not rule.exact(ImageClass.RECOVERED, 0.05, 39.9)
+    assert not rule.exact(ImageClass.PARTIAL, None, 90.0)  # not recovered: never exact
+    assert not LeakRule(exact_db=90).exact(ImageClass.RECOVERED, None, 85.1)
+    with pytest.raises(ConfigError, match="exact_db"):
+        LeakRule(exact_db=0)
 
 
 def test_spear_ig_adds_the_exact_features_term_paired_with_spears_labels():

@@ -192,7 +192,7 @@ def worst_case(by_attack: Dict[str, List[AttackResult]], rule: LeakRule, nulls: 
         if judged:
             _, _, attack, cls, ev, level, e = max(judged, key=lambda t: t[:2])
             entry.update(best_attack=attack, image_class=cls.value, aligned_psnr=ev.aligned_psnr, rank=ev.rank,
-                         candidates=ev.candidates, chance_level=level, exact=rule.exact(cls, e["certificate_error"]))
+                         candidates=ev.candidates, chance_level=level, exact=rule.exact(cls, e["certificate_error"], ev.aligned_psnr))
         else:
             entry.update(best_attack=None, image_class=None, aligned_psnr=None, rank=None, candidates=None)
         per_image.append(entry)

@@ -32,6 +32,10 @@ class LeakRule:
     #: an image recovered by an attack whose reconstruction reproduces the upload within this
     #: relative error (the attack's certificate, e.g. SPEAR's) is labelled "exact"
     exact_error: float = 1e-3
+    #: so is one at this aligned PSNR or above against its private image: the auditor's own measure,
+    #: for attacks whose certificate is loose where the image is not (conv-span under train-mode
+    #: BatchNorm reproduces the upload to ~1e-2 from images exact to 85-107 dB)
+    exact_db: float = 40.0
 
     def __post_init__(self):
         if not self.margin_db >= 0:
@@ -41,6 +45,8 @@ class LeakRule:
                               f"{self.identify_rank} and {self.partial_rank}")
         if not 0 < self.exact_error < 1:
             raise ConfigError(f"thresholds: exact_error must be in (0, 1), got {self.exact_error}")
+        if not self.exact_db > 0:
+            raise ConfigError(f"thresholds: exact_db must be > 0 dB, got {self.exact_db}")
         if not 0.5 <= self.level < 1:
             raise ConfigError(f"thresholds: level must be in [0.5, 1), got {self.level}")
 
@@ -54,11 +60,15 @@ class LeakRule:
             return ImageClass.PARTIAL
         return ImageClass.NOT_RECOVERED
 
-    def exact(self, image_class: Optional[ImageClass], certificate_error: Optional[float]) -> bool:
+    def exact(self, image_class: Optional[ImageClass], certificate_error: Optional[float],
+              aligned_psnr: Optional[float] = None) -> bool:
         """A recovered image whose attack's reconstruction reproduces the upload within
-        ``exact_error`` (a missing certificate is never exact)."""
-        return (image_class is ImageClass.RECOVERED and certificate_error is not None
-                and 0 <= certificate_error <= self.exact_error)
+        ``exact_error``, or that matches its private image to ``exact_db`` (aligned); missing
+        evidence is never exact."""
+        if image_class is not ImageClass.RECOVERED:
+            return False
+        certified = certificate_error is not None and 0 <= certificate_error <= self.exact_error
+        return certified or (aligned_psnr is not None and aligned_psnr >= self.exact_db)
 
     def describe(self) -> str:
         return (
@@ -68,7 +78,8 @@ class LeakRule:
             f"identifies its private image (rank <= {self.identify_rank} among the K candidates: the private image "
             f"and K-1 unrelated ones); as partially recovered if it reaches the chance level and ranks <= "
             f"{self.partial_rank}; as not recovered otherwise. A recovered image is 'exact' where its attack's "
-            f"reconstruction reproduces the upload within a relative error of {self.exact_error:g}. A step 'leaks' if any image is recovered; is "
+            f"reconstruction reproduces the upload within a relative error of {self.exact_error:g} or its aligned PSNR "
+            f"reaches {self.exact_db:g} dB. A step 'leaks' if any image is recovered; is "
             "'incomplete' (naming the attacks) if any planned attack raised, failed to optimise, has no evidence or "
             "has not run; is 'partially' if any image is partially recovered, and has 'no recovered image' "
             "otherwise; a step where no attack applies is 'not judged'. The overall verdict is the worst judged step."
