@@ -30,4 +30,5 @@ from attacks import generative  # noqa: E402,F401  (GGL, GIAS, GIFD and the "gen
 from attacks import portfolio  # noqa: E402,F401  (the portfolio attack)
 from attacks import spear, spear_features  # noqa: E402,F401  (SPEAR; ig with its exact features)
 from attacks import conv_span  # noqa: E402,F401  (the batch from the convolutions' row spaces)
+from attacks import conv_span_ig  # noqa: E402,F401  (ig started from the conv-span batch)
 # the adaptive attacks (adaptive/) register themselves in ATTACKS when `adaptive` is imported

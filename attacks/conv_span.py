@@ -279,7 +279,9 @@ class ConvSpan:
             # share, the sparsest directions of what it found part them (:func:`separate`), and it ends from those
             joint = len(deep) > 1 and positive
             share = int(round(SEPARATE_AFTER * mapped)) if joint else mapped
-            history = _Descent([deep], lambda: residual(deep.abs() if positive else deep), report).run(share)
+            def loss() -> Tensor:  # the map as it stands (``deep`` is rebound once parted)
+                return residual(deep.abs() if positive else deep)
+            history = _Descent([deep], loss, report).run(share)
             if joint:
                 # the later convs' spans see each map through the block's nonlinearity, so a mixture of
                 # the true maps misses them: parted maps that end above the joint ones' residual mixed
@@ -287,7 +289,7 @@ class ConvSpan:
                 # the joint maps' 9e-5 at cosines >= 0.9997), and the joint maps are kept
                 kept, reached = deep.detach().clone(), history[-1]
                 deep = separate(deep.detach().abs(), generator).requires_grad_(True)
-                parted = _Descent([deep], lambda: residual(deep.abs()), report).run(mapped - share)
+                parted = _Descent([deep], loss, report).run(mapped - share)
                 trace["separated"] = bool(parted) and parted[-1] <= reached
                 if not trace["separated"]:
                     deep = kept.requires_grad_(True)
@@ -411,6 +413,16 @@ class ConvSpan:
             if better < error:
                 error, theta = better, descended
         return images(theta).detach(), labels, error, fitted
+
+
+def upload_error(observation: Observation, images: Tensor, labels: Tensor) -> float:
+    """The relative error with which ``images`` labelled ``labels`` reproduce the observed upload
+    (the certificate's measure, before any fit): what the attacker can compare candidates by."""
+    sim = GradientSimulator()
+    observed = [g.detach() for g in observation.gradients]
+    ref = math.sqrt(sum(float(g.double().pow(2).sum()) for g in observed)) or 1.0
+    return float(_upload_mismatch(sim, sim.prepare(observation), images.to(observed[0]), labels.to(images.device),
+                                  SimContext(observation, capture_features=False), observed, ref).norm())
 
 
 def _upload_mismatch(sim: GradientSimulator, replica: ClientReplica, images: Tensor, labels: Tensor,
