@@ -14,7 +14,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from attacks.optimization import OptimizationAttack, Progress
+from attacks.optimization import OptimizationAttack, Progress, not_grouped
 from attacks.presets import ATTACKS, KNOBS, compose
 from audit.core.errors import ConfigError
 from audit.core.reasons import Reason
@@ -88,7 +88,7 @@ class AdaptedAttack:
         if type(self).reconstruct is not AdaptedAttack.reconstruct:
             out = [self.reconstruct(o, budget, s, progress) for o, s in zip(observations, seeds)]
             for rec in out:
-                rec.trace["grouped"] = "no: the attack reconstructs in its own way"
+                rec.trace["grouped"] = not_grouped(Reason("own-reconstruct"))
             return out
         return self.adapted_many(observations, [self.adapt(o) for o in observations], budget, seeds, progress,
                                  max_members)
@@ -98,13 +98,13 @@ class AdaptedAttack:
                      max_members: int) -> List[Reconstruction]:
         """:meth:`adapted_one` for each observation, as one batched run where the adaptations agree."""
         signatures = {_signature(a) for a in adaptations}
-        why = ("it does not apply to some observations" if any(a.skip for a in adaptations)
-               else "the adaptation holds tensors of each observation" if None in signatures or len(signatures) > 1
-               else "")
+        why = (Reason("adaptation-skips") if any(a.skip for a in adaptations)
+               else Reason("adaptation-per-observation") if None in signatures or len(signatures) > 1
+               else None)
         if why:
             out = [self.adapted_one(o, a, budget, s, progress) for o, a, s in zip(observations, adaptations, seeds)]
             for rec in out:
-                rec.trace["grouped"] = f"no: {why}"
+                rec.trace["grouped"] = not_grouped(why)
             return out
         attack = self.compose(observations[0], adaptations[0])
         out = attack.reconstruct_many(observations, budget, seeds, progress, max_members=max_members)

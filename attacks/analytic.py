@@ -105,10 +105,9 @@ class AnalyticInversion:
             return Reconstruction.not_applicable(Reason("analytic-zero-bias-gradient", layer=name))
         x = layer_input_to_images(z.unsqueeze(0), layers, index, observation.input_shape)
         labels = infer_labels(observation, seed=seed)
-        note = "" if observation.defense is None else \
-            f"; gradients were defended by {observation.defense.name!r}: exact only if the first layer is untouched"
         return Reconstruction(x.clamp(0, 1), labels.labels, {
             "attack": self.name, "layer": name, "row": row, "bias_gradient": strength,
             "raw_range": [float(x.min()), float(x.max())], "labels": labels.info(),
-            "note": "x = dW[row] / db[row], row = argmax |db|" + note,
+            "note": Reason("analytic-read", defense=None if observation.defense is None
+                           else observation.defense.name).to_dict(),
         })

@@ -36,7 +36,7 @@ class LabelInference:
 
     labels: Tensor
     method: str
-    note: str
+    note: Any  # a Reason's JSON object (the report words it)
     counts: Optional[list] = None
 
     def info(self) -> Dict[str, Any]:
@@ -68,7 +68,7 @@ def idlg(observation: Observation, seed: int = 0) -> LabelInference:
     score, source = (db, "bias") if db is not None else (dw.sum(dim=1), "weight-row sums")
     label = int(torch.argmin(score))
     negative = int((score < 0).sum())
-    note = f"argmin of the last-layer {source} gradient ({negative} negative entr{'y' if negative == 1 else 'ies'})"
+    note = Reason("labels-idlg", source=source, negative=negative).to_dict()
     return LabelInference(torch.tensor([label], device=dw.device), "idlg", note)
 
 
@@ -113,8 +113,7 @@ def counts(observation: Observation, seed: int = 0) -> LabelInference:
     present = signal < 0
     n = allocate_counts(estimate, present, b)
     labels = torch.repeat_interleave(torch.arange(len(n), device=dw.device), n)
-    note = (f"class counts n_c = B (mean p_c - g_c) from the {how}; mean p from 32 random probe images; "
-            f"{int(present.sum())} classes with negative entries")
+    note = Reason("labels-counts", source=how, negative=int(present.sum())).to_dict()
     return LabelInference(labels, "counts", note, counts=n.tolist())
 
 
@@ -161,7 +160,7 @@ def plan_labels(strategy: str, observation: Observation, seed: int = 0) -> Label
         raise NotApplicable(Reason("labels-not-shared"))
     if strategy == "optimize" and not observation.labels_shared:
         return LabelPlan(None, (observation.batch_size, observation.num_classes),
-                         {"method": "optimize", "note": "soft labels optimised jointly with the images (DLG)"})
+                         {"method": "optimize", "note": Reason("labels-optimize").to_dict()})
     method = "auto" if strategy in ("infer", "shared", "optimize") else strategy
     inference = infer_labels(observation, method, seed)
     return LabelPlan(inference.labels, None, inference.info())

@@ -78,8 +78,8 @@ def seeded_rng(device: torch.device, seed: int):
         yield
 
 
-def ungroupable(observations: Sequence[Observation]) -> str:
-    """Why these observations cannot share one batched run ('' when they can): they must
+def ungroupable(observations: Sequence[Observation]) -> Optional[Reason]:
+    """Why these observations cannot share one batched run (None when they can): they must
     come from the same model (same parameters and buffers) with the same metadata."""
     first = observations[0]
     same = ("input_shape", "num_classes", "batch_size", "local_steps", "local_lr", "local_batch_size",
@@ -87,12 +87,17 @@ def ungroupable(observations: Sequence[Observation]) -> str:
     for o in observations[1:]:
         for name in same:
             if getattr(o, name) != getattr(first, name):
-                return f"observations differ in {name}"
+                return Reason("observations-differ", field=name)
         if o.model is not first.model:
             a, b = first.model.state_dict(), o.model.state_dict()
             if a.keys() != b.keys() or any(not torch.equal(a[k], b[k]) for k in a):
-                return "observations come from different models (parameters or buffers differ)"
-    return ""
+                return Reason("observations-different-models")
+    return None
+
+
+def not_grouped(why: Reason) -> Dict[str, Any]:
+    """A trace's ``grouped`` entry for a run made alone, with why (a code the report words)."""
+    return Reason("not-grouped", why=why.to_dict()).to_dict()
 
 
 def _build_prior(spec) -> Prior:
@@ -283,13 +288,13 @@ class OptimizationAttack:
             for rec in out:
                 rec.trace["restarts_afforded"] = cut
             return out
-        why = ungroupable(observations) if len(observations) > 1 else "a single observation"
+        why = ungroupable(observations) if len(observations) > 1 else Reason("single-observation")
         per_chunk = max(1, int(max_members) // self.restarts)
         if why or per_chunk == 1:
-            reason = why or f"max_members={max_members} fits one observation of {self.restarts} restarts"
+            reason = why or Reason("group-too-small", max_members=int(max_members), restarts=self.restarts)
             out = [self.reconstruct(o, budget, s, progress) for o, s in zip(observations, seeds)]
             for rec in out:
-                rec.trace["grouped"] = f"no: {reason}"
+                rec.trace["grouped"] = not_grouped(reason)
             return out
         if budget is not None and (isinstance(budget, bool) or int(budget) < 0):
             raise ConfigError(f"budget must be >= 0 gradient evaluations, got {budget}")
@@ -394,7 +399,7 @@ class OptimizationRun:
             raise NotApplicable(Reason("prior-needs-running-statistics", prior=bn_priors[0]))
         given = labels if isinstance(labels, (list, tuple)) else None if labels is None else [labels]
         self.plans = [plan_labels(attack.label_strategy, o, s) for o, s in zip(group, seeds)] if given is None else \
-            [LabelPlan(y.to(self.device).long(), None, {"method": "given", "note": "labels given to evaluate()"})
+            [LabelPlan(y.to(self.device).long(), None, {"method": "given", "note": Reason("labels-given").to_dict()})
              for y in given]
         self.labels = self.plans[0]
         if self.head is not None and self.labels.shape is not None:
@@ -853,25 +858,20 @@ class OptimizationRun:
                 for e in events if any(original(e, r) // restarts == n for r in e["restarts"])]
             if progressed is not None and not bool(progressed[member]):
                 if self.group[n].silent:
-                    trace["silent_upload"] = ("the upload is zero in float32: nothing to match, so the loss cannot "
-                                              "fall; the reconstruction is the attack's start and priors alone, "
-                                              "scored as such (the upload reveals nothing more)")
+                    trace["silent_upload"] = Reason("silent-upload").to_dict()
                 else:
                     trace["failed_to_optimise"] = True
-                    trace["failure"] = ("attack failed to optimise: the loss of the chosen restart never went "
-                                        f"below its first value in {len(history)} iterations "
-                                        f"({len(trace['optimizer_events'])} recoveries tried)")
-                    if flat is not None and bool(flat[member]):
+                    flat_loss = flat is not None and bool(flat[member])
+                    if flat_loss:
                         trace["flat_loss"] = True
-                        trace["failure"] += ("; its loss is flat in the image (no step moved it: a zero or vanishing gradient): no unit "
-                                             "the image reaches is alive, or the softmax saturates, so the model "
-                                             "gives the attack nothing to follow from this start")
+                    trace["failure"] = Reason("stalled", iterations=len(history),
+                                              recoveries=len(trace["optimizer_events"]), flat=flat_loss).to_dict()
             if not history:  # budget 0: the initialisation itself, nothing was optimised
                 trace["failed_to_optimise"] = True
-                trace["failure"] = "attack failed to optimise: no iteration ran (budget 0)"
+                trace["failure"] = Reason("no-iteration").to_dict()
             if self.n > 1 and (self.batched or self.stacked):
-                trace["grouped"] = f"one batched run over {self.n} observations of the same model ({seconds:.2f} s)"
+                trace["grouped"] = Reason("grouped", members=self.n, seconds=round(seconds, 2)).to_dict()
             elif self.n > 1:
-                trace["grouped"] = f"no: one member after another, {self.execution}"
+                trace["grouped"] = not_grouped(Reason("one-after-another", execution=self.execution))
             out.append(Reconstruction(images, labels, trace))
         return out

@@ -27,7 +27,7 @@ from audit.core.reasons import Reason
 from audit.core.types import Observation, Reconstruction
 
 from attacks.budget_rule import reveals_batch_statistics
-from attacks.optimization import OptimizationAttack, ungroupable
+from attacks.optimization import OptimizationAttack, not_grouped, ungroupable
 from attacks.presets import ATTACKS, defaults_fingerprint
 from attacks.tv_rule import RULE, batchnorm_layers
 
@@ -140,12 +140,12 @@ class PortfolioAttack:
         seeds = list(seeds) if seeds is not None else [0] * len(observations)
         if len(seeds) != len(observations):
             raise ConfigError(f"portfolio: {len(seeds)} seeds for {len(observations)} observations")
-        why = ungroupable(observations) if len(observations) > 1 else ""
+        why = ungroupable(observations) if len(observations) > 1 else None
         if why:
             out = [self.reconstruct_many([o], budget, [s], progress, max_members)[0]
                    for o, s in zip(observations, seeds)]
             for rec in out:
-                rec.trace["grouped"] = f"no: {why}"
+                rec.trace["grouped"] = not_grouped(why)
             return out
         budget = DEFAULT_BUDGET if budget is None else int(budget)
         if budget < 0:
@@ -237,14 +237,13 @@ class PortfolioAttack:
         })
         trace.pop("grouped", None)
         if group > 1:
-            trace["grouped"] = (f"one batched run over {group} observations per strategy, and per continued "
-                                "strategy over the observations that chose it")
+            trace["grouped"] = Reason("grouped-portfolio", members=group).to_dict()
         failed = all(c["failed_to_optimise"] for c in candidates)
         trace.pop("failed_to_optimise", None)
         trace.pop("failure", None)
         if failed:
             trace["failed_to_optimise"] = True
-            trace["failure"] = "attack failed to optimise: no portfolio strategy decreased its loss"
+            trace["failure"] = Reason("portfolio-stalled").to_dict()
         return Reconstruction(best.inputs, best.labels, trace)
 
 

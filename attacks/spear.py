@@ -265,21 +265,18 @@ class Spear:
             return Reconstruction(None, None, trace, applicable=False,
                                   reason=Reason("spear-too-few-directions", batch=b, layer=target.name))
         if best is None:
-            trace.update(failed_to_optimise=True, failure=(
-                f"spear kept {len(found)} directions in {drawn} samples, fewer than {b} independent ones: raise samples= "
-                "(the cost grows about 2^batch)"), certified=False)
+            trace.update(failed_to_optimise=True, failure=Reason("spear-too-few-samples", kept=len(found),
+                                                                 samples=drawn, batch=b).to_dict(), certified=False)
             return Reconstruction(torch.full((b, *observation.input_shape), 0.5, device=dw.device),
                                   infer_labels(observation, seed=seed).labels, trace)
         error, z, labels, label_source = best
         certified = error <= self.tolerance
         trace.update(certificate_error=error, certified=certified, labels_from=label_source, activity_match=best_match,
                      from_input_zeros=from_input,
-                     note=("the recovered batch reproduces the upload to a relative error of "
-                           f"{error:.2e} (tolerance {self.tolerance:g})"))
+                     note=Reason("spear-certificate", error=error, tolerance=self.tolerance).to_dict())
         if not certified:  # still a reconstruction, scored like any attack's; only "exact" needs the certificate
-            trace.update(uncertified=(
-                f"no selection of directions reproduced the upload within {self.tolerance:g} in {drawn} samples "
-                f"(best {error:.2e}): the upload is noisy or more samples are needed"))
+            trace.update(uncertified=Reason("spear-uncertified", tolerance=self.tolerance, samples=drawn,
+                                            error=error).to_dict())
         if target.is_image:
             images = layer_input_to_images(z, layers, target.index, observation.input_shape)
             trace["raw_range"] = [float(images.min()), float(images.max())]

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
-from attacks.optimization import OptimizationAttack, Progress, ungroupable
+from attacks.optimization import OptimizationAttack, Progress, not_grouped, ungroupable
 from attacks.objectives import OBJECTIVES, L2Distance, Objective, ScaledDistance, StackedMean, build_objective
 from attacks.optimizers import OPTIMIZERS
 from attacks.presets import ATTACKS
@@ -192,12 +192,12 @@ class BayesOptimalAttack:
         """:meth:`reconstruct` for observations of one model as one grouped run (the likelihood
         and prior weight are the defense's, the same for each; see :meth:`prior_scale`)."""
         observations = list(observations)
-        why = ungroupable(observations) if len(observations) > 1 else ""
+        why = ungroupable(observations) if len(observations) > 1 else None
         if why:
             out = [self.reconstruct(o, budget, s, progress)
                    for o, s in zip(observations, seeds or [0] * len(observations))]
             for rec in out:
-                rec.trace["grouped"] = f"no: {why}"
+                rec.trace["grouped"] = not_grouped(why)
             return out
         attack, chosen = self.compose(observations[0])
         out = attack.reconstruct_many(observations, budget, seeds, progress, max_members=max_members)

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from audit.core.errors import ConfigError
+from audit.core.reasons import Reason
 
 from attacks.generative.common import GenerativeAttack, GenerativeSetup, adam_search, generate, search_latents
 
@@ -101,7 +102,7 @@ class GIFD(GenerativeAttack):
                  "final_losses": best_loss.tolist(), "steps_per_stage": steps,
                  "searched_layers": [0] + layers}
         if gen.num_layers <= 1:
-            trace["note"] = "the generator exposes no blocks: latent search only"
+            trace["note"] = Reason("gifd-no-blocks").to_dict()
         return best_images[chosen], trace
 
     def _search_features(self, setup: GenerativeSetup, h0: Tensor, layer: int, steps: int):

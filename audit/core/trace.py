@@ -28,8 +28,8 @@ class Trace(MutableMapping):
     """What one reconstruction did.
 
     ``attack``: the attack's name; ``gradient_evaluations``: what it spent, in the budget's
-    unit; ``time_s``: its seconds; ``failed_to_optimise`` with ``failure`` (why): the run never
-    decreased its loss; ``status``: a status word the attack sets (``"failed_to_optimise"``);
+    unit; ``time_s``: its seconds; ``failed_to_optimise`` with ``failure`` (why, a reason's
+    JSON object the report words): the run never decreased its loss; ``status``: a status word the attack sets (``"failed_to_optimise"``);
     ``certificate_error``: for exact attacks, how far the reconstruction is from reproducing the
     upload; ``side_information_used``: codes of :data:`SIDE_INFORMATION` the run matched;
     ``side_information``: the attack's notes on each item; ``extra``: everything else.
@@ -39,7 +39,7 @@ class Trace(MutableMapping):
     gradient_evaluations: Optional[int] = None
     time_s: Optional[float] = None
     failed_to_optimise: bool = False
-    failure: str = ""
+    failure: Any = ""
     status: str = ""
     certificate_error: Optional[float] = None
     side_information_used: Tuple[str, ...] = ()

@@ -101,7 +101,7 @@ def score_against_trained(rec, trained: Optional[torch.Tensor], labels: torch.Te
 
 def trace_summary(trace: Any) -> Trace:
     """The small, JSON-able part of an attack's trace: its typed fields whole, its ``extra``
-    summarised (number lists as first, last and length; small dicts of scalars kept)."""
+    summarised (number lists as first, last and length; small dicts of scalars and reasons kept)."""
     trace = Trace.from_dict(trace)
     out: Dict[str, Any] = {}
     for key, value in trace.extra.items():
@@ -109,6 +109,8 @@ def trace_summary(trace: Any) -> Trace:
             out[key] = value
         elif isinstance(value, (list, tuple)) and value and all(isinstance(v, (int, float)) for v in value):
             out[f"{key}_first"], out[f"{key}_last"], out[f"{key}_len"] = value[0], value[-1], len(value)
+        elif isinstance(value, dict) and "code" in value and set(value) <= {"code", "params"}:
+            out[key] = value  # a reason's JSON object, whole: the report words it from its code and numbers
         elif isinstance(value, dict) and len(value) <= 12:
             out[key] = {k: v for k, v in value.items() if isinstance(v, (int, float, str, bool)) or v is None}
     return replace(trace, side_information=dict(trace.side_information), extra=out)

@@ -139,5 +139,5 @@ def _summary(attack: str, rec, scores: Dict[str, Any], folder: Path) -> str:
             parts.append(f"{name} {value.value:.3g}{unit}")
         elif value is not None:
             parts.append(f"{name} unavailable ({value.unavailable})")
-    failed = f" -- {rec.trace.failure}" if rec.trace.stalled else ""
+    failed = f" -- {word(rec.trace.failure)}" if rec.trace.stalled else ""
     return f"{attack}: " + ", ".join(parts) + failed + f"; wrote {folder}/comparison.png and metrics.json"

@@ -183,6 +183,48 @@ _TEMPLATES: Dict[str, Template] = {
     "bn-upload-unused": _unused,
     "side-unused": _unused,
     "first-observation-failed": "the defense failed on the first observation: {error}",
+    # how an attack ran a group of observations (a trace's "grouped")
+    "grouped": "one batched run over {members} observations of the same model ({seconds:.2f} s)",
+    "grouped-portfolio": "one batched run over {members} observations per strategy, and per continued strategy "
+                         "over the observations that chose it",
+    "not-grouped": lambda p: f"no: {word(p.get('why'))}",
+    "single-observation": "a single observation",
+    "observations-differ": "observations differ in {field}",
+    "observations-different-models": "observations come from different models (parameters or buffers differ)",
+    "group-too-small": "max_members={max_members} fits one observation of {restarts} restarts",
+    "one-after-another": "one member after another, {execution}",
+    "own-reconstruct": "the attack reconstructs in its own way",
+    "no-grouped-path": "{attack} has no grouped path (reconstruct_many)",
+    "grouped-run-failed": "the grouped run failed ({error}); one at a time",
+    "adaptation-skips": "it does not apply to some observations",
+    "adaptation-per-observation": "the adaptation holds tensors of each observation",
+    # why a run failed to optimise (a trace's "failure")
+    "stalled": lambda p: (f"attack failed to optimise: the loss of the chosen restart never went below its first "
+                          f"value in {p.get('iterations')} iterations ({p.get('recoveries')} recoveries tried)"
+                          + ("; its loss is flat in the image (no step moved it: a zero or vanishing gradient): no "
+                             "unit the image reaches is alive, or the softmax saturates, so the model gives the "
+                             "attack nothing to follow from this start" if p.get("flat") else "")),
+    "no-iteration": "attack failed to optimise: no iteration ran (budget 0)",
+    "portfolio-stalled": "attack failed to optimise: no portfolio strategy decreased its loss",
+    "spear-too-few-samples": "spear kept {kept} directions in {samples} samples, fewer than {batch} independent ones: "
+                             "raise samples= (the cost grows about 2^batch)",
+    "silent-upload": "the upload is zero in float32: nothing to match, so the loss cannot fall; the reconstruction "
+                     "is the attack's start and priors alone, scored as such (the upload reveals nothing more)",
+    # an attack's notes on what it read
+    "analytic-read": lambda p: ("x = dW[row] / db[row], row = argmax |db|" + (
+        f"; gradients were defended by {p['defense']!r}: exact only if the first layer is untouched"
+        if p.get("defense") else "")),
+    "spear-certificate": "the recovered batch reproduces the upload to a relative error of {error:.2e} "
+                         "(tolerance {tolerance:g})",
+    "spear-uncertified": "no selection of directions reproduced the upload within {tolerance:g} in {samples} samples "
+                         "(best {error:.2e}): the upload is noisy or more samples are needed",
+    "gifd-no-blocks": "the generator exposes no blocks: latent search only",
+    "labels-idlg": lambda p: (f"argmin of the last-layer {p.get('source')} gradient ({p.get('negative')} negative "
+                              f"entr{'y' if p.get('negative') == 1 else 'ies'})"),
+    "labels-counts": "class counts n_c = B (mean p_c - g_c) from the {source}; mean p from 32 random probe images; "
+                     "{negative} classes with negative entries",
+    "labels-optimize": "soft labels optimised jointly with the images (DLG)",
+    "labels-given": "labels given to evaluate()",
 }
 for _code, _template in _TEMPLATES.items():
     REASONS.add(_code, _template, _code)
