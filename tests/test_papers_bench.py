@@ -303,7 +303,9 @@ def test_each_row_is_labelled_by_how_far_it_is_from_the_paper():
         lab = pcells.label(row, run)
         assert lab == pspec.AT_PAPER or lab.startswith("scaled: "), row.id
         if row.model == "resnet18":
-            assert "width=8" in lab, row.id  # the CPU runs ResNet-18 at width 8 and says so
+            # the CPU runs ResNet-18 narrower (width 8; 32 where conv-span decides the row) and says so
+            assert f"width={row.scales['cpu'].model_args['width']}" in lab, row.id
+    assert prows.BY_ID["censor-none"].scales["cpu"].model_args == {"width": 32}
     for row in (r for r in prows.ROWS if r.id.startswith("bayes-") and r.claim == "order"):
         run = pcells.run_setting(row, cpu)
         assert pcells.label(row, run) == pspec.AT_PAPER and run["budget"] == 200 and run["images"] == 100
