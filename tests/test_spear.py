@@ -161,6 +161,11 @@ def test_leak_rule_labels_exact_only_recovered_images_with_a_certificate_or_at_i
     assert not LeakRule(exact_db=90).exact(ImageClass.RECOVERED, None, 85.1)
     with pytest.raises(ConfigError, match="exact_db"):
         LeakRule(exact_db=0)
+    # a rule stored before the PSNR threshold keeps labelling by the certificate alone; today's round-trips
+    old = LeakRule.stored({"margin_db": 1.0})
+    assert old.exact_db is None and not old.exact(ImageClass.RECOVERED, None, 90.0) and "PSNR reaches" not in old.describe()
+    assert LeakRule.stored(rule.to_dict()) == rule and LeakRule.from_dict(rule.to_dict()) == rule
+    assert LeakRule.from_dict({"margin_db": 2}).exact_db == 40.0  # a user's thresholds get the default
 
 
 def test_spear_ig_adds_the_exact_features_term_paired_with_spears_labels():

@@ -85,7 +85,7 @@ def build_report(manifest: Any, records: Sequence[Any],
     ``manifest``: a :class:`~audit.core.manifest.Manifest` (or its JSON object). The codes the
     run stored (reasons, the plan's side information) are worded here."""
     manifest = Manifest.from_dict(manifest)
-    thresholds = rule or LeakRule.from_dict(manifest.thresholds)
+    thresholds = rule or LeakRule.stored(manifest.thresholds)
     records = [AttackResult.from_dict(r) for r in records]
     controls = None if control_records is None else [AttackResult.from_dict(r) for r in control_records]
     nulls = nulls_from_manifest(manifest)

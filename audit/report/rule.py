@@ -34,8 +34,9 @@ class LeakRule:
     exact_error: float = 1e-3
     #: so is one at this aligned PSNR or above against its private image: the auditor's own measure,
     #: for attacks whose certificate is loose where the image is not (conv-span under train-mode
-    #: BatchNorm reproduces the upload to ~1e-2 from images exact to 85-107 dB)
-    exact_db: float = 40.0
+    #: BatchNorm reproduces the upload to ~1e-2 from images exact to 85-107 dB); None: the certificate
+    #: alone (a rule stored before this threshold reads so, and its report renders as written)
+    exact_db: Optional[float] = 40.0
 
     def __post_init__(self):
         if not self.margin_db >= 0:
@@ -45,7 +46,7 @@ class LeakRule:
                               f"{self.identify_rank} and {self.partial_rank}")
         if not 0 < self.exact_error < 1:
             raise ConfigError(f"thresholds: exact_error must be in (0, 1), got {self.exact_error}")
-        if not self.exact_db > 0:
+        if self.exact_db is not None and not self.exact_db > 0:
             raise ConfigError(f"thresholds: exact_db must be > 0 dB, got {self.exact_db}")
         if not 0.5 <= self.level < 1:
             raise ConfigError(f"thresholds: level must be in [0.5, 1), got {self.level}")
@@ -68,7 +69,8 @@ class LeakRule:
         if image_class is not ImageClass.RECOVERED:
             return False
         certified = certificate_error is not None and 0 <= certificate_error <= self.exact_error
-        return certified or (aligned_psnr is not None and aligned_psnr >= self.exact_db)
+        return certified or (self.exact_db is not None and aligned_psnr is not None
+                             and aligned_psnr >= self.exact_db)
 
     def describe(self) -> str:
         return (
@@ -78,8 +80,8 @@ class LeakRule:
             f"identifies its private image (rank <= {self.identify_rank} among the K candidates: the private image "
             f"and K-1 unrelated ones); as partially recovered if it reaches the chance level and ranks <= "
             f"{self.partial_rank}; as not recovered otherwise. A recovered image is 'exact' where its attack's "
-            f"reconstruction reproduces the upload within a relative error of {self.exact_error:g} or its aligned PSNR "
-            f"reaches {self.exact_db:g} dB. A step 'leaks' if any image is recovered; is "
+            f"reconstruction reproduces the upload within a relative error of {self.exact_error:g}"
+            f"{'' if self.exact_db is None else f' or its aligned PSNR reaches {self.exact_db:g} dB'}. A step 'leaks' if any image is recovered; is "
             "'incomplete' (naming the attacks) if any planned attack raised, failed to optimise, has no evidence or "
             "has not run; is 'partially' if any image is partially recovered, and has 'no recovered image' "
             "otherwise; a step where no attack applies is 'not judged'. The overall verdict is the worst judged step."
@@ -91,7 +93,18 @@ class LeakRule:
     @classmethod
     def from_dict(cls, data: Optional[Dict[str, Any]]) -> "LeakRule":
         names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in (data or {}).items() if k in names})
+        data = dict(data or {})
+        if "rule" in data:  # a rule a report stored
+            return cls.stored(data)
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+    @classmethod
+    def stored(cls, data: Optional[Dict[str, Any]]) -> "LeakRule":
+        """The rule a manifest or report stored: one stored before the PSNR threshold existed
+        labels exact by the certificate alone, so its report renders as it was written."""
+        names = {f.name for f in fields(cls)}
+        data = {k: v for k, v in (data or {}).items() if k in names}
+        return cls(**{"exact_db": None, **data})
 
     @classmethod
     def of(cls, value: Any) -> "LeakRule":
