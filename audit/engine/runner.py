@@ -10,6 +10,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from attacks import ATTACKS
+from attacks.optimization import not_grouped
 from audit.core.errors import DefenseError, NotApplicable
 from audit.core.reasons import Reason
 from audit.core.records import AttackResult, Scores, Status
@@ -47,7 +48,7 @@ def attack_group(audit: Any, spec: Any, group: Sequence[Tuple[int, Any, torch.Te
         return [audit.attack_one(spec, obs, x, y, step, image, progress=progress)]
     records = [record_for(audit, spec, step, image) for image, _, _, _ in group]
     start = time.perf_counter()
-    recs, why = None, Reason("not-grouped", why=Reason("no-grouped-path", attack=spec.name).to_dict())
+    recs, why = None, not_grouped(Reason("no-grouped-path", attack=spec.name))
     try:
         attack = ATTACKS.build(spec.name, **spec.settings)
         many = getattr(attack, "reconstruct_many", None)
@@ -55,13 +56,12 @@ def attack_group(audit: Any, spec: Any, group: Sequence[Tuple[int, Any, torch.Te
             recs = many([obs for _, obs, _, _ in group], audit.attack_settings.budget, [r.seed for r in records],
                         progress=progress, max_members=audit.max_members)
     except Exception as err:  # NotApplicable or a failure: attribute it image by image
-        why = Reason("not-grouped", why=Reason("grouped-run-failed", error=f"{type(err).__name__}: {str(err)[:120]}")
-                     .to_dict())
+        why = not_grouped(Reason("grouped-run-failed", error=f"{type(err).__name__}: {str(err)[:120]}"))
     if recs is None:
         out = [audit.attack_one(spec, obs, x, y, step, image, progress=share(progress, k, len(group)))
                for k, (image, obs, x, y) in enumerate(group)]
         for record, _ in out:
-            record.trace.setdefault("grouped", why.to_dict())
+            record.trace.setdefault("grouped", why)
         return out
     seconds = (time.perf_counter() - start) / len(group)
     return scored_group(audit, spec, records, recs, [x for *_, x, _ in group], [y for *_, y in group], seconds)

@@ -92,11 +92,10 @@ class LeakRule:
 
     @classmethod
     def from_dict(cls, data: Optional[Dict[str, Any]]) -> "LeakRule":
-        names = {f.name for f in fields(cls)}
-        data = dict(data or {})
-        if "rule" in data:  # a rule a report stored
+        if "rule" in (data or {}):  # a rule a report stored
             return cls.stored(data)
-        return cls(**{k: v for k, v in data.items() if k in names})
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in (data or {}).items() if k in names})
 
     @classmethod
     def stored(cls, data: Optional[Dict[str, Any]]) -> "LeakRule":
