@@ -60,7 +60,8 @@ class CensorInvariants(AdaptedAttack):
     def adapt(self, observation: Observation) -> Adaptation:
         layers = sum(1 for g in observation.gradients if float(g.norm()) > 0)
         return Adaptation({"objective": self.objective},
-                          {"matched": f"norm and orthogonality of {layers} layers", "objective": repr(self.objective)})
+                          {"matched": {"invariants": ["norm", "orthogonality"], "layers": layers},
+                           "objective": repr(self.objective)})
 
 
 register(CensorInvariants, "CENSOR: match the per-layer norms and the orthogonality it preserves, not the direction")

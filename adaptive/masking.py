@@ -117,7 +117,7 @@ class LayerDrop(AdaptedAttack):
         for (name, rec), tried in zip(best, losses):
             rec.trace["adaptive"] = {"attack": self.name, "base": self.base, "mode": "search",
                                      "dropped": [name], "match_loss_per_candidate": tried,
-                                     "selection": "lowest final matching loss (the attack's own objective)"}
+                                     "selection": Reason("lowest-matching-loss").to_dict()}
             out.append(rec)
         return out
 

@@ -104,11 +104,10 @@ class EOTSimulator(GradientSimulator):
         the defense callable, per parameter ``(M, samples, *shape)``."""
         return DefenseSimulator().many_members(replica, xs, ys, context, draws=self.samples)
 
-    def cannot_stack(self, observation: Observation) -> str:
+    def cannot_stack(self, observation: Observation) -> Optional[Reason]:
         if is_gradient_only(observation.defense):
-            return ("the defense's transform draws from a generator (no Defense.vmap_draws): its draws run "
-                    "member by member")
-        return ""
+            return Reason("draws-from-generator")  # no Defense.vmap_draws: its draws run member by member
+        return None
 
     def gradient_evaluations(self, observation: Observation) -> int:
         if is_gradient_only(observation.defense) and observation.one_step:

@@ -42,6 +42,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from audit.core.defense_call import abandoned_calls
 from audit.core.errors import GiaError
+from audit.core.reasons import Reason
 from audit.core.registry import Registry
 
 from attacks.program_keys import program_key
@@ -269,46 +270,52 @@ def _own_code(fn: Callable) -> Callable:
 
 
 # -- the rule
-def _blockers(run) -> List[str]:
+def _blockers(run) -> List[Reason]:
     attack = run.attack
-    return [why for why in (
-        "execution='sequential' was requested" if attack.execution == "sequential" else "",
-        "" if run.simulator.batchable else f"{run.simulator.describe()} is not functional",
-        "the group-consistency prior changes with the iteration" if run.needs_group_mean else "",
-        "" if type(run.box) in CAPTURABLE_BOXES else f"box {getattr(run.box, 'name', type(run.box).__name__)!r} "
-                                                     "is not known to project with pure tensor operations",
-        getattr(run.attack.optimizer, "uncapturable",
-                f"optimizer {type(run.attack.optimizer).__name__} declares no capture-safe update"),
+    box = getattr(run.box, "name", type(run.box).__name__)
+    uncapturable = getattr(run.attack.optimizer, "uncapturable",
+                           Reason("optimizer-not-capture-safe", optimizer=type(run.attack.optimizer).__name__))
+    return [Reason.of(why) for why in (
+        Reason("sequential-requested") if attack.execution == "sequential" else None,
+        None if run.simulator.batchable else Reason("not-functional", simulator=run.simulator.describe()),
+        Reason("group-mean-changes", per="iteration") if run.needs_group_mean else None,
+        None if type(run.box) in CAPTURABLE_BOXES else Reason("box-not-capturable", box=box),
+        uncapturable or None,
     ) if why]
 
 
-def decide(run, iterations: int) -> Tuple[Optional[Route], str]:
-    """The route for ``run`` (None: the eager loop) and why, from its ``capture`` setting, the
-    device and its planned ``iterations`` x members (docs/performance.md, "The capture rule")."""
+def off(*why: Reason, replayed: int = 0) -> Reason:
+    """The eager loop's reason: ``why`` it runs (and the iterations a program replayed before it)."""
+    return Reason("capture-off", why=[w.to_dict() for w in why], replayed=replayed)
+
+
+def decide(run, iterations: int) -> Tuple[Optional[Route], Reason]:
+    """The route for ``run`` (None: the eager loop) and why (a reason the report words), from its
+    ``capture`` setting, the device and its planned ``iterations`` x members (docs/performance.md,
+    "The capture rule")."""
     setting, device = run.attack.capture, run.device.type
     if setting == "off":
-        return None, "off: capture='off'"
+        return None, off(Reason("capture-setting", setting=setting))
     blockers = _blockers(run)
     if blockers:
-        return None, f"off: {'; '.join(blockers)}"
+        return None, off(*blockers)
     if setting in ROUTES:
         route = ROUTES.get(setting)
         if route.cuda_only and device != "cuda":
-            return None, f"off: route {setting!r} needs a CUDA device, the run is on {device}"
-        return route, f"capture={setting!r}"
+            return None, off(Reason("route-needs-cuda", route=setting, device=device))
+        return route, Reason("capture-setting", setting=setting)
     member_iterations = iterations * run.n * run.attack.restarts
     if device != "cuda":
         if setting == "on":
-            return ROUTES.get("compiled"), "capture='on' on a CPU: torch.compile of the iteration"
-        return None, (f"off: capture='auto' captures on CUDA only (on a {device} the eager batched loop "
-                      "has no launch overhead to remove)")
+            return ROUTES.get("compiled"), Reason("capture-on-cpu")
+        return None, off(Reason("capture-cuda-only", device=device))
     if setting == "auto" and iterations < GRAPH_MIN_ITERATIONS:
-        return None, f"off: {iterations} iteration(s) < {GRAPH_MIN_ITERATIONS}, too few to repay a capture"
+        return None, off(Reason("capture-too-few", iterations=iterations, minimum=GRAPH_MIN_ITERATIONS))
+    many = Reason("member-iterations", count=member_iterations, minimum=COMPILE_MIN_MEMBER_ITERATIONS,
+                  above=member_iterations >= COMPILE_MIN_MEMBER_ITERATIONS)
     if run.attack.compile or member_iterations >= COMPILE_MIN_MEMBER_ITERATIONS:
-        why = "compile=true" if run.attack.compile else \
-            f"{member_iterations} member-iterations >= {COMPILE_MIN_MEMBER_ITERATIONS}"
-        return ROUTES.get("compiled-graph"), why
-    return ROUTES.get("graph"), f"{member_iterations} member-iterations < {COMPILE_MIN_MEMBER_ITERATIONS}"
+        return ROUTES.get("compiled-graph"), Reason("compile-requested") if run.attack.compile else many
+    return ROUTES.get("graph"), many
 
 
 def padded_observations(n: int, route: Route) -> int:
@@ -537,7 +544,7 @@ class EagerSteps:
     read_every = 1
     captured = False
 
-    def __init__(self, run, variables: List[Tensor], optimizer, note: str):
+    def __init__(self, run, variables: List[Tensor], optimizer, note: Optional[Reason]):
         self.run, self.variables, self.optimizer, self.note = run, variables, optimizer, note
 
     def step(self, iteration: int) -> Tensor:
@@ -548,7 +555,8 @@ class EagerSteps:
     def release(self) -> None:
         """Nothing to hand back: the run's tensors are the loop's."""
 
-    def describe(self) -> str:
+    def describe(self) -> Reason:
+        """How the run's iterations ran: a reason (the report words it)."""
         return self.note
 
 
@@ -559,8 +567,9 @@ class CapturedSteps(EagerSteps):
 
     read_every = 16  # the progress callback's loss is read from the device this often
 
-    def __init__(self, run, variables, optimizer, route: Route, note: str):
+    def __init__(self, run, variables, optimizer, route: Route, note: Reason):
         super().__init__(run, variables, optimizer, note)
+        self.events: List[Reason] = [note]  # why this route, then each failure and fallback
         self.route, self.program, self.eager = route, None, None
         self.replays, self.warm, self.built = 0, 0, []  # programs this run built
         self.reused = 0  # loads of a program an earlier run built
@@ -600,7 +609,7 @@ class CapturedSteps(EagerSteps):
 
     def _fall_back(self, err: Exception, iteration: int) -> Tensor:
         program, self.program, self.kept = self.program, None, None
-        why = f"{self.route.name} failed: {type(err).__name__}: {str(err).strip()}"
+        error = f"{type(err).__name__}: {str(err).strip()}"
         if program is not None:
             if self.done:  # the iterations done on it are the run's
                 program.store(self.variables, self.optimizer)
@@ -608,14 +617,13 @@ class CapturedSteps(EagerSteps):
             key = next((k for k, p in PROGRAMS.items() if p is program), None)
             if key is not None:
                 del PROGRAMS[key]
-                FAILED[(key, self.route.name)] = why
-        self.note += f"; {why}"
+                FAILED[(key, self.route.name)] = error
+        self.events.append(Reason("route-failed", route=self.route.name, error=error))
         if self.route.fallback is not None:
             self.route = ROUTES.get(self.route.fallback)
-            self.note += f"; {self.route.name} instead"
+            self.events.append(Reason("route-instead", route=self.route.name))
             return self.step(iteration)
-        self.eager = EagerSteps(self.run, self.variables, self.optimizer, "")
-        self.note = f"off: {self.note}"
+        self.eager = EagerSteps(self.run, self.variables, self.optimizer, None)
         return self.eager.step(iteration)
 
     def _flush(self) -> None:
@@ -631,15 +639,13 @@ class CapturedSteps(EagerSteps):
             self._flush()
             self.program = None
 
-    def describe(self) -> str:
+    def describe(self) -> Reason:
         if self.eager is not None:
-            return self.note + (f"; {self.replays} iteration(s) replayed before" if self.replays else "")
-        kept = f"built here (set up in {sum(p.setup_s for p in self.built):.2f} s)" if self.built else \
-            "reused from an earlier run"
-        members, padded = self.run.n * self.run.attack.restarts, self.program_members()
-        return (f"{self.route.name}: {self.note}; the whole iteration as one program over {members} member(s) "
-                f"(padded to {padded}), {self.replays} iteration(s) replayed, {self.warm} run to warm up; "
-                f"programs: {len(self.built)} built, {self.reused} reused; program {kept}")
+            return off(*self.events, replayed=self.replays)
+        return Reason("captured", route=self.route.name, why=[e.to_dict() for e in self.events],
+                      members=self.run.n * self.run.attack.restarts, padded=self.program_members(),
+                      replays=self.replays, warm=self.warm, built=len(self.built), reused=self.reused,
+                      setup_s=round(sum(p.setup_s for p in self.built), 2))
 
     def program_members(self) -> int:
         return padded_observations(self.run.n, self.route) * self.run.attack.restarts

@@ -63,7 +63,7 @@ class ConvSpanIg:
         rec = found if kept == "conv-span" else refined
         rec.trace.update(conv_span={k: found.trace.get(k) for k in ("layers", "residual", "certificate_error",
                                                                       "certified", "seconds")},
-                         upload_errors=errors, kept=kept, labels_from="conv-span (each image's own)")
+                         upload_errors=errors, kept=kept, labels_from="conv-span")  # each image's own
         return rec
 
 

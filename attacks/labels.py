@@ -122,7 +122,7 @@ def infer_labels(observation: Observation, method: str = "auto", seed: int = 0) 
     (``auto``: ``idlg`` at batch 1, ``counts`` otherwise)."""
     if observation.labels_shared:
         return LabelInference(observation.labels.to(observation.device).long(), "shared",
-                              "labels shared by the protocol")
+                              Reason("labels-shared").to_dict())
     if method == "auto":
         method = "idlg" if observation.batch_size == 1 else "counts"
     return LABEL_METHODS.get(method)(observation, seed=seed)

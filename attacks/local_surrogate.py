@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Optional
 
 from audit.core.local_training import LocalOptimizer
+from audit.core.reasons import Reason
 
 #: Adam's eps in units of each tensor's gradient RMS, for the replica (``bench/bench_strength.py
 #: --adam-smoothing``, chosen on held-out embedded images; bench/results/strength/strength.md (The weights of what a client uploads))
@@ -28,10 +29,10 @@ def replica_optimizer(optimizer: LocalOptimizer, relative_eps: Optional[float] =
     return optimizer
 
 
-def replica_note(optimizer: LocalOptimizer) -> str:
-    """One line for the trace: which rule the replica unrolls, and why it departs from it."""
+def replica_note(optimizer: LocalOptimizer) -> Reason:
+    """For the trace: which rule the replica unrolls, and how far it departs from it (the
+    smoothed eps, where the exact rule's near-sign update is a step function of the image)."""
     used = replica_optimizer(optimizer)
     if used is optimizer:
-        return f"unrolled exactly: {optimizer.describe()}"
-    return (f"unrolled with eps raised to {used.relative_eps:g} x each tensor's gradient RMS: "
-            f"{optimizer.describe()} (the exact rule's near-sign update is a step function of the image)")
+        return Reason("unrolled-exactly", optimizer=optimizer.describe())
+    return Reason("unrolled-smoothed", optimizer=optimizer.describe(), eps=used.relative_eps)

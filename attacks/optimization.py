@@ -27,7 +27,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
-from audit.core.reasons import Reason
+from audit.core.reasons import Reason, path_failed
 from audit.core.errors import ConfigError, GiaError, NotApplicable
 from audit.core.types import Observation, Reconstruction, iterations_for, parameter_names, trainable_parameters
 from priors import PRIORS, Prior, PriorContext, classifier_head, requiring, weighted_total
@@ -223,7 +223,8 @@ class OptimizationAttack:
         rest = int(budget) - first * cost
         return first + (iterations_for(rest, max(1, cost // self.restarts)) if rest > 0 else 0)
 
-    def afforded(self, observation: Observation, budget: Optional[int]) -> Tuple["OptimizationAttack", Optional[str]]:
+    def afforded(self, observation: Observation,
+                 budget: Optional[int]) -> Tuple["OptimizationAttack", Optional[Dict[str, Any]]]:
         """With ``per_restart`` set (gradient evaluations one restart needs to converge;
         ``"unknowns"``: one per unknown pixel value of the private batch), the restarts the
         budget affords (at least 1, at most ``restarts``): a restart cut short before it
@@ -241,8 +242,8 @@ class OptimizationAttack:
         cut = copy.copy(self)
         cut.restarts = fits
         cut.keep_best_after = self.keep_best_after if fits > 1 else 0.0
-        return cut, (f"{fits} of {self.restarts} restarts: the budget of {int(budget)} gradient evaluations "
-                     f"affords {fits} restart(s) of the ~{per} each needs (per_restart={self.per_restart!r})")
+        return cut, Reason("restarts-afforded", fits=fits, restarts=self.restarts, budget=int(budget), per=per,
+                           per_restart=self.per_restart).to_dict()
 
     def evaluation_cost(self, observation: Observation) -> int:
         """Gradient evaluations of the model per loss evaluation: restarts x the simulator's
@@ -327,7 +328,7 @@ class OptimizationAttack:
             if run.labels.shape is not None:
                 raise ConfigError("evaluate() needs labels when the attack optimises them (labels='optimize')")
             loss, terms, (grad,) = run.evaluate([self.box.variable(images)])
-        return {"loss": loss, "terms": terms, "grad": grad, "execution": run.execution}
+        return {"loss": loss, "terms": terms, "grad": grad, "execution": run.execution.to_dict()}
 
     def evaluate_many(self, observations: Sequence[Observation], images: Sequence[Tensor],
                       labels: Sequence[Tensor], seeds: Sequence[int]) -> Tensor:
@@ -422,31 +423,28 @@ class OptimizationRun:
         self.stacked = False  # members through one call of a simulator that cannot be vmapped
         self._step: Optional[Callable] = None  # the (compiled) batched loss-and-gradient function
         self._inputs: Optional[Tuple[List[Tensor], Optional[Tensor]]] = None  # step_inputs(), once made
-        uncompiled = self._uncompiled_because() if attack.compile else ""
-        self.compiled = attack.compile and not uncompiled  # False again if compiling fails
+        uncompiled = self._uncompiled_because() if attack.compile else None
+        self.compiled = attack.compile and uncompiled is None  # False again if compiling fails
         if self.compiled:
-            self.batched, self.execution = True, (f"compiled (torch.compile of the functional loss and gradient "
-                                                  f"over {members} member(s))")
+            self.batched, self.execution = True, Reason("run-compiled", members=members)
         elif attack.execution == "sequential":
-            self.batched, self.execution = False, "sequential (requested)"
+            self.batched, self.execution = False, Reason("run-sequential", why=Reason("requested").to_dict())
         elif not self.simulator.batchable:
             if attack.execution == "batched":
                 raise ConfigError(f"simulator {self.simulator.describe()} cannot be vmapped; "
                                   "use execution='auto' or 'sequential'")
             why = stacking.unstackable(self)
-            self.batched, self.stacked = False, not why
-            self.execution = (f"stacked (one call of the defense over {members} member(s) per evaluation: "
-                              f"{self.simulator.describe()} is not vmappable)" if not why else
-                              f"sequential ({self.simulator.describe()} is not vmappable; {why})")
+            self.batched, self.stacked = False, why is None
+            self.execution = (Reason("run-stacked", members=members, simulator=self.simulator.describe())
+                              if why is None else
+                              Reason("run-sequential", why=Reason("not-vmappable", simulator=self.simulator.describe(),
+                                                                  why=why.to_dict()).to_dict()))
         elif members == 1 and attack.execution == "auto":
-            self.batched, self.execution = False, "single restart (eager autograd, no vmap overhead)"
-        elif self.n == 1:
-            self.batched, self.execution = True, f"batched (vmap over {attack.restarts} restarts)"
+            self.batched, self.execution = False, Reason("run-single")
         else:
-            self.batched, self.execution = True, (f"batched (vmap over {self.n} observations x "
-                                                  f"{attack.restarts} restarts)")
+            self.batched, self.execution = True, Reason("run-batched", observations=self.n, restarts=attack.restarts)
         if uncompiled:
-            self.execution = f"{self.execution[:-1]}; compile=true not used: {uncompiled})"
+            self.execution = Reason("compile-unused", route=self.execution.to_dict(), why=uncompiled.to_dict())
         self.evaluations = 0
         self.restarts = attack.restarts      # restarts per observation now (1 after keep_best_after)
         self.alive = torch.arange(self.n * attack.restarts)  # each member's index at the start
@@ -454,15 +452,15 @@ class OptimizationRun:
         self.spent = 0                        # gradient evaluations per observation so far
         self.selection: Optional[Dict[str, Any]] = None  # the keep_best_after selection, once it happened
 
-    def _uncompiled_because(self) -> str:
-        """Why ``compile=true`` cannot apply to this run ('' when it can)."""
+    def _uncompiled_because(self) -> Optional[Reason]:
+        """Why ``compile=true`` cannot apply to this run (None when it can)."""
         if self.attack.execution == "sequential":
-            return "execution='sequential' was requested"
+            return Reason("sequential-requested")
         if not self.simulator.batchable:
-            return f"{self.simulator.describe()} is not functional"
+            return Reason("not-functional", simulator=self.simulator.describe())
         if self.needs_group_mean:
-            return "the group-consistency prior changes with the step"
-        return ""
+            return Reason("group-mean-changes", per="step")
+        return None
 
     # -- the per-image features term (priors.features)
     def _classifier_head(self, attack: OptimizationAttack) -> Optional[Tuple[int, int]]:
@@ -590,12 +588,12 @@ class OptimizationRun:
                 if self.compiled:
                     self.compiled, self._step = False, self._batched_step(compiled=False)
                     first_line = (str(err).strip().splitlines() or [""])[0][:200]
-                    self.execution = f"batched (torch.compile failed: {type(err).__name__}: {first_line})"
+                    self.execution = Reason("run-compile-failed", error=f"{type(err).__name__}: {first_line}")
                     return self.evaluate(variables)
                 if self.attack.execution == "batched":
                     raise
                 self.batched = False
-                self.execution = f"sequential (vmap failed: {type(err).__name__}: {str(err)[:200]})"
+                self.execution = Reason("run-sequential", why=path_failed("vmap", err))
         if self.stacked:
             try:
                 out = stacking.evaluate(self, variables)
@@ -608,7 +606,7 @@ class OptimizationRun:
                 if self.evaluations > 0:
                     raise
                 self.stacked = False
-                self.execution = f"sequential (the stacked call failed: {type(err).__name__}: {str(err)[:200]})"
+                self.execution = Reason("run-sequential", why=path_failed("the stacked call", err))
         out = self._sequential(variables)
         self.evaluations += 1
         self._count()
@@ -822,16 +820,15 @@ class OptimizationRun:
             trace = {
                 "attack": self.attack.name,
                 "settings": self.attack.describe(),
-                "execution": self.execution,
-                "capture": steps.describe(),
+                "execution": self.execution.to_dict(),
+                "capture": steps.describe().to_dict(),
                 "iterations": len(history),
                 "evaluations": self.evaluations,
                 "gradient_evaluations": self.spent,
-                "budget_unit": "gradient evaluations (restarts x draws x local steps per loss evaluation, "
-                               "incl. one final evaluation to pick the restart)",
+                "budget_unit": Reason("unit-optimisation").to_dict(),
                 "restarts": restarts,
                 "chosen_restart": best,
-                "selection": "lowest final attack loss (objective + weighted priors); ground truth unused",
+                "selection": Reason("lowest-final-loss").to_dict(),
                 "final_losses": [finals.get(r) for r in range(restarts)],
                 "final_terms": {k: float(v[member]) for k, v in terms.items()},
                 "loss_history": rows_of[n * restarts:(n + 1) * restarts],
@@ -839,7 +836,7 @@ class OptimizationRun:
                 "side_information": self.side.traced(),
                 "side_information_used": tuple(self.side.used),
                 "prior_weights": {k: float(w) for k, _, w in self.priors},
-                "client_optimizer": replica_note(self.obs.optimizer),
+                "client_optimizer": replica_note(self.obs.optimizer).to_dict(),
                 "time_s": seconds / self.n,
             }
             if self.selection:
@@ -847,7 +844,7 @@ class OptimizationRun:
                 trace["restart_selection"] = {
                     "iteration": sel["iteration"], "after_gradient_evaluations": sel["after_gradient_evaluations"],
                     "losses": sel["losses"][n], "kept": sel["kept"][n],
-                    "rule": "lowest attack loss at keep_best_after x the budget; the rest of the budget goes to it"}
+                    "rule": Reason("keep-best-after").to_dict()}
 
             def original(e, r):  # events after the selection count positions among the survivors
                 return start_index[r] if selected_at is not None and e["iteration"] > selected_at else r
@@ -872,6 +869,6 @@ class OptimizationRun:
             if self.n > 1 and (self.batched or self.stacked):
                 trace["grouped"] = Reason("grouped", members=self.n, seconds=round(seconds, 2)).to_dict()
             elif self.n > 1:
-                trace["grouped"] = not_grouped(Reason("one-after-another", execution=self.execution))
+                trace["grouped"] = not_grouped(Reason("one-after-another", execution=self.execution.to_dict()))
             out.append(Reconstruction(images, labels, trace))
         return out

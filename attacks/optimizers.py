@@ -7,7 +7,8 @@ once. ``step`` updates the variables in place and returns the per-restart loss a
 it evaluated. Adam is element-wise (restarts cannot interact); L-BFGS keeps a history and
 a line search per restart. Learning-rate schedules: :data:`SCHEDULES`.
 
-Capture (``attacks.capture``): an optimiser whose ``uncapturable`` is ``""`` also offers
+Capture (``attacks.capture``): an optimiser whose ``uncapturable`` is ``None`` (otherwise the
+:class:`~audit.core.reasons.Reason` it cannot be captured for) also offers
 ``update(variables, loss, grads, lr, iteration)`` (in place, no host synchronisation), ``state()`` (its
 per-restart tensors) and ``lr_at(iteration)``, so its step runs inside a captured iteration.
 """
@@ -20,6 +21,7 @@ import torch
 from torch import Tensor
 
 from audit.core.errors import ConfigError
+from audit.core.reasons import Reason
 from audit.core.registry import Registry
 
 OPTIMIZERS = Registry("optimizer")
@@ -63,7 +65,7 @@ class Adam:
     name = "adam"
     #: a step moves every restart whose gradient is non-zero: a point that never moved had none
     moves_on_gradient = True
-    uncapturable = ""  # elementwise: its update runs inside a captured iteration
+    uncapturable: Optional[Reason] = None  # elementwise: its update runs inside a captured iteration
 
     def __init__(self, lr: float = 0.1, schedule: str = "step", signed: bool = False,
                  betas: Tuple[float, float] = (0.9, 0.999), eps: float = 1e-8):
@@ -160,7 +162,7 @@ class LBFGS:
 
     name = "lbfgs"
     moves_on_gradient = False  # a step its line search refuses stays put
-    uncapturable = "the lbfgs line search accepts or halves each step on the host"
+    uncapturable = Reason("lbfgs-host-search")  # its line search accepts or halves each step on the host
 
     def __init__(self, lr: float = 1.0, history: int = 100, backtracks: int = 6, schedule: str = "constant",
                  nonmonotone: int = 1):
@@ -376,8 +378,8 @@ class Watchdog:
         self.name = getattr(inner, "name", type(inner).__name__)
 
     @property
-    def uncapturable(self) -> str:
-        return getattr(self.inner, "uncapturable", f"optimizer {self.name!r} declares no capture-safe update")
+    def uncapturable(self) -> Optional[Reason]:
+        return getattr(self.inner, "uncapturable", Reason("optimizer-not-capture-safe", optimizer=self.name))
 
     def start(self, variables: List[Tensor], iterations: int) -> None:
         self.inner.start(variables, iterations)

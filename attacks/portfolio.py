@@ -230,9 +230,7 @@ class PortfolioAttack:
         trace.update({
             "attack": self.name, "chosen_strategy": pick["strategy"], "chosen_phase": pick["phase"],
             "candidates": candidates, "skipped_strategies": {n: r.to_dict() for n, r in skipped.items()}, "budget_share": share,
-            "selection": (f"lowest cosine gradient-matching loss, most regularised first, a later candidate "
-                          f"wins only below {self.ratio:g} x the pick's; the pick gets the rest of the budget "
-                          f"(from its candidate, or its whole schedule afresh); ground truth unused"),
+            "selection": Reason("portfolio-pick", ratio=self.ratio).to_dict(),
             "gradient_evaluations": sum(c["gradient_evaluations"] or 0 for c in candidates) + len(candidates),
         })
         trace.pop("grouped", None)

@@ -310,9 +310,9 @@ class DefenseSimulator(GradientSimulator):
                                       loss_fn=replica.loss_fn, generator=context.generator, round=obs.step)
         return (list(stacked) if draws else [g[:, 0] for g in stacked]), {}
 
-    def cannot_stack(self, observation: Observation) -> str:
-        """Why the members cannot share one defense call ('' when they can)."""
-        return "" if not self.transforms else "the simulator transforms each member's defended gradient"
+    def cannot_stack(self, observation: Observation) -> Optional[Reason]:
+        """Why the members cannot share one defense call (None when they can)."""
+        return Reason("transforms-each-member") if self.transforms else None
 
     def batched_draws(self, replica: ClientReplica, xs: Tensor, y: Tensor, draws: int,
                       context: SimContext) -> Optional[List[Tensor]]:

@@ -297,8 +297,8 @@ class Spear:
         else:
             mine = labels_from_batch(observation, tail, z)
             if mine is not None:
-                options.append((mine, "recovered batch"))
-            options.append((infer_labels(observation, seed=seed).labels.to(z.device), "label inference"))
+                options.append((mine, "recovered-batch"))
+            options.append((infer_labels(observation, seed=seed).labels.to(z.device), "label-inference"))
         scored = []
         for labels, source in options:
             error = upload_error(observation, tail_params, tail, z, images, labels)

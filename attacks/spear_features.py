@@ -73,7 +73,7 @@ class SpearFeaturesIg:
         paired = dataclasses.replace(observation, labels=found.labels.to(observation.device))
         rec = attack.reconstruct(paired, budget, seed, progress=progress)
         rec.trace.update(spear={k: found.trace[k] for k in ("layer", "samples", "certificate_error", "seconds")},
-                         labels_from="spear (read off the upload, paired with the recovered features)")
+                         labels_from="spear")  # read off the upload, paired with the recovered features
         return rec
 
 

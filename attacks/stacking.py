@@ -12,31 +12,32 @@ batch theirs; the default runs the calls one after another.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
+from audit.core.reasons import Reason
 from priors import PriorContext, requiring
 
 Run = Any  # an attacks.optimization.OptimizationRun (not imported: it imports this module)
 
 
-def unstackable(run: Run) -> str:
-    """Why the run's members cannot go through one simulator call ('' when they can)."""
+def unstackable(run: Run) -> Optional[Reason]:
+    """Why the run's members cannot go through one simulator call (None when they can)."""
     simulator = run.simulator
     if not callable(getattr(simulator, "many_members", None)):
-        return f"{simulator.describe()} has no stacked call (many_members)"
-    why = simulator.cannot_stack(run.obs) if callable(getattr(simulator, "cannot_stack", None)) else ""
+        return Reason("no-stacked-call", simulator=simulator.describe())
+    why = simulator.cannot_stack(run.obs) if callable(getattr(simulator, "cannot_stack", None)) else None
     if why:
-        return why
+        return Reason.of(why)
     if run.labels.shape is not None:
-        return "the labels are optimised with the images"
+        return Reason("labels-optimised")
     if requiring(run.priors, "bn_stats") or requiring(run.priors, "bn_steps"):
-        return "a prior needs the BatchNorm statistics of each member's own forward pass"
+        return Reason("prior-needs-own-bn")
     if run.attack.execution == "sequential":
-        return "execution='sequential' was requested"
-    return ""
+        return Reason("sequential-requested")
+    return None
 
 
 def evaluate(run: Run, variables: List[Tensor]) -> Tuple[Tensor, Dict[str, Tensor], List[Tensor]]:

@@ -69,7 +69,7 @@ def train_generator(recipe: GeneratorRecipe = GeneratorRecipe(), *, out: Optiona
     info = {
         "data": {"dataset": recipe.dataset, "path": recipe.data_path, "split": AUX_SPLIT,
                  "images": int(images.shape[0]), "classes": list(data.classes) if num_classes else [],
-                 "disjoint_from": "the test split (the audit's private images)"},
+                 "disjoint_from": "test"},  # the split the audit's private images come from
         "training": {**asdict(recipe), "final_d_loss": _tail_mean(history.d_loss),
                      "final_g_loss": _tail_mean(history.g_loss)},
     }

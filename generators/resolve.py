@@ -9,6 +9,7 @@ import torch
 from torch import Tensor, nn
 
 from audit.core.errors import ConfigError
+from audit.core.reasons import Reason
 
 from generators.auxiliary import default_generator
 from generators.base import ImageGenerator, as_generator, check_compatible
@@ -60,16 +61,16 @@ def condition_labels(gen: ImageGenerator, labels: Tensor, num_classes: int, mode
     if gen.num_classes == 0:
         if mode in ("labels", "random"):
             raise ConfigError(f"condition={mode!r} needs a class-conditional generator; this one has no classes")
-        return None, "unconditional generator"
+        return None, Reason("generator-unconditional").to_dict()
     if mode == "none":
         raise ConfigError("the generator is class-conditional: use condition=auto, labels or random")
     if mode in ("auto", "labels") and gen.num_classes == num_classes:
-        return labels, "conditioned on the attack's labels (generator classes = model classes)"
+        return labels, Reason("generator-conditioned").to_dict()
     if mode == "labels":
         raise ConfigError(f"condition='labels' needs a generator with the model's {num_classes} classes; "
                           f"it has {gen.num_classes}. Use condition=random or a matching generator")
     drawn = torch.randint(gen.num_classes, labels.shape, generator=rng, device=rng.device)
-    return drawn, f"random generator classes {drawn.tolist()} (generator classes != model classes)"
+    return drawn, Reason("generator-random-classes", classes=drawn.tolist()).to_dict()
 
 
 def generate(gen: ImageGenerator, z: Tensor, cond: Optional[Tensor]) -> Tensor:

@@ -61,7 +61,7 @@ class BoundGeneratorBox:
     name = "generator"
 
     def __init__(self, generator: ImageGenerator, cond: Optional[Tensor], truncation: float,
-                 rng: torch.Generator, note: str):
+                 rng: torch.Generator, note: Dict[str, Any]):
         self.gen, self.cond, self.truncation, self.rng = generator, cond, truncation, rng
         self.info = {**generator_info(generator), "conditioning": note, "truncation": truncation}
 

@@ -12,6 +12,7 @@ from audit.core.errors import ConfigError, NotApplicable
 from audit.core.metrics import psnr
 from audit.core.models import build_model
 from audit.core.types import Observation, gradient_transform
+from audit.report.reasons import word
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -69,7 +70,7 @@ def test_dlg_and_idlg_reconstruct_on_lenet(data16, name):
 def test_same_seed_same_result(data16):
     obs = _obs("convnet", data16, model_kw={"width": 8})
     runs = [ATTACKS.build("ig", restarts=3).reconstruct(obs, 6, seed) for seed in (0, 0, 1)]
-    assert runs[0].trace["execution"].startswith("batched")
+    assert word(runs[0].trace["execution"]).startswith("batched")
     assert torch.equal(runs[0].inputs, runs[1].inputs)
     assert runs[0].trace["loss_history"] == runs[1].trace["loss_history"]
     assert not torch.equal(runs[0].inputs, runs[2].inputs)
@@ -81,8 +82,8 @@ def test_batched_and_sequential_restarts_compute_the_same_loss_and_gradient(data
     images[0] = data16.train_images[3:5]
     out = {mode: ATTACKS.build("gi", restarts=3, execution=mode).evaluate(obs, images)
            for mode in ("batched", "sequential")}
-    assert out["batched"]["execution"].startswith("batched")
-    assert out["sequential"]["execution"].startswith("sequential")
+    assert word(out["batched"]["execution"]).startswith("batched")
+    assert word(out["sequential"]["execution"]).startswith("sequential")
     torch.testing.assert_close(out["batched"]["loss"], out["sequential"]["loss"], rtol=1e-4, atol=1e-6)
     batched, sequential = out["batched"]["grad"], out["sequential"]["grad"]
     assert float((batched - sequential).norm() / sequential.norm()) < 1e-4  # float32 summation order
@@ -105,14 +106,14 @@ def test_compiled_attack_matches_eager_and_compiles_once(data16):
     images = torch.rand(1, 2, *data16.input_shape, generator=torch.Generator().manual_seed(0))  # one graph
     eager = ATTACKS.build("ig", tv=0.1).evaluate(obs, images)
     compiled = ATTACKS.build("ig", tv=0.1, compile=True).evaluate(obs, images)
-    assert compiled["execution"].startswith("compiled"), compiled["execution"]
+    assert word(compiled["execution"]).startswith("compiled"), word(compiled["execution"])
     torch.testing.assert_close(compiled["loss"], eager["loss"], rtol=1e-4, atol=1e-6)
     assert float((compiled["grad"] - eager["grad"]).norm() / eager["grad"].norm()) < 1e-4
     # the step changes every iteration and the model every audited step: the compiled loss is
     # specialised on neither (it is reused, and it reads the new model's weights)
     before = counters["stats"]["unique_graphs"]
     rec = ATTACKS.build("ig", tv=0.1, compile=True).reconstruct(obs, 12, 0)
-    assert rec.trace["iterations"] == 12 and rec.trace["execution"].startswith("compiled")
+    assert rec.trace["iterations"] == 12 and word(rec.trace["execution"]).startswith("compiled")
     other = build_model("convnet", data16.input_shape, data16.num_classes, seed=1, width=8)
     obs = observe(other, data16.train_images[5:7], data16.train_labels[5:7], client_mode="train")
     eager = ATTACKS.build("ig", tv=0.1).evaluate(obs, images)
@@ -133,9 +134,11 @@ def test_compile_failure_falls_back_to_the_batched_path(data16, monkeypatch):
     monkeypatch.setattr(optimization.torch, "compile", broken)
     obs = _obs("convnet", data16, model_kw={"width": 8})
     rec = ATTACKS.build("ig", compile=True).reconstruct(obs, 5, 0)
-    assert rec.trace["execution"] == "batched (torch.compile failed: RuntimeError: no C++ compiler found)"
+    assert word(rec.trace["execution"]) == "batched (torch.compile failed: RuntimeError: no C++ compiler found)"
     assert rec.trace["iterations"] == 5
-    assert ATTACKS.build("gi", compile=True).reconstruct(obs, 2, 0).trace["execution"].endswith("compile=true not used: the group-consistency prior changes with the step)")
+    gi = ATTACKS.build("gi", compile=True).reconstruct(obs, 2, 0)
+    assert word(gi.trace["execution"]).endswith(
+        "compile=true not used: the group-consistency prior changes with the step)")
 
 
 def test_best_restart_is_chosen_by_the_attack_loss(data16):
@@ -146,13 +149,13 @@ def test_best_restart_is_chosen_by_the_attack_loss(data16):
     assert rec.trace["chosen_restart"] == min(range(4), key=final.__getitem__)
     terms = rec.trace["final_terms"]
     assert final[rec.trace["chosen_restart"]] == pytest.approx(terms["match"] + 0.05 * terms["tv"], rel=1e-5)
-    assert "ground truth unused" in rec.trace["selection"]
+    assert "ground truth unused" in word(rec.trace["selection"])
 
 
 def test_gi_runs_bn_and_group_priors_batched(data16):
     obs = _obs("convnet", data16, model_kw={"width": 8})
     rec = ATTACKS.build("gi", group_start=5).reconstruct(obs, 4 * 12, 0)  # 4 restarts x 12 iterations
-    assert rec.trace["execution"].startswith("batched")
+    assert word(rec.trace["execution"]).startswith("batched")
     assert {"match", "tv", "l2", "bn", "group"} <= set(rec.trace["final_terms"])
     assert rec.trace["final_terms"]["group"] > 0
     history = rec.trace["loss_history"][rec.trace["chosen_restart"]]
@@ -215,7 +218,7 @@ def test_transforms_and_automatic_sequential_fallback(data16):
     fallback = OptimizationAttack("cosine", [("tv", 0.01)], restarts=2,
                                   simulator=GradientSimulator([_scale_half, _not_vmappable]))
     rec = fallback.reconstruct(obs, 3, 0)
-    assert rec.trace["execution"].startswith("sequential (vmap failed")
+    assert word(rec.trace["execution"]).startswith("sequential (vmap failed")
     sequential = OptimizationAttack("cosine", [("tv", 0.01)], restarts=2, execution="sequential",
                                     simulator=GradientSimulator([_scale_half])).reconstruct(obs, 3, 0)
     torch.testing.assert_close(rec.inputs, sequential.inputs)
@@ -236,9 +239,9 @@ def test_defense_simulator_passes_the_dummy_through_the_defense(data16):
     rec = ATTACKS.build("ig", restarts=2, simulator=sim).reconstruct(obs, 2, 0)
     # both restarts go through one batched call of the defense (Defense.many), with the same
     # images as the restarts run one after another
-    assert rec.trace["execution"].startswith("stacked (one call of the defense over 2 member(s)")
+    assert word(rec.trace["execution"]).startswith("stacked (one call of the defense over 2 member(s)")
     one_by_one = ATTACKS.build("ig", restarts=2, simulator=sim, execution="sequential").reconstruct(obs, 2, 0)
-    assert one_by_one.trace["execution"].startswith("sequential")
+    assert word(one_by_one.trace["execution"]).startswith("sequential")
     torch.testing.assert_close(rec.inputs, one_by_one.inputs, atol=1e-5, rtol=0)
 
 

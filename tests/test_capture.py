@@ -14,6 +14,7 @@ from attacks.search_space import ClampBox
 from audit.core.defense_call import abandoned_calls, defense_timeout, invoke_defense
 from audit.core.errors import ConfigError, DefenseError
 from audit.core.models import build_model
+from audit.report.reasons import word
 
 SHAPE = (3, 8, 8)
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -45,8 +46,8 @@ def test_the_captured_iteration_gives_the_eager_loops_reconstruction(budget, set
     obs = _group()
     eager = _run(obs, budget, capture="off", **settings)
     captured = _run(obs, budget, capture="eager", **settings)
-    assert captured[0].trace["capture"].startswith("eager: capture='eager'; the whole iteration as one program "
-                                                   "over 4 member(s)"), captured[0].trace["capture"]
+    assert word(captured[0].trace["capture"]).startswith("eager: capture='eager'; the whole iteration as one program "
+                                                   "over 4 member(s)"), word(captured[0].trace["capture"])
     assert captured[0].trace["gradient_evaluations"] == eager[0].trace["gradient_evaluations"]
     _same(eager, captured)
     if "lr" in settings:  # a stalled loss: the watchdog recovered inside the program
@@ -71,7 +72,7 @@ def test_a_kept_program_serves_the_next_group_with_its_own_weights_and_targets()
     built = capture.STATS["built"]
     captured = _run(second, capture="eager")
     assert capture.STATS["built"] == built, "the second group of the same shape built a new program"
-    assert captured[0].trace["capture"].endswith("program reused from an earlier run")
+    assert word(captured[0].trace["capture"]).endswith("program reused from an earlier run")
     _same(_run(second, capture="off"), captured)
 
 
@@ -79,20 +80,20 @@ def test_a_padded_group_gives_the_same_images(monkeypatch):
     monkeypatch.setattr(capture.ROUTES.get("eager"), "sizes", (4,))
     obs = _group(n=3)
     padded = _run(obs, capture="eager")
-    assert "over 6 member(s) (padded to 8)" in padded[0].trace["capture"]
+    assert "over 6 member(s) (padded to 8)" in word(padded[0].trace["capture"])
     _same(_run(obs, capture="off"), padded, atol=1e-5)
 
 
 def test_runs_that_cannot_be_captured_say_why():
     obs = _group(n=1)
     dlg = ATTACKS.build("dlg", restarts=1, capture="eager").reconstruct(obs[0], 4, 0)
-    assert dlg.trace["capture"] == "off: the lbfgs line search accepts or halves each step on the host"
+    assert word(dlg.trace["capture"]) == "off: the lbfgs line search accepts or halves each step on the host"
     gi = ATTACKS.build("ig", group=0.01, restarts=2, capture="eager").reconstruct(obs[0], 4, 0)
-    assert gi.trace["capture"] == "off: the group-consistency prior changes with the iteration"
+    assert word(gi.trace["capture"]) == "off: the group-consistency prior changes with the iteration"
     graph = ATTACKS.build("ig", capture="graph").reconstruct(obs[0], 4, 0)
-    assert graph.trace["capture"] == "off: route 'graph' needs a CUDA device, the run is on cpu"
+    assert word(graph.trace["capture"]) == "off: route 'graph' needs a CUDA device, the run is on cpu"
     default = ATTACKS.build("ig").reconstruct(obs[0], 4, 0)
-    assert default.trace["capture"].startswith("off: capture='auto' captures on CUDA only")
+    assert word(default.trace["capture"]).startswith("off: capture='auto' captures on CUDA only")
 
 
 def test_a_capture_that_fails_continues_eagerly_with_the_reason(monkeypatch):
@@ -105,7 +106,7 @@ def test_a_capture_that_fails_continues_eagerly_with_the_reason(monkeypatch):
     monkeypatch.setattr(capture, "FAILED", {})  # the failure is this test's own: not kept for the others
     obs = _group(seed=2)
     failed = _run(obs, capture="compiled")
-    assert failed[0].trace["capture"] == ("off: capture='compiled'; compiled failed: RuntimeError: "
+    assert word(failed[0].trace["capture"]) == ("off: capture='compiled'; compiled failed: RuntimeError: "
                                           "no C++ compiler found")
     _same(_run(obs, capture="off"), failed)
 
@@ -113,7 +114,7 @@ def test_a_capture_that_fails_continues_eagerly_with_the_reason(monkeypatch):
 def test_a_recorded_capture_replays_the_eager_loops_reconstruction(fresh_programs):
     obs = _group(seed=7, n=3)  # padded to 4 observations
     eager, recorded = _run(obs, 24, capture="off", lr=1e-9), _run(obs, 24, capture="recording", lr=1e-9)
-    trace = recorded[0].trace["capture"]
+    trace = word(recorded[0].trace["capture"])
     assert "over 6 member(s) (padded to 8), 9 iteration(s) replayed, 3 run to warm up" in trace, trace
     assert capture.STATS["captured"] == 1
     _same(eager, recorded, atol=1e-5)
@@ -135,7 +136,7 @@ def test_a_host_sync_inside_the_capture_falls_back_with_the_refusal_and_the_stre
     monkeypatch.setattr(ClampBox, "project_", _project_with(lambda z: float(z.max())))
     obs = _group(seed=6)
     failed = _run(obs, 24, capture="recording", lr=1e-9)
-    trace = failed[0].trace["capture"]
+    trace = word(failed[0].trace["capture"])
     # the refusal itself, not the error of ending the invalidated capture
     assert trace.startswith("off: capture='recording'; recording failed: RuntimeError: operation not permitted "
                             "when stream is capturing (_local_scalar_dense waits for the device)"), trace
@@ -151,7 +152,7 @@ def test_an_error_inside_the_capture_is_recorded_in_full(fresh_programs, monkeyp
     monkeypatch.setattr(ClampBox, "project_", _project_with(fail_while_capturing))
     obs = _group(seed=8)
     failed = _run(obs, 16, capture="recording")
-    assert failed[0].trace["capture"].endswith("recording failed: RuntimeError: the first line\n"
+    assert word(failed[0].trace["capture"]).endswith("recording failed: RuntimeError: the first line\n"
                                                 "the second line, which names the cause")
     assert capture.RECORDING_STREAM == ["default"]
     _same(_run(obs, 16, capture="off"), failed)
@@ -169,7 +170,7 @@ def test_no_capture_while_an_abandoned_defense_call_runs(fresh_programs):
         invoke_defense(slow, model, torch.rand(1, *SHAPE), torch.tensor([0]))
     try:
         assert abandoned_calls() == ["defense-slow"]
-        trace = _run(_group(seed=9), 16, capture="recording")[0].trace["capture"]
+        trace = word(_run(_group(seed=9), 16, capture="recording")[0].trace["capture"])
         assert "a defense call abandoned after its timeout still runs on a thread (defense-slow)" in trace, trace
     finally:
         release.set()
@@ -256,7 +257,7 @@ def test_a_changed_constant_builds_a_new_program(change, fresh_programs):
     assert (capture.STATS["built"], capture.STATS["reused"]) == (1, 1)
     changed = run(alter, group() if group else None)
     assert capture.STATS["built"] == 2, change
-    assert changed[0].trace["capture"].endswith("built here" + changed[0].trace["capture"].split("built here")[1])
+    assert "program built here" in word(changed[0].trace["capture"])
 
 
 def test_layer_weights_and_masks_are_inputs_of_one_program(fresh_programs):
@@ -328,7 +329,7 @@ def test_the_restart_selection_keeps_the_runs_one_program(fresh_programs):
     captured = _run(obs, 24, capture="eager", keep_best_after=0.5)
     assert captured[0].trace["restart_selection"]["iteration"] < captured[0].trace["iterations"] - 1
     assert capture.STATS["built"] == len(capture.PROGRAMS) == 1, "the restart selection built a second program"
-    assert "programs: 1 built, 0 reused" in captured[0].trace["capture"], captured[0].trace["capture"]
+    assert "programs: 1 built, 0 reused" in word(captured[0].trace["capture"]), word(captured[0].trace["capture"])
     _same(eager, captured, atol=1e-5)
 
 

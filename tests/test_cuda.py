@@ -16,6 +16,7 @@ from attacks import ATTACKS, capture, observe
 from attacks.search_space import ClampBox
 from audit.core.metrics import psnr
 from audit.core.models import build_model
+from audit.report.reasons import word
 from defenses import build_defense
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
@@ -97,7 +98,7 @@ def _close(eager, captured, atol=1e-4):
 def test_the_replayed_graph_gives_the_eager_loops_images(deterministic_cudnn):
     obs, _ = _cuda_group(8)  # 8 observations: no padding, the same kernels as the eager loop
     eager, graph = _ig(obs, 40, capture="off"), _ig(obs, 40, capture="graph")
-    trace = graph[0].trace["capture"]
+    trace = word(graph[0].trace["capture"])
     assert trace.startswith("graph: capture='graph'; the whole iteration as one program over 8 member(s)"), trace
     assert "37 iteration(s) replayed, 3 run to warm up" in trace
     _close(eager, graph)
@@ -107,14 +108,14 @@ def test_the_replayed_graph_gives_the_eager_loops_images(deterministic_cudnn):
 def test_a_replayed_resnet_with_batchnorm_gives_the_eager_loops_images(deterministic_cudnn, mode):
     obs, _ = _cuda_group(4, seed=1, model="resnet18", mode=mode, width=8)
     eager, graph = _ig(obs, 20, capture="off"), _ig(obs, 20, capture="graph")
-    assert graph[0].trace["capture"].startswith("graph: capture='graph'"), graph[0].trace["capture"]
+    assert word(graph[0].trace["capture"]).startswith("graph: capture='graph'"), word(graph[0].trace["capture"])
     _close(eager, graph, atol=1e-3)
 
 
 def test_a_padded_graph_recovers_what_the_eager_loop_recovers(deterministic_cudnn):
     obs, x = _cuda_group(3)  # 3 observations x 2 restarts, padded to 4 x 2
     eager, graph = _ig(obs, 2 * 40, restarts=2, capture="off"), _ig(obs, 2 * 40, restarts=2, capture="graph")
-    assert "over 6 member(s) (padded to 8)" in graph[0].trace["capture"]
+    assert "over 6 member(s) (padded to 8)" in word(graph[0].trace["capture"])
     for i, (a, b) in enumerate(zip(eager, graph)):
         assert abs(float(psnr(a.inputs.cpu(), x[i:i + 1])) - float(psnr(b.inputs.cpu(), x[i:i + 1]))) < 1.0
 
@@ -137,7 +138,7 @@ def test_programs_over_the_reserved_memory_limit_are_dropped_and_their_memory_re
     # any kept program is over the limit: each build drops the ones before and returns their pools
     monkeypatch.setattr(capture, "MEMORY_FRACTION", (start + 1) / torch.cuda.get_device_properties(cuda).total_memory)
     for n in (1, 2, 3, 5):  # padded to 1, 2, 4 and 6 observations: four programs, more than the limit holds
-        trace = _ig(_cuda_group(n, seed=n)[0], 20, capture="graph")[0].trace["capture"]
+        trace = word(_ig(_cuda_group(n, seed=n)[0], 20, capture="graph")[0].trace["capture"])
         assert trace.startswith("graph: ") and "program built here" in trace, trace
         assert len(capture.PROGRAMS) == 1 and next(iter(capture.PROGRAMS.values())).reserved > 0
     assert capture.STATS["built"] == 5
@@ -150,7 +151,8 @@ def test_a_kept_graph_replays_for_the_next_group_with_its_weights_and_labels(det
     captured = capture.STATS["captured"]
     obs, _ = _cuda_group(8, seed=1)  # another model's weights, other images and labels
     again = _ig(obs, 20, capture="graph")
-    assert capture.STATS["captured"] == captured and again[0].trace["capture"].endswith("reused from an earlier run")
+    assert capture.STATS["captured"] == captured
+    assert word(again[0].trace["capture"]).endswith("reused from an earlier run")
     _close(_ig(obs, 20, capture="off"), again)
 
 
@@ -170,10 +172,10 @@ def test_eot_noise_is_drawn_afresh_at_each_replay():
 
 def test_the_rule_captures_on_cuda_and_says_why_not():
     obs, _ = _cuda_group(2)
-    assert _ig(obs, 40)[0].trace["capture"].startswith("graph: 80 member-iterations < ")
-    assert _ig(obs, 4)[0].trace["capture"].startswith("off: 4 iteration(s) < ")
+    assert word(_ig(obs, 40)[0].trace["capture"]).startswith("graph: 80 member-iterations < ")
+    assert word(_ig(obs, 4)[0].trace["capture"]).startswith("off: 4 iteration(s) < ")
     dlg = ATTACKS.build("dlg", restarts=1).reconstruct(obs[0], 20, 0)
-    assert dlg.trace["capture"] == "off: the lbfgs line search accepts or halves each step on the host"
+    assert word(dlg.trace["capture"]) == "off: the lbfgs line search accepts or halves each step on the host"
 
 
 def test_a_host_sync_inside_a_capture_falls_back_with_the_stream_restored(monkeypatch, deterministic_cudnn):
@@ -186,7 +188,7 @@ def test_a_host_sync_inside_a_capture_falls_back_with_the_stream_restored(monkey
     monkeypatch.setattr(ClampBox, "project_", project_)
     obs, _ = _cuda_group(2, seed=5)
     recs = _ig(obs, 20, capture="graph")
-    trace = recs[0].trace["capture"]
+    trace = word(recs[0].trace["capture"])
     # torch names the error RuntimeError or, from 2.9 on, its subclass AcceleratorError
     assert re.match(r"off: capture='graph'; graph failed: (RuntimeError|AcceleratorError): ", trace), trace
     assert "operation not permitted when stream is capturing" in trace, trace
@@ -217,11 +219,12 @@ def test_the_compiled_graph_matches_and_compiles_once_per_shape(deterministic_cu
 
     first = group(0)
     eager, built = _ig(first, 12, capture="off"), _ig(first, 12, capture="compiled-graph")
-    assert built[0].trace["capture"].startswith("compiled-graph: "), built[0].trace["capture"]  # the whole reason
+    said = word(built[0].trace["capture"])
+    assert said.startswith("compiled-graph: "), said  # the whole reason
     _close(eager, built, atol=1e-3)
     compiled = capture.STATS["compiled"]
     second = group(1)  # other labels
     again = _ig(second, 12, capture="compiled-graph")
-    assert again[0].trace["capture"].startswith("compiled-graph: "), again[0].trace["capture"]
+    assert word(again[0].trace["capture"]).startswith("compiled-graph: "), word(again[0].trace["capture"])
     assert capture.STATS["compiled"] == compiled
     _close(_ig(second, 12, capture="off"), again, atol=1e-3)

@@ -210,7 +210,7 @@ def test_user_generator_without_blocks(case):
     torch.manual_seed(0)
     rec = ATTACKS.build("gifd", generator=_FlatGenerator()).reconstruct(case[-1], budget=4)
     assert rec.trace["searched_layers"] == [0] and "latent search only" in word(rec.trace["note"])
-    assert rec.trace["conditioning"] == "unconditional generator"
+    assert rec.trace["conditioning"] == {"code": "generator-unconditional", "params": {}}
 
 
 def test_batches_reconstruct_every_image(gen, case):

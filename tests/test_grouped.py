@@ -49,7 +49,7 @@ def test_grouped_run_matches_one_at_a_time(observations, name, settings, one_thr
     many = attack.reconstruct_many(obs, budget, [0, 1, 2])
     for i, (a, b) in enumerate(zip(one, many)):
         assert b.trace["grouped"]["code"].startswith("grouped"), b.trace["grouped"]
-        assert "batched (vmap over 3 observations" in b.trace["execution"] or name == "portfolio"
+        assert "batched (vmap over 3 observations" in word(b.trace["execution"]) or name == "portfolio"
         assert a.trace["iterations"] == b.trace["iterations"] and torch.equal(a.labels, b.labels)
         if name == "ig":  # smooth objective: the same trajectory up to float summation order
             assert a.trace["chosen_restart"] == b.trace["chosen_restart"]
@@ -92,7 +92,7 @@ def test_bayes_optimal_groups_with_one_prior_weight(one_thread):
     one = [attack.reconstruct(o, 12, s) for s, o in enumerate(obs)]
     many = attack.reconstruct_many(obs, 12, [0, 1, 2])
     for i, (a, b) in enumerate(zip(one, many)):
-        assert b.trace["execution"].startswith("batched (vmap over 3 observations"), b.trace["execution"]
+        assert word(b.trace["execution"]).startswith("batched (vmap over 3 observations"), word(b.trace["execution"])
         assert a.trace["beta"] == b.trace["beta"] and a.trace["likelihood"] == b.trace["likelihood"]
         assert _close_in_quality(a.inputs, b.inputs, x[i:i + 1])
 
@@ -104,7 +104,7 @@ def test_svd_subspace_groups_with_each_observations_own_subspaces(one_thread):
     one = [attack.reconstruct(o, 16, s) for s, o in enumerate(obs)]
     many = attack.reconstruct_many(obs, 16, [0, 1, 2])
     for i, (a, b) in enumerate(zip(one, many)):
-        assert b.trace["execution"].startswith("batched (vmap over 3 observations"), b.trace["execution"]
+        assert word(b.trace["execution"]).startswith("batched (vmap over 3 observations"), word(b.trace["execution"])
         assert _close_in_quality(a.inputs, b.inputs, x[i:i + 1])
     # a member handed another observation's subspaces matches worse: the data is per member
     swapped = attack.reconstruct_many([obs[1]], 16, [0])[0]
@@ -127,7 +127,7 @@ def test_eot_groups_its_draws(defense, settings, execution, one_thread):
     again = attack.reconstruct_many(obs, budget, [0, 1, 2])
     one = [attack.reconstruct(o, budget, s) for s, o in enumerate(obs)]
     for b, c in zip(many, again):
-        assert b.trace["execution"].startswith(execution), b.trace["execution"]
+        assert word(b.trace["execution"]).startswith(execution), word(b.trace["execution"])
         assert word(b.trace["grouped"]).startswith("one batched run over 3")
         assert torch.equal(b.inputs, c.inputs)
     mean = lambda recs: sum(float(psnr(r.inputs, x[i:i + 1])) for i, r in enumerate(recs)) / 3  # noqa: E731

@@ -42,7 +42,7 @@ def test_mlp_batch_is_recovered_exactly_with_certificate_and_labels():
     per_image, label_accuracy = _matched(rec, x, y)
     assert min(per_image) > 60
     assert label_accuracy == 1.0  # each label read off its recovered image
-    assert rec.trace["labels_from"] == "recovered batch"
+    assert rec.trace["labels_from"] == "recovered-batch"
     assert rec.trace["layer"] == "2"  # after Normalize and Flatten
 
 

@@ -98,7 +98,8 @@ class BayesOptimalAttack:
         MonteCarloLikelihood(bandwidth_floor)  # validates the floor now, not at the first observation
 
     # ------------------------------------------------------------------ composition
-    def resolve_likelihood(self, observation: Observation) -> Tuple[str, str, Objective, GradientSimulator, int]:
+    def resolve_likelihood(self, observation: Observation
+                           ) -> Tuple[str, Dict[str, Any], Objective, GradientSimulator, int]:
         """``(kind, description, objective, inner simulator, draws per ball point)`` for this
         observation; ``kind`` is ``defense``, ``monte-carlo`` or the objective's name."""
         choice = self.likelihood
@@ -114,13 +115,14 @@ class BayesOptimalAttack:
             if defense is None:
                 raise NotApplicable(Reason("bayes-monte-carlo-needs-defense"))
             return ("monte-carlo",
-                    f"monte-carlo kernel estimate over {self.mc_draws} draws of defense {defense.name!r}",
+                    Reason("likelihood-monte-carlo", draws=self.mc_draws, defense=defense.name).to_dict(),
                     MonteCarloLikelihood(self.bandwidth_floor), DefenseSimulator(), self.mc_draws)
         if choice == "defense":
-            return ("defense", f"exact: {getattr(defense, 'name', 'defense')}.log_prob",
+            return ("defense", Reason("likelihood-exact", defense=getattr(defense, "name", "defense")).to_dict(),
                     build_objective("defense"), GradientSimulator(), 1)
         objective = self._named_objective(choice)
-        return str(choice), f"given: {objective!r}", objective, GradientSimulator(), 1
+        return str(choice), Reason("likelihood-given", objective=repr(objective)).to_dict(), objective, \
+            GradientSimulator(), 1
 
     def _named_objective(self, choice) -> Objective:
         if not isinstance(choice, str):
@@ -129,13 +131,13 @@ class BayesOptimalAttack:
         return build_objective(choice, **settings)
 
     def prior_scale(self, observation: Observation, kind: str, objective: Objective,
-                    seed: int = PROBE_SEED) -> Tuple[float, str]:
+                    seed: int = PROBE_SEED) -> Tuple[float, Dict[str, Any]]:
         """``(beta, how it was set)``: the given ``beta``, else ``prior_weight`` times half the
         likelihood's per-coordinate Fisher information (:mod:`adaptive.bayes.scale`), probed on a
         random batch drawn from ``seed``: a property of the defense at the model, the same for
         every private image, so a step's images share one attack."""
         if self.beta is not None:
-            return self.beta, "given"
+            return self.beta, Reason("beta-given").to_dict()
         if kind == "defense":
             info = fisher_information(observation, seed)
         elif kind == "monte-carlo":
@@ -143,9 +145,9 @@ class BayesOptimalAttack:
         elif isinstance(objective, ScaledDistance):  # gaussian(sigma): 0.5/sigma^2, laplacian(b): 1/b
             info = 2 * objective.scale if isinstance(objective.distance, L2Distance) else objective.scale ** 2
         else:
-            return self.prior_weight, f"prior_weight {self.prior_weight:g} (the objective is no likelihood)"
+            return self.prior_weight, Reason("beta-no-likelihood", weight=self.prior_weight).to_dict()
         beta = self.prior_weight * info / 2
-        return beta, f"prior_weight {self.prior_weight:g} x Fisher information {info:.3g} / 2"
+        return beta, Reason("beta-fisher", weight=self.prior_weight, information=float(info)).to_dict()
 
     def _prior(self):
         if self.prior is None or self.prior == "uniform":
@@ -161,7 +163,7 @@ class BayesOptimalAttack:
         observation of the same model and defense), and what it chose (likelihood, prior weight)."""
         kind, description, objective, inner, draws = self.resolve_likelihood(observation)
         prior = self._prior()
-        beta, beta_source = (0.0, "no prior") if prior is None else \
+        beta, beta_source = (0.0, Reason("beta-no-prior").to_dict()) if prior is None else \
             self.prior_scale(observation, kind, objective)
         simulator: GradientSimulator = inner
         if self.k > 1 or self.delta > 0 or draws > 1:

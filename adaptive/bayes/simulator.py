@@ -11,13 +11,14 @@ Carlo likelihood; a defense simulator runs them all as one batched defense call,
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
 from attacks.simulator import ClientReplica, GradientSimulator, SimContext
 from audit.core.errors import ConfigError
+from audit.core.reasons import Reason
 from audit.core.types import Observation
 
 from adaptive.bayes.ball import uniform_ball_offsets
@@ -77,11 +78,11 @@ class BallSimulator(GradientSimulator):
         stacked, _ = self.inner.many_members(replica, points.flatten(0, 1), labels, context, draws=self.draws)
         return [g.reshape(len(xs), self.k, *g.shape[1:]) for g in stacked], {"ball_points": points}
 
-    def cannot_stack(self, observation: Observation) -> str:
+    def cannot_stack(self, observation: Observation) -> Optional[Reason]:
         if not callable(getattr(self.inner, "many_members", None)):
-            return f"{self.inner.describe()} has no stacked call (many_members)"
+            return Reason("no-stacked-call", simulator=self.inner.describe())
         why = getattr(self.inner, "cannot_stack", None)
-        return why(observation) if callable(why) else ""
+        return why(observation) if callable(why) else None
 
     def gradient_evaluations(self, observation: Observation) -> int:
         return self.k * self.draws * self.inner.gradient_evaluations(observation)

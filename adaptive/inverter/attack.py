@@ -28,6 +28,7 @@ from attacks.optimization import Progress, validate_observation
 from attacks.labels import infer_labels
 from attacks.presets import ATTACKS
 from audit.core.errors import ConfigError, NotApplicable
+from audit.core.reasons import Reason
 from audit.core.types import Observation, Reconstruction
 
 from adaptive.inverter.cache import (cache_key, cache_path, defense_fingerprint, load_entry,
@@ -124,14 +125,14 @@ class LearnedInverter:
         if entry is not None:
             net.load_state_dict(entry["state"])
             net.eval()
-            return TrainedInverter(net, sketch, {**entry["info"], "cache": f"loaded {path}"})
+            return TrainedInverter(net, sketch, {**entry["info"], "cache": "loaded", "cache_path": str(path)})
         info = self._train(net, sketch, observation, images, labels, steps, progress)
         info.update(aux=source, key=key, steps=steps, settings=asdict(s), defense=key_parts["defense"])
         if self.cache:
             save_entry(path, {"state": {k: v.detach().cpu() for k, v in net.state_dict().items()}, "info": info})
-            info["cache"] = f"trained and saved {path}"
+            info.update(cache="saved", cache_path=str(path))
         else:
-            info["cache"] = "trained (caching off)"
+            info["cache"] = "off"
         return TrainedInverter(net, sketch, info)
 
     def _key_parts(self, observation: Observation, images, labels, steps: int) -> Dict[str, Any]:
@@ -183,7 +184,7 @@ class LearnedInverter:
         labels, label_note = _labels(observation, images)
         trace = {"attack": self.name, "inverter": inverter.info, "labels": label_note, "gradient_evaluations": 0,
                  "setup_gradient_evaluations": self.settings.pairs * max(1, int(observation.local_steps)),
-                 "threat_model_extras": "auxiliary data: " + inverter.info.get("aux", "see cache entry")}
+                 "threat_model_extras": {"auxiliary_data": inverter.info.get("aux")}}
         return Reconstruction(images, labels, trace)
 
 
@@ -191,11 +192,12 @@ def _labels(observation: Observation, images: torch.Tensor) -> Tuple[torch.Tenso
     """Shared / inferred labels; where the defense leaves nothing to infer them from, the
     audited model's prediction on the reconstruction."""
     try:
-        return infer_labels(observation, seed=0).labels, {"method": "inferred from the shared gradient"}
+        note = Reason("labels-inferred").to_dict()
+        return infer_labels(observation, seed=0).labels, {"method": "inferred", "note": note}
     except NotApplicable as err:
         with torch.no_grad():  # on a copy in eval mode: BatchNorm buffers stay untouched
             pred = copy.deepcopy(observation.model).eval()(images).argmax(1)
-        return pred, {"method": "model prediction on the reconstruction", "why": err.reason.to_dict()}
+        return pred, {"method": "predicted", "note": Reason("labels-predicted").to_dict(), "why": err.reason.to_dict()}
 
 
 def applies(traits) -> Tuple[bool, str]:

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import copy
 import hashlib
-from typing import Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 from torch import Tensor
 
 from audit.core.errors import DataError
+from audit.core.reasons import Reason
 from audit.core.types import Observation
 
 from adaptive.inverter.cache import hash_tensors, tensor_digest
@@ -40,12 +41,14 @@ def _dataset_split(name: str, input_shape) -> Tuple[Tensor, Tensor, str]:
         raise DataError(f"the default auxiliary data set {name!r} has square images, the model takes "
                         f"{h}x{w}; declare auxiliary images in observation.extra['aux_images']")
     data = load_dataset(name, size=h)
-    return _match_channels(data.train_images, c), data.train_labels, f"{name} train split ({h}x{w})"
+    source = {"origin": name, "split": "train", "size": f"{h}x{w}"}
+    return _match_channels(data.train_images, c), data.train_labels, source
 
 
 def auxiliary_data(observation: Observation, dataset: str = "embedded", limit: Optional[int] = None,
-                   seed: int = 0) -> Tuple[Tensor, Tensor, str]:
-    """``(images, labels, description)`` on the observation's device.
+                   seed: int = 0) -> Tuple[Tensor, Tensor, Dict[str, Any]]:
+    """``(images, labels, source)`` on the observation's device; ``source``: the JSON object of
+    the reason ``aux-data`` (where the images came from, how many were kept, whose labels).
 
     ``limit``: keep a seeded random subset of at most that many images (data sets are often
     sorted by class, so not the first ones). Labels: the declared ones, else the data set's
@@ -55,7 +58,7 @@ def auxiliary_data(observation: Observation, dataset: str = "embedded", limit: O
     if extra.get("aux_images") is not None:
         images = torch.as_tensor(extra["aux_images"]).float()
         labels = extra.get("aux_labels")
-        source = f"declared auxiliary images ({len(images)})"
+        source = {"origin": "declared", "images": len(images)}
     else:
         images, labels, source = _dataset_split(dataset, observation.input_shape)
     if images.dim() != 4 or tuple(images.shape[1:]) != tuple(observation.input_shape):
@@ -69,14 +72,14 @@ def auxiliary_data(observation: Observation, dataset: str = "embedded", limit: O
         keep = torch.randperm(len(images), generator=torch.Generator().manual_seed(seed))[:limit].sort().values
         images = images[keep]
         labels = None if labels is None else torch.as_tensor(labels)[keep]
-        source += f", a random {limit}"
+        source["limit"] = limit
     device = observation.device
     images = images.to(device)
     labels = None if labels is None else torch.as_tensor(labels).long().to(device)
     if labels is None or len(labels) != len(images) or labels.min() < 0 or labels.max() >= observation.num_classes:
         labels = _pseudo_labels(observation, images)
-        source += ", labels predicted by the audited model"
-    return images, labels, source
+        source["labels"] = "predicted"
+    return images, labels, Reason("aux-data", **source).to_dict()
 
 
 def auxiliary_fingerprint(observation: Observation, images: Tensor, labels: Tensor) -> str:

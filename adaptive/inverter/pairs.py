@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 
 from attacks.simulator import ClientReplica, param_grads
 from audit.core.errors import DefenseError, GiaError
+from audit.core.reasons import Reason
 from audit.client.observe import client_round
 from audit.core.types import Defense, Observation, is_gradient_only
 from audit.core.defense_call import call_defense_many, check_output
@@ -60,20 +61,19 @@ def defended_features(observation: Observation, images: Tensor, labels: Tensor, 
     out = torch.empty(len(index), sketch.out_dim, device=observation.device)
     bar = tqdm(total=len(index), desc=BAR, disable=not progress, leave=False)
     try:
-        done, how = 0, "per batch (client round)"
+        done, how = 0, "per-batch"
         one_step = observation.local_steps == 1 and observation.optimizer.plain
         if one_step and is_gradient_transform(observation.defense):
             done = _batched(observation, images, labels, index, sketch, generator, out, bar)
-            how = ("batched clean gradients (vmap), per-batch transform" if done else
-                   "per batch (client round; vmap could not batch this model's gradient)")
+            how = "vmap" if done else "per-batch-unbatchable"
         elif one_step:
             done = _many(observation, images, labels, index, sketch, generator, out, bar)
-            how = "batched defense calls (Defense.many), one per chunk of batches"
+            how = "defense-many"
         _per_batch(observation, images, labels, index[done:], sketch, generator, out[done:], bar)
     finally:
         bar.close()
     if info is not None:
-        info["pairs_path"] = how
+        info["pairs_path"] = Reason("pairs-" + how).to_dict()
     return out
 
 

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from audit.core.errors import ConfigError, GiaError
+from audit.core.reasons import Reason, path_failed
 from audit.core.types import Observation, Reconstruction
 from generators import CONDITIONS, ImageGenerator, condition_labels, generate, generator_info, resolve_generator
 from generators.resolve import GeneratorSpec
@@ -73,8 +74,8 @@ class Scorer:
         self.target = [g.detach() for g in observation.gradients]
         self.context = SimContext(observation, generator=rng, capture_features=bool(requiring(self.priors, "bn_stats")))
         self.batched = simulator.batchable
-        self.execution = "batched (vmap over candidates)" if self.batched else \
-            f"sequential ({simulator.describe()} is not vmappable)"
+        self.execution = Reason("run-batched-candidates") if self.batched else \
+            Reason("run-sequential", why=Reason("not-vmappable", simulator=simulator.describe()).to_dict())
         self.evaluations = 0
 
     def terms(self, x: Tensor, functional: bool) -> Dict[str, Tensor]:
@@ -99,7 +100,7 @@ class Scorer:
                 raise
             except Exception as err:  # not vmappable after all: sequential from now on
                 self.batched = False
-                self.execution = f"sequential (vmap failed: {type(err).__name__}: {str(err)[:200]})"
+                self.execution = Reason("run-sequential", why=path_failed("vmap", err))
         per = [self.terms(x, False) for x in images]
         return {k: torch.stack([torch.as_tensor(t[k], device=images.device) for t in per]) for k in per[0]}
 
@@ -154,9 +155,9 @@ class GenerativeSetup:
                            generator=self.rng, device=self.observation.device)
 
     def result(self, images: Tensor, trace: Dict[str, Any], start: float) -> Reconstruction:
-        trace = {**trace, **self.info, "execution": self.scorer.execution,
+        trace = {**trace, **self.info, "execution": self.scorer.execution.to_dict(),
                  "evaluations": self.scorer.evaluations, "time_s": time.perf_counter() - start,
-                 "selection": "lowest attack loss (objective + priors); ground truth unused"}
+                 "selection": Reason("lowest-attack-loss").to_dict()}
         return Reconstruction(images.detach().clamp(0, 1), self.labels.clone(), trace)
 
 

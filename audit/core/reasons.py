@@ -58,3 +58,9 @@ class Reason:
 
     def __reduce__(self):  # pickles (a Ray task's result) through its JSON object
         return (Reason.of, (self.to_dict(),))
+
+
+def path_failed(path: str, err: BaseException, limit: int = 200) -> Dict[str, Any]:
+    """The JSON object of the reason that ``path`` (a way of running: "vmap", "stacked call")
+    failed with ``err``: its type and the start of its message."""
+    return Reason("path-failed", path=path, error=f"{type(err).__name__}: {str(err)[:limit]}").to_dict()

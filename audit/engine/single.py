@@ -21,7 +21,7 @@ from audit.core.errors import ConfigError
 from audit.engine.compose import (build_model, check_model, client_model, load_data, reconstruct, resolve_defense,
                                   resolve_device)
 from audit.engine.config import AuditConfig, make_config
-from audit.report.reasons import word
+from audit.report.reasons import trace_words, word
 
 
 def _private_batch(dataset, index: int, batch: int, image: Optional[str], label: int):
@@ -107,7 +107,7 @@ def run_attack(attack: str = "ig", config: Optional[AuditConfig] = None, /, *, i
                "threat_model": obs.threat_model(), "defense": None if defense is None else repr(defense),
                "model": model_cfg.describe(), "checkpoint": config.checkpoint,
                "dataset": data.name, "index": index if image is None else None, "image": image,
-               "seed": seed, "trace": trace}
+               "seed": seed, "trace": trace, "trace_words": trace_words(trace)}
     if rec.applicable:
         matched = rec.inputs[torch.tensor(scores["assignment"])] if scores.get("assignment") else rec.inputs
         (folder / "reconstruction.png").write_bytes(batch_to_png_bytes(matched))

@@ -33,6 +33,23 @@ def word(reason: Any) -> str:
         return str(reason)
 
 
+def is_reason(value: Any) -> bool:
+    """Whether ``value`` is a reason's JSON object (``{"code", "params"}``)."""
+    return isinstance(value, dict) and "code" in value and set(value) <= {"code", "params"}
+
+
+def trace_words(trace: Any, prefix: str = "") -> Dict[str, str]:
+    """The sentences of the reasons an attack's trace holds, by key (a nested one as
+    ``labels.note``): what the trace says in words, for a reader of ``metrics.json``."""
+    out: Dict[str, str] = {}
+    for key, value in dict(trace or {}).items():
+        if isinstance(value, Reason) or is_reason(value):
+            out[prefix + str(key)] = word(value)
+        elif isinstance(value, dict):
+            out.update(trace_words(value, f"{prefix}{key}."))
+    return out
+
+
 def _portfolio(params: Dict[str, Any]) -> str:
     skipped = params.get("strategies") or {}
     return "no portfolio strategy applies: " + ("; ".join(f"{n}: {word(r)}" for n, r in skipped.items()) or "none")
@@ -64,6 +81,50 @@ def _bn_upload_used(params: Dict[str, Any]) -> str:
     if params.get("every_attack"):
         text += "; added by every optimisation attack (ig, gi, portfolio, the adaptive attacks built on them)"
     return text
+
+
+def _words(items: Any) -> str:
+    return "; ".join(word(r) for r in (items or []))
+
+
+def _run_batched(params: Dict[str, Any]) -> str:
+    n = params.get("observations") or 1
+    over = f"{n} observations x {params.get('restarts')} restarts" if n > 1 else f"{params.get('restarts')} restarts"
+    return f"batched (vmap over {over})"
+
+
+def _not_vmappable(params: Dict[str, Any]) -> str:
+    why = f"; {word(params['why'])}" if params.get("why") else ""
+    return f"{params.get('simulator')} is not vmappable{why}"
+
+
+def _compile_unused(params: Dict[str, Any]) -> str:
+    route = word(params.get("route"))
+    return f"{route[:-1] if route.endswith(')') else route}; compile=true not used: {word(params.get('why'))})"
+
+
+def _capture_off(params: Dict[str, Any]) -> str:
+    replayed = params.get("replayed") or 0
+    return f"off: {_words(params.get('why'))}" + (f"; {replayed} iteration(s) replayed before" if replayed else "")
+
+
+def _captured(p: Dict[str, Any]) -> str:
+    kept = (f"built here (set up in {p.get('setup_s', 0):.2f} s)" if p.get("built") else "reused from an earlier run")
+    return (f"{p.get('route')}: {_words(p.get('why'))}; the whole iteration as one program over {p.get('members')} "
+            f"member(s) (padded to {p.get('padded')}), {p.get('replays')} iteration(s) replayed, {p.get('warm')} run "
+            f"to warm up; programs: {p.get('built')} built, {p.get('reused')} reused; program {kept}")
+
+
+def _aux_data(p: Dict[str, Any]) -> str:
+    text = (f"declared auxiliary images ({p.get('images')})" if p.get("origin") == "declared" else
+            f"{p.get('origin')} {p.get('split')} split ({p.get('size')})")
+    if p.get("limit") is not None:
+        text += f", a random {p['limit']}"
+    return text + (", labels predicted by the audited model" if p.get("labels") == "predicted" else "")
+
+
+def _member_iterations(p: Dict[str, Any]) -> str:
+    return f"{p.get('count')} member-iterations {'>=' if p.get('above') else '<'} {p.get('minimum')}"
 
 
 _TEMPLATES: Dict[str, Template] = {
@@ -192,7 +253,7 @@ _TEMPLATES: Dict[str, Template] = {
     "observations-differ": "observations differ in {field}",
     "observations-different-models": "observations come from different models (parameters or buffers differ)",
     "group-too-small": "max_members={max_members} fits one observation of {restarts} restarts",
-    "one-after-another": "one member after another, {execution}",
+    "one-after-another": lambda p: f"one member after another, {word(p.get('execution'))}",
     "own-reconstruct": "the attack reconstructs in its own way",
     "no-grouped-path": "{attack} has no grouped path (reconstruct_many)",
     "grouped-run-failed": "the grouped run failed ({error}); one at a time",
@@ -225,6 +286,78 @@ _TEMPLATES: Dict[str, Template] = {
                      "{negative} classes with negative entries",
     "labels-optimize": "soft labels optimised jointly with the images (DLG)",
     "labels-given": "labels given to evaluate()",
+    "labels-inferred": "inferred from the shared gradient",
+    "labels-shared": "labels shared by the protocol",
+    "generator-unconditional": "unconditional generator",
+    "generator-conditioned": "conditioned on the attack's labels (generator classes = model classes)",
+    "generator-random-classes": "random generator classes {classes} (generator classes != model classes)",
+    "labels-predicted": "model prediction on the reconstruction",
+    # how an optimisation ran (a trace's "execution")
+    "run-compiled": "compiled (torch.compile of the functional loss and gradient over {members} member(s))",
+    "run-sequential": lambda p: f"sequential ({word(p.get('why'))})",
+    "run-stacked": "stacked (one call of the defense over {members} member(s) per evaluation: {simulator} is not "
+                   "vmappable)",
+    "run-single": "single restart (eager autograd, no vmap overhead)",
+    "run-batched": _run_batched,
+    "run-batched-candidates": "batched (vmap over candidates)",
+    "run-compile-failed": "batched (torch.compile failed: {error})",
+    "compile-unused": _compile_unused,
+    "requested": "requested",
+    "path-failed": "{path} failed: {error}",
+    "not-vmappable": _not_vmappable,
+    "not-functional": "{simulator} is not functional",
+    "no-stacked-call": "{simulator} has no stacked call (many_members)",
+    "transforms-each-member": "the simulator transforms each member's defended gradient",
+    "draws-from-generator": "the defense's transform draws from a generator (no Defense.vmap_draws): its draws run "
+                            "member by member",
+    "labels-optimised": "the labels are optimised with the images",
+    "prior-needs-own-bn": "a prior needs the BatchNorm statistics of each member's own forward pass",
+    "sequential-requested": "execution='sequential' was requested",
+    "group-mean-changes": "the group-consistency prior changes with the {per}",
+    # whether the iteration ran as one captured program (a trace's "capture")
+    "capture-off": _capture_off,
+    "captured": _captured,
+    "capture-setting": "capture={setting!r}",
+    "capture-on-cpu": "capture='on' on a CPU: torch.compile of the iteration",
+    "capture-cuda-only": "capture='auto' captures on CUDA only (on a {device} the eager batched loop has no launch "
+                         "overhead to remove)",
+    "capture-too-few": "{iterations} iteration(s) < {minimum}, too few to repay a capture",
+    "route-needs-cuda": "route {route!r} needs a CUDA device, the run is on {device}",
+    "compile-requested": "compile=true",
+    "member-iterations": _member_iterations,
+    "box-not-capturable": "box {box!r} is not known to project with pure tensor operations",
+    "optimizer-not-capture-safe": "optimizer {optimizer!r} declares no capture-safe update",
+    "lbfgs-host-search": "the lbfgs line search accepts or halves each step on the host",
+    "route-failed": "{route} failed: {error}",
+    "route-instead": "{route} instead",
+    # how a result was picked and counted
+    "lowest-final-loss": "lowest final attack loss (objective + weighted priors); ground truth unused",
+    "lowest-attack-loss": "lowest attack loss (objective + priors); ground truth unused",
+    "lowest-matching-loss": "lowest final matching loss (the attack's own objective)",
+    "keep-best-after": "lowest attack loss at keep_best_after x the budget; the rest of the budget goes to it",
+    "portfolio-pick": "lowest cosine gradient-matching loss, most regularised first, a later candidate wins only below "
+                      "{ratio:g} x the pick's; the pick gets the rest of the budget (from its candidate, or its whole "
+                      "schedule afresh); ground truth unused",
+    "unit-optimisation": "gradient evaluations (restarts x draws x local steps per loss evaluation, incl. one final "
+                         "evaluation to pick the restart)",
+    "restarts-afforded": "{fits} of {restarts} restarts: the budget of {budget} gradient evaluations affords {fits} "
+                         "restart(s) of the ~{per} each needs (per_restart={per_restart!r})",
+    "unrolled-exactly": "unrolled exactly: {optimizer}",
+    # the adaptive attacks' choices
+    "likelihood-monte-carlo": "monte-carlo kernel estimate over {draws} draws of defense {defense!r}",
+    "likelihood-exact": "exact: {defense}.log_prob",
+    "likelihood-given": "given: {objective}",
+    "beta-given": "given",
+    "beta-no-prior": "no prior",
+    "beta-no-likelihood": "prior_weight {weight:g} (the objective is no likelihood)",
+    "beta-fisher": "prior_weight {weight:g} x Fisher information {information:.3g} / 2",
+    "aux-data": _aux_data,
+    "pairs-per-batch": "per batch (client round)",
+    "pairs-vmap": "batched clean gradients (vmap), per-batch transform",
+    "pairs-per-batch-unbatchable": "per batch (client round; vmap could not batch this model's gradient)",
+    "pairs-defense-many": "batched defense calls (Defense.many), one per chunk of batches",
+    "unrolled-smoothed": "unrolled with eps raised to {eps:g} x each tensor's gradient RMS: {optimizer} (the exact "
+                         "rule's near-sign update is a step function of the image)",
 }
 for _code, _template in _TEMPLATES.items():
     REASONS.add(_code, _template, _code)
