@@ -50,10 +50,15 @@ R18_WHY = "ResNet-18 at width 64 and thousands of iterations is beyond 2 CPU cor
 #: its input (8x8x32 or 8x8x64) leaves the image open: conv-span reaches 16.3 and 16.5 dB on the first
 #: embedded image there, 81.9 dB (certified) at width 32
 R18_SPAN_WIDTH = 32
+#: the images of a width-32 cell on 2 CPU cores: conv-span takes about 100 CPU s an image there, and each
+#: cell runs its control too
+R18_SPAN_IMAGES = 8
 R18_SPAN_WHY = ("width 32, the narrowest ResNet-18 whose stage-3 convolutions meet conv-span's rank condition (64 "
                 "positions < 128 channels; at width 8 and 16 only stage 4 does, and its 8x8 input leaves the image "
                 "open: conv-span reaches 16.3 and 16.5 dB there); width 64 and the paper's iterations are beyond 2 "
                 "CPU cores: `--profile gpu` runs them")
+#: the cpu profile of a ResNet-18 row that conv-span can decide: width 32, 8 images
+R18_SPAN_CPU = {"cpu_width": R18_SPAN_WIDTH, "cpu_images": R18_SPAN_IMAGES}
 #: what the gpu profile runs where SVDefense states no iteration count (its IG's is not given)
 SVD_GPU_BUDGET = 4000
 SOTERIA_REPLAY_LEFT_OUT = ("not through-defense: it runs Soteria's per-feature pullbacks on every dummy, and "
@@ -89,11 +94,12 @@ BAYES_QUOTE = ("\"In all other cases, Bayes optimal adversary outperforms the ot
 def r18_scales(cpu_budget: int, *, planner: Optional[Tuple[str, ...]] = None, why: str = "",
                gpu_budget: Optional[int] = None, cpu_steps=None, gpu_steps=None, images: Optional[int] = None,
                gpu_adaptive_budget: Optional[int] = None, cpu_adaptive_budget: Optional[int] = None,
-               cpu_width: int = R18_CPU["width"]) -> Dict[str, Scale]:
+               cpu_width: int = R18_CPU["width"], cpu_images: Optional[int] = None) -> Dict[str, Scale]:
     """The cpu profile's ResNet-18 (width 8, or ``cpu_width``) and the gpu profile's width 64 at
     the paper's budget (or ``gpu_budget`` where the paper states none); ``images`` where the
-    paper's count does not fit."""
-    return {"cpu": Scale(model_args={"width": cpu_width}, budget=cpu_budget, steps=cpu_steps, images=images, planner=planner,
+    paper's count does not fit (``cpu_images`` on the cpu profile)."""
+    return {"cpu": Scale(model_args={"width": cpu_width}, budget=cpu_budget, steps=cpu_steps,
+                         images=cpu_images or images, planner=planner,
                          planner_args=INVERTER_CPU, adaptive_budget=cpu_adaptive_budget,
                          why=why or (R18_SPAN_WHY if cpu_width == R18_SPAN_WIDTH else R18_WHY)),
             "gpu": Scale(budget=gpu_budget, steps=gpu_steps, images=images, planner=planner, why=why,
@@ -151,8 +157,9 @@ ROWS: List[Row] = [
                                hparams="Soteria prunes 10% of fc-input features; IG as the authors' code runs "
                                        "it, with Soteria's mask on the dummy gradient",
                                anchor="Soteria .0558/.5846/12.537/.1222"),
-        scales=r18_scales(R18_BUDGET, planner=("mask-replay", "ig", "portfolio", "layer-drop", "analytic",
-                                               "learned-inverter"), why=SOTERIA_REPLAY_LEFT_OUT),
+        scales=r18_scales(R18_BUDGET, planner=("mask-replay", "ig", "portfolio", "layer-drop", "analytic", "conv-span",
+                                               "learned-inverter"), why=SOTERIA_REPLAY_LEFT_OUT,
+                          **R18_SPAN_CPU),
         profiles=BOTH,
         paper_psnr=12.54,
         notes=CENSOR_IG_NOTE),
@@ -172,7 +179,8 @@ ROWS: List[Row] = [
                            args={**IG_CENSOR, **EOT},
                            label="EOT over CENSOR's draws (Table III, with GIFD: "
                 "13.32 -> 13.39 dB on ImageNet)"),
-        scales=r18_scales(R18_BUDGET, gpu_adaptive_budget=4000, cpu_adaptive_budget=4 * R18_BUDGET),
+        scales=r18_scales(R18_BUDGET, gpu_adaptive_budget=4000, cpu_adaptive_budget=4 * R18_BUDGET,
+                          **R18_SPAN_CPU),
         profiles=BOTH,
         paper_psnr=10.27,
         notes=CENSOR_NOTES + CENSOR_IG_NOTE + ("the paper gives no budget for its EOT attack; it runs 4 draws per "
@@ -192,7 +200,7 @@ ROWS: List[Row] = [
                                steps=tuple(range(10)),
                                hparams="GIFD (1,000 steps per generator layer, lr 0.1, cosine + TV 1e-4)",
                                anchor="4 | 0.1717 | 0.7528 | 9.07 | 0.041"),
-        scales=r18_scales(R18_BUDGET, cpu_steps=(0, 9), gpu_steps=(0, 9), gpu_budget=15000),
+        scales=r18_scales(R18_BUDGET, cpu_steps=(0, 9), gpu_steps=(0, 9), gpu_budget=15000, **R18_SPAN_CPU),
         profiles=BOTH,
         differences=("IG instead of GIFD (no pretrained generator here)",),
         notes=CENSOR_NOTES + CENSOR_IG_NOTE),
@@ -218,7 +226,8 @@ ROWS: List[Row] = [
                                        "CENSOR's CIFAR ResNet-18 and IG, whose Table I has no such experiment",
                                client_mode="train",
                                anchor="| CENSOR [21] | 8.1940 | 0.6958 | 16.4071 | 0.2881 |"),
-        scales=r18_scales(4 * R18_BUDGET, cpu_steps=(5, 9), gpu_steps=(5, 9), images=IMAGES, gpu_budget=15000),
+        scales=r18_scales(4 * R18_BUDGET, cpu_steps=(5, 9), gpu_steps=(5, 9), images=IMAGES, gpu_budget=15000,
+                          **R18_SPAN_CPU),
         profiles=BOTH,
         differences=("rounds of FedSGD instead of epochs",),
         store="censor-resnet18-later",
@@ -239,7 +248,7 @@ ROWS: List[Row] = [
         adaptive=AttackRef(name="mask-replay", args=IG_SVD, label="mask replay (IG)"),
         leak_cell="adaptive",
         paper_psnr=12.93,
-        scales=r18_scales(2 * R18_BUDGET, gpu_budget=SVD_GPU_BUDGET, images=IMAGES),
+        scales=r18_scales(2 * R18_BUDGET, gpu_budget=SVD_GPU_BUDGET, images=IMAGES, **R18_SPAN_CPU),
         profiles=BOTH,
         notes=SVD_IG_NOTE),
     Row(
@@ -259,8 +268,8 @@ ROWS: List[Row] = [
         leak_cell="adaptive",
         paper_psnr=10.81,
         scales=r18_scales(2 * R18_BUDGET, gpu_budget=SVD_GPU_BUDGET, images=IMAGES,
-                          planner=("ig", "portfolio", "mask-replay", "layer-drop", "learned-inverter"),
-                          why=SOTERIA_REPLAY_LEFT_OUT),
+                          planner=("ig", "portfolio", "mask-replay", "layer-drop", "conv-span", "learned-inverter"),
+                          why=SOTERIA_REPLAY_LEFT_OUT, **R18_SPAN_CPU),
         profiles=BOTH,
         notes=SVD_IG_NOTE),
     Row(
@@ -279,7 +288,7 @@ ROWS: List[Row] = [
         adaptive=AttackRef(name="precode-latent", args={}, label="dummy latent optimised with the input"),
         leak_cell="adaptive",
         paper_psnr=3.57,
-        scales=r18_scales(2 * R18_BUDGET, gpu_budget=SVD_GPU_BUDGET, images=IMAGES),
+        scales=r18_scales(2 * R18_BUDGET, gpu_budget=SVD_GPU_BUDGET, images=IMAGES, **R18_SPAN_CPU),
         profiles=BOTH,
         notes=SVD_IG_NOTE),
     Row(
@@ -300,7 +309,7 @@ ROWS: List[Row] = [
         paper_steps=(0,),
         leak_cell="adaptive",
         paper_psnr=8.19,
-        scales=r18_scales(2 * R18_BUDGET, gpu_budget=SVD_GPU_BUDGET, images=IMAGES),
+        scales=r18_scales(2 * R18_BUDGET, gpu_budget=SVD_GPU_BUDGET, images=IMAGES, **R18_SPAN_CPU),
         profiles=BOTH,
         differences=("rounds of FedSGD instead of epochs",),
         notes=CENSOR_NOTES + SVD_IG_NOTE,
@@ -323,7 +332,7 @@ ROWS: List[Row] = [
                                     "14.3392 |"),
         adaptive=AttackRef(name="learned-inverter", args={"pairs": 256}, label="learning to invert (Table IV)"),
         paper_psnr=12.53,
-        scales=r18_scales(R18_BUDGET, gpu_budget=SVD_GPU_BUDGET, images=IMAGES),
+        scales=r18_scales(R18_BUDGET, gpu_budget=SVD_GPU_BUDGET, images=IMAGES, **R18_SPAN_CPU),
         profiles=BOTH,
         notes=SVD_NOTES + SVD_IG_NOTE),
     Row(
