@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
@@ -87,6 +88,10 @@ def table(rows: Sequence[Dict[str, Any]], max_budget: int, max_minutes: float) -
     lines = ["| model | client mode | batch | attacks planned | recovered at each budget tried | budget found | "
              "control recovers, 95% CI | verdict undefended | minutes |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        if "tried" not in r:  # a cell not run under today's key yet
+            mode = r["mode"] if r["model"] in BATCHNORM else "(no BatchNorm)"
+            lines.append(f"| {r['model']} | {mode} | {r['batch']} | not measured yet | | | | | |")
+            continue
         tried = ", ".join(f"{t['recovered']}/{t['images']} at {t['budget']}" for t in r["tried"])
         found = STOPS.get(r["stopped_by"], "{budget}").format(budget=r["budget"], max_budget=max_budget,
                                                                max_minutes=max_minutes)
@@ -109,6 +114,7 @@ def main(argv: Optional[List[str]] = None) -> None:
                         help="the search's time ceiling  [default: the audit's]")
     parser.add_argument("--out", default="bench-out/control", help="where each cell's audit is kept (resumed)")
     parser.add_argument("--results", default=str(RESULTS), help="the finished cells")
+    parser.add_argument("--render", action="store_true", help="write the table from the kept cells; run nothing")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cpu")
@@ -132,13 +138,16 @@ def main(argv: Optional[List[str]] = None) -> None:
         call = call_of(cell, args.images, ceiling, minutes, args.seed, args.device, Path(args.out) / name)
         key = run_key(call)
         row = stored(results / f"{name}.json", key)
-        if row is None:
+        if row is None and args.render:
+            row = cell
+        elif row is None:
             row = measure(cell, call, key)
             (results / f"{name}.json").write_text(json.dumps(row, indent=2) + "\n")
         rows.append(row)
         print(table(rows[-1:], ceiling, minutes).splitlines()[-1], flush=True)
     text = table(rows, ceiling, minutes)
     print(text)
+    argv = [a for a in (sys.argv[1:] if argv is None else argv) if a != "--render"]
     publish(args, "bench.bench_control", argv, text, f"torch {torch.__version__}, {torch.get_num_threads()} threads")
 
 

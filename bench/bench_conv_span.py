@@ -15,6 +15,7 @@ import argparse
 import ast
 import hashlib
 import json
+import multiprocessing
 import textwrap
 import time
 from pathlib import Path
@@ -105,6 +106,12 @@ def run_one(mode: str, indices, budget: int, seed: int, device: str, width: int)
     return row
 
 
+def _run_one_with_threads(mode: str, indices, budget: int, seed: int, device: str, width: int, threads: int) -> dict:
+    """:func:`run_one` in a worker process, at ``threads`` threads."""
+    torch.set_num_threads(threads)
+    return run_one(mode, indices, budget, seed, device, width)
+
+
 def render(rows, width: int, budget: int, command: str) -> str:
     lines = ["# Conv-span on ResNet-18", "",
              f"Command: `{command}` (registered "
@@ -193,21 +200,26 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--jobs", type=int, default=1, help="attacks run at once, each in its own process")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     data = load_dataset("embedded")
-    rows = []
+    tasks = []
     for entry in filter(None, args.modes.split(",")):
         mode, _, count = entry.partition(":")
-        for index in picks(data, int(count or 8)):
-            rows.append(run_one(mode, [index], args.budget, args.seed, args.device, args.width))
-            print(json.dumps(rows[-1]), flush=True)
+        tasks += [(mode, [index]) for index in picks(data, int(count or 8))]
     for entry in filter(None, args.batches.split(",")):
         mode, _, shape = entry.partition(":")
         size, _, count = shape.partition("x")
-        for batch in distinct_batches(data, int(size), int(count or 1)):
-            rows.append(run_one(mode, batch, args.budget, args.seed, args.device, args.width))
-            print(json.dumps(rows[-1]), flush=True)
+        tasks += [(mode, batch) for batch in distinct_batches(data, int(size), int(count or 1))]
+    calls = [(mode, indices, args.budget, args.seed, args.device, args.width, args.threads) for mode, indices in tasks]
+    if args.jobs > 1:  # each result is kept as it finishes, so an interrupted run resumes
+        with multiprocessing.get_context("spawn").Pool(args.jobs) as pool:
+            rows = pool.starmap(_run_one_with_threads, calls, chunksize=1)
+    else:
+        rows = [_run_one_with_threads(*call) for call in calls]
+    for row in rows:
+        print(json.dumps(row), flush=True)
     command = "python -m bench.bench_conv_span " + " ".join(
         f"--{k} {v}" for k, v in (("modes", args.modes), ("batches", args.batches), ("budget", args.budget)) if v)
     DOC.write_text(render(rows, args.width, args.budget, command))
