@@ -61,19 +61,19 @@ def defended_features(observation: Observation, images: Tensor, labels: Tensor, 
     out = torch.empty(len(index), sketch.out_dim, device=observation.device)
     bar = tqdm(total=len(index), desc=BAR, disable=not progress, leave=False)
     try:
-        done, how = 0, "per-batch"
+        done, how = 0, Reason("pairs-per-batch")
         one_step = observation.local_steps == 1 and observation.optimizer.plain
         if one_step and is_gradient_transform(observation.defense):
             done = _batched(observation, images, labels, index, sketch, generator, out, bar)
-            how = "vmap" if done else "per-batch-unbatchable"
+            how = Reason("pairs-vmap") if done else Reason("pairs-per-batch-unbatchable")
         elif one_step:
             done = _many(observation, images, labels, index, sketch, generator, out, bar)
-            how = "defense-many"
+            how = Reason("pairs-defense-many")
         _per_batch(observation, images, labels, index[done:], sketch, generator, out[done:], bar)
     finally:
         bar.close()
     if info is not None:
-        info["pairs_path"] = Reason("pairs-" + how).to_dict()
+        info["pairs_path"] = how.to_dict()
     return out
 
 
