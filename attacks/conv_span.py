@@ -343,7 +343,7 @@ class ConvSpan:
         rows, cols = linear_sum_assignment(cost.cpu().numpy())
         assigned = torch.empty_like(labels)
         assigned[torch.as_tensor(cols, device=labels.device)] = labels[torch.as_tensor(rows, device=labels.device)]
-        return assigned, f"{inferred.method}, each given to the image nearest its feature reading"
+        return assigned, f"{inferred.method}-matched"  # each label given to the image nearest its feature reading
 
     def _fit(self, observation: Observation, sim: GradientSimulator, replica: ClientReplica, x: Tensor,
              labels: Tensor, scout: Optional[Observation] = None) -> Tuple[Tensor, Tensor, float, int]:
@@ -352,7 +352,7 @@ class ConvSpan:
         the data's range, as scored). ``scout``: the upload in its own precision, where the grid of
         gains is scored (float32 on a float64 fit: the grid is about a third of the attack's time)."""
         observed = [g.detach() for g in observation.gradients]
-        ref = math.sqrt(sum(float(g.double().pow(2).sum()) for g in observed)) or 1.0
+        ref = _upload_norm(observed)
         channels = x.shape[1]
         shape = (1, channels, 1, 1)
         mean = torch.tensor(observation.data_mean or [0.0] * channels, dtype=x.dtype, device=x.device).view(shape)
@@ -420,9 +420,15 @@ def upload_error(observation: Observation, images: Tensor, labels: Tensor) -> fl
     (the certificate's measure, before any fit): what the attacker can compare candidates by."""
     sim = GradientSimulator()
     observed = [g.detach() for g in observation.gradients]
-    ref = math.sqrt(sum(float(g.double().pow(2).sum()) for g in observed)) or 1.0
     return float(_upload_mismatch(sim, sim.prepare(observation), images.to(observed[0]), labels.to(images.device),
-                                  SimContext(observation, capture_features=False), observed, ref).norm())
+                                  SimContext(observation, capture_features=False), observed,
+                                  _upload_norm(observed)).norm())
+
+
+def _upload_norm(observed: List[Tensor]) -> float:
+    """The observed upload's Euclidean norm over every tensor (1 for a silent upload): the scale of
+    the certificate's relative error."""
+    return math.sqrt(sum(float(g.double().pow(2).sum()) for g in observed)) or 1.0
 
 
 def _upload_mismatch(sim: GradientSimulator, replica: ClientReplica, images: Tensor, labels: Tensor,
