@@ -270,15 +270,22 @@ def _own_code(fn: Callable) -> Callable:
 
 
 # -- the rule
+def program_blockers(run, per: str) -> List[Reason]:
+    """Why ``run``'s iteration cannot be one traced program, captured or compiled (empty when it
+    can): sequential execution asked for, a simulator that is not functional, or a group mean
+    that changes ``per`` iteration or step."""
+    return [why for why in (
+        Reason("sequential-requested") if run.attack.execution == "sequential" else None,
+        None if run.simulator.batchable else Reason("not-functional", simulator=run.simulator.describe()),
+        Reason("group-mean-changes", per=per) if run.needs_group_mean else None,
+    ) if why]
+
+
 def _blockers(run) -> List[Reason]:
-    attack = run.attack
     box = getattr(run.box, "name", type(run.box).__name__)
     uncapturable = getattr(run.attack.optimizer, "uncapturable",
                            Reason("optimizer-not-capture-safe", optimizer=type(run.attack.optimizer).__name__))
-    return [Reason.of(why) for why in (
-        Reason("sequential-requested") if attack.execution == "sequential" else None,
-        None if run.simulator.batchable else Reason("not-functional", simulator=run.simulator.describe()),
-        Reason("group-mean-changes", per="iteration") if run.needs_group_mean else None,
+    return program_blockers(run, "iteration") + [Reason.of(why) for why in (
         None if type(run.box) in CAPTURABLE_BOXES else Reason("box-not-capturable", box=box),
         uncapturable or None,
     ) if why]

@@ -454,13 +454,8 @@ class OptimizationRun:
 
     def _uncompiled_because(self) -> Optional[Reason]:
         """Why ``compile=true`` cannot apply to this run (None when it can)."""
-        if self.attack.execution == "sequential":
-            return Reason("sequential-requested")
-        if not self.simulator.batchable:
-            return Reason("not-functional", simulator=self.simulator.describe())
-        if self.needs_group_mean:
-            return Reason("group-mean-changes", per="step")
-        return None
+        blockers = capturing.program_blockers(self, "step")
+        return blockers[0] if blockers else None
 
     # -- the per-image features term (priors.features)
     def _classifier_head(self, attack: OptimizationAttack) -> Optional[Tuple[int, int]]:

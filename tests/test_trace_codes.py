@@ -95,3 +95,16 @@ def test_execution_and_capture_read_as_before():
                                       Reason("route-failed", route="graph", error="RuntimeError: boom").to_dict()],
                   replayed=3)
     assert word(fell) == "off: capture='graph'; graph failed: RuntimeError: boom; 3 iteration(s) replayed before"
+
+
+def test_a_sequential_run_names_why_it_neither_compiles_nor_captures(cases):
+    """One list of reasons keeps a run from being one traced program, compiled or captured: a
+    sequential run says so under both."""
+    observations, _ = cases
+    trace = ATTACKS.build("ig", compile=True, execution="sequential", capture="on").reconstruct(
+        observations["cnn"], 2, 0).trace.to_dict()
+    execution, capture = trace["execution"], trace["capture"]
+    assert execution["code"] == "compile-unused", execution
+    assert execution["params"]["why"] == {"code": "sequential-requested", "params": {}}, execution
+    assert capture["code"] == "capture-off", capture
+    assert {"code": "sequential-requested", "params": {}} in capture["params"]["why"], capture
