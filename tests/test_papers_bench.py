@@ -303,9 +303,13 @@ def test_each_row_is_labelled_by_how_far_it_is_from_the_paper():
         lab = pcells.label(row, run)
         assert lab == pspec.AT_PAPER or lab.startswith("scaled: "), row.id
         if row.model == "resnet18":
-            # the CPU runs ResNet-18 narrower (width 8; 32 where conv-span decides the row) and says so
-            assert f"width={row.scales['cpu'].model_args['width']}" in lab, row.id
+            # every ResNet-18 row names its width; the CPU runs narrower ones (8; 32 where conv-span decides
+            # the row in eval mode) and says so in its label, and train-mode conv-span rows at the paper's 64
+            width = row.scales["cpu"].model_args["width"]
+            assert row.setting.model_args == {"width": 64}, row.id
+            assert (f"width={width}" in lab) == (width != 64), (row.id, lab)
     assert prows.BY_ID["censor-none"].scales["cpu"].model_args == {"width": 32}
+    assert pcells.run_setting(prows.BY_ID["svd-soteria"], cpu)["model_args"] == {"width": 64}
     for row in (r for r in prows.ROWS if r.id.startswith("bayes-") and r.claim == "order"):
         run = pcells.run_setting(row, cpu)
         assert pcells.label(row, run) == pspec.AT_PAPER and run["budget"] == 200 and run["images"] == 100
@@ -345,7 +349,7 @@ def test_the_gpu_profile_runs_resnet18_at_width_64_in_slices_that_each_fit_a_cal
     resnets = [r for r in rows if r.model == "resnet18"]
     assert len(resnets) == 10
     for row in resnets:
-        assert pcells.run_setting(row, gpu)["model_args"] == {}  # the registry's width 64
+        assert pcells.run_setting(row, gpu)["model_args"] == {"width": 64}  # the paper's
         slices = pgpu.gpu_slices(row, gpu, "embedded", {}, tmp_path, tmp_path)
         assert slices and all(s.minutes <= pslices.GPU_SLICE_MINUTES + 1e-9 for s in slices), row.id
 

@@ -50,6 +50,9 @@ R18_WHY = "ResNet-18 at width 64 and thousands of iterations is beyond 2 CPU cor
 #: its input (8x8x32 or 8x8x64) leaves the image open: conv-span reaches 16.3 and 16.5 dB on the first
 #: embedded image there, 81.9 dB (certified) at width 32
 R18_SPAN_WIDTH = 32
+#: the papers' ResNet-18 (the registered one's default width, stated so that every row names its width)
+PAPER_WIDTH = 64
+R18_PAPER = {"width": PAPER_WIDTH}
 R18_SPAN_WHY = ("width 32, the narrowest ResNet-18 whose stage-3 convolutions meet conv-span's rank condition (64 "
                 "positions < 128 channels; at width 8 and 16 only stage 4 does, and its 8x8 input leaves the image "
                 "open: conv-span reaches 16.3 and 16.5 dB there); width 64 and the paper's iterations are beyond 2 "
@@ -57,16 +60,26 @@ R18_SPAN_WHY = ("width 32, the narrowest ResNet-18 whose stage-3 convolutions me
 #: the images of a width-32 cell on 2 CPU cores: conv-span takes about 30 CPU s per 100 of budget an image
 #: there, and each defended cell runs its control too; 4 of 4 identified puts the interval's lower end at 40%
 R18_SPAN_IMAGES = 4
-#: the planner cell of a width-32 row on 2 CPU cores: conv-span alone, at the budget where it recovers
+#: the planner cell of a width-32 or width-64 row on 2 CPU cores: conv-span alone, at the budget where it recovers
 #: ResNet-18's images in both BatchNorm modes (docs/evidence.md, the power table); the paper's attack and
 #: its adaptive attack keep their own cells
 R18_SPAN_PLANNER = ("conv-span",)
 R18_SPAN_PLANNER_BUDGET = 200
 R18_SPAN_PLANNER_WHY = ("the planner cell runs conv-span alone at 200 gradient evaluations (the other planned "
-                        "attacks at width 32 are beyond 2 CPU cores: `--profile gpu` runs the whole plan)")
+                        "attacks at this width are beyond 2 CPU cores: `--profile gpu` runs the whole plan)")
 #: the cpu profile of a ResNet-18 row that conv-span can decide: width 32, 4 images, conv-span's planner cell
 R18_SPAN_CPU = {"cpu_width": R18_SPAN_WIDTH, "cpu_images": R18_SPAN_IMAGES, "cpu_planner": R18_SPAN_PLANNER,
                 "cpu_planner_budget": R18_SPAN_PLANNER_BUDGET}
+#: the cpu profile of a train-mode ResNet-18 row: the paper's width 64, where the control has power. In train mode
+#: the inversion from stage 3's input stalls at width 32 (23.4 and 28.5 dB on embedded test images 0 and 80
+#: at budget 200, 24.4 and 28.0 dB at 400, the deep map found to 4e-9 each time) and recovers at width 64
+#: (7 of 8 at >= 40 dB, docs/conv-span.md); 2 images a cell: conv-span takes about 160 CPU s an image there
+R18_TRAIN_IMAGES = 2
+R18_TRAIN_WHY = ("width 64, the paper's: in train mode conv-span's inversion from stage 3's input stalls at width 32 "
+                 "(23-28 dB at 200 and 400 gradient evaluations) and recovers the image at width 64; 2 images a "
+                 "cell, and the paper's iterations, are what 2 CPU cores afford there: `--profile gpu` runs them")
+R18_TRAIN_CPU = {"cpu_width": PAPER_WIDTH, "cpu_images": R18_TRAIN_IMAGES, "cpu_planner": R18_SPAN_PLANNER,
+                 "cpu_planner_budget": R18_SPAN_PLANNER_BUDGET}
 #: what the gpu profile runs where SVDefense states no iteration count (its IG's is not given)
 SVD_GPU_BUDGET = 4000
 SOTERIA_REPLAY_LEFT_OUT = ("not through-defense: it runs Soteria's per-feature pullbacks on every dummy, and "
@@ -111,7 +124,7 @@ def r18_scales(cpu_budget: int, *, planner: Optional[Tuple[str, ...]] = None, wh
     profile's planner cell where it differs from the gpu profile's ``planner``."""
     cpu_why = why or (R18_SPAN_WHY if cpu_width == R18_SPAN_WIDTH else R18_WHY)
     if cpu_planner is not None:
-        cpu_why = R18_SPAN_WHY + "; " + R18_SPAN_PLANNER_WHY
+        cpu_why = (R18_TRAIN_WHY if cpu_width == PAPER_WIDTH else R18_SPAN_WHY) + "; " + R18_SPAN_PLANNER_WHY
     return {"cpu": Scale(model_args={"width": cpu_width}, budget=cpu_budget, steps=cpu_steps,
                          images=cpu_images or images, planner=cpu_planner or planner,
                          planner_args=INVERTER_CPU if cpu_planner is None else {},
@@ -123,7 +136,7 @@ def r18_scales(cpu_budget: int, *, planner: Optional[Tuple[str, ...]] = None, wh
 def censor_setting(*, source: str, **kw) -> PaperSetting:
     """CENSOR's experiments as its code runs them: ``run_rec.py`` (KaiyuanZh/censor) calls
     ``model.eval()`` before it computes the attacked gradient."""
-    base = dict(model=R18, model_args={}, data="CIFAR-10 32x32", iterations=15000, restarts=4, images=10,
+    base = dict(model=R18, model_args=dict(R18_PAPER), data="CIFAR-10 32x32", iterations=15000, restarts=4, images=10,
                 client_mode="eval", mode_source="the authors' run_rec.py calls model.eval() before the gradient",
                 hparams="IG: cosine, TV 1e-4, Adam 0.1, lr x0.1 at 3/8, 5/8, 7/8, best of 4 restarts")
     return PaperSetting(source=source, **{**base, **kw})
@@ -131,7 +144,7 @@ def censor_setting(*, source: str, **kw) -> PaperSetting:
 
 def svd_setting(*, source: str, **kw) -> PaperSetting:
     """SVDefense's experiments: ResNet-18 on MNIST, IG for the first round of one client."""
-    base = dict(model="ResNet-18", model_args={}, data="MNIST", iterations=None, images=128,
+    base = dict(model="ResNet-18", model_args=dict(R18_PAPER), data="MNIST", iterations=None, images=128,
                 hparams="IG (cosine, Adam); batch, local epochs and steps 1, first round")
     return PaperSetting(source=source, **{**base, **kw})
 
@@ -240,8 +253,8 @@ ROWS: List[Row] = [
                                        "CENSOR's CIFAR ResNet-18 and IG, whose Table I has no such experiment",
                                client_mode="train",
                                anchor="| CENSOR [21] | 8.1940 | 0.6958 | 16.4071 | 0.2881 |"),
-        scales=r18_scales(4 * R18_BUDGET, cpu_steps=(5, 9), gpu_steps=(5, 9), images=IMAGES, gpu_budget=15000,
-                          **R18_SPAN_CPU),
+        scales=r18_scales(4 * R18_BUDGET, cpu_steps=(5,), gpu_steps=(5, 9), images=IMAGES, gpu_budget=15000,
+                          **R18_TRAIN_CPU),
         profiles=BOTH,
         differences=("rounds of FedSGD instead of epochs",),
         store="censor-resnet18-later",
@@ -262,7 +275,7 @@ ROWS: List[Row] = [
         adaptive=AttackRef(name="mask-replay", args=IG_SVD, label="mask replay (IG)"),
         leak_cell="adaptive",
         paper_psnr=12.93,
-        scales=r18_scales(2 * R18_BUDGET, gpu_budget=SVD_GPU_BUDGET, images=IMAGES, **R18_SPAN_CPU),
+        scales=r18_scales(2 * R18_BUDGET, gpu_budget=SVD_GPU_BUDGET, images=IMAGES, **R18_TRAIN_CPU),
         profiles=BOTH,
         notes=SVD_IG_NOTE),
     Row(
@@ -283,7 +296,7 @@ ROWS: List[Row] = [
         paper_psnr=10.81,
         scales=r18_scales(2 * R18_BUDGET, gpu_budget=SVD_GPU_BUDGET, images=IMAGES,
                           planner=("ig", "portfolio", "mask-replay", "layer-drop", "conv-span", "learned-inverter"),
-                          why=SOTERIA_REPLAY_LEFT_OUT, **R18_SPAN_CPU),
+                          why=SOTERIA_REPLAY_LEFT_OUT, **R18_TRAIN_CPU),
         profiles=BOTH,
         notes=SVD_IG_NOTE),
     Row(
@@ -302,7 +315,7 @@ ROWS: List[Row] = [
         adaptive=AttackRef(name="precode-latent", args={}, label="dummy latent optimised with the input"),
         leak_cell="adaptive",
         paper_psnr=3.57,
-        scales=r18_scales(2 * R18_BUDGET, gpu_budget=SVD_GPU_BUDGET, images=IMAGES, **R18_SPAN_CPU),
+        scales=r18_scales(2 * R18_BUDGET, gpu_budget=SVD_GPU_BUDGET, images=IMAGES, **R18_TRAIN_CPU),
         profiles=BOTH,
         notes=SVD_IG_NOTE),
     Row(
@@ -323,7 +336,7 @@ ROWS: List[Row] = [
         paper_steps=(0,),
         leak_cell="adaptive",
         paper_psnr=8.19,
-        scales=r18_scales(2 * R18_BUDGET, gpu_budget=SVD_GPU_BUDGET, images=IMAGES, **R18_SPAN_CPU),
+        scales=r18_scales(2 * R18_BUDGET, gpu_budget=SVD_GPU_BUDGET, images=IMAGES, **R18_TRAIN_CPU),
         profiles=BOTH,
         differences=("rounds of FedSGD instead of epochs",),
         notes=CENSOR_NOTES + SVD_IG_NOTE,
@@ -346,7 +359,7 @@ ROWS: List[Row] = [
                                     "14.3392 |"),
         adaptive=AttackRef(name="learned-inverter", args={"pairs": 256}, label="learning to invert (Table IV)"),
         paper_psnr=12.53,
-        scales=r18_scales(R18_BUDGET, gpu_budget=SVD_GPU_BUDGET, images=IMAGES, **R18_SPAN_CPU),
+        scales=r18_scales(R18_BUDGET, gpu_budget=SVD_GPU_BUDGET, images=IMAGES, **R18_TRAIN_CPU),
         profiles=BOTH,
         notes=SVD_NOTES + SVD_IG_NOTE),
     Row(
