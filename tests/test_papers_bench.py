@@ -1547,3 +1547,15 @@ def test_a_planner_cell_resumed_after_the_plan_grew_runs_the_new_attack_on_every
     assert prun.row_passes(row, [planner], stored, cache) == [(planner, True, None)] + stepwise + [(planner, False, None)]
     record["attacks"] = planned
     assert prun.row_passes(row, [planner], stored, cache) == stepwise + [(planner, False, None)]
+
+
+def test_the_gpu_plan_on_the_page_sums_each_rows_slices_and_the_calls_they_need():
+    from bench.papers.slices import GpuSlice
+
+    left = [GpuSlice("svd-prune", "paper:ig", 0, 0, 8, 3.0), GpuSlice("svd-prune", "planner", 0, 0, 8, 6.5),
+            GpuSlice("censor-none", "planner", 0, 0, 10, 2.0)]
+    table = pgpu.plan_table(left)
+    assert "| svd-prune | paper:ig, planner | 2 | 9.5 |" in table
+    assert "| censor-none | planner | 1 | 2.0 |" in table
+    # in order: 3.0 opens a 7-minute call, 6.5 needs a second (4.0 left), 2.0 a third (0.5 left)
+    assert "3 left, ~12 planned minutes in 3 9-minute calls" in table

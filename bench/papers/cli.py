@@ -6,10 +6,10 @@ import argparse
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
-from bench.docs_table import ROOT, add_docs_option, command_line, with_table, without_options
+from bench.docs_table import ROOT, add_docs_option, command_line, with_table, without_options, write_table
 from bench.papers import __doc__ as PACKAGE_DOC
 from bench.papers.cells import Profile
-from bench.papers.gpu import call_summary, gpu_call_help, gpu_plan, slices_left
+from bench.papers.gpu import call_summary, gpu_call_help, gpu_plan, plan_table, slices_left
 from bench.papers.render import DETAILS_PAGE, render, render_parts, timing
 from bench.papers.rows import BY_ID, ROWS
 from bench.papers.run import run_rows
@@ -102,7 +102,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     root = Path(args.results) if args.results else (out / "results" if profile.shrunk else RESULTS)
     rows = selected(args.rows, args.paper, name)
     if args.plan:
-        print(gpu_plan(slices_left(rows, profile, data, data_args, root, out, args.retry)))
+        left = slices_left(rows, profile, data, data_args, root, out, args.retry)
+        print(gpu_plan(left))
+        if args.docs:  # the plan on the page, until a GPU runs it
+            write_table(args.docs_page, args.docs, command_line("bench.papers", page_command(argv)), plan_table(left))
         return
 
     def publish() -> None:

@@ -43,6 +43,20 @@ def gpu_plan(slices: Sequence[GpuSlice]) -> str:
         f"unmeasured: the plan counts {GPU_MS['resnet18']} ms per image-iteration on ResNet-18)"])
 
 
+def plan_table(slices: Sequence[GpuSlice]) -> str:
+    """The GPU plan as the page shows it: each row's slices left and their planned minutes, and
+    the calls they need in all."""
+    rows: Dict[str, List[GpuSlice]] = {}
+    for s in slices:
+        rows.setdefault(s.row, []).append(s)
+    lines = ["| row | cells | slices left | planned GPU minutes |", "|---|---|---|---|"]
+    lines += [f"| {row} | {', '.join(dict.fromkeys(s.cell for s in mine))} | {len(mine)} | "
+              f"{sum(s.minutes for s in mine):.1f} |" for row, mine in rows.items()]
+    return "\n".join(lines + ["", f"Slices: {left_text(slices)}; each call runs {GPU_SLICE_MINUTES:g} planned "
+                                  f"minutes of slices. Unmeasured: the plan counts {GPU_MS['resnet18']} ms per "
+                                  "image-iteration on ResNet-18. `--plan` lists every slice."])
+
+
 def call_summary(deadline: Deadline, over: Optional[CallOver], left: Sequence[GpuSlice]) -> str:
     """What one invocation under a deadline ran, why it stopped, and what is left."""
     stop = f"; stopped before {over}" if over else ""
