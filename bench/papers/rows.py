@@ -45,10 +45,8 @@ R18_CPU = {"width": 8}
 R18_BUDGET = 100
 INVERTER_CPU = {"learned-inverter": {"pairs": 256}}
 R18_WHY = "ResNet-18 at width 64 and thousands of iterations is beyond 2 CPU cores; `--profile gpu` runs it"
-#: the narrowest ResNet-18 where conv-span is exact: its stage-3 convolutions meet the rank condition (64
-#: positions < 128 channels), so it pins stage 2's 16x16x64 output; at width 8 and 16 only stage 4 does, and
-#: its input (8x8x32 or 8x8x64) leaves the image open: conv-span reaches 16.3 and 16.5 dB on the first
-#: embedded image there, 81.9 dB (certified) at width 32
+#: the narrowest ResNet-18 where conv-span is exact in eval mode (:data:`R18_SPAN_WHY`; 81.9 dB certified on
+#: the first embedded image, 16.3 and 16.5 dB at width 8 and 16)
 R18_SPAN_WIDTH = 32
 #: the papers' ResNet-18 (the registered one's default width, stated so that every row names its width)
 PAPER_WIDTH = 64
@@ -70,10 +68,8 @@ R18_SPAN_PLANNER_WHY = ("the planner cell runs conv-span alone at 200 gradient e
 #: the cpu profile of a ResNet-18 row that conv-span can decide: width 32, 4 images, conv-span's planner cell
 R18_SPAN_CPU = {"cpu_width": R18_SPAN_WIDTH, "cpu_images": R18_SPAN_IMAGES, "cpu_planner": R18_SPAN_PLANNER,
                 "cpu_planner_budget": R18_SPAN_PLANNER_BUDGET}
-#: the cpu profile of a train-mode ResNet-18 row: the paper's width 64, where the control has power. In train mode
-#: the inversion from stage 3's input stalls at width 32 (23.4 and 28.5 dB on embedded test images 0 and 80
-#: at budget 200, 24.4 and 28.0 dB at 400, the deep map found to 4e-9 each time) and recovers at width 64
-#: (7 of 8 at >= 40 dB, docs/conv-span.md); 2 images a cell: conv-span takes about 160 CPU s an image there
+#: the cpu profile of a train-mode ResNet-18 row: the paper's width 64, where the control has power (train-mode
+#: conv-span at width 32 and 64: docs/conv-span.md); 2 images a cell: conv-span takes about 160 CPU s an image
 R18_TRAIN_IMAGES = 2
 R18_TRAIN_WHY = ("width 64, the paper's: in train mode conv-span's inversion from stage 3's input stalls at width 32 "
                  "(23-28 dB at 200 and 400 gradient evaluations) and recovers the image at width 64; 2 images a "
