@@ -93,6 +93,14 @@ def test_protection_holds_only_where_the_control_recovers_what_the_defense_signi
     # the control recovers nothing: attack power, inconclusive
     weak = pverdict.conclude_protects([_cell(0, control=0)], True)
     assert weak.outcome == pverdict.INCONCLUSIVE and "attack power" in weak.detail
+    # an attack that applies to none of the defended uploads, beside a powerless one: both named
+    unread = pevidence.CellEvidence(["conv-span"], [0], images=0, identified=0, recovered=0, candidates=K)
+    unread.control = {(0, i, 0): True for i in range(8)}
+    both = pverdict.conclude_protects([_cell(0, images=8, control=0), unread], True)
+    assert both.outcome == pverdict.INCONCLUSIVE, both.text()
+    assert "the control of ig recovers none of 8 images" in both.detail, both.detail
+    assert "conv-span applies to none of the defended uploads (its control recovers 8 of 8 without the defense)" \
+        in both.detail, both.detail
     # the control recovers 8 and the defense stops all 8: p = 0.5^8, holds, with its power stated
     held = pverdict.conclude_protects([_cell(0, control=8)], True)
     assert held.outcome == pverdict.HOLDS and "8 of 16 recovered without the defense" in held.detail

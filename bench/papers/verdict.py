@@ -90,19 +90,28 @@ def recovered_text(c: CellEvidence) -> str:
 
 def control_verdict(cells: Sequence[CellEvidence]) -> Optional[str]:
     """Why the cells' positive controls cannot show that the defense stops their attacks (None:
-    every control recovers images and every defended cell recovers significantly fewer)."""
+    every control recovers images and every defended cell recovers significantly fewer), cell by
+    cell, each named by its attacks."""
+    powerless, whys = [], []
     for c in cells:
-        effect = c.control_effect()
+        effect, who = c.control_effect(), ", ".join(c.attacks)
         if effect is None:
             return NO_CONTROL
         if c.control_missing:
             return f"positive control incomplete: {c.control_missing}"
-        if not effect.control_recovered:
-            return (f"attack power: the control recovers none of {effect.images} images without the defense "
-                    "(these attacks at this budget cannot tell the defense from their own limits)")
-        if effect.p_value >= CONTROL_ALPHA:
-            return f"{effect.text()}: not significant"
-    return None
+        if not c.images and c.control:  # the attack applied to no defended upload: nothing to pair
+            whys.append(f"{who} applies to none of the defended uploads (its control recovers "
+                        f"{c.power_text()})")
+        elif not effect.control_recovered:
+            powerless.append((who, effect.images))
+        elif effect.p_value >= CONTROL_ALPHA:
+            whys.append(f"{who}: {effect.text()}: not significant")
+    if powerless:
+        images = " and ".join(sorted({str(n) for _, n in powerless}))
+        whys.insert(0, f"attack power: the control of {' and of '.join(w for w, _ in powerless)} recovers none of "
+                       f"{images} images without the defense (these attacks at this budget cannot tell the defense "
+                       "from their own limits)")
+    return "; ".join(whys) or None
 
 
 def conclude_protects(cells: Sequence[Optional[CellEvidence]], at_paper_budget: bool,
