@@ -615,7 +615,8 @@ def test_the_gpu_profile_runs_on_a_cpu_at_a_tiny_budget(tmp_path):
     row = prows.BY_ID["censor-none"]
     profile = pcells.Profile("gpu", images=1, tiny=True)
     paper = pcells.plan_cells(row, profile, "embedded", {}, tmp_path / "out")[0]
-    assert paper.name == "paper:ig" and paper.call["model_args"] == {} and paper.call["budget"] == pspec.QUICK["budget"]
+    assert paper.name == "paper:ig" and paper.call["model_args"] == {"width": 64}
+    assert paper.call["budget"] == pspec.QUICK["budget"]
     assert paper.call["device"] == "cpu"
     cell = prun.run_cell(row, paper)
     evidence = cell["evidence"]
@@ -817,11 +818,11 @@ def test_an_attacks_fingerprint_follows_the_defaults_it_relies_on(monkeypatch):
 
 def test_an_adaptive_cell_run_at_its_own_budget_says_so():
     cpu = pcells.Profile("cpu")
-    eot = prows.BY_ID["censor-censor"]  # 4 draws per iteration: 4x the row's budget on the cpu
+    eot = prows.BY_ID["censor-censor"]  # 4 draws per iteration: 2x the row's budget on the cpu
     run = pcells.run_setting(eot, cpu)
     cells = {c.name: c for c in pcells.plan_cells(eot, cpu, "embedded", {}, Path("/x"))}
-    assert cells["adaptive"].call["budget"] == 4 * run["budget"] == 4 * cells["paper:ig"].call["budget"]
-    assert prender.adaptive_head(eot, run).endswith(f"at budget {4 * run['budget']:,}")
+    assert cells["adaptive"].call["budget"] == 2 * run["budget"] == 2 * cells["paper:ig"].call["budget"]
+    assert prender.adaptive_head(eot, run).endswith(f"at budget {2 * run['budget']:,}")
     refiner = prows.BY_ID["refiner-alpha-0.5"]  # EOT at 200 of the row's 4,000
     assert prender.adaptive_head(refiner, pcells.run_setting(refiner, cpu)).endswith("at budget 200")
     replay = prows.BY_ID["svd-prune"]  # same budget as the row: no budget named
