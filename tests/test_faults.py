@@ -277,7 +277,19 @@ def test_a_defense_that_exits_makes_the_audit_command_exit_non_zero(tmp_path, mo
     assert "incomplete" in result.output and (tmp_path / "out" / "report.json").is_file()
 
 
-def test_the_users_own_ctrl_c_still_stops_a_defense_call():
+@pytest.fixture
+def ctrl_c_delivered():
+    """Ctrl-C reaches the process as a terminal delivers it: Python's own handler, whatever an
+    earlier test's libraries left installed in this worker (an ignored SIGINT is inherited by the
+    audit's subprocess too); the previous handler restored afterwards."""
+    import signal
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_the_users_own_ctrl_c_still_stops_a_defense_call(ctrl_c_delivered):
     import signal
     import time
 
@@ -290,7 +302,7 @@ def test_the_users_own_ctrl_c_still_stops_a_defense_call():
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
-def test_ctrl_c_during_a_defense_call_interrupts_the_audit_command(tmp_path):
+def test_ctrl_c_during_a_defense_call_interrupts_the_audit_command(tmp_path, ctrl_c_delivered):
     """A real SIGINT to ``gia-audit audit`` while its defense runs: the audit stops (not a
     defense failure), status 'interrupted', the finished step-0 result kept."""
     import signal
