@@ -118,9 +118,10 @@ def r18_scales(cpu_budget: int, *, planner: Optional[Tuple[str, ...]] = None, wh
     the paper's budget (or ``gpu_budget`` where the paper states none); ``images`` where the
     paper's count does not fit (``cpu_images`` on the cpu profile); ``cpu_planner``: the cpu
     profile's planner cell where it differs from the gpu profile's ``planner``."""
-    cpu_why = why or (R18_SPAN_WHY if cpu_width == R18_SPAN_WIDTH else R18_WHY)
-    if cpu_planner is not None:
+    if cpu_planner is not None:  # conv-span's cells: why the width, and why the planner cell runs it alone
         cpu_why = (R18_TRAIN_WHY if cpu_width == PAPER_WIDTH else R18_SPAN_WHY) + "; " + R18_SPAN_PLANNER_WHY
+    else:
+        cpu_why = why or (R18_SPAN_WHY if cpu_width == R18_SPAN_WIDTH else R18_WHY)
     return {"cpu": Scale(model_args={"width": cpu_width}, budget=cpu_budget, steps=cpu_steps,
                          images=cpu_images or images, planner=cpu_planner or planner,
                          planner_args=INVERTER_CPU if cpu_planner is None else {},
