@@ -493,10 +493,11 @@ def test_cells_persist_resume_and_a_changed_row_reruns_only_its_own(tmp_path, mo
 
     def fake_run_cell(row, plan, partial=None, on_claim=None, claim_only=False, deadline=None, cache=None, on_step=None, stepped=(), until_step=None):
         runs.append((row.id, plan.name))
-        return {"key": plan.key, "call": json.loads(json.dumps(plan.call)), "seconds": 1.0, "status": "complete",
+        return {"key": plan.key, "call": json.loads(json.dumps(plan.call)), "seconds": 1.0, "status": "complete", "run_key": "k",
                 "attacks": plan.call["attacks"], "evidence": _cell(2).to_dict()}
 
     monkeypatch.setattr(prun, "run_cell", fake_run_cell)
+    _one_engine_key(monkeypatch)
     rows = [prows.BY_ID["censor-none"], prows.BY_ID["svd-prune"]]
     profile = pcells.Profile("cpu")
     for row in rows:
@@ -665,10 +666,11 @@ def test_cells_run_with_a_stale_search_are_not_shown_as_current(tmp_path):
 
 def test_a_row_with_cells_missing_counts_as_unfinished_whatever_its_cells_say(tmp_path, monkeypatch):
     def fake_run_cell(row, plan, partial=None, on_claim=None, claim_only=False, deadline=None, cache=None, on_step=None, stepped=(), until_step=None):
-        return {"key": plan.key, "call": json.loads(json.dumps(plan.call)), "seconds": 1.0, "status": "complete",
+        return {"key": plan.key, "call": json.loads(json.dumps(plan.call)), "seconds": 1.0, "status": "complete", "run_key": "k",
                 "attacks": plan.call["attacks"], "evidence": _cell(2).to_dict()}
 
     monkeypatch.setattr(prun, "run_cell", fake_run_cell)
+    _one_engine_key(monkeypatch)
     row, profile = prows.BY_ID["censor-none"], pcells.Profile("cpu")
     prun.run_row(row, profile, "embedded", {}, tmp_path / "out", tmp_path / "results")
     whole = prender.render([row], profile, "embedded", {}, tmp_path / "results", tmp_path / "out")
@@ -752,10 +754,11 @@ def test_a_cell_run_with_an_attack_default_since_changed_is_rerun_and_marked_sta
     def fake_run_cell(row, plan, partial=None, on_claim=None, claim_only=False, deadline=None, cache=None, on_step=None, stepped=(), until_step=None):
         runs.append(plan.name)
         ran = planned_now(plan.call) if plan.name == "planner" else ["ig"]  # what the planner plans today
-        return {"key": plan.key, "call": json.loads(json.dumps(plan.call)), "seconds": 1.0, "status": "complete",
+        return {"key": plan.key, "call": json.loads(json.dumps(plan.call)), "seconds": 1.0, "status": "complete", "run_key": "k",
                 "attacks": ran, "evidence": _cell(2).to_dict(), "fingerprints": pstale.cell_fingerprints(plan.call, ran)}
 
     monkeypatch.setattr(prun, "run_cell", fake_run_cell)
+    _one_engine_key(monkeypatch)
     row, profile = prows.BY_ID["censor-none"], pcells.Profile("cpu")
     prun.run_row(row, profile, "embedded", {}, tmp_path / "out", tmp_path / "results")
     first = list(runs)
@@ -780,13 +783,14 @@ def test_a_leak_the_current_cells_decide_alone_does_not_rest_on_a_stale_planner_
                           on_step=None, stepped=(), until_step=None):
             ran = planned_now(plan.call) if plan.name == "planner" else ["ig"]
             found = _cell(paper_identifies if plan.name == "paper:ig" else 0, control=12)
-            return {"key": plan.key, "call": json.loads(json.dumps(plan.call)), "seconds": 1.0, "status": "complete",
+            return {"key": plan.key, "call": json.loads(json.dumps(plan.call)), "seconds": 1.0, "status": "complete", "run_key": "k",
                     "attacks": ran, "evidence": found.to_dict(), "fingerprints": pstale.cell_fingerprints(plan.call, ran)}
         return fake_run_cell
 
     row, profile = prows.BY_ID["censor-none"], pcells.Profile("cpu")
     for identified, folder in ((12, "leak"), (0, "none")):
         monkeypatch.setattr(prun, "run_cell", cell_run(identified))
+        _one_engine_key(monkeypatch)
         prun.run_row(row, profile, "embedded", {}, tmp_path / "out", tmp_path / folder)
     # the planner runs ig at its preset, the paper's cell with its schedule set: only the planner goes stale
     monkeypatch.setitem(ATTACKS.get("ig").defaults, "schedule", "exp")
@@ -897,13 +901,17 @@ def _healthy_model(call):
     return {str(s): {"trained": True, "images": 8, "logit_std": 0.05, "finite": 8, "zero": 0} for s in call["steps"]}
 
 
+def _one_engine_key(monkeypatch):
+    """Every call's engine run key is "k", the key the fake cells record."""
+    monkeypatch.setattr(pstale, "run_key", lambda call: "k")
+    monkeypatch.setattr("bench.papers.stale._KEYS", {})
+
+
 def _fake_cells(monkeypatch, run_cell):
     """Cells run by ``run_cell`` on a healthy model, one engine run key "k", the planner planning ig."""
     monkeypatch.setattr(prun, "run_cell", run_cell)
     monkeypatch.setattr(phealth, "model_health", _healthy_model)
-    monkeypatch.setattr(pstale, "run_key", lambda call: "k")
-    monkeypatch.setattr("bench.papers.stale.run_key", lambda call: "k")
-    monkeypatch.setattr("bench.papers.stale._KEYS", {})
+    _one_engine_key(monkeypatch)
     monkeypatch.setattr("bench.papers.stale.planned_now", lambda call: ["ig"])
 
 
@@ -947,10 +955,11 @@ def test_a_claim_whose_steps_are_complete_is_judged_while_the_other_steps_run(tm
         ran.append((plan.name, claim_only, until_step))
         if claim_only or until_step is not None:
             return None
-        return {"key": plan.key, "call": json.loads(json.dumps(plan.call)), "seconds": 1.0, "status": "complete",
+        return {"key": plan.key, "call": json.loads(json.dumps(plan.call)), "seconds": 1.0, "status": "complete", "run_key": "k",
                 "attacks": ["ig"], "evidence": _claim_evidence(0, steps=(1, 2, 5, 10, 20, 50)).to_dict()}
 
     monkeypatch.setattr(prun, "run_cell", finished)
+    _one_engine_key(monkeypatch)
     monkeypatch.setattr(phealth, "model_health", _healthy_model)
     prun.run_row(row, profile, "embedded", {}, tmp_path / "out", tmp_path / "results")
     # every claim step is decided by the paper's cell's leak: no step pass runs
@@ -1374,19 +1383,24 @@ def test_the_one_call_command_fits_a_remote_command_and_is_in_the_help(capsys):
     assert command in capsys.readouterr().out
 
 
-def test_retry_reruns_a_stored_cell_that_has_no_positive_control():
+def test_retry_reruns_a_stored_cell_that_has_no_positive_control(monkeypatch):
     """A cell stored under its current key is skipped, unless ``--retry`` and its evidence has
-    steps but no control (the verdict cannot say "protects" without one)."""
+    steps but no control (the verdict cannot say "protects" without one), or unless it records
+    no engine run key (nothing could check it against today's engine)."""
     from types import SimpleNamespace
 
+    monkeypatch.setattr(pcells, "stale_key", lambda cell: [])  # the engine key itself is checked below
     plan = SimpleNamespace(name="planner", key="k1")
-    cell = {"key": "k1", "fingerprints": {}, "call": {}, "evidence": {"steps": [0], "missing": [], "control": None}}
+    cell = {"key": "k1", "fingerprints": {}, "call": {}, "run_key": "r1",
+            "evidence": {"steps": [0], "missing": [], "control": None}}
     stored = {"cells": {"planner": cell}}
     assert pcells.cells_to_run(stored, [plan]) == []
+    unkeyed = {k: v for k, v in cell.items() if k != "run_key"}
+    assert pcells.cells_to_run({"cells": {"planner": unkeyed}}, [plan]) == [plan]
     assert pcells.cells_to_run(stored, [plan], retry=True) == [plan]
     cell["evidence"]["control"] = {"0": {"recovered": 3, "images": 8}}
     assert pcells.cells_to_run(stored, [plan], retry=True) == []
-    utility = {"key": "k1", "fingerprints": {}, "call": {}, "evidence": {}}
+    utility = {"key": "k1", "fingerprints": {}, "call": {}, "run_key": "r1", "evidence": {}}
     assert pcells.cells_to_run({"cells": {"planner": utility}}, [plan], retry=True) == []
 
 
@@ -1434,7 +1448,7 @@ def test_a_planner_cell_is_stale_once_the_planner_plans_other_attacks(tmp_path, 
     cache = ps.PlanCache(tmp_path)
     now = cache.plan(call)
     assert "ig" in now and "auto" not in now  # the planner's picks, named
-    cell = {"key": plan.key, "call": call, "attacks": now[:-1], "fingerprints": {},
+    cell = {"key": plan.key, "call": call, "attacks": now[:-1], "fingerprints": {}, "run_key": ps.run_key(call),
             "evidence": {"steps": [0], "missing": [], "control": {"0": {"recovered": 1, "images": 2}}}}
     assert ps.stale_plan(cell, cache) == [f"+{now[-1]}"]
     assert pcells.cells_to_run({"cells": {"planner": cell}}, [plan], cache=cache) == [plan]

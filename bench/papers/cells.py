@@ -299,14 +299,17 @@ def cells_to_run(stored: Dict[str, Any], plans: Sequence[CellPlan], retry: bool 
     """The planned cells not stored whole under their current key (stored with only their
     claim's steps, or some steps of a row judged step by step), with an attack default since
     changed, with a planner's plan since changed (where ``cache`` is given), or (``retry``) with
-    missing evidence or no positive control beside their attacks' evidence."""
+    missing evidence or no positive control beside their attacks' evidence. A cell that records
+    no engine run key (it ran before cells recorded one) runs again so that it records one: the
+    page shows it meanwhile, counted as unchecked."""
     todo = []
     for plan in plans:
         old = (stored.get("cells") or {}).get(plan.name) or {}
         evidence = old.get("evidence") or {}
         redo = retry and (evidence.get("missing") or (evidence.get("steps") and not evidence.get("control")))
         whole = ("evidence" in old or "utility" in old) and "claim_evidence" not in old
-        if old.get("key") == plan.key and whole and not redo and not stale_cell(old, cache):
+        keyed = bool(old.get("run_key"))
+        if old.get("key") == plan.key and whole and keyed and not redo and not stale_cell(old, cache):
             continue
         todo.append(plan)
     return todo

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import tempfile
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
@@ -128,7 +129,7 @@ class PlanCache:
         attacks = planned_now(call)
         self.plans[key] = {"source": source, "attacks": attacks}
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(".tmp")
+        tmp = self.path.with_suffix(f".{os.getpid()}.tmp")  # two rows may run side by side
         tmp.write_text(json.dumps(self.plans, indent=1, sort_keys=True) + "\n")
         tmp.replace(self.path)
         return attacks
