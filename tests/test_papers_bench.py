@@ -493,8 +493,8 @@ def test_cells_persist_resume_and_a_changed_row_reruns_only_its_own(tmp_path, mo
 
     def fake_run_cell(row, plan, partial=None, on_claim=None, claim_only=False, deadline=None, cache=None, on_step=None, stepped=(), until_step=None):
         runs.append((row.id, plan.name))
-        return {"key": plan.key, "call": json.loads(json.dumps(plan.call)), "seconds": 1.0, "status": "complete", "run_key": "k",
-                "attacks": plan.call["attacks"], "evidence": _cell(2).to_dict()}
+        return {"key": plan.key, "call": json.loads(json.dumps(plan.call)), "seconds": 1.0, "status": "complete",
+                "run_key": "k", "attacks": plan.call["attacks"], "evidence": _cell(2).to_dict()}
 
     monkeypatch.setattr(prun, "run_cell", fake_run_cell)
     _one_engine_key(monkeypatch)
@@ -666,8 +666,8 @@ def test_cells_run_with_a_stale_search_are_not_shown_as_current(tmp_path):
 
 def test_a_row_with_cells_missing_counts_as_unfinished_whatever_its_cells_say(tmp_path, monkeypatch):
     def fake_run_cell(row, plan, partial=None, on_claim=None, claim_only=False, deadline=None, cache=None, on_step=None, stepped=(), until_step=None):
-        return {"key": plan.key, "call": json.loads(json.dumps(plan.call)), "seconds": 1.0, "status": "complete", "run_key": "k",
-                "attacks": plan.call["attacks"], "evidence": _cell(2).to_dict()}
+        return {"key": plan.key, "call": json.loads(json.dumps(plan.call)), "seconds": 1.0, "status": "complete",
+                "run_key": "k", "attacks": plan.call["attacks"], "evidence": _cell(2).to_dict()}
 
     monkeypatch.setattr(prun, "run_cell", fake_run_cell)
     _one_engine_key(monkeypatch)
@@ -754,8 +754,8 @@ def test_a_cell_run_with_an_attack_default_since_changed_is_rerun_and_marked_sta
     def fake_run_cell(row, plan, partial=None, on_claim=None, claim_only=False, deadline=None, cache=None, on_step=None, stepped=(), until_step=None):
         runs.append(plan.name)
         ran = planned_now(plan.call) if plan.name == "planner" else ["ig"]  # what the planner plans today
-        return {"key": plan.key, "call": json.loads(json.dumps(plan.call)), "seconds": 1.0, "status": "complete", "run_key": "k",
-                "attacks": ran, "evidence": _cell(2).to_dict(), "fingerprints": pstale.cell_fingerprints(plan.call, ran)}
+        return {"key": plan.key, "call": json.loads(json.dumps(plan.call)), "seconds": 1.0, "status": "complete",
+                "run_key": "k", "attacks": ran, "evidence": _cell(2).to_dict(), "fingerprints": pstale.cell_fingerprints(plan.call, ran)}
 
     monkeypatch.setattr(prun, "run_cell", fake_run_cell)
     _one_engine_key(monkeypatch)
@@ -783,8 +783,8 @@ def test_a_leak_the_current_cells_decide_alone_does_not_rest_on_a_stale_planner_
                           on_step=None, stepped=(), until_step=None):
             ran = planned_now(plan.call) if plan.name == "planner" else ["ig"]
             found = _cell(paper_identifies if plan.name == "paper:ig" else 0, control=12)
-            return {"key": plan.key, "call": json.loads(json.dumps(plan.call)), "seconds": 1.0, "status": "complete", "run_key": "k",
-                    "attacks": ran, "evidence": found.to_dict(), "fingerprints": pstale.cell_fingerprints(plan.call, ran)}
+            return {"key": plan.key, "call": json.loads(json.dumps(plan.call)), "seconds": 1.0, "status": "complete",
+                    "run_key": "k", "attacks": ran, "evidence": found.to_dict(), "fingerprints": pstale.cell_fingerprints(plan.call, ran)}
         return fake_run_cell
 
     row, profile = prows.BY_ID["censor-none"], pcells.Profile("cpu")
@@ -955,8 +955,8 @@ def test_a_claim_whose_steps_are_complete_is_judged_while_the_other_steps_run(tm
         ran.append((plan.name, claim_only, until_step))
         if claim_only or until_step is not None:
             return None
-        return {"key": plan.key, "call": json.loads(json.dumps(plan.call)), "seconds": 1.0, "status": "complete", "run_key": "k",
-                "attacks": ["ig"], "evidence": _claim_evidence(0, steps=(1, 2, 5, 10, 20, 50)).to_dict()}
+        return {"key": plan.key, "call": json.loads(json.dumps(plan.call)), "seconds": 1.0, "status": "complete",
+                "run_key": "k", "attacks": ["ig"], "evidence": _claim_evidence(0, steps=(1, 2, 5, 10, 20, 50)).to_dict()}
 
     monkeypatch.setattr(prun, "run_cell", finished)
     _one_engine_key(monkeypatch)

@@ -347,5 +347,6 @@ def timing(rows: Sequence[Row], profile: Profile, data: str, data_args: Dict[str
                 keyed += bool(cell.get("run_key"))
         seconds += float((stored.get("search") or {}).get("seconds") or 0.0)
     return (f"{done} of {total} cells stored" + (f" ({stale} stale)" if stale else "")
-            + f", {keyed} of them checked against the engine's run key today (the others record none), "
-              f"{seconds / 60:.1f} min of runs in all")
+            + f", {keyed} of them checked against the engine's run key today"
+            + (f" (the other {done - keyed} record none: running their rows again records it)" if keyed < done else "")
+            + f", {seconds / 60:.1f} min of runs in all")
