@@ -1265,9 +1265,7 @@ class _FakeEngine:
         monkeypatch.setattr(prun, "_stored_evidence", lambda plan, key, steps: ({}, list(plan.call["attacks"]), _cell(2)))
         monkeypatch.setattr(phealth, "model_health", _healthy_model)
         monkeypatch.setattr("bench.papers.stale.planned_now", lambda call: ["ig"])  # the fake planner's pick
-        monkeypatch.setattr(pstale, "run_key", lambda call: "k")  # the fake's one run
-        monkeypatch.setattr("bench.papers.stale.run_key", lambda call: "k")
-        monkeypatch.setattr("bench.papers.stale._KEYS", {})
+        _one_engine_key(monkeypatch)  # the fake's one run
 
     def clock(self):
         return self.now
