@@ -16,7 +16,6 @@ import ast
 import hashlib
 import json
 import multiprocessing
-import re
 import textwrap
 import time
 from pathlib import Path
@@ -96,7 +95,8 @@ def run_one(mode: str, indices, budget: int, seed: int, device: str, width: int)
     psnr = [round(float(scores[r, c]), 2) for r, c in zip(rows, cols)]
     flat = x.mean((2, 3), keepdim=True).expand_as(x)
     trace = rec.trace
-    row = {"mode": mode, "index": indices[0], "indices": list(indices), "budget": budget,
+    row = {"mode": mode, "width": width, "seed": seed, "index": indices[0], "indices": list(indices),
+           "budget": budget,
            "seconds": round(seconds, 1), "cpu_seconds": round(cpu_seconds, 1),
            "psnr": min(psnr), "psnrs": psnr, "flat_colour_psnr": round(float(aligned_psnr(flat, x).mean()), 2),
            "certificate_error": trace["certificate_error"], "certified": trace["certified"],
@@ -190,9 +190,9 @@ def other_widths(width: int) -> list:
     (a run with ``--width``): the narrower ResNet-18 the papers bench weighs against width 64."""
     kept = []
     for path in sorted(RESULTS.glob(f"*-{code_key()}.json")):
-        found = re.fullmatch(r"(eval|train)-w(\d+)-b(\d+)-s(\d+)-i[\d-]+-\w+\.json", path.name)
-        if found and int(found.group(2)) != width:
-            kept.append((int(found.group(2)), json.loads(path.read_text())))
+        result = json.loads(path.read_text())
+        if result["width"] != width:
+            kept.append((result["width"], result))
     if not kept:
         return []
     lines = ["", "## At other widths", "",
