@@ -193,6 +193,6 @@ def test_applies_to_likelihoods_and_stochastic_defenses():
     traits = dict(has_log_prob=False, architectural=False, stochastic=True, differentiable=True)
     assert applies(SimpleNamespace(**{**traits, "has_log_prob": True}))[0]
     ok, why = applies(SimpleNamespace(**traits))
-    assert ok and "Monte Carlo" in why
+    assert ok and why.code == "bayes-monte-carlo" and "Monte Carlo" in word(why)
     assert not applies(SimpleNamespace(**{**traits, "stochastic": False}))[0]
     assert not applies(SimpleNamespace(**{**traits, "differentiable": False}))[0]

@@ -6,6 +6,7 @@ import pytest
 
 import audit
 from audit.core.errors import ConfigError
+from audit.core.reasons import Reason
 from audit.engine.control import base_form, control_specs
 from audit.engine.audit import AttackSpec
 
@@ -78,14 +79,16 @@ def test_the_budget_is_searched_by_default_except_for_closed_form_attacks_alone(
 
 
 def test_the_control_runs_each_attacks_base_form_once():
-    specs = [AttackSpec("portfolio", {}, "base"), AttackSpec("ig", {"restarts": 2}, "base"),
-             AttackSpec("through-defense", {"samples": 8}, "planner", "adaptive"),
-             AttackSpec("mask-replay", {}, "planner", "adaptive"), AttackSpec("analytic", {}, "planner", "adaptive")]
+    base, planned = Reason("attack-base"), Reason("attack-requested")
+    specs = [AttackSpec("portfolio", {}, base), AttackSpec("ig", {"restarts": 2}, base),
+             AttackSpec("through-defense", {"samples": 8}, planned, "adaptive"),
+             AttackSpec("mask-replay", {}, planned, "adaptive"), AttackSpec("analytic", {}, planned, "adaptive")]
     mine = control_specs(specs, {"ig": {"restarts": 3}})
     assert [(s.name, s.settings) for s in mine] == [("portfolio", {}), ("ig", {"restarts": 2}), ("analytic", {})]
     assert base_form("through-defense", {"base": "gi"}) == "gi" and base_form("learned-inverter", {}) == "ig"
-    alone = control_specs([AttackSpec("mask-replay", {}, "planner", "adaptive")], {"ig": {"restarts": 3}})
+    alone = control_specs([AttackSpec("mask-replay", {}, planned, "adaptive")], {"ig": {"restarts": 3}})
     assert [(s.name, s.settings) for s in alone] == [("ig", {"restarts": 3})]
+    assert alone[0].why == Reason("attack-base-form", of="mask-replay")
 
 
 def test_a_sweep_cell_takes_its_control_from_the_undefended_cell(tmp_path):

@@ -207,7 +207,8 @@ def test_the_planner_plans_it_where_the_rank_condition_holds_and_the_control_run
         loss_fn(model(inputs), labels), [p for p in model.parameters() if p.requires_grad]))
     planned = plan(identity, resnet(), (3, 16, 16), 10)
     conv = planned.get("conv-span")
-    assert conv is not None and not conv.adaptive and "8.conv1" in conv.reason
+    assert conv is not None and not conv.adaptive and "8.conv1" in conv.why.params["layers"]
+    assert "their weight gradient's row space is the span of their input's patches" in word(conv.why)
     assert base_form("conv-span", {}) == "conv-span"  # a base attack: the positive control runs it too
     assert plan(identity, build_model("cnn", (3, 16, 16), 10), (3, 16, 16), 10).get("conv-span") is None
 

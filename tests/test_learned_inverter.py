@@ -167,7 +167,7 @@ def test_applies_to_every_perturbing_defense():
     flags = dict(identity=False, sign_only=True, quantized=True, sparse=False, sparsity=0.0, low_rank=False,
                  differentiable=True, stochastic=False, architectural=False)
     ok, why = applies(SimpleNamespace(**flags))
-    assert ok and "signs" in why
+    assert ok and why.params["causes"] == ["sign-only"] and "only signs are shared" in word(why)
     assert not applies(SimpleNamespace(**{**flags, "identity": True}))[0]
 
 

@@ -2,10 +2,14 @@
 import pytest
 import torch
 
-from adaptive.planner.plan import plan
+from adaptive.planner.plan import _merge, plan
+from adaptive.planner.rules import PlannedAttack
 from adaptive.planner.probe import probe_defense
 from audit.core.errors import DefenseError
+from audit.core.reasons import Reason
 from audit.core.types import clean_gradients, gradient_transform
+from audit.engine.plan_report import plan_lines
+from audit.report.reasons import REASONS, word
 from defenses.registry import build_defense
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -86,7 +90,7 @@ def test_plain_user_callable_that_prunes_is_planned_from_probing_alone():
     assert p.traits.declared_stochastic is None and not p.traits.has_log_prob
     assert p.names()[0] == "portfolio"
     mask = next(a for a in p.attacks + p.unavailable if a.name == "mask-replay")
-    assert "zeros" in mask.reason
+    assert mask.why.code == "planner-mask" and f"{p.traits.sparsity:.0%} extra exact zeros" in word(mask.why)
 
 
 def test_plain_callable_that_transforms_inputs_is_detected_by_consistency():
@@ -133,10 +137,34 @@ def test_global_randomness_is_flagged_and_broken_defenses_are_named():
 
 def test_plan_reasons_appear_in_the_summary():
     p = plan(build_defense("prune", ratio=0.9))
-    text = "\n".join(p.summary())
-    assert "sparse" in text and "mask" in text
-    assert all(a.reason for a in p.attacks)
+    text = "\n".join(plan_lines(p))
+    assert "sparse" in text and "the mask is read from the zeros" in text
     assert p.to_dict()["traits"]["flags"]["sparse"] is True
+    assert p.to_dict()["attacks"][0]["why"] == {"code": "planner-naive-baseline", "params": {}}
+
+
+@pytest.mark.parametrize("defense, args", [("none", {}), ("prune", {"ratio": 0.9}), ("gaussian", {}), ("laplacian", {}),
+                                           ("soteria", {}), ("censor", {"trials": 2, "active_rounds": 1}),
+                                           ("svdefense", {}), ("clip", {"bound": 0.01}), ("precode", {}),
+                                           ("ats", {}), ("quantize", {"bits": 2})])
+def test_every_planned_attacks_reason_is_a_code_the_report_words(defense, args):
+    p = plan(build_defense(defense, **args), rounds=(2,))
+    for a in p.attacks + p.unavailable:
+        assert a.why.code in REASONS, (defense, a.name, a.why)
+        sentence = word(a.why)
+        assert sentence != str(a.why) and "{" not in sentence, (defense, a.name, sentence)
+
+
+def test_reasons_of_rules_proposing_the_same_attack_are_kept_together():
+    merged = _merge([PlannedAttack("ig", {}, Reason("planner-rescaled"), adaptive=False),
+                     PlannedAttack("ig", {"restarts": 2}, Reason("planner-input-transform", source="declared"),
+                                   adaptive=False),
+                     PlannedAttack("ig", {}, Reason("planner-rescaled"), adaptive=False)])
+    assert len(merged) == 1 and merged[0].settings == {"restarts": 2}
+    assert merged[0].why.code == "planner-several" and len(merged[0].why.params["reasons"]) == 2
+    assert word(merged[0].why) == ("only the norm changes (clipping): cosine matching ignores it; input transform "
+                                   "(declared): the gradient is that of the transformed image, which plain matching "
+                                   "recovers early in training")
 
 
 def test_plan_command_prints_traits_and_reasons():

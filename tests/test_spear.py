@@ -133,12 +133,12 @@ def test_planner_plans_spear_on_clean_and_gaussian_uploads_not_on_pruned_ones():
     from defenses import DEFENSES
 
     clean = plan(NoDefense())
-    assert "spear" in clean.names() and "rank" in clean.get("spear").reason
+    assert "spear" in clean.names() and "rank" in word(clean.get("spear").why)
     assert "spear" in plan(DEFENSES.build("gaussian")).names()
     assert "spear" not in plan(DEFENSES.build("prune")).names()  # pruning breaks the rank and the zeros
     behind_convolutions = plan(NoDefense(), build_model("cnn", SHAPE, 6, seed=0), SHAPE, 6)
     assert "spear-ig" in behind_convolutions.names() and "spear" not in behind_convolutions.names()
-    assert "features" in behind_convolutions.get("spear-ig").reason
+    assert "features" in word(behind_convolutions.get("spear-ig").why)
     assert "spear" in plan(NoDefense(), _mlp(), SHAPE, 6).names()
 
 

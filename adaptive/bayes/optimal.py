@@ -214,19 +214,18 @@ class BayesOptimalAttack:
                 "iterations": self.iterations, "restarts": self.restarts, "init": self.init, "box": self.box}
 
 
-def applies(traits) -> Tuple[bool, str]:
+def applies(traits) -> Tuple[bool, Reason]:
     """Whether the planner should offer ``bayes-optimal`` for a probed defense
-    (:class:`adaptive.planner.traits.DefenseTraits`), and why."""
+    (:class:`adaptive.planner.traits.DefenseTraits`), and why (a code)."""
     if traits.has_log_prob:
-        return True, "the defense declares log_prob(shared | clean): its exact likelihood is the objective"
+        return True, Reason("bayes-exact-likelihood")
     if traits.architectural:
-        return False, "architectural defense: p(g | x) depends on the changed model, not a gradient perturbation"
+        return False, Reason("bayes-architectural")
     if not traits.stochastic:
-        return False, ("deterministic defense: p(g | x) is a point mass, the Bayes adversary reduces to "
-                       "matching through the defense")
+        return False, Reason("bayes-deterministic")
     if not traits.differentiable:
-        return False, "the Monte Carlo likelihood needs gradients through the defense, which passes none back"
-    return True, "stochastic, differentiable defense: Monte Carlo estimate of log p(g | x) over its randomness"
+        return False, Reason("bayes-not-differentiable")
+    return True, Reason("bayes-monte-carlo")
 
 
 ATTACKS.add("bayes-optimal", BayesOptimalAttack,

@@ -200,23 +200,23 @@ def _labels(observation: Observation, images: torch.Tensor) -> Tuple[torch.Tenso
         return pred, {"method": "predicted", "note": Reason("labels-predicted").to_dict(), "why": err.reason.to_dict()}
 
 
-def applies(traits) -> Tuple[bool, str]:
+def applies(traits) -> Tuple[bool, Reason]:
     """Whether the planner should offer ``learned-inverter`` for a probed defense
-    (:class:`adaptive.planner.traits.DefenseTraits`), and why. It works for any defense; it is
-    worth its training cost where gradient matching has little to hold on to."""
+    (:class:`adaptive.planner.traits.DefenseTraits`), and why (a code, with what the defense does
+    to the gradient). It works for any defense; it is worth its training cost where gradient
+    matching has little to hold on to."""
     if traits.identity:
-        return False, "no perturbation: gradient matching / analytic inversion recover more than a learned map"
-    causes = [why for flag, why in (
-        (traits.sign_only, "only signs are shared"),
-        (traits.quantized and not traits.sign_only, "values are quantized"),
-        (traits.sparse, f"{traits.sparsity:.0%} extra zeros"),
-        (traits.low_rank, "rank-truncated gradients"),
-        (not traits.differentiable, "no gradient flows back through the defense"),
-        (traits.stochastic, "random perturbation"),
-        (traits.architectural, "the client model is changed"),
+        return False, Reason("inverter-no-perturbation")
+    causes = [cause for flag, cause in (
+        (traits.sign_only, "sign-only"),
+        (traits.quantized and not traits.sign_only, "quantized"),
+        (traits.sparse, "sparse"),
+        (traits.low_rank, "low-rank"),
+        (not traits.differentiable, "not-differentiable"),
+        (traits.stochastic, "stochastic"),
+        (traits.architectural, "architectural"),
     ) if flag]
-    reason = "; ".join(causes) if causes else "perturbed gradient"
-    return True, f"{reason}: learn defended gradient -> image on auxiliary data (needs no differentiable defense)"
+    return True, Reason("inverter-learns", causes=causes, sparsity=traits.sparsity)
 
 
 ATTACKS.add("learned-inverter", LearnedInverter,

@@ -1,11 +1,12 @@
 """The planner: probe an unknown defense, then pick the attacks that exploit what it does."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from torch import nn
 
+from audit.core.reasons import Reason
 from audit.core.types import default_loss_fn
 
 from adaptive.planner.probe import probe_defense
@@ -15,8 +16,8 @@ from adaptive.planner.traits import DefenseTraits
 
 @dataclass
 class Plan:
-    """The probed traits, the attacks to run (with reasons) and those proposed but not
-    installed."""
+    """The probed traits, the attacks to run (each with its reason, a code the report words)
+    and those proposed but not installed."""
 
     traits: DefenseTraits
     attacks: List[PlannedAttack]
@@ -28,33 +29,27 @@ class Plan:
     def get(self, name: str) -> Optional[PlannedAttack]:
         return next((a for a in self.attacks if a.name == name), None)
 
-    def summary(self) -> List[str]:
-        """Lines for the report: traits, then each attack with its reason."""
-        lines = list(self.traits.summary())
-        for a in self.attacks:
-            tag = "adaptive" if a.adaptive else "baseline"
-            opts = ", ".join(f"{k}={v}" for k, v in a.settings.items())
-            lines.append(f"- {a.name} [{tag}{': ' + opts if opts else ''}]: {a.reason}")
-        for a in self.unavailable:
-            lines.append(f"- ({a.name} not installed): {a.reason}")
-        return lines
-
     def to_dict(self) -> Dict[str, Any]:
-        return {"traits": self.traits.to_dict(), "attacks": [asdict(a) for a in self.attacks],
-                "unavailable": [asdict(a) for a in self.unavailable]}
+        return {"traits": self.traits.to_dict(), "attacks": [a.to_dict() for a in self.attacks],
+                "unavailable": [a.to_dict() for a in self.unavailable]}
 
 
 def _merge(proposals: List[PlannedAttack]) -> List[PlannedAttack]:
-    """One entry per attack name, in first-proposed order; reasons joined, settings merged."""
+    """One entry per attack name, in first-proposed order; settings merged, and where several
+    rules propose it, their reasons kept together (code ``planner-several``)."""
     merged: Dict[str, PlannedAttack] = {}
+    whys: Dict[str, List[Reason]] = {}
     for p in proposals:
+        whys.setdefault(p.name, [])
+        if p.why not in whys[p.name]:
+            whys[p.name].append(p.why)
         if p.name not in merged:
-            merged[p.name] = PlannedAttack(p.name, dict(p.settings), p.reason, p.adaptive)
-            continue
-        m = merged[p.name]
-        m.settings = {**p.settings, **m.settings}
-        if p.reason not in m.reason:
-            m.reason = f"{m.reason}; {p.reason}"
+            merged[p.name] = PlannedAttack(p.name, dict(p.settings), p.why, p.adaptive)
+        else:
+            merged[p.name].settings = {**p.settings, **merged[p.name].settings}
+    for name, found in whys.items():
+        if len(found) > 1:
+            merged[name].why = Reason("planner-several", reasons=[w.to_dict() for w in found])
     return list(merged.values())
 
 

@@ -1,12 +1,14 @@
 """Planner rules: each maps :class:`~adaptive.planner.traits.DefenseTraits` to the attacks that
-exploit them, with the reason in words. Rules are registered, not chained: adding one is
-one decorated function.
+exploit them, each with its reason as a code and the numbers behind it
+(:class:`~audit.core.reasons.Reason`; the report words it). Rules are registered, not chained:
+adding one is one decorated function.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, List
 
+from audit.core.reasons import Reason
 from audit.core.registry import Registry
 
 from adaptive.bayes.optimal import applies as bayes_applies
@@ -23,26 +25,24 @@ ORDER = ("precode-latent", "svd-subspace", "mask-replay", "layer-drop", "censor-
 
 @dataclass
 class PlannedAttack:
-    """An attack the planner proposes: registry name, settings for it, and why."""
+    """An attack the planner proposes: registry name, settings for it, and why (a code)."""
 
     name: str
-    settings: Dict[str, Any] = field(default_factory=dict)
-    reason: str = ""
+    settings: Dict[str, Any]
+    why: Reason
     adaptive: bool = True  # False for the naive baseline the adaptive attacks are compared with
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {"name": self.name, "settings": dict(self.settings), "why": self.why.to_dict(),
+                "adaptive": self.adaptive}
 
 
 Rule = Callable[[DefenseTraits], List[PlannedAttack]]
 
 
-def _pct(x: float) -> str:
-    return f"{x:.0%}"
-
-
 @RULES.register("baseline", "the naive attack the defense was designed against")
 def baseline(t: DefenseTraits) -> List[PlannedAttack]:
-    why = ("no perturbation detected: the clean gradient is shared" if t.identity
-           else "naive baseline: the portfolio of plain gradient-matching strategies, for comparison "
-                "with the adaptive attacks")
+    why = Reason("planner-clean-gradient" if t.identity else "planner-naive-baseline")
     return [PlannedAttack("portfolio", {}, why, adaptive=False)]
 
 
@@ -50,10 +50,7 @@ def baseline(t: DefenseTraits) -> List[PlannedAttack]:
 def analytic(t: DefenseTraits) -> List[PlannedAttack]:
     if not t.analytic_layers:
         return []
-    return [PlannedAttack("analytic", {}, (
-        f"linear-layer gradients stay exactly rank-1 consistent (dW = db x^T) in "
-        f"{len(t.analytic_layers)} layer(s): the layer input is recovered in closed form "
-        "for batch 1 when the audited model starts with a linear layer"))]
+    return [PlannedAttack("analytic", {}, Reason("planner-analytic", layers=len(t.analytic_layers)))]
 
 
 @RULES.register("spear", "linear-layer gradients keep their rank and ReLU sparsity: exact batch recovery")
@@ -61,19 +58,11 @@ def spear(t: DefenseTraits) -> List[PlannedAttack]:
     noisy = t.noise_family == "gaussian" and not (t.sparse or t.low_rank or t.quantized or t.orthogonal)
     if not (t.analytic_layers or noisy):
         return []
-    why = (f"linear-layer gradients stay exactly rank-structured in {len(t.analytic_layers)} layer(s)"
-           if t.analytic_layers else f"additive gaussian noise only (std ~{t.noise_std:.3g}), which SPEAR tolerates up "
-                                     "to a level (docs/strength.md (SPEAR))")
+    because = (Reason("planner-rank-structured", layers=len(t.analytic_layers)) if t.analytic_layers
+               else Reason("planner-gaussian-only", std=t.noise_std)).to_dict()
     if t.relu_linear_input == "features":
-        return [PlannedAttack("spear-ig", {}, (
-            f"{why}: the model's first biased Linear followed by ReLU comes after convolutions; SPEAR recovers "
-            "its input, each image's features, exactly (certified by reproducing the upload, FedSGD), and ig "
-            "runs with them as a per-image prior"))]
-    return [PlannedAttack("spear", {}, (
-        f"{why}: where a biased Linear layer followed by ReLU is in the upload (FedSGD, or FedAvg where its input "
-        "is the image), its gradient has rank <= the batch size and ReLU zeros: the whole batch's inputs are "
-        "recovered exactly and certified by reproducing the upload; models without such a layer get a "
-        "'not applicable' line naming the reason"))]
+        return [PlannedAttack("spear-ig", {}, Reason("planner-spear-features", because=because))]
+    return [PlannedAttack("spear", {}, Reason("planner-spear", because=because))]
 
 
 @RULES.register("conv-span", "deep convolutions' gradients span their input's patches: the batch from their row spaces")
@@ -82,14 +71,8 @@ def conv_span(t: DefenseTraits) -> List[PlannedAttack]:
         return []
     changed = set(t.changed_layers)
     whole = [n for n in t.conv_span_layers if f"{n}.weight" not in changed]
-    kept = (f"the defense leaves {len(whole)} of them whole, which it reads" if changed and whole
-            else "the defense changes every one of them; the attack reads those whose upload keeps the rank gap"
-            if changed else "")
-    return [PlannedAttack("conv-span", {}, (
-        f"{len(t.conv_span_layers)} convolution(s) have fewer output positions than channels and patch entries "
-        f"({', '.join(t.conv_span_layers[:3])}{', ...' if len(t.conv_span_layers) > 3 else ''}): their weight "
-        "gradient's row space is the span of their input's patches, so the images whose deep maps lie in it are "
-        "the private ones, certified by reproducing the upload" + (f"; {kept}" if kept else "")), adaptive=False)]
+    return [PlannedAttack("conv-span", {}, Reason("planner-conv-span", layers=list(t.conv_span_layers),
+                                                  changed=bool(changed), whole=len(whole)), adaptive=False)]
 
 
 @RULES.register("through-defense", "pass the dummy gradient through the defense (replay / EOT)")
@@ -97,63 +80,47 @@ def through_defense(t: DefenseTraits) -> List[PlannedAttack]:
     if t.identity or t.architectural or not t.differentiable:
         return []
     if not t.stochastic:
-        return [PlannedAttack("through-defense", {"samples": 1}, (
-            "deterministic and differentiable: replay the defense on the dummy gradient, so both "
-            "sides of the matching loss are defended the same way"))]
+        return [PlannedAttack("through-defense", {"samples": 1}, Reason("planner-replay"))]
     if t.noise_family and not (t.sparse or t.orthogonal or t.quantized or t.input_transform):
         return []  # additive noise: EOT only adds variance; the likelihood rule covers it
-    return [PlannedAttack("through-defense", {"samples": EOT_SAMPLES}, (
-        f"stochastic and differentiable: EOT, the dummy gradient goes through the defense "
-        f"with {EOT_SAMPLES} samples of its randomness per step, averaged in the loss"))]
+    return [PlannedAttack("through-defense", {"samples": EOT_SAMPLES}, Reason("planner-eot", samples=EOT_SAMPLES))]
 
 
 @RULES.register("mask-replay", "read the pruning mask from the observed zeros")
 def mask_replay(t: DefenseTraits) -> List[PlannedAttack]:
     if not t.sparse:
         return []
-    return [PlannedAttack("mask-replay", {}, (
-        f"sparse: {_pct(t.sparsity)} extra exact zeros in the changed layers; the mask is read "
-        "from the zeros of the observed gradient and applied to the dummy gradient"))]
+    return [PlannedAttack("mask-replay", {}, Reason("planner-mask", sparsity=t.sparsity))]
 
 
 @RULES.register("layer-drop", "drop the perturbed layers from the matching objective")
 def layer_drop(t: DefenseTraits) -> List[PlannedAttack]:
     if not t.few_layers_changed or t.sparse and not t.one_layer_changed:
         return []
-    which = "one layer" if t.one_layer_changed else f"{len(t.changed_layers)} of {len(t.layers)} tensors"
-    return [PlannedAttack("layer-drop", {"layers": "auto"}, (
-        f"only {which} differ from the clean gradient ({', '.join(t.changed_layers[:4])}); the "
-        "others are exact: drop the defended layer from the objective (detected on the "
-        "audited model from the observation, or each candidate tried and the best kept)"))]
+    return [PlannedAttack("layer-drop", {"layers": "auto"}, Reason(
+        "planner-layer-drop", one=bool(t.one_layer_changed), changed=len(t.changed_layers), tensors=len(t.layers),
+        layers=list(t.changed_layers[:4])))]
 
 
 @RULES.register("censor-invariants", "match the per-layer norms and orthogonality CENSOR keeps")
 def censor_invariants(t: DefenseTraits) -> List[PlannedAttack]:
     if not (t.norm_preserving and t.orthogonal):
         return []
-    return [PlannedAttack("censor-invariants", {}, (
-        "every changed layer keeps its clean norm exactly and is orthogonal to the clean "
-        "gradient: match ||grad_l(x')|| = ||shared_l|| and penalise <grad_l(x'), shared_l>"))]
+    return [PlannedAttack("censor-invariants", {}, Reason("planner-censor-invariants"))]
 
 
 @RULES.register("svd-subspace", "match only the transmitted low-rank subspace")
 def svd_subspace(t: DefenseTraits) -> List[PlannedAttack]:
     if not t.low_rank:
         return []
-    return [PlannedAttack("svd-subspace", {}, (
-        f"rank reduced in {len(t.rank_reduced_layers)} layer(s): project the dummy gradient on the "
-        "transmitted row/column subspaces before matching (batch-1 linear gradients are rank 1, "
-        "so truncation leaves them intact)"))]
+    return [PlannedAttack("svd-subspace", {}, Reason("planner-svd-subspace", layers=len(t.rank_reduced_layers)))]
 
 
 @RULES.register("precode-latent", "architectural bottleneck: analytic recovery + latent variable")
 def precode_latent(t: DefenseTraits) -> List[PlannedAttack]:
     if not t.architectural:
         return []
-    return [PlannedAttack("precode-latent", {}, (
-        "wrap_model changes the client model (variational bottleneck): recover the bottleneck "
-        "input analytically from the encoder's gradients and optimise the bottleneck draw "
-        "jointly with the dummy input"))]
+    return [PlannedAttack("precode-latent", {}, Reason("planner-precode-latent"))]
 
 
 @RULES.register("noise-likelihood", "match with the noise's own log-likelihood (L2 / L1)")
@@ -161,15 +128,13 @@ def noise_likelihood(t: DefenseTraits) -> List[PlannedAttack]:
     preset = {"gaussian": "bayes-l2", "laplace": "bayes-l1"}.get(t.noise_family or "")
     if not (t.stochastic and preset):
         return []
-    return [PlannedAttack(preset, {}, (
-        f"the random part looks {t.noise_family} (std ~{t.noise_std:.3g}): its log-likelihood "
-        f"is the matching loss"))]
+    return [PlannedAttack(preset, {}, Reason("planner-noise-likelihood", family=t.noise_family, std=t.noise_std))]
 
 
 def _offered(applies: Callable[[DefenseTraits], Any], name: str, t: DefenseTraits) -> List[PlannedAttack]:
-    """Ask an attack's own ``applies(traits) -> (bool, reason)``."""
-    ok, reason = applies(t)
-    return [PlannedAttack(name, {}, reason)] if ok else []
+    """Ask an attack's own ``applies(traits) -> (bool, Reason)``."""
+    ok, why = applies(t)
+    return [PlannedAttack(name, {}, why)] if ok else []
 
 
 @RULES.register("bayes-optimal", "the Bayes adversary, for a known likelihood or randomness")
@@ -186,9 +151,8 @@ def learned_inverter(t: DefenseTraits) -> List[PlannedAttack]:
 def input_transform(t: DefenseTraits) -> List[PlannedAttack]:
     if not t.input_transform:
         return []
-    return [PlannedAttack("ig", {}, (
-        f"input transform ({t.input_transform_source}): the gradient is that of the transformed "
-        "image, which plain matching recovers early in training"), adaptive=False)]
+    return [PlannedAttack("ig", {}, Reason("planner-input-transform", source=t.input_transform_source),
+                          adaptive=False)]
 
 
 @RULES.register("clean-rounds", "the clean gradient is sometimes shared: attack those rounds with plain matching")
@@ -196,19 +160,13 @@ def clean_rounds(t: DefenseTraits) -> List[PlannedAttack]:
     if not t.sometimes_clean:
         return []
     probe = t.rounds_probe
-    where = (f"at rounds {', '.join(map(str, probe['clean_rounds']))}" if probe.get("clean_rounds")
-             else "on some calls (the defense takes no round)")
-    seen = (f"the defense shared the clean gradient (or an exact multiple) in {probe['clean_calls']} of "
-            f"{probe['calls']} probe calls, {where}")
-    return [PlannedAttack("ig", {}, f"{seen}: plain cosine matching (scale-invariant) on those rounds",
-                          adaptive=False),
-            PlannedAttack("analytic", {}, f"{seen}: closed-form inversion of the first linear layer on "
-                                          "those rounds (batch 1, models that start with a linear layer)")]
+    seen = dict(clean=probe["clean_calls"], calls=probe["calls"], rounds=list(probe.get("clean_rounds") or []))
+    return [PlannedAttack("ig", {}, Reason("planner-clean-rounds-ig", **seen), adaptive=False),
+            PlannedAttack("analytic", {}, Reason("planner-clean-rounds-analytic", **seen))]
 
 
 @RULES.register("rescaled", "clipping only rescales: cosine matching is invariant")
 def rescaled(t: DefenseTraits) -> List[PlannedAttack]:
     if not t.rescaled or t.stochastic:
         return []
-    return [PlannedAttack("ig", {}, "only the norm changes (clipping): cosine matching ignores it",
-                          adaptive=False)]
+    return [PlannedAttack("ig", {}, Reason("planner-rescaled"), adaptive=False)]

@@ -30,6 +30,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 from attacks import ATTACKS
 from attacks.presets import uses_budget
 from audit.core.errors import ConfigError
+from audit.core.reasons import Reason
 from audit.engine.compose import AuditParts
 from audit.engine.config import AuditConfig, config_of_sections
 from audit.engine.null import Null, null_evidence
@@ -69,7 +70,7 @@ def control_specs(specs: Sequence[Any], args: Dict[str, Dict[str, Any]]) -> List
         if base == spec.name:
             out.setdefault(base, replace(spec, settings=dict(spec.settings), kind="base"))
         elif base not in out:
-            out[base] = type(spec)(base, dict(args.get(base, {})), f"base form of {spec.name}", "base")
+            out[base] = type(spec)(base, dict(args.get(base, {})), Reason("attack-base-form", of=spec.name), "base")
     return list(out.values())
 
 

@@ -3,12 +3,13 @@ from __future__ import annotations
 
 import copy
 import json
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
-from adaptive.planner.plan import plan
+from adaptive.planner.plan import Plan, plan
 from audit.core.metrics import to_jsonable
 from audit.core.models import build_model
 from audit.engine.compose import client_model, resolve_defense, resolve_device
+from audit.report.reasons import word
 
 
 def plan_report(defense: Any = None, defense_args: Optional[Dict[str, Any]] = None, *, model: Optional[str] = None,
@@ -27,4 +28,16 @@ def plan_report(defense: Any = None, defense_args: Optional[Dict[str, Any]] = No
     result = plan(resolved, net, shape, num_classes, seed=seed, device=device, client_model=wrapped)
     if as_json:
         return json.dumps(to_jsonable(result.to_dict()), indent=2)
-    return "\n".join(result.summary())
+    return "\n".join(plan_lines(result))
+
+
+def plan_lines(found: Plan) -> List[str]:
+    """The plan in lines: the probed traits, then each attack with why it runs."""
+    lines = list(found.traits.summary())
+    for a in found.attacks:
+        tag = "adaptive" if a.adaptive else "baseline"
+        opts = ", ".join(f"{k}={v}" for k, v in a.settings.items())
+        lines.append(f"- {a.name} [{tag}{': ' + opts if opts else ''}]: {word(a.why)}")
+    for a in found.unavailable:
+        lines.append(f"- ({a.name} not installed): {word(a.why)}")
+    return lines

@@ -4,7 +4,7 @@ the user's settings over the planner's."""
 from __future__ import annotations
 
 import copy
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -15,6 +15,7 @@ from attacks import ATTACKS
 from attacks.classic import classic_attacks
 from attacks.presets import defaults_fingerprint
 from audit.core.errors import GiaError
+from audit.core.reasons import Reason
 from audit.core.preflight import runs
 
 # the portfolio of plain strategies (docs/strength.md), and IG alone: at small budgets IG's full
@@ -24,11 +25,12 @@ BASE_ATTACKS = ("portfolio", "ig")
 
 @dataclass
 class AttackSpec:
-    """One attack of the audit: registry name, settings, why it runs, base or adaptive."""
+    """One attack of the audit: registry name, settings, why it runs (a code the report words;
+    None for a check of the user's settings alone), base or adaptive."""
 
     name: str
     settings: Dict[str, Any] = field(default_factory=dict)
-    reason: str = ""
+    why: Optional[Reason] = None
     kind: str = "base"
 
     @property
@@ -43,7 +45,8 @@ class AttackSpec:
         return defaults_fingerprint(self.name)
 
     def to_dict(self) -> Dict[str, Any]:
-        return {"id": self.id, **asdict(self)}
+        return {"id": self.id, "name": self.name, "settings": dict(self.settings),
+                "why": None if self.why is None else self.why.to_dict(), "kind": self.kind}
 
 
 def plan(audit: Any) -> Tuple[List[AttackSpec], Dict[str, Any]]:
@@ -56,19 +59,21 @@ def plan(audit: Any) -> Tuple[List[AttackSpec], Dict[str, Any]]:
                              client_model=client_probe)
         plan_dict = {**found.to_dict(), **({"model_mode": probe_note} if probe_note else {})}
     except GiaError as err:  # e.g. the defense fails on the planner's probe batch
-        found, plan_dict = None, {"error": f"probing the defense failed: {type(err).__name__}: {err}"}
+        failed = Reason("planner-probe-failed", error=type(err).__name__, message=str(err))
+        found, plan_dict = None, {"error": failed.to_dict()}
     plan_dict["side_information"] = audit.side_information()
     proposed = [] if found is None else [
-        AttackSpec(a.name, dict(a.settings), a.reason, "adaptive" if a.adaptive else "base") for a in found.attacks]
-    classic = [AttackSpec(n, {}, f"the model's classic attack: {why}") for n, why in classic_attacks(audit.base_model)]
-    auto = [AttackSpec(n, {}, "base attack: always run") for n in BASE_ATTACKS] + classic
+        AttackSpec(a.name, dict(a.settings), a.why, "adaptive" if a.adaptive else "base") for a in found.attacks]
+    classic = [AttackSpec(n, {}, Reason("attack-classic", why=why.to_dict()))
+               for n, why in classic_attacks(audit.base_model)]
+    auto = [AttackSpec(n, {}, Reason("attack-base")) for n in BASE_ATTACKS] + classic
     auto = [s for k, s in enumerate(auto) if s.name not in {p.name for p in proposed}
             and s.name not in {a.name for a in auto[:k]}] + proposed
     by_name = {p.name: p for p in proposed}
     specs: Dict[str, AttackSpec] = {}
     args = audit.attack_settings.args
     for name in audit.attack_settings.names:  # "auto" may be combined with names
-        for spec in auto if name == "auto" else [by_name.get(name) or AttackSpec(name, {}, "requested by the user")]:
+        for spec in auto if name == "auto" else [by_name.get(name) or AttackSpec(name, {}, Reason("attack-requested"))]:
             specs.setdefault(spec.id, spec)
     check_attacks([*specs.values(), *(AttackSpec(n, kv) for n, kv in args.items())])
     for spec in specs.values():  # the user's settings override the planner's
@@ -90,5 +95,5 @@ def check_attacks(specs: Sequence[AttackSpec]) -> None:
     """An unknown attack name, or a bad setting of the user's, as a one-line ConfigError now."""
     for spec in specs:
         ATTACKS.get(spec.name)  # an unknown name raises ConfigError listing the valid ones
-        if spec.reason == "":  # the user's settings: a bad one is an error now, not in every result
+        if spec.why is None:  # the user's settings: a bad one is an error now, not in every result
             ATTACKS.build(spec.name, **spec.settings)

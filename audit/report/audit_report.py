@@ -110,7 +110,7 @@ def build_report(manifest: Any, records: Sequence[Any],
         differences=list(manifest.differences or []),
         privacy=manifest.privacy or {"applicable": False, "reason": "not recorded by this audit"},
         threat_model=manifest.threat_model or {}, plan=worded_plan(manifest.plan or {}),
-        control=control_entry(manifest.control), attacks=manifest.attacks, thresholds=thresholds.to_dict(),
+        control=control_entry(manifest.control), attacks=worded_attacks(manifest.attacks), thresholds=thresholds.to_dict(),
         false_positive_rate=false_positive_rates(thresholds, nulls),
         null=(manifest.null or {}).get("description", {}), chance_level=_mean_chance(nulls),
         risk_delta=manifest.risk_delta, metric_notes=manifest.metric_notes or [], utility=manifest.utility or {},
@@ -121,12 +121,20 @@ def build_report(manifest: Any, records: Sequence[Any],
 
 
 def worded_plan(plan: Dict[str, Any]) -> Dict[str, Any]:
-    """The plan with its side information in words (stored as codes; a plan stored with
-    sentences keeps them)."""
-    side = plan.get("side_information")
-    if not side:
-        return plan
-    return {**plan, "side_information": {k: word(v) for k, v in side.items()}}
+    """The plan with its side information and its probe's failure in words (stored as codes; a
+    plan stored with sentences keeps them)."""
+    out = dict(plan)
+    if out.get("side_information"):
+        out["side_information"] = {k: word(v) for k, v in out["side_information"].items()}
+    if out.get("error"):
+        out["error"] = word(out["error"])
+    return out
+
+
+def worded_attacks(attacks: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """The audit's attacks, each with why it runs in words (``reason``) beside its code
+    (``why``); an entry stored with a sentence keeps it."""
+    return [{**a, "reason": word(a["why"])} if a.get("why") else dict(a) for a in attacks or []]
 
 
 def not_applicable(steps: Sequence[Any]) -> List[Dict[str, Any]]:

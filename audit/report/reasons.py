@@ -33,6 +33,12 @@ def word(reason: Any) -> str:
         return str(reason)
 
 
+def add_templates(templates: Dict[str, Template]) -> None:
+    """Register each code's template (its description is the code)."""
+    for code, template in templates.items():
+        REASONS.add(code, template, code)
+
+
 def is_reason(value: Any) -> bool:
     """Whether ``value`` is a reason's JSON object (``{"code", "params"}``)."""
     return isinstance(value, dict) and "code" in value and set(value) <= {"code", "params"}
@@ -359,5 +365,4 @@ _TEMPLATES: Dict[str, Template] = {
     "unrolled-smoothed": "unrolled with eps raised to {eps:g} x each tensor's gradient RMS: {optimizer} (the exact "
                          "rule's near-sign update is a step function of the image)",
 }
-for _code, _template in _TEMPLATES.items():
-    REASONS.add(_code, _template, _code)
+add_templates(_TEMPLATES)
