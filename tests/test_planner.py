@@ -8,7 +8,7 @@ from adaptive.planner.probe import probe_defense
 from audit.core.errors import DefenseError
 from audit.core.reasons import Reason
 from audit.core.types import clean_gradients, gradient_transform
-from audit.engine.plan_report import plan_lines
+from audit.engine.plan_report import plan_lines, trait_lines
 from audit.report.reasons import REASONS, word
 from defenses.registry import build_defense
 
@@ -98,7 +98,7 @@ def test_plain_callable_that_transforms_inputs_is_detected_by_consistency():
         return clean_gradients(model, inputs.flip(-1), labels, loss_fn)
 
     t = probe_defense(flip, seed=0)
-    assert t.input_transform and t.input_transform_source.startswith("probed")
+    assert t.input_transform and t.input_transform_source == Reason("transform-probed-other-input")
     assert not t.stochastic and t.changed_layers
 
 
@@ -126,7 +126,8 @@ def test_global_randomness_is_flagged_and_broken_defenses_are_named():
 
     t = probe_defense(global_noise, seed=0)
     assert t.stochastic and not t.reproducible
-    assert any("global randomness" in n for n in t.notes)
+    assert Reason("defense-global-randomness") in t.notes
+    assert "draws from global randomness" in "\n".join(trait_lines(t))
 
     def wrong(model, inputs, labels, *, loss_fn, generator):
         return clean_gradients(model, inputs, labels, loss_fn)[:-1]
@@ -149,10 +150,21 @@ def test_plan_reasons_appear_in_the_summary():
                                            ("ats", {}), ("quantize", {"bits": 2})])
 def test_every_planned_attacks_reason_is_a_code_the_report_words(defense, args):
     p = plan(build_defense(defense, **args), rounds=(2,))
-    for a in p.attacks + p.unavailable:
-        assert a.why.code in REASONS, (defense, a.name, a.why)
-        sentence = word(a.why)
-        assert sentence != str(a.why) and "{" not in sentence, (defense, a.name, sentence)
+    whys = [(a.name, a.why) for a in p.attacks + p.unavailable]
+    for name, why in whys + [("traits", p.traits.input_transform_source)] + [("traits", n) for n in p.traits.notes]:
+        assert why.code in REASONS, (defense, name, why)
+        sentence = word(why)
+        assert sentence != str(why) and "{" not in sentence, (defense, name, sentence)
+
+
+def test_a_defense_that_detaches_its_output_is_noted_not_differentiable_in_words():
+    def detached(model, inputs, labels, *, loss_fn, generator):
+        return [g.detach() for g in clean_gradients(model, inputs, labels, loss_fn)]
+
+    t = plan(detached).traits
+    assert not t.differentiable
+    assert Reason("defense-not-differentiable", why=Reason("defense-detached").to_dict()) in t.notes
+    assert "not differentiable: its output is detached from the inputs" in trait_lines(t)
 
 
 def test_reasons_of_rules_proposing_the_same_attack_are_kept_together():

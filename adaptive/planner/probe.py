@@ -18,6 +18,7 @@ from torch import Tensor, nn
 
 from audit.core.errors import ConfigError, DefenseError
 from audit.core.models import Normalize
+from audit.core.reasons import Reason
 from audit.core.types import Defense, FunctionDefense, clean_gradients, default_loss_fn, trainable_names
 from audit.core.defense_call import accepts_round, call_defense, defense_name, invoke_defense, wrap_client_model
 
@@ -136,23 +137,23 @@ def _layer_probe(name: str, d: Tensor, c: Tensor, d_other: Tensor) -> LayerProbe
     )
 
 
-def _differentiability(defense, model, inputs, labels, generator, loss_fn) -> Tuple[bool, str]:
+def _differentiability(defense, model, inputs, labels, generator, loss_fn) -> Tuple[bool, Optional[Reason]]:
     """Does the defended gradient carry a finite, non-zero gradient back to the inputs?
-    Returns ``(answer, why not)``."""
+    Returns ``(answer, why not)`` (None where it does)."""
     x = inputs.detach().clone().requires_grad_(True)
     try:
         out = invoke_defense(defense, model, x, labels, loss_fn=loss_fn, generator=generator)
         s = sum((g.double() ** 2).sum() for g in out if g.requires_grad)
         if not isinstance(s, Tensor) or not s.requires_grad:
-            return False, "its output is detached from the inputs"
+            return False, Reason("defense-detached")
         (gx,) = torch.autograd.grad(s, x, allow_unused=True)
     except RuntimeError as err:  # the defense detaches or uses non-differentiable ops
-        return False, f"differentiating through it failed ({str(err).split('. ')[0]})"
+        return False, Reason("defense-differentiation-failed", error=str(err).split(". ")[0])
     if gx is None or gx.abs().sum().item() == 0:
-        return False, "its output is piecewise constant in the inputs (zero gradient)"
+        return False, Reason("defense-piecewise-constant")
     if not torch.isfinite(gx).all():
-        return False, "differentiating through it gives NaN/inf"
-    return True, ""
+        return False, Reason("defense-gradient-not-finite")
+    return True, None
 
 
 def linear_modules(model: nn.Module) -> List[Tuple[str, nn.Linear]]:
@@ -187,10 +188,10 @@ def _analytic_layers(names: Sequence[str], grads: Sequence[Tensor], model: nn.Mo
     return found
 
 
-def _input_from_first_linear(model: nn.Module, names, grads, input_shape) -> Tuple[Optional[Tensor], str]:
-    """Invert ``Normalize -> Flatten -> Linear`` analytically: ``(input, "")``, or
+def _input_from_first_linear(model: nn.Module, names, grads, input_shape) -> Tuple[Optional[Tensor], Optional[Reason]]:
+    """Invert ``Normalize -> Flatten -> Linear`` analytically: ``(input, None)``, or
     ``(None, why not)``."""
-    stem = "not measured (the model does not start with Normalize/Flatten -> Linear)"
+    stem = Reason("transform-no-linear-stem")
     if not isinstance(model, nn.Sequential):
         return None, stem
     norm = None
@@ -205,9 +206,9 @@ def _input_from_first_linear(model: nn.Module, names, grads, input_shape) -> Tup
                 return None, stem
             feats, resid = rank1_features(grads[names.index(w)].detach(), grads[names.index(b)].detach())
             if feats is None or resid > RANK1_TOL:
-                return None, "probed: not measurable (the first layer's gradient is perturbed)"
+                return None, Reason("transform-first-layer-perturbed")
             x = feats.reshape(1, *input_shape)
-            return (x * norm.std + norm.mean if norm is not None else x), ""
+            return (x * norm.std + norm.mean if norm is not None else x), None
         else:
             return None, stem
     return None, stem
@@ -409,7 +410,7 @@ def _probe(defense, model, input_shape, num_classes, *, seed, batch_size, loss_f
     analytic = [n for n in _analytic_layers(names, b1, model) if n not in coarse]
     declared_transform = _declared_input_transform(defense, x, seed + 3)
     if declared_transform:
-        input_transform, source = True, "declared (transform_inputs)"
+        input_transform, source = True, Reason("transform-declared")
     else:
         x_rec, why_not = _input_from_first_linear(model, names, b1, tuple(input_shape))
         if x_rec is None:
@@ -419,20 +420,18 @@ def _probe(defense, model, input_shape, num_classes, *, seed, batch_size, loss_f
             consistent = all(_rel(a, b) < 1e-3 for a, b in zip(regrad, b1))
             moved = (x_rec - x1).norm().item() > 1e-3 * x1.norm().item()
             input_transform = consistent and moved
-            source = "probed (the shared gradient is the exact gradient of another input)" \
-                if input_transform else "probed"
+            source = Reason("transform-probed-other-input" if input_transform else "transform-probed")
 
     differentiable, why_not = _differentiability(defense, model, x, y, _generator(seed + 1, device), loss_fn)
-    notes = [f"not differentiable: {why_not}"] if why_not else []
+    notes = [Reason("defense-not-differentiable", why=why_not.to_dict())] if why_not else []
     if stochastic and not reproducible:
-        notes.append("output differs for the same generator seed: the defense draws from global "
-                     "randomness (pass generator= through for reproducible audits)")
+        notes.append(Reason("defense-global-randomness"))
     by_round = probe_rounds(defense, model, x1, y1, rounds=rounds, seed=seed, loss_fn=loss_fn)
     if by_round["errors"]:
-        notes.append(f"the defense failed in {len(by_round['errors'])} round-probe call(s), e.g. {by_round['errors'][0]}")
+        notes.append(Reason("defense-round-probe-failed", calls=len(by_round["errors"]), example=by_round["errors"][0]))
     declared = _declared_stochastic(defense)
     if declared is False and stochastic:
-        notes.append("declared deterministic but its output varies between generators")
+        notes.append(Reason("defense-declared-deterministic-varies"))
 
     return DefenseTraits(
         name=defense_name(defense),

@@ -151,7 +151,7 @@ def learned_inverter(t: DefenseTraits) -> List[PlannedAttack]:
 def input_transform(t: DefenseTraits) -> List[PlannedAttack]:
     if not t.input_transform:
         return []
-    return [PlannedAttack("ig", {}, Reason("planner-input-transform", source=t.input_transform_source),
+    return [PlannedAttack("ig", {}, Reason("planner-input-transform", source=t.input_transform_source.to_dict()),
                           adaptive=False)]
 
 

@@ -1,12 +1,14 @@
 """What probing a defense found out: per-layer measurements and the defense's traits.
 
-The planner (:mod:`adaptive.planner.plan`) turns :class:`DefenseTraits` into attacks; the report
-prints :meth:`DefenseTraits.summary`.
+The planner (:mod:`adaptive.planner.plan`) turns :class:`DefenseTraits` into attacks; what the
+probe could not measure, and what else it saw, are codes that ``gia-audit plan`` and the report word.
 """
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional
+
+from audit.core.reasons import Reason
 
 
 @dataclass
@@ -65,12 +67,12 @@ class DefenseTraits:
     noise_family: Optional[str]  # "gaussian", "laplace" or None
     architectural: bool  # wrap_model changes the client model (PRECODE)
     input_transform: Optional[bool]
-    input_transform_source: str  # "declared", "probed" or "not measured"
+    input_transform_source: Reason  # declared, probed, or why it could not be measured
     analytic_layers: List[str]  # linear layers whose batch-1 gradient stays rank-1 consistent
     has_log_prob: bool
     declared_stochastic: Optional[bool]
     layers: List[LayerProbe] = field(default_factory=list)
-    notes: List[str] = field(default_factory=list)
+    notes: List[Reason] = field(default_factory=list)  # what else the probe saw (codes the report words)
     #: calls at several FL rounds x trained checkpoints: how often the clean gradient (or an
     #: exact multiple) was shared (:func:`adaptive.planner.probe.probe_rounds`)
     rounds_probe: Dict[str, Any] = field(default_factory=dict)
@@ -127,31 +129,9 @@ class DefenseTraits:
             "sometimes_clean": self.sometimes_clean,
         }
 
-    def summary(self) -> List[str]:
-        """One human-readable line per notable finding."""
-        lines = [f"probed defense {self.name!r}"]
-        on = [k for k, v in self.flags().items() if v]
-        lines.append("traits: " + (", ".join(on) if on else "none"))
-        if self.changed_layers:
-            lines.append(f"layers changed: {len(self.changed_layers)}/{len(self.layers)} "
-                         f"({', '.join(self.changed_layers[:6])}{'...' if len(self.changed_layers) > 6 else ''})")
-        if self.sparse:
-            lines.append(f"extra exact zeros: {self.sparsity:.1%} of the changed entries")
-        if self.noise_std is not None:
-            fam = f", {self.noise_family}" if self.noise_family else ""
-            lines.append(f"noise std ~{self.noise_std:.3g} ({self.noise_relative:.2g} x clean RMS{fam})")
-        if self.rank_reduced_layers:
-            lines.append("rank reduced in: " + ", ".join(self.rank_reduced_layers))
-        if self.input_transform is not None or self.input_transform_source != "not measured":
-            lines.append(f"input transform: {bool(self.input_transform)} ({self.input_transform_source})")
-        probe = self.rounds_probe
-        if probe.get("calls"):
-            where = f" at rounds {', '.join(map(str, probe['clean_rounds']))}" if probe.get("clean_rounds") else ""
-            lines.append(f"clean gradient (or an exact multiple) shared in {probe['clean_calls']} of "
-                         f"{probe['calls']} round/checkpoint probe calls{where}")
-        return lines + list(self.notes)
-
     def to_dict(self) -> Dict[str, Any]:
         out = asdict(self)
+        out["input_transform_source"] = self.input_transform_source.to_dict()
+        out["notes"] = [n.to_dict() for n in self.notes]
         out["flags"] = self.flags()
         return out

@@ -6,6 +6,7 @@ import json
 from typing import Any, Dict, List, Optional
 
 from adaptive.planner.plan import Plan, plan
+from adaptive.planner.traits import DefenseTraits
 from audit.core.metrics import to_jsonable
 from audit.core.models import build_model
 from audit.engine.compose import client_model, resolve_defense, resolve_device
@@ -33,7 +34,7 @@ def plan_report(defense: Any = None, defense_args: Optional[Dict[str, Any]] = No
 
 def plan_lines(found: Plan) -> List[str]:
     """The plan in lines: the probed traits, then each attack with why it runs."""
-    lines = list(found.traits.summary())
+    lines = trait_lines(found.traits)
     for a in found.attacks:
         tag = "adaptive" if a.adaptive else "baseline"
         opts = ", ".join(f"{k}={v}" for k, v in a.settings.items())
@@ -41,3 +42,27 @@ def plan_lines(found: Plan) -> List[str]:
     for a in found.unavailable:
         lines.append(f"- ({a.name} not installed): {word(a.why)}")
     return lines
+
+
+def trait_lines(traits: DefenseTraits) -> List[str]:
+    """One line per notable trait the probe found, then its notes."""
+    t = traits
+    on = [k for k, v in t.flags().items() if v]
+    lines = [f"probed defense {t.name!r}", "traits: " + (", ".join(on) if on else "none")]
+    if t.changed_layers:
+        lines.append(f"layers changed: {len(t.changed_layers)}/{len(t.layers)} "
+                     f"({', '.join(t.changed_layers[:6])}{'...' if len(t.changed_layers) > 6 else ''})")
+    if t.sparse:
+        lines.append(f"extra exact zeros: {t.sparsity:.1%} of the changed entries")
+    if t.noise_std is not None:
+        family = f", {t.noise_family}" if t.noise_family else ""
+        lines.append(f"noise std ~{t.noise_std:.3g} ({t.noise_relative:.2g} x clean RMS{family})")
+    if t.rank_reduced_layers:
+        lines.append("rank reduced in: " + ", ".join(t.rank_reduced_layers))
+    lines.append(f"input transform: {bool(t.input_transform)} ({word(t.input_transform_source)})")
+    probe = t.rounds_probe
+    if probe.get("calls"):
+        where = f" at rounds {', '.join(map(str, probe['clean_rounds']))}" if probe.get("clean_rounds") else ""
+        lines.append(f"clean gradient (or an exact multiple) shared in {probe['clean_calls']} of "
+                     f"{probe['calls']} round/checkpoint probe calls{where}")
+    return lines + [word(n) for n in t.notes]

@@ -121,13 +121,18 @@ def build_report(manifest: Any, records: Sequence[Any],
 
 
 def worded_plan(plan: Dict[str, Any]) -> Dict[str, Any]:
-    """The plan with its side information and its probe's failure in words (stored as codes; a
-    plan stored with sentences keeps them)."""
+    """The plan with its side information, its probe's notes and failure in words (stored as
+    codes; a plan stored with sentences keeps them)."""
     out = dict(plan)
     if out.get("side_information"):
         out["side_information"] = {k: word(v) for k, v in out["side_information"].items()}
     if out.get("error"):
         out["error"] = word(out["error"])
+    if out.get("traits"):
+        traits = out["traits"] = dict(out["traits"])
+        traits["notes"] = [word(n) for n in traits.get("notes") or []]
+        if traits.get("input_transform_source"):
+            traits["input_transform_source"] = word(traits["input_transform_source"])
     return out
 
 

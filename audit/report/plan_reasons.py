@@ -1,6 +1,7 @@
 """The report's words for why an audit runs each attack: the planner's reasons (one per rule, and
-the attacks' own ``applies``) and the engine's (a base attack, the model's classic attack, the
-user's request), registered in :data:`~audit.report.reasons.REASONS` like every other code."""
+the attacks' own ``applies``), what its probe saw of the defense, and the engine's reasons (a
+base attack, the model's classic attack, the user's request), registered in
+:data:`~audit.report.reasons.REASONS` like every other code."""
 from __future__ import annotations
 
 from typing import Any, Dict
@@ -94,8 +95,9 @@ _TEMPLATES: Dict[str, Template] = {
                               "jointly with the dummy input",
     "planner-noise-likelihood": "the random part looks {family} (std ~{std:.3g}): its log-likelihood is the matching "
                                 "loss",
-    "planner-input-transform": "input transform ({source}): the gradient is that of the transformed image, which "
-                               "plain matching recovers early in training",
+    "planner-input-transform": lambda params: f"input transform ({word(params.get('source'))}): the gradient is "
+                                              "that of the transformed image, which plain matching recovers early in "
+                                              "training",
     "planner-clean-rounds-ig": lambda params: f"{_clean_seen(params)}: plain cosine matching (scale-invariant) on "
                                               "those rounds",
     "planner-clean-rounds-analytic": lambda params: f"{_clean_seen(params)}: closed-form inversion of the first "
@@ -103,6 +105,21 @@ _TEMPLATES: Dict[str, Template] = {
                                                     "linear layer)",
     "planner-rescaled": "only the norm changes (clipping): cosine matching ignores it",
     "planner-probe-failed": "probing the defense failed: {error}: {message}",
+    # what the probe could not measure, and what else it saw
+    "transform-declared": "declared (transform_inputs)",
+    "transform-probed": "probed",
+    "transform-probed-other-input": "probed (the shared gradient is the exact gradient of another input)",
+    "transform-no-linear-stem": "not measured (the model does not start with Normalize/Flatten -> Linear)",
+    "transform-first-layer-perturbed": "probed: not measurable (the first layer's gradient is perturbed)",
+    "defense-not-differentiable": lambda params: f"not differentiable: {word(params.get('why'))}",
+    "defense-detached": "its output is detached from the inputs",
+    "defense-differentiation-failed": "differentiating through it failed ({error})",
+    "defense-piecewise-constant": "its output is piecewise constant in the inputs (zero gradient)",
+    "defense-gradient-not-finite": "differentiating through it gives NaN/inf",
+    "defense-global-randomness": "output differs for the same generator seed: the defense draws from global "
+                                 "randomness (pass generator= through for reproducible audits)",
+    "defense-round-probe-failed": "the defense failed in {calls} round-probe call(s), e.g. {example}",
+    "defense-declared-deterministic-varies": "declared deterministic but its output varies between generators",
     # the attacks' own applies(traits)
     "bayes-exact-likelihood": "the defense declares log_prob(shared | clean): its exact likelihood is the objective",
     "bayes-architectural": "architectural defense: p(g | x) depends on the changed model, not a gradient "
