@@ -16,10 +16,12 @@ import cli
 from audit.core.errors import ConfigError
 from audit.core.model_source import build_audited_model, load_state
 from audit.core.models import Normalize
+from audit.core.reasons import Reason
 from audit.core.preflight import ModelUse, check_model
 from audit.engine.audit import Audit, audit_settings, planner_model
 from audit.engine.settings import ModelSettings
 from audit.engine.utility import measure_utility
+from audit.report.reasons import word
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -265,7 +267,8 @@ def test_the_planner_probes_a_model_that_cannot_run_one_image_in_train_mode_in_e
     shape = SimpleNamespace(input_shape=(3, 16, 16), num_classes=10)
     pooled = build_audited_model(f"{__name__}:pooled_net", {}, (3, 16, 16), 10, mean=(0.5,) * 3, std=(0.2,) * 3)
     probe, note = planner_model(pooled, shape)
-    assert not probe.training and pooled.training and "1x1" in note
+    assert not probe.training and pooled.training and note == Reason("planner-probe-eval-mode")
+    assert "1x1" in word(note)
     small = build_audited_model(f"{__name__}:small_net", {}, (3, 16, 16), 10, mean=(0.5,) * 3, std=(0.2,) * 3)
     probe, note = planner_model(small, shape)
     assert probe.training and note is None

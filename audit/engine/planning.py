@@ -57,7 +57,7 @@ def plan(audit: Any) -> Tuple[List[AttackSpec], Dict[str, Any]]:
         found = plan_attacks(audit.defense, probe_model, audit.dataset.input_shape, audit.dataset.num_classes,
                              seed=audit.seed, device=audit.device, rounds=audit.attack_settings.steps,
                              client_model=client_probe)
-        plan_dict = {**found.to_dict(), **({"model_mode": probe_note} if probe_note else {})}
+        plan_dict = {**found.to_dict(), **({"model_mode": probe_note.to_dict()} if probe_note else {})}
     except GiaError as err:  # e.g. the defense fails on the planner's probe batch
         failed = Reason("planner-probe-failed", error=type(err).__name__, message=str(err))
         found, plan_dict = None, {"error": failed.to_dict()}
@@ -81,14 +81,13 @@ def plan(audit: Any) -> Tuple[List[AttackSpec], Dict[str, Any]]:
     return list(specs.values()), plan_dict
 
 
-def planner_model(model: nn.Module, dataset) -> Tuple[nn.Module, Optional[str]]:
+def planner_model(model: nn.Module, dataset) -> Tuple[nn.Module, Optional[Reason]]:
     """A copy of ``model`` for the planner, whose probe runs single images too: in eval mode
     (with the reason) when train-mode BatchNorm cannot run a batch of 1 (a 1x1 feature map)."""
     probe = copy.deepcopy(model)
     if runs(probe, dataset.input_shape, dataset.num_classes, 1, "train"):
         return probe, None
-    return probe.eval(), ("eval: the model cannot run one image in train mode (BatchNorm over a 1x1 feature "
-                          "map), so the planner probed the defense on it in eval mode")
+    return probe.eval(), Reason("planner-probe-eval-mode")
 
 
 def check_attacks(specs: Sequence[AttackSpec]) -> None:

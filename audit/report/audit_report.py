@@ -126,8 +126,9 @@ def worded_plan(plan: Dict[str, Any]) -> Dict[str, Any]:
     out = dict(plan)
     if out.get("side_information"):
         out["side_information"] = {k: word(v) for k, v in out["side_information"].items()}
-    if out.get("error"):
-        out["error"] = word(out["error"])
+    for key in ("error", "model_mode"):
+        if out.get(key):
+            out[key] = word(out[key])
     if out.get("traits"):
         traits = out["traits"] = dict(out["traits"])
         traits["notes"] = [word(n) for n in traits.get("notes") or []]

@@ -105,6 +105,8 @@ _TEMPLATES: Dict[str, Template] = {
                                                     "linear layer)",
     "planner-rescaled": "only the norm changes (clipping): cosine matching ignores it",
     "planner-probe-failed": "probing the defense failed: {error}: {message}",
+    "planner-probe-eval-mode": "eval: the model cannot run one image in train mode (BatchNorm over a 1x1 feature map), "
+                               "so the planner probed the defense on it in eval mode",
     # what the probe could not measure, and what else it saw
     "transform-declared": "declared (transform_inputs)",
     "transform-probed": "probed",
