@@ -131,7 +131,8 @@ def worded_plan(plan: Dict[str, Any]) -> Dict[str, Any]:
             out[key] = word(out[key])
     if out.get("traits"):
         traits = out["traits"] = dict(out["traits"])
-        traits["notes"] = [word(n) for n in traits.get("notes") or []]
+        if "notes" in traits:
+            traits["notes"] = [word(n) for n in traits["notes"] or []]
         if traits.get("input_transform_source"):
             traits["input_transform_source"] = word(traits["input_transform_source"])
     return out
