@@ -493,8 +493,7 @@ def test_cells_persist_resume_and_a_changed_row_reruns_only_its_own(tmp_path, mo
 
     def fake_run_cell(row, plan, partial=None, on_claim=None, claim_only=False, deadline=None, cache=None, on_step=None, stepped=(), until_step=None):
         runs.append((row.id, plan.name))
-        return {"key": plan.key, "call": json.loads(json.dumps(plan.call)), "seconds": 1.0, "status": "complete",
-                "run_key": "k", "attacks": plan.call["attacks"], "evidence": _cell(2).to_dict()}
+        return _finished_cell(plan, plan.call["attacks"], _cell(2))
 
     monkeypatch.setattr(prun, "run_cell", fake_run_cell)
     _one_engine_key(monkeypatch)
@@ -666,8 +665,7 @@ def test_cells_run_with_a_stale_search_are_not_shown_as_current(tmp_path):
 
 def test_a_row_with_cells_missing_counts_as_unfinished_whatever_its_cells_say(tmp_path, monkeypatch):
     def fake_run_cell(row, plan, partial=None, on_claim=None, claim_only=False, deadline=None, cache=None, on_step=None, stepped=(), until_step=None):
-        return {"key": plan.key, "call": json.loads(json.dumps(plan.call)), "seconds": 1.0, "status": "complete",
-                "run_key": "k", "attacks": plan.call["attacks"], "evidence": _cell(2).to_dict()}
+        return _finished_cell(plan, plan.call["attacks"], _cell(2))
 
     monkeypatch.setattr(prun, "run_cell", fake_run_cell)
     _one_engine_key(monkeypatch)
@@ -754,8 +752,7 @@ def test_a_cell_run_with_an_attack_default_since_changed_is_rerun_and_marked_sta
     def fake_run_cell(row, plan, partial=None, on_claim=None, claim_only=False, deadline=None, cache=None, on_step=None, stepped=(), until_step=None):
         runs.append(plan.name)
         ran = planned_now(plan.call) if plan.name == "planner" else ["ig"]  # what the planner plans today
-        return {"key": plan.key, "call": json.loads(json.dumps(plan.call)), "seconds": 1.0, "status": "complete",
-                "run_key": "k", "attacks": ran, "evidence": _cell(2).to_dict(), "fingerprints": pstale.cell_fingerprints(plan.call, ran)}
+        return _finished_cell(plan, ran, _cell(2), fingerprints=pstale.cell_fingerprints(plan.call, ran))
 
     monkeypatch.setattr(prun, "run_cell", fake_run_cell)
     _one_engine_key(monkeypatch)
@@ -783,8 +780,7 @@ def test_a_leak_the_current_cells_decide_alone_does_not_rest_on_a_stale_planner_
                           on_step=None, stepped=(), until_step=None):
             ran = planned_now(plan.call) if plan.name == "planner" else ["ig"]
             found = _cell(paper_identifies if plan.name == "paper:ig" else 0, control=12)
-            return {"key": plan.key, "call": json.loads(json.dumps(plan.call)), "seconds": 1.0, "status": "complete",
-                    "run_key": "k", "attacks": ran, "evidence": found.to_dict(), "fingerprints": pstale.cell_fingerprints(plan.call, ran)}
+            return _finished_cell(plan, ran, found, fingerprints=pstale.cell_fingerprints(plan.call, ran))
         return fake_run_cell
 
     row, profile = prows.BY_ID["censor-none"], pcells.Profile("cpu")
@@ -901,6 +897,12 @@ def _healthy_model(call):
     return {str(s): {"trained": True, "images": 8, "logit_std": 0.05, "finite": 8, "zero": 0} for s in call["steps"]}
 
 
+def _finished_cell(plan, attacks, evidence, **extra):
+    """A cell as ``run_cell`` returns it once finished, under the fakes' one engine run key "k"."""
+    return {"key": plan.key, "call": json.loads(json.dumps(plan.call)), "seconds": 1.0, "status": "complete",
+            "run_key": "k", "attacks": attacks, "evidence": evidence.to_dict(), **extra}
+
+
 def _one_engine_key(monkeypatch):
     """Every call's engine run key is "k", the key the fake cells record."""
     monkeypatch.setattr(pstale, "run_key", lambda call: "k")
@@ -955,8 +957,7 @@ def test_a_claim_whose_steps_are_complete_is_judged_while_the_other_steps_run(tm
         ran.append((plan.name, claim_only, until_step))
         if claim_only or until_step is not None:
             return None
-        return {"key": plan.key, "call": json.loads(json.dumps(plan.call)), "seconds": 1.0, "status": "complete",
-                "run_key": "k", "attacks": ["ig"], "evidence": _claim_evidence(0, steps=(1, 2, 5, 10, 20, 50)).to_dict()}
+        return _finished_cell(plan, ["ig"], _claim_evidence(0, steps=(1, 2, 5, 10, 20, 50)))
 
     monkeypatch.setattr(prun, "run_cell", finished)
     _one_engine_key(monkeypatch)
