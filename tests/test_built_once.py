@@ -8,7 +8,7 @@ import audit.engine.compose as compose
 import audit.engine.grid as grid_module
 from adaptive.planner import probe as probe_module
 from audit.engine.audit import Audit
-from audit.engine.settings import DataSettings
+from audit.engine.settings import DataSettings, OutputSettings
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -55,7 +55,8 @@ def test_the_planner_probes_the_audits_client_model(tmp_path, monkeypatch):
 
     monkeypatch.setattr(probe_module, "_architecture", spy)
     monkeypatch.setattr(probe_module, "wrap_client_model", lambda *a, **k: pytest.fail("wrapped again"))
-    run = Audit("precode", "mlp", model_args={"hidden": 16}, data_settings=DataSettings(image_size=8, images=1))
+    run = Audit("precode", "mlp", model_args={"hidden": 16}, data_settings=DataSettings(image_size=8, images=1),
+                output_settings=OutputSettings(out=tmp_path))
     specs, plan = run.planned()
     assert plan["traits"]["architectural"] is True
     assert len(seen) == 1 and [p.shape for p in seen[0].parameters()] == [p.shape for p in run.model.parameters()]

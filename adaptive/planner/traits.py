@@ -5,7 +5,7 @@ probe could not measure, and what else it saw, are codes that ``gia-audit plan``
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Dict, List, Optional
 
 from audit.core.reasons import Reason
@@ -135,3 +135,17 @@ class DefenseTraits:
         out["notes"] = [n.to_dict() for n in self.notes]
         out["flags"] = self.flags()
         return out
+
+    @classmethod
+    def from_dict(cls, data: Dict[str, Any]) -> "DefenseTraits":
+        """The traits :meth:`to_dict` wrote (its ``flags`` are derived, so left out); a key
+        the record does not know raises ``TypeError``, a missing one ``KeyError``."""
+        names = {f.name for f in fields(cls)}
+        values = {k: v for k, v in data.items() if k in names}
+        unknown = set(data) - names - {"flags"}
+        if unknown:
+            raise TypeError(f"DefenseTraits has no field(s) {sorted(unknown)}")
+        values["input_transform_source"] = Reason.of(data["input_transform_source"])
+        values["notes"] = [Reason.of(n) for n in data.get("notes") or ()]
+        values["layers"] = [LayerProbe(**{**layer, "shape": tuple(layer["shape"])}) for layer in data.get("layers") or ()]
+        return cls(**values)

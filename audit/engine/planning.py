@@ -10,13 +10,14 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from torch import nn
 
-from adaptive import plan as plan_attacks  # importing adaptive registers its attacks in ATTACKS
+from adaptive import plan_from_traits, probe_defense  # importing adaptive registers its attacks in ATTACKS
 from attacks import ATTACKS
 from attacks.classic import classic_attacks
 from attacks.presets import defaults_fingerprint
 from audit.core.errors import GiaError
 from audit.core.reasons import Reason
 from audit.core.preflight import runs
+from audit.engine.probe_cache import cached_probe
 
 # the portfolio of plain strategies (docs/strength.md), and IG alone: at small budgets IG's full
 # share can beat the portfolio's pick, and the verdict takes the strongest attack
@@ -54,9 +55,12 @@ def plan(audit: Any) -> Tuple[List[AttackSpec], Dict[str, Any]]:
     probe_model, probe_note = planner_model(audit.base_model, audit.dataset)
     try:
         client_probe, _ = planner_model(audit.model, audit.dataset)
-        found = plan_attacks(audit.defense, probe_model, audit.dataset.input_shape, audit.dataset.num_classes,
-                             seed=audit.seed, device=audit.device, rounds=audit.attack_settings.steps,
-                             client_model=client_probe)
+        steps = audit.attack_settings.steps
+        traits = cached_probe(
+            audit.output_settings.out, audit.key_settings(), steps,
+            lambda: probe_defense(audit.defense, probe_model, audit.dataset.input_shape, audit.dataset.num_classes,
+                                  seed=audit.seed, device=audit.device, rounds=steps, client_model=client_probe))
+        found = plan_from_traits(traits)
         plan_dict = {**found.to_dict(), **({"model_mode": probe_note.to_dict()} if probe_note else {})}
     except GiaError as err:  # e.g. the defense fails on the planner's probe batch
         failed = Reason("planner-probe-failed", error=type(err).__name__, message=str(err))
