@@ -16,7 +16,7 @@ import math
 from pathlib import Path
 from typing import Any, Callable, Dict, Optional, Sequence
 
-from adaptive import DefenseTraits, plan_from_traits
+from adaptive import DefenseTraits
 from audit.core.files import atomic_write_bytes
 from audit.report.store import settings_key
 
@@ -44,14 +44,13 @@ def probe_path(out: Path, key: str) -> Path:
 
 def _encode(traits: DefenseTraits) -> Optional[bytes]:
     """The traits as JSON (non-finite floats kept as JSON's NaN / Infinity), or None when they
-    do not read back into the same plan (a value JSON cannot hold)."""
+    do not read back as the same traits (a value JSON cannot hold)."""
     try:
         blob = json.dumps(traits.to_dict(), allow_nan=True).encode()
         back = DefenseTraits.from_dict(json.loads(blob))
     except (TypeError, ValueError, KeyError):
         return None
-    same = _plain(plan_from_traits(back).to_dict()) == _plain(plan_from_traits(traits).to_dict())
-    return blob if same else None
+    return blob if _plain(back.to_dict()) == _plain(traits.to_dict()) else None
 
 
 def _plain(value: Any) -> Any:
