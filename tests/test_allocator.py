@@ -31,7 +31,7 @@ def _faults(opt_out: bool) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mallopt is glibc's, on Linux")
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="checks the kept heap, set through glibc's mallopt: runs on Linux only")
 def test_kept_heap_stops_refaulting_freed_tensors():
     default, kept = _faults(opt_out=True), _faults(opt_out=False)
     assert default["kept"] is False and kept["kept"] is True

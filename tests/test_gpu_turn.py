@@ -13,7 +13,8 @@ from bench import gpu_turn
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="on a CUDA machine the section would run for real")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks how a section that cannot reach CUDA is reported: on a CUDA machine "
+                    "the section would run for real instead of failing")
 def test_a_failing_section_reports_its_exit_code_and_reason():
     body, data, ok = gpu_turn.in_own_process("floor", torch.device("cuda"))
     assert body.startswith("failed (exit 2):") and not ok and data == {}, body
