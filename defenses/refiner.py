@@ -167,6 +167,14 @@ class Refiner(Defense):
         if evaluator is not None:
             self._evaluators["given"] = evaluator.eval().requires_grad_(False)
 
+    @property
+    def unstable_probe(self) -> Optional[str]:
+        """Why its probe output is machine-bound: unless given one, it trains its evaluation network
+        before it answers, and training carries the kernels' last-bit differences past any rounding."""
+        if "given" in self._evaluators:
+            return None
+        return "it trains its evaluation network before it answers, which carries the kernels' last-bit differences"
+
     def evaluator(self, input_shape, device, dtype: torch.dtype = torch.float32) -> nn.Module:
         """The evaluation network D for this input shape (trained once, cached on disk), in the
         inputs' precision."""

@@ -90,7 +90,9 @@ def test_worst_case_risk_and_verdict_follow_the_stated_definitions(tmp_path):
     assert s0["verdict"]["label"] == RECOVERED and s0["verdict"]["recovered"] == 2
     assert [e["best_attack"] for e in s0["worst_case"]["per_image"]] == ["mask-replay", "ig"]
     assert s0["verdict"]["recovery_rate"]["k"] == 2 and s0["verdict"]["recovery_rate"]["low"] == pytest.approx(0.158, abs=1e-3)
-    assert s5["verdict"]["label"] == PARTIAL
+    # one partial image of two is what two images carrying nothing private reach in 9% of steps
+    # (rank <= 3 of K = 64 each): below the step's bar for "partially"
+    assert s5["verdict"]["judged"] == PRIVATE and "fewer than the 2 'partially' needs" in s5["verdict"]["short_of"]
     assert (s5["verdict"]["partially"], s5["verdict"]["not_recovered"]) == (1, 1)
     assert report.verdict == RECOVERED and report.data["verdict"]["leaking_steps"] == [0]
     assert report.psnr(5, "ig") == pytest.approx(11.5)

@@ -11,7 +11,8 @@ from; nothing here knows about audits.
 * :class:`Similarity`: distances between images after per-channel standardisation (so also
   blind to gain and offset), LPIPS when its weights are installed, else SSIM.
 * :func:`clopper_pearson`, :func:`excluded_rate`, :func:`images_to_exclude`: exact binomial
-  statements about a recovery rate seen on few images.
+  statements about a recovery rate seen on few images; :func:`binomial_tail` and
+  :func:`images_needed`: how many of n images a step's word needs at a level.
 * :func:`mcnemar_exact`: the paired exact test of a defense's effect on the same images.
 * :func:`mean_difference`: the difference of two means over seeds (e.g. test accuracies of
   training runs) with its Welch t interval.
@@ -171,6 +172,22 @@ def clopper_pearson(k: int, n: int, level: float = 0.95) -> Tuple[float, float]:
     low = 0.0 if k == 0 else float(beta.ppf(alpha / 2, k, n - k + 1))
     high = 1.0 if k == n else float(beta.ppf(1 - alpha / 2, k + 1, n - k))
     return low, high
+
+
+def binomial_tail(n: int, p: float, k: int) -> float:
+    """``P(Binomial(n, p) >= k)``: how often ``n`` independent images, each reaching a class with
+    probability ``p``, reach it ``k`` times or more."""
+    from scipy.stats import binom
+
+    if k <= 0:
+        return 1.0
+    return float(binom.sf(k - 1, n, min(max(p, 0.0), 1.0)))
+
+
+def images_needed(n: int, p: float, alpha: float) -> int:
+    """The fewest of ``n`` images (1..n) whose count :func:`binomial_tail` reaches with probability
+    at most ``alpha``; ``n + 1`` when no count of ``n`` is that rare."""
+    return next((k for k in range(1, n + 1) if binomial_tail(n, p, k) <= alpha), n + 1)
 
 
 def excluded_rate(n: int, level: float = 0.95) -> float:

@@ -103,6 +103,9 @@ class NullEvidence(_Record):
 
     def chance_level_without(self, item: int) -> float:
         """The chance level with null item ``item`` left out (to judge that item fairly)."""
+        top = max(range(len(self.scores)), key=self.scores.__getitem__)
+        if item != top:
+            return self.scores[top]
         return max(s for i, s in enumerate(self.scores) if i != item)
 
 

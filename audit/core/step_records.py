@@ -63,6 +63,27 @@ class WorstCase(MetricMeans):
 
 
 @dataclass(frozen=True, eq=False)
+class StepBar(MappingRecord):
+    """What a step's word needs: ``needed`` of its ``images`` judged images at the per-image class
+    (``recovered`` for "leaks", ``partially or worse`` for "partially"), so that a step of images
+    that carry nothing private reads the word with probability ``step_rate`` (<= 1 - the report's
+    level) when each image reaches the class with probability ``per_image`` (the larger of the
+    null items' measured rate's upper bound and, for "partially", the rank bound
+    ``partial_rank / K``: ``basis`` says which). ``measured``: the step rate at the null items'
+    measured per-image rate and its interval ({"rate", "low", "high"}), with ``similarity``."""
+
+    word: str = ""
+    images: int = 0
+    needed: int = 1
+    per_image: float = 0.0
+    basis: str = ""
+    step_rate: float = 0.0
+    measured: Dict[str, Any] = field(default_factory=dict)
+    similarity: Optional[str] = None
+    extra: Dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, eq=False)
 class StepVerdict(MappingRecord):
     """A step's verdict: its ``label`` and ``reason`` (words the report layer writes), the
     image counts with the recovery and identification rates (an interval's JSON object each),
@@ -86,9 +107,13 @@ class StepVerdict(MappingRecord):
     defense_effect: Optional[Dict[str, Any]] = None
     attack_power: Optional[bool] = None
     buffers: Optional[str] = None
+    #: what "leaks" and "partially" need over this step's images (:class:`StepBar` JSON objects)
+    bars: Optional[List[Dict[str, Any]]] = None
+    #: images that met a per-image class but fell short of the step's bar for its word, in words
+    short_of: Optional[str] = None
     extra: Dict[str, Any] = field(default_factory=dict)
     keeps_none = True
-    optional = ("excludes_rate_above", "images_to_exclude", "defense_effect", "attack_power", "buffers")
+    optional = ("excludes_rate_above", "images_to_exclude", "defense_effect", "attack_power", "buffers", "bars", "short_of")
 
 
 @dataclass(frozen=True, eq=False)

@@ -121,6 +121,9 @@ class Defense:
     * ``transform_inputs(inputs, generator)`` -- data-side defenses (ATS, Refiner).
     * ``differences`` -- where this reference implementation departs from its paper or the
       authors' code, one sentence each (data only; the report of an audit prints them).
+    * ``unstable_probe`` -- why the defense's output on a fixed probe carries the machine's
+      kernel-order bits (it trains a network before it answers, say): its results are then
+      keyed by its code and parameters, not by that output (None: probed).
     * ``buffer_effect`` -- what it does to the BatchNorm buffers a client uploads with its
       state (:data:`audit.core.buffers.BUFFER_EFFECTS`; unset: "not declared"), with
       ``buffer_inputs(inputs, generator)`` for "transformed", ``buffer_noise_std`` for "noised",
@@ -136,6 +139,7 @@ class Defense:
     vmap_draws: bool = False
     log_prob: Optional[Callable[[Sequence[Tensor], Sequence[Tensor]], Tensor]] = None
     differences: Tuple[str, ...] = ()
+    unstable_probe: Optional[str] = None
 
     @property
     def accepts_round(self) -> bool:

@@ -180,12 +180,18 @@ def probe_fingerprint(defense: Any, timeout: Optional[float] = None) -> str:
     by its failure (``"failed: ..."``), never a crash. Runs on a copy of the defense.
 
     The probe runs in float64, so that CPUs whose kernels sum in another order (the digest of
-    a stored run must match on the next machine) differ far below the rounding; a defense that
-    cannot run in float64 is probed in float32, which ties its digest to the machine's kernels."""
+    a stored run must match on the next machine) differ far below the rounding. Where that
+    cannot hold the defense is not probed, and its code and parameters key it alone: a defense
+    that declares ``unstable_probe`` (it trains a network before it answers), and one that
+    cannot run in float64 (its float32 output differs between CPUs' kernels within any
+    rounding a hash could keep)."""
     from adaptive.planner.probe import exact_math, probe_network, random_batch
     from audit.core.defense_call import call_defense, defense_timeout, wrap_client_model
 
     name = defense_name(defense)
+    unstable = getattr(defense, "unstable_probe", None)
+    if unstable:
+        return f"not probed: {unstable}; keyed by its code and parameters"
 
     def probe(dtype: torch.dtype) -> str:
         try:
@@ -208,7 +214,9 @@ def probe_fingerprint(defense: Any, timeout: Optional[float] = None) -> str:
     if not exact.startswith("failed"):
         return exact
     single = probe(torch.float32)
-    return single if single.startswith("failed") else f"{single} (float32)"
+    if single.startswith("failed"):
+        return single
+    return "not probed: it runs in float32 only, whose output differs between CPUs; keyed by its code and values"
 
 
 def defense_identity(defense, spec: Any, timeout: Optional[float] = None) -> Dict[str, Any]:

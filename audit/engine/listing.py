@@ -7,7 +7,7 @@ from typing import List
 REGISTRIES = {
     "models": ("audit.core.models", "MODELS"),
     "datasets": ("audit.core.data", "DATASETS"),
-    "attacks": ("audit.engine.audit", "ATTACKS"),  # with the adaptive attacks registered
+    "attacks": ("audit.engine.single", "ATTACKS"),  # imports adaptive, which registers its attacks
     "defenses": ("defenses", "DEFENSES"),
 }
 

@@ -5,7 +5,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from audit.core.evidence import mean_difference
 from audit.core.records import AccuracySpread, UtilityResult
-from audit.core.step_records import AttackSummary, ControlSummary, Risk, StepReport, StepVerdict
+from audit.core.step_records import AttackSummary, ControlSummary, Risk, StepBar, StepReport, StepVerdict
 from audit.report.record import Report
 
 UNAVAILABLE = "n/a"
@@ -138,6 +138,8 @@ def verdict_text(verdict: Any) -> str:
         return f"not judged ({verdict.reason})"
     if label == "inconclusive":
         return f"inconclusive ({verdict.reason}); {counts}"
+    if verdict.short_of:  # images that met a per-image class, fewer than the step's word needs
+        counts += "; " + verdict.short_of
     if label == "no recovered image" and verdict.defense_effect:
         counts += "; " + effect_text(verdict.defense_effect)
     if verdict.excludes_rate_above is not None:
@@ -205,12 +207,34 @@ def evidence_notes(report: Report) -> List[str]:
     elif fpr:
         notes.append(f"False-positive rate of the rule on this audit's data ({fpr['how']}): recovered "
                      f"{interval_text(fpr['recovered'])}; partially or worse {interval_text(fpr['partially_or_worse'])}")
+    seen = set()
+    for step in report.steps:
+        text = bars_text(step.verdict.bars or [])
+        if text and text not in seen:
+            seen.add(text)
+            notes.append(text)
     control = report.control or {}
     if control.get("description"):
         search = (control.get("search") or {}).get("reason")
         notes.append(f"Positive control at budget {control.get('budget')}: {control['description']}"
                      + (f"; budget searched: {search}" if search else ""))
     return notes
+
+
+def bars_text(bars: Sequence[Any]) -> str:
+    """What a step's words need (:class:`~audit.core.step_records.StepBar` records or their JSON) and
+    their false-positive rate for the step, in words."""
+    parts = []
+    for bar in map(StepBar.from_dict, bars):
+        measured = bar.measured or {}
+        seen = (f"; at the null items' measured rate {measured['rate']:.2%} ({measured['low']:.2%}-{measured['high']:.2%})"
+                if measured else "")
+        parts.append(f"'{bar.word}' needs {bar.needed} of {bar.images} images: false-positive rate for the step at most "
+                     f"{bar.step_rate:.2%} (per image {bar.per_image:.2%}, {bar.basis}){seen}")
+    if not parts:
+        return ""
+    similarity = StepBar.from_dict(bars[0]).similarity
+    return "Step words, calibrated as a whole" + (f" ({similarity})" if similarity else "") + ": " + "; ".join(parts)
 
 
 def overall_text(verdict: Dict[str, Any], column: str = "step") -> str:

@@ -3,8 +3,10 @@ attacks, the Bayes paper's empirical adversarial risk, and verdicts that fail cl
 
 Each private image is judged by :class:`audit.report.rule.LeakRule` from the evidence its
 records carry (aligned PSNR, rank among K candidates) and its null (the chance level).
-Fail closed: a step is "leaks" as soon as one private image is recovered; otherwise any
-missing evidence (an attack that raised, failed to optimise, returned no evidence, or has
+Calibrated as a whole: a step "leaks" when an image is exact, or when more of its images are
+recovered than images carrying nothing private would reach at the report's level (and
+"partially" likewise), so its word has a stated false-positive rate (:meth:`LeakRule.step_bars`).
+Fail closed: without such a leak, any missing evidence (an attack that raised, failed to optimise, returned no evidence, or has
 not run yet) makes it "incomplete", naming the attacks; only a step where every planned
 attack finished on every image can be "partially" or "no recovered image", and it says
 with an exact interval what recovery rate its images can exclude. A step where no attack
@@ -15,10 +17,10 @@ from __future__ import annotations
 import math
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
-from audit.core.evidence import excluded_rate, images_to_exclude
+from audit.core.evidence import binomial_tail, excluded_rate, images_to_exclude
 from audit.core.manifest import Manifest
-from audit.core.records import SEVERITY, AttackResult, ImageClass, NullEvidence, Status, Verdict
-from audit.core.step_records import AttackSummary, Risk, StepReport, StepVerdict, WorstCase
+from audit.core.records import SEVERITY, AttackResult, ImageClass, Interval, NullEvidence, Status, Verdict
+from audit.core.step_records import AttackSummary, Risk, StepBar, StepReport, StepVerdict, WorstCase
 from audit.report.reasons import word
 from audit.report.rule import LeakRule
 
@@ -205,21 +207,29 @@ def worst_case(by_attack: Dict[str, List[AttackResult]], rule: LeakRule, nulls: 
 
 
 def step_verdict(per_image: List[Dict[str, Any]], rule: LeakRule, missing: Sequence[Dict[str, Any]] = (),
-                 attacks: int = 1) -> StepVerdict:
+                 attacks: int = 1, bars: Optional[Tuple[StepBar, StepBar]] = None) -> StepVerdict:
     """The step's verdict from its judged images and the attacks with missing evidence:
     ``k of n`` images recovered with an exact interval, and for 'no recovered image' the
-    recovery rate it excludes and the images that would exclude :data:`TARGET_RATE`."""
+    recovery rate it excludes and the images that would exclude :data:`TARGET_RATE`.
+    ``bars``: what "leaks" and "partially" need of the judged images (:meth:`LeakRule.step_bars`);
+    None counts every image (one recovered image leaks)."""
     judged = [e for e in per_image if e.get("image_class") is not None]
     counts = {c: sum(e["image_class"] == c.value for e in judged) for c in ImageClass}
     n = len(judged)
-    found = (Verdict.LEAKS if counts[ImageClass.RECOVERED] else Verdict.PARTIALLY if counts[ImageClass.PARTIAL]
-             else Verdict.PRIVATE if judged else None)
-    rate = rule.interval(counts[ImageClass.RECOVERED], n)
+    exact = sum(bool(e.get("exact")) for e in judged)
+    recovered, reached = counts[ImageClass.RECOVERED], counts[ImageClass.RECOVERED] + counts[ImageClass.PARTIAL]
+    leak_bar, partial_bar = bars or (None, None)
+    leaks = exact > 0 or recovered >= (leak_bar.needed if leak_bar else 1)
+    partly = reached >= (partial_bar.needed if partial_bar else 1)
+    found = (Verdict.LEAKS if leaks else Verdict.PARTIALLY if partly else Verdict.PRIVATE if judged else None)
+    rate = rule.interval(recovered, n)
     identified = rule.interval(sum(e["rank"] is not None and e["rank"] <= rule.identify_rank for e in judged), n)
-    out = {"recovered": counts[ImageClass.RECOVERED], "exact": sum(bool(e.get("exact")) for e in judged),
+    out = {"recovered": recovered, "exact": exact,
            "partially": counts[ImageClass.PARTIAL], "not_recovered": counts[ImageClass.NOT_RECOVERED], "images": n,
            "judged": None if found is None else found.value, "failed_attacks": list(missing),
            "recovery_rate": rate.to_dict(), "identification_rate": identified.to_dict()}
+    if bars:
+        out["bars"] = [bar.to_dict() for bar in bars]
     if found is Verdict.LEAKS:
         label, reason = Verdict.LEAKS, ""
     elif missing:
@@ -232,10 +242,24 @@ def step_verdict(per_image: List[Dict[str, Any]], rule: LeakRule, missing: Seque
                   "no attack applies to this step (every attack reported not applicable)")
     else:
         label, reason = found, ""
-    if n and counts[ImageClass.RECOVERED] == 0:
+    if bars and found is not Verdict.LEAKS and below_bar_reason(recovered, reached, n, bars):
+        out["short_of"] = below_bar_reason(recovered, reached, n, bars)
+    if n and recovered == 0:
         out["excludes_rate_above"] = excluded_rate(n, rule.level)
         out["images_to_exclude"] = {"rate": TARGET_RATE, "images": images_to_exclude(TARGET_RATE, rule.level)}
     return StepVerdict(label=label.value, reason=reason, **out)
+
+
+def below_bar_reason(recovered: int, reached: int, n: int, bars: Tuple[StepBar, StepBar]) -> str:
+    """Why images that met a per-image bar did not make the step's word: their count against the
+    count the word needs and how often images carrying nothing private reach it."""
+    parts = []
+    for count, bar, what in ((recovered, bars[0], "recovered"), (reached, bars[1], "partially recovered or better")):
+        if count and count < bar.needed:
+            chance = binomial_tail(n, bar.per_image, count)
+            parts.append(f"{count} of {n} image(s) {what}, fewer than the {bar.needed} '{bar.word}' needs: images "
+                         f"that carry nothing private reach {count} in {chance:.0%} of such steps")
+    return "; ".join(parts)
 
 
 def empirical_risk(by_attack: Dict[str, List[AttackResult]], delta: float) -> Risk:
@@ -267,12 +291,36 @@ def judge_step(by_attack: Dict[str, List[AttackResult]], images: int, rule: Leak
     """Worst case and verdict of one step with ``images`` planned private batches
     (``{"worst_case": WorstCase, "verdict": StepVerdict}``)."""
     wc = worst_case(by_attack, rule, nulls)
+    bars = step_bars(rule, nulls, sum(e["image_class"] is not None for e in wc.per_image))
     missing = missing_evidence(by_attack, images)
     for e in wc.per_image:  # an image without a null or evidence is missing evidence, never private
         if e["image_class"] is None and not any(m for m in missing if e["image"] in m["images"]):
             missing.append({"attack": "leak rule", "images": [e["image"]], "why": "no null for this image",
                             "reasons": ["no null for this image"]})
-    return {"worst_case": wc, "verdict": step_verdict(wc.per_image, rule, missing, attacks=len(by_attack))}
+    return {"worst_case": wc, "verdict": step_verdict(wc.per_image, rule, missing, attacks=len(by_attack), bars=bars)}
+
+
+def step_bars(rule: LeakRule, nulls: Nulls, images: int) -> Optional[Tuple[StepBar, StepBar]]:
+    """What "leaks" and "partially" need of ``images`` judged images, calibrated on the audit's
+    null (:meth:`LeakRule.step_bars`); None without a null."""
+    if not nulls or not rule.calibrated:
+        return None
+    some = next(iter(nulls.values()))
+    return rule.step_bars(images, measured_rates(rule, nulls), some.candidates, some.similarity)
+
+
+_RATES: Dict[Tuple[Any, ...], Tuple[Interval, Interval]] = {}
+
+
+def measured_rates(rule: LeakRule, nulls: Nulls) -> Tuple[Interval, Interval]:
+    """:meth:`LeakRule.false_positives` on ``nulls``, kept for the last few nulls (a report judges
+    every step and its control on the same null)."""
+    key = (rule, tuple((k, tuple(v.scores), tuple(v.ranks)) for k, v in sorted(nulls.items())))
+    if key not in _RATES:
+        if len(_RATES) > 8:
+            _RATES.clear()
+        _RATES[key] = rule.false_positives(nulls.values())
+    return _RATES[key]
 
 
 def nulls_from_manifest(manifest: Any) -> Nulls:
@@ -288,7 +336,7 @@ def false_positive_rates(rule: LeakRule, nulls: Nulls) -> Dict[str, Any]:
     """The rule's false-positive rates on the audited data (see :meth:`LeakRule.false_positives`)."""
     if not nulls:
         return {"unavailable": "no null was stored for this audit"}
-    recovered, partial = rule.false_positives(nulls.values())
+    recovered, partial = measured_rates(rule, nulls)
     return {"recovered": recovered.to_dict(), "partially_or_worse": partial.to_dict(),
             "how": "every null item (unrelated image or data-only guess) of every private image fed to the rule as "
                    "its reconstruction, judged against the chance level of the other items (leave-one-out)"}

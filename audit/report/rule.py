@@ -11,8 +11,9 @@ from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, Dict, Iterable, Optional, Tuple
 
 from audit.core.errors import ConfigError
-from audit.core.evidence import clopper_pearson
+from audit.core.evidence import binomial_tail, clopper_pearson, images_needed
 from audit.core.records import ImageClass, Interval, NullEvidence
+from audit.core.step_records import StepBar
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,9 @@ class LeakRule:
     #: BatchNorm reproduces the upload to ~1e-2 from images exact to 85-107 dB); None: the certificate
     #: alone (a rule stored before this threshold reads so, and its report renders as written)
     exact_db: Optional[float] = 40.0
+    #: a step's words calibrated as a whole (:meth:`step_bars`); False: one image at a class makes the
+    #: word (a rule stored before the calibration reads so, and its report renders as written)
+    calibrated: bool = True
 
     def __post_init__(self):
         if not self.margin_db >= 0:
@@ -81,11 +85,24 @@ class LeakRule:
             f"and K-1 unrelated ones); as partially recovered if it reaches the chance level and ranks <= "
             f"{self.partial_rank}; as not recovered otherwise. A recovered image is 'exact' where its attack's "
             f"reconstruction reproduces the upload within a relative error of {self.exact_error:g}"
-            f"{'' if self.exact_db is None else f' or its aligned PSNR reaches {self.exact_db:g} dB'}. A step 'leaks' if any image is recovered; is "
-            "'incomplete' (naming the attacks) if any planned attack raised, failed to optimise, has no evidence or "
-            "has not run; is 'partially' if any image is partially recovered, and has 'no recovered image' "
-            "otherwise; a step where no attack applies is 'not judged'. The overall verdict is the worst judged step."
+            f"{'' if self.exact_db is None else f' or its aligned PSNR reaches {self.exact_db:g} dB'}. "
+            + (self._calibrated_words() if self.calibrated else
+               "A step 'leaks' if any image is recovered; is 'incomplete' (naming the attacks) if any planned attack "
+               "raised, failed to optimise, has no evidence or has not run; is 'partially' if any image is partially "
+               "recovered, and has 'no recovered image' otherwise; a step where no attack applies is 'not judged'. "
+               "The overall verdict is the worst judged step.")
         )
+
+    def _calibrated_words(self) -> str:
+        return ("A step 'leaks' if an image is exact or more images are recovered than images that carry nothing "
+                f"private would reach at the report's level ({1 - self.level:.0%} of such steps; the per-image rate "
+                "is the upper bound of the null items' measured rate, at most the rank bound "
+                f"{self.identify_rank}/K); is 'incomplete' (naming the attacks) if any planned attack raised, failed "
+                "to optimise, has no evidence or has not run; is 'partially' if more images are partially recovered "
+                "or better than such images would reach (the per-image rate is the rank bound "
+                f"{self.partial_rank}/K, which holds whatever similarity ranks the candidates, unless the null items' "
+                "measured rate is higher), and has 'no recovered image' otherwise; a step where no attack applies is "
+                "'not judged'. The overall verdict is the worst judged step.")
 
     def to_dict(self) -> Dict[str, Any]:
         return {**asdict(self), "rule": self.describe()}
@@ -103,7 +120,7 @@ class LeakRule:
         labels exact by the certificate alone, so its report renders as it was written."""
         names = {f.name for f in fields(cls)}
         data = {k: v for k, v in (data or {}).items() if k in names}
-        return cls(**{"exact_db": None, **data})
+        return cls(**{"exact_db": None, "calibrated": False, **data})
 
     @classmethod
     def of(cls, value: Any) -> "LeakRule":
@@ -129,7 +146,8 @@ class LeakRule:
                 raise ConfigError(f"--thresholds takes name=value pairs separated by commas, names: "
                                   f"{', '.join(kinds)}; got {part!r}")
             try:
-                changes[name] = int(value) if name.endswith("rank") else float(value)
+                changes[name] = (int(value) if name.endswith("rank") else value.strip().lower() in ("1", "true", "yes")
+                                 if name == "calibrated" else float(value))
             except ValueError:
                 raise ConfigError(f"--thresholds {name}: {value!r} is not a number") from None
         return replace(self, **changes)
@@ -147,6 +165,40 @@ class LeakRule:
                 recovered += found is ImageClass.RECOVERED
                 partial += found in (ImageClass.RECOVERED, ImageClass.PARTIAL)
         return self.interval(recovered, total), self.interval(partial, total)
+
+    def step_bars(self, images: int, measured: Tuple[Interval, Interval], candidates: Optional[int],
+                  similarity: Optional[str] = None) -> Tuple[StepBar, StepBar]:
+        """What "leaks" and "partially" need of ``images`` judged images: the fewest images whose
+        count a step of images carrying nothing private reaches with probability at most
+        ``1 - level``, from a per-image rate for each class.
+
+        Under that null each image's rank among K is uniform, so a class that needs rank <= r
+        has a per-image rate of at most r / K whatever the similarity and the attack (the rank
+        bound). "Recovered" also needs the chance level beaten by ``margin_db``: the null items
+        measure that bar, each judged against the best of the others (``measured``, its upper
+        bound), and the rank bound caps it. "Partially" needs only the chance level reached, which
+        an uninformative attack output meets often and the null items cannot measure, so its rate
+        is the rank bound unless the null items' measured rate is higher."""
+        alpha = 1.0 - self.level
+        bars = []
+        for word, rate, rank in (("leaks", measured[0], self.identify_rank),
+                                 ("partially", measured[1], self.partial_rank)):
+            ranked = rank / candidates if candidates else 1.0
+            if word == "leaks":  # the null items' upper bound, capped by the rank bound
+                seen, how = (rate.high, "null items, upper bound") if rate.n else (1.0, "no null")
+                use_rank = ranked < seen
+            else:  # the rank bound, unless the null items reach the class more often
+                seen, how = (rate.rate or 0.0, "null items, measured") if rate.n else (1.0, "no null")
+                use_rank = ranked >= seen
+            bound, basis = ((ranked, f"rank bound ({rank} of K = {candidates})") if use_rank and candidates
+                            else (seen, how))
+            needed = images_needed(images, bound, alpha)
+            at = (lambda p: binomial_tail(images, p, needed))
+            bars.append(StepBar(word=word, images=images, needed=needed, per_image=bound, basis=basis,
+                                step_rate=at(bound), similarity=similarity,
+                                measured={"rate": at(rate.rate or 0.0), "low": at(rate.low), "high": at(rate.high),
+                                          "per_image": rate.to_dict()} if rate.n else {}))
+        return bars[0], bars[1]
 
     def interval(self, k: int, n: int) -> Interval:
         low, high = clopper_pearson(k, n, self.level)
