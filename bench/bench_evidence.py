@@ -4,6 +4,13 @@ under both rules. Writes ``docs/evidence.md`` with ``--docs null`` / ``--docs ve
 
     python -m bench.bench_evidence --part null [--cifar10 PATH] --docs null
     python -m bench.bench_evidence --part verdicts --docs verdicts
+    python -m bench.bench_evidence --part decoys --docs decoys
+
+The decoys part audits the negative controls (defense ``decoy``: a flat colour near the data's
+mean, an outside photo, a smooth texture) with the default attacks at 8 images, seeds 0 and 1,
+with identification by LPIPS and by the 1 - SSIM fallback a user without its weights gets. Each
+finished audit is kept in ``bench/results/evidence/results.jsonl`` under its run key, and the
+table renders from there.
 
 The old rule (PSNR >= 20 dB or SSIM >= 0.5: recovered; PSNR <= 15 dB and SSIM < 0.5: not
 recovered; partially otherwise) is applied to the same metrics the audits stored.
@@ -179,6 +186,87 @@ def part_verdicts(args) -> str:
                   "recovered, 95% CI", "best image PSNR (dB)", "best image above chance (dB)"], rows)
 
 
+DECOYS = ("flat", "photo", "texture")
+SIMILARITIES = ("LPIPS", "1 - SSIM")
+
+
+def decoy_key(kind: str, seed: int, out: Path) -> Dict[str, object]:
+    """What a decoy audit's row is kept under: its settings and the engine's run key today."""
+    from audit.engine.audit import Audit
+    from audit.engine.config import AuditConfig
+    from audit.report.store import settings_key
+
+    config = AuditConfig(defense="decoy", defense_args={"kind": kind}, steps=[0], images=8, seed=seed,
+                         utility=False, out=str(out))
+    return {"kind": kind, "seed": seed, "run_key": settings_key(Audit.from_config(config).key_settings())}
+
+
+def decoy_row(kind: str, seed: int, out: Path) -> Dict[str, object]:
+    """One decoy audit's step word, counts, the step bars and the rule's per-image rates."""
+    import time
+
+    import audit
+
+    start = time.time()
+    report = audit.run(defense="decoy", defense_args={"kind": kind}, steps=[0], images=8, seed=seed,
+                       utility=False, progress=False, out=out)
+    step = report.step(0)
+    verdict = step["verdict"]
+    return {"similarity": report.data["null"]["similarity"], "label": verdict["label"], "judged": verdict["judged"],
+            "recovered": verdict["recovered"], "partially": verdict["partially"], "images": verdict["images"],
+            "bars": verdict.get("bars") or [], "short_of": verdict.get("short_of"),
+            "per_image": report.data["false_positive_rate"], "minutes": round((time.time() - start) / 60, 1),
+            "best_above_chance": step["worst_case"]["above_chance_max"]}
+
+
+def part_decoys(args) -> str:
+    import os
+
+    from bench.jsonl import Lines
+
+    store = Lines.of("evidence")
+    rows = []
+    order = [(kind, similarity, seed) for kind in DECOYS for similarity in SIMILARITIES for seed in (0, 1)]
+    for kind, similarity, seed in order:
+        if args.cases and not any(c in kind for c in args.cases):
+            continue
+        out = Path(args.out) / f"decoy-{kind}-{'lpips' if similarity == 'LPIPS' else 'ssim'}-{seed}"
+        saved = os.environ.get("TORCH_HOME")
+        if similarity != "LPIPS":  # the weights looked for where none are: the 1 - SSIM fallback
+            os.environ["TORCH_HOME"] = str(Path(args.out) / "no-lpips-weights")
+        try:
+            key = {**decoy_key(kind, seed, out), "similarity": similarity}
+            row = store.get(key)
+            if row is None:
+                row = decoy_row(kind, seed, out)
+                store.put(key, row)
+        finally:
+            if saved is None:
+                os.environ.pop("TORCH_HOME", None)
+            else:
+                os.environ["TORCH_HOME"] = saved
+        rows.append(decoy_table_row(kind, seed, row))
+        print(rows[-1], flush=True)
+    return table(["decoy", "seed", "identification", "step word (8 images)", "recovered / partially",
+                  "best image above chance (dB)", "'partially' needs, its step false-positive rate (bound; measured)",
+                  "'leaks' needs, its step rate", "minutes"], rows)
+
+
+def decoy_table_row(kind: str, seed: int, row: Dict[str, object]) -> List[object]:
+    bars = {b["word"]: b for b in row["bars"]}
+    part, leak = bars.get("partially") or {}, bars.get("leaks") or {}
+
+    def rates(bar):
+        if not bar:
+            return "n/a"
+        seen = bar.get("measured") or {}
+        return (f"{bar['needed']} of {bar['images']}: <= {_percent(bar['step_rate'])}"
+                + (f"; {_percent(seen['rate'])}" if seen else ""))
+
+    return [kind, seed, str(row["similarity"]).split(" on ")[0], row["label"], f"{row['recovered']} / {row['partially']}",
+            f"{row['best_above_chance']:+.2f}", rates(part), rates(leak), row["minutes"]]
+
+
 def _interval(data: Optional[Dict[str, object]]) -> str:
     if not data or not data.get("n"):
         return "n/a"
@@ -198,7 +286,7 @@ def table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--part", choices=("null", "verdicts"), required=True)
+    p.add_argument("--part", choices=("null", "verdicts", "decoys"), required=True)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--limit", type=int, default=160, help="private images per data set (null part)")
     p.add_argument("--cifar10", default=None, help="a local CIFAR-10 python folder (null part)")
@@ -208,7 +296,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     add_docs_option(p, "docs/evidence.md")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    text = part_null(args) if args.part == "null" else part_verdicts(args)
+    text = {"null": part_null, "verdicts": part_verdicts, "decoys": part_decoys}[args.part](args)
     print(text)
     publish(args, "bench.bench_evidence", argv, text, f"torch {torch.__version__}, {args.threads} threads")
 

@@ -119,19 +119,17 @@ class Defense:
       clean one (Bayes adversary); ``None`` where there is no closed form.
     * ``wrap_model(model)`` -- architectural defenses (PRECODE) change the client model.
     * ``transform_inputs(inputs, generator)`` -- data-side defenses (ATS, Refiner).
-    * ``differences`` -- where this reference implementation departs from its paper or the
-      authors' code, one sentence each (data only; the report of an audit prints them).
-    * ``unstable_probe`` -- why the defense's output on a fixed probe carries the machine's
-      kernel-order bits (it trains a network before it answers, say): its results are then
-      keyed by its code and parameters, not by that output (None: probed).
+    * ``differences`` -- where it departs from its paper or the authors' code, one sentence
+      each (the report of an audit prints them).
+    * ``unstable_probe`` -- why its output on a fixed probe carries kernel-order bits (it trains
+      first, say): then its code and parameters alone key its results.
     * ``buffer_effect`` -- what it does to the BatchNorm buffers a client uploads with its
       state (:data:`audit.core.buffers.BUFFER_EFFECTS`; unset: "not declared"), with
       ``buffer_inputs(inputs, generator)`` for "transformed", ``buffer_noise_std`` for "noised",
       ``transform_state(update, buffers, before, lr=, generator=)`` for "clipped" and "clipped and
       noised" (a transform of the whole reply, as Flower's mods clip every array together).
 
-    A defense whose ``__call__`` takes a ``round`` keyword gets the FL round index (the
-    training step) from the client simulation; ``accepts_round`` says whether it does.
+    A ``__call__`` with a ``round`` keyword gets the FL round (``accepts_round``).
     """
 
     name: str = "defense"
