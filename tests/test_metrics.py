@@ -7,8 +7,9 @@ from skimage.metrics import structural_similarity
 
 from audit.core import metrics
 from audit.core.errors import DataError
+from audit.core.jsonable import from_jsonable, to_jsonable
 from audit.core.metrics import (MetricUnavailable, MetricValue, label_accuracy, match_batches, mse, psnr,
-                           score, ssim, to_jsonable)
+                           score, ssim)
 
 
 def _batch(n=4, c=3, s=16, seed=0):
@@ -31,6 +32,7 @@ def test_identical_images_give_inf_psnr_kept_in_json():
     assert value.value == math.inf
     text = json.dumps(to_jsonable({"psnr": value}), allow_nan=False)
     assert json.loads(text)["psnr"] == {"value": "inf", "per_image": ["inf"] * 4}
+    assert from_jsonable(json.loads(text))["psnr"] == {"value": math.inf, "per_image": [math.inf] * 4}
 
 
 def test_ssim_matches_scikit_image_and_is_one_on_identical():

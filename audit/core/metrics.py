@@ -5,14 +5,12 @@ batch of one). A batch reconstruction is first matched to the private batch by a
 assignment on per-pair MSE (:func:`match_batches`). A metric that cannot be computed is a
 :class:`MetricValue` with ``value=None`` and the reason -- never NaN, never a number from a
 random LPIPS backbone. PSNR of identical images is ``inf`` and stays ``inf``;
-:func:`to_jsonable` writes it as the string ``"inf"``.
+:func:`audit.core.jsonable.to_jsonable` writes it as the string ``"inf"``.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -69,36 +67,6 @@ class MetricValue:
         if self.per_image is not None:
             out["per_image"] = list(self.per_image)
         return out
-
-
-def _json_float(x: float) -> Any:
-    if math.isfinite(x):
-        return x
-    return "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")
-
-
-def to_jsonable(obj: Any) -> Any:
-    """Nested metrics / tensors / numpy / dataclasses -> plain JSON types (``inf`` -> ``"inf"``)."""
-    if isinstance(obj, MetricValue):
-        return to_jsonable(obj.to_dict())
-    if isinstance(obj, (bool, int, str)) or obj is None:
-        return obj
-    if isinstance(obj, (float, np.floating)):
-        return _json_float(float(obj))
-    if isinstance(obj, np.integer):
-        return int(obj)
-    if isinstance(obj, (Tensor, np.ndarray)):
-        arr = obj.detach().cpu().tolist() if isinstance(obj, Tensor) else obj.tolist()
-        return to_jsonable(arr)
-    if isinstance(obj, dict):
-        return {str(k): to_jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple, set)):
-        return [to_jsonable(v) for v in obj]
-    if isinstance(obj, Path):
-        return str(obj)
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return to_jsonable(dataclasses.asdict(obj))
-    return str(obj)
 
 
 # --------------------------------------------------------------------------- per-image metrics

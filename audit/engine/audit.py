@@ -17,6 +17,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from audit.core.allocator import keep_freed_memory
 from audit.client.observe import client_round, observe  # noqa: F401  (client_round: the Flower replay's round)
 from audit.core.defense_call import defense_timeout
+from audit.core.jsonable import to_jsonable
 from audit.core.records import AccuracySpread, UtilityResult
 from audit.engine import manifest, planning, runner, schedule, training
 from audit.engine.compose import AuditParts, own_parts
@@ -33,7 +34,7 @@ from audit.engine.training import (UTILITY_FORMAT, private_batches as _private_b
                                    state_of as _state, train_to as _train, undefended_identity)
 from audit.report.audit_report import AuditReport
 from audit.report.risk import default_delta
-from audit.report.store import ResultStore, to_jsonable
+from audit.report.store import ResultStore
 
 
 class Audit:

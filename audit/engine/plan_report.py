@@ -7,7 +7,7 @@ from typing import Any, Dict, List, Optional
 
 from adaptive.planner.plan import Plan, plan
 from adaptive.planner.traits import DefenseTraits
-from audit.core.metrics import to_jsonable
+from audit.core.jsonable import to_jsonable
 from audit.core.models import build_model
 from audit.engine.compose import client_model, resolve_defense, resolve_device
 from audit.report.reasons import word

@@ -65,7 +65,8 @@ def run_attack(attack: str = "ig", config: Optional[AuditConfig] = None, /, *, i
     an audit's: ``config`` (:class:`~audit.engine.config.AuditConfig`) with ``fields`` over it
     (``model="lenet", batch_size=2, local_steps=3, ...``), the same defaults as ``audit.run``.
     ``defense``: None attacks the undefended client; ``budget`` None: the attack's own iterations."""
-    from audit.core.metrics import score, to_jsonable
+    from audit.core.jsonable import to_jsonable
+    from audit.core.metrics import score
     from audit.report.images import batch_to_png_bytes
 
     config = make_config(config, **fields)

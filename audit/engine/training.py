@@ -15,11 +15,12 @@ from audit.client.fl import train
 from audit.core.errors import ConfigError, GiaError
 from audit.core.records import AccuracySpread, UtilityResult
 from audit.core.buffers import has_running_stats
+from audit.core.jsonable import to_jsonable
 from audit.engine.compose import AuditParts, build_parts, check_model, resolve_defense
 from audit.engine.control import SEARCH_START, check_budget_search
 from audit.engine.identity import defense_identity, derive_seed
 from audit.engine.utility import PROTOCOL, measure_utility
-from audit.report.store import ResultStore, to_jsonable
+from audit.report.store import ResultStore
 
 UNDEFENDED = "none"  # the positive control's defense
 #: the stored utility record's layout and recipe (a record of another is measured again)

@@ -16,6 +16,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from audit.core.errors import ConfigError, StoreError
 from audit.core.manifest import Manifest
 from audit.core.records import AttackResult, StepReport
+from audit.core.jsonable import to_jsonable
 from audit.report.risk import (empirical_risk, false_positive_rates, judge_step, nulls_from_manifest, overall_verdict,
                                status_of, summarize_attack)
 from audit.report.control import control_entry, control_summary, controlled_verdict
@@ -23,7 +24,7 @@ from audit.report.rule import LeakRule
 from audit.report.format import control_text, overall_text, progress_text, verdict_text
 from audit.report.reasons import word
 from audit.report.record import Report
-from audit.report.store import ResultStore, to_jsonable
+from audit.report.store import ResultStore
 
 
 def _by_step(records: Sequence[AttackResult]) -> Dict[int, Dict[str, List[AttackResult]]]:

@@ -22,10 +22,8 @@ cut between their writes redoes the group whole. A file that cannot be read is a
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import hashlib
 import json
-import math
 import os
 import re
 from pathlib import Path
@@ -37,7 +35,7 @@ from audit.core.errors import ConfigError, StoreError
 from audit.core.manifest import Manifest
 from audit.core.records import AttackResult
 from audit.core.files import atomic_torch_save, atomic_write_bytes, exclusive_lock, storage_error
-from audit.core.reasons import Reason
+from audit.core.jsonable import from_jsonable, to_jsonable
 
 MANIFEST = "manifest.json"
 LATEST = "latest_run"
@@ -55,41 +53,16 @@ def settings_key(settings: Dict[str, Any], length: int = 12) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:length]
 
 
-def to_jsonable(obj: Any) -> Any:
-    """Convert tensors, tuples, paths and non-finite floats into plain JSON values.
-
-    Non-finite floats become ``None`` (JSON has no NaN); callers report why a value is
-    missing separately.
-    """
-    if isinstance(obj, dict):
-        return {str(k): to_jsonable(v) for k, v in obj.items()}
-    if (dataclasses.is_dataclass(obj) or isinstance(obj, Reason)) and hasattr(obj, "to_dict"):  # a typed record
-        return to_jsonable(obj.to_dict())
-    if isinstance(obj, (list, tuple)):
-        return [to_jsonable(v) for v in obj]
-    if isinstance(obj, torch.Tensor):
-        return to_jsonable(obj.detach().cpu().tolist())
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, (str, int, bool)) or obj is None:
-        return obj
-    if isinstance(obj, Path):
-        return str(obj)
-    if hasattr(obj, "item") and callable(obj.item):  # numpy scalars
-        return to_jsonable(obj.item())
-    return repr(obj)
-
-
 def atomic_write_json(path: Path, obj: Any) -> None:
     atomic_write_bytes(path, json.dumps(to_jsonable(obj), indent=2, sort_keys=False).encode())
 
 
 def read_json(path: Path, kind: type = object) -> Any:
-    """The JSON value in ``path`` (of type ``kind``); a file that cannot be read or parsed, or
-    holds another type, raises :class:`StoreError` naming it."""
+    """The JSON value in ``path`` (of type ``kind``; its non-finite floats read back); a file that
+    cannot be read or parsed, or holds another type, raises :class:`StoreError` naming it."""
     try:
         with open(path, encoding="utf-8") as fh:
-            value = json.load(fh)
+            value = from_jsonable(json.load(fh))
     except (OSError, ValueError) as err:  # ValueError: JSONDecodeError, UnicodeDecodeError
         why = err.strerror if isinstance(err, OSError) and err.strerror else f"{type(err).__name__}: {err}"
         raise StoreError(f"{path} cannot be read ({why}); {REDO}") from None
@@ -258,7 +231,7 @@ class ResultStore:
             return False
         if defaults is not None and record.get("defaults") != defaults:
             return False
-        if settings is not None and record.get("settings") != to_jsonable(settings):
+        if settings is not None and to_jsonable(record.get("settings")) != to_jsonable(settings):
             return False
         group = record.get("group")
         return not isinstance(group, list) or all(

@@ -13,10 +13,11 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from audit.core.evidence import mean_difference
 from audit.core.records import UtilityResult
+from audit.core.jsonable import to_jsonable
 from audit.report.format import UNAVAILABLE, diverged_text, fmt, kv_rows, spread_text
 from audit.report.formats import MAIN_FORMAT, report_file, write_report
 from audit.report.record import Report
-from audit.report.store import read_json, to_jsonable
+from audit.report.store import read_json
 from audit.report.sweep_record import Sweep, SweepCell
 
 
