@@ -654,7 +654,7 @@ def test_cells_run_with_a_stale_search_are_not_shown_as_current(tmp_path):
     plans = pcells.plan_cells(row, profile, "embedded", {}, tmp_path / "out", chosen)
     cells = {p.name: {"key": p.key, "evidence": _cell(2).to_dict()} for p in plans}
     path = pstore.results_path(tmp_path / "results", "cpu", "embedded", row)
-    current = psearch.current_search_key(row, profile, "embedded", {}, tmp_path / "out")
+    current = pcells.current_search_key(row, profile, "embedded", {}, tmp_path / "out")
     for key, shown in ((current, True), ("an older search", False)):
         pstore.save_results(path, {"row": row.id, "search": {"key": key, "chosen": chosen, "table": {}, "held_out": 8},
                                "cells": cells})

@@ -3,28 +3,15 @@ each cell (:func:`plan_cells`) and its key, and the cells stored in the row's re
 (whole, with the claim's steps alone, or step by step)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from bench.papers.cell_plan import CellPlan, Profile
 from bench.papers.evidence import CellEvidence
+from bench.papers.search import held_out_images, search_key
 from bench.papers.spec import AT_PAPER, IMAGES, QUICK, Row
 from bench.papers.stale import KEY_CHANGED, PlanCache, cell_fingerprints, stale_attacks, stale_key, stale_plan
 from bench.papers.store import jsonable, load_results, results_path
-
-
-@dataclass
-class Profile:
-    """``tiny``: the profile's rows and models at the quick check's budgets, images and steps
-    (the gpu profile's plumbing checked on a CPU); its cells never reach the page."""
-    name: str
-    images: Optional[int] = None  # overrides every row's image count (the quick check's 2)
-    device: str = "cpu"
-    tiny: bool = False
-
-    @property
-    def shrunk(self) -> bool:
-        return self.name == "quick" or self.tiny
 
 
 def run_setting(row: Row, profile: Profile) -> Dict[str, Any]:
@@ -119,31 +106,6 @@ def base_call(row: Row, profile: Profile, data: str, data_args: Dict[str, Any], 
                 **({"server_optimizer": row.setting.train_optimizer} if row.setting.train_optimizer else {}))
 
 
-@dataclass
-class CellPlan:
-    """One cell: its name (``paper:<attack>``, ``adaptive``, ``planner``, ``utility``), the
-    ``audit.run`` call that makes it and the steps it is judged at; ``gpu``: it runs in slices
-    sized for a GPU call (:func:`slice_evaluations`), not for a CPU sitting."""
-
-    name: str
-    call: Dict[str, Any]
-    steps: List[int]
-    gpu: bool = False
-
-    @property
-    def key(self) -> str:
-        return cell_key(self.call)
-
-
-def cell_key(call: Dict[str, Any]) -> str:
-    """The key of an ``audit.run`` call: every setting that changes its numbers (not where it
-    writes or whether it shows progress; the utility's recipe only when it measures utility)."""
-    from audit.report.store import settings_key
-
-    ignored = {"out", "progress"} | (set() if call.get("utility") else {"utility_steps", "utility_seeds"})
-    return settings_key({k: v for k, v in call.items() if k not in ignored}, 16)
-
-
 def plan_cells(row: Row, profile: Profile, data: str, data_args: Dict[str, Any], out: Path,
                searched: Optional[Dict[str, Dict[str, Any]]] = None) -> List[CellPlan]:
     """The row's cells (:func:`_row_cells`), sliced for a GPU call on the gpu profile."""
@@ -190,14 +152,19 @@ def _row_cells(row: Row, profile: Profile, data: str, data_args: Dict[str, Any],
     return cells
 
 
+def current_search_key(row: Row, profile: Profile, data: str, data_args: Dict[str, Any], out: Path) -> str:
+    """The key the row's held-out search has under the current settings and code (its probe:
+    the row's first cell)."""
+    probe = plan_cells(row, profile, data, data_args, out)[0]
+    return search_key(row, probe, held_out_images(profile))
+
+
 def stored_cells(row: Row, profile: Profile, data: str, data_args: Dict[str, Any], root: Path,
                  out: Path) -> Tuple[Dict[str, Any], Dict[str, Optional[CellEvidence]], List[CellPlan]]:
     """The row's stored results; per planned cell, its evidence when stored under the cell's
     current key (None: not run yet, or run with other settings); and the planned cells."""
     stored = load_results(results_path(root, profile.name, data, row))
     search = stored.get("search") or {}
-    from bench.papers.search import current_search_key  # the search plans its probe with plan_cells
-
     if row.search and search.get("key") != current_search_key(row, profile, data, data_args, out):
         search = {}  # searched with other settings: its choices, and the cells run with them, are stale
         stored = {**stored, "search": {}}

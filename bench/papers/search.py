@@ -3,10 +3,9 @@ Bayes rows: the paper's App. A.3), on test images that the row's evaluation imag
 from __future__ import annotations
 
 import copy
-from pathlib import Path
 from typing import Any, Callable, Dict, List, Sequence
 
-from bench.papers.cells import CellPlan, Profile, plan_cells
+from bench.papers.cell_plan import CellPlan, Profile
 from bench.papers.spec import QUICK, Row
 
 #: the held-out grid search of the Bayes rows' attacks (the paper's App. A.3 searches the prior
@@ -23,13 +22,7 @@ SEARCH_EXTEND = 4
 HELD_OUT = 8
 
 
-def current_search_key(row: Row, profile: "Profile", data: str, data_args: Dict[str, Any], out: Path) -> str:
-    """The key the row's held-out search has under the current settings and code."""
-    probe = plan_cells(row, profile, data, data_args, out)[0]
-    return search_key(row, probe, held_out_images(profile))
-
-
-def held_out_images(profile: "Profile") -> int:
+def held_out_images(profile: Profile) -> int:
     """Held-out images of a row's search under ``profile`` (fewer on a shrunk profile)."""
     return QUICK["held_out"] if profile.shrunk else HELD_OUT
 

@@ -15,7 +15,7 @@ from bench.papers import stale
 from bench.papers.stale import PlanCache
 
 if TYPE_CHECKING:
-    from bench.papers.cells import CellPlan
+    from bench.papers.cell_plan import CellPlan
     from bench.papers.spec import Row
 
 #: the persisted cells of every profile and data set
