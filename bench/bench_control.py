@@ -8,27 +8,28 @@ evaluations, doubled until they recover half the images or reach a ceiling (``--
 search: then every audit of that model there is inconclusive without more power) and the
 control's k of n.
 
-Each finished cell is kept in ``bench/results/control/`` with the engine's run key it ran
-under; a rerun skips a cell whose key is today's and redoes one whose key changed (an attack's,
-model's or setting's change). The engine's own stores go under ``--out`` (resumed within a sitting).
+Each finished cell is kept in ``bench/results/control/results.jsonl`` (a line keyed by the cell's
+name) with the engine's run key it ran under; a rerun skips a cell whose key is today's and redoes
+one whose key changed (an attack's, model's or setting's change). The engine's own stores go
+under ``--out`` (resumed within a sitting).
 
     python -m bench.bench_control --docs power
 """
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
-from bench.docs_table import ROOT, add_docs_option, publish
+from bench.docs_table import add_docs_option, publish
+from bench.jsonl import Lines
 
 MODELS = ("lenet", "mlp", "cnn", "convnet", "convbig", "convnet9", "resnet18")
 #: the models whose client mode matters: they hold BatchNorm layers
 BATCHNORM = ("convnet", "convnet9", "resnet18")
-RESULTS = ROOT / "bench" / "results" / "control"
+RESULTS = Lines.of("control").path
 
 
 def cells(models: Sequence[str], batches: Sequence[int], modes: Sequence[str]) -> List[Dict[str, Any]]:
@@ -69,15 +70,10 @@ def measure(cell: Dict[str, Any], call: Dict[str, Any], key: str) -> Dict[str, A
             "seconds": round(time.perf_counter() - start, 1)}
 
 
-def stored(path: Path, key: str) -> Optional[Dict[str, Any]]:
-    """The row kept at ``path`` when it ran under ``key``; None (to be run) otherwise."""
-    if not path.is_file():
-        return None
-    try:
-        row = json.loads(path.read_text())
-    except ValueError:
-        return None
-    return row if row.get("key") == key else None
+def stored(lines: Lines, name: str, key: str) -> Optional[Dict[str, Any]]:
+    """The row kept under ``name`` when it ran under ``key``; None (to be run) otherwise."""
+    row = lines.get(name)
+    return row if isinstance(row, dict) and row.get("key") == key else None
 
 
 STOPS = {"recovered": "{budget}", "max_budget": "none up to {max_budget} (the budget ceiling)",
@@ -113,7 +109,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--max-minutes", type=float, default=None,
                         help="the search's time ceiling  [default: the audit's]")
     parser.add_argument("--out", default="bench-out/control", help="where each cell's audit is kept (resumed)")
-    parser.add_argument("--results", default=str(RESULTS), help="the finished cells")
+    parser.add_argument("--results", default=str(RESULTS), help="the finished cells (a JSON Lines store)")
     parser.add_argument("--render", action="store_true", help="write the table from the kept cells; run nothing")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
@@ -128,8 +124,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         torch.set_num_threads(args.threads)
     ceiling = args.max_budget or default_of("max_budget")
     minutes = args.max_minutes or default_of("max_minutes")
-    results = Path(args.results)
-    results.mkdir(parents=True, exist_ok=True)
+    results = Lines(Path(args.results))
     rows = []
     todo = cells([m for m in args.models.split(",") if m], [int(b) for b in args.batches.split(",")],
                  [m for m in args.modes.split(",") if m])
@@ -137,12 +132,12 @@ def main(argv: Optional[List[str]] = None) -> None:
         name = f"{cell['model']}-b{cell['batch']}-{cell['mode']}-i{args.images}-s{args.seed}-{args.device}"
         call = call_of(cell, args.images, ceiling, minutes, args.seed, args.device, Path(args.out) / name)
         key = run_key(call)
-        row = stored(results / f"{name}.json", key)
+        row = stored(results, name, key)
         if row is None and args.render:
             row = cell
         elif row is None:
             row = measure(cell, call, key)
-            (results / f"{name}.json").write_text(json.dumps(row, indent=2) + "\n")
+            results.put(name, row)
         rows.append(row)
         print(table(rows[-1:], ceiling, minutes).splitlines()[-1], flush=True)
     text = table(rows, ceiling, minutes)

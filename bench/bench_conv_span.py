@@ -1,7 +1,8 @@
 """The conv-span attack on the registered ResNet-18 (width 64, 32x32 embedded test images, step 0):
 per image its aligned PSNR, certificate and time, with train- and eval-mode BatchNorm, beside a
-flat mean-colour guess; results kept per image as they finish (a rerun resumes), table written to
-docs/conv-span.md.
+flat mean-colour guess; each result kept as it finishes in ``bench/results/conv-span/results.jsonl``
+(a line per attacked batch, keyed by its inputs and the attack's code: a rerun resumes), table
+written to docs/conv-span.md.
 
     python -m bench.bench_conv_span [--modes eval:8,train:4] [--batches eval:4x2] [--budget 200] [--seed 0]
                                     [--device cpu]
@@ -28,10 +29,11 @@ from audit.client.observe import observe
 from audit.core.data import load_dataset
 from audit.core.evidence import aligned_psnr
 from audit.core.models import build_model
+from bench.jsonl import Lines
 from scipy.optimize import linear_sum_assignment
 
 ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "bench" / "results" / "conv-span"
+RESULTS = Lines.of("conv-span")
 DOC = ROOT / "docs" / "conv-span.md"
 
 
@@ -76,11 +78,12 @@ def distinct_batches(dataset, size: int, count: int):
 
 
 def run_one(mode: str, indices, budget: int, seed: int, device: str, width: int) -> dict:
-    """One attack on the batch of ``indices`` (its result file reused when the code and inputs match)."""
+    """One attack on the batch of ``indices`` (its stored result reused when the code and inputs match)."""
     tag = "-".join(str(i) for i in indices)
-    path = RESULTS / f"{mode}-w{width}-b{budget}-s{seed}-i{tag}-{code_key()}.json"
-    if path.exists():
-        return json.loads(path.read_text())
+    key = f"{mode}-w{width}-b{budget}-s{seed}-i{tag}-{code_key()}"
+    kept = RESULTS.get(key)
+    if kept is not None:
+        return kept
     data = load_dataset("embedded")
     model = build_model("resnet18", data.input_shape, data.num_classes, width=width, mean=data.mean, std=data.std,
                         seed=seed).to(device)
@@ -102,8 +105,7 @@ def run_one(mode: str, indices, budget: int, seed: int, device: str, width: int)
            "certificate_error": trace["certificate_error"], "certified": trace["certified"],
            "residual": trace["residual"], "deep_map_residual": trace.get("deep_map_residual"),
            "label_ok": sorted(rec.labels.tolist()) == sorted(y.tolist())}
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(row, indent=1))
+    RESULTS.put(key, row)
     return row
 
 
@@ -189,9 +191,8 @@ def other_widths(width: int) -> list:
     """The page's lines for the results kept at widths other than ``width`` under today's code
     (a run with ``--width``): the narrower ResNet-18 the papers bench weighs against width 64."""
     kept = []
-    for path in sorted(RESULTS.glob(f"*-{code_key()}.json")):
-        result = json.loads(path.read_text())
-        if result["width"] != width:
+    for key, result in sorted(RESULTS.items()):
+        if key.endswith(f"-{code_key()}") and result["width"] != width:
             kept.append((result["width"], result))
     if not kept:
         return []

@@ -5,21 +5,20 @@ model and data, their test accuracy over seeds (mean, spread), and what they cos
 
 Each protocol runs on the audit's three utility seeds (those of ``seed=0``) and on further
 seeds (those of ``seed=1, 2``): the spread of the three is what an audit shows, the spread of
-all of them estimates it with an interval. Every finished run is stored under
-``bench/results/utility/`` (keyed by everything that changes its number) and reused, so a
-rerun resumes. ``--docs utility`` writes the table into ``docs/evidence.md``.
+all of them estimates it with an interval. Every finished run is stored in
+``bench/results/utility/results.jsonl`` (a line keyed by the protocol's name and everything that
+changes its number) and reused, so a rerun resumes. ``--docs utility`` writes the table into
+``docs/evidence.md``.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from multiprocessing import get_context
 from dataclasses import asdict
-from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -27,8 +26,9 @@ import torch
 from audit.engine.utility import (PROTOCOL, UTILITY_THREADS, Protocol, train_over_seeds,
                                   utility_seeds)
 from bench.docs_table import add_docs_option, publish
+from bench.jsonl import Lines
 
-STORE = Path(__file__).resolve().parent / "results" / "utility"
+STORE = Lines.of("utility")
 MODEL, DATA, SIZE = "cnn", "embedded", 32
 AUDIT_SEEDS = 3  # the utility seeds of one audit
 BUDGET_S = 300.0  # the undefended measurement of an audit, on one core
@@ -63,27 +63,12 @@ def run_key(protocol: Protocol, seed: int) -> Dict[str, Any]:
             "threads": UTILITY_THREADS, "torch": torch.__version__.split("+")[0]}
 
 
-def _path(name: str) -> Path:
-    return STORE / f"{name}.json"
-
-
-def load(name: str) -> Dict[str, Any]:
-    path = _path(name)
-    return json.loads(path.read_text()) if path.is_file() else {"runs": []}
-
-
 def stored_run(name: str, protocol: Protocol, seed: int) -> Optional[Dict[str, Any]]:
-    key = run_key(protocol, seed)
-    return next((r for r in load(name)["runs"] if r["key"] == key), None)
+    return STORE.get([name, run_key(protocol, seed)])
 
 
 def save_run(name: str, run: Dict[str, Any]) -> None:
-    STORE.mkdir(parents=True, exist_ok=True)
-    data = load(name)
-    data["runs"] = [r for r in data["runs"] if r["key"] != run["key"]] + [run]
-    tmp = _path(name).with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
-    tmp.replace(_path(name))
+    STORE.put([name, run["key"]], run, sort_keys=True)
 
 
 def train_one(protocol: Protocol, seed: int) -> Dict[str, Any]:

@@ -11,7 +11,8 @@ from ``$OUT`` only, keep the folder there, seeded with the committed one, and co
     mkdir -p $OUT/gpu-turn && cp bench/results/gpu-turn/*.json $OUT/gpu-turn/ 2>/dev/null; python -m \
       bench.bench_throughput --device cuda --gpu-turn --gpu-turn-dir $OUT/gpu-turn --gpu-turn-out $OUT/gpu-turn.md
 
-and copy ``gpu-turn/papers-gpu/gpu-embedded`` back over ``bench/results/papers/gpu-embedded``.
+and copy ``gpu-turn/papers-gpu/results.jsonl`` and ``gpu-embedded`` back over those of
+``bench/results/papers/``.
 
 The default audit: ``make demo``'s (every default, 4 images) on CUDA and on the CPU with 2 threads
 (wall-time ratio, verdicts compared); the 8-image default on CUDA only, as on 2 cores the 4-image
@@ -36,6 +37,8 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
+
+from bench.jsonl import FILE
 
 ROOT = Path(__file__).resolve().parents[1]
 PAPER_IMAGES = 32
@@ -313,12 +316,15 @@ def in_this_process(name: str, device: torch.device, timeout: float = SECTION_TI
 def papers_slices(folder: Path, seconds: float) -> Result:
     """The papers' gpu profile for ``seconds`` (``python -m bench.papers --call-minutes``), its results
     in ``folder / PAPERS_DIR``, seeded from the committed ones the first time: every slice it
-    finishes is kept there, and a later turn goes on from it. Copy that folder's
-    ``gpu-embedded`` back into ``bench/results/papers/`` and commit it."""
+    finishes is kept there, and a later turn goes on from it. Copy that folder's store
+    (``results.jsonl``) and ``gpu-embedded`` back into ``bench/results/papers/`` and commit them."""
     results = folder / PAPERS_DIR
-    committed = ROOT / "bench" / "results" / "papers" / "gpu-embedded"
-    if not (results / "gpu-embedded").exists() and committed.is_dir():
-        shutil.copytree(committed, results / "gpu-embedded")
+    committed = ROOT / "bench" / "results" / "papers"
+    if not (results / FILE).exists() and (committed / FILE).is_file():
+        results.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(committed / FILE, results / FILE)
+        if (committed / "gpu-embedded").is_dir():
+            shutil.copytree(committed / "gpu-embedded", results / "gpu-embedded")
     minutes = max(0.0, seconds - PAPERS_MARGIN_S) / 60
     command = [sys.executable, "-m", "bench.papers", "--profile", "gpu",
                "--call-minutes", f"{minutes:.1f}", "--results", str(results)]

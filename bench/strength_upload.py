@@ -10,8 +10,9 @@
   steps of SGD with momentum 0.9 and of Adam: the attack that unrolls the client's real
   optimiser against one that assumes plain SGD, at the same budget.
 
-Every finished cell is stored under ``bench/results/strength/strength-upload/`` keyed by everything
-that changes its numbers, so a rerun resumes and a changed setting reruns only its cells.
+Every finished cell is stored in ``bench/results/strength/results.jsonl`` (a line keyed
+``strength-upload/<cell>-<hash of everything that changes its numbers>``), so a rerun resumes and
+a changed setting reruns only its cells.
 """
 from __future__ import annotations
 
@@ -34,8 +35,11 @@ from attacks.feature_rule import observed_features
 from attacks.side_information import upload_weight
 from attacks.tv_rule import observed_tv
 from audit.core.buffers import norm_layers
+from bench.jsonl import Lines
 
-RESULTS = Path(__file__).resolve().parent / "results" / "strength" / "strength-upload"
+RESULTS = Lines.of("strength")
+#: the folder (beside the store) of the shared-form audits' reports, and their rows' key prefix
+UPLOAD_AUDITS = "upload-audits"
 WEIGHTS = (0.01, 0.03, 0.1, 0.3, 1.0)
 FEDAVG_CELLS = {  # name -> (optimizer, local lr)
     "sgd-momentum": ("sgd:momentum=0.9", 0.01),  # Flower's PyTorch quickstart: SGD(lr=0.01, momentum=0.9)
@@ -52,14 +56,13 @@ def _key(parts: Dict[str, Any]) -> str:
 
 def stored(parts: Dict[str, Any], compute: Callable[[], Dict[str, Any]], log) -> Dict[str, Any]:
     """The cell's stored result, or ``compute()``'s, stored before it is returned."""
-    path = RESULTS / f"{parts['cell']}-{_key(parts)}.json"
-    if path.exists():
-        row = json.loads(path.read_text())["result"]
-        log(f"stored: {path.name}")
-        return row
+    key = f"strength-upload/{parts['cell']}-{_key(parts)}"
+    kept = RESULTS.get(key)
+    if kept is not None:
+        log(f"stored: {key}")
+        return kept["result"]
     row = compute()
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"key": parts, "result": row}, indent=1, default=str))
+    RESULTS.put(key, {"key": parts, "result": row})
     return row
 
 
@@ -470,10 +473,9 @@ SHARED_FORMS = {
 
 def shared_form_audits(args, log) -> str:
     """One audit per shared form of the same defended client (and the decoy's with its state):
-    verdicts and recovered counts. Each audit stores its results under
-    ``bench/results/strength/upload-audits/`` and resumes there."""
-    from audit.engine import audit
-
+    verdicts and recovered counts. Each audit writes its report under
+    ``bench/results/strength/upload-audits/<defense>-<form>/``, and its row is kept in the
+    bench's store (:func:`audit_row`)."""
     base = dict(model="convnet", image_size=32, steps=[0], images=args.audit_images, budget=args.audit_budget,
                 attacks=args.audit_attacks, utility=False, progress=False, seed=args.seed, device=args.device,
                 client_mode="train")
@@ -482,16 +484,37 @@ def shared_form_audits(args, log) -> str:
     lines = ["| defense | client shares | verdict | recovered (95% CI) | without the defense (positive control) | "
              "strongest attack: worst-case PSNR dB | bn-upload | attack s |", "|---|---|---|---|---|---|---|---|"]
     for defense, form, settings in runs:
-        out = RESULTS.parent / "upload-audits" / f"{defense}-{form}"
-        audit.run(defense=defense, out=out, **base, **settings)
-        data = json.loads((out / "report.json").read_text())
-        step = data["steps"][0] if data.get("steps") else {}
-        seconds = sum(float(r.get("time_s") or 0) for r in data.get("results", []))
-        log(f"{defense} / {form}: {data['verdict']['label']}")
-        side = (data.get("plan") or {}).get("side_information", {}).get("bn-upload", "")
-        lines.append(f"| {defense} | {form} | {data['verdict']['label']} | {_recovered(step)} | "
-                     f"{_recovered(step.get('control') or {})} | {_worst(step)} | {side.split(':')[0]} | {seconds:.0f} |")
+        name = f"{UPLOAD_AUDITS}/{defense}-{form}"
+        row = audit_row(name, dict(defense=defense, out=str(RESULTS.path.parent / name), **base, **settings))
+        log(f"{defense} / {form}: {row['verdict']}")
+        lines.append(f"| {defense} | {form} | {row['verdict']} | {row['recovered']} | {row['control']} | "
+                     f"{row['worst']} | {row['bn_upload']} | {row['seconds']:.0f} |")
     return "\n".join(lines)
+
+
+def audit_row(name: str, call: Dict[str, Any]) -> Dict[str, Any]:
+    """The table's row of the audit ``call``, kept in the store under ``name`` with the engine's
+    run key it ran under (``key``): reused while that key is today's, else the audit runs (resuming
+    its own store under ``call["out"]``) and the new row is kept."""
+    from audit.engine import audit
+    from bench.bench_control import run_key
+
+    key = run_key(call)
+    kept = RESULTS.get(name)
+    if isinstance(kept, dict) and kept.get("key") == key:
+        return kept
+    row = report_row(audit.run(**call).data)
+    RESULTS.put(name, row)
+    return row
+
+
+def report_row(data: Dict[str, Any]) -> Dict[str, Any]:
+    """What the table shows of an audit's report (``report.json``'s object), with its run key."""
+    step = data["steps"][0] if data.get("steps") else {}
+    side = (data.get("plan") or {}).get("side_information", {}).get("bn-upload", "")
+    return {"key": data["run_key"], "verdict": data["verdict"]["label"], "recovered": _recovered(step),
+            "control": _recovered(step.get("control") or {}), "worst": _worst(step), "bn_upload": side.split(":")[0],
+            "seconds": sum(float(r.get("time_s") or 0) for r in data.get("results", []))}
 
 
 def _recovered(step: Dict[str, Any]) -> str:

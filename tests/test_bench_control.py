@@ -1,12 +1,12 @@
 """The power bench's cells: every registered model at each batch size, in both client modes
 where BatchNorm makes them differ; a kept cell is reused only under today's run key."""
-import json
 from pathlib import Path
 
 import torch
 
 from audit.core.models import MODELS, build_model
 from bench.bench_control import BATCHNORM, MODELS as BENCHED, call_of, cells, run_key, stored
+from bench.jsonl import Lines
 
 
 def test_the_bench_covers_every_registered_model_and_names_those_with_batchnorm():
@@ -32,9 +32,10 @@ def test_a_kept_cell_is_reused_only_under_its_run_key(tmp_path: Path):
     one, four, other_mode = key(), key(batch=4), key(mode="eval")
     assert len({one, four, other_mode}) == 3
     assert key() == one  # the same inputs: the same key
-    kept = tmp_path / "cnn.json"
-    kept.write_text(json.dumps({"key": one, "recovered": 4}))
-    assert stored(kept, one) == {"key": one, "recovered": 4}
-    assert stored(kept, four) is None  # changed inputs never reuse the kept result
-    kept.write_text("{truncated")
-    assert stored(kept, one) is None
+    kept = Lines(tmp_path / "results.jsonl")
+    kept.put("cnn", {"key": one, "recovered": 4})
+    assert stored(kept, "cnn", one) == {"key": one, "recovered": 4}
+    assert stored(kept, "cnn", four) is None  # changed inputs never reuse the kept result
+    assert stored(kept, "lenet", one) is None
+    kept.path.write_text('{"key": "cnn", "value": {"trunc')  # a cut write
+    assert stored(kept, "cnn", one) is None

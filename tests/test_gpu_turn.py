@@ -144,9 +144,9 @@ def test_every_turn_with_time_left_runs_more_papers_slices_from_its_own_folder(t
         if name != gpu_turn.REPEATED:
             (folder / f"{name}.json").write_text(json.dumps({"title": name, "body": "kept", "data": {}, "ok": False,
                                                             "seconds": 1.0}))
-    committed = tmp_path / "repo" / "bench" / "results" / "papers" / "gpu-embedded"
-    committed.mkdir(parents=True)
-    (committed / "row.json").write_text("{}")
+    committed = tmp_path / "repo" / "bench" / "results" / "papers"
+    (committed / "gpu-embedded" / "row.partial").mkdir(parents=True)
+    (committed / "results.jsonl").write_text('{"key": "gpu-embedded/row", "value": {}}\n')
     monkeypatch.setattr(gpu_turn, "ROOT", tmp_path / "repo")
     for _ in range(2):
         page = gpu_turn.run(torch.device("cpu"), tmp_path / "turn.md", folder, budget_s=480).read_text()
@@ -155,6 +155,8 @@ def test_every_turn_with_time_left_runs_more_papers_slices_from_its_own_folder(t
     minutes = float(command[command.index("--call-minutes") + 1])
     assert 7.0 <= minutes <= (480 - gpu_turn.PAPERS_MARGIN_S) / 60 and timeout <= 480
     assert command[command.index("--results") + 1] == str(folder / gpu_turn.PAPERS_DIR)
-    assert (folder / gpu_turn.PAPERS_DIR / "gpu-embedded" / "row.json").is_file()  # seeded from the committed ones
+    seeded = folder / gpu_turn.PAPERS_DIR  # from the committed store and cells under way
+    assert (seeded / "results.jsonl").read_text() == (committed / "results.jsonl").read_text()
+    assert (seeded / "gpu-embedded" / "row.partial").is_dir()
     assert not (folder / "papers.json").exists()
     assert "2 slices run in 6.5 of 7.2 minutes; 3 left" in page

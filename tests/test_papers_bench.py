@@ -503,7 +503,7 @@ def test_cells_persist_resume_and_a_changed_row_reruns_only_its_own(tmp_path, mo
         prun.run_row(row, profile, "embedded", {}, tmp_path / "out", tmp_path / "results")
     first = list(runs)
     assert ("censor-none", "paper:ig") in first and ("svd-prune", "adaptive") in first
-    assert pstore.results_path(tmp_path / "results", "cpu", "embedded", rows[0]).is_file()
+    assert pstore.load_results(pstore.results_path(tmp_path / "results", "cpu", "embedded", rows[0]))
     for row in rows:  # a rerun resumes: every cell is stored under its key
         prun.run_row(row, profile, "embedded", {}, tmp_path / "out", tmp_path / "results")
     assert runs == first
@@ -674,9 +674,9 @@ def test_a_row_with_cells_missing_counts_as_unfinished_whatever_its_cells_say(tm
     whole = prender.render([row], profile, "embedded", {}, tmp_path / "results", tmp_path / "out")
     assert "1 unfinished" not in whole
     path = pstore.results_path(tmp_path / "results", "cpu", "embedded", row)
-    stored = json.loads(path.read_text())
+    stored = pstore.load_results(path)
     stored["cells"].pop("planner")
-    path.write_text(json.dumps(stored))
+    pstore.save_results(path, stored)
     page = prender.render([row], profile, "embedded", {}, tmp_path / "results", tmp_path / "out")
     summary = page.splitlines()[0]
     assert summary.endswith("1 unfinished") and "hold" not in summary
@@ -709,7 +709,7 @@ def test_an_interrupted_cell_resumes_from_the_repositorys_partial_results(tmp_pa
     row, profile = prows.BY_ID["bayes-gauss-0"], pcells.Profile("quick", images=2)
     paper = pcells.plan_cells(row, profile, "embedded", {}, tmp_path / "out")[0]
     monkeypatch.setattr(pslices, "SLICE_EVALUATIONS", paper.call["budget"])  # one image a slice
-    partial = pstore.partial_dir(tmp_path / "results" / "row.json", paper.name)
+    partial = pstore.partial_dir(tmp_path / "results" / "cpu-embedded" / "row", paper.name)
     attacked = []
     real = schedule.attack_claimed
     monkeypatch.setattr(schedule, "attack_claimed", lambda self, store, spec, obs, step, images, bar:
@@ -932,7 +932,7 @@ def test_a_claim_whose_steps_are_complete_is_judged_while_the_other_steps_run(tm
     monkeypatch.setattr("bench.papers.stale.planned_now", lambda call: ["ig"])  # the plan these cells record
     with pytest.raises(KeyboardInterrupt):
         prun.run_row(row, profile, "embedded", {}, tmp_path / "out", tmp_path / "results")
-    stored = json.loads(pstore.results_path(tmp_path / "results", "gpu", "embedded", row).read_text())
+    stored = pstore.load_results(pstore.results_path(tmp_path / "results", "gpu", "embedded", row))
     assert set(stored["cells"]) == {"paper:ig"} and "claim_evidence" in stored["cells"]["paper:ig"]
     page = prender.render([row], profile, "embedded", {}, tmp_path / "results", tmp_path / "out")
     assert "**judged at steps 1, 2, 5, 10: the claim holds (" in page
@@ -1138,7 +1138,7 @@ def test_a_row_judged_step_by_step_shows_its_complete_steps_and_decides_nothing_
         with pytest.raises(KeyboardInterrupt):
             prun.run_row(row, profile, "embedded", {}, tmp_path / "out", results)
         path = pstore.results_path(results, "cpu", "embedded", row)
-        stored = json.loads(path.read_text())
+        stored = pstore.load_results(path)
         assert set(stored["cells"]["paper:ig"]["step_evidence"]) == {"1", "2"}
         assert [p.name for p in pcells.cells_to_run(stored, plans)] == ["paper:ig", "planner"]  # neither is whole
         planner = next(p for p in plans if p.name == "planner")  # the planner completes step 1
@@ -1336,7 +1336,7 @@ def test_a_gpu_call_starts_only_the_slices_that_fit_and_the_next_call_runs_the_r
     deadline, over = _gpu_call(engine, row, repo, tmp_path / "call-2", 60.0)
     assert over is None and deadline.ran == plan[2:]
     assert engine.attacked() == _covers(plan[2:]) and len(engine.calls) == 4  # every call attacks something
-    stored = json.loads(pstore.results_path(repo, "gpu", "embedded", row).read_text())
+    stored = pstore.load_results(pstore.results_path(repo, "gpu", "embedded", row))
     assert set(stored["cells"]) == {"paper:ig", "planner"} and not list(repo.rglob("*.partial/*"))  # kept no more
     assert pgpu.gpu_slices(row, pcells.Profile("gpu"), "embedded", {}, repo, tmp_path / "out") == []
 
@@ -1444,7 +1444,7 @@ def test_a_planner_cell_is_stale_once_the_planner_plans_other_attacks(tmp_path, 
     plan = next(p for p in pcells.plan_cells(row, pcells.Profile("quick"), "embedded", {}, tmp_path / "out")
                 if p.name == "planner")
     call = json.loads(json.dumps(plan.call))
-    cache = ps.PlanCache(tmp_path)
+    cache = ps.PlanCache(tmp_path / "cpu-embedded")
     now = cache.plan(call)
     assert "ig" in now and "auto" not in now  # the planner's picks, named
     cell = {"key": plan.key, "call": call, "attacks": now[:-1], "fingerprints": {}, "run_key": ps.run_key(call),
@@ -1458,9 +1458,9 @@ def test_a_planner_cell_is_stale_once_the_planner_plans_other_attacks(tmp_path, 
     assert ps.stale_plan(cell, cache) == [] and pcells.cells_to_run({"cells": {"planner": cell}}, [plan], cache=cache) == []
     # the kept plan answers without probing again, until the planner's code changes
     monkeypatch.setattr(ps, "planned_now", lambda call: ["ig"])
-    assert ps.PlanCache(tmp_path).plan(call) == now
+    assert ps.PlanCache(tmp_path / "cpu-embedded").plan(call) == now
     monkeypatch.setattr(ps, "planner_source", lambda: "changed")
-    assert ps.PlanCache(tmp_path).plan(call) == ["ig"]
+    assert ps.PlanCache(tmp_path / "cpu-embedded").plan(call) == ["ig"]
 
 
 def test_a_cell_that_ran_under_another_engine_key_is_stale_and_rerun(tmp_path):
@@ -1506,7 +1506,7 @@ def test_a_cell_stored_without_its_control_gains_the_same_control_alone(tmp_path
     monkeypatch.setattr(schedule, "attack_claimed", lambda self, store, spec, obs, step, images, bar:
                         (attacked.append((self.is_undefended(), list(images))),
                          real(self, store, spec, obs, step, images, bar)))
-    partial = pstore.partial_dir(tmp_path / "results" / "row.json", paper.name)
+    partial = pstore.partial_dir(tmp_path / "results" / "cpu-embedded" / "row", paper.name)
     added = prun.run_control(row, paper, bare, partial)
     assert attacked == [(True, [0]), (True, [1])]  # the undefended client only, slice by slice
     assert added["evidence"]["control"] == whole["evidence"]["control"]

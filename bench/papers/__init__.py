@@ -14,9 +14,10 @@ and Refiner on fewer images); ``gpu`` the papers' settings, in slices that each 
 (:mod:`bench.papers.gpu`); ``quick`` (2 images, tiny budgets, never writes docs) checks the
 plumbing.
 
-Every finished cell is kept in ``bench/results/papers/<profile>-<data>/<row>.json`` with the key
-of the audit call that made it: the page renders from these files, a rerun skips stored keys,
-and a changed row setting reruns only that row's cells. A cell runs in slices
-(:func:`~bench.papers.slices.cell_slices`) kept in ``<row>.partial/`` until it finishes, so it
-resumes from a fresh clone. ``--render`` writes the page from the stored cells alone.
+Every finished cell is kept in ``bench/results/papers/results.jsonl`` (the row's line, keyed
+``<profile>-<data>/<row>``) with the key of the audit call that made it: the page renders from
+that store, a rerun skips stored keys, and a changed row setting reruns only that row's cells. A
+cell runs in slices (:func:`~bench.papers.slices.cell_slices`) kept in
+``<profile>-<data>/<row>.partial/`` until it finishes, so it resumes from a fresh clone.
+``--render`` writes the page from the stored cells alone.
 """

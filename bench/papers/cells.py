@@ -1,17 +1,18 @@
 """A row's cells: what each profile runs (:func:`run_setting`), the ``audit.run`` call of
-each cell (:func:`plan_cells`) and its key, and the cells stored in the row's results file
+each cell (:func:`plan_cells`) and its key, and the row's cells in the store
 (whole, with the claim's steps alone, or step by step)."""
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from audit.core.jsonable import to_jsonable
 from bench.papers.cell_plan import CellPlan, Profile
 from bench.papers.evidence import CellEvidence
 from bench.papers.search import held_out_images, search_key
 from bench.papers.spec import AT_PAPER, IMAGES, QUICK, Row
 from bench.papers.stale import KEY_CHANGED, PlanCache, cell_fingerprints, stale_attacks, stale_key, stale_plan
-from bench.papers.store import jsonable, load_results, results_path
+from bench.papers.store import load_results, results_path
 
 
 def run_setting(row: Row, profile: Profile) -> Dict[str, Any]:
@@ -212,7 +213,7 @@ def claim_record(plan: CellPlan, attacks: Sequence[str], evidence: CellEvidence,
     """What a cell under way stores once the steps of the row's claim are complete: the claim's
     evidence (judged from it; the cell's other steps are still running), keyed as the cell is,
     with the engine's ``run_key`` it ran under."""
-    return {"key": plan.key, "call": jsonable(plan.call), "attacks": list(attacks),
+    return {"key": plan.key, "call": to_jsonable(plan.call), "attacks": list(attacks),
             "claim_evidence": evidence.to_dict(), "fingerprints": cell_fingerprints(plan.call, attacks),
             **({"run_key": run_key} if run_key else {})}
 
@@ -222,7 +223,7 @@ def step_record(plan: CellPlan, attacks: Sequence[str], step: int, evidence: Cel
     """What a cell under way of a row judged step by step stores as one claim step's images
     complete: that step's evidence (``step_evidence``, joined with the steps stored before it
     under the same keys by :func:`add_step`), keyed as the cell is."""
-    return {"key": plan.key, "call": jsonable(plan.call), "attacks": list(attacks),
+    return {"key": plan.key, "call": to_jsonable(plan.call), "attacks": list(attacks),
             "step_evidence": {str(step): evidence.to_dict()}, "fingerprints": cell_fingerprints(plan.call, attacks),
             **({"run_key": run_key} if run_key else {})}
 

@@ -72,15 +72,17 @@ profile's slices (:func:`gpu_slices`: a step and as many images as fit
 minutes fit what is left of ``--call-minutes``; each finished slice's results are in
 ``--results`` before the next starts, and a kept slice is never run again. ``--plan`` lists
 the slices left, their minutes and the calls they need. Seed ``$OUT`` with the committed
-results and run (the machine needs the LPIPS weights, ``make weights``)::
+store and the gpu profile's cells under way, and run (the machine needs the LPIPS weights,
+``make weights``)::
 
-    mkdir -p $OUT/papers-gpu && cp -r bench/results/papers/gpu-embedded $OUT/papers-gpu/ 2>/dev/null; python -m bench.papers --profile gpu --call-minutes 8 --results $OUT/papers-gpu
+    mkdir -p $OUT/papers-gpu && cp -r bench/results/papers/results.jsonl bench/results/papers/gpu-embedded $OUT/papers-gpu/ 2>/dev/null; python -m bench.papers --profile gpu --call-minutes 8 --results $OUT/papers-gpu
 
-then replace the committed folder by what came back (``R``: where ``$OUT``'s files landed)
-and commit it::
+then replace the committed store and folder by what came back (``R``: where ``$OUT``'s files
+landed; the store came back with the lines the call appended) and commit them::
 
-    rm -rf bench/results/papers/gpu-embedded && cp -r R/papers-gpu/gpu-embedded bench/results/papers/
-    git add bench/results/papers/gpu-embedded && git commit -m "papers bench: gpu slices"
+    cp R/papers-gpu/results.jsonl bench/results/papers/ && rm -rf bench/results/papers/gpu-embedded
+    cp -r R/papers-gpu/gpu-embedded bench/results/papers/ 2>/dev/null
+    git add bench/results/papers && git commit -m "papers bench: gpu slices"
 
 ``python -m bench.papers --profile gpu --render --docs papers-gpu`` then writes the page.
 """

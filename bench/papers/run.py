@@ -9,7 +9,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Collection, Dict, Iterator, List, Optional, Sequence, Tuple
 
-from bench.papers.cells import (CellPlan, Profile, jsonable, add_step, cells_to_run, claim_record, label,
+from audit.core.jsonable import to_jsonable
+from bench.papers.cells import (CellPlan, Profile, add_step, cells_to_run, claim_record, label,
                                 planner_attacks, plan_cells, run_setting, stale_cell, step_record, stored_steps)
 from bench.papers.evidence import CellEvidence, cell_evidence, control_from_report
 from bench.papers.health import refiner_projection, store_health
@@ -91,7 +92,7 @@ def run_cell(row: Row, plan: CellPlan, partial: Optional[Path] = None,
     if until_step is not None and not (calls and calls[-1].whole):
         return None
     manifest, attacks, evidence = _stored_evidence(plan, report.data["run_key"], plan.steps)
-    out = {"key": plan.key, "call": jsonable(plan.call), "seconds": round(earlier + time.perf_counter() - started, 1),
+    out = {"key": plan.key, "call": to_jsonable(plan.call), "seconds": round(earlier + time.perf_counter() - started, 1),
            "status": report.data["status"], "attacks": attacks, "run_key": report.data["run_key"]}
     if plan.name == "utility":
         out["utility"] = manifest.get("utility")
@@ -141,7 +142,7 @@ def run_control(row: Row, plan: CellPlan, cell: Dict[str, Any], partial: Optiona
 def run_row(row: Row, profile: Profile, data: str, data_args: Dict[str, Any], out: Path, root: Path,
             retry: bool = False, deadline: Optional[Deadline] = None) -> Dict[str, Any]:
     """Run the row's cells not stored under their current key (:func:`cells_to_run`, in the
-    order of :func:`row_passes`), writing each to the row's results file as it finishes;
+    order of :func:`row_passes`), storing each (the row's line in the store) as it finishes;
     returns the stored results. Under a ``deadline`` a slice that does not fit stops the row
     (:class:`CallOver`), every finished slice kept."""
     path = results_path(root, profile.name, data, row)

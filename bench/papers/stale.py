@@ -5,7 +5,7 @@ Three ways: an attack's defaults changed since the cell ran (its settings' finge
 hold ``auto``) and the planner now plans other attacks for the same call (a new rule, a new
 trait); or the engine's run key for the cell's call changed (the defense's or model's code, a
 setting: :func:`stale_key`, where the cell recorded the key it ran under). The planner's plan
-for a call is kept in the results folder's ``plans.json``, keyed by the call and the planner's
+for a call is kept in the bench's store beside the cells (:class:`PlanCache`), with the planner's
 source, so the page renders without probing every defense again, and a changed planner is
 probed anew.
 """
@@ -14,16 +14,15 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import tempfile
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 from bench.docs_table import ROOT
+from bench.jsonl import FILE, Lines
 
 #: the planner's source: a change here may change a plan, so every kept plan is checked again
 PLANNER_SOURCE = ROOT / "adaptive" / "planner"
-PLANS_FILE = "plans.json"
 
 
 def cell_fingerprints(call: Dict[str, Any], attacks: Sequence[str]) -> Dict[str, str]:
@@ -107,14 +106,14 @@ def planned_now(call: Dict[str, Any]) -> List[str]:
 
 
 class PlanCache:
-    """The planner's plan per call, kept in ``folder/plans.json`` beside the stored cells."""
+    """The planner's plan per call for the cells in ``folder`` (``<root>/<profile>-<data>``): a line
+    per call in the store at ``<root>``, keyed ``<profile>-<data>/plans/<call key>``."""
 
     def __init__(self, folder: Path):
-        self.path = Path(folder) / PLANS_FILE
-        try:
-            self.plans: Dict[str, Any] = json.loads(self.path.read_text())
-        except (OSError, ValueError):
-            self.plans = {}
+        folder = Path(folder)
+        self.lines, self.prefix = Lines(folder.parent / FILE), f"{folder.name}/plans/"
+        self.plans: Dict[str, Any] = {k[len(self.prefix):]: v for k, v in self.lines.items()
+                                      if isinstance(k, str) and k.startswith(self.prefix)}
 
     @staticmethod
     def key(call: Dict[str, Any]) -> str:
@@ -128,10 +127,7 @@ class PlanCache:
             return list(kept["attacks"])
         attacks = planned_now(call)
         self.plans[key] = {"source": source, "attacks": attacks}
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(f".{os.getpid()}.tmp")  # two rows may run side by side
-        tmp.write_text(json.dumps(self.plans, indent=1, sort_keys=True) + "\n")
-        tmp.replace(self.path)
+        self.lines.put(self.prefix + key, self.plans[key], sort_keys=True)
         return attacks
 
 

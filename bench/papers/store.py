@@ -1,7 +1,9 @@
-"""Where the papers bench keeps its results: one JSON file of stored cells per row
-(``bench/results/papers/<profile>-<data>/<row>.json``), and beside it the per-image results of
-cells still under way (``<row>.partial/``), copied in as each slice finishes so that a cell
-resumes from a fresh clone."""
+"""Where the papers bench keeps its results: one append-only store,
+``bench/results/papers/results.jsonl`` (:class:`bench.jsonl.Lines`), with a line for a row each
+time its stored cells change (keyed ``<profile>-<data>/<row>``; the planner's plans beside them,
+:class:`~bench.papers.stale.PlanCache`), and the per-image results of cells still under way
+(``<profile>-<data>/<row>.partial/``), copied in as each slice finishes so that a cell resumes
+from a fresh clone."""
 from __future__ import annotations
 
 import functools
@@ -10,7 +12,9 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Set, Tuple
 
+from audit.core.jsonable import to_jsonable
 from bench.docs_table import ROOT
+from bench.jsonl import FILE, Lines
 from bench.papers import stale
 from bench.papers.stale import PlanCache
 
@@ -23,30 +27,33 @@ RESULTS = ROOT / "bench" / "results" / "papers"
 
 
 def results_path(root: Path, profile: str, data: str, row: Row) -> Path:
-    return root / f"{profile}-{data}" / f"{row.id}.json"
+    """The row's place under ``root``: its key in the store (:func:`row_line`) and, beside it,
+    the folder of its cells under way (:func:`partial_dir`)."""
+    return root / f"{profile}-{data}" / row.id
 
 
-def load_results(path: Path) -> Dict[str, Any]:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
+def row_line(place: Path) -> Tuple[Lines, str]:
+    """The store of the row at ``place`` (:func:`results_path`) and the row's key in it."""
+    return Lines(place.parent.parent / FILE), f"{place.parent.name}/{place.name}"
 
 
-def save_results(path: Path, stored: Dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(stored, indent=1, sort_keys=True) + "\n")
-    tmp.replace(path)
+def load_results(place: Path) -> Dict[str, Any]:
+    lines, key = row_line(place)
+    stored = lines.get(key)
+    return stored if isinstance(stored, dict) else {}
 
 
-def jsonable(obj: Any) -> Any:
-    return json.loads(json.dumps(obj, default=str))
+def save_results(place: Path, stored: Dict[str, Any]) -> None:
+    """Append the row's results as its line (nothing where the store holds them already)."""
+    lines, key = row_line(place)
+    if lines.get(key) != json.loads(json.dumps(stored)):
+        lines.put(key, stored, sort_keys=True)
 
 
-def partial_dir(results: Path, cell: str) -> Path:
-    """Where an unfinished cell's per-image results are kept in the repository."""
-    return results.parent / f"{results.stem}.partial" / cell.replace(":", "-")
+def partial_dir(place: Path, cell: str) -> Path:
+    """Where an unfinished cell's per-image results are kept in the repository (``place``: the
+    row's, :func:`results_path`)."""
+    return place.parent / f"{place.name}.partial" / cell.replace(":", "-")
 
 
 #: where a cell's positive control is kept under its partial folder (its store: ``out/control``)
@@ -137,7 +144,7 @@ def kept_image_steps(kept: Path, plan: CellPlan, planned: Sequence[str] = (),
         record = json.loads(path.read_text())
         return (record.get("status") not in RETRIED and attack in ATTACKS
                 and record.get("defaults") == fingerprint(attack)
-                and (attack not in wanted or record.get("settings") == jsonable(wanted[attack])))
+                and (attack not in wanted or record.get("settings") == to_jsonable(wanted[attack])))
 
     def done(run: Path) -> Set[Tuple[int, int]]:
         ran = attacks(run)
