@@ -28,7 +28,9 @@ def identities(out):
 
 
 def _identities_elsewhere(out, env):
-    script = f"import json, sys; sys.path.insert(0, 'tests'); import test_keys_travel as t; print(json.dumps(t.identities({str(out)!r})))"
+    script = ("import importlib.util, json; spec = importlib.util.spec_from_file_location('keys', "
+              f"{__file__!r}); t = importlib.util.module_from_spec(spec); spec.loader.exec_module(t); "
+              f"print(json.dumps(t.identities({str(out)!r})))")
     done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env={**os.environ, **env},
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]

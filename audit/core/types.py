@@ -119,17 +119,16 @@ class Defense:
       clean one (Bayes adversary); ``None`` where there is no closed form.
     * ``wrap_model(model)`` -- architectural defenses (PRECODE) change the client model.
     * ``transform_inputs(inputs, generator)`` -- data-side defenses (ATS, Refiner).
-    * ``differences`` -- where it departs from its paper or the authors' code, one sentence
-      each (the report of an audit prints them).
-    * ``unstable_probe`` -- why its output on a fixed probe carries kernel-order bits (it trains
-      first, say): then its code and parameters alone key its results.
+    * ``differences`` -- where this reference implementation departs from its paper or the
+      authors' code, one sentence each (data only; the report of an audit prints them).
     * ``buffer_effect`` -- what it does to the BatchNorm buffers a client uploads with its
       state (:data:`audit.core.buffers.BUFFER_EFFECTS`; unset: "not declared"), with
       ``buffer_inputs(inputs, generator)`` for "transformed", ``buffer_noise_std`` for "noised",
       ``transform_state(update, buffers, before, lr=, generator=)`` for "clipped" and "clipped and
       noised" (a transform of the whole reply, as Flower's mods clip every array together).
 
-    A ``__call__`` with a ``round`` keyword gets the FL round (``accepts_round``).
+    A defense whose ``__call__`` takes a ``round`` keyword gets the FL round index (the
+    training step) from the client simulation; ``accepts_round`` says whether it does.
     """
 
     name: str = "defense"
@@ -137,7 +136,6 @@ class Defense:
     vmap_draws: bool = False
     log_prob: Optional[Callable[[Sequence[Tensor], Sequence[Tensor]], Tensor]] = None
     differences: Tuple[str, ...] = ()
-    unstable_probe: Optional[str] = None
 
     @property
     def accepts_round(self) -> bool:
