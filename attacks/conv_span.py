@@ -7,11 +7,12 @@ weight gradient's row space is exactly the span of its input's patches
 thousands of equations on a 3,072-pixel image, and needs no second-order gradient. The attack
 runs in three stages:
 
-1. the deep map: in a sequential model, the map entering the first child that holds a span
-   convolution, found from a random map so that every span convolution above it sees patches
-   in its row space (L-BFGS, :mod:`attacks.conv_span_maps`);
+1. the deep map: the last map of the traced graph through which the image reaches every span
+   convolution (:mod:`attacks.conv_span_graph`), found from a random map so that every span
+   convolution above it sees patches in its row space (L-BFGS, :mod:`attacks.conv_span_maps`);
 2. the image whose lower layers map to it (feature inversion, scale-free: Adam coarse to fine,
-   projected onto the pixels' range);
+   projected onto the pixels' range); in eval mode for one image and one gradient, then R-GAP's
+   recursion from that map down (:mod:`attacks.conv_span_rgap`), where its equations suffice;
 3. from there, the same residual over the image (L-BFGS), in float32 then float64, restarted
    from a new draw where it stalls.
 
@@ -43,7 +44,9 @@ from audit.core.reasons import Reason
 from audit.core.types import Observation, Reconstruction, trainable_names
 
 from attacks.conv_span_algebra import GAP, RowSpace, row_spaces, span_layers, span_residual
-from attacks.conv_span_maps import feature_mismatch, invert, map_residual, non_negative, separate, split
+from attacks.conv_span_graph import graph_of, graph_split
+from attacks.conv_span_rgap import descend, scaled_signal
+from attacks.conv_span_maps import feature_mismatch, invert, map_residual, non_negative, separate
 from attacks.labels import infer_labels
 from attacks.presets import ATTACKS
 from attacks.simulator import ClientReplica, GradientSimulator, SimContext
@@ -78,6 +81,8 @@ SEPARATE_AFTER = 0.5
 #: an inversion that ends above this mismatch is run once more from a new draw, and the better kept (exact
 #: ones end at 1e-5 to 3e-4; on ResNet-18 an unlucky start stops at 0.07, 27 dB)
 INVERT_STALL = 1e-3
+#: float64 L-BFGS evaluations of the deep map before the recursion reads its ReLU masks
+POLISH_EVALUATIONS = 40
 #: Gauss-Newton iterations of the colour fit to the whole upload
 FIT_EVALUATIONS = 10
 #: the log-gains of the normalised images' spread the colour fit tries before its descent (a normalised
@@ -128,20 +133,21 @@ class ConvSpan:
     """The conv-span attack (module docstring). ``evaluations``: L-BFGS evaluations when no budget
     is given; ``fit``: Gauss-Newton iterations of the colour fit; ``init_std``: spread of the start
     around mid-grey; ``tolerance``: the certificate's relative error; ``layers``: module names to
-    read (None: every convolution whose uploaded gradient shows the rank gap)."""
+    read (None: every convolution whose uploaded gradient shows the rank gap); ``recursion``: solve the
+    maps below the deep map by R-GAP's recursion (eval mode, one image, one gradient)."""
 
     name = "conv-span"
     uses_budget = True
 
     def __init__(self, evaluations: int = DEFAULT_EVALUATIONS, fit: int = FIT_EVALUATIONS, init_std: float = 0.1,
                  tolerance: float = CERTIFICATE_TOLERANCE, layers: Optional[List[str]] = None,
-                 deep_map: bool = True):
+                 deep_map: bool = True, recursion: bool = True):
         if evaluations < 1 or fit < 0 or not init_std >= 0 or not tolerance > 0:
             raise ConfigError(f"conv-span: need evaluations >= 1, fit >= 0, init_std >= 0 and tolerance > 0, got "
                               f"{evaluations}, {fit}, {init_std}, {tolerance}")
         self.evaluations, self.fit, self.init_std = int(evaluations), int(fit), float(init_std)
         self.tolerance, self.layers = float(tolerance), None if layers is None else list(layers)
-        self.deep_map = bool(deep_map)
+        self.deep_map, self.recursion = bool(deep_map), bool(recursion)
 
     def reconstruct(self, observation: Observation, budget: Optional[int] = None, seed: int = 0,
                     progress: Optional[Callable] = None) -> Reconstruction:
@@ -246,6 +252,8 @@ class ConvSpan:
             return report
         on_cpu = all(o.device.type == "cpu" for o in observations)
         workers = min(len(observations), max(1, int(max_members)), torch.get_num_threads()) if on_cpu else 1
+        for o in observations:  # traced here: tracing patches every module call in the process
+            graph_of(o.model)
         if workers <= 1:
             return [self.reconstruct(o, budget, s, member(k)) for k, (o, s) in enumerate(zip(observations, seeds))]
         threads = torch.get_num_threads()
@@ -263,13 +271,14 @@ class ConvSpan:
         random map), then the image whose bottom maps to it (:mod:`attacks.conv_span_maps`); ``x`` is
         returned unchanged where the model does not split."""
         replica = GradientSimulator().prepare(observation)
-        cut = split(replica.model, [s.layer.name for s in spaces])
+        cut = graph_split(replica.model, [s.layer.name for s in spaces], like=observation.model)
         if cut is None:
-            trace["deep_map"] = "not-sequential"
+            trace["deep_map"] = "no-cut"
             return x
         x = x.to(observation.gradients[0])
         hooks = _Maps(replica, spaces)
         here = [dataclasses.replace(s, basis=s.basis.to(x)) for s in spaces]
+        began = time.perf_counter()
         with torch.no_grad():
             shape, positive = cut.map_of(x).shape, non_negative(cut, x)
         deep = torch.rand(shape, generator=generator).to(x).requires_grad_(True)
@@ -301,6 +310,7 @@ class ConvSpan:
         mismatch = feature_mismatch(cut, target, stride)
         # coarse to fine in the pixels' box (:func:`attacks.conv_span_maps.invert`): under train-mode
         # BatchNorm an inversion from a full-resolution start stalls (ResNet-18, stage 2's output: 15 dB)
+        trace["deep_map_seconds"], began = time.perf_counter() - began, time.perf_counter()
         x, inversion = invert(mismatch, x, inverted, report=report)
         if inversion and inversion[-1] > INVERT_STALL:  # a start that ends short of the map: one more draw
             again, more = invert(mismatch, (0.5 + self.init_std * torch.randn(x.shape, generator=generator)).to(x),
@@ -311,8 +321,53 @@ class ConvSpan:
         else:
             mismatched = inversion[-1] if inversion else math.nan
         trace.update(deep_map_residual=history[-1], deep_map_evaluations=len(history),
-                     inversion_mismatch=mismatched, inversion_evaluations=len(inversion))
+                     inversion_mismatch=mismatched, inversion_evaluations=len(inversion),
+                     inversion_seconds=time.perf_counter() - began)
+        if self.recursion and len(x) == 1 and observation.client_mode == "eval" and observation.local_steps == 1 \
+                and observation.shares == "gradient":
+            x = self._recursion(observation, spaces, target, x, inverted, trace)
         return x
+
+    def _recursion(self, observation: Observation, spaces: List[RowSpace], deep: Tensor, x: Tensor,
+                   steps: int, trace: Dict) -> Tensor:
+        """The image under the deep map by R-GAP's recursion (:mod:`attacks.conv_span_rgap`), in float64,
+        from the map at the scale the gradients above it fix; ``x`` (the inverted image) gives the masks
+        no map fixes, and the stretch where the recursion stops is inverted again."""
+        start = time.perf_counter()
+        wide = _float64(observation)
+        split = graph_split(wide.model.eval(), [s.layer.name for s in spaces], like=observation.model)
+        if split is None:
+            return x
+        names = trainable_names(wide.model)
+        upload = dict(zip(names, wide.gradients))
+        labels = infer_labels(observation).labels.to(x.device).long()
+        deep = self._polished(wide.model, split, spaces, deep.double(), POLISH_EVALUATIONS)
+        with torch.no_grad():
+            seen = split.map_of(x.double())
+        guess = float((seen * deep.double()).sum() / deep.double().pow(2).sum().clamp_min(1e-300))
+        scaled, signal, error = scaled_signal(split.rest, deep.double(), labels, observation.loss_fn, upload,
+                                              guess if guess > 0 else 1.0)
+        image, found = descend(split.bottom, upload, scaled, signal, x.double(),
+                               lambda mismatch, first: invert(mismatch, first.to(x), steps)[0])
+        trace.update(recursion=found, recursion_scale_error=error, recursion_seconds=time.perf_counter() - start)
+        return image.to(x)
+
+    @staticmethod
+    def _polished(model, split, spaces: List[RowSpace], deep: Tensor, evaluations: int) -> Tensor:
+        """The deep map's descent continued in float64 (the recursion reads ReLU masks off it)."""
+        modules = dict(model.named_modules())
+        convs = {s.layer.name: modules[s.layer.name] for s in spaces}
+        maps: Dict[str, Tensor] = {}
+        handles = [m.register_forward_hook(lambda _m, i, _o, n=n: maps.__setitem__(n, i[0])) for n, m in convs.items()]
+        try:
+            here = [dataclasses.replace(s, basis=s.basis.double()) for s in spaces]
+            residual = map_residual(split.top, here, convs, maps)
+            found = deep.clone().requires_grad_(True)
+            _Descent([found], lambda: residual(found.abs()), None).run(evaluations)
+        finally:
+            for h in handles:
+                h.remove()
+        return found.detach().abs()
 
     def _labels(self, observation: Observation, replica: ClientReplica, params: Dict[str, Tensor], x: Tensor,
                 seed: int) -> Tuple[Tensor, str]:
@@ -507,5 +562,5 @@ class _Descent:
                   "and certified by reproducing it")
 def conv_span(evaluations: int = DEFAULT_EVALUATIONS, fit: int = FIT_EVALUATIONS, init_std: float = 0.1,
               tolerance: float = CERTIFICATE_TOLERANCE, layers: Optional[List[str]] = None,
-              deep_map: bool = True) -> ConvSpan:
-    return ConvSpan(evaluations, fit, init_std, tolerance, layers, deep_map)
+              deep_map: bool = True, recursion: bool = True) -> ConvSpan:
+    return ConvSpan(evaluations, fit, init_std, tolerance, layers, deep_map, recursion)

@@ -261,7 +261,10 @@ def main() -> None:
     command = "python -m bench.bench_conv_span " + " ".join(
         f"--{k} {v}" for k, v in (("modes", args.modes), ("batches", args.batches), ("budget", args.budget),
                                   ("width", args.width if args.width != parser.get_default("width") else None)) if v)
-    DOC.write_text(render(rows, args.width, args.budget, command))
+    # the torchvision section (bench/bench_conv_span_torchvision.py) is kept as it stands
+    kept = DOC.read_text().split("\n## Torchvision ResNets", 1) if DOC.exists() else []
+    DOC.write_text(render(rows, args.width, args.budget, command)
+                   + ("\n## Torchvision ResNets" + kept[1] if len(kept) > 1 else ""))
 
 
 if __name__ == "__main__":
