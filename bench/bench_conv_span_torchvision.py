@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import textwrap
 import time
 from pathlib import Path
 
@@ -131,7 +132,8 @@ def section(rows) -> str:
                      f"{r['inversion_seconds']:.0f} | {r['recursion_seconds']:.0f} | {r['seconds']:.0f} | "
                      f"{stages or '-'}{f'; stopped at {stop}' if stop else ''} |")
     lines += ["", *NOTES]
-    return "\n".join(lines) + "\n"
+    return "\n".join(line if line.startswith("|") else textwrap.fill(line, 100, break_on_hyphens=False)
+                     for line in lines) + "\n"
 
 
 def write_section(rows) -> None:
