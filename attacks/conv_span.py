@@ -4,24 +4,21 @@ Where a convolution has fewer output positions than output channels and patch en
 weight gradient's row space is exactly the span of its input's patches
 (:mod:`attacks.conv_span_algebra`): on ResNet-18 at batch 1, every convolution of stages 3 and
 4. Asking every patch of a candidate's deep maps to lie in those row spaces is tens of
-thousands of equations on a 3,072-pixel image, and needs no second-order gradient. The attack
-runs in three stages:
+thousands of equations on a 3,072-pixel image, and needs no second-order gradient. Three stages:
 
 1. the deep map: the last map of the traced graph through which the image reaches every span
    convolution (:mod:`attacks.conv_span_graph`), found from a random map so that every span
    convolution above it sees patches in its row space (L-BFGS, :mod:`attacks.conv_span_maps`);
 2. the image whose lower layers map to it (feature inversion, scale-free: Adam coarse to fine,
-   projected onto the pixels' range); in eval mode for one image and one gradient, then R-GAP's
-   recursion from that map down (:mod:`attacks.conv_span_rgap`), where its equations suffice;
+   projected onto the pixels' range); optionally (``recursion``) R-GAP's recursion below it;
 3. from there, the same residual over the image (L-BFGS), in float32 then float64, restarted
    from a new draw where it stalls.
 
 The residual cannot see a gain of the normalised image, so a last step fits each image's gain
-(and each channel's relative gain and offset) and the labels to the whole upload, and the
+(and each channel's relative gain and offset) and the labels to the whole upload; the
 certificate, as SPEAR's, is the relative error with which the recovered batch reproduces the
-upload. Under train-mode BatchNorm the upload barely sees that gain either (zero padding keeps a
-scaled image's border and the normalisation divides the gain out): the fit keeps the recovered
-pattern and its sign, and the certificate can refuse an image that is right up to its gain.
+upload. Under train-mode BatchNorm the upload barely sees that gain either: the fit keeps the
+recovered pattern and its sign, and the certificate can refuse an image right up to its gain.
 
 Measured in docs/conv-span.md.
 """
@@ -134,14 +131,15 @@ class ConvSpan:
     is given; ``fit``: Gauss-Newton iterations of the colour fit; ``init_std``: spread of the start
     around mid-grey; ``tolerance``: the certificate's relative error; ``layers``: module names to
     read (None: every convolution whose uploaded gradient shows the rank gap); ``recursion``: solve the
-    maps below the deep map by R-GAP's recursion (eval mode, one image, one gradient)."""
+    maps below the deep map by R-GAP's recursion (eval mode, one image, one gradient; off in the
+    registered attack: from the span's deep map it stops at its first map, docs/conv-span.md)."""
 
     name = "conv-span"
     uses_budget = True
 
     def __init__(self, evaluations: int = DEFAULT_EVALUATIONS, fit: int = FIT_EVALUATIONS, init_std: float = 0.1,
                  tolerance: float = CERTIFICATE_TOLERANCE, layers: Optional[List[str]] = None,
-                 deep_map: bool = True, recursion: bool = True):
+                 deep_map: bool = True, recursion: bool = False):
         if evaluations < 1 or fit < 0 or not init_std >= 0 or not tolerance > 0:
             raise ConfigError(f"conv-span: need evaluations >= 1, fit >= 0, init_std >= 0 and tolerance > 0, got "
                               f"{evaluations}, {fit}, {init_std}, {tolerance}")
@@ -562,5 +560,5 @@ class _Descent:
                   "and certified by reproducing it")
 def conv_span(evaluations: int = DEFAULT_EVALUATIONS, fit: int = FIT_EVALUATIONS, init_std: float = 0.1,
               tolerance: float = CERTIFICATE_TOLERANCE, layers: Optional[List[str]] = None,
-              deep_map: bool = True, recursion: bool = True) -> ConvSpan:
-    return ConvSpan(evaluations, fit, init_std, tolerance, layers, deep_map, recursion)
+              deep_map: bool = True) -> ConvSpan:
+    return ConvSpan(evaluations, fit, init_std, tolerance, layers, deep_map)

@@ -1,7 +1,8 @@
 """The conv-span attack on torchvision's ResNets as torchvision builds them (ImageNet stem: 7x7
 stride-2 convolution and max-pool; no pretrained weights), eval-mode BatchNorm, batch 1: per image
-its aligned PSNR, seconds per stage and the recursion's equations per map. Results kept per image
-(a rerun resumes); the table goes into docs/conv-span.md under "## Torchvision ResNets".
+its aligned PSNR, seconds per stage and the recursion's equations per map (the attack with its
+``recursion`` on). Results kept in ``bench/results/conv-span-torchvision/results.jsonl`` under the
+attack's code (a rerun resumes); the table goes into docs/conv-span.md under "## Torchvision ResNets".
 
     python -m bench.bench_conv_span_torchvision [--arch resnet18] [--size 64] [--images 0,20,40,60]
                                                 [--photos astronaut,chelsea,coffee] [--budget 200]
@@ -13,20 +14,19 @@ import hashlib
 import json
 import textwrap
 import time
-from pathlib import Path
 
 import torch
 import torchvision
 
-import attacks  # noqa: F401  (registers the attacks)
-from attacks.presets import ATTACKS
+from attacks.conv_span import ConvSpan
 from audit.client.observe import observe
 from audit.core.data import load_dataset
 from audit.core.evidence import aligned_psnr
 from audit.core.models import with_normalization
+from bench.docs_table import ROOT
+from bench.jsonl import Lines
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "bench" / "results" / "conv-span-torchvision"
+STORE = Lines.of("conv-span-torchvision")
 DOC = ROOT / "docs" / "conv-span.md"
 SECTION = "## Torchvision ResNets"
 #: ImageNet's statistics, for the photos
@@ -52,9 +52,10 @@ def photo(name: str, size: int) -> torch.Tensor:
 
 
 def run_one(arch: str, size: int, source: str, budget: int) -> dict:
-    path = RESULTS / f"{arch}-{size}-{source}-b{budget}-{code_key()}.json"
-    if path.exists():
-        return json.loads(path.read_text())
+    key = {"arch": arch, "size": size, "source": source, "budget": budget, "code": code_key()}
+    kept = STORE.get(key)
+    if kept is not None:
+        return kept
     if source.isdigit():
         data = load_dataset("embedded", size=size)
         x, y, stats = data.test_images[int(source)][None], data.test_labels[int(source)][None], (data.mean, data.std)
@@ -64,7 +65,7 @@ def run_one(arch: str, size: int, source: str, budget: int) -> dict:
     model = with_normalization(getattr(torchvision.models, arch)(num_classes=10), *stats)
     obs = observe(model, x, y, None, client_mode="eval", seed=0)
     start, cpu = time.perf_counter(), time.process_time()
-    rec = ATTACKS.build("conv-span").reconstruct(obs, budget, seed=0)
+    rec = ConvSpan(recursion=True).reconstruct(obs, budget, seed=0)
     trace = rec.trace
     recursion = trace.get("recursion", {})
     row = {"arch": arch, "size": size, "source": source, "budget": budget,
@@ -77,8 +78,7 @@ def run_one(arch: str, size: int, source: str, budget: int) -> dict:
            "stages": [{k: s[k] for k in ("map", "equations", "unknowns", "residual") if k in s}
                       for s in recursion.get("stages", [])],
            "rounds": recursion.get("rounds", [])}
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(row, indent=1))
+    STORE.put(key, row)
     return row
 
 
@@ -154,7 +154,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     for source in [s for s in args.images.split(",") + args.photos.split(",") if s]:
         print(json.dumps(run_one(args.arch, args.size, source, args.budget)), flush=True)
-    rows = [json.loads(p.read_text()) for p in sorted(RESULTS.glob(f"*-{code_key()}.json"))]
+    rows = [row for key, row in STORE.items() if key["code"] == code_key()]
     write_section(sorted(rows, key=lambda r: (r["arch"], r["size"], r["source"])))
 
 

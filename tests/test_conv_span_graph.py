@@ -75,3 +75,19 @@ def test_the_image_comes_back_exact_from_the_cut_map_through_a_non_sequential_mo
     signal = torch.autograd.grad(nn.functional.cross_entropy(cut.rest(deep), y), deep)[0]
     found = Recursion(cut.bottom, upload).run(deep.detach(), signal, torch.full_like(x, 0.5))
     assert float(aligned_psnr(found.float(), x.float())) > 40
+
+
+def test_on_the_registered_sequential_models_the_graph_cuts_where_the_children_did():
+    """The stored conv-span results on the registered models stay valid: the graph's deep map is the
+    one the sequential split gave (same map, same values), at batch 1 and where the span holds at 4."""
+    from attacks.conv_span_maps import split
+    from audit.core.models import build_model
+
+    for name, batch in (("resnet18", 1), ("resnet18", 4), ("convnet9", 1)):
+        model = build_model(name, (3, 32, 32), 10).eval()
+        layers, why = span_layers(model, (3, 32, 32), batch)
+        assert why is None
+        names = [l.name for l in layers]
+        x = torch.rand(batch, 3, 32, 32, generator=torch.Generator().manual_seed(batch))
+        with torch.no_grad():
+            assert torch.equal(graph_split(model, names).map_of(x), split(model, names).map_of(x)), (name, batch)
