@@ -45,6 +45,7 @@ from audit.core.errors import GiaError
 from audit.core.reasons import Reason
 from audit.core.registry import Registry
 
+from attacks.kernel_cache import compiled
 from attacks.program_keys import program_key
 from attacks.search_space import Box, ClampBox, SigmoidBox
 
@@ -90,7 +91,7 @@ class Compiled(Route):
 
     def prepare(self, fn):
         STATS["compiled"] += 1
-        return torch.compile(_own_code(fn), fullgraph=True, dynamic=False)
+        return compiled(_own_code(fn), fullgraph=True, dynamic=False)
 
 
 def padding_sizes(largest: int = 256, waste: float = PADDING_WASTE) -> Tuple[int, ...]:

@@ -35,6 +35,7 @@ from priors.features import FIXED_POINT_TOLERANCE, observed_reading
 
 from attacks import capture as capturing
 from attacks import stacking
+from attacks.kernel_cache import compiled as kernel_compiled
 from attacks.labels import LABEL_STRATEGIES, LabelPlan, plan_labels
 from attacks.feature_rule import AutoFeatures, dummy_softmax_weight, observed_features_off
 from attacks.objectives import GradientDistance, Objective, build_objective
@@ -648,7 +649,7 @@ class OptimizationRun:
             return members
         if self.device.type == "cpu":  # channels-last weights: faster compiled on a CPU (docs/strength.md (Speed))
             self.replica.channels_last()
-        return torch.compile(members, dynamic=False, fullgraph=True)  # a graph break is a failure, not eager
+        return kernel_compiled(members, dynamic=False, fullgraph=True)  # a graph break is a failure, not eager
 
     def _batched(self, variables):
         """The batched loss and gradient: fully functional. (Eager autograd through a vmapped

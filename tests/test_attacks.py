@@ -371,3 +371,24 @@ def test_cli_attack_on_an_image_file(tmp_path, data16):
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["scores"]["psnr"]["value"] > 40  # 8-bit PNG, exact inversion
     assert metrics["recovered_labels"] == [4] and metrics["image"] == str(path)
+
+
+def test_compiled_kernels_are_cached_apart_per_cpu_kernel_set(tmp_path):
+    """Inductor does not key its cached C++ by the kernel set: code generated with vector
+    instructions, built under ``ATEN_CPU_CAPABILITY=default``, fails to build. Each set gets its folder."""
+    import os
+    import subprocess
+    import sys
+
+    probe = "from attacks.kernel_cache import kernel_cache; print(kernel_cache())"
+    folders = {}
+    for capability in ("default", None):
+        env = {k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "ATEN_CPU_CAPABILITY")}
+        env.update({"ATEN_CPU_CAPABILITY": capability} if capability else {})
+        folders[capability] = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True,
+                                             check=True, cwd=os.path.dirname(os.path.dirname(__file__))).stdout.strip()
+    assert os.path.basename(folders["default"]) == "default"
+    assert folders[None] != folders["default"] and os.path.dirname(folders[None]) == os.path.dirname(folders["default"])
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}  # the user's own folder is kept
+    assert subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True,
+                          cwd=os.path.dirname(os.path.dirname(__file__))).stdout.strip() == str(tmp_path)

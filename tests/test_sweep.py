@@ -183,31 +183,29 @@ def local_ray():
 
 
 def test_ray_executor_gives_the_local_numbers(tmp_path, local_ray):
-    """Prune and gaussian at two settings each: every attack and utility number of every cell is
+    """Prune and gaussian at one setting each: every attack and utility number of every cell is
     the same on Ray as locally, and as an audit's in a process on more threads."""
-    grid = {"prune": {"ratio": [0.5, 0.9]}, "gaussian": {"sigma": [0.01, 0.1]}}
+    grid = {"prune": {"ratio": [0.9]}, "gaussian": {"sigma": [0.1]}}
     # (step, attack) groups of two private images; LeNet at 16 px: its training loss depends on the thread count
     settings = {**TINY, "model": "lenet", "model_args": {"width": 4}, "image_size": 16, "images": 2,
                 "utility_seeds": 2}
     local = audit.sweep(grid, out=tmp_path / "local", **settings)
     ray_run = audit.sweep(grid, out=tmp_path / "ray", executor="ray", executor_args={"num_cpus": 2}, **settings)
-    names = ["gaussian-sigma=0.01", "gaussian-sigma=0.1", "none", "prune-ratio=0.5", "prune-ratio=0.9"]
+    names = ["gaussian-sigma=0.1", "none", "prune-ratio=0.9"]
     assert sorted(ray_run.data["invocation"]["computed"]) == names
-    assert ray_run.data["invocation"]["group_jobs"] == 10  # 5 cells x 2 steps x ig, each a Ray task
+    assert ray_run.data["invocation"]["group_jobs"] == 6  # 3 cells x 2 steps x ig, each a Ray task
     threads = torch.get_num_threads()
     torch.set_num_threads(2)  # an audit in a process on more threads than a Ray task: the same utility
     try:
         wide = [Audit(spec, defense_args=args, **audit_settings(**settings, out=tmp_path / "wide")).utility()
-                for spec, args in (("none", {}), ("prune", {"ratio": 0.5}), ("prune", {"ratio": 0.9}),
-                                   ("gaussian", {"sigma": 0.01}), ("gaussian", {"sigma": 0.1}))]
+                for spec, args in (("none", {}), ("prune", {"ratio": 0.9}), ("gaussian", {"sigma": 0.1}))]
     finally:
         torch.set_num_threads(threads)
 
     def numbers(utility):  # every per-seed number, defended and undefended (the run times aside)
         return [(r.seed, r.accuracy, r.final_loss) for r in utility.defended.runs + utility.undefended.runs]
 
-    assert [c["name"] for c in local.cells] == ["none", "prune-ratio=0.5", "prune-ratio=0.9", "gaussian-sigma=0.01",
-                                                "gaussian-sigma=0.1"]
+    assert [c["name"] for c in local.cells] == ["none", "prune-ratio=0.9", "gaussian-sigma=0.1"]
     for a, b, c in zip(local.cells, ray_run.cells, wide):
         assert (a["name"], a["psnr"], a["ssim"]) == (b["name"], b["psnr"], b["ssim"])
         results = [json.loads((tmp_path / run / a["dir"] / "report.json").read_text()) for run in ("local", "ray")]
