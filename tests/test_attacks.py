@@ -99,10 +99,18 @@ def _has_cxx() -> bool:
 
 @pytest.mark.skipif(not _has_cxx(), reason="checks a torch.compile'd attack against eager: torch.compile's CPU "
                     "backend needs a C++ compiler (g++, c++, clang++ or $CXX)")
+def _conv_bn(data, seed):
+    """One strided conv-BatchNorm-ReLU and a linear head: a train-mode graph small enough to compile fast."""
+    torch.manual_seed(seed)
+    c, h, w = data.input_shape
+    return torch.nn.Sequential(torch.nn.Conv2d(c, 4, 3, 2, 1), torch.nn.BatchNorm2d(4), torch.nn.ReLU(),
+                               torch.nn.Flatten(), torch.nn.Linear(4 * (h // 2) * (w // 2), data.num_classes))
+
+
 def test_compiled_attack_matches_eager_and_compiles_once(data16):
     from torch._dynamo.utils import counters
 
-    obs = _obs("convnet", data16, batch=2, model_kw={"width": 8}, client_mode="train")
+    obs = observe(_conv_bn(data16, 0), data16.train_images[3:5], data16.train_labels[3:5], client_mode="train")
     images = torch.rand(1, 2, *data16.input_shape, generator=torch.Generator().manual_seed(0))  # one graph
     eager = ATTACKS.build("ig", tv=0.1).evaluate(obs, images)
     compiled = ATTACKS.build("ig", tv=0.1, compile=True).evaluate(obs, images)
@@ -114,8 +122,7 @@ def test_compiled_attack_matches_eager_and_compiles_once(data16):
     before = counters["stats"]["unique_graphs"]
     rec = ATTACKS.build("ig", tv=0.1, compile=True).reconstruct(obs, 12, 0)
     assert rec.trace["iterations"] == 12 and word(rec.trace["execution"]).startswith("compiled")
-    other = build_model("convnet", data16.input_shape, data16.num_classes, seed=1, width=8)
-    obs = observe(other, data16.train_images[5:7], data16.train_labels[5:7], client_mode="train")
+    obs = observe(_conv_bn(data16, 1), data16.train_images[5:7], data16.train_labels[5:7], client_mode="train")
     eager = ATTACKS.build("ig", tv=0.1).evaluate(obs, images)
     compiled = ATTACKS.build("ig", tv=0.1, compile=True).evaluate(obs, images)
     torch.testing.assert_close(compiled["loss"], eager["loss"], rtol=1e-4, atol=1e-6)
@@ -373,22 +380,25 @@ def test_cli_attack_on_an_image_file(tmp_path, data16):
     assert metrics["recovered_labels"] == [4] and metrics["image"] == str(path)
 
 
-def test_compiled_kernels_are_cached_apart_per_cpu_kernel_set(tmp_path):
+def test_compiled_kernels_are_cached_apart_per_cpu_kernel_set(tmp_path, monkeypatch):
     """Inductor does not key its cached C++ by the kernel set: code generated with vector
     instructions, built under ``ATEN_CPU_CAPABILITY=default``, fails to build. Each set gets its folder."""
     import os
     import subprocess
     import sys
 
+    from attacks import kernel_cache
+
     probe = "from attacks.kernel_cache import kernel_cache; print(kernel_cache())"
-    folders = {}
-    for capability in ("default", None):
-        env = {k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "ATEN_CPU_CAPABILITY")}
-        env.update({"ATEN_CPU_CAPABILITY": capability} if capability else {})
-        folders[capability] = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True,
-                                             check=True, cwd=os.path.dirname(os.path.dirname(__file__))).stdout.strip()
-    assert os.path.basename(folders["default"]) == "default"
-    assert folders[None] != folders["default"] and os.path.dirname(folders[None]) == os.path.dirname(folders["default"])
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}  # the user's own folder is kept
-    assert subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True,
-                          cwd=os.path.dirname(os.path.dirname(__file__))).stdout.strip() == str(tmp_path)
+    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+    generic = subprocess.run([sys.executable, "-c", probe], env={**env, "ATEN_CPU_CAPABILITY": "default"},
+                             capture_output=True, text=True, check=True,
+                             cwd=os.path.dirname(os.path.dirname(__file__))).stdout.strip()
+    monkeypatch.setattr(kernel_cache, "USERS", None)
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    here = kernel_cache.kernel_cache()
+    assert os.path.basename(generic) == "default" and os.path.dirname(here) == os.path.dirname(generic)
+    assert os.path.basename(here) == torch.backends.cpu.get_cpu_capability().lower()
+    monkeypatch.setattr(kernel_cache, "USERS", str(tmp_path))  # the user's own folder is kept
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    assert kernel_cache.kernel_cache() == str(tmp_path)
