@@ -147,6 +147,15 @@ class ConvSpan:
         self.tolerance, self.layers = float(tolerance), None if layers is None else list(layers)
         self.deep_map, self.recursion = bool(deep_map), bool(recursion)
 
+    #: the fit and the certificate compare the upload only where it is not zero (a pruned upload)
+    replay_zeros = False
+
+    def _row_spaces(self, gradients: Dict[str, Tensor], layers: List, batch: int, centred: bool,
+                    steps: int) -> Tuple[List[RowSpace], List[Tuple[str, float]]]:
+        """The row spaces the attack reads (:func:`attacks.conv_span_algebra.row_spaces`); an
+        adaptive form reads them through its defense."""
+        return row_spaces(gradients, layers, batch, centred, steps)
+
     def reconstruct(self, observation: Observation, budget: Optional[int] = None, seed: int = 0,
                     progress: Optional[Callable] = None) -> Reconstruction:
         layers, why = applicability(observation)
@@ -160,7 +169,7 @@ class ConvSpan:
         names = trainable_names(observation.model)
         by_module = {n.rsplit(".", 1)[0]: g for n, g in zip(names, observation.gradients) if n.endswith("weight")}
         b, centred = observation.batch_size, observation.client_mode == "train"
-        spaces, broken = row_spaces(by_module, layers, b, centred, observation.local_steps)
+        spaces, broken = self._row_spaces(by_module, layers, b, centred, observation.local_steps)
         trace = {"attack": self.name, "layers": [s.layer.name for s in spaces], "gaps": [s.gap for s in spaces],
                  "layers_without_gap": [n for n, _ in broken], "centred": centred}
         if not spaces:
@@ -420,11 +429,12 @@ class ConvSpan:
         def replaying(upload: Observation, sim_: GradientSimulator, replica_: ClientReplica) -> Callable:
             context, dtype = SimContext(upload, capture_features=False), upload.gradients[0].dtype
             kept = [g.detach() for g in upload.gradients]
+            masks = [g != 0 for g in kept] if self.replay_zeros else None
 
             def mismatch(theta: Tensor, clamp: bool = False) -> Tensor:
                 fitted = images(theta).to(dtype)
                 return _upload_mismatch(sim_, replica_, fitted.clamp(0, 1) if clamp else fitted, labels, context,
-                                        kept, ref)
+                                        kept, ref, masks)
             return mismatch
         mismatch = replaying(observation, sim, replica)
 
@@ -485,11 +495,14 @@ def _upload_norm(observed: List[Tensor]) -> float:
 
 
 def _upload_mismatch(sim: GradientSimulator, replica: ClientReplica, images: Tensor, labels: Tensor,
-                     context: SimContext, observed: List[Tensor], ref: float) -> Tensor:
-    """The replayed upload of ``images`` less the observed one, flattened, over the observed norm."""
+                     context: SimContext, observed: List[Tensor], ref: float,
+                     masks: Optional[List[Tensor]] = None) -> Tensor:
+    """The replayed upload of ``images`` less the observed one, flattened, over the observed norm
+    (where ``masks`` are given, the replayed upload kept where they are set, as a pruned one)."""
     with torch.enable_grad():
         grads, _ = sim(replica, images, labels, functional=False, context=context)
-    return torch.cat([(g.detach() - o).flatten() for g, o in zip(grads, observed)]) / ref
+    kept = [g.detach() for g in grads] if masks is None else [g.detach() * m for g, m in zip(grads, masks)]
+    return torch.cat([(g - o).flatten() for g, o in zip(kept, observed)]) / ref
 
 
 def _gauss_newton(residual: Callable[[Tensor], Tensor], theta: Tensor, iterations: int,

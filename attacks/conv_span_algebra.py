@@ -96,12 +96,15 @@ def span_layers(model: nn.Module, input_shape: Sequence[int], batch: int,
 @dataclass
 class RowSpace:
     """The row space of one convolution's uploaded weight gradient: an orthonormal basis ``(r, D)``,
-    whether its patches are centred (train-mode BatchNorm) and the spectral gap it was read at."""
+    whether its patches are centred (train-mode BatchNorm) and the spectral gap it was read at;
+    ``columns``: the patch coordinates the basis spans where it is known on those alone (a pruned
+    upload completed there, :mod:`attacks.conv_span_defended`), ``basis`` then ``(r, len(columns))``."""
 
     layer: SpanLayer
     basis: Tensor
     centred: bool
     gap: float
+    columns: Optional[Tensor] = None
 
 
 def row_spaces(gradients: Dict[str, Tensor], layers: Sequence[SpanLayer], batch: int,
@@ -147,6 +150,8 @@ def span_residual(space: RowSpace, conv: nn.Conv2d, maps: Tensor) -> Tensor:
     step's patches can fill)."""
     basis = space.basis.to(maps.dtype)
     p = patches(conv, maps)
+    if space.columns is not None:
+        p = p[:, space.columns.to(p.device)]
     if space.centred:
         p = p - p.mean(0, keepdim=True)
     outside = (p - (p @ basis.T) @ basis).pow(2).sum() / p.pow(2).sum().clamp_min(1e-30)

@@ -30,11 +30,14 @@ import torch
 from torch import Tensor, nn
 
 from attacks.conv_span_algebra import SpanLayer, patches
+from audit.core.errors import NotApplicable
 
 #: an upload carries a span layer's low-rank structure where at least this share of its squared
 #: norm lies in its top ``r`` singular values (exact and pruned-then-completed uploads: > 0.999;
 #: a random matrix of a ResNet-18 span layer's shape: 0.02-0.15; docs/adaptive.md)
 STRUCTURE_THRESHOLD = 0.9
+#: the share of a pruned upload's kept entries a completion is checked on without seeing them
+HELD_OUT_SHARE = 0.05
 
 
 def matrix(grad: Tensor) -> Tensor:
@@ -94,7 +97,12 @@ def _solve_rows(mask: Tensor, values: Tensor, other: Tensor, ridge: float) -> Te
     outer = (other.unsqueeze(2) * other.unsqueeze(1)).reshape(len(other), r * r)
     normal = (mask @ outer).reshape(len(mask), r, r)
     normal = normal + ridge * torch.eye(r, dtype=other.dtype, device=other.device)
-    return torch.linalg.solve(normal, (values * mask) @ other)
+    rhs = (values * mask) @ other
+    solved, info = torch.linalg.solve_ex(normal, rhs)
+    failed = info != 0  # a row whose kept entries see too few of ``other``'s directions: least norm
+    if bool(failed.any()):
+        solved[failed] = (torch.linalg.pinv(normal[failed]) @ rhs[failed].unsqueeze(-1)).squeeze(-1)
+    return solved
 
 
 @dataclass(frozen=True)
@@ -142,6 +150,7 @@ class CompletedSpan:
     rows: Tensor
     completion: Completion
     need: int
+    held_out: float = math.nan
 
 
 def complete_span(grad: Tensor, rank: int, need: Optional[int] = None, iterations: int = 100) -> CompletedSpan:
@@ -154,9 +163,27 @@ def complete_span(grad: Tensor, rank: int, need: Optional[int] = None, iteration
     kept = observed != 0
     columns = torch.nonzero(kept.sum(0) >= need).flatten()
     rows = torch.nonzero(kept[:, columns].sum(1) >= need).flatten()
-    done = complete_low_rank(observed[rows][:, columns], rank, iterations=iterations)
+    if not len(columns) > rank or not len(rows) > rank:
+        raise NotApplicable(f"too few patch coordinates ({len(columns)}) or channels ({len(rows)}) keep {need} "
+                            f"entries each to complete rank {rank}")
+    block = observed[rows][:, columns]
+    done = complete_low_rank(block, rank, iterations=iterations)
     basis = torch.linalg.svd(done.matrix, full_matrices=False)[2][:rank]
-    return CompletedSpan(basis, columns, rows, done, need)
+    return CompletedSpan(basis, columns, rows, done, need, held_out_error(block, rank, iterations=iterations))
+
+
+def held_out_error(block: Tensor, rank: int, share: float = HELD_OUT_SHARE, iterations: int = 100) -> float:
+    """The relative error with which the rank-``rank`` completion of ``block``'s kept (nonzero)
+    entries, less a seeded ``share`` of them, predicts that share: near zero where the kept entries
+    determine the matrix, far from it where they do not (pruning samples the largest entries, so
+    counting them is not enough)."""
+    kept = block != 0
+    hidden = kept & (torch.rand(kept.shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+                     .to(block.device) < share)
+    if not bool(hidden.any()):
+        return math.nan
+    done = complete_low_rank(block, rank, kept=kept & ~hidden, iterations=iterations)
+    return float((done.matrix - block)[hidden].norm() / block[hidden].norm().clamp_min(1e-300))
 
 
 def denoised_basis(grad: Tensor, rank: int) -> Tuple[Tensor, float]:

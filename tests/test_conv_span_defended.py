@@ -5,8 +5,10 @@ import pytest
 import torch
 
 from attacks.conv_span_algebra import patches, span_layers
+from adaptive.span_completed import HELD_OUT_LIMIT
 from attacks.conv_span_defended import (STRUCTURE_THRESHOLD, complete_span, containment_residual, denoised_basis,
-                                        layer_gradients, principal_sines, structure_test, transmitted_basis)
+                                        held_out_error, layer_gradients, principal_sines, structure_test,
+                                        transmitted_basis)
 from audit.core.models import build_model
 from audit.core.types import trainable_names
 from defenses import DEFENSES
@@ -50,6 +52,19 @@ def test_a_magnitude_pruned_conv_gradient_is_completed_by_its_rank(upload):
     # the pruned upload itself has lost the span: its top singular directions are far from it
     top = torch.linalg.svd(pruned[layer.name].reshape(layer.out_channels, -1), full_matrices=False)[2][:layer.positions]
     assert float(principal_sines(top[:, done.columns], truth)[0]) > 0.1
+    assert done.held_out < HELD_OUT_LIMIT  # it predicts kept entries it was not shown
+
+
+def test_a_completion_the_kept_entries_cannot_determine_fails_its_held_out_entries():
+    # a rank-8 64 x 64 matrix has 960 degrees of freedom: its largest 20% (819 entries) cannot determine
+    # it, its largest 60% (2,458) can
+    g = torch.Generator().manual_seed(0)
+    full = torch.randn(64, 8, generator=g, dtype=torch.float64) @ torch.randn(8, 64, generator=g, dtype=torch.float64)
+    def pruned(keep):
+        cut = full.abs().flatten().kthvalue(int(round((1 - keep) * full.numel()))).values
+        return full * (full.abs() > cut)
+    assert held_out_error(pruned(0.6), 8) < 1e-6
+    assert held_out_error(pruned(0.2), 8) > 1e-2
 
 
 def test_an_svd_truncated_upload_stays_inside_the_true_maps_patch_span(upload):
