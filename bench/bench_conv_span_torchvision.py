@@ -103,6 +103,22 @@ NOTES = [
     "share that output. So the max-pool is where the target (>= 40 dB) is missed; the recursion stops "
     "there (`disagree`) and the image is inverted to the lowest map it found whole.",
     "",
+    "Why the stem stays open at 64x64 (measured on images 0, 20, 40 and 60 from estimates at 25.4-26.8 dB, "
+    "with the true max-pool output and signal; the development scripts of this page). Only 10,058-10,465 "
+    "of the 16,384 max-pool outputs are positive; the others give inequalities alone. With the routing (which "
+    "position of each 3x3 window holds its maximum) fixed at the truth, the max-pool's equalities, its 65,536 "
+    "inequalities (every pre-activation at most the smallest maximum of the windows that hold it) and the "
+    "stem's weight gradient give the image at 44.9-52.2 dB (ADMM in the convolution's output space). Without "
+    "the weight gradient, the equalities leave a family of at least 1,800 dimensions sharing the max-pool "
+    "output: 29-30 dB with the inequalities. The routing is what the estimate cannot give: a window's top two "
+    "values differ by 0.015-0.026 at the median (10% of windows: 0.0023-0.0035), the estimate's error in that "
+    "space is 0.065, and it picks the right maximum in 58-70% of windows. The weight gradient does not choose "
+    "the routing either: per channel 147 equations against about 160 routed windows, and wrong routings fit "
+    "it better than the true one (residual 0.036 at 65% right). With the routing true where the true top-two "
+    "gap exceeds a threshold and read off the estimate elsewhere: 70% right, 31.4 dB; 79%, 33.0; 88%, 34.4; "
+    "94.5%, 36.0. Not built: a search over the near-tied windows scored by the whole system's consistency "
+    "(which holds only at the true routing).",
+    "",
     "From the span's deep map (found in float32, then 40 float64 L-BFGS evaluations) the recursion stops "
     "at its first map: the map's zeros come back at 1e-6 to 1e-4 of its largest entry, a ReLU mask read "
     "off them is wrong in places, and a wrong mask entry passes a whole backward-signal entry into the "
@@ -119,7 +135,8 @@ def section(rows) -> str:
              "`num_classes=10`, seed 0, no pretrained weights, eval-mode BatchNorm, batch 1, budget 200, one CPU "
              "thread; embedded test images by index, or scikit-image photos). Seconds per stage: the deep map "
              "(span descent), the feature inversion under it, the recursion (R-GAP, with its fallback "
-             "inversions), and the whole attack (wall).", "",
+             "inversions), and the whole attack (wall), measured with another bench sharing the 2 cores: the PSNRs "
+             "repeat to the last digit from run to run, the seconds do not.", "",
              "| model | size | image | aligned PSNR (dB) | labels | deep map s | inversion s | recursion s | "
              "total s | recursion: map equations/unknowns (residual) |",
              "|---|---|---|---|---|---|---|---|---|---|"]
