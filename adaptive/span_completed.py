@@ -32,6 +32,8 @@ class ConvSpanCompleted(ConvSpan):
     """Conv-span on the row spaces of a pruned upload completed by their rank (module docstring)."""
 
     name = "conv-span-completed"
+    #: the attack it adapts: what its positive control runs without the defense
+    base = "conv-span"
     replay_zeros = True
 
     def _row_spaces(self, gradients: Dict[str, Tensor], layers: List, batch: int, centred: bool,

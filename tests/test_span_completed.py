@@ -25,3 +25,10 @@ def test_a_pruned_resnet_upload_gives_the_image_back_exactly_where_plain_conv_sp
     assert float(aligned_psnr(rec.inputs, x)) > 40 and rec.labels.tolist() == [4]
     # certified on the kept entries: the recovered image's gradient, pruned where the upload is, is the upload
     assert rec.trace["certified"], rec.trace["certificate_error"]
+
+
+def test_its_positive_control_runs_the_span_attack_it_adapts():
+    from audit.engine.control import base_form
+
+    assert base_form("conv-span-completed", {}) == "conv-span"
+    assert base_form("mask-replay", {}) == "ig"  # an adaptive attack naming no base adapts ig

@@ -52,11 +52,11 @@ def is_adaptive(name: str) -> bool:
 
 
 def base_form(name: str, settings: Dict[str, Any]) -> str:
-    """The attack an adaptive attack adapts (its ``base`` setting, else :data:`DEFAULT_BASE`);
-    a plain attack is its own base form."""
+    """The attack an adaptive attack adapts (its ``base`` setting, else the ``base`` its class
+    declares, else :data:`DEFAULT_BASE`); a plain attack is its own base form."""
     if not is_adaptive(name):
         return name
-    base = settings.get("base")
+    base = settings.get("base", getattr(ATTACKS.get(name), "base", None))
     return base if isinstance(base, str) and base in ATTACKS and not is_adaptive(base) else DEFAULT_BASE
 
 

@@ -1,0 +1,100 @@
+"""The span attack and its adaptive forms through a defense, audited: the registered ResNet-18 at
+32x32, batch 1, eval mode, step 0, embedded data, one audit per attack (its positive control beside
+it). Each finished audit is kept in ``bench/results/adaptive-span/results.jsonl`` under its run key
+(a rerun resumes, changed inputs rerun); ``--docs adaptive-span`` writes the table into docs/adaptive.md.
+
+    python -m bench.bench_adaptive_span [--images 4] [--budget 200] [--out bench-out/adaptive-span] [--docs adaptive-span]
+"""
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+from typing import Dict, List
+
+import torch
+
+from bench.bench_evidence import table
+from bench.docs_table import add_docs_option, command_line, write_table
+from bench.jsonl import Lines
+
+#: (defense, its arguments, the attacks audited one at a time)
+CASES = [("prune", {"ratio": 0.9}, ("conv-span", "conv-span-completed"))]
+
+
+def settings(defense: str, args: Dict, attack: str, images: int, budget: int, out: Path) -> Dict:
+    return dict(defense=defense, defense_args=args, model="resnet18", client_mode="eval", images=images,
+                steps=[0], attacks=[attack], budget=budget, utility=False, progress=False, out=out)
+
+
+def audited(store: Lines, case: Dict) -> Dict:
+    """One audit's step-0 verdict and its control, kept under the engine's run key."""
+    import audit
+    from audit.engine.audit import Audit
+    from audit.engine.config import config_of_call
+    from audit.report.store import settings_key
+
+    from audit.engine.control import base_form
+
+    # the run key leaves the attacks out (each attack's results are kept under it): they are named beside
+    # it, with the attacks their positive control runs
+    key = {"run_key": settings_key(Audit.from_config(config_of_call(**case)).key_settings()),
+           "attacks": list(case["attacks"]), "control": [base_form(a, {}) for a in case["attacks"]]}
+    kept = store.get(key)
+    if kept is not None:
+        return kept
+    start = time.time()
+    report = audit.run(**case)
+    step = report.step(0)
+    verdict, control = step["verdict"], step.get("control") or {}
+    row = {"defense": case["defense"], "args": case["defense_args"], "attack": case["attacks"][0],
+           "label": verdict["label"], "recovered": verdict["recovered"], "exact": verdict["exact"],
+           "images": verdict["images"], "rate": verdict.get("recovery_rate"),
+           "psnr": step["attacks"].get(case["attacks"][0], {}).get("psnr"), "control": control,
+           "minutes": round((time.time() - start) / 60, 1)}
+    store.put(key, row)
+    return row
+
+
+def render(rows: List[Dict]) -> str:
+    def rate(r):
+        if not r["images"]:
+            return "none: it applies to no upload"
+        iv = r.get("rate") or {}
+        return (f"{r['recovered']} of {r['images']}" + (f" (95% CI {iv['low']:.0%}-{iv['high']:.0%})" if iv else "")
+                + f", {r['exact']} exact")
+
+    def control(c):
+        if not c.get("available"):
+            return "n/a"
+        return f"{c['recovered']} of {c['images']}, {c['mean_psnr']:.1f} dB"
+
+    return table(["defense", "attack", "step word", "recovered", "mean PSNR (dB)", "control without the defense",
+                  "minutes (the run that stored the row: a resumed audit reuses its finished attacks)"],
+                 [[f"{r['defense']} {', '.join(f'{k}={v}' for k, v in r['args'].items())}", r["attack"], r["label"],
+                   rate(r), "n/a" if r["psnr"] is None else f"{r['psnr']:.2f}", control(r["control"]), r["minutes"]]
+                  for r in rows])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--images", type=int, default=4)
+    parser.add_argument("--budget", type=int, default=200)
+    parser.add_argument("--out", default="bench-out/adaptive-span")
+    add_docs_option(parser, "docs/adaptive.md")
+    args = parser.parse_args()
+    store, rows = Lines.of("adaptive-span"), []
+    for defense, defense_args, attacks in CASES:
+        for attack in attacks:
+            out = Path(args.out) / f"{defense}-{attack}"
+            rows.append(audited(store, settings(defense, defense_args, attack, args.images, args.budget, out)))
+            print(rows[-1], flush=True)
+    text = render(rows)
+    print(text)
+    if args.docs:
+        command = command_line("bench.bench_adaptive_span", None)
+        write_table(args.docs_page, args.docs, command, text, f"torch {torch.__version__}, cpu")
+
+
+if __name__ == "__main__":
+    main()
