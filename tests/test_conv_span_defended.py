@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from attacks.conv_span_algebra import patches, span_layers
-from adaptive.span_completed import HELD_OUT_LIMIT
+from adaptive.span_through import HELD_OUT_LIMIT
 from attacks.conv_span_defended import (STRUCTURE_THRESHOLD, complete_span, containment_residual, denoised_basis,
                                         held_out_error, layer_gradients, principal_sines, structure_test,
                                         transmitted_basis)
