@@ -4,8 +4,8 @@ Magnitude pruning and top-k sparsification keep the largest entries of each weig
 span layer's gradient has rank ``r`` (the positions times the batch), far below its size, so where
 the kept entries determine it the rank completes it, on the patch coordinates and channels that kept
 ``2r`` entries each (:func:`attacks.conv_span_defended.complete_span`). A completion is used only
-where it predicts kept entries it was not shown (held-out relative error at most
-:data:`HELD_OUT_LIMIT`): the kept entries are a biased sample and can leave a layer undetermined,
+where a completion from a random start finds the same row space (largest principal sine at most
+:data:`AGREEMENT_LIMIT`): the kept entries are a biased sample and can leave a layer undetermined,
 and a wrong span would lead the descent astray. The attack then runs as conv-span on those spans,
 its colour fit and certificate comparing the upload where it is not zero. Under additive noise the
 span is estimated by each layer's top singular subspace instead (:class:`ConvSpanDenoised`).
@@ -24,10 +24,11 @@ from audit.core.errors import NotApplicable
 
 from adaptive.adapted import register
 
-#: a completion predicting its held-out entries to this relative error is taken as the layer's span
-#: (ResNet-18's stage 4 at 90% pruning: exact completions 1e-10 to 3e-4, wrong ones 3e-3 to 0.4);
-#: a wrong span costs power, not soundness: the certificate then refuses the image
-HELD_OUT_LIMIT = 1e-3
+#: a completed row space that a completion from a random start meets within this principal sine is
+#: taken as the layer's span (ResNet-18's stage 4 at 90% pruning: determined 6e-8 to 4e-5, whatever
+#: the kernels; undetermined 0.5 and more); a wrong span costs power, not soundness: the certificate
+#: then refuses the image
+AGREEMENT_LIMIT = 1e-3
 #: a noisy upload's span is read off its spectrum where the (r+1)-th singular value is at most this
 #: share of the r-th (the noise below the signal's smallest direction)
 DENOISED_LIMIT = 0.5
@@ -74,8 +75,8 @@ class ConvSpanCompleted(ConvSpanThrough):
             span = complete_span(grad, rank)
         except NotApplicable:
             return None, math.inf
-        ok = span.held_out <= HELD_OUT_LIMIT
-        return (RowSpace(layer, span.basis, centred, span.held_out, span.columns) if ok else None), span.held_out
+        ok = span.agreement <= AGREEMENT_LIMIT
+        return (RowSpace(layer, span.basis, centred, span.agreement, span.columns) if ok else None), span.agreement
 
 
 class ConvSpanDenoised(ConvSpanThrough):

@@ -36,8 +36,8 @@ from audit.core.errors import NotApplicable
 #: norm lies in its top ``r`` singular values (exact and pruned-then-completed uploads: > 0.999;
 #: a random matrix of a ResNet-18 span layer's shape: 0.02-0.15; docs/adaptive.md)
 STRUCTURE_THRESHOLD = 0.9
-#: the share of a pruned upload's kept entries a completion is checked on without seeing them
-HELD_OUT_SHARE = 0.05
+#: alternating least-squares iterations of the completion from a random start that checks a completed span
+AGREEMENT_ITERATIONS = 200
 
 
 def matrix(grad: Tensor) -> Tensor:
@@ -117,11 +117,12 @@ class Completion:
 
 
 def complete_low_rank(grad: Tensor, rank: int, kept: Optional[Tensor] = None, iterations: int = 200,
-                      tol: float = 1e-10) -> Completion:
+                      tol: float = 1e-10, start: Optional[Tensor] = None) -> Completion:
     """The rank-``rank`` matrix that agrees with ``grad`` on its kept entries (``kept``: a boolean
     mask; default: the nonzero entries, as magnitude pruning leaves them): alternating least
-    squares on the factors ``U V^T`` from the zero-filled upload's top singular directions, until
-    the kept entries agree to ``tol`` (relative) or ``iterations`` run out."""
+    squares on the factors ``U V^T`` from the zero-filled upload's top singular directions (or from
+    ``start``, the right factor ``(columns, rank)``), until the kept entries agree to ``tol``
+    (relative) or ``iterations`` run out."""
     observed = matrix(grad)
     mask = ((observed != 0) if kept is None else kept.reshape(observed.shape).to(torch.bool)).double()
     rows, cols = observed.shape
@@ -129,6 +130,8 @@ def complete_low_rank(grad: Tensor, rank: int, kept: Optional[Tensor] = None, it
     norm = float((observed * mask).norm()) or 1.0
     u, v = _truncate(observed * mask, rank)
     ridge = 1e-12 * norm ** 2 / max(rows, cols)
+    if start is not None:
+        u = _solve_rows(mask, observed, start.to(observed), ridge)
     misfit, done = math.inf, 0
     for done in range(1, iterations + 1):
         v = _solve_rows(mask.T, observed.T, u, ridge)
@@ -150,7 +153,7 @@ class CompletedSpan:
     rows: Tensor
     completion: Completion
     need: int
-    held_out: float = math.nan
+    agreement: float = math.nan
 
 
 def complete_span(grad: Tensor, rank: int, need: Optional[int] = None, iterations: int = 100) -> CompletedSpan:
@@ -169,21 +172,17 @@ def complete_span(grad: Tensor, rank: int, need: Optional[int] = None, iteration
     block = observed[rows][:, columns]
     done = complete_low_rank(block, rank, iterations=iterations)
     basis = torch.linalg.svd(done.matrix, full_matrices=False)[2][:rank]
-    return CompletedSpan(basis, columns, rows, done, need, held_out_error(block, rank, iterations=iterations))
+    return CompletedSpan(basis, columns, rows, done, need, span_agreement(block, rank, basis))
 
 
-def held_out_error(block: Tensor, rank: int, share: float = HELD_OUT_SHARE, iterations: int = 100) -> float:
-    """The relative error with which the rank-``rank`` completion of ``block``'s kept (nonzero)
-    entries, less a seeded ``share`` of them, predicts that share: near zero where the kept entries
-    determine the matrix, far from it where they do not (pruning samples the largest entries, so
-    counting them is not enough)."""
-    kept = block != 0
-    hidden = kept & (torch.rand(kept.shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
-                     .to(block.device) < share)
-    if not bool(hidden.any()):
-        return math.nan
-    done = complete_low_rank(block, rank, kept=kept & ~hidden, iterations=iterations)
-    return float((done.matrix - block)[hidden].norm() / block[hidden].norm().clamp_min(1e-300))
+def span_agreement(block: Tensor, rank: int, basis: Tensor, iterations: int = AGREEMENT_ITERATIONS) -> float:
+    """The largest principal sine between ``basis`` and the row space of ``block``'s completion from
+    a seeded random start: near zero where the kept entries determine the row space (every start
+    ends there), near one where they do not (pruning keeps the largest entries, so counting them is
+    not enough; a prediction of held-out entries flips with the last bits of the kernels instead)."""
+    start = torch.randn(block.shape[1], rank, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    other = complete_low_rank(block, rank, iterations=iterations, start=start).matrix
+    return float(principal_sines(torch.linalg.svd(other, full_matrices=False)[2][:rank], basis)[0])
 
 
 def denoised_basis(grad: Tensor, rank: int) -> Tuple[Tensor, float]:
