@@ -39,7 +39,9 @@ class ConvSpanThrough(ConvSpan):
     gap is given to :meth:`read`, which returns its row space, or None and how far it was from one."""
 
     def read(self, layer, grad: Tensor, rank: int, centred: bool) -> Tuple[Optional[RowSpace], float]:
-        raise NotImplementedError
+        """The layer's row space read through the defense, or None where it cannot be (this base
+        reads none: it runs as conv-span), and how far the reading was from one."""
+        return None, math.inf
 
     def _row_spaces(self, gradients: Dict[str, Tensor], layers: List, batch: int, centred: bool,
                     steps: int) -> Tuple[List[RowSpace], List[Tuple[str, float]]]:
