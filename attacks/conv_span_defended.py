@@ -128,10 +128,8 @@ def complete_low_rank(grad: Tensor, rank: int, kept: Optional[Tensor] = None, it
     rows, cols = observed.shape
     oversampling = float(mask.sum()) / max(1, rank * (rows + cols - rank))
     norm = float((observed * mask).norm()) or 1.0
-    u, v = _truncate(observed * mask, rank)
     ridge = 1e-12 * norm ** 2 / max(rows, cols)
-    if start is not None:
-        u = _solve_rows(mask, observed, start.to(observed), ridge)
+    u = _truncate(observed * mask, rank)[0] if start is None else _solve_rows(mask, observed, start.to(observed), ridge)
     misfit, done = math.inf, 0
     for done in range(1, iterations + 1):
         v = _solve_rows(mask.T, observed.T, u, ridge)
