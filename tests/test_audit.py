@@ -8,7 +8,7 @@ from click.testing import CliRunner
 
 import audit
 import cli
-from audit.engine.audit import Audit
+from audit.engine import runner as runner_module
 from audit.core.records import UtilityResult
 from audit.core.types import clean_gradients
 
@@ -108,13 +108,13 @@ def test_rerun_resumes_and_changed_settings_start_fresh(tmp_path, monkeypatch):
     kwargs = dict(defense="none", steps=[0], attacks=["analytic", "ig"], out=tmp_path, **TINY)
     first = audit.run(images=1, **kwargs)
     calls = []
-    original = Audit.attack_one
+    original = runner_module.attack_one
 
-    def counting(self, spec, obs, images, labels, step, image, **kw):
+    def counting(run, spec, obs, images, labels, step, image, **kw):
         calls.append((step, spec.id, image))
-        return original(self, spec, obs, images, labels, step, image, **kw)
+        return original(run, spec, obs, images, labels, step, image, **kw)
 
-    monkeypatch.setattr(Audit, "attack_one", counting)
+    monkeypatch.setattr(runner_module, "attack_one", counting)
     again = audit.run(images=1, **kwargs)
     assert calls == [] and again.data["results"] == first.data["results"]
     more = audit.run(images=2, **kwargs)  # one more private image: only it is attacked
@@ -134,13 +134,13 @@ def test_a_changed_attack_default_redoes_its_results_only(tmp_path, monkeypatch)
     kwargs = dict(defense="none", steps=[0], attacks=["analytic", "ig"], images=1, out=tmp_path, **TINY)
     audit.run(**kwargs)
     calls = []
-    original = Audit.attack_one
+    original = runner_module.attack_one
 
-    def counting(self, spec, obs, images, labels, step, image, **kw):
+    def counting(run, spec, obs, images, labels, step, image, **kw):
         calls.append(spec.id)
-        return original(self, spec, obs, images, labels, step, image, **kw)
+        return original(run, spec, obs, images, labels, step, image, **kw)
 
-    monkeypatch.setattr(Audit, "attack_one", counting)
+    monkeypatch.setattr(runner_module, "attack_one", counting)
     # a release whose ig preset defaults to another TV weight: the stored ig result is stale
     monkeypatch.setattr(ATTACKS.get("ig"), "defaults", {**ATTACKS.get("ig").defaults, "tv": 0.3})
     audit.run(**kwargs)
@@ -234,21 +234,21 @@ def test_bad_options_name_the_fix(tmp_path):
 
 def test_ctrl_c_keeps_finished_results_and_the_rerun_completes(tmp_path, monkeypatch):
     kwargs = dict(defense="none", steps=[0, 1], attacks=["analytic"], images=1, out=tmp_path, **TINY)
-    original = Audit.attack_one
+    original = runner_module.attack_one
     calls = []
 
-    def interrupted_second(self, spec, obs, images, labels, step, image, **kw):
+    def interrupted_second(run, spec, obs, images, labels, step, image, **kw):
         calls.append(step)
         if len(calls) == 2:
             raise KeyboardInterrupt
-        return original(self, spec, obs, images, labels, step, image, **kw)
+        return original(run, spec, obs, images, labels, step, image, **kw)
 
-    monkeypatch.setattr(Audit, "attack_one", interrupted_second)
+    monkeypatch.setattr(runner_module, "attack_one", interrupted_second)
     with pytest.raises(KeyboardInterrupt):
         audit.run(**kwargs)
     partial = json.loads((tmp_path / "report.json").read_text())
     assert partial["status"] == "interrupted" and partial["progress"] == {"done": 1, "total": 2}
-    monkeypatch.setattr(Audit, "attack_one", original)
+    monkeypatch.setattr(runner_module, "attack_one", original)
     report = audit.run(**kwargs)
     assert report.data["status"] == "complete" and report.data["progress"]["done"] == 2
     assert report.data["results"][0] == partial["results"][0]

@@ -202,7 +202,7 @@ def test_a_failed_atomic_write_leaves_no_temporary_file(tmp_path):
 
 # --------------------------------------------------------------------------- a group cut between writes
 def test_a_group_cut_between_its_writes_is_redone_whole_with_the_same_numbers(tmp_path, monkeypatch):
-    from audit.engine.audit import Audit
+    from audit.engine import runner
 
     settings = {**TINY, "attacks": ["ig"], "images": 3}
     audit.run(out=tmp_path / "whole", **settings)
@@ -220,9 +220,9 @@ def test_a_group_cut_between_its_writes_is_redone_whole_with_the_same_numbers(tm
     monkeypatch.setattr(ResultStore, "save_result", real_save)
     assert len(list((tmp_path / "cut").glob("runs/*/results/*.json"))) == 1
 
-    real_group = Audit.attack_group
-    monkeypatch.setattr(Audit, "attack_group", lambda self, spec, group, *a, **k: (
-        groups.append([g[0] for g in group]), real_group(self, spec, group, *a, **k))[1])
+    real_group = runner.attack_group
+    monkeypatch.setattr(runner, "attack_group", lambda run, spec, group, *a, **k: (
+        groups.append([g[0] for g in group]), real_group(run, spec, group, *a, **k))[1])
     audit.run(out=tmp_path / "cut", **settings)
     assert groups == [[0, 1, 2]]  # the whole group again, not the two it missed
     assert _psnrs(tmp_path / "cut") == expected
@@ -518,17 +518,17 @@ RACER = """
 import os, sys, time
 from pathlib import Path
 import audit
-from audit.engine.audit import Audit
+from audit.engine import runner
 folder = Path(sys.argv[1])
-real = Audit.attack_group
+real = runner.attack_group
 
-def logged(self, spec, group, step, *args, **kwargs):
+def logged(run, spec, group, step, *args, **kwargs):
     with open(folder / "groups.log", "a") as fh:
         fh.write(f"{os.getpid()} {step} {spec.id}\\n")
     time.sleep(1.5)  # long enough for the other process to reach the same group
-    return real(self, spec, group, step, *args, **kwargs)
+    return real(run, spec, group, step, *args, **kwargs)
 
-Audit.attack_group = logged
+runner.attack_group = logged
 (folder / f"ready-{os.getpid()}").touch()
 while not (folder / "go").exists():
     time.sleep(0.02)

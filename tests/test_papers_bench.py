@@ -712,8 +712,8 @@ def test_an_interrupted_cell_resumes_from_the_repositorys_partial_results(tmp_pa
     partial = pstore.partial_dir(tmp_path / "results" / "cpu-embedded" / "row", paper.name)
     attacked = []
     real = schedule.attack_claimed
-    monkeypatch.setattr(schedule, "attack_claimed", lambda self, store, spec, obs, step, images, bar:
-                        (attacked.append(list(images)), real(self, store, spec, obs, step, images, bar)))
+    monkeypatch.setattr(schedule, "attack_claimed", lambda run, store, spec, obs, step, images, bar:
+                        (attacked.append(list(images)), real(run, store, spec, obs, step, images, bar)))
     first = prun.run_cell(row, paper, partial)
     assert attacked == [[0], [0], [1], [1]]  # slice by slice (the control, then the cell), then the whole call
     kept = sorted(p.name for p in partial.glob("*/*.json"))
@@ -1503,9 +1503,9 @@ def test_a_cell_stored_without_its_control_gains_the_same_control_alone(tmp_path
     shutil.rmtree(tmp_path / "out")  # a fresh clone: nothing stored but the cell
     attacked = []
     real = schedule.attack_claimed
-    monkeypatch.setattr(schedule, "attack_claimed", lambda self, store, spec, obs, step, images, bar:
-                        (attacked.append((self.is_undefended(), list(images))),
-                         real(self, store, spec, obs, step, images, bar)))
+    monkeypatch.setattr(schedule, "attack_claimed", lambda run, store, spec, obs, step, images, bar:
+                        (attacked.append((run.parts.defense.name == "none", list(images))),
+                         real(run, store, spec, obs, step, images, bar)))
     partial = pstore.partial_dir(tmp_path / "results" / "cpu-embedded" / "row", paper.name)
     added = prun.run_control(row, paper, bare, partial)
     assert attacked == [(True, [0]), (True, [1])]  # the undefended client only, slice by slice

@@ -15,11 +15,13 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from audit.core.allocator import keep_freed_memory
-from audit.client.observe import client_round, observe  # noqa: F401  (client_round: the Flower replay's round)
+from audit.client.observe import client_round  # noqa: F401  (the Flower replay's round)
 from audit.core.defense_call import defense_timeout
 from audit.core.jsonable import to_jsonable
 from audit.core.records import AccuracySpread, UtilityResult
-from audit.engine import manifest, planning, runner, schedule, training
+from audit.engine import manifest, planning, schedule, training
+from audit.engine.built import BuiltRun
+from audit.engine.clients import Client, SimulatedClient, auxiliary_data
 from audit.engine.compose import AuditParts, own_parts
 from audit.engine.config import AuditConfig, audit_settings, config_of_call, default_of  # noqa: F401  (re-exported)
 from audit.engine.control import CONTROL_DIR, PositiveControl, control_inputs
@@ -28,7 +30,7 @@ from audit.engine.manifest import CONFIG_FILE, buffer_note  # noqa: F401  (re-ex
 from audit.engine.null import Null
 from audit.engine.planning import AttackSpec, planner_model  # noqa: F401  (re-exported)
 from audit.engine.privacy import privacy_report
-from audit.engine.settings import AttackSettings, DataSettings, FLSettings, OutputSettings, model_settings, sections_of
+from audit.engine.settings import AttackSettings, DataSettings, FLSettings, OutputSettings, Sections, model_settings
 from audit.engine.stopping import stop_safely
 from audit.engine.training import (UTILITY_FORMAT, private_batches as _private_batches,  # noqa: F401
                                    state_of as _state, train_to as _train, undefended_identity)
@@ -48,6 +50,7 @@ class Audit:
     simulates_client = True
     #: what the positive control runs, as a code the report words (audit.report.control)
     control_code = "simulated"
+    cancel = None  # an event that, once set, stops the audit at its next progress report
 
     def __init__(self, defense: Any = default_of("defense"), model: Any = default_of("model"), *,
                  data_settings=DataSettings(), fl_settings=FLSettings(), attack_settings=AttackSettings(),
@@ -69,17 +72,14 @@ class Audit:
         self.model_ident = {**model.describe(), **audited_model_identity(model, self.base_model)}
         self.delta = output_settings.delta or default_delta(int(math.prod(self.dataset.input_shape)))
         self.private = _private_batches(self.dataset, data_settings.images, data_settings.batch_size, self.seed)
-        # observations x restarts batched in one computation (chunks of at most this many)
-        self.max_members = 256 if self.device.type == "cuda" else 64
+        self.max_members = 256 if self.device.type == "cuda" else 64  # observations x restarts batched at most
         self._null, self._planned, self.progress_label = null, None, progress_label  # the progress bar's name
 
     @classmethod
     def from_config(cls, config: AuditConfig, parts: Optional[AuditParts] = None, **extra: Any) -> "Audit":
         """The audit of ``config`` (``parts``: built already, e.g. a sweep's cell)."""
-        s = sections_of(config)
-        return cls(config.defense, s.model, data_settings=s.data_settings, fl_settings=s.fl_settings,
-                   attack_settings=s.attack_settings, output_settings=s.output_settings, seed=s.seed, device=s.device,
-                   defense_args=dict(config.defense_args or {}), parts=parts, config=config, **extra)
+        return cls(config.defense, defense_args=dict(config.defense_args or {}), parts=parts, config=config,
+                   **config.sections().as_kwargs(), **extra)
 
     @property
     def null(self) -> Null:
@@ -110,16 +110,21 @@ class Audit:
         return privacy_report(self.defense, self.fl_settings, len(self.dataset.train_labels),
                               self.attack_settings.steps, candidates=self.null.candidates)
 
+    def client(self) -> Client:  # what the audit observes: the simulated client (a subclass may observe another)
+        return SimulatedClient(self.defense, self.data_settings.share_labels, self.fl_settings.client, self.seed,
+                               auxiliary_data(self.dataset))
+
     def observe(self, model, images, labels, step: int, image: int):
-        return observe(model, images, labels, self.defense, share_labels=self.data_settings.share_labels,
-                       training=self.fl_settings.client, step=step, seed=self.defense_seed(step, image),
-                       extra=self.auxiliary_data())
+        return self.client().observe(model, images, labels, step, image)
 
-    def auxiliary_data(self) -> Dict[str, Any]:  # the extras every observation declares: the train split
-        return {"aux_images": self.dataset.train_images, "aux_labels": self.dataset.train_labels}
+    def sections(self) -> Sections:  # the settings as they are now (a budget search sets the budget)
+        return Sections(self.model_settings, self.data_settings, self.fl_settings, self.attack_settings,
+                        self.output_settings, self.seed, self.device)
 
-    def defense_seed(self, step: int, image: int) -> int:  # the defense's generator in (step, image)'s observation
-        return derive_seed(self.seed, "defense", step, image)
+    def built(self) -> BuiltRun:  # what the attack phases run on, read off the audit now
+        return BuiltRun(**self.sections().as_kwargs(), parts=self.parts, model_ident=self.model_ident,
+                        private=tuple(self.private), delta=self.delta, null=self.null, client=self.client(),
+                        max_members=self.max_members, label=self.progress_label, cancel=self.cancel)
 
     def utility(self, baseline: Optional[AccuracySpread] = None) -> UtilityResult:
         return training.utility(self, baseline)
@@ -127,14 +132,10 @@ class Audit:
     def checkpoints(self, store: ResultStore, needed: Sequence[int]):
         return training.checkpoints(self, store, needed)
 
-    def attack_one(self, spec: AttackSpec, obs, images, labels, step: int, image: int, progress=None):
-        return runner.attack_one(self, spec, obs, images, labels, step, image, progress)
-
-    def attack_group(self, spec: AttackSpec, group, step: int, progress=None):
-        return runner.attack_group(self, spec, group, step, progress)
-
     def _attack_all(self, store: ResultStore, specs: Sequence[AttackSpec]) -> None:
-        schedule.attack_all(self, store, specs)
+        run = self.built()
+        todo = schedule.pending(run, store, specs)
+        schedule.attack_all(run, store, specs, todo, *self.checkpoints(store, schedule.steps_of(todo)))
 
     def run_attacks(self, store: ResultStore, specs: Sequence[AttackSpec]) -> None:  # the control's: no manifest
         self._attack_all(store, specs)

@@ -3,62 +3,57 @@
 :class:`ReplyAudit` is the engine's :class:`~audit.engine.state.StateAudit` of the global model
 the client received, whose observation is not simulated: it is the reply the server received
 (:mod:`audit.integrations.flower.reply`), the update in gradient units with the uploaded
-buffers when the reply holds them. The private batch is the images the round trained on, in
-the order it trained on them. A ``cancel`` event stops the audit at its next progress report
-(an abandoned inline audit stops using the client's CPU).
+buffers when the reply holds them (:class:`ReplyClient`). The private batch is the images the
+round trained on, in the order it trained on them. A ``cancel`` event stops the audit at its
+next progress report (an abandoned inline audit stops using the client's CPU).
 """
 from __future__ import annotations
 
 import dataclasses
 import hashlib
 import threading
-from typing import Any, Dict, Optional
+from dataclasses import dataclass
+from typing import Any, Dict, Mapping, Optional
 
 from audit.core.buffers import has_running_stats
 from audit.core.types import Observation
+from audit.engine.clients import auxiliary_data
 from audit.engine.config import AuditConfig
-from audit.engine.settings import ModelSettings
+from audit.engine.schedule import Cancelled  # noqa: F401  (re-exported: what a cancelled audit raises)
+from audit.engine.settings import FLSettings, ModelSettings
 from audit.engine.state import StateAudit
 from audit.integrations.flower.reply import audited_prefix, deployment_module, named_arrays, update_in_gradient_units
 
 
-class Cancelled(BaseException):
-    """The audit was given up (its round timed out): raised through the attacks' error handling."""
+@dataclass
+class ReplyClient:
+    """The client of a round: every observation is its ``reply`` (arrays by name) from the
+    ``global_arrays`` it received, read once on the model holding the global state. ``fl``: the
+    client's declared training; ``extra``: the extras every observation declares."""
+
+    global_arrays: Any
+    reply: Any
+    round: int
+    fl: FLSettings
+    defense: Any
+    device: Any
+    num_classes: int
+    share_labels: bool
+    extra: Mapping[str, Any]
+    observation: Optional[Observation] = None
+
+    def observe(self, model, images, labels, step: int, image: int) -> Observation:
+        if self.observation is None:
+            self.observation = reply_observation(self, model, images, labels)
+        return self.observation
 
 
-def _cancellable(progress, cancel: threading.Event):
-    def report(done, total, loss):
-        if cancel.is_set():
-            raise Cancelled()
-        if progress is not None:
-            progress(done, total, loss)
-    return report
-
-
-class _Cancellable:
-    """An audit that stops at its next progress report once its ``cancel`` event is set (the
-    round's audit and its control share the round's event)."""
-
-    cancel: threading.Event
-
-    def _attack_all(self, store, specs) -> None:
-        if self.cancel.is_set():
-            raise Cancelled()
-        super()._attack_all(store, specs)
-        if self.cancel.is_set():
-            raise Cancelled()
-
-    def attack_group(self, spec, group, step, progress=None):
-        if self.cancel.is_set():
-            raise Cancelled()
-        return super().attack_group(spec, group, step, _cancellable(progress, self.cancel))
-
-
-class ReplyAudit(_Cancellable, StateAudit):
+class ReplyAudit(StateAudit):
     """A :class:`StateAudit` of ``round`` whose observation is the client's ``reply`` (arrays by
-    name) from the ``global_arrays`` it received; ``trained``: the round's images and labels in
-    training order (the client's declared training is the config's); ``extra_threat``: lines
-    for the threat model (the fidelity check)."""
+    name) from the ``global_arrays`` it received (:class:`ReplyClient`); ``trained``: the round's
+    images and labels in training order (the client's declared training is the config's);
+    ``extra_threat``: lines for the threat model (the fidelity check); ``cancel``: the round's
+    event, shared with its control."""
 
     simulates_client = False  # the reply carries the client's training and its defense as they ran
     control_code = "replica"
@@ -71,16 +66,16 @@ class ReplyAudit(_Cancellable, StateAudit):
         self.extra_threat = dict(extra_threat or {})
         super().__init__(defense, model, round, origin=origin, **settings)
         self.private = [(trained[0].clone(), trained[1].clone())]
-        self._observation: Optional[Observation] = None
+        self._client = ReplyClient(global_arrays, reply, self.round, self.fl_settings, self.defense, self.device,
+                                   self.dataset.num_classes, self.data_settings.share_labels,
+                                   auxiliary_data(self.dataset))
 
     def key_settings(self) -> Dict[str, Any]:
         return {**super().key_settings(), "reply": self.reply_key}
 
-    def observe(self, model, images, labels, step: int, image: int) -> Observation:
-        """The reply as an observation of the model holding the global state."""
-        if self._observation is None:
-            self._observation = reply_observation(self, model, images, labels)
-        return self._observation
+    def client(self) -> ReplyClient:
+        """The reply as the observation of the model holding the global state."""
+        return self._client
 
     def control_kind(self):
         kind, extra = super().control_kind()
@@ -103,7 +98,7 @@ class ReplyAudit(_Cancellable, StateAudit):
         store.update_manifest(data=data)
         return specs
 
-class ReplicaControl(_Cancellable, StateAudit):
+class ReplicaControl(StateAudit):
     """The positive control of a round: the replica's own upload of the round's ``trained``
     images with the declared training and no privacy mod, from the same global model."""
 
@@ -118,17 +113,17 @@ class ReplicaControl(_Cancellable, StateAudit):
         return {**super().key_settings(), "trained": self.trained_key}
 
 
-def reply_observation(audit: ReplyAudit, model, images, labels) -> Observation:
-    """The observation of ``audit``'s reply on ``model`` (the audited model at the global state)."""
-    fl = audit.fl_settings
+def reply_observation(client: ReplyClient, model, images, labels) -> Observation:
+    """The observation of ``client``'s reply on ``model`` (the audited model at the global state)."""
+    fl = client.fl
     net = deployment_module(model)
-    before = named_arrays(audit.global_arrays, net, "the train message")
-    after = named_arrays(audit.reply, net, "the reply")
+    before = named_arrays(client.global_arrays, net, "the train message")
+    after = named_arrays(client.reply, net, "the reply")
     lr, steps = fl.client.lr, fl.client_steps(len(labels))
     prefix = audited_prefix(model)
-    buffers = ({prefix + n: v.to(audit.device) for n, v in after.buffers.items()}
+    buffers = ({prefix + n: v.to(client.device) for n, v in after.buffers.items()}
                if after.buffers and has_running_stats(model) else None)
-    defense = audit.defense
+    defense = client.defense
     if getattr(defense, "whole_update", False) and not (steps == 1 and fl.local_optimizer.plain):
         defense = None  # its transform acts on the whole update, which the attacks cannot replay per step
     first = next(model.parameters())
@@ -137,10 +132,10 @@ def reply_observation(audit: ReplyAudit, model, images, labels) -> Observation:
     # what the reply carries decides what was shared: with buffers its state, else the update (gradient for one step)
     training = dataclasses.replace(fl.client, shares="state" if buffers is not None else None)
     return Observation(
-        model=model, gradients=shared, input_shape=tuple(images.shape[1:]), num_classes=audit.dataset.num_classes,
-        batch_size=len(labels), labels=labels.clone().to(first.device) if audit.data_settings.share_labels else None,
-        training=training, defense=defense, step=audit.round,
-        data_mean=mean, data_std=std, extra=audit.auxiliary_data(), buffers=buffers)
+        model=model, gradients=shared, input_shape=tuple(images.shape[1:]), num_classes=client.num_classes,
+        batch_size=len(labels), labels=labels.clone().to(first.device) if client.share_labels else None,
+        training=training, defense=defense, step=client.round,
+        data_mean=mean, data_std=std, extra=dict(client.extra), buffers=buffers)
 
 
 def _normalisation(model):

@@ -20,6 +20,7 @@ from typing import Any, Dict
 import torch
 
 from audit.core.data import Dataset
+from audit.engine.clients import defense_seed
 from audit.engine.settings import ModelSettings
 from audit.integrations.flower.fidelity import (NOT_REPRODUCED, Fidelity, compare, replay,
                                                 tolerance_text, unverifiable)
@@ -90,7 +91,7 @@ def fidelity(audit: ReplyAudit, job: RoundJob) -> Fidelity:
     # a Flower mod is replayed without its noise (its clipping of the whole reply included): the residual is the noise
     replayed = replay(audit.model, x.to(audit.device), y.to(audit.device),
                       defense=defense.without_noise() if whole else defense, training=fl.client, round=job.round,
-                      seed=audit.defense_seed(job.round, 0))
+                      seed=defense_seed(audit.seed, job.round, 0))
     replayed = NamedArrays({n: v.cpu() for n, v in replayed.weights.items()},
                            {n: v.cpu() for n, v in replayed.buffers.items() if n in real.buffers and n in before.buffers},
                            {})
