@@ -90,10 +90,7 @@ class Audit:
 
     # ------------------------------------------------------------------ the phases (subclasses change some)
     def key_settings(self) -> Dict[str, Any]:  # what a run key is made of
-        return manifest.key_settings(self)
-
-    def settings(self) -> Dict[str, Any]:  # the manifest's settings
-        return manifest.settings(self)
+        return manifest.key_settings(self.built())
 
     def planned(self) -> Tuple[List[AttackSpec], Dict[str, Any]]:  # planning.plan, made once per audit
         if self._planned is None:
@@ -101,10 +98,10 @@ class Audit:
         return self._planned
 
     def side_information(self) -> Dict[str, Dict[str, Any]]:  # per item, a Reason's JSON object
-        return manifest.side_information(self)
+        return manifest.side_information(self.built())
 
     def threat_model(self, specs: Sequence[AttackSpec]) -> Dict[str, Any]:
-        return manifest.threat_model(self, specs)
+        return manifest.threat_model(self.built(), specs)
 
     def privacy(self) -> Dict[str, Any]:  # per audited step, the (epsilon, delta) spent before it
         return privacy_report(self.defense, self.fl_settings, len(self.dataset.train_labels),
@@ -143,7 +140,8 @@ class Audit:
     def _prepare(self, store: ResultStore) -> List[AttackSpec]:
         """Plan the attacks; write the manifest, the config, the originals and the utility."""
         specs, plan = self.planned()
-        manifest.write_manifest(self, store, specs, plan)
+        manifest.write_manifest(store, self.built(), specs, plan, key=self.key_settings(), privacy=self.privacy(),
+                                threat_model=self.threat_model(specs))
         manifest.write_config(store, self.config, self.output_settings.out)
         for i, (x, _) in enumerate(self.private):
             store.save_original(i, x)

@@ -1,12 +1,13 @@
 """The manifest an audit writes before it attacks: its settings, the plan, the threat model
 (what the attacker is given, read off a real observation), the null's evidence, the risk ball,
-the data and the seeds. The report is rendered from it and the stored results."""
+the data and the seeds, from the audit as built (:class:`~audit.engine.built.BuiltRun`) and
+the entries the audit computes itself. The report is rendered from it and the stored results."""
 from __future__ import annotations
 
 import math
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Any, Dict, Sequence
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 from torch import nn
 
@@ -16,6 +17,8 @@ from audit.core.errors import GiaError
 from audit.core.files import atomic_write_bytes
 from audit.core.manifest import Manifest
 from audit.core.reasons import Reason
+from audit.core.types import Observation
+from audit.engine.built import BuiltRun
 from audit.engine.identity import data_identity, versions
 from audit.engine.null import null_evidence
 from audit.engine.scoring import PSNR_CAP
@@ -35,43 +38,46 @@ METRIC_NOTES = [f"PSNR per image on [0, 1]; an exact reconstruction (infinite PS
                 "label accuracy: the fraction of private labels recovered (as a multiset)"]
 
 
-def key_settings(audit: Any) -> Dict[str, Any]:
+def key_settings(run: BuiltRun) -> Dict[str, Any]:
     """Every setting that changes a number. Steps, the image count and the attack list are left
     out on purpose: adding a step, an image or an attack reuses the rest."""
+    parts, data, null = run.parts, run.data_settings, run.null
     return {
-        "defense": audit.defense_ident,
-        "model": audit.model_ident,
-        "data": data_identity(audit.dataset, audit.data_settings.data_args, audit.data_settings.image_size),
-        "fl": asdict(audit.fl_settings), "batch_size": audit.data_settings.batch_size,
-        "budget": audit.attack_settings.budget_description(),
-        "seed": audit.seed, "share_labels": audit.data_settings.share_labels, "device": audit.device.type,
-        "evidence": {"pool": audit.null.pool_size, "candidates": audit.null.candidates,
-                     "similarity": audit.null.similarity.name},
+        "defense": parts.defense_ident,
+        "model": run.model_ident,
+        "data": data_identity(parts.dataset, data.data_args, data.image_size),
+        "fl": asdict(run.fl_settings), "batch_size": data.batch_size,
+        "budget": run.attack_settings.budget_description(),
+        "seed": run.seed, "share_labels": data.share_labels, "device": parts.device.type,
+        "evidence": {"pool": null.pool_size, "candidates": null.candidates, "similarity": null.similarity.name},
     }
 
 
-def settings(audit: Any) -> Dict[str, Any]:
-    """The manifest's ``settings``: the key's and the ones a rerun may change."""
-    out, attacks = audit.output_settings, audit.attack_settings
-    return {**audit.key_settings(), "steps": list(attacks.steps), "images": audit.data_settings.images,
-            "checkpoint": None if audit.model_settings.checkpoint is None else str(audit.model_settings.checkpoint),
+def settings(run: BuiltRun, key: Dict[str, Any]) -> Dict[str, Any]:
+    """The manifest's ``settings``: the run key's ``key`` and the ones a rerun may change."""
+    out, attacks, checkpoint = run.output_settings, run.attack_settings, run.model.checkpoint
+    return {**key, "steps": list(attacks.steps), "images": run.data_settings.images,
+            "checkpoint": None if checkpoint is None else str(checkpoint),
             "attacks": list(attacks.names), "attack_args": attacks.args, "utility": out.utility,
-            "utility_steps": out.utility_steps, "utility_seeds": out.utility_seeds, "risk_delta": audit.delta}
+            "utility_steps": out.utility_steps, "utility_seeds": out.utility_seeds, "risk_delta": run.delta}
 
 
-def write_manifest(audit: Any, store: ResultStore, specs: Sequence[Any], plan: Dict[str, Any]) -> None:
-    """Everything the report needs besides the results, written before any attack runs."""
+def write_manifest(store: ResultStore, run: BuiltRun, specs: Sequence[Any], plan: Dict[str, Any], *,
+                   key: Dict[str, Any], privacy: Dict[str, Any], threat_model: Dict[str, Any]) -> None:
+    """Everything the report needs besides the results, written before any attack runs; the
+    audit's own entries: its run ``key``'s settings (:func:`key_settings`), ``privacy`` and
+    ``threat_model``."""
+    defense, dataset, null = run.parts.defense, run.parts.dataset, run.null
     store.update_manifest(Manifest(
-        run_key=store.key, status="running", settings=audit.settings(), steps=list(audit.attack_settings.steps),
-        images=audit.data_settings.images, attacks=[s.to_dict() for s in specs], plan=plan,
-        defense=audit.defense_ident, differences=list(getattr(audit.defense, "differences", ()) or ()),
-        privacy=audit.privacy(), threat_model=audit.threat_model(specs),
-        thresholds=audit.output_settings.thresholds.to_dict(),
-        null={"description": audit.null.describe(),
-              "images": [[e.to_dict() for e in batch] for batch in null_evidence(audit.null, audit.private)]},
-        risk_delta={"delta": audit.delta, "description": delta_description(audit.delta, audit.dataset)},
-        data=data_description(audit.dataset, audit.private),
-        seeds={"seed": audit.seed, "model_init": audit.seed, "private_batches": audit.seed,
+        run_key=store.key, status="running", settings=settings(run, key), steps=list(run.attack_settings.steps),
+        images=run.data_settings.images, attacks=[s.to_dict() for s in specs], plan=plan,
+        defense=run.parts.defense_ident, differences=list(getattr(defense, "differences", ()) or ()),
+        privacy=privacy, threat_model=threat_model, thresholds=run.output_settings.thresholds.to_dict(),
+        null={"description": null.describe(),
+              "images": [[e.to_dict() for e in batch] for batch in null_evidence(null, run.private)]},
+        risk_delta={"delta": run.delta, "description": delta_description(run.delta, dataset)},
+        data=data_description(dataset, run.private),
+        seeds={"seed": run.seed, "model_init": run.seed, "private_batches": run.seed,
                "per_task": "derive_seed(seed, kind, step, attack, image) (sha256)"},
         versions=versions(), failures=list(store.load_manifest().failures or []), metric_notes=METRIC_NOTES))
 
@@ -87,44 +93,52 @@ def write_config(store: ResultStore, config: Any, out: Any) -> None:
         atomic_write_bytes(Path(out) / CONFIG_FILE, config.toml().encode())
 
 
-def side_information(audit: Any) -> Dict[str, Dict[str, Any]]:
+def first_observation(run: BuiltRun) -> Tuple[Optional[Observation], Optional[GiaError]]:
+    """The client's observation of step 0, image 0 (on the model as built), or the defense's error on it."""
+    x, y = run.private[0]
+    try:
+        return run.client.observe(run.parts.model, x, y, 0, 0), None
+    except GiaError as err:
+        return None, err
+
+
+def side_information(run: BuiltRun) -> Dict[str, Dict[str, Any]]:
     """What the attacks use beyond the shared weights, read off the first observation
     (:mod:`attacks.side_information`), per item a :class:`~audit.core.reasons.Reason`'s JSON
     object (the report words it): the optimisation attacks (ig, gi, the portfolio and the
     adaptive attacks built on them) add each term they use; the others ignore it."""
-    x, y = audit.private[0]
-    try:
-        obs = audit.observe(audit.model, x, y, 0, 0)
-    except GiaError as err:
-        return {"unavailable": Reason("first-observation-failed", error=str(err)).to_dict()}
+    obs, error = first_observation(run)
+    if error is not None:
+        return {"unavailable": Reason("first-observation-failed", error=str(error)).to_dict()}
     side = attack_side_information(obs, "auto")
     return {k: (Reason(v.code, **v.params, every_attack=True) if k in side.used else Reason.of(v)).to_dict()
             for k, v in side.notes.items()}
 
 
-def threat_model(audit: Any, specs: Sequence[Any]) -> Dict[str, Any]:
+def threat_model(run: BuiltRun, specs: Sequence[Any]) -> Dict[str, Any]:
     """What the attacker was given; from a real observation of step 0, image 0."""
-    x, y = audit.private[0]
-    obs = None
-    try:
-        obs = audit.observe(audit.model, x, y, 0, 0)
-        declared = obs.threat_model()
-    except GiaError as err:
-        declared = {"unavailable": f"the defense failed on the first observation: {err}"}
-    data, train = audit.dataset, len(audit.dataset.train_labels)
+    obs, error = first_observation(run)
+    if error is None:
+        try:
+            declared = obs.threat_model()
+        except GiaError as err:
+            error = err
+    if error is not None:
+        declared = {"unavailable": f"the defense failed on the first observation: {error}"}
+    data, train, fl = run.parts.dataset, len(run.parts.dataset.train_labels), run.fl_settings
     return {
         **declared,
-        "private_data": f"{data.name} test split: {audit.data_settings.images} private batch(es) of "
-                        f"{audit.data_settings.batch_size} image(s) of the audited client, never given to the attacker",
-        "training_data": f"{data.name} train split ({train} images), split between {audit.fl_settings.clients} "
+        "private_data": f"{data.name} test split: {run.data_settings.images} private batch(es) of "
+                        f"{run.data_settings.batch_size} image(s) of the audited client, never given to the attacker",
+        "training_data": f"{data.name} train split ({train} images), split between {fl.clients} "
                          "client(s); disjoint from the private test split",
         "attacker_auxiliary_data": f"the {data.name} train split ({train} images and labels), declared to every "
                                    "attack as extras aux_images / aux_labels; the only data learned attacks may use",
         "attacks_run": [s.id for s in specs],
-        "client_mode": CLIENT_MODE_TEXT[audit.fl_settings.client_mode],
-        "model_state": state_description(audit.model_settings, audit.seed),
-        "client_training": audit.fl_settings.training_description(),
-        **buffer_note(obs, audit.defense, audit.fl_settings.shares),
+        "client_mode": CLIENT_MODE_TEXT[fl.client_mode],
+        "model_state": state_description(run.model, run.seed),
+        "client_training": fl.training_description(),
+        **buffer_note(obs, run.parts.defense, fl.shares),
     }
 
 
