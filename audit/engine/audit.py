@@ -33,7 +33,7 @@ from audit.engine.privacy import privacy_report
 from audit.engine.settings import AttackSettings, DataSettings, FLSettings, OutputSettings, Sections, model_settings
 from audit.engine.stopping import stop_safely
 from audit.engine.training import (UTILITY_FORMAT, private_batches as _private_batches,  # noqa: F401
-                                   state_of as _state, train_to as _train, undefended_identity)
+                                   state_of as _state, undefended_identity)
 from audit.report.audit_report import AuditReport
 from audit.report.risk import default_delta
 from audit.report.store import ResultStore
@@ -68,7 +68,7 @@ class Audit:
         self.parts, self.device, self.dataset, self.defense = parts, parts.device, parts.dataset, parts.defense
         # the model as built (the planner compares it with the client's, wrapped once by the defense)
         self.defense_ident, self.base_model, self.model = parts.defense_ident, parts.base_model, parts.model
-        training.check_audit(self)
+        training.check_audit(self.sections(), parts, self.simulates_client)
         self.model_ident = {**model.describe(), **audited_model_identity(model, self.base_model)}
         self.delta = output_settings.delta or default_delta(int(math.prod(self.dataset.input_shape)))
         self.private = _private_batches(self.dataset, data_settings.images, data_settings.batch_size, self.seed)
@@ -124,18 +124,15 @@ class Audit:
                         max_members=self.max_members, label=self.progress_label, cancel=self.cancel)
 
     def utility(self, baseline: Optional[AccuracySpread] = None) -> UtilityResult:
-        return training.utility(self, baseline)
+        return training.utility(self.sections(), self.parts, baseline)
 
     def checkpoints(self, store: ResultStore, needed: Sequence[int]):
-        return training.checkpoints(self, store, needed)
+        return training.checkpoints(store, needed, self.sections(), self.parts)
 
-    def _attack_all(self, store: ResultStore, specs: Sequence[AttackSpec]) -> None:
+    def run_attacks(self, store: ResultStore, specs: Sequence[AttackSpec]) -> None:  # the pending results, no manifest
         run = self.built()
         todo = schedule.pending(run, store, specs)
         schedule.attack_all(run, store, specs, todo, *self.checkpoints(store, schedule.steps_of(todo)))
-
-    def run_attacks(self, store: ResultStore, specs: Sequence[AttackSpec]) -> None:  # the control's: no manifest
-        self._attack_all(store, specs)
 
     def _prepare(self, store: ResultStore) -> List[AttackSpec]:
         """Plan the attacks; write the manifest, the config, the originals and the utility."""
@@ -145,7 +142,8 @@ class Audit:
         manifest.write_config(store, self.config, self.output_settings.out)
         for i, (x, _) in enumerate(self.private):
             store.save_original(i, x)
-        training.store_utility(self, store)
+        if (due := training.utility_due(store, self.output_settings)) is not None:
+            store.update_manifest(utility=self.utility().to_dict(), utility_for=due)
         return specs
 
     # ------------------------------------------------------------------ the positive control
@@ -179,7 +177,7 @@ class Audit:
             specs, budget = self._prepare(store), self.attack_settings.budget
             control_store = control.run(specs, budget, self.attack_settings.steps)
             store.update_manifest(control=control.describe(control_store, specs, budget, search))
-            self._attack_all(store, specs)
+            self.run_attacks(store, specs)
         store.update_manifest(status="complete", timing={"last_invocation_s": round(time.perf_counter() - started, 1)})
         report = AuditReport.from_store(store)  # its status: 'incomplete (...)' when evidence is missing
         report.write(out)
@@ -196,3 +194,7 @@ def run(config: Any = None, /, **fields: Any) -> AuditReport:
     stored under ``out`` as they finish (a rerun resumes); the report is written there and returned.
     """
     return Audit.from_config(config_of_call(config, **fields)).run()
+
+
+def _train(audit: Audit, last_step: int, wanted: set):  # training.train_to of the audit's client
+    return training.train_to(audit.sections(), audit.parts, last_step, wanted)
