@@ -93,12 +93,10 @@ class Audit:
         return manifest.key_settings(self.built())
 
     def planned(self) -> Tuple[List[AttackSpec], Dict[str, Any]]:  # planning.plan, made once per audit
-        if self._planned is None:
-            self._planned = planning.plan(self)
+        if self._planned is None:  # the plan with the side information the attacks use (manifest.side_information)
+            specs, plan = planning.plan(self.built(), self.key_settings())
+            self._planned = specs, {**plan, "side_information": manifest.side_information(self.built())}
         return self._planned
-
-    def side_information(self) -> Dict[str, Dict[str, Any]]:  # per item, a Reason's JSON object
-        return manifest.side_information(self.built())
 
     def threat_model(self, specs: Sequence[AttackSpec]) -> Dict[str, Any]:
         return manifest.threat_model(self.built(), specs)

@@ -1,6 +1,7 @@
 """Which attacks an audit runs: the base attacks, the model's classic attacks and the planner's
 defense-aware ones (the planner probes the defense as a black box), or the user's names, with
-the user's settings over the planner's."""
+the user's settings over the planner's; planned on the audit as built
+(:class:`~audit.engine.built.BuiltRun`)."""
 from __future__ import annotations
 
 import copy
@@ -17,6 +18,7 @@ from attacks.presets import defaults_fingerprint
 from audit.core.errors import GiaError
 from audit.core.reasons import Reason
 from audit.core.preflight import runs
+from audit.engine.built import BuiltRun
 from audit.engine.probe_cache import cached_probe
 
 # the portfolio of plain strategies (docs/strength.md), and IG alone: at small budgets IG's full
@@ -50,33 +52,33 @@ class AttackSpec:
                 "why": None if self.why is None else self.why.to_dict(), "kind": self.kind}
 
 
-def plan(audit: Any) -> Tuple[List[AttackSpec], Dict[str, Any]]:
-    """The attacks ``audit`` runs (base + the planner's adaptive ones) and the plan for the report."""
-    probe_model, probe_note = planner_model(audit.base_model, audit.dataset)
+def plan(run: BuiltRun, key: Dict[str, Any]) -> Tuple[List[AttackSpec], Dict[str, Any]]:
+    """The attacks the audit ``run`` runs (base + the planner's adaptive ones) and the plan for the
+    report; the probe's traits are kept under the run's ``key`` settings (:func:`cached_probe`)."""
+    parts, steps = run.parts, run.attack_settings.steps
+    probe_model, probe_note = planner_model(parts.base_model, parts.dataset)
     try:
-        client_probe, _ = planner_model(audit.model, audit.dataset)
-        steps = audit.attack_settings.steps
+        client_probe, _ = planner_model(parts.model, parts.dataset)
         traits = cached_probe(
-            audit.output_settings.out, audit.key_settings(), steps,
-            lambda: probe_defense(audit.defense, probe_model, audit.dataset.input_shape, audit.dataset.num_classes,
-                                  seed=audit.seed, device=audit.device, rounds=steps, client_model=client_probe))
+            run.output_settings.out, key, steps,
+            lambda: probe_defense(parts.defense, probe_model, parts.dataset.input_shape, parts.dataset.num_classes,
+                                  seed=run.seed, device=parts.device, rounds=steps, client_model=client_probe))
         found = plan_from_traits(traits)
         plan_dict = {**found.to_dict(), **({"model_mode": probe_note.to_dict()} if probe_note else {})}
     except GiaError as err:  # e.g. the defense fails on the planner's probe batch
         failed = Reason("planner-probe-failed", error=type(err).__name__, message=str(err))
         found, plan_dict = None, {"error": failed.to_dict()}
-    plan_dict["side_information"] = audit.side_information()
     proposed = [] if found is None else [
         AttackSpec(a.name, dict(a.settings), a.why, "adaptive" if a.adaptive else "base") for a in found.attacks]
     classic = [AttackSpec(n, {}, Reason("attack-classic", why=why.to_dict()))
-               for n, why in classic_attacks(audit.base_model)]
+               for n, why in classic_attacks(parts.base_model)]
     auto = [AttackSpec(n, {}, Reason("attack-base")) for n in BASE_ATTACKS] + classic
     auto = [s for k, s in enumerate(auto) if s.name not in {p.name for p in proposed}
             and s.name not in {a.name for a in auto[:k]}] + proposed
     by_name = {p.name: p for p in proposed}
     specs: Dict[str, AttackSpec] = {}
-    args = audit.attack_settings.args
-    for name in audit.attack_settings.names:  # "auto" may be combined with names
+    args = run.attack_settings.args
+    for name in run.attack_settings.names:  # "auto" may be combined with names
         for spec in auto if name == "auto" else [by_name.get(name) or AttackSpec(name, {}, Reason("attack-requested"))]:
             specs.setdefault(spec.id, spec)
     check_attacks([*specs.values(), *(AttackSpec(n, kv) for n, kv in args.items())])
