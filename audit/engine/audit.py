@@ -2,10 +2,10 @@
 test split; clients train on the disjoint train split) at each checkpoint, score and store every
 (step, attack, image) result, and render the report. ``run(config)`` is ``audit.run``.
 
-:class:`Audit` orchestrates; the work is in :mod:`~audit.engine.planning`, :mod:`~audit.engine.training`,
-:mod:`~audit.engine.schedule`, :mod:`~audit.engine.runner`, :mod:`~audit.engine.manifest`,
-:mod:`~audit.engine.control` (the positive control) and :mod:`~audit.engine.stopping`.
-"""
+:class:`Audit` orchestrates, handing its parts what they use (its settings sections, its built
+parts, or the whole run as built: :class:`~audit.engine.built.BuiltRun`): :mod:`~audit.engine.planning`,
+:mod:`~audit.engine.training`, :mod:`~audit.engine.schedule`, :mod:`~audit.engine.runner`,
+:mod:`~audit.engine.manifest`, :mod:`~audit.engine.control` (the positive control), :mod:`~audit.engine.stopping`."""
 from __future__ import annotations
 
 import math
@@ -21,10 +21,10 @@ from audit.core.jsonable import to_jsonable
 from audit.core.records import AccuracySpread, UtilityResult
 from audit.engine import manifest, planning, schedule, training
 from audit.engine.built import BuiltRun
-from audit.engine.clients import Client, SimulatedClient, auxiliary_data
+from audit.engine.clients import Client, SimulatedClient
 from audit.engine.compose import AuditParts, own_parts
 from audit.engine.config import AuditConfig, audit_settings, config_of_call, default_of  # noqa: F401  (re-exported)
-from audit.engine.control import CONTROL_DIR, PositiveControl, control_inputs
+from audit.engine.control import CONTROL_DIR, ControlInputs, PositiveControl
 from audit.engine.identity import audited_model_identity, derive_seed
 from audit.engine.manifest import CONFIG_FILE, buffer_note  # noqa: F401  (re-exported)
 from audit.engine.null import Null
@@ -32,8 +32,7 @@ from audit.engine.planning import AttackSpec, planner_model  # noqa: F401  (re-e
 from audit.engine.privacy import privacy_report
 from audit.engine.settings import AttackSettings, DataSettings, FLSettings, OutputSettings, Sections, model_settings
 from audit.engine.stopping import stop_safely
-from audit.engine.training import (UTILITY_FORMAT, private_batches as _private_batches,  # noqa: F401
-                                   state_of as _state, undefended_identity)
+from audit.engine.training import UTILITY_FORMAT, private_batches as _private_batches, undefended_identity  # noqa: F401
 from audit.report.audit_report import AuditReport
 from audit.report.risk import default_delta
 from audit.report.store import ResultStore
@@ -58,9 +57,8 @@ class Audit:
                  defense_args: Optional[Dict[str, Any]] = None, model_args: Optional[Dict[str, Any]] = None,
                  parts: Optional[AuditParts] = None, config: Optional[AuditConfig] = None,
                  null: Optional[Null] = None, progress_label: str = "audit"):
-        self.config, self.seed, self.defense_spec = config, int(seed), defense
-        self.data_settings, self.fl_settings = data_settings, fl_settings
-        self.attack_settings, self.output_settings = attack_settings, output_settings
+        self.config, self.seed, self.defense_spec, self.data_settings = config, int(seed), defense, data_settings
+        self.fl_settings, self.attack_settings, self.output_settings = fl_settings, attack_settings, output_settings
         self.model_settings = model = model_settings(model, model_args)  # a spec, or ModelSettings as is
         if parts is None:
             parts = own_parts(defense, defense_args, model, data_settings, self.seed, device,
@@ -106,8 +104,7 @@ class Audit:
                               self.attack_settings.steps, candidates=self.null.candidates)
 
     def client(self) -> Client:  # what the audit observes: the simulated client (a subclass may observe another)
-        return SimulatedClient(self.defense, self.data_settings.share_labels, self.fl_settings.client, self.seed,
-                               auxiliary_data(self.dataset))
+        return SimulatedClient.of(self.sections(), self.defense, self.dataset)
 
     def observe(self, model, images, labels, step: int, image: int):
         return self.client().observe(model, images, labels, step, image)
@@ -157,6 +154,11 @@ class Audit:
     def control_parts(self) -> AuditParts:  # the undefended client's (a sweep hands over its undefended cell's)
         return self.parts if self.is_undefended() else training.undefended_parts(self.parts, self.seed)
 
+    def control_inputs(self) -> ControlInputs:  # what the positive control shares with this audit, read once
+        same_run, (kind, extra) = self.simulates_client and self.is_undefended(), self.control_kind()
+        return ControlInputs.of(self.sections(), self.control_parts(), self.null, self.private, self.control_out(),
+                                same_run, self.control_code, kind, extra)
+
     # ------------------------------------------------------------------ the whole audit
     def run(self) -> AuditReport:
         """Every phase under the per-call defense timeout: plan, find the budget on the positive
@@ -166,7 +168,7 @@ class Audit:
         keep_freed_memory()  # the attacks' steps reuse their freed activations (audit.core.allocator)
         started, out = time.perf_counter(), self.output_settings.out
         with stop_safely(out) as guard, defense_timeout(self.output_settings.defense_timeout):
-            control, search = PositiveControl(control_inputs(self)), None
+            control, search = PositiveControl(self.control_inputs()), None
             if self.attack_settings.searches_budget:  # the key holds the budget: found first
                 search = control.search_budget(self.planned()[0], self.attack_settings)
                 self.attack_settings = replace(self.attack_settings, budget=search.budget)

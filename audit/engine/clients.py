@@ -11,6 +11,7 @@ from audit.client.observe import observe
 from audit.core.client_training import ClientTraining
 from audit.core.types import Observation
 from audit.engine.identity import derive_seed
+from audit.engine.settings import Sections
 
 
 class Client(Protocol):
@@ -39,6 +40,12 @@ class SimulatedClient:
     training: ClientTraining
     seed: int
     extra: Mapping[str, Any]
+
+    @classmethod
+    def of(cls, sections: Sections, defense: Any, dataset: Any) -> "SimulatedClient":
+        """The client of an audit of ``sections`` with ``defense`` on ``dataset``."""
+        return cls(defense, sections.data_settings.share_labels, sections.fl_settings.client, sections.seed,
+                   auxiliary_data(dataset))
 
     def observe(self, model, images, labels, step: int, image: int) -> Observation:
         return observe(model, images, labels, self.defense, share_labels=self.share_labels, training=self.training,

@@ -129,6 +129,15 @@ class ControlInputs:
     kind: Any
     extra: Mapping[str, Any] = field(default_factory=dict)
 
+    @classmethod
+    def of(cls, sections: Sections, parts: AuditParts, null: Null, private: Sequence[Any], out: Path,
+           same_run: bool, code: str, kind: Any, extra: Mapping[str, Any]) -> "ControlInputs":
+        """The control of an audit of ``sections`` (its config without the defense), writing to
+        ``out``, or, when it is the audit's own (``same_run``), to the audit's folder."""
+        root = Path(sections.output_settings.out)
+        return cls(config_of_sections(sections).undefended(), parts, null, tuple(private),
+                   root if same_run else Path(out), root, same_run, code, kind, dict(extra))
+
     def audit_at(self, budget: int, steps: Sequence[int]) -> Any:
         """The control's audit at ``budget`` on ``steps``: its config with them, on the shared parts."""
         config = self.config.replace(steps=tuple(steps), budget=int(budget), out=str(self.out))
@@ -136,23 +145,15 @@ class ControlInputs:
 
 
 def control_inputs(audit: Any) -> ControlInputs:
-    """The control's inputs read off ``audit`` once (its settings as a config without the
-    defense, its undefended parts, null and private batches; a subclass's ``control_kind``)."""
-    sections = Sections(audit.model_settings, audit.data_settings, audit.fl_settings, audit.attack_settings,
-                        audit.output_settings, audit.seed, audit.device)
-    config = config_of_sections(sections).undefended()
-    same_run = audit.simulates_client and audit.is_undefended()
-    root = Path(audit.output_settings.out)
-    kind, extra = audit.control_kind()
-    return ControlInputs(config, audit.control_parts(), audit.null, tuple(audit.private),
-                         root if same_run else Path(audit.control_out()), root, same_run,
-                         audit.control_code, kind, dict(extra))
+    """The control's inputs of an :class:`~audit.engine.audit.Audit`, as it reads them off itself
+    once (:meth:`~audit.engine.audit.Audit.control_inputs`)."""
+    return audit.control_inputs()
 
 
 class PositiveControl:
     """The control of one audit (see the module docstring): ``search`` the budget, ``run`` the
     control at it on every audited step, and ``describe`` where its results are for the report.
-    ``inputs``: :class:`ControlInputs` (:func:`control_inputs` reads them off an audit once)."""
+    ``inputs``: :class:`ControlInputs` (an audit reads them off itself once: :func:`control_inputs`)."""
 
     def __init__(self, inputs: ControlInputs):
         if not isinstance(inputs, ControlInputs):

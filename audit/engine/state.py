@@ -12,9 +12,10 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, Dict, Optional, Sequence, Tuple
 
-from audit.engine.audit import Audit, _state
+from audit.engine.audit import Audit
 from audit.engine.privacy import privacy_report
 from audit.engine.settings import AttackSettings, DataSettings, FLSettings, ModelSettings, OutputSettings
+from audit.engine.training import state_of
 from audit.report.audit_report import AuditReport
 from audit.report.store import ResultStore
 
@@ -39,7 +40,7 @@ class StateAudit(Audit):
 
     def checkpoints(self, store: ResultStore, needed: Sequence[int]) -> Tuple[Dict[int, Any], Optional[Dict[str, Any]]]:
         """The given state is the one checkpoint: nothing is trained."""
-        return {self.round: _state(self.model)}, None
+        return {self.round: state_of(self.model)}, None
 
     def threat_model(self, specs) -> Dict[str, Any]:
         reference = len(self.dataset.train_labels)
