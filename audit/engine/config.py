@@ -139,18 +139,20 @@ def config_of_sections(sections: Sections, defense: Any = "none",
     :func:`~audit.engine.settings.sections_of`): an audit built from sections, as a config."""
     m, d, fl, a, o = (sections.model, sections.data_settings, sections.fl_settings, sections.attack_settings,
                       sections.output_settings)
-    return AuditConfig(
-        defense=defense, defense_args=defense_args or None, model=m.model, model_args=m.args or None,
-        model_normalize=m.normalize, checkpoint=m.checkpoint, client_mode=fl.client_mode,
-        data=d.data, data_args=d.data_args or None, image_size=d.image_size, images=d.images,
-        batch_size=d.batch_size, share_labels=d.share_labels,
-        lr=fl.lr, train_batch_size=fl.batch_size, clients=fl.clients, local_steps=fl.local_steps, local_lr=fl.local_lr,
-        local_optimizer=fl.local_optimizer, local_batch_size=fl.local_batch_size, local_epochs=fl.local_epochs,
-        shares=fl.shares, server_optimizer=fl.server_optimizer,
-        steps=a.steps, attacks=a.names, attack_args=a.args or None, budget=a.budget, max_budget=a.max_budget,
-        max_minutes=a.max_minutes, thresholds=o.thresholds, delta=o.delta, utility=o.utility,
-        utility_steps=o.utility_steps, utility_seeds=o.utility_seeds, defense_timeout=o.defense_timeout,
-        out=o.out, seed=sections.seed, device=sections.device, progress=o.progress, retry_errors=o.retry_errors)
+    model = dict(model=m.model, model_args=m.args or None, model_normalize=m.normalize, checkpoint=m.checkpoint)
+    data = dict(data=d.data, data_args=d.data_args or None, image_size=d.image_size, images=d.images,
+                batch_size=d.batch_size, share_labels=d.share_labels)
+    training = dict(client_mode=fl.client_mode, lr=fl.lr, train_batch_size=fl.batch_size, clients=fl.clients,
+                    local_steps=fl.local_steps, local_lr=fl.local_lr, local_optimizer=fl.local_optimizer,
+                    local_batch_size=fl.local_batch_size, local_epochs=fl.local_epochs, shares=fl.shares,
+                    server_optimizer=fl.server_optimizer)
+    attacks = dict(steps=a.steps, attacks=a.names, attack_args=a.args or None, budget=a.budget,
+                   max_budget=a.max_budget, max_minutes=a.max_minutes)
+    output = dict(thresholds=o.thresholds, delta=o.delta, utility=o.utility, utility_steps=o.utility_steps,
+                  utility_seeds=o.utility_seeds, defense_timeout=o.defense_timeout, out=o.out, progress=o.progress,
+                  retry_errors=o.retry_errors)
+    return AuditConfig(defense=defense, defense_args=defense_args or None, seed=sections.seed, device=sections.device,
+                       **model, **data, **training, **attacks, **output)
 
 
 def load_config(path: Any) -> Dict[str, Any]:
