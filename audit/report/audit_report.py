@@ -107,18 +107,24 @@ def build_report(manifest: Any, records: Sequence[Any],
         title=f"gia-audit report: {manifest.defense['name']}", step_name=manifest.step_name or "step",
         generated=_dt.datetime.now().isoformat(timespec="seconds"), run_key=manifest.run_key,
         status=run_status(manifest.status or "unknown", steps), progress=progress,
-        not_applicable=not_applicable(steps), verdict=overall_verdict(steps), defense=manifest.defense,
-        differences=list(manifest.differences or []),
+        not_applicable=not_applicable(steps), verdict=overall_verdict(steps), **declared(manifest),
+        thresholds=thresholds.to_dict(), false_positive_rate=false_positive_rates(thresholds, nulls),
+        chance_level=_mean_chance(nulls), steps=steps, failures=failures, results=records)
+
+
+def declared(manifest: Manifest) -> Dict[str, Any]:
+    """The report's entries that are the manifest's as the run declared them, as the report
+    words them (its plan, control and attacks; what a run did not record, said so)."""
+    return dict(
+        defense=manifest.defense, differences=list(manifest.differences or []),
         privacy=manifest.privacy or {"applicable": False, "reason": "not recorded by this audit"},
         threat_model=manifest.threat_model or {}, plan=worded_plan(manifest.plan or {}),
-        control=control_entry(manifest.control), attacks=worded_attacks(manifest.attacks), thresholds=thresholds.to_dict(),
-        false_positive_rate=false_positive_rates(thresholds, nulls),
-        null=(manifest.null or {}).get("description", {}), chance_level=_mean_chance(nulls),
-        risk_delta=manifest.risk_delta, metric_notes=manifest.metric_notes or [], utility=manifest.utility or {},
-        data=manifest.data or {}, settings=manifest.settings or {},
+        control=control_entry(manifest.control), attacks=worded_attacks(manifest.attacks),
+        null=(manifest.null or {}).get("description", {}), risk_delta=manifest.risk_delta,
+        metric_notes=manifest.metric_notes or [], utility=manifest.utility or {}, data=manifest.data or {},
+        settings=manifest.settings or {},
         config=manifest.config or {"unavailable": "this audit was not built from a config"},
-        seeds=manifest.seeds or {}, versions=manifest.versions or {}, timing=manifest.timing or {},
-        steps=steps, failures=failures, results=records)
+        seeds=manifest.seeds or {}, versions=manifest.versions or {}, timing=manifest.timing or {})
 
 
 def worded_plan(plan: Dict[str, Any]) -> Dict[str, Any]:
