@@ -15,7 +15,6 @@ from audit.core.errors import GiaError
 from audit.core.records import Status
 from audit.engine import runner
 from audit.engine.built import BuiltRun
-from audit.engine.runner import record_for
 from audit.report.store import ResultStore
 
 
@@ -102,7 +101,7 @@ def attack_claimed(run: BuiltRun, store: ResultStore, spec: Any, observations: D
     images = [i for i in images if i not in done]
     failed = [i for i in images if isinstance(observations[i], str)]
     for image in failed:  # the defense failed on this batch: nothing to attack
-        store.save_result(replace(record_for(run, spec, step, image), status=Status.ERROR, failed="defense",
+        store.save_result(replace(runner.record_for(run, spec, step, image), status=Status.ERROR, failed="defense",
                                   reason=observations[image]))
         bar.update(cost)
     group = [(i, observations[i], *run.private[i]) for i in images if i not in failed]
