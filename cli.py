@@ -5,117 +5,19 @@ from __future__ import annotations
 
 import functools
 import sys
-from typing import Any
 
 import click
-from click.core import ParameterSource
 
+from audit.cli_options import ConfigCommand, common_options, config_file_options, config_options
 from audit.core.allocator import keep_freed_memory
 from audit.core.errors import GiaError
 from audit.core.registry import parse_kv_args
-from audit.engine.config import (FIELD_NAMES, AuditConfig, config_fields, config_of, default_of, field_help,
-                                 load_config)
+from audit.engine.config import FIELD_NAMES, default_of, field_help
 from audit.engine.recipe import SCHEDULES
 from audit.engine.listing import REGISTRIES
-from audit.engine.settings import parse_attack_args
 
 #: the sweep's output folder (its cells' audits go under OUT/cells)
 SWEEP_OUT = "sweep-out"
-
-
-def _option_default(f) -> Any:
-    """A config field's default as the command line spells it (``0,1,5,20`` for a tuple)."""
-    if f.metadata["pairs"] or f.default is None:
-        return None
-    if isinstance(f.default, tuple):
-        return ",".join(str(v) for v in f.default)
-    return f.default
-
-
-def field_option(f):
-    """The click option of a config field: its flag, type, help and ``[default: ...]``, all
-    read off the field (:mod:`audit.engine.fields`)."""
-    m = f.metadata
-    names = [m["flag"] or "--" + f.name.replace("_", "-"), *m["aliases"], f.name]
-    common = dict(help=option_help(f), metavar=m["metavar"] or m["pairs"])
-    if m["switch"]:
-        return click.option(m["switch"], f.name, flag_value=not f.default, default=f.default, help=m["help"])
-    if m["kind"] is bool:
-        return click.option(*names, is_flag=True, default=f.default, help=m["help"])
-    if m["pairs"]:
-        return click.option(*names, multiple=True, default=(), **common)
-    kind = click.Choice(list(m["choices"])) if m["choices"] else {int: click.INT, float: click.FLOAT}.get(m["kind"])
-    show = m["shown"] is None and _option_default(f) is not None
-    return click.option(*names, type=kind, default=_option_default(f), show_default=show, **common)
-
-
-def option_help(f) -> str:
-    """A field's help, with ``[default: ...]`` for a default computed at run time."""
-    shown = f.metadata["shown"]
-    return f.metadata["help"] + (f"  [default: {shown}]" if shown is not None else "")
-
-
-def config_options(names):
-    """The options of the config fields ``names``, in the config's order."""
-    chosen = [f for f in config_fields() if f.name in names and f.metadata["cli"]]
-
-    def decorate(fn):
-        for f in reversed(chosen):
-            fn = field_option(f)(fn)
-        return fn
-
-    return decorate
-
-
-def _field_value(f, value: Any) -> Any:
-    if f.metadata["pairs"] == "ATTACK.NAME=VALUE":
-        return parse_attack_args(value)
-    if f.metadata["pairs"]:
-        return parse_kv_args(list(value))
-    return value
-
-
-class ConfigCommand(click.Command):
-    """A command whose config-field options become one :class:`AuditConfig`, handed to the
-    callback as ``config``: the file of ``--config`` (when the command has it) first, then the
-    options given on the command line over it."""
-
-    def invoke(self, ctx):
-        try:
-            ctx.params["config"] = resolved_config(ctx, {p.name for p in self.params} & set(FIELD_NAMES))
-        except GiaError as err:
-            click.echo(f"error: {err}", err=True)
-            sys.exit(2)
-        return super().invoke(ctx)
-
-
-def resolved_config(ctx, names) -> AuditConfig:
-    """The config of a command line: ``--config FILE``'s settings, then each option of ``names``
-    given on the command line (an option left out keeps the file's value, else the default)."""
-    values = load_config(ctx.params["config_file"]) if ctx.params.get("config_file") else {}
-    for f in config_fields():
-        if f.name not in names:
-            continue
-        value = ctx.params.pop(f.name)
-        if ctx.get_parameter_source(f.name) in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT):
-            values[f.name] = _field_value(f, value)
-    ctx.params.pop("config_file", None)
-    return config_of(values)
-
-
-def config_file_options(fn):
-    """``--config FILE`` and ``--print-config``."""
-    fn = click.option("--print-config", is_flag=True,
-                      help="print the resolved configuration as TOML (a file for --config) and exit")(fn)
-    fn = click.option("--config", "config_file", type=click.Path(exists=True, dir_okay=False), default=None,
-                      help="TOML file of settings (as --print-config writes them, and as each audit writes to "
-                           "OUT/config.toml); options given on the command line override it")(fn)
-    return fn
-
-
-def common_options(fn):
-    """``--seed`` and ``--device`` on every command, as the config's fields spell them."""
-    return config_options(("seed", "device"))(fn)
 
 
 #: the exit status of an audit that ran but lacks evidence (a failed attack or defense call)

@@ -20,14 +20,16 @@ MODEL_HELP = ("model name (`gia-audit list models`), or package.module:attr of y
 def setting(default: Any, help: str, section: str, *, flag: Optional[str] = None, aliases: Sequence[str] = (),
             metavar: Optional[str] = None, choices: Sequence[str] = (), kind: Optional[type] = None,
             shown: Optional[str] = None, pairs: Optional[str] = None, switch: Optional[str] = None,
-            cli: bool = True) -> Any:
+            existing: bool = False, cli: bool = True) -> Any:
     """A config field: its ``default`` and ``help``, its ``section``, and how the command line
     spells it (``flag``, ``aliases``, ``metavar``, ``choices``, ``kind`` the value's type,
     ``shown`` the ``[default: ...]`` text of a default computed at run time, ``pairs`` for a
     repeatable ``NAME=VALUE`` option, ``switch`` for an on/off flag that sets the opposite of the
-    default; ``cli=False``: Python and the file only)."""
+    default, ``existing`` for the path of a file that must exist; ``cli=False``: Python and the
+    file only)."""
     meta = dict(help=help, section=section, flag=flag, aliases=tuple(aliases), metavar=metavar,
-                choices=tuple(choices), kind=kind, shown=shown, pairs=pairs, switch=switch, cli=cli)
+                choices=tuple(choices), kind=kind, shown=shown, pairs=pairs, switch=switch, existing=existing,
+                cli=cli)
     return field(default=default, metadata=meta)
 
 

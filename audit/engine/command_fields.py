@@ -1,0 +1,35 @@
+"""The commands' own settings, those that are not the audit's config (the one attack's image, a
+sweep's grid and executor, the utility recipe, the planner's probe, the generator's training,
+...): each written once like a config field (:func:`~audit.engine.fields.setting`: its
+default, its help and how the command line spells it), its section the command that takes it.
+
+Every option of the command line is a field of :class:`~audit.engine.fields.AuditFields` or of
+:class:`CommandFields`, and an option name is one field in every command that takes it."""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, Dict, Optional, Tuple
+
+from audit.engine.fields import AuditFields, setting
+
+
+@dataclass(frozen=True)
+class CommandFields:
+    """The fields of the commands' options that no :class:`~audit.engine.config.AuditConfig` holds."""
+
+    # ---- the config file (audit, sweep)
+    config_file: Optional[str] = setting(
+        None, "TOML file of settings (as --print-config writes them, and as each audit writes to OUT/config.toml); "
+              "options given on the command line override it", "audit", flag="--config", existing=True)
+    print_config: bool = setting(False, "print the resolved configuration as TOML (a file for --config) and exit",
+                                 "audit", kind=bool)
+
+
+def command_fields() -> Tuple[Any, ...]:
+    return fields(CommandFields)
+
+
+def option_fields() -> Dict[str, Any]:
+    """Every field an option of the command line is made from, by name: the config's, then the
+    commands' own."""
+    return {f.name: f for f in (*fields(AuditFields), *fields(CommandFields))}
