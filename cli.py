@@ -8,12 +8,11 @@ import sys
 
 import click
 
-from audit.cli_options import ConfigCommand, common_options, config_file_options, config_options
+from audit.cli_options import ConfigCommand, common_options, config_file_options, config_options, field_options
 from audit.core.allocator import keep_freed_memory
 from audit.core.errors import GiaError
 from audit.core.registry import parse_kv_args
-from audit.engine.config import FIELD_NAMES, default_of, field_help
-from audit.engine.recipe import SCHEDULES
+from audit.engine.config import FIELD_NAMES
 from audit.engine.listing import REGISTRIES
 
 #: the sweep's output folder (its cells' audits go under OUT/cells)
@@ -299,29 +298,23 @@ def plan_cmd(defense, defense_arg, model, size, as_json, seed, device):
 
 
 @main.command("utility")
-@click.option("--defense", "defenses", multiple=True, required=True,
-              help="defense name (repeatable), 'all', or package.module:attr")
-@click.option("--defense-arg", "defense_args", multiple=True, help="defense parameter k=v (repeatable)")
-@config_options(("model", "data", "image_size"))
-@click.option("--steps", default=None, type=int, help="training rounds  [default: the utility recipe's, docs/evidence.md]")
-@click.option("--lr", default=None, type=float, help="server learning rate  [default: the utility recipe's]")
-@click.option("--schedule", default=None, type=click.Choice(sorted(SCHEDULES)),
-              help="learning-rate schedule over the rounds  [default: the utility recipe's]")
-@click.option("--batch-size", default=None, type=int, help="client batch size  [default: the utility recipe's]")
-@click.option("--clients", default=None, type=int, help="clients per round  [default: the utility recipe's]")
-@click.option("--local-steps", default=None, type=int, help="FedAvg local steps  [default: the utility recipe's]")
-@click.option("--seeds", default=default_of("utility_seeds"), show_default=True, type=int,
-              help=field_help("utility_seeds"))
-@common_options
+@field_options(("defense", "defense_args", "model", "model_args", "data", "image_size", "utility_steps", "utility_lr",
+                "utility_schedule", "utility_batch_size", "utility_clients", "utility_local_steps", "utility_seeds",
+                "seed", "device"), repeated=("defense",), required=("defense",))
 @friendly_errors
-def utility_cmd(defenses, defense_args, model, data, image_size, steps, lr, schedule, batch_size, clients,
-                local_steps, seeds, seed, device):
-    """Test accuracy after training with the defended updates (mean and spread over seeds), next to the undefended runs."""
+def utility_cmd(defense, defense_args, model, model_args, data, image_size, utility_steps, utility_lr,
+                utility_schedule, utility_batch_size, utility_clients, utility_local_steps, utility_seeds, seed, device):
+    """Test accuracy after training with the defended updates (mean and spread over seeds), next to the undefended runs.
+
+    Each --defense is a name, package.module:attr, or all (every registered defense); the
+    --utility-* options set the utility recipe (docs/evidence.md)."""
     from audit.engine.utility import utility_report
 
-    click.echo(utility_report(defenses, defense_args, model=model, dataset=data, size=image_size, steps=steps,
-                              lr=lr, schedule=schedule, batch_size=batch_size, clients=clients,
-                              local_steps=local_steps, seed=seed, seeds=seeds, device=resolve_device(device)))
+    click.echo(utility_report(defense, defense_args, model=model, model_args=parse_kv_args(model_args) or None,
+                              dataset=data, size=image_size, steps=utility_steps, lr=utility_lr,
+                              schedule=utility_schedule, batch_size=utility_batch_size, clients=utility_clients,
+                              local_steps=utility_local_steps, seed=seed, seeds=utility_seeds,
+                              device=resolve_device(device)))
 
 
 if __name__ == "__main__":

@@ -63,6 +63,6 @@ def test_audit_report_sweep_attack_utility_and_plan_run_at_tiny_settings(tmp_pat
     _run(["attack", "--attack", "analytic", "--model", "mlp", "--model-arg", "hidden=16", "--image-size", "8",
           "--budget", "5", "--quiet", "--out", str(tmp_path / "attack")])
     assert any((tmp_path / "attack").iterdir())
-    assert "undefended" in _run(["utility", "--defense", "prune", "--model", "mlp", "--size", "8", "--steps", "2",
-                                 "--batch-size", "4"])
+    assert "undefended" in _run(["utility", "--defense", "prune", "--model", "mlp", "--size", "8",
+                                 "--utility-steps", "2", "--utility-batch-size", "4"])
     assert "traits:" in _run(["plan", "--defense", "prune"])

@@ -257,11 +257,12 @@ def test_utility_cli_prints_the_table():
 
     runner = CliRunner()
     result = runner.invoke(main, ["utility", "--defense", "clip", "--defense-arg", "bound=0.5", "--model", "mlp",
-                                  "--size", "8", "--steps", "3", "--batch-size", "4", "--schedule", "constant"])
+                                  "--model-arg", "hidden=16", "--size", "8", "--utility-steps", "3",
+                                  "--utility-batch-size", "4", "--utility-schedule", "constant"])
     assert result.exit_code == 0, result.output
     assert "clip" in result.output and "bound=0.5" in result.output and "undefended" in result.output
     assert f"lr {PROTOCOL.lr} (constant), batch 4" in result.output  # given options over the recipe's
-    bad = runner.invoke(main, ["utility", "--defense", "prune", "--defense-arg", "ratio=1.5", "--steps", "1"])
+    bad = runner.invoke(main, ["utility", "--defense", "prune", "--defense-arg", "ratio=1.5", "--utility-steps", "1"])
     assert bad.exit_code == 2 and "ratio must be in [0, 1)" in bad.output
 
 

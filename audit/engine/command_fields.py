@@ -11,6 +11,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Dict, Optional, Tuple
 
 from audit.engine.fields import AuditFields, setting
+from audit.engine.recipe import PROTOCOL, SCHEDULES
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,15 @@ class CommandFields:
               "options given on the command line override it", "audit", flag="--config", existing=True)
     print_config: bool = setting(False, "print the resolved configuration as TOML (a file for --config) and exit",
                                  "audit", kind=bool)
+    # ---- gia-audit utility: the utility recipe (the audit's utility section keeps it fixed)
+    utility_lr: float = setting(PROTOCOL.lr, "server learning rate of the utility recipe", "utility", kind=float)
+    utility_schedule: str = setting(PROTOCOL.schedule, "learning-rate schedule of the utility recipe over its rounds",
+                                    "utility", choices=sorted(SCHEDULES))
+    utility_batch_size: int = setting(PROTOCOL.batch_size, "client batch size of the utility recipe", "utility",
+                                      kind=int)
+    utility_clients: int = setting(PROTOCOL.clients, "clients per round of the utility recipe", "utility", kind=int)
+    utility_local_steps: int = setting(PROTOCOL.local_steps, "local steps per round of the utility recipe (1: FedSGD)",
+                                       "utility", kind=int)
 
 
 def command_fields() -> Tuple[Any, ...]:
