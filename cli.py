@@ -281,19 +281,13 @@ def attack_cmd(attack_name, attack_arg, index, image, label, attack_budget, rest
 
 
 @main.command("plan")
-@click.option("--defense", default=None, help="defense name or package.module:attr  [default: none]")
-@click.option("--defense-arg", multiple=True, metavar="NAME=VALUE", help="defense parameter (repeatable)")
-@click.option("--model", default=None, help="probe model name  [default: a tiny probe network]")
-@click.option("--size", default=8, show_default=True, type=int, help="probe image side in pixels")
-@click.option("--json", "as_json", is_flag=True, help="print the plan as JSON")
-@common_options
+@field_options(("defense", "defense_args", "probe_model", "probe_size", "as_json", "seed", "device"))
 @friendly_errors
-def plan_cmd(defense, defense_arg, model, size, as_json, seed, device):
+def plan_cmd(defense, defense_args, probe_model, probe_size, as_json, seed, device):
     """Probe a defense as a black box: its traits and the attacks to run, with reasons."""
     from audit.engine.plan_report import plan_report
-    from audit.core.registry import parse_kv_args
 
-    click.echo(plan_report(defense, parse_kv_args(defense_arg), model=model, size=size, seed=seed,
+    click.echo(plan_report(defense, parse_kv_args(defense_args), model=probe_model, size=probe_size, seed=seed,
                            device=resolve_device(device), as_json=as_json))
 
 

@@ -33,6 +33,11 @@ class CommandFields:
     utility_clients: int = setting(PROTOCOL.clients, "clients per round of the utility recipe", "utility", kind=int)
     utility_local_steps: int = setting(PROTOCOL.local_steps, "local steps per round of the utility recipe (1: FedSGD)",
                                        "utility", kind=int)
+    # ---- gia-audit plan: the planner's probe
+    probe_model: Optional[str] = setting(None, "model the planner probes the defense on (`gia-audit list models`)",
+                                         "plan", shown="the planner's tiny probe network")
+    probe_size: int = setting(8, "probe image side in pixels", "plan", kind=int)
+    as_json: bool = setting(False, "print the plan as JSON", "plan", flag="--json", kind=bool)
 
 
 def command_fields() -> Tuple[Any, ...]:
