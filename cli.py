@@ -123,10 +123,12 @@ def weights_lpips_cmd(path, source, force, seed, device):
 
 #: the config fields the sweep shares between its cells (each cell's defense comes from the grid)
 SWEEP_FIELDS = tuple(n for n in FIELD_NAMES if n not in ("defense", "defense_args", "out"))
-#: the config fields of the single attack: the model, the data and the client's training
-ATTACK_FIELDS = ("model", "model_args", "model_normalize", "checkpoint", "client_mode", "data", "data_path",
-                 "image_size", "batch_size", "share_labels", "lr", "local_steps", "local_lr", "local_optimizer",
-                 "local_batch_size", "local_epochs", "shares", "seed", "device", "progress")
+#: the fields of the single attack: the attack, its private batch and budget, then the audit's defense, model,
+#: data, client training and output folder
+ATTACK_FIELDS = ("attack", "attack_args", "index", "image", "label", "attack_budget", "restarts", "defense",
+                 "defense_args", "model", "model_args", "model_normalize", "checkpoint", "client_mode", "data",
+                 "data_path", "image_size", "batch_size", "share_labels", "lr", "local_steps", "local_lr",
+                 "local_optimizer", "local_batch_size", "local_epochs", "shares", "out", "seed", "device", "progress")
 
 
 @main.command("audit", cls=ConfigCommand)
@@ -253,30 +255,18 @@ def flower_report_cmd(directory, thresholds):
 
 
 @main.command("attack", cls=ConfigCommand)
-@click.option("--attack", "attack_name", default="ig", show_default=True, help="attack name (`gia-audit list attacks`)")
-@click.option("--attack-arg", multiple=True, metavar="NAME=VALUE", help="attack setting, e.g. tv=1e-3 (repeatable)")
-@click.option("--index", default=0, show_default=True, type=int, help="first test image of the private batch")
-@click.option("--image", default=None, type=click.Path(exists=True, dir_okay=False), help="attack this image file instead")
-@click.option("--label", default=0, show_default=True, type=int, help="the class the client trains --image with")
-@click.option("--budget", "attack_budget", default=None, type=int,
-              help="gradient evaluations of the model (each restart counts)  [default: the attack's own iterations]")
-@click.option("--restarts", default=None, type=int, help="restarts, run batched  [default: the attack's own]")
-@click.option("--defense", "attack_defense", default=None,
-              help="defense name or package.module:attr  [default: none, the undefended client]")
-@click.option("--defense-arg", "attack_defense_arg", multiple=True, metavar="NAME=VALUE",
-              help="defense parameter (repeatable)")
-@click.option("--out", "attack_out", default="out", show_default=True, type=click.Path(file_okay=False),
-              help="output folder")
-@config_options(ATTACK_FIELDS)
+@field_options(ATTACK_FIELDS)
 @friendly_errors
-def attack_cmd(attack_name, attack_arg, index, image, label, attack_budget, restarts, attack_defense,
-               attack_defense_arg, attack_out, config):
-    """Attack one private batch; write original/reconstruction PNGs and metrics.json to --out."""
-    from audit.engine.single import run_attack
+def attack_cmd(attack, index, image, label, attack_budget, restarts, config):
+    """Attack one private batch; write original/reconstruction PNGs and metrics.json to --out.
 
-    metrics = run_attack(attack_name, config, index=index, image=image, label=label, budget=attack_budget,
-                         restarts=restarts, attack_args=parse_kv_args(attack_arg), defense=attack_defense,
-                         defense_args=parse_kv_args(attack_defense_arg), out=attack_out)
+    The defense, the model, the data and the client's training are the audit's settings, with
+    its defaults (--defense none: the undefended client)."""
+    from audit.engine.single import run_attack, settings_of
+
+    metrics = run_attack(attack, config, index=index, image=image, label=label, budget=attack_budget,
+                         restarts=restarts, attack_args=settings_of(attack, config.attack_args),
+                         defense=config.defense, defense_args=config.defense_args, out=config.out)
     click.echo(metrics["summary"])
 
 

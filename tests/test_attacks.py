@@ -349,8 +349,8 @@ def test_cli_attack_writes_images_and_metrics(tmp_path):
 
     out = tmp_path / "run"
     result = CliRunner().invoke(main, ["attack", "--attack", "ig", "--model", "lenet", "--size", "16",
-                                       "--index", "3", "--budget", "5", "--restarts", "2", "--quiet",
-                                       "--attack-arg", "tv=0.01", "--out", str(out)])
+                                       "--index", "3", "--attack-budget", "5", "--restarts", "2", "--quiet",
+                                       "--attack-arg", "ig.tv=0.01", "--defense", "none", "--out", str(out)])
     assert result.exit_code == 0, result.output
     assert "psnr" in result.output
     for name in ("original.png", "reconstruction.png", "comparison.png", "metrics.json", "trace.json"):
@@ -359,8 +359,11 @@ def test_cli_attack_writes_images_and_metrics(tmp_path):
     assert metrics["scores"]["psnr"]["value"] > 0 and metrics["trace"]["restarts"] == 2
     assert metrics["threat_model"]["labels_shared"] is False
 
-    bad = CliRunner().invoke(main, ["attack", "--attack", "ig", "--attack-arg", "tvv=1", "--out", str(out)])
+    bad = CliRunner().invoke(main, ["attack", "--attack", "ig", "--attack-arg", "ig.tvv=1", "--out", str(out)])
     assert bad.exit_code == 2 and "valid parameters" in bad.output and "Traceback" not in bad.output
+    for arg, words in (("dlg.lr=0.5", "--attack-arg sets dlg, not the attack 'ig'"), ("tv=0.01", "attack.setting=value")):
+        other = CliRunner().invoke(main, ["attack", "--attack", "ig", "--attack-arg", arg, "--out", str(out)])
+        assert other.exit_code == 2 and words in other.output and "Traceback" not in other.output, other.output
 
 
 def test_cli_attack_on_an_image_file(tmp_path, data16):
@@ -373,7 +376,7 @@ def test_cli_attack_on_an_image_file(tmp_path, data16):
     out = tmp_path / "img"
     result = CliRunner().invoke(main, ["attack", "--attack", "analytic", "--model", "mlp", "--model-arg",
                                        "hidden=32", "--size", "16", "--image", str(path), "--label", "4",
-                                       "--quiet", "--out", str(out)])
+                                       "--defense", "none", "--quiet", "--out", str(out)])
     assert result.exit_code == 0, result.output
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["scores"]["psnr"]["value"] > 40  # 8-bit PNG, exact inversion

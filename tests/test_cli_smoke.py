@@ -61,7 +61,7 @@ def test_audit_report_sweep_attack_utility_and_plan_run_at_tiny_settings(tmp_pat
           "--out", str(tmp_path / "sweep")])
     assert json.loads((tmp_path / "sweep" / "sweep.json").read_text())
     _run(["attack", "--attack", "analytic", "--model", "mlp", "--model-arg", "hidden=16", "--image-size", "8",
-          "--budget", "5", "--quiet", "--out", str(tmp_path / "attack")])
+          "--attack-budget", "5", "--quiet", "--out", str(tmp_path / "attack")])
     assert any((tmp_path / "attack").iterdir())
     assert "undefended" in _run(["utility", "--defense", "prune", "--model", "mlp", "--size", "8",
                                  "--utility-steps", "2", "--utility-batch-size", "4"])

@@ -24,6 +24,14 @@ class CommandFields:
               "options given on the command line override it", "audit", flag="--config", existing=True)
     print_config: bool = setting(False, "print the resolved configuration as TOML (a file for --config) and exit",
                                  "audit", kind=bool)
+    # ---- gia-audit attack: one attack on one private batch
+    attack: str = setting("ig", "attack name (`gia-audit list attacks`)", "attack")
+    index: int = setting(0, "first test image of the private batch", "attack", kind=int)
+    image: Optional[str] = setting(None, "attack this image file instead", "attack", existing=True)
+    label: int = setting(0, "the class the client trains --image with", "attack", kind=int)
+    attack_budget: Optional[int] = setting(None, "gradient evaluations of the model (each restart counts)", "attack",
+                                           kind=int, shown="the attack's own iterations")
+    restarts: Optional[int] = setting(None, "restarts, run batched", "attack", kind=int, shown="the attack's own")
     # ---- gia-audit utility: the utility recipe (the audit's utility section keeps it fixed)
     utility_lr: float = setting(PROTOCOL.lr, "server learning rate of the utility recipe", "utility", kind=float)
     utility_schedule: str = setting(PROTOCOL.schedule, "learning-rate schedule of the utility recipe over its rounds",

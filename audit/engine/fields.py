@@ -98,8 +98,8 @@ class AuditFields:
     attacks: Tuple[str, ...] = setting(("auto",), "'auto' (base + the planner's adaptive attacks) or names, e.g. "
                                                   "ig,mask-replay", "attacks")
     attack_args: Optional[Mapping[str, Mapping[str, Any]]] = setting(
-        None, "attack setting over the planner's, e.g. learned-inverter.pairs=256 (repeatable)", "attacks",
-        flag="--attack-arg", pairs="ATTACK.NAME=VALUE")
+        None, "an attack's setting, e.g. learned-inverter.pairs=256 (repeatable; the audit's are over the planner's)",
+        "attacks", flag="--attack-arg", pairs="ATTACK.NAME=VALUE")
     budget: Any = setting(
         None, "gradient evaluations of the model per attack and private batch (each attack maps it to its "
               "iterations), or auto: doubled from 200 on the positive control (the same attacks without the "

@@ -43,6 +43,15 @@ def _private_batch(dataset, index: int, batch: int, image: Optional[str], label:
     return dataset.test_images[index:index + batch], dataset.test_labels[index:index + batch]
 
 
+def settings_of(attack: str, attack_args: Optional[Dict[str, Dict[str, Any]]]) -> Dict[str, Any]:
+    """The settings of ``attack`` among the audit's ``attack_args`` (``--attack-arg
+    ATTACK.NAME=VALUE``); a setting of another attack is a ConfigError."""
+    others = sorted(set(attack_args or {}) - {attack})
+    if others:
+        raise ConfigError(f"--attack-arg sets {', '.join(others)}, not the attack {attack!r}; write {attack}.NAME=VALUE")
+    return dict((attack_args or {}).get(attack, {}))
+
+
 def _progress_bar(total: int, enabled: bool, label: str):
     from tqdm.auto import tqdm
 
