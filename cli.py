@@ -15,10 +15,6 @@ from audit.core.registry import parse_kv_args
 from audit.engine.config import FIELD_NAMES
 from audit.engine.listing import REGISTRIES
 
-#: the sweep's output folder (its cells' audits go under OUT/cells)
-SWEEP_OUT = "sweep-out"
-
-
 #: the exit status of an audit that ran but lacks evidence (a failed attack or defense call)
 INCOMPLETE_EXIT = 3
 
@@ -121,8 +117,10 @@ def weights_lpips_cmd(path, source, force, seed, device):
     click.echo("\n".join(install_lpips_weights(path, source=source, force=force)))
 
 
-#: the config fields the sweep shares between its cells (each cell's defense comes from the grid)
-SWEEP_FIELDS = tuple(n for n in FIELD_NAMES if n not in ("defense", "defense_args", "out"))
+#: the sweep's fields: its defenses (each paired with the --grid after it), the frontier, where cells run, then
+#: the config fields its cells share (each cell's defense comes from the grid; the cells' audits go under OUT/cells)
+SWEEP_FIELDS = ("defense", "grid", "frontier_step", "executor", "ray_address", "ray_cpus", "cpus_per_task",
+                "gpus_per_task", *(n for n in FIELD_NAMES if n not in ("defense", "defense_args")))
 #: the fields of the single attack: the attack, its private batch and budget, then the audit's defense, model,
 #: data, client training and output folder
 ATTACK_FIELDS = ("attack", "attack_args", "index", "image", "label", "attack_budget", "restarts", "defense",
@@ -176,30 +174,17 @@ class _KeepsOptionOrder(ConfigCommand):
 
 
 @main.command("sweep", cls=_KeepsOptionOrder)
-@click.option("--defense", "defenses", multiple=True,
-              help="defense to sweep (repeatable): a name (`gia-audit list defenses`) or package.module:attr")
-@click.option("--grid", "grids", multiple=True, metavar="NAME=V1,V2,...",
-              help="values of a parameter of the --defense before it (repeatable; several span their product)")
-@click.option("--step", "frontier_step", default=None, type=int,
-              help="audited step the frontier shows  [default: each cell's worst step]")
-@click.option("--executor", default="local", show_default=True,
-              help="where cells run: local (this process) or ray (pip install 'gia-audit[ray]')")
-@click.option("--ray-address", default=None, help="ray: an existing cluster (auto, ray://head:10001)  [default: a local Ray instance]")
-@click.option("--ray-cpus", default=None, type=int, help="ray: CPUs of the local Ray instance  [default: all]")
-@click.option("--cpus-per-task", default=None, type=float, help="ray: CPUs each cell's task requests  [default: 1]")
-@click.option("--gpus-per-task", default=None, type=float,
-              help="ray: GPUs each cell's task requests  [default: 1 with --device cuda, else 0]")
-@click.option("--out", "sweep_out", default=SWEEP_OUT, show_default=True, type=click.Path(file_okay=False),
-              help="output folder (the sweep report in every format, cells/<cell>/ audits)")
-@config_options(SWEEP_FIELDS)
+@field_options(SWEEP_FIELDS, repeated=("defense",))
 @config_file_options
 @friendly_errors
 @click.pass_context
-def sweep_cmd(ctx, defenses, grids, frontier_step, executor, ray_address, ray_cpus, cpus_per_task, gpus_per_task,
-              sweep_out, config, print_config):
+def sweep_cmd(ctx, defense, grid, frontier_step, executor, ray_address, ray_cpus, cpus_per_task, gpus_per_task,
+              config, print_config):
     """Audit a grid of defenses and settings: the privacy-utility frontier (rerun to resume).
 
     e.g. --defense prune --grid ratio=0.5,0.9,0.99 --defense gaussian --grid sigma=0.01,0.1 --defense censor
+
+    The sweep report goes to --out, each cell's audit to OUT/cells/<cell>.
     """
     from audit.engine.sweep import pair_options, sweep
     from audit.report.formats import files_message
@@ -212,7 +197,7 @@ def sweep_cmd(ctx, defenses, grids, frontier_step, executor, ray_address, ray_cp
     if ray_args and executor != "ray":
         raise GiaError("--ray-address, --ray-cpus, --cpus-per-task and --gpus-per-task apply to --executor ray; "
                        "add --executor ray or drop them")
-    report = sweep(pair_options(ctx.meta["ordered_options"]), sweep_out, config=config, step=frontier_step,
+    report = sweep(pair_options(ctx.meta["ordered_options"]), config.out, config=config, step=frontier_step,
                    executor=executor, executor_args=ray_args)
     click.echo(report.summary())
     click.echo(f"{files_message('sweep', report.out)}; each cell's audit under {report.out / 'cells'}")

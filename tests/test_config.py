@@ -84,6 +84,8 @@ def test_every_option_of_a_config_field_takes_its_default_and_help_from_the_fiel
                 assert option.default is f.default and option.flag_value is (not f.default)
             elif f.metadata["pairs"]:
                 assert option.default == () and f.default is None
+            elif option.multiple:  # the sweep's --defense: one value per defense, no default
+                assert option.default == () and option.help == f.metadata["help"] + " (repeatable)"
             else:
                 assert make_config(**{field_name: option.default}) == AuditConfig(), (name, field_name)
     # the audit has an option for every field the command line can set

@@ -86,7 +86,7 @@ def test_bad_grid_is_rejected_before_any_work(tmp_path, grid, words):
 def test_bad_grid_on_the_command_line_is_one_line_before_any_work(tmp_path):
     for args, words in [(["--grid", "ratio=0.5", "--defense", "prune"], "comes before any --defense"),
                         (["--defense", "prune", "--grid", "ratio=0.5,1.5"], "ratio must be in [0, 1)"),
-                        (["--defense", "prune", "--step", "3"], "step 3 is not an audited step"),
+                        (["--defense", "prune", "--frontier-step", "3"], "step 3 is not an audited step"),
                         (["--defense", "prune", "--executor", "dask"], "Valid executors: local, ray")]:
         result = CliRunner().invoke(cli.main, ["sweep", *args, *TINY_CLI, "--out", str(tmp_path / "out")])
         assert result.exit_code == 2 and words in result.output, result.output

@@ -13,6 +13,8 @@ from typing import Any, Dict, Optional, Tuple
 from audit.engine.fields import AuditFields, setting
 from audit.engine.recipe import PROTOCOL, SCHEDULES
 
+RAY = "ray: "  # the help of an option that applies to --executor ray
+
 
 @dataclass(frozen=True)
 class CommandFields:
@@ -32,6 +34,21 @@ class CommandFields:
     attack_budget: Optional[int] = setting(None, "gradient evaluations of the model (each restart counts)", "attack",
                                            kind=int, shown="the attack's own iterations")
     restarts: Optional[int] = setting(None, "restarts, run batched", "attack", kind=int, shown="the attack's own")
+    # ---- gia-audit sweep: a grid of defenses
+    grid: Optional[Tuple[str, ...]] = setting(
+        None, "values of a parameter of the --defense before it (repeatable; several span their product)", "sweep",
+        pairs="NAME=V1,V2,...")
+    frontier_step: Optional[int] = setting(None, "audited step the frontier shows", "sweep", kind=int,
+                                           shown="each cell's worst step")
+    executor: str = setting("local", "where cells run: local (this process) or ray (pip install 'gia-audit[ray]')",
+                            "sweep")
+    ray_address: Optional[str] = setting(None, RAY + "an existing cluster (auto, ray://head:10001)", "sweep",
+                                         shown="a local Ray instance")
+    ray_cpus: Optional[int] = setting(None, RAY + "CPUs of the local Ray instance", "sweep", kind=int, shown="all")
+    cpus_per_task: Optional[float] = setting(None, RAY + "CPUs each cell's task requests", "sweep", kind=float,
+                                             shown="1")
+    gpus_per_task: Optional[float] = setting(None, RAY + "GPUs each cell's task requests", "sweep", kind=float,
+                                             shown="1 with --device cuda, else 0")
     # ---- gia-audit utility: the utility recipe (the audit's utility section keeps it fixed)
     utility_lr: float = setting(PROTOCOL.lr, "server learning rate of the utility recipe", "utility", kind=float)
     utility_schedule: str = setting(PROTOCOL.schedule, "learning-rate schedule of the utility recipe over its rounds",

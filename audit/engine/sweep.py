@@ -289,7 +289,7 @@ def _progress(total: int, initial: int, enabled: bool):
 
 
 # --------------------------------------------------------------------------- public entry point
-def sweep(grid: Any, out: Union[str, Path] = "sweep-out", *, config: Optional[AuditConfig] = None,
+def sweep(grid: Any, out: Union[str, Path, None] = None, *, config: Optional[AuditConfig] = None,
           step: Optional[int] = None, executor: str = "local", executor_args: Optional[Dict[str, Any]] = None,
           **fields: Any) -> SweepReport:
     """Audit a grid of defenses and settings; the privacy-utility frontier as a report.
@@ -298,7 +298,8 @@ def sweep(grid: Any, out: Union[str, Path] = "sweep-out", *, config: Optional[Au
     or a list of defenses and ``(defense, {param: values})`` pairs; a defense may be a name,
     ``"pkg.mod:attr"``, a Defense class (gridded over its parameters) or any defended-gradient
     callable (one cell). ``config`` (:class:`~audit.engine.config.AuditConfig`, ``fields`` over
-    it): the settings every cell shares (its defense and output folder aside). ``step``: the
+    it): the settings every cell shares (its defense aside); ``out``: the sweep's folder
+    (default: the config's ``out``), each cell's audit under ``out/cells``. ``step``: the
     frontier's audited step (default: each cell's worst step). ``executor``: ``"local"`` or
     ``"ray"`` (``executor_args``: ``address``, ``num_cpus``, ``cpus`` and ``gpus`` per task; see
     :mod:`audit.engine.executors`). Rerunning resumes: finished cells and results are reused.
@@ -306,5 +307,6 @@ def sweep(grid: Any, out: Union[str, Path] = "sweep-out", *, config: Optional[Au
     for name in ("defense", "defense_args"):
         if name in fields:
             raise ConfigError(f"a sweep takes its defenses from the grid, not {name}=; put them in the grid")
-    config = make_config(config, **fields).replace(out=str(out))
+    config = make_config(config, **fields)
+    config = config.replace(out=str(config.out if out is None else out))
     return Sweep(grid, config, step=step, executor=executor, executor_args=executor_args).run()
