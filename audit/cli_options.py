@@ -74,11 +74,6 @@ def field_options(names: Iterable[str], *, repeated: Iterable[str] = (), require
     return decorate
 
 
-def config_options(names: Iterable[str]):
-    """The options of the config fields ``names``, in the config's order."""
-    return field_options(f.name for f in config_fields() if f.name in set(names))
-
-
 def config_file_options(fn):
     """``--config FILE`` and ``--print-config``."""
     return field_options(("config_file", "print_config"))(fn)

@@ -170,8 +170,8 @@ def check_compatible(gen: ImageGenerator, input_shape: Sequence[int]) -> None:
     if tuple(gen.image_shape) != tuple(input_shape):
         raise ConfigError(
             f"the generator makes images of shape {tuple(gen.image_shape)} but the model takes "
-            f"{tuple(input_shape)}; train one for this shape (gia-audit train-generator --size "
-            f"{input_shape[-1]} --channels {input_shape[0]}) or pass a matching checkpoint")
+            f"{tuple(input_shape)}; train one for this shape (gia-audit train-generator --image-size "
+            f"{input_shape[-1]} on a data set of {input_shape[0]} channels) or pass a matching checkpoint")
 
 
 def _module_device(module: nn.Module) -> torch.device:

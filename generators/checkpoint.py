@@ -47,7 +47,7 @@ def read_checkpoint(path: PathLike) -> Dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise DataError(f"generator checkpoint {str(path)!r} does not exist; train one with "
-                        "`gia-audit train-generator --out PATH` or give the right path")
+                        "`gia-audit train-generator --save PATH` or give the right path")
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:

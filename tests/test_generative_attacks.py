@@ -189,7 +189,7 @@ def test_bad_settings_raise_config_errors(gen, case):
         ATTACKS.build("ggl", generator=gen, learning_rate=0.1)
     wrong = build_model("lenet", (3, 32, 32), 10, seed=0)
     x32 = torch.rand(1, 3, 32, 32, generator=torch.Generator().manual_seed(0))
-    with pytest.raises(ConfigError, match="train-generator --size 32"):
+    with pytest.raises(ConfigError, match="train-generator --image-size 32 on a data set of 3 channels"):
         ATTACKS.build("gifd", generator=gen).reconstruct(observe(wrong, x32, torch.tensor([1])), budget=3)
 
 

@@ -59,7 +59,7 @@ def test_bad_settings_name_the_fix():
     gen = DCGANGenerator(latent_dim=4, image_shape=(3, 8, 8), num_classes=3, width=4)
     with pytest.raises(ConfigError, match="class-conditional"):
         gen(torch.randn(1, 4))
-    with pytest.raises(ConfigError, match="train-generator --size 32"):
+    with pytest.raises(ConfigError, match="train-generator --image-size 32 on a data set of 3 channels"):
         check_compatible(gen, (3, 32, 32))
 
 
@@ -204,13 +204,13 @@ def test_cli_train_generator(tmp_path):
     from cli import main
 
     out = tmp_path / "g.pt"
-    args = ["train-generator", "--size", "8", "--steps", "3", "--width", "4", "--latent-dim", "4",
-            "--batch-size", "8", "--out", str(out), "--seed", "1"]
+    args = ["train-generator", "--image-size", "8", "--gan-steps", "3", "--width", "4", "--latent-dim", "4",
+            "--gan-batch-size", "8", "--save", str(out), "--seed", "1"]
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
     assert "trained on embedded/train" in result.output
     gen = load_generator(out)
     assert gen.image_shape == (3, 8, 8) and gen.num_classes == 10
     assert gen.checkpoint_info["training"]["seed"] == 1
-    bad = CliRunner().invoke(main, ["train-generator", "--size", "12", "--out", str(out)])
+    bad = CliRunner().invoke(main, ["train-generator", "--size", "12", "--save", str(out)])
     assert bad.exit_code == 2 and "power of two" in bad.output

