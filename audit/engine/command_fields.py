@@ -64,7 +64,6 @@ class CommandFields:
                                          "plan", shown="the planner's tiny probe network")
     probe_size: int = setting(8, "probe image side in pixels", "plan", kind=int)
     as_json: bool = setting(False, "print the plan as JSON", "plan", flag="--json", kind=bool)
-
     # ---- gia-audit report: a stored run
     run_key: Optional[str] = setting(None, "run key under DIRECTORY/runs", "report", flag="--run", shown="the latest")
     # ---- gia-audit train-generator: the DCGAN prior of GGL / GIAS / GIFD, trained on a *train* split
