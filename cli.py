@@ -1,6 +1,7 @@
 """The ``gia-audit`` command line. Click commands only: each one parses options, calls an
 engine function that Python users can call too (``audit.engine``) and prints what it
-returns. Every command takes ``--seed`` and ``--device``."""
+returns. Every option is made from a field, one setting under one name in every command
+(:mod:`audit.cli_options`); the commands take ``--seed`` and ``--device``."""
 from __future__ import annotations
 
 import functools
