@@ -18,7 +18,7 @@ matched reconstruction. The rule itself is in :mod:`audit.report.rule`.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from functools import cached_property
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -49,18 +49,16 @@ def tv_prior_guess(shape: Sequence[int], seed: int, steps: int = TV_STEPS) -> Te
     return x.detach()
 
 
-@dataclass
 class Null:
-    """The null items and the candidates of one audit (see the module docstring)."""
+    """The null items and the candidates of one audit (see the module docstring). What a run key
+    reads (the pool's size, K, the similarity's name) is known at once; the items, among them the
+    descended total-variation guess, and their distances are computed on first use."""
 
-    names: List[str]  # one per null item: "unrelated train image N" or the guess's name
-    items: Tensor  # (N, C, H, W): the pool, then the data-only guesses
-    pool_size: int
-    candidates: int  # K
-    similarity: Similarity
-    similarity_note: Optional[str]
-    item_distances: Tensor  # (N, pool_size): every item against every pool image
-    prepared_candidates: Tensor  # the K - 1 candidates as the similarity's representation
+    def __init__(self, names: List[str], pool: Tensor, train_mean: Tensor, seed: int, candidates: int,
+                 similarity: Similarity, similarity_note: Optional[str], device: torch.device | str):
+        self.names, self.pool_size, self.candidates = names, len(pool), candidates  # K
+        self.similarity, self.similarity_note, self.device = similarity, similarity_note, device
+        self._pool, self._train_mean, self._seed = pool, train_mean, int(seed)
 
     @classmethod
     def build(cls, dataset, seed: int, device: torch.device | str = "cpu", pool: int = POOL,
@@ -73,17 +71,32 @@ class Null:
                               f"{MIN_CANDIDATES} unrelated images for its candidates and null; use a larger data set")
         gen = torch.Generator().manual_seed(int(seed))
         index = torch.randperm(len(train), generator=gen)[:size]
-        images = train[index].float()
-        mean_image = train.float().mean(0, keepdim=True)
-        mean_colour = mean_image.mean((-2, -1), keepdim=True).expand_as(mean_image).contiguous()
-        prior = tv_prior_guess(train.shape[1:], seed)
         names = [f"unrelated train image {int(i)}" for i in index]
         names += ["mean train image", "mean colour", "total-variation prior alone"]
-        items = torch.cat([images, mean_image, mean_colour, prior]).to(device)
         sim, note = similarity(tuple(train.shape[1:]), device=device)
-        prepared = sim.prepare(items)
-        distances = sim.between(prepared, prepared[:size]).cpu()
-        return cls(names, items, size, k, sim, note, distances, prepared[: k - 1])
+        return cls(names, train[index].float(), train.float().mean(0, keepdim=True), seed, k, sim, note, device)
+
+    @cached_property
+    def items(self) -> Tensor:
+        """(N, C, H, W): the pool, then the data-only guesses."""
+        mean_image = self._train_mean
+        mean_colour = mean_image.mean((-2, -1), keepdim=True).expand_as(mean_image).contiguous()
+        prior = tv_prior_guess(mean_image.shape[1:], self._seed)
+        return torch.cat([self._pool, mean_image, mean_colour, prior]).to(self.device)
+
+    @cached_property
+    def _prepared(self) -> Tensor:  # every item in the similarity's representation
+        return self.similarity.prepare(self.items)
+
+    @cached_property
+    def item_distances(self) -> Tensor:
+        """(N, pool_size): every item against every pool image."""
+        return self.similarity.between(self._prepared, self._prepared[:self.pool_size]).cpu()
+
+    @property
+    def prepared_candidates(self) -> Tensor:
+        """The K - 1 candidates in the similarity's representation."""
+        return self._prepared[: self.candidates - 1]
 
     def _candidate_columns(self, item: int) -> Tensor:
         """The pool columns serving as the ``K - 1`` candidates of null item ``item`` (never itself)."""
