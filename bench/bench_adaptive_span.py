@@ -18,8 +18,17 @@ from bench.bench_evidence import table
 from bench.docs_table import add_docs_option, command_line, write_table
 from bench.jsonl import Lines
 
-#: (defense, its arguments, the attacks audited one at a time)
-CASES = [("prune", {"ratio": 0.9}, ("conv-span", "conv-span-completed"))]
+#: (defense, its arguments, the attacks audited one at a time); the noise levels bracket the largest
+#: at which the denoised span recovers (the gradient's entries: 4e-4 rms at step 0)
+CASES = [("prune", {"ratio": 0.9}, ("conv-span", "conv-span-completed")),
+         ("gaussian", {"sigma": 1e-6}, ("conv-span", "conv-span-denoised")),
+         ("gaussian", {"sigma": 2e-6}, ("conv-span-denoised",)),
+         ("gaussian", {"sigma": 4e-6}, ("conv-span-denoised",)), ("gaussian", {"sigma": 8e-6}, ("conv-span-denoised",)),
+         # at their registered (papers') settings; no adaptive span form reads through these
+         ("soteria", {}, ("conv-span",)), ("precode", {}, ("conv-span",)), ("svdefense", {}, ("conv-span",)),
+         ("censor", {}, ("conv-span",))]
+#: every row's positive control is the same undefended audit: the rows share its store
+SHARED_CONTROL = "control"
 
 
 def settings(defense: str, args: Dict, attack: str, images: int, budget: int, out: Path) -> Dict:
@@ -56,12 +65,24 @@ def audited(store: Lines, case: Dict) -> Dict:
     return row
 
 
-def render(rows: List[Dict]) -> str:
+def share_control(out: Path, shared: Path) -> None:
+    """Point the audit's control store (``out/control``) at the rows' shared one."""
+    from audit.engine.control import CONTROL_DIR
+
+    shared.mkdir(parents=True, exist_ok=True)
+    link = out / CONTROL_DIR
+    if not link.exists():
+        out.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(shared.resolve(), target_is_directory=True)
+
+
+def render(rows: List[Dict], uploads: int) -> str:
     def rate(r):
         if not r["images"]:
             return "none: it applies to no upload"
         iv = r.get("rate") or {}
-        return (f"{r['recovered']} of {r['images']}" + (f" (95% CI {iv['low']:.0%}-{iv['high']:.0%})" if iv else "")
+        some = f" (of the {r['images']} of {uploads} uploads it applies to)" if r["images"] < uploads else ""
+        return (f"{r['recovered']} of {r['images']}{some}" + (f", 95% CI {iv['low']:.0%}-{iv['high']:.0%}" if iv else "")
                 + f", {r['exact']} exact")
 
     def control(c):
@@ -71,7 +92,7 @@ def render(rows: List[Dict]) -> str:
 
     return table(["defense", "attack", "step word", "recovered", "mean PSNR (dB)", "control without the defense",
                   "minutes (the run that stored the row: a resumed audit reuses its finished attacks)"],
-                 [[f"{r['defense']} {', '.join(f'{k}={v}' for k, v in r['args'].items())}", r["attack"], r["label"],
+                 [[f"{r['defense']} {', '.join(f'{k}={v}' for k, v in r['args'].items()) or '(registered settings)'}", r["attack"], r["label"],
                    rate(r), "n/a" if r["psnr"] is None else f"{r['psnr']:.2f}", control(r["control"]), r["minutes"]]
                   for r in rows])
 
@@ -86,10 +107,11 @@ def main() -> None:
     store, rows = Lines.of("adaptive-span"), []
     for defense, defense_args, attacks in CASES:
         for attack in attacks:
-            out = Path(args.out) / f"{defense}-{attack}"
+            out = Path(args.out) / "-".join([defense, *(f"{k}{v}" for k, v in defense_args.items()), attack])
+            share_control(out, Path(args.out) / SHARED_CONTROL)
             rows.append(audited(store, settings(defense, defense_args, attack, args.images, args.budget, out)))
             print(rows[-1], flush=True)
-    text = render(rows)
+    text = render(rows, args.images)
     print(text)
     if args.docs:
         command = command_line("bench.bench_adaptive_span", None)
