@@ -1,21 +1,24 @@
 """The span attack and its adaptive forms through a defense, audited: the registered ResNet-18 at
 32x32, batch 1, eval mode, step 0, embedded data, one audit per attack (its positive control beside
 it). Each finished audit is kept in ``bench/results/adaptive-span/results.jsonl`` under its run key
-(a rerun resumes, changed inputs rerun); ``--docs adaptive-span`` writes the table into docs/adaptive.md.
+(a rerun resumes, changed inputs rerun); ``--docs adaptive-span`` writes the table into docs/adaptive.md,
+``--render`` from the stored rows alone.
 
-    python -m bench.bench_adaptive_span [--images 4] [--budget 200] [--out bench-out/adaptive-span] [--docs adaptive-span]
+    python -m bench.bench_adaptive_span [--images 4] [--budget 200] [--out bench-out/adaptive-span] [--render] [--docs adaptive-span]
 """
 from __future__ import annotations
 
 import argparse
+import json
+import shlex
 import time
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 import torch
 
 from bench.bench_evidence import table
-from bench.docs_table import add_docs_option, command_line, write_table
+from bench.docs_table import add_docs_option, with_table
 from bench.jsonl import Lines
 
 #: (defense, its arguments, the attacks audited one at a time); the noise levels bracket the largest
@@ -24,9 +27,10 @@ CASES = [("prune", {"ratio": 0.9}, ("conv-span", "conv-span-completed")),
          ("gaussian", {"sigma": 1e-6}, ("conv-span", "conv-span-denoised")),
          ("gaussian", {"sigma": 2e-6}, ("conv-span-denoised",)),
          ("gaussian", {"sigma": 4e-6}, ("conv-span-denoised",)), ("gaussian", {"sigma": 8e-6}, ("conv-span-denoised",)),
+         ("gaussian", {"sigma": 1.6e-5}, ("conv-span-denoised",)),
          # at their registered (papers') settings; no adaptive span form reads through these
-         ("soteria", {}, ("conv-span",)), ("precode", {}, ("conv-span",)), ("svdefense", {}, ("conv-span",)),
-         ("censor", {}, ("conv-span",))]
+         ("soteria", {}, ("conv-span",))]
+IMAGES, BUDGET = 4, 200
 #: every row's positive control is the same undefended audit: the rows share its store
 SHARED_CONTROL = "control"
 
@@ -90,32 +94,55 @@ def render(rows: List[Dict], uploads: int) -> str:
             return "n/a"
         return f"{c['recovered']} of {c['images']}, {c['mean_psnr']:.1f} dB"
 
-    return table(["defense", "attack", "step word", "recovered", "mean PSNR (dB)", "control without the defense",
+    return table(["defense", "attack", "step word", "recovered (exact: certified, or aligned PSNR >= 40 dB)",
+                  "mean PSNR (dB)", "control without the defense",
                   "minutes (the run that stored the row: a resumed audit reuses its finished attacks)"],
                  [[f"{r['defense']} {', '.join(f'{k}={v}' for k, v in r['args'].items()) or '(registered settings)'}", r["attack"], r["label"],
                    rate(r), "n/a" if r["psnr"] is None else f"{r['psnr']:.2f}", control(r["control"]), r["minutes"]]
                   for r in rows])
 
 
+def stored(store: Lines) -> List[Dict]:
+    """The rows of :data:`CASES` as stored (the last of each), in the table's order, for a render
+    that reruns nothing; a missing row is an error that names the command filling it."""
+    rows = {(v["defense"], json.dumps(v["args"], sort_keys=True), v["attack"]): v for _, v in store.items()}
+    wanted = [(d, json.dumps(a, sort_keys=True), attack) for d, a, attacks in CASES for attack in attacks]
+    missing = [w for w in wanted if w not in rows]
+    if missing:
+        raise SystemExit(f"bench/results/adaptive-span holds no row for {missing[0][0]} {missing[0][1]} "
+                         f"{missing[0][2]}: run `python -m bench.bench_adaptive_span` first")
+    return [rows[w] for w in wanted]
+
+
+def page(rows: List[Dict], images: int, budget: int, docs: str, page_path) -> Tuple[Path, str]:
+    """The docs page with the section ``docs`` holding these rows' table, and the command that
+    makes it (its numbers depend on neither ``--out`` nor ``--render``); writes nothing."""
+    words = ["python", "-m", "bench.bench_adaptive_span", *(["--images", str(images)] if images != IMAGES else []),
+             *(["--budget", str(budget)] if budget != BUDGET else []), "--docs", docs]
+    return with_table(page_path, docs, shlex.join(words), render(rows, images), f"torch {torch.__version__}, cpu")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--images", type=int, default=4)
-    parser.add_argument("--budget", type=int, default=200)
+    parser.add_argument("--images", type=int, default=IMAGES)
+    parser.add_argument("--budget", type=int, default=BUDGET)
     parser.add_argument("--out", default="bench-out/adaptive-span")
+    parser.add_argument("--render", action="store_true", help="render the stored rows only (runs no audit)")
     add_docs_option(parser, "docs/adaptive.md")
     args = parser.parse_args()
     store, rows = Lines.of("adaptive-span"), []
-    for defense, defense_args, attacks in CASES:
+    if args.render:
+        rows = stored(store)
+    for defense, defense_args, attacks in [] if args.render else CASES:
         for attack in attacks:
             out = Path(args.out) / "-".join([defense, *(f"{k}{v}" for k, v in defense_args.items()), attack])
             share_control(out, Path(args.out) / SHARED_CONTROL)
             rows.append(audited(store, settings(defense, defense_args, attack, args.images, args.budget, out)))
             print(rows[-1], flush=True)
-    text = render(rows, args.images)
-    print(text)
+    print(render(rows, args.images))
     if args.docs:
-        command = command_line("bench.bench_adaptive_span", None)
-        write_table(args.docs_page, args.docs, command, text, f"torch {torch.__version__}, cpu")
+        path, text = page(rows, args.images, args.budget, args.docs, args.docs_page)
+        path.write_text(text)
 
 
 if __name__ == "__main__":

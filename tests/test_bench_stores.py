@@ -34,3 +34,19 @@ def test_the_benches_keep_their_results_in_their_stores():
     for store in stores:
         for line in store.read_text().splitlines():
             assert set(json.loads(line)) == {"key", "value"}, store
+
+
+def test_the_adaptive_span_table_renders_byte_identical_from_its_store():
+    import re
+
+    import torch
+
+    from bench import bench_adaptive_span as bench
+
+    rows = bench.stored(Lines.of("adaptive-span"))
+    path, text = bench.page(rows, bench.IMAGES, bench.BUDGET, "adaptive-span", "docs/adaptive.md")
+    committed = path.read_text()
+    version = re.search(r"^`python -m bench\.bench_adaptive_span [^`]*` \(torch ([^,]+), ", committed, re.M).group(1)
+    assert text.replace(f"(torch {torch.__version__}, ", f"(torch {version}, ") == committed, (
+        "docs/adaptive.md no longer renders from bench/results/adaptive-span: rerun "
+        "`python -m bench.bench_adaptive_span --render --docs adaptive-span`")
