@@ -29,7 +29,8 @@ CASES = [("prune", {"ratio": 0.9}, ("conv-span", "conv-span-completed")),
          ("gaussian", {"sigma": 4e-6}, ("conv-span-denoised",)), ("gaussian", {"sigma": 8e-6}, ("conv-span-denoised",)),
          ("gaussian", {"sigma": 1.6e-5}, ("conv-span-denoised",)),
          # at their registered (papers') settings; no adaptive span form reads through these
-         ("soteria", {}, ("conv-span",))]
+         ("soteria", {}, ("conv-span",)), ("precode", {}, ("conv-span",)), ("svdefense", {}, ("conv-span",)),
+         ("censor", {}, ("conv-span",))]
 IMAGES, BUDGET = 4, 200
 #: every row's positive control is the same undefended audit: the rows share its store
 SHARED_CONTROL = "control"
