@@ -131,10 +131,12 @@ def main() -> None:
     parser.add_argument("--render", action="store_true", help="render the stored rows only (runs no audit)")
     add_docs_option(parser, "docs/adaptive.md")
     args = parser.parse_args()
-    store, rows = Lines.of("adaptive-span"), []
-    if args.render:
-        rows = stored(store)
-    for defense, defense_args, attacks in [] if args.render else CASES:
+    store = Lines.of("adaptive-span")
+    if args.render and (args.images, args.budget) != (IMAGES, BUDGET):
+        parser.error(f"--render shows the stored rows, made at --images {IMAGES} --budget {BUDGET}: drop "
+                     "--images and --budget, or rerun without --render")
+    rows = stored(store) if args.render else []
+    for defense, defense_args, attacks in () if args.render else CASES:
         for attack in attacks:
             out = Path(args.out) / "-".join([defense, *(f"{k}{v}" for k, v in defense_args.items()), attack])
             share_control(out, Path(args.out) / SHARED_CONTROL)
